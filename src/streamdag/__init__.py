@@ -1,0 +1,44 @@
+"""streamdag: run graphs of GPU and CPU work asynchronously and concurrently.
+
+Submit ops with the buffers they read and write; get futures back at once.
+Dependencies are inferred from memory, independent ops run on several
+streams, and recorded graphs are scheduled once and run many times.
+"""
+
+from .errors import (
+    CycleError,
+    DependencyFailed,
+    DeviceLost,
+    ExceptionGroup,
+    InvalidBuffer,
+    RuntimeClosed,
+    StreamdagError,
+    WouldBlock,
+)
+from .graph.buffers import read, write
+from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, RuntimeStatistics
+from .schedule import Schedule, build_schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CycleError",
+    "DependencyFailed",
+    "DeviceLost",
+    "ExceptionGroup",
+    "Future",
+    "GraphResult",
+    "InvalidBuffer",
+    "OpNode",
+    "RecordedGraph",
+    "Runtime",
+    "RuntimeClosed",
+    "RuntimeStatistics",
+    "Schedule",
+    "StreamdagError",
+    "WouldBlock",
+    "__version__",
+    "build_schedule",
+    "read",
+    "write",
+]

@@ -1,0 +1,84 @@
+"""Exceptions raised by streamdag.
+
+Every message says what went wrong and what to do about it: a user reads the
+message, not this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if sys.version_info >= (3, 11):
+    from builtins import ExceptionGroup
+else:  # pragma: no cover - Python 3.10
+    from exceptiongroup import ExceptionGroup
+
+__all__ = [
+    "CycleError",
+    "DependencyFailed",
+    "DeviceLost",
+    "ExceptionGroup",
+    "InvalidBuffer",
+    "RuntimeClosed",
+    "StreamdagError",
+    "WouldBlock",
+]
+
+
+class StreamdagError(Exception):
+    """Base class of every error streamdag raises itself."""
+
+
+class WouldBlock(StreamdagError):
+    """A ``*_nowait`` call would have had to wait (the in-flight bound is reached)."""
+
+
+class RuntimeClosed(StreamdagError):
+    """The runtime was closed before this call."""
+
+
+class CycleError(StreamdagError, ValueError):
+    """The dependencies given form a cycle, so no order can satisfy them."""
+
+    def __init__(self, cycle: list[object]) -> None:
+        self.cycle = cycle
+        path = " -> ".join(str(n) for n in [*cycle, cycle[0]]) if cycle else "?"
+        super().__init__(
+            f"the dependency graph has a cycle ({path}); every edge must point from an op "
+            "to one that runs after it: remove one edge of the cycle"
+        )
+
+
+class InvalidBuffer(StreamdagError, TypeError):
+    """A value in ``reads``/``writes`` is not memory streamdag can track, or is on the wrong device."""
+
+
+class DependencyFailed(StreamdagError):
+    """An op did not run because an op it depends on failed.
+
+    ``root_name`` and ``root_error`` name the op that failed first; the root
+    exception is also chained as ``__cause__``.
+    """
+
+    def __init__(self, op_name: str, root_name: str, root_error: BaseException) -> None:
+        self.op_name = op_name
+        self.root_name = root_name
+        self.root_error = root_error
+        super().__init__(
+            f"op {op_name!r} did not run: it depends on op {root_name!r}, which failed with "
+            f"{type(root_error).__name__}: {root_error}"
+        )
+        self.__cause__ = root_error
+
+
+class DeviceLost(StreamdagError):
+    """A sticky device error (illegal address, device-side assert) made the device unusable."""
+
+    def __init__(self, device: str, cause: BaseException) -> None:
+        self.device = device
+        super().__init__(
+            f"device {device} is lost after a sticky error ({type(cause).__name__}: {cause}); "
+            "every pending and later op on it fails. Restart the process to use the GPU again; "
+            "run with CUDA_LAUNCH_BLOCKING=1 to find the op that caused it"
+        )
+        self.__cause__ = cause

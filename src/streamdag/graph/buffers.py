@@ -1,0 +1,148 @@
+"""Which memory a value occupies: the basis of every dependency streamdag infers.
+
+A buffer is identified by the byte range it spans in an address space
+(``"cpu"`` for host memory, ``"cuda:0"`` for the first GPU, ...), not by the
+Python object. Views, slices, transposes and reshapes of one storage therefore
+conflict with each other, and a numpy array and a torch tensor sharing memory
+are the same buffer. A strided view is taken by its whole extent: that may
+report a conflict that is not there, never miss one.
+
+This module is pure: it only reads attributes of arrays, it never touches a
+device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidBuffer
+
+__all__ = ["Access", "Marker", "Region", "read", "region_of", "write"]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A half-open byte range ``[start, end)`` in one address space."""
+
+    space: str
+    start: int
+    end: int
+
+    def overlaps(self, other: Region) -> bool:
+        return (
+            self.space == other.space
+            and self.start < other.end
+            and other.start < self.end
+        )
+
+    def covers(self, other: Region) -> bool:
+        return (
+            self.space == other.space
+            and self.start <= other.start
+            and other.end <= self.end
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """One op's use of one region."""
+
+    region: Region
+    write: bool
+
+
+class Marker:
+    """An inline access marker: ``rt.submit(fn, sd.read(a), sd.write(b))``.
+
+    The op receives the wrapped value itself; the marker only declares the access.
+    """
+
+    __slots__ = ("value", "write")
+
+    def __init__(self, value: Any, write: bool) -> None:
+        self.value = value
+        self.write = write
+
+    def __repr__(self) -> str:
+        return f"{'write' if self.write else 'read'}({type(self.value).__name__})"
+
+
+def read(value: Any) -> Marker:
+    """Mark an argument as read by the op (inline form of ``reads=[value]``)."""
+    return Marker(value, write=False)
+
+
+def write(value: Any) -> Marker:
+    """Mark an argument as written by the op (inline form of ``writes=[value]``).
+
+    A write also covers reading the same buffer.
+    """
+    return Marker(value, write=True)
+
+
+def _extent(base: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int):
+    """Lowest and one-past-highest byte touched by a strided array."""
+    if any(n == 0 for n in shape):
+        return base, base
+    lo = hi = base
+    for n, s in zip(shape, strides):
+        span = (n - 1) * s
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo, hi + itemsize
+
+
+def _torch_region(t: Any) -> Region:
+    dev = t.device
+    space = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+    if str(t.layout) != "torch.strided":
+        raise InvalidBuffer(
+            f"streamdag tracks strided tensors only (got layout {t.layout}); "
+            "pass a dense tensor (t.to_dense()) in reads/writes"
+        )
+    size = t.element_size()
+    stride_bytes = tuple(s * size for s in t.stride())
+    start, end = _extent(t.data_ptr(), tuple(t.shape), stride_bytes, size)
+    return Region(space, start, end)
+
+
+def _interface_region(iface: dict, space: str) -> Region:
+    ptr = iface["data"][0]
+    shape = tuple(iface["shape"])
+    typestr = iface["typestr"]
+    itemsize = int(typestr[2:])
+    strides = iface.get("strides")
+    if strides is None:  # C-contiguous
+        strides_l = []
+        acc = itemsize
+        for n in reversed(shape):
+            strides_l.append(acc)
+            acc *= max(n, 1)
+        strides = tuple(reversed(strides_l))
+    start, end = _extent(ptr, shape, tuple(strides), itemsize)
+    return Region(space, start, end)
+
+
+def region_of(value: Any) -> Region:
+    """The memory ``value`` spans. Raises :class:`InvalidBuffer` with the fix if it is not memory."""
+    mod = type(value).__module__
+    if mod.startswith("torch") and hasattr(value, "untyped_storage"):
+        return _torch_region(value)
+    if hasattr(value, "__cuda_array_interface__"):
+        device_id = getattr(getattr(value, "device", None), "id", 0)
+        return _interface_region(value.__cuda_array_interface__, f"cuda:{device_id}")
+    iface = getattr(value, "__array_interface__", None)
+    if iface is not None:
+        return _interface_region(iface, "cpu")
+    raise InvalidBuffer(
+        f"cannot track a {type(value).__name__} in reads/writes: streamdag infers dependencies "
+        "from memory, so declare numpy arrays or torch tensors (e.g. numpy.asarray(x)); "
+        "plain Python values need no declaration, pass them as ordinary arguments"
+    )

@@ -1,0 +1,1 @@
+"""Observation: explain, DOT. Pure functions over schedules and timings."""

@@ -1,0 +1,296 @@
+"""The runtime: turns submitted ops into backend calls and futures.
+
+State, guarded by ``_lock`` on the submit path:
+
+- ``_tracker``: which unfinished (or failed) ops touch which memory;
+- ``_clocks``: the vector clock of every stream (what each has waited for);
+- ``_busy[s]``: unfinished ops placed on stream ``s``.
+
+Finishing (from backend threads) touches only ``_pending``, the counters and
+the in-flight semaphore, under ``_done_lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ..backends import Backend, make_backend
+from ..errors import ExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
+from ..graph.buffers import Access
+from ..graph.hazards import DepsTracker
+from ..schedule.waits import StreamClocks
+from .ops import Future, Op, collect_accesses
+
+__all__ = ["Runtime", "RuntimeStatistics"]
+
+
+@dataclass(frozen=True)
+class RuntimeStatistics:
+    """A snapshot of the runtime's counters."""
+
+    inflight: int
+    peak_inflight: int
+    submitted: int
+    completed: int
+    failed: int
+    streams: int
+    max_inflight: int
+
+
+class Runtime:
+    """Runs ops asynchronously and concurrently on the streams of one device.
+
+    ``device`` is ``"cpu"`` (worker lanes), ``"cuda"``/``"cuda:N"`` (CUDA streams)
+    or ``"sim"`` (a simulated device that runs streams in a random interleaving,
+    for tests). ``max_inflight`` bounds the ops submitted but not finished:
+    :meth:`submit` blocks at the bound, :meth:`submit_nowait` raises
+    :class:`WouldBlock`.
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        streams: int | None = None,
+        max_inflight: int = 256,
+        *,
+        seed: int = 0,
+        backend: Backend | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        self.backend: Backend = backend if backend is not None else make_backend(device, streams, seed)
+        self.device = self.backend.device
+        self.max_inflight = max_inflight
+        self._streams = self.backend.streams
+        n = len(self._streams)
+        self._lock = threading.RLock()
+        self._done_lock = threading.Lock()
+        self._slots = threading.Semaphore(max_inflight)
+        self._tracker = DepsTracker(retired=_finished_ok)
+        self._clocks = StreamClocks(n)
+        self._busy = [0] * n
+        self._next_stream = 0
+        self._pending: dict[int, Op] = {}
+        self._failures: list[BaseException] = []
+        self._seq = 0
+        self._completed = 0
+        self._failed = 0
+        self._peak = 0
+        self._closed = False
+        self._recording: Any = None
+        self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", self.device}
+
+    # ------------------------------------------------------------------ API
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        reads: Iterable[Any] = (),
+        writes: Iterable[Any] = (),
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` after every earlier op it conflicts with; returns a Future at once.
+
+        Inside ``with rt.record() as g`` the op is recorded instead and an
+        :class:`OpNode` is returned; ``g.run()`` runs it.
+        """
+        return self._submit(fn, args, kwargs, reads, writes, name, blocking=True)
+
+    def submit_nowait(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        reads: Iterable[Any] = (),
+        writes: Iterable[Any] = (),
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> Future:
+        """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
+        return self._submit(fn, args, kwargs, reads, writes, name, blocking=False)
+
+    def synchronize(self) -> None:
+        """Wait for every op submitted so far.
+
+        Raises an ``ExceptionGroup`` of the ops that failed first (not their
+        dependents) since the last call; the runtime stays usable.
+        """
+        while True:
+            with self._done_lock:
+                pending = [op.future for op in self._pending.values()]
+            if not pending:
+                break
+            for f in pending:
+                f.exception()  # waits; never raises the op's error here
+        with self._lock:
+            with self._done_lock:
+                failures, self._failures = self._failures, []
+            self._tracker.forget(lambda op: op.done)
+        if failures:
+            raise ExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
+
+    def statistics(self) -> RuntimeStatistics:
+        with self._done_lock:
+            return RuntimeStatistics(
+                inflight=len(self._pending),
+                peak_inflight=self._peak,
+                submitted=self._seq,
+                completed=self._completed,
+                failed=self._failed,
+                streams=self.num_streams,
+                max_inflight=self.max_inflight,
+            )
+
+    @contextmanager
+    def record(self) -> Iterator[Any]:
+        """Record submits into a graph instead of running them: ``with rt.record() as g: ...``."""
+        from .recorded import RecordedGraph
+
+        self._check_open()
+        with self._lock:
+            if self._recording is not None:
+                raise RuntimeError("already recording: finish the open `with rt.record()` block first")
+            graph = RecordedGraph(self)
+            self._recording = graph
+        try:
+            yield graph
+        finally:
+            with self._lock:
+                self._recording = None
+        graph.finish()
+
+    def close(self) -> None:
+        """Wait for pending work and stop the backend. Failures not yet raised are dropped."""
+        if self._closed:
+            return
+        with suppress(Exception):
+            self.synchronize()
+        self._closed = True
+        self.backend.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            try:
+                self.synchronize()
+            finally:
+                self.close()
+        else:
+            self.close()
+
+    # ------------------------------------------------------------- internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosed(
+                "this streamdag.Runtime is closed; create a new one, or submit inside its `with` block"
+            )
+
+    def _check_spaces(self, accesses: list[Access], name: str) -> None:
+        for acc in accesses:
+            if acc.region.space not in self._spaces:
+                raise InvalidBuffer(
+                    f"op {name!r} {'writes' if acc.write else 'reads'} memory on "
+                    f"{acc.region.space}, but this runtime runs on {self.device}: move the data "
+                    f"there first (e.g. tensor.to({self.device!r})) or use "
+                    f"streamdag.Runtime(device={acc.region.space!r})"
+                )
+
+    def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool):
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"submit() needs a callable first, got {type(fn).__name__}")
+        args, kwargs, accesses = collect_accesses(args, kwargs, reads, writes)
+        op_name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._check_spaces(accesses, op_name)
+        recording = self._recording
+        if recording is not None:
+            return recording.add(fn, args, kwargs, accesses, name)
+        if not self._slots.acquire(blocking=blocking):
+            raise WouldBlock(
+                f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
+                "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
+            )
+        with self._lock:
+            self._seq += 1
+            op = Op(self._seq, op_name if name else f"{op_name}#{self._seq}", fn, args, kwargs, accesses)
+            deps = self._tracker.depends_on(accesses)
+            self._launch(op, deps, stream=None)
+        return op.future
+
+    def _launch(self, op: Op, deps: list[Op], stream: int | None) -> None:
+        """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
+        live = [d for d in deps if not d.done]
+        op.deps = [d for d in deps if not d.done or d.error is not None]
+        if stream is None:
+            stream = self._choose_stream(live)
+        stamp, waits = self._clocks.place(stream, [d.stamp for d in live])
+        s = self._streams[stream]
+        for i in waits:
+            live[i].event.wait(s)
+        op.stamp = stamp
+        self._tracker.add(op, op.accesses)
+        with self._done_lock:
+            self._pending[op.seq] = op
+            self._busy[stream] += 1
+            self._peak = max(self._peak, len(self._pending))
+        backend = self.backend
+        backend.launch(s, op.execute)
+        op.event = backend.event()
+        op.event.record(s)
+        backend.when_done(s, op.event, partial(self._finish, op))
+
+    def _choose_stream(self, live: list[Op]) -> int:
+        """Continue a producer's stream when it is that stream's last op; else the least busy one."""
+        for dep in reversed(live):
+            st = dep.stamp
+            if st is not None and self._clocks.tail(st.stream) == st.pos:
+                return st.stream
+        n = len(self._streams)
+        start = self._next_stream
+        best = min(range(n), key=lambda i: (self._busy[(start + i) % n], i))
+        chosen = (start + best) % n
+        self._next_stream = (chosen + 1) % n
+        return chosen
+
+    def _finish(self, op: Op) -> None:
+        """Called by the backend once ``op``'s completion event has been observed."""
+        error = op.error
+        op.done = True
+        with self._done_lock:
+            del self._pending[op.seq]
+            self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
+            if error is None:
+                self._completed += 1
+            else:
+                self._failed += 1
+                if op.root_error is error:
+                    _annotate(error, op.name)
+                    self._failures.append(error)
+        value = op.value
+        op.release()
+        self._slots.release()
+        if error is None:
+            op.future.set_result(value)
+        else:
+            op.future.set_exception(error)
+
+
+def _finished_ok(op: Op) -> bool:
+    return op.done and op.error is None
+
+
+def _annotate(error: BaseException, op_name: str) -> None:
+    note = f"raised by streamdag op {op_name!r}"
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):
+        error.add_note(note)

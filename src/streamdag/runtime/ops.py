@@ -1,0 +1,129 @@
+"""Ops as the runtime holds them, and the futures users get back."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any
+
+from ..errors import DependencyFailed
+from ..graph.buffers import Access, Marker, region_of
+from ..schedule.waits import Stamp
+
+__all__ = ["Future", "Op", "collect_accesses"]
+
+
+class Future(concurrent.futures.Future):
+    """A :class:`concurrent.futures.Future` that can also be awaited in asyncio."""
+
+    op_name: str = ""
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return asyncio.wrap_future(self).__await__()
+
+    def __repr__(self) -> str:
+        return f"<streamdag.Future {self.op_name!r} {self._state.lower()}>"
+
+
+def _unwrap(value: Any, accesses: list[Access]) -> Any:
+    if isinstance(value, Marker):
+        accesses.append(Access(region_of(value.value), value.write))
+        return value.value
+    return value
+
+
+def collect_accesses(
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    reads: Iterable[Any],
+    writes: Iterable[Any],
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Access]]:
+    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped."""
+    if isinstance(reads, Marker) or not isinstance(reads, Iterable) or _is_buffer(reads):
+        raise TypeError("reads= takes a list of buffers, e.g. reads=[a, b]")
+    if isinstance(writes, Marker) or not isinstance(writes, Iterable) or _is_buffer(writes):
+        raise TypeError("writes= takes a list of buffers, e.g. writes=[c]")
+    accesses = [Access(region_of(r), False) for r in reads]
+    accesses += [Access(region_of(w), True) for w in writes]
+    args = tuple(_unwrap(a, accesses) for a in args)
+    kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
+    return args, kwargs, accesses
+
+
+def _is_buffer(value: Any) -> bool:
+    return hasattr(value, "__array_interface__") or hasattr(value, "untyped_storage")
+
+
+class Op:
+    """One submitted op. References to its arguments are dropped once it has finished."""
+
+    __slots__ = (
+        "accesses",
+        "args",
+        "deps",
+        "done",
+        "error",
+        "event",
+        "fn",
+        "future",
+        "keep",
+        "kwargs",
+        "name",
+        "root_error",
+        "root_name",
+        "run_id",
+        "seq",
+        "stamp",
+        "value",
+    )
+
+    def __init__(
+        self,
+        seq: int,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        accesses: list[Access],
+    ) -> None:
+        self.seq = seq
+        self.name = name
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.accesses = accesses
+        self.deps: Sequence[Op] = ()
+        self.stamp: Stamp | None = None
+        self.event: Any = None
+        self.future = Future()
+        self.future.op_name = name
+        self.done = False
+        self.error: BaseException | None = None
+        self.root_name = ""
+        self.root_error: BaseException | None = None
+        self.value: Any = None
+        self.keep: Any = None
+        self.run_id = 0
+
+    def __repr__(self) -> str:
+        return f"<op {self.name!r} #{self.seq}>"
+
+    def execute(self) -> None:
+        """Run the op unless a dependency failed; never raises."""
+        for dep in self.deps:
+            if dep.error is not None:
+                self.error = DependencyFailed(self.name, dep.root_name, dep.root_error)
+                self.root_name, self.root_error = dep.root_name, dep.root_error
+                break
+        else:
+            try:
+                self.value = self.fn(*self.args, **self.kwargs)
+            except Exception as exc:  # the op's failure is its future's, not ours
+                self.error = exc
+                self.root_name, self.root_error = self.name, exc
+        self.deps = ()
+
+    def release(self) -> None:
+        """Drop every reference to user data once the op has finished."""
+        self.fn = self.args = self.kwargs = self.value = self.keep = None  # type: ignore[assignment]

@@ -1,0 +1,102 @@
+"""A complete static schedule: the one entry point of the pure scheduling layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .chains import assign_streams, chains_from_matching, match_closure, match_paths
+from .dag import Preds, check_order
+from .levels import critical_path, wavefront_levels
+from .reduction import reduce_transitively
+from .waits import Stamp, StreamClocks
+
+__all__ = ["CLOSURE_LIMIT", "Schedule", "build_schedule"]
+
+#: Graphs up to this many ops get their chain count reduced to the DAG's width.
+CLOSURE_LIMIT = 20_000
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where and after what each op runs.
+
+    ``preds`` is the transitive reduction of the dependencies; ``stream[v]`` the
+    stream of op ``v``; ``waits[v]`` the ops on other streams whose events ``v``
+    waits on (the fewest that keep every dependency); ``order[s]`` the ops of
+    stream ``s`` in the order they run.
+    """
+
+    preds: tuple[tuple[int, ...], ...]
+    levels: tuple[tuple[int, ...], ...]
+    chains: int
+    width: int | None
+    stream: tuple[int, ...]
+    order: tuple[tuple[int, ...], ...]
+    waits: tuple[tuple[int, ...], ...]
+    critical_path: tuple[int, ...]
+    critical_cost: float
+    removed_edges: int
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.stream)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.order)
+
+    @property
+    def num_waits(self) -> int:
+        return sum(len(w) for w in self.waits)
+
+    @property
+    def cross_stream_edges(self) -> int:
+        return sum(1 for v, ps in enumerate(self.preds) for u in ps if self.stream[u] != self.stream[v])
+
+
+def build_schedule(
+    preds: Preds,
+    max_streams: int,
+    costs: Sequence[float] | None = None,
+    closure_limit: int = CLOSURE_LIMIT,
+) -> Schedule:
+    """Schedule a DAG whose ops are numbered in a topological order (see :mod:`.dag`)."""
+    check_order(preds)
+    n = len(preds)
+    costs = [1.0] * n if costs is None else list(costs)
+    if len(costs) != n:
+        raise ValueError(f"got {len(costs)} costs for {n} ops")
+    reduced, reach = reduce_transitively(preds)
+    match_l, match_r = match_paths(reduced)
+    width = None
+    if n <= closure_limit:
+        match_closure(reach, match_l, match_r)
+        width = n - sum(1 for v in match_l if v != -1)
+    chains = chains_from_matching(match_l, match_r)
+    stream = assign_streams(chains, reach, max_streams, costs)
+    num_streams = max(stream, default=-1) + 1
+    order: list[list[int]] = [[] for _ in range(num_streams)]
+    for v in range(n):
+        order[stream[v]].append(v)
+    clocks = StreamClocks(num_streams)
+    stamps: list[Stamp] = []
+    waits: list[tuple[int, ...]] = []
+    for v in range(n):
+        deps = [u for u in reduced[v] if stream[u] != stream[v]]
+        stamp, chosen = clocks.place(stream[v], [stamps[u] for u in deps])
+        stamps.append(stamp)
+        waits.append(tuple(sorted(deps[i] for i in chosen)))
+    path, cost = critical_path(reduced, costs)
+    return Schedule(
+        preds=tuple(tuple(p) for p in reduced),
+        levels=tuple(tuple(lv) for lv in wavefront_levels(reduced)),
+        chains=len(chains),
+        width=width,
+        stream=tuple(stream),
+        order=tuple(tuple(o) for o in order),
+        waits=tuple(waits),
+        critical_path=tuple(path),
+        critical_cost=cost,
+        removed_edges=sum(len(set(p)) for p in preds) - sum(len(p) for p in reduced),
+    )

@@ -1,0 +1,1 @@
+"""The built-in benchmark suite: workloads shared by ``streamdag bench`` and ``bench/`` scripts."""

@@ -1,0 +1,70 @@
+"""Memory regions: views of one storage are one buffer."""
+
+import numpy as np
+import pytest
+
+import streamdag as sd
+from streamdag.graph.buffers import region_of
+
+torch = pytest.importorskip("torch")
+
+
+def test_numpy_slice_lies_inside_its_base():
+    a = np.zeros((8, 8), dtype=np.float32)
+    whole, row = region_of(a), region_of(a[3])
+    assert whole.covers(row)
+    assert row.nbytes == 8 * 4
+
+
+def test_disjoint_slices_do_not_overlap():
+    a = np.zeros(100)
+    assert not region_of(a[:50]).overlaps(region_of(a[50:]))
+    assert region_of(a[:51]).overlaps(region_of(a[50:]))
+
+
+def test_transpose_and_reshape_span_the_same_bytes():
+    a = np.arange(12.0).reshape(3, 4)
+    assert region_of(a.T) == region_of(a) == region_of(a.reshape(4, 3))
+
+
+def test_negative_strides_are_handled():
+    a = np.arange(10.0)
+    assert region_of(a[::-1]) == region_of(a)
+    assert region_of(a[5::-1]) == region_of(a[:6])
+
+
+def test_strided_view_is_taken_by_its_extent():
+    a = np.arange(10.0)
+    # even and odd elements interleave: the extent is conservative, never missing a conflict
+    assert region_of(a[::2]).overlaps(region_of(a[1::2]))
+
+
+def test_empty_view_touches_nothing():
+    a = np.zeros(10)
+    assert region_of(a[5:5]).nbytes == 0
+
+
+def test_torch_views_and_numpy_sharing_memory_are_one_buffer():
+    t = torch.zeros(6, 4)
+    assert region_of(t).covers(region_of(t[2:4]))
+    assert region_of(t.t()) == region_of(t)
+    assert region_of(t.view(24)) == region_of(t)
+    n = t.numpy()
+    assert region_of(n) == region_of(t)
+    assert region_of(torch.from_numpy(n[1])).overlaps(region_of(t[1]))
+    assert region_of(t).space == "cpu"
+
+
+def test_torch_storage_offset_counts():
+    t = torch.zeros(100)
+    assert not region_of(t[:50]).overlaps(region_of(t[50:]))
+
+
+def test_non_buffer_is_refused_with_the_fix():
+    with pytest.raises(sd.InvalidBuffer, match="numpy arrays or torch tensors"):
+        region_of([1, 2, 3])
+
+
+def test_sparse_tensor_is_refused():
+    with pytest.raises(sd.InvalidBuffer, match="to_dense"):
+        region_of(torch.zeros(3, 3).to_sparse())

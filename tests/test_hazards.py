@@ -1,0 +1,96 @@
+"""Dependency inference, one test per hazard."""
+
+import numpy as np
+
+from streamdag.graph import Access, DepsTracker, region_of
+
+
+def acc(x, write=False):
+    return Access(region_of(x), write)
+
+
+def submit(tracker, node, *accesses):
+    deps = tracker.depends_on(accesses)
+    tracker.add(node, accesses)
+    return deps
+
+
+def test_order_write_read_same_buf():
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "w", acc(a, True))
+    assert submit(t, "r", acc(a)) == ["w"]
+
+
+def test_reads_never_wait_for_reads():
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "r1", acc(a))
+    assert submit(t, "r2", acc(a)) == []
+
+
+def test_write_after_read_through_a_view():
+    a = np.zeros((4, 4))
+    t = DepsTracker()
+    submit(t, "r", acc(a[1]))
+    assert submit(t, "w", acc(a.T, True)) == ["r"]
+
+
+def test_write_after_write_through_a_reshape():
+    a = np.zeros(16)
+    t = DepsTracker()
+    submit(t, "w1", acc(a.reshape(4, 4)[2:], True))
+    assert submit(t, "w2", acc(a[10:12], True)) == ["w1"]
+
+
+def test_read_after_write_of_an_overlapping_slice():
+    a = np.zeros(100)
+    t = DepsTracker()
+    submit(t, "w", acc(a[40:60], True))
+    assert submit(t, "r_left", acc(a[:40])) == []
+    assert submit(t, "r_mid", acc(a[59:70])) == ["w"]
+
+
+def test_write_waits_for_every_reader_since_the_last_write():
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "w", acc(a, True))
+    submit(t, "r1", acc(a))
+    submit(t, "r2", acc(a[:2]))
+    # w itself is listed too; the implied edge w -> w2 is removed by the scheduler
+    assert submit(t, "w2", acc(a, True)) == ["w", "r1", "r2"]
+
+
+def test_covering_write_retires_older_entries():
+    """w1 -> r -> w2: after w2 covers a, a reader needs only w2 (w2 already follows w1 and r)."""
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "w1", acc(a, True))
+    submit(t, "r", acc(a))
+    submit(t, "w2", acc(a, True))
+    assert submit(t, "r2", acc(a)) == ["w2"]
+    assert len(t) == 2
+
+
+def test_partial_write_keeps_older_writer():
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "w1", acc(a, True))
+    submit(t, "w2", acc(a[:4], True))
+    assert submit(t, "r", acc(a)) == ["w1", "w2"]
+
+
+def test_buffers_in_different_spaces_never_conflict():
+    from streamdag.graph import Region
+
+    t = DepsTracker()
+    submit(t, "w", Access(Region("cpu", 0, 100), True))
+    assert submit(t, "r", Access(Region("cuda:0", 0, 100), False)) == []
+
+
+def test_forget_drops_finished_nodes():
+    a = np.zeros(8)
+    t = DepsTracker()
+    submit(t, "w", acc(a, True))
+    t.forget(lambda n: n == "w")
+    assert submit(t, "r", acc(a)) == []

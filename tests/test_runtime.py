@@ -1,0 +1,207 @@
+"""The runtime API on the CPU lanes and the simulated device."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import streamdag as sd
+
+DEVICES = ["cpu", "sim"]
+
+
+@pytest.fixture(params=DEVICES)
+def rt(request):
+    with sd.Runtime(request.param, streams=3) as runtime:
+        yield runtime
+
+
+def test_submit_returns_a_future_of_the_functions_value(rt):
+    a = np.arange(4.0)
+    f = rt.submit(np.sum, a, reads=[a])
+    assert isinstance(f, sd.Future)
+    assert f.result() == 6.0
+
+
+def test_future_is_awaitable(rt):
+    a = np.arange(4.0)
+
+    async def main():
+        return await rt.submit(np.sum, a, reads=[a])
+
+    assert asyncio.run(main()) == 6.0
+
+
+def test_inline_markers_declare_accesses_and_pass_the_value(rt):
+    a = np.ones(1000)
+    b = np.zeros(1000)
+    rt.submit(np.multiply, sd.read(a), 3, out=sd.write(b))
+    f = rt.submit(np.sum, sd.read(b))
+    assert f.result() == 3000.0
+
+
+def test_chain_through_views_runs_in_order(rt):
+    buf = np.zeros(100)
+    for i in range(50):
+        rt.submit(np.add, buf[i:], 1.0, out=buf[i:], writes=[buf[i:]])
+    rt.synchronize()
+    assert np.array_equal(buf, np.minimum(np.arange(1, 101), 50).astype(float))
+
+
+def test_independent_ops_run_concurrently_on_the_cpu():
+    """Two ops that wait for each other can only finish if they run at the same time."""
+    a, b = np.zeros(1), np.zeros(1)
+    barrier = threading.Barrier(2, timeout=10)
+    with sd.Runtime("cpu", streams=2) as rt:
+        f1 = rt.submit(barrier.wait, writes=[a])
+        f2 = rt.submit(barrier.wait, writes=[b])
+        f1.result(timeout=20), f2.result(timeout=20)
+
+
+def test_in_flight_bound_blocks_and_is_never_exceeded():
+    bufs = [np.zeros(1) for _ in range(40)]
+    running = []
+    with sd.Runtime("cpu", streams=4, max_inflight=3) as rt:
+        for b in bufs:
+            rt.submit(time.sleep, 0.002, writes=[b])
+            running.append(rt.statistics().inflight)
+        rt.synchronize()
+        stats = rt.statistics()
+    assert max(running) <= 3
+    assert stats.peak_inflight <= 3
+    assert stats.completed == 40 and stats.inflight == 0
+
+
+def test_submit_nowait_raises_would_block_at_the_bound():
+    gate = threading.Event()
+    a, b = np.zeros(1), np.zeros(1)
+    with sd.Runtime("cpu", streams=2, max_inflight=1) as rt:
+        rt.submit(gate.wait, 10, writes=[a])
+        with pytest.raises(sd.WouldBlock, match="max_inflight"):
+            rt.submit_nowait(np.sum, b, reads=[b])
+        gate.set()
+        rt.synchronize()
+        assert rt.submit_nowait(np.sum, b, reads=[b]).result() == 0.0
+
+
+def test_failure_fails_dependents_names_the_root_and_spares_independent_ops(rt):
+    a, b, c = np.zeros(4), np.zeros(4), np.zeros(4)
+
+    def boom():
+        raise ValueError("bad input")
+
+    fa = rt.submit(boom, writes=[a], name="producer")
+    fb = rt.submit(np.add, a, 1, out=b, reads=[a], writes=[b], name="consumer")
+    fc = rt.submit(np.add, b, 1, out=b, writes=[b], name="grandchild")
+    fi = rt.submit(np.add, c, 1, out=c, writes=[c], name="independent")
+    with pytest.raises(sd.ExceptionGroup) as info:
+        rt.synchronize()
+    assert [type(e) for e in info.value.exceptions] == [ValueError]
+    assert isinstance(fa.exception(), ValueError)
+    for f in (fb, fc):
+        err = f.exception()
+        assert isinstance(err, sd.DependencyFailed)
+        assert err.root_name == "producer" and isinstance(err.__cause__, ValueError)
+        assert "producer" in str(err)
+    assert fi.result() is c
+    # the runtime stays usable, and the failed buffer is clean again
+    assert rt.submit(np.sum, a, reads=[a]).result() == 0.0
+    rt.synchronize()
+
+
+def test_submit_after_close_says_what_to_do():
+    rt = sd.Runtime("cpu", streams=1)
+    rt.close()
+    with pytest.raises(sd.RuntimeClosed, match="create a new one"):
+        rt.submit(print)
+
+
+def test_non_buffer_in_reads_is_refused(rt):
+    with pytest.raises(sd.InvalidBuffer, match="numpy arrays or torch tensors"):
+        rt.submit(print, reads=[[1, 2]])
+
+
+def test_single_buffer_instead_of_a_list_is_refused(rt):
+    with pytest.raises(TypeError, match="reads=\\[a, b\\]"):
+        rt.submit(print, reads=np.zeros(3))
+
+
+def test_wrong_device_is_refused_with_the_fix():
+    from streamdag.graph import Region
+    from streamdag.graph.buffers import Access
+
+    with sd.Runtime("cpu", streams=1) as rt, pytest.raises(sd.InvalidBuffer, match="device="):
+        rt._check_spaces([Access(Region("cuda:0", 0, 8), False)], "op")
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="unknown device"):
+        sd.Runtime("tpu")
+
+
+def test_statistics_count_failures(rt):
+    a = np.zeros(1)
+    rt.submit(lambda: 1 / 0, writes=[a])
+    rt.submit(np.sum, a, reads=[a])
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
+    s = rt.statistics()
+    assert (s.submitted, s.completed, s.failed) == (2, 0, 2)
+
+
+def test_recorded_graph_runs_many_times_and_explains_itself(rt):
+    x = np.ones((8, 8))
+    outs = [np.zeros((8, 8)) for _ in range(4)]
+    total = np.zeros((8, 8))
+    with rt.record() as g:
+        nodes = [
+            rt.submit(np.matmul, x, x, out=o, reads=[x], writes=[o], name=f"mm{i}")
+            for i, o in enumerate(outs)
+        ]
+        last = rt.submit(lambda: np.add.reduce(outs, out=total), reads=outs, writes=[total], name="join")
+    assert isinstance(nodes[0], sd.OpNode)
+    assert total.sum() == 0  # nothing ran while recording
+    for k in range(1, 4):
+        x[...] = k
+        res = g.run().result()
+        assert res[last] is total
+        assert np.all(total == 4 * 8 * k * k)
+    text = g.explain()
+    assert "levels" in text and "critical path" in text and "waits" in text and "join" in text
+    assert g.schedule.width == 4
+    assert "digraph" in g.to_dot()
+
+
+def test_recorded_graph_orders_after_earlier_eager_work(rt):
+    a = np.zeros(1000)
+    with rt.record() as g:
+        rt.submit(np.multiply, a, 2, out=a, writes=[a])
+    gate = threading.Event()
+    rt.submit(lambda: (gate.wait(5), np.add(a, 1, out=a)), writes=[a])
+    run = g.run()
+    gate.set()
+    run.result()
+    after = rt.submit(np.sum, a, reads=[a]).result()
+    assert after == 2000.0
+
+
+def test_recorded_node_has_no_result_yet(rt):
+    a = np.zeros(1)
+    with rt.record():
+        node = rt.submit(np.sum, a, reads=[a])
+    with pytest.raises(RuntimeError, match=r"g\.run"):
+        node.result()
+
+
+def test_graph_run_reports_root_failures(rt):
+    a = np.zeros(1)
+    with rt.record() as g:
+        rt.submit(lambda: 1 / 0, writes=[a], name="div")
+        rt.submit(np.sum, a, reads=[a])
+    with pytest.raises(sd.ExceptionGroup) as info:
+        g.run().result()
+    assert [type(e) for e in info.value.exceptions] == [ZeroDivisionError]
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
