@@ -12,6 +12,7 @@ the in-flight semaphore, under ``_done_lock``.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -27,6 +28,9 @@ from ..schedule.waits import StreamClocks
 from .ops import Future, Op, collect_accesses
 
 __all__ = ["Runtime", "RuntimeStatistics"]
+
+#: Test-only: drop every cross-stream event wait, to show that the race checks can fail.
+_DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,10 @@ class Runtime:
         self.backend: Backend = backend if backend is not None else make_backend(device, streams, seed)
         self.device = self.backend.device
         self.max_inflight = max_inflight
-        self._streams = self.backend.streams
+        self._compute = len(self.backend.streams)
+        copy = getattr(self.backend, "copy_streams", {})
+        self._streams = list(self.backend.streams) + list(copy.values())
+        self._copy_index = {kind: self._compute + i for i, kind in enumerate(copy)}
         n = len(self._streams)
         self._lock = threading.RLock()
         self._done_lock = threading.Lock()
@@ -88,7 +95,8 @@ class Runtime:
     # ------------------------------------------------------------------ API
     @property
     def num_streams(self) -> int:
-        return len(self._streams)
+        """Compute streams (CUDA streams or CPU lanes); copy streams come on top."""
+        return self._compute
 
     def submit(
         self,
@@ -117,6 +125,24 @@ class Runtime:
     ) -> Future:
         """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=False)
+
+    def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
+        """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams."""
+        from .transfers import copy
+
+        return copy(self, dst, src, name)
+
+    def to_device(self, x: Any, name: str | None = None) -> Future:
+        """A Future of a device tensor holding host data ``x``."""
+        from .transfers import to_device
+
+        return to_device(self, x, name)
+
+    def to_host(self, t: Any, name: str | None = None) -> Future:
+        """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
+        from .transfers import to_host
+
+        return to_host(self, t, name)
 
     def synchronize(self) -> None:
         """Wait for every op submitted so far.
@@ -206,16 +232,19 @@ class Runtime:
                     f"streamdag.Runtime(device={acc.region.space!r})"
                 )
 
-    def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool):
+    def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool, stream: int | None = None):
         self._check_open()
         if not callable(fn):
             raise TypeError(f"submit() needs a callable first, got {type(fn).__name__}")
-        args, kwargs, accesses = collect_accesses(args, kwargs, reads, writes)
+        args, kwargs, accesses, written = collect_accesses(args, kwargs, reads, writes)
         op_name = name or getattr(fn, "__name__", type(fn).__name__)
         self._check_spaces(accesses, op_name)
         recording = self._recording
         if recording is not None:
-            return recording.add(fn, args, kwargs, accesses, name)
+            return recording.add(fn, args, kwargs, accesses, name, stream, written)
+        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream)
+
+    def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None):
         if not self._slots.acquire(blocking=blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
@@ -225,7 +254,7 @@ class Runtime:
             self._seq += 1
             op = Op(self._seq, op_name if name else f"{op_name}#{self._seq}", fn, args, kwargs, accesses)
             deps = self._tracker.depends_on(accesses)
-            self._launch(op, deps, stream=None)
+            self._launch(op, deps, stream=stream)
         return op.future
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None) -> None:
@@ -237,7 +266,8 @@ class Runtime:
         stamp, waits = self._clocks.place(stream, [d.stamp for d in live])
         s = self._streams[stream]
         for i in waits:
-            live[i].event.wait(s)
+            if not _DROP_WAITS:
+                live[i].event.wait(s)
         op.stamp = stamp
         self._tracker.add(op, op.accesses)
         with self._done_lock:
@@ -245,7 +275,14 @@ class Runtime:
             self._busy[stream] += 1
             self._peak = max(self._peak, len(self._pending))
         backend = self.backend
-        backend.launch(s, op.execute)
+        lost = getattr(backend, "lost", None)
+        if lost is not None:
+            op.deps = ()
+            op.error, op.root_name, op.root_error = lost, op.name, lost
+        else:
+            backend.launch(s, op.execute)
+            if op.error is not None and not backend.deferred and _is_sticky(backend, op.error):
+                op.root_error = op.error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
         op.event = backend.event()
         op.event.record(s)
         backend.when_done(s, op.event, partial(self._finish, op))
@@ -256,15 +293,17 @@ class Runtime:
             st = dep.stamp
             if st is not None and self._clocks.tail(st.stream) == st.pos:
                 return st.stream
-        n = len(self._streams)
+        n = self._compute
         start = self._next_stream
         best = min(range(n), key=lambda i: (self._busy[(start + i) % n], i))
         chosen = (start + best) % n
         self._next_stream = (chosen + 1) % n
         return chosen
 
-    def _finish(self, op: Op) -> None:
+    def _finish(self, op: Op, device_error: BaseException | None = None) -> None:
         """Called by the backend once ``op``'s completion event has been observed."""
+        if device_error is not None and op.error is None:
+            op.error, op.root_name, op.root_error = device_error, op.name, device_error
         error = op.error
         op.done = True
         with self._done_lock:
@@ -284,6 +323,11 @@ class Runtime:
             op.future.set_result(value)
         else:
             op.future.set_exception(error)
+
+
+def _is_sticky(backend: Any, error: BaseException) -> bool:
+    check = getattr(type(backend), "is_sticky", None)
+    return bool(check and check(error))
 
 
 def _finished_ok(op: Op) -> bool:

@@ -38,17 +38,22 @@ def collect_accesses(
     kwargs: dict[str, Any],
     reads: Iterable[Any],
     writes: Iterable[Any],
-) -> tuple[tuple[Any, ...], dict[str, Any], list[Access]]:
-    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped."""
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], list[Any]]:
+    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped.
+
+    Also returns the objects written, for graphs that must save and restore them.
+    """
     if isinstance(reads, Marker) or not isinstance(reads, Iterable) or _is_buffer(reads):
         raise TypeError("reads= takes a list of buffers, e.g. reads=[a, b]")
     if isinstance(writes, Marker) or not isinstance(writes, Iterable) or _is_buffer(writes):
         raise TypeError("writes= takes a list of buffers, e.g. writes=[c]")
+    writes = list(writes)
     accesses = [Access(region_of(r), False) for r in reads]
     accesses += [Access(region_of(w), True) for w in writes]
+    written = writes + [v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write]
     args = tuple(_unwrap(a, accesses) for a in args)
     kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
-    return args, kwargs, accesses
+    return args, kwargs, accesses, written
 
 
 def _is_buffer(value: Any) -> bool:

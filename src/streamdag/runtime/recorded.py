@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExceptionGroup
@@ -63,6 +63,8 @@ class _Recorded:
     kwargs: dict[str, Any]
     accesses: list[Access]
     name: str
+    stream: int | None = None  # pinned stream (copies), else the schedule's
+    written: list[Any] = field(default_factory=list)
 
 
 class RecordedGraph:
@@ -74,6 +76,9 @@ class RecordedGraph:
         self._preds: list[list[int]] = []
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
+        self._runs = 0
+        self._runner: Any = None
+        self.capture = runtime.device.startswith("cuda")
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -82,14 +87,15 @@ class RecordedGraph:
     def names(self) -> list[str]:
         return [op.name for op in self._ops]
 
-    def add(self, fn, args, kwargs, accesses, name: str | None) -> OpNode:
+    def add(self, fn, args, kwargs, accesses, name: str | None, stream: int | None = None,
+            written: list[Any] | None = None) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
         index = len(self._ops)
         unique = name or f"{getattr(fn, '__name__', type(fn).__name__)}#{index}"
         self._preds.append(sorted(self._tracker.depends_on(accesses)))
         self._tracker.add(index, accesses)
-        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique))
+        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, written or []))
         return OpNode(index, unique)
 
     def finish(self) -> None:
@@ -111,6 +117,11 @@ class RecordedGraph:
         rt = self._rt
         rt._check_open()
         sched = self.schedule
+        self._runs += 1
+        if self.capture and self._runs > 1 and len(self._ops):
+            future = self._run_captured()
+            if future is not None:
+                return future
         result = Future()
         result.op_name = "graph"
         n = len(self._ops)
@@ -140,15 +151,45 @@ class RecordedGraph:
                 op = Op(rt._seq, rec.name, rec.fn, rec.args, rec.kwargs, rec.accesses)
                 op.run_id = run_id
                 outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
-                rt._launch(op, outside + [launched[u] for u in sched.preds[v]], sched.stream[v])
+                stream = sched.stream[v] if rec.stream is None else rec.stream
+                rt._launch(op, outside + [launched[u] for u in sched.preds[v]], stream)
                 launched.append(op)
         for op in launched:
             op.future.add_done_callback(one_done)
         return result
 
+    def _run_captured(self) -> Future | None:
+        """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
+        from .capture import CudaGraphRunner
+
+        rt = self._rt
+        if self._runner is None:
+            self._runner = CudaGraphRunner(self, rt.backend.torch_device)  # type: ignore[attr-defined]
+        runner = self._runner
+        with rt._lock:  # capture after all earlier work: it reads no half-written buffer
+            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
+        if not ok:
+            return None
+        accesses = [a for rec in self._ops for a in rec.accesses]
+        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, accesses, "graph_replay",
+                           "graph_replay", True, 0)
+
+    def statistics(self) -> Any:
+        """Capture statistics on CUDA (captures, replays, recaptures, fallbacks, timing of the choice)."""
+        return None if self._runner is None else self._runner.stats
+
     def explain(self) -> str:
         """Levels, streams, waits and the critical path, as text a person reads."""
-        return explain_schedule(self.names, self.schedule)
+        extra = []
+        stats = self.statistics()
+        if stats is not None and stats.chosen_streams is not None:
+            timed = ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(stats.choice_ms.items()))
+            extra.append(f"CUDA graph: {stats.chosen_streams} stream(s) chosen by measured replay "
+                         f"({timed or 'one candidate'}); {stats.captures} captures, "
+                         f"{stats.recaptures} recaptures, {stats.replays} replays")
+        elif self._runner is not None and self._runner.fallback_reason:
+            extra.append(f"CUDA graph: not used ({self._runner.fallback_reason}); runs eagerly")
+        return explain_schedule(self.names, self.schedule, extra)
 
     def to_dot(self) -> str:
         """Graphviz source: ops coloured by stream, cross-stream waits dashed."""

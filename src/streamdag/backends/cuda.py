@@ -1,0 +1,170 @@
+"""CUDA backend through PyTorch: streams, events, copy streams, completion watchers.
+
+``launch`` runs the op's host code at once with its stream current, so every
+kernel it enqueues lands on that stream; nothing on this path synchronizes
+the host. Completion is observed by one watcher thread per stream, which
+sleeps in ``cudaEventSynchronize`` (blocking-sync events) and then calls the
+runtime back: events of one stream complete in order, so a FIFO per stream
+is exact.
+
+A sticky CUDA error (illegal address, device-side assert, launch failure)
+makes every later call on the device fail; the backend then marks itself
+lost and the runtime fails every pending and later op with
+:class:`~streamdag.DeviceLost`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..errors import DeviceLost
+
+__all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
+
+_STICKY = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "illegal instruction",
+    "misaligned address",
+    "an illegal",
+    "launch timed out",
+    "hardware stack error",
+)
+
+
+def is_sticky(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error after which the context is unusable."""
+    text = str(exc).lower()
+    return not isinstance(exc, torch.cuda.OutOfMemoryError) and any(s in text for s in _STICKY)
+
+
+class CudaStream:
+    __slots__ = ("index", "kind", "raw")
+
+    def __init__(self, index: int, kind: str, raw: torch.cuda.Stream) -> None:
+        self.index = index
+        self.kind = kind
+        self.raw = raw
+
+
+class CudaEvent:
+    __slots__ = ("raw",)
+
+    def __init__(self, timing: bool = False) -> None:
+        self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
+
+    def record(self, stream: CudaStream) -> None:
+        self.raw.record(stream.raw)
+
+    def wait(self, stream: CudaStream) -> None:
+        stream.raw.wait_event(self.raw)
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def elapsed_ms(self, end: CudaEvent) -> float:
+        return self.raw.elapsed_time(end.raw)
+
+
+class _Watcher:
+    """Waits for one stream's events in order and calls back."""
+
+    def __init__(self, owner: CudaBackend, name: str) -> None:
+        self._owner = owner
+        self._queue: queue.SimpleQueue[tuple[CudaEvent, Callable[..., None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, event: CudaEvent, callback: Callable[..., None]) -> None:
+        self._queue.put((event, callback))
+
+    def _loop(self) -> None:
+        torch.cuda.set_device(self._owner.torch_device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, callback = item
+            error = self._owner.lost
+            if error is None:
+                try:
+                    event.synchronize()
+                except Exception as exc:  # a sticky error surfaces here
+                    error = self._owner.mark_lost(exc)
+            callback(error)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class CudaBackend:
+    """``streams`` compute streams plus one copy stream per direction on one GPU."""
+
+    deferred = False
+
+    def __init__(self, device: str, streams: int) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={device!r} needs PyTorch with CUDA and a GPU, and torch.cuda.is_available() "
+                "is False here: use device='cpu'"
+            )
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+        self.torch_device = torch.device("cuda", index)
+        self.device = f"cuda:{index}"
+        self.lost: DeviceLost | None = None
+        with torch.cuda.device(self.torch_device):
+            self._streams = [CudaStream(i, "compute", torch.cuda.Stream()) for i in range(streams)]
+            self._copy = {
+                "h2d": CudaStream(streams, "h2d", torch.cuda.Stream()),
+                "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
+            }
+        self._all = self._streams + list(self._copy.values())
+        self._watchers = [_Watcher(self, f"streamdag-watch-{s.index}") for s in self._all]
+
+    @property
+    def streams(self) -> list[CudaStream]:
+        return self._streams
+
+    @property
+    def copy_streams(self) -> dict[str, CudaStream]:
+        return self._copy
+
+    def event(self, timing: bool = False) -> CudaEvent:
+        return CudaEvent(timing)
+
+    def launch(self, stream: CudaStream, work: Callable[[], None]) -> None:
+        prev = torch.cuda.current_stream(self.torch_device)
+        torch.cuda.set_stream(stream.raw)
+        try:
+            work()
+        finally:
+            torch.cuda.set_stream(prev)
+
+    def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
+        self._watchers[stream.index].put(event, callback)
+
+    is_sticky = staticmethod(is_sticky)
+
+    def mark_lost(self, exc: BaseException) -> DeviceLost:
+        if self.lost is None:
+            self.lost = DeviceLost(self.device, exc)
+        return self.lost
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def close(self) -> None:
+        for w in self._watchers:
+            w.stop()

@@ -1,0 +1,210 @@
+"""Recorded graphs on CUDA: captured once into a multi-stream CUDA graph, then replayed.
+
+Capture forks fresh side streams from a capture stream with an event, runs
+every op on its scheduled side stream after exactly the schedule's waits, and
+joins every side stream back. The runtime's own streams never take part in a
+capture, so a failed capture cannot leave them in capture mode.
+
+The stream count is chosen by measurement: the schedule is captured for one
+stream and for more, each candidate's replay is timed with CUDA events, and
+the fastest wins. One stream is always a candidate, so a graph whose ops
+would not gain from concurrency runs as a single-stream graph: never slower
+than the best single-stream baseline.
+
+A capture stays valid while every tensor argument keeps its address, shape,
+stride and dtype; any change recaptures (``statistics()`` counts it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..graph.buffers import region_of
+from ..schedule.plan import Schedule, build_schedule
+
+if TYPE_CHECKING:
+    from .recorded import RecordedGraph
+
+__all__ = ["CaptureStatistics", "CudaGraphRunner"]
+
+
+@dataclass
+class CaptureStatistics:
+    captures: int = 0
+    replays: int = 0
+    recaptures: int = 0
+    fallbacks: int = 0
+    choice_ms: dict[int, float] = field(default_factory=dict)
+    chosen_streams: int | None = None
+    capture_seconds: float = 0.0
+
+
+class CaptureFailed(RuntimeError):
+    def __init__(self, op_name: str, cause: BaseException) -> None:
+        super().__init__(f"op {op_name!r} cannot be captured into a CUDA graph: {cause}")
+        self.op_name = op_name
+
+
+def _tensor_key(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return (obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device)
+    if isinstance(obj, (list, tuple)):
+        return tuple(_tensor_key(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _tensor_key(v)) for k, v in obj.items())
+    return None
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, values: list[Any], schedule: Schedule) -> None:
+        self.graph = graph
+        self.values = values
+        self.schedule = schedule
+
+
+class CudaGraphRunner:
+    """Captures and replays one recorded graph."""
+
+    def __init__(self, recorded: RecordedGraph, device: torch.device) -> None:
+        self.recorded = recorded
+        self.device = device
+        self.stats = CaptureStatistics()
+        self._captured: _Captured | None = None
+        self._key: Any = None
+        self._failed: str | None = None
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self._failed
+
+    def key(self) -> Any:
+        return tuple(_tensor_key((op.args, op.kwargs)) for op in self.recorded._ops)
+
+    def _capture(self, max_streams: int) -> _Captured:
+        ops = self.recorded._ops
+        sched = build_schedule(self.recorded._preds, max_streams)
+        needs_event = {u for ws in sched.waits for u in ws}
+        graph = torch.cuda.CUDAGraph()
+        origin = torch.cuda.Stream(self.device)
+        side = [torch.cuda.Stream(self.device) for _ in range(sched.num_streams)]
+        origin.wait_stream(torch.cuda.current_stream(self.device))
+        values: list[Any] = [None] * len(ops)
+        current = "<fork>"
+        failure: BaseException | None = None
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=origin, capture_error_mode="thread_local"):
+                fork = torch.cuda.Event()
+                fork.record(origin)
+                for s in side:
+                    s.wait_event(fork)
+                events: dict[int, torch.cuda.Event] = {}
+                try:
+                    for v, rec in enumerate(ops):
+                        current = rec.name
+                        s = side[sched.stream[v]]
+                        for u in sched.waits[v]:
+                            s.wait_event(events[u])
+                        with torch.cuda.stream(s):
+                            values[v] = rec.fn(*rec.args, **rec.kwargs)
+                        if v in needs_event:
+                            ev = torch.cuda.Event()
+                            ev.record(s)
+                            events[v] = ev
+                except Exception as exc:
+                    failure = exc
+                for s in side:  # always join, so that the capture can end
+                    ev = torch.cuda.Event()
+                    ev.record(s)
+                    origin.wait_event(ev)
+        except Exception as exc:
+            raise CaptureFailed(current, failure or exc) from exc
+        if failure is not None:
+            raise CaptureFailed(current, failure) from failure
+        return _Captured(graph, values, sched)
+
+    def _time(self, captured: _Captured, reps: int = 5) -> float:
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        captured.graph.replay()
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            captured.graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    def prepare(self, max_streams: int, before_capture: Any = None) -> bool:
+        """Capture (choosing the stream count by measurement); False if the graph must run eagerly."""
+        import time
+
+        if self._failed is not None:
+            return False
+        key = self.key()
+        if self._captured is not None and key == self._key:
+            return True
+        if self._captured is not None:
+            self.stats.recaptures += 1
+        if before_capture is not None:
+            before_capture()
+        t0 = time.perf_counter()
+        natural = build_schedule(self.recorded._preds, max_streams).num_streams
+        candidates = sorted({1, min(4, natural), natural})
+        best: tuple[float, _Captured] | None = None
+        # timing replays must not change what the graph's buffers hold
+        written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
+        saved = [t.clone() for t in written]
+        try:
+            for k in candidates:
+                cap = self._capture(k)
+                self.stats.captures += 1
+                if len(candidates) > 1:
+                    ms = self._time(cap)
+                    self.stats.choice_ms[k] = ms
+                else:
+                    ms = 0.0
+                if best is None or ms < best[0]:
+                    best = (ms, cap)
+        except CaptureFailed as exc:
+            self._failed = str(exc)
+            self.stats.fallbacks += 1
+            torch.cuda.synchronize(self.device)
+            warnings.warn(
+                f"streamdag: running this graph eagerly on streams, without a CUDA graph: {exc}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        finally:
+            for t, copy in zip(written, saved):
+                t.copy_(copy)
+        assert best is not None
+        self._captured = best[1]
+        self.stats.chosen_streams = best[1].schedule.num_streams
+        self._key = key
+        self.stats.capture_seconds = time.perf_counter() - t0
+        return True
+
+    def replay(self) -> list[Any]:
+        """Replay on the current stream; tensor results not in declared writes are copied out."""
+        cap = self._captured
+        assert cap is not None
+        cap.graph.replay()
+        self.stats.replays += 1
+        out = []
+        for rec, value in zip(self.recorded._ops, cap.values):
+            if isinstance(value, torch.Tensor) and not _declared(rec, value):
+                value = value.clone()
+            out.append(value)
+        return out
+
+
+def _declared(rec: Any, value: torch.Tensor) -> bool:
+    r = region_of(value)
+    return any(a.write and a.region.covers(r) for a in rec.accesses)

@@ -1,0 +1,191 @@
+"""CUDA backend and capture. Marked ``cuda``: skipped without a GPU, run on the lent machine."""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.cuda
+
+
+def random_program(rng, n_ops, n_bufs=3, size=64):
+    prog = []
+    for _ in range(n_ops):
+        def view():
+            b = rng.randrange(n_bufs)
+            lo = rng.randrange(size)
+            hi = rng.randrange(lo, size) + 1
+            return b, lo, hi
+        prog.append(([view() for _ in range(rng.randrange(3))], view(), rng.randrange(100)))
+    return prog
+
+
+def apply(op, bufs):
+    reads, (wb, wl, wh), k = op
+    acc = torch.tensor(k, dtype=torch.int64, device=bufs[0].device)
+    for b, lo, hi in reads:
+        acc = acc + bufs[b][lo:hi].sum() % 1009
+    w = bufs[wb][wl:wh]
+    w.mul_(3).add_(acc).remainder_(1000003)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 8])
+def test_random_graphs_equal_serial(streams):
+    rng = random.Random(streams)
+    for _ in range(20):
+        prog = random_program(rng, 40)
+        host = [torch.arange(64, dtype=torch.int64) * (i + 3) for i in range(3)]
+        for op in prog:
+            apply(op, host)
+        bufs = [(torch.arange(64, dtype=torch.int64) * (i + 3)).cuda() for i in range(3)]
+        with sd.Runtime("cuda", streams=streams) as rt:
+            for op in prog:
+                reads = [bufs[b][lo:hi] for b, lo, hi in op[0]]
+                wb, wl, wh = op[1]
+                rt.submit(apply, op, bufs, reads=reads, writes=[bufs[wb][wl:wh]])
+        for got, want in zip(bufs, host):
+            assert torch.equal(got.cpu(), want)
+
+
+def test_lifetimes_survive_dropped_references():
+    """The caller drops every tensor right after submit; the runtime must keep them alive."""
+    n = 1 << 16
+    with sd.Runtime("cuda", streams=4) as rt:
+        futures = []
+        for i in range(3000):
+            a = torch.full((n,), float(i % 97), device="cuda")
+            out = torch.empty((), device="cuda")
+            futures.append((i, rt.submit(lambda a, out: torch.sum(a * 2, out=out), a, out,
+                                         reads=[a], writes=[out])))
+            del a, out
+            torch.empty(n, device="cuda").fill_(-1.0)  # churn the allocator
+        for i, f in futures:
+            assert f.result().item() == 2.0 * (i % 97) * n
+
+
+def test_transfers_round_trip_exactly_under_load():
+    with sd.Runtime("cuda", streams=4) as rt:
+        pairs = []
+        for i in range(200):
+            host = torch.randn(4096).pin_memory() if i % 2 else torch.randn(4096)
+            dev = rt.to_device(host).result()
+            busy = rt.submit(torch.matmul, dev.view(64, 64), dev.view(64, 64), reads=[dev])
+            pairs.append((host, rt.to_host(dev), busy))
+        for host, back, _ in pairs:
+            assert torch.equal(back.result(), host)
+
+
+def test_exception_fails_only_dependents_on_cuda():
+    a = torch.zeros(8, device="cuda")
+    b = torch.zeros(8, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        fa = rt.submit(lambda: 1 / 0, writes=[a], name="bad")
+        fd = rt.submit(torch.add, a, 1, reads=[a])
+        fi = rt.submit(b.add_, 1, writes=[b])
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert isinstance(fa.exception(), ZeroDivisionError)
+        assert isinstance(fd.exception(), sd.DependencyFailed)
+        assert torch.equal(fi.result(), torch.ones(8, device="cuda"))
+
+
+def wide_graph(rt, x, ws, hs, y):
+    with rt.record() as g:
+        for b in range(len(ws)):
+            src = x
+            for i, w in enumerate(ws[b]):
+                rt.submit(lambda s, w, o: torch.relu_(torch.matmul(s, w, out=o)), src, w, hs[b][i],
+                          reads=[src, w], writes=[hs[b][i]])
+                src = hs[b][i]
+        rt.submit(lambda: torch.sum(torch.stack([h[-1] for h in hs]), 0, out=y),
+                  reads=[h[-1] for h in hs], writes=[y])
+    return g
+
+
+def test_captured_equals_eager_over_many_replays_with_new_inputs():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    B, L, D = 8, 3, 64
+    x = torch.randn(16, D, device="cuda")
+    ws = [[torch.randn(D, D, device="cuda") / 8 for _ in range(L)] for _ in range(B)]
+    hs = [[torch.empty(16, D, device="cuda") for _ in range(L)] for _ in range(B)]
+    y = torch.empty(16, D, device="cuda")
+    with sd.Runtime("cuda", streams=4) as rt:
+        g = wide_graph(rt, x, ws, hs, y)
+        for _ in range(300):
+            new = torch.randn(16, D, device="cuda")
+            rt.submit(x.copy_, new, reads=[new], writes=[x])
+            g.run()
+            got = rt.submit(y.clone, reads=[y]).result()
+            h = [new] * B
+            for layer in range(L):
+                h = [torch.relu(h[b] @ ws[b][layer]) for b in range(B)]
+            torch.testing.assert_close(got, torch.stack(h).sum(0), rtol=1e-5, atol=1e-5)
+        stats = g.statistics()
+        assert stats.replays >= 298 and stats.fallbacks == 0
+
+
+def test_recapture_when_an_argument_changes_address_and_shape():
+    x = torch.ones(4, 4, device="cuda")
+    y = torch.empty(4, 4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda a, o: torch.mul(a, 2, out=o), x, y, reads=[x], writes=[y])
+        for _ in range(3):
+            g.run().result()
+        x.set_(torch.full((8, 8), 3.0, device="cuda"))
+        y.set_(torch.empty(8, 8, device="cuda"))
+        g.run().result()
+        rt.synchronize()
+        assert torch.equal(y, torch.full((8, 8), 6.0, device="cuda"))
+        assert g.statistics().recaptures == 1
+
+
+def test_capture_failure_falls_back_with_one_warning_and_streams_stay_usable():
+    a = torch.ones(8, device="cuda")
+    out = torch.zeros(8, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: out.copy_(a * a.sum().item()), reads=[a], writes=[out], name="syncs")
+        g.run().result()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            g.run().result()
+            g.run().result()
+        msgs = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+        assert len(msgs) == 1 and "syncs" in msgs[0]
+        assert torch.equal(out, torch.full((8,), 8.0, device="cuda"))
+        assert rt.submit(torch.add, a, 1, reads=[a]).result().sum().item() == 16.0
+        assert "not used" in g.explain()
+
+
+SANITIZED = textwrap.dedent(
+    """
+    import torch, streamdag as sd
+    a = torch.randn(1 << 20, device="cuda")
+    with sd.Runtime("cuda", streams=4) as rt:
+        for i in range(20):
+            b = torch.empty_like(a)
+            rt.submit(torch.mul, a, 2, out=b, reads=[a], writes=[b])
+            rt.submit(torch.add, b, 1, out=a, reads=[b], writes=[a])
+    print("done")
+    """
+)
+
+
+@pytest.mark.parametrize("drop_waits", [False, True])
+def test_stream_sanitizer_finds_no_race_unless_waits_are_dropped(drop_waits):
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
+    if drop_waits:
+        env["STREAMDAG_TEST_DROP_WAITS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", SANITIZED], env=env, capture_output=True, text=True,
+                          timeout=300)
+    text = proc.stdout + proc.stderr
+    raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
+    assert raced == drop_waits, text[-3000:]
