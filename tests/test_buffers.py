@@ -68,3 +68,20 @@ def test_non_buffer_is_refused_with_the_fix():
 def test_sparse_tensor_is_refused():
     with pytest.raises(sd.InvalidBuffer, match="to_dense"):
         region_of(torch.zeros(3, 3).to_sparse())
+
+
+def test_coalesce_merges_touching_ranges_and_keeps_writes():
+    from streamdag.graph import Access, Region
+    from streamdag.graph.buffers import coalesce
+
+    got = coalesce([
+        Access(Region("cpu", 0, 8), False),
+        Access(Region("cpu", 8, 16), True),
+        Access(Region("cpu", 32, 40), False),
+        Access(Region("cuda:0", 0, 8), False),
+    ])
+    assert sorted(got, key=lambda a: (a.region.space, a.region.start)) == [
+        Access(Region("cpu", 0, 16), True),
+        Access(Region("cpu", 32, 40), False),
+        Access(Region("cuda:0", 0, 8), False),
+    ]

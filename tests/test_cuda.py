@@ -62,7 +62,7 @@ def test_lifetimes_survive_dropped_references():
         for i in range(3000):
             a = torch.full((n,), float(i % 97), device="cuda")
             out = torch.empty((), device="cuda")
-            futures.append((i, rt.submit(lambda a, out: torch.sum(a * 2, out=out), a, out,
+            futures.append((i, rt.submit(lambda a, out: torch.sum(a * 2, dim=0, out=out), a, out,
                                          reads=[a], writes=[out])))
             del a, out
             torch.empty(n, device="cuda").fill_(-1.0)  # churn the allocator

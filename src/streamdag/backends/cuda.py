@@ -146,6 +146,8 @@ class CudaBackend:
 
     def launch(self, stream: CudaStream, work: Callable[[], None]) -> None:
         prev = torch.cuda.current_stream(self.torch_device)
+        # work the caller enqueued on its own stream (creating inputs, say) comes first
+        stream.raw.wait_stream(prev)
         torch.cuda.set_stream(stream.raw)
         try:
             work()

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import InvalidBuffer
 
-__all__ = ["Access", "Marker", "Region", "read", "region_of", "write"]
+__all__ = ["Access", "Marker", "Region", "coalesce", "read", "region_of", "write"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +146,26 @@ def region_of(value: Any) -> Region:
         "from memory, so declare numpy arrays or torch tensors (e.g. numpy.asarray(x)); "
         "plain Python values need no declaration, pass them as ordinary arguments"
     )
+
+
+def coalesce(accesses: list[Access]) -> list[Access]:
+    """Fewer, larger accesses spanning the same bytes: overlapping or touching ranges merge.
+
+    A merged range is a write if any part was; never misses a conflict, may add one.
+    """
+    by_space: dict[str, list[Access]] = {}
+    for a in accesses:
+        if a.region.start != a.region.end:
+            by_space.setdefault(a.region.space, []).append(a)
+    merged: list[Access] = []
+    for space, items in by_space.items():
+        items.sort(key=lambda a: a.region.start)
+        start, end, wr = items[0].region.start, items[0].region.end, items[0].write
+        for a in items[1:]:
+            if a.region.start <= end:
+                end, wr = max(end, a.region.end), wr or a.write
+            else:
+                merged.append(Access(Region(space, start, end), wr))
+                start, end, wr = a.region.start, a.region.end, a.write
+        merged.append(Access(Region(space, start, end), wr))
+    return merged

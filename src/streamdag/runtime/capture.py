@@ -59,6 +59,17 @@ def _tensor_key(obj: Any) -> Any:
     return None
 
 
+def _tensors_in(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o)
+
+
 class _Captured:
     def __init__(self, graph: torch.cuda.CUDAGraph, values: list[Any], schedule: Schedule) -> None:
         self.graph = graph
@@ -84,6 +95,16 @@ class CudaGraphRunner:
 
     def key(self) -> Any:
         return tuple(_tensor_key((op.args, op.kwargs)) for op in self.recorded._ops)
+
+    def _still_valid(self) -> bool:
+        """Fast check that no captured tensor moved or changed shape (C++ loop for the addresses)."""
+        tensors = self._tensors
+        check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+        if check is None:
+            return self.key() == self._key
+        return check(tensors, self._ptrs, self._indices) and [
+            (t.shape, t.stride(), t.dtype) for t in tensors
+        ] == self._meta
 
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
@@ -146,9 +167,9 @@ class CudaGraphRunner:
 
         if self._failed is not None:
             return False
-        key = self.key()
-        if self._captured is not None and key == self._key:
+        if self._captured is not None and self._still_valid():
             return True
+        key = self.key()
         if self._captured is not None:
             self.stats.recaptures += 1
         if before_capture is not None:
@@ -188,6 +209,14 @@ class CudaGraphRunner:
         self._captured = best[1]
         self.stats.chosen_streams = best[1].schedule.num_streams
         self._key = key
+        seen: dict[int, torch.Tensor] = {}
+        for op in self.recorded._ops:
+            for t in _tensors_in((op.args, op.kwargs)):
+                seen.setdefault(id(t), t)
+        self._tensors = list(seen.values())
+        self._ptrs = [t.data_ptr() for t in self._tensors]
+        self._indices = list(range(len(self._tensors)))
+        self._meta = [(t.shape, t.stride(), t.dtype) for t in self._tensors]
         self.stats.capture_seconds = time.perf_counter() - t0
         return True
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExceptionGroup
-from ..graph.buffers import Access
+from ..graph.buffers import Access, coalesce
 from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
@@ -78,6 +78,7 @@ class RecordedGraph:
         self._schedule: Schedule | None = None
         self._runs = 0
         self._runner: Any = None
+        self._replay_accesses: list[Access] | None = None
         self.capture = runtime.device.startswith("cuda")
 
     def __len__(self) -> int:
@@ -170,7 +171,9 @@ class RecordedGraph:
             ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
         if not ok:
             return None
-        accesses = [a for rec in self._ops for a in rec.accesses]
+        if self._replay_accesses is None:
+            self._replay_accesses = coalesce([a for rec in self._ops for a in rec.accesses])
+        accesses = self._replay_accesses
         return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, accesses, "graph_replay",
                            "graph_replay", True, 0)
 
