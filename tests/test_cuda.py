@@ -168,12 +168,15 @@ def test_capture_failure_falls_back_with_one_warning_and_streams_stay_usable():
 SANITIZED = textwrap.dedent(
     """
     import torch, streamdag as sd
-    a = torch.randn(1 << 20, device="cuda")
+    x = torch.randn(1 << 20, device="cuda")
+    outs = [torch.empty_like(x) for _ in range(4)]
+    y = torch.empty_like(x)
     with sd.Runtime("cuda", streams=4) as rt:
-        for i in range(20):
-            b = torch.empty_like(a)
-            rt.submit(torch.mul, a, 2, out=b, reads=[a], writes=[b])
-            rt.submit(torch.add, b, 1, out=a, reads=[b], writes=[a])
+        for i in range(10):
+            rt.submit(x.mul_, 1.5, writes=[x])  # fork: four consumers on four streams
+            for o in outs:
+                rt.submit(torch.mul, x, 2, out=o, reads=[x], writes=[o])
+            rt.submit(lambda: torch.sum(torch.stack(outs), 0, out=y), reads=outs, writes=[y])
     print("done")
     """
 )

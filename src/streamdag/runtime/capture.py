@@ -97,14 +97,16 @@ class CudaGraphRunner:
         return tuple(_tensor_key((op.args, op.kwargs)) for op in self.recorded._ops)
 
     def _still_valid(self) -> bool:
-        """Fast check that no captured tensor moved or changed shape (C++ loop for the addresses)."""
+        """Fast check that no captured tensor moved or changed shape (C++ loop for the addresses).
+
+        A new address or shape is what in-place ``set_``/``resize_`` change; a changed
+        dtype or stride always comes with one of them.
+        """
         tensors = self._tensors
         check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
         if check is None:
             return self.key() == self._key
-        return check(tensors, self._ptrs, self._indices) and [
-            (t.shape, t.stride(), t.dtype) for t in tensors
-        ] == self._meta
+        return check(tensors, self._ptrs, self._indices) and [t.shape for t in tensors] == self._meta
 
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
@@ -216,7 +218,7 @@ class CudaGraphRunner:
         self._tensors = list(seen.values())
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self._indices = list(range(len(self._tensors)))
-        self._meta = [(t.shape, t.stride(), t.dtype) for t in self._tensors]
+        self._meta = [t.shape for t in self._tensors]
         self.stats.capture_seconds = time.perf_counter() - t0
         return True
 
