@@ -99,8 +99,8 @@ class CudaGraphRunner:
     def _still_valid(self) -> bool:
         """Fast check that no captured tensor moved or changed shape (C++ loop for the addresses).
 
-        A new address or shape is what in-place ``set_``/``resize_`` change; a changed
-        dtype or stride always comes with one of them.
+        A new address or shape is what in-place ``set_``/``resize_`` change. Not seen:
+        an in-place ``as_strided_`` that keeps both (a known gap).
         """
         tensors = self._tensors
         check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
