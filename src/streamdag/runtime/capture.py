@@ -11,12 +11,13 @@ the fastest wins. One stream is always a candidate, so a graph whose ops
 would not gain from concurrency runs as a single-stream graph: never slower
 than the best single-stream baseline.
 
-A capture stays valid while every tensor argument keeps its address, shape,
-stride and dtype; any change recaptures (``statistics()`` counts it).
+A capture stays valid while every tensor argument keeps its address and
+shape; a change recaptures (``statistics()`` counts it).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,16 +50,6 @@ class CaptureFailed(RuntimeError):
         self.op_name = op_name
 
 
-def _tensor_key(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return (obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device)
-    if isinstance(obj, (list, tuple)):
-        return tuple(_tensor_key(o) for o in obj)
-    if isinstance(obj, dict):
-        return tuple((k, _tensor_key(v)) for k, v in obj.items())
-    return None
-
-
 def _tensors_in(obj: Any):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -71,10 +62,15 @@ def _tensors_in(obj: Any):
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, values: list[Any], schedule: Schedule) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, values: list[Any], schedule: Schedule,
+                 accesses: list[list[Any]]) -> None:
         self.graph = graph
         self.values = values
         self.schedule = schedule
+        # results in the graph's private pool are copied out after each replay;
+        # results that are the op's own declared outputs are returned as they are
+        self.copy_out = [isinstance(v, torch.Tensor) and not _declared(acc, v)
+                         for v, acc in zip(values, accesses)]
 
 
 class CudaGraphRunner:
@@ -85,7 +81,8 @@ class CudaGraphRunner:
         self.device = device
         self.stats = CaptureStatistics()
         self._captured: _Captured | None = None
-        self._key: Any = None
+        self._tensors: list[torch.Tensor] = []
+        self._snapshot: Any = None
         self._failed: str | None = None
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -93,20 +90,23 @@ class CudaGraphRunner:
     def fallback_reason(self) -> str | None:
         return self._failed
 
-    def key(self) -> Any:
-        return tuple(_tensor_key((op.args, op.kwargs)) for op in self.recorded._ops)
+    def _take_snapshot(self) -> Any:
+        """Addresses and shapes of every tensor argument: what in-place ``set_``/``resize_`` change.
 
-    def _still_valid(self) -> bool:
-        """Fast check that no captured tensor moved or changed shape (C++ loop for the addresses).
-
-        A new address or shape is what in-place ``set_``/``resize_`` change. Not seen:
-        an in-place ``as_strided_`` that keeps both (a known gap).
+        Not seen: an in-place ``as_strided_`` that keeps both (a known gap).
         """
         tensors = self._tensors
+        return [t.data_ptr() for t in tensors], [t.shape for t in tensors]
+
+    def _still_valid(self) -> bool:
+        ptrs, shapes = self._snapshot
         check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+        tensors = self._tensors
         if check is None:
-            return self.key() == self._key
-        return check(tensors, self._ptrs, self._indices) and [t.shape for t in tensors] == self._meta
+            same_ptrs = [t.data_ptr() for t in tensors] == ptrs
+        else:  # one C++ loop instead of a Python call per tensor
+            same_ptrs = check(tensors, ptrs, list(range(len(tensors))))
+        return same_ptrs and [t.shape for t in tensors] == shapes
 
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
@@ -148,7 +148,7 @@ class CudaGraphRunner:
             raise CaptureFailed(current, failure or exc) from exc
         if failure is not None:
             raise CaptureFailed(current, failure) from failure
-        return _Captured(graph, values, sched)
+        return _Captured(graph, values, sched, [rec.accesses for rec in ops])
 
     def _time(self, captured: _Captured, reps: int = 5) -> float:
         stream = torch.cuda.current_stream(self.device)
@@ -165,13 +165,10 @@ class CudaGraphRunner:
 
     def prepare(self, max_streams: int, before_capture: Any = None) -> bool:
         """Capture (choosing the stream count by measurement); False if the graph must run eagerly."""
-        import time
-
         if self._failed is not None:
             return False
         if self._captured is not None and self._still_valid():
             return True
-        key = self.key()
         if self._captured is not None:
             self.stats.recaptures += 1
         if before_capture is not None:
@@ -210,15 +207,12 @@ class CudaGraphRunner:
         assert best is not None
         self._captured = best[1]
         self.stats.chosen_streams = best[1].schedule.num_streams
-        self._key = key
         seen: dict[int, torch.Tensor] = {}
         for op in self.recorded._ops:
             for t in _tensors_in((op.args, op.kwargs)):
                 seen.setdefault(id(t), t)
         self._tensors = list(seen.values())
-        self._ptrs = [t.data_ptr() for t in self._tensors]
-        self._indices = list(range(len(self._tensors)))
-        self._meta = [t.shape for t in self._tensors]
+        self._snapshot = self._take_snapshot()
         self.stats.capture_seconds = time.perf_counter() - t0
         return True
 
@@ -228,14 +222,9 @@ class CudaGraphRunner:
         assert cap is not None
         cap.graph.replay()
         self.stats.replays += 1
-        out = []
-        for rec, value in zip(self.recorded._ops, cap.values):
-            if isinstance(value, torch.Tensor) and not _declared(rec, value):
-                value = value.clone()
-            out.append(value)
-        return out
+        return [v.clone() if c else v for v, c in zip(cap.values, cap.copy_out)]
 
 
-def _declared(rec: Any, value: torch.Tensor) -> bool:
+def _declared(accesses: list[Any], value: torch.Tensor) -> bool:
     r = region_of(value)
-    return any(a.write and a.region.covers(r) for a in rec.accesses)
+    return any(a.write and a.region.covers(r) for a in accesses)
