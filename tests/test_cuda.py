@@ -173,7 +173,8 @@ SANITIZED = textwrap.dedent(
     y = torch.empty_like(x)
     with sd.Runtime("cuda", streams=4) as rt:
         for i in range(10):
-            rt.submit(x.mul_, 1.5, writes=[x])  # fork: four consumers on four streams
+            # a slow producer, so that the consumers are launched while it still runs
+            rt.submit(lambda: (torch.cuda._sleep(2_000_000), x.mul_(1.5)), writes=[x])
             for o in outs:
                 rt.submit(torch.mul, x, 2, out=o, reads=[x], writes=[o])
             rt.submit(lambda: torch.sum(torch.stack(outs), 0, out=y), reads=outs, writes=[y])
@@ -192,3 +193,55 @@ def test_stream_sanitizer_finds_no_race_unless_waits_are_dropped(drop_waits):
     text = proc.stdout + proc.stderr
     raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
     assert raced == drop_waits, text[-3000:]
+
+
+def test_pageable_transfers_are_staged_in_chunks_and_round_trip():
+    import numpy as np
+
+    from streamdag.runtime import transfers
+
+    n = (3 * transfers.CHUNK_BYTES) // 4 + 12345  # several chunks, a ragged end
+    host = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    back = np.empty_like(host)
+    with sd.Runtime("cuda", streams=2, staging_bytes=4 * transfers.CHUNK_BYTES) as rt:
+        dev = rt.to_device(host).result()
+        rt.submit(dev.mul_, 2, writes=[dev])
+        rt.copy(back, dev).result()
+    assert np.array_equal(back, host * 2)
+
+
+def test_transfer_bytes_in_flight_stay_bounded():
+    limit = 4 << 20
+    with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:
+        hosts = [torch.randn(1 << 18).pin_memory() for _ in range(32)]  # 1 MiB each
+        devs = [rt.to_device(h) for h in hosts]
+        for h, d in zip(hosts, devs):
+            assert torch.equal(d.result().cpu(), h)
+        assert 0 < rt.statistics().peak_inflight_bytes <= limit
+
+
+DEVICE_LOST = textwrap.dedent(
+    """
+    import torch, streamdag as sd
+    a = torch.zeros(4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        bad = rt.submit(lambda: a[torch.tensor([10], device="cuda")].sum().item(), reads=[a])
+        print("bad:", type(bad.exception(timeout=60)).__name__)
+        later = rt.submit(torch.add, a, 1, reads=[a])
+        print("later:", type(later.exception(timeout=60)).__name__)
+        try:
+            rt.synchronize()
+        except sd.ExceptionGroup as group:
+            print("group:", sorted({type(e).__name__ for e in group.exceptions}))
+    print("finished")
+    """
+)
+
+
+def test_sticky_error_marks_the_device_lost_and_nothing_hangs():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", DEVICE_LOST], env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout
+    assert "finished" in out, proc.stdout + proc.stderr[-3000:]
+    assert "later: DeviceLost" in out

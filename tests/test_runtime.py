@@ -205,3 +205,34 @@ def test_graph_run_reports_root_failures(rt):
     assert [type(e) for e in info.value.exceptions] == [ZeroDivisionError]
     with pytest.raises(sd.ExceptionGroup):
         rt.synchronize()
+
+
+def test_copy_is_an_op_ordered_like_any_other(rt):
+    a = np.arange(1000.0)
+    b = np.zeros(1000)
+    rt.submit(np.multiply, a, 2, out=a, writes=[a])
+    f = rt.copy(b, a)
+    assert f.result() is b
+    assert np.array_equal(b, np.arange(1000.0) * 2)
+
+
+def test_byte_budget_blocks_until_earlier_transfers_complete():
+    from streamdag.runtime.transfers import ByteBudget
+
+    budget = ByteBudget(100)
+    budget.acquire(60)
+    got = threading.Event()
+
+    def second():
+        budget.acquire(60)
+        got.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not got.wait(0.2)
+    budget.release(60)
+    assert got.wait(5)
+    t.join()
+    budget.release(60)
+    budget.acquire(500)  # larger than the limit: runs alone once nothing else is in flight
+    assert budget.used == 500 and budget.peak == 500

@@ -2,10 +2,9 @@
 
 ``launch`` runs the op's host code at once with its stream current, so every
 kernel it enqueues lands on that stream; nothing on this path synchronizes
-the host. Completion is observed by one watcher thread per stream, which
-sleeps in ``cudaEventSynchronize`` (blocking-sync events) and then calls the
-runtime back: events of one stream complete in order, so a FIFO per stream
-is exact.
+the host. Completion is observed by one thread that polls each stream's
+events in order (events of one stream complete in order, so a FIFO per
+stream is exact) and sleeps in ``cudaEventSynchronize`` when nothing is done.
 
 A sticky CUDA error (illegal address, device-side assert, launch failure)
 makes every later call on the device fail; the backend then marks itself
@@ -15,8 +14,8 @@ lost and the runtime fails every pending and later op with
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -74,35 +73,70 @@ class CudaEvent:
         return self.raw.elapsed_time(end.raw)
 
 
-class _Watcher:
-    """Waits for one stream's events in order and calls back."""
+class _Completions:
+    """One thread observes the completion events of every stream, in order per stream.
 
-    def __init__(self, owner: CudaBackend, name: str) -> None:
+    It finishes every op whose event has completed in one pass (one GIL hand-off
+    for many ops), and when none has, sleeps in ``cudaEventSynchronize`` on the
+    oldest pending event (GIL released).
+    """
+
+    def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
-        self._queue: queue.SimpleQueue[tuple[CudaEvent, Callable[..., None]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
+            deque() for _ in range(streams)
+        ]
+        self._seq = 0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
 
-    def put(self, event: CudaEvent, callback: Callable[..., None]) -> None:
-        self._queue.put((event, callback))
+    def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> None:
+        self._seq += 1
+        self._queues[stream].append((self._seq, event, callback))
+        self._wake.set()
+
+    def _drain(self) -> bool:
+        """Finish what has completed; True if anything did."""
+        progressed = False
+        owner = self._owner
+        for q in self._queues:
+            while q:
+                _, event, callback = q[0]
+                error = owner.lost
+                if error is None:
+                    try:
+                        if not event.query():
+                            break
+                    except Exception as exc:  # a sticky error surfaces here
+                        error = owner.mark_lost(exc)
+                q.popleft()
+                callback(error)
+                progressed = True
+        return progressed
 
     def _loop(self) -> None:
         torch.cuda.set_device(self._owner.torch_device)
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            event, callback = item
-            error = self._owner.lost
-            if error is None:
+            if self._drain():
+                continue
+            heads = [q[0] for q in self._queues if q]
+            if heads:
+                oldest = min(heads, key=lambda h: h[0])
                 try:
-                    event.synchronize()
-                except Exception as exc:  # a sticky error surfaces here
-                    error = self._owner.mark_lost(exc)
-            callback(error)
+                    oldest[1].synchronize()
+                except Exception as exc:
+                    self._owner.mark_lost(exc)
+                continue
+            if self._stopping:
+                return
+            self._wake.wait()
+            self._wake.clear()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
 
 
@@ -131,7 +165,8 @@ class CudaBackend:
                 "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
             }
         self._all = self._streams + list(self._copy.values())
-        self._watchers = [_Watcher(self, f"streamdag-watch-{s.index}") for s in self._all]
+        self._completions = _Completions(self, len(self._all))
+        self._caller_event = torch.cuda.Event()
 
     @property
     def streams(self) -> list[CudaStream]:
@@ -146,8 +181,10 @@ class CudaBackend:
 
     def launch(self, stream: CudaStream, work: Callable[[], None]) -> None:
         prev = torch.cuda.current_stream(self.torch_device)
-        # work the caller enqueued on its own stream (creating inputs, say) comes first
-        stream.raw.wait_stream(prev)
+        # work the caller enqueued on its own stream (creating inputs, say) comes first;
+        # a wait takes the event's state when it is issued, so one event object serves all
+        self._caller_event.record(prev)
+        stream.raw.wait_event(self._caller_event)
         torch.cuda.set_stream(stream.raw)
         try:
             work()
@@ -155,7 +192,7 @@ class CudaBackend:
             torch.cuda.set_stream(prev)
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
-        self._watchers[stream.index].put(event, callback)
+        self._completions.put(stream.index, event, callback)
 
     is_sticky = staticmethod(is_sticky)
 
@@ -168,5 +205,4 @@ class CudaBackend:
         torch.cuda.synchronize(self.torch_device)
 
     def close(self) -> None:
-        for w in self._watchers:
-            w.stop()
+        self._completions.stop()

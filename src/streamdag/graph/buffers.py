@@ -99,17 +99,25 @@ def _extent(base: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsiz
     return lo, hi + itemsize
 
 
+_SPACES: dict[Any, str] = {}
+
+
 def _torch_region(t: Any) -> Region:
     dev = t.device
-    space = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
-    if str(t.layout) != "torch.strided":
+    space = _SPACES.get(dev)
+    if space is None:
+        space = _SPACES[dev] = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+    if t.layout is not _STRIDED:
         raise InvalidBuffer(
             f"streamdag tracks strided tensors only (got layout {t.layout}); "
             "pass a dense tensor (t.to_dense()) in reads/writes"
         )
     size = t.element_size()
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case: one C call instead of a loop over dimensions
+        return Region(space, start, start + t.numel() * size)
     stride_bytes = tuple(s * size for s in t.stride())
-    start, end = _extent(t.data_ptr(), tuple(t.shape), stride_bytes, size)
+    start, end = _extent(start, tuple(t.shape), stride_bytes, size)
     return Region(space, start, end)
 
 
@@ -120,27 +128,59 @@ def _interface_region(iface: dict, space: str) -> Region:
     itemsize = int(typestr[2:])
     strides = iface.get("strides")
     if strides is None:  # C-contiguous
-        strides_l = []
-        acc = itemsize
-        for n in reversed(shape):
-            strides_l.append(acc)
-            acc *= max(n, 1)
-        strides = tuple(reversed(strides_l))
+        count = 1
+        for n in shape:
+            count *= n
+        return Region(space, ptr, ptr + count * itemsize)
     start, end = _extent(ptr, shape, tuple(strides), itemsize)
     return Region(space, start, end)
 
 
+def _numpy_like_region(value: Any) -> Region:
+    return _interface_region(value.__array_interface__, "cpu")
+
+
+def _cuda_interface_region(value: Any) -> Region:
+    device_id = getattr(getattr(value, "device", None), "id", 0)
+    return _interface_region(value.__cuda_array_interface__, f"cuda:{device_id}")
+
+
+#: How to read the memory of each type seen so far: looked up once per type.
+_HANDLERS: dict[type, Any] = {}
+
+
+def _handler_for(cls: type) -> Any:
+    if cls.__module__.startswith("torch") and hasattr(cls, "untyped_storage"):
+        global _STRIDED
+        import torch
+
+        _STRIDED = torch.strided
+        return _torch_region
+    if hasattr(cls, "__cuda_array_interface__"):
+        return _cuda_interface_region
+    if hasattr(cls, "__array_interface__"):
+        return _numpy_like_region
+    return None
+
+
+_STRIDED: Any = None
+
+
 def region_of(value: Any) -> Region:
     """The memory ``value`` spans. Raises :class:`InvalidBuffer` with the fix if it is not memory."""
-    mod = type(value).__module__
-    if mod.startswith("torch") and hasattr(value, "untyped_storage"):
-        return _torch_region(value)
+    cls = type(value)
+    handler = _HANDLERS.get(cls)
+    if handler is None:
+        handler = _HANDLERS.setdefault(cls, _handler_for(cls) or _probe_instance)
+    return handler(value)
+
+
+def _probe_instance(value: Any) -> Region:
+    """For objects that carry an array interface as an instance attribute, or none at all."""
     if hasattr(value, "__cuda_array_interface__"):
-        device_id = getattr(getattr(value, "device", None), "id", 0)
-        return _interface_region(value.__cuda_array_interface__, f"cuda:{device_id}")
-    iface = getattr(value, "__array_interface__", None)
-    if iface is not None:
-        return _interface_region(iface, "cpu")
+        return _cuda_interface_region(value)
+    if hasattr(value, "__array_interface__"):
+        return _numpy_like_region(value)
     raise InvalidBuffer(
         f"cannot track a {type(value).__name__} in reads/writes: streamdag infers dependencies "
         "from memory, so declare numpy arrays or torch tensors (e.g. numpy.asarray(x)); "

@@ -26,6 +26,7 @@ from ..graph.buffers import Access
 from ..graph.hazards import DepsTracker
 from ..schedule.waits import StreamClocks
 from .ops import Future, Op, collect_accesses
+from .transfers import ByteBudget, PinnedPool
 
 __all__ = ["Runtime", "RuntimeStatistics"]
 
@@ -44,6 +45,8 @@ class RuntimeStatistics:
     failed: int
     streams: int
     max_inflight: int
+    inflight_bytes: int
+    peak_inflight_bytes: int
 
 
 class Runtime:
@@ -62,6 +65,8 @@ class Runtime:
         streams: int | None = None,
         max_inflight: int = 256,
         *,
+        max_inflight_bytes: int = 1 << 30,
+        staging_bytes: int = 256 << 20,
         seed: int = 0,
         backend: Backend | None = None,
     ) -> None:
@@ -90,6 +95,9 @@ class Runtime:
         self._peak = 0
         self._closed = False
         self._recording: Any = None
+        self._can_be_lost = hasattr(self.backend, "lost")
+        self._bytes = ByteBudget(max_inflight_bytes)
+        self._staging = PinnedPool(staging_bytes)
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", self.device}
 
     # ------------------------------------------------------------------ API
@@ -128,21 +136,21 @@ class Runtime:
 
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
         """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams."""
-        from .transfers import copy
+        from . import transfers
 
-        return copy(self, dst, src, name)
+        return transfers.copy(self, dst, src, name)
 
     def to_device(self, x: Any, name: str | None = None) -> Future:
         """A Future of a device tensor holding host data ``x``."""
-        from .transfers import to_device
+        from . import transfers
 
-        return to_device(self, x, name)
+        return transfers.to_device(self, x, name)
 
     def to_host(self, t: Any, name: str | None = None) -> Future:
         """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
-        from .transfers import to_host
+        from . import transfers
 
-        return to_host(self, t, name)
+        return transfers.to_host(self, t, name)
 
     def synchronize(self) -> None:
         """Wait for every op submitted so far.
@@ -174,6 +182,8 @@ class Runtime:
                 failed=self._failed,
                 streams=self.num_streams,
                 max_inflight=self.max_inflight,
+                inflight_bytes=self._bytes.used,
+                peak_inflight_bytes=self._bytes.peak,
             )
 
     @contextmanager
@@ -232,7 +242,8 @@ class Runtime:
                     f"streamdag.Runtime(device={acc.region.space!r})"
                 )
 
-    def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool, stream: int | None = None):
+    def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool, stream: int | None = None,
+                device_ordered: bool = False):
         self._check_open()
         if not callable(fn):
             raise TypeError(f"submit() needs a callable first, got {type(fn).__name__}")
@@ -242,9 +253,10 @@ class Runtime:
         recording = self._recording
         if recording is not None:
             return recording.add(fn, args, kwargs, accesses, name, stream, written)
-        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream)
+        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered)
 
-    def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None):
+    def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
+                 device_ordered: bool = False):
         if not self._slots.acquire(blocking=blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
@@ -254,6 +266,8 @@ class Runtime:
             self._seq += 1
             op = Op(self._seq, op_name if name else f"{op_name}#{self._seq}", fn, args, kwargs, accesses)
             deps = self._tracker.depends_on(accesses)
+            if not (device_ordered or self.backend.deferred):
+                _wait_for_host_inputs(accesses, deps)
             self._launch(op, deps, stream=stream)
         return op.future
 
@@ -275,7 +289,7 @@ class Runtime:
             self._busy[stream] += 1
             self._peak = max(self._peak, len(self._pending))
         backend = self.backend
-        lost = getattr(backend, "lost", None)
+        lost = backend.lost if self._can_be_lost else None
         if lost is not None:
             op.deps = ()
             op.error, op.root_name, op.root_error = lost, op.name, lost
@@ -288,15 +302,20 @@ class Runtime:
         backend.when_done(s, op.event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op]) -> int:
-        """Continue a producer's stream when it is that stream's last op; else the least busy one."""
+        """Continue a producer's compute stream when it is that stream's last op; else the least busy one.
+
+        Copy streams are never continued: compute placed there would serialize with copies.
+        """
         for dep in reversed(live):
             st = dep.stamp
-            if st is not None and self._clocks.tail(st.stream) == st.pos:
+            if st is not None and st.stream < self._compute and self._clocks.tail(st.stream) == st.pos:
                 return st.stream
         n = self._compute
-        start = self._next_stream
-        best = min(range(n), key=lambda i: (self._busy[(start + i) % n], i))
-        chosen = (start + best) % n
+        busy = self._busy
+        least = min(busy[:n])
+        chosen = self._next_stream  # round robin among the least busy
+        while busy[chosen] != least:
+            chosen = (chosen + 1) % n
         self._next_stream = (chosen + 1) % n
         return chosen
 
@@ -323,6 +342,18 @@ class Runtime:
             op.future.set_result(value)
         else:
             op.future.set_exception(error)
+
+
+def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
+    """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
+
+    Device work (kernels, copies) is ordered by events; host code reading or
+    writing host memory that pending device work touches waits on the host.
+    """
+    if any(a.region.space == "cpu" for a in accesses):
+        for dep in deps:
+            if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
+                dep.event.synchronize()
 
 
 def _is_sticky(backend: Any, error: BaseException) -> bool:

@@ -43,17 +43,25 @@ def collect_accesses(
 
     Also returns the objects written, for graphs that must save and restore them.
     """
-    if isinstance(reads, Marker) or not isinstance(reads, Iterable) or _is_buffer(reads):
-        raise TypeError("reads= takes a list of buffers, e.g. reads=[a, b]")
-    if isinstance(writes, Marker) or not isinstance(writes, Iterable) or _is_buffer(writes):
-        raise TypeError("writes= takes a list of buffers, e.g. writes=[c]")
-    writes = list(writes)
+    reads = _as_list(reads, "reads=[a, b]")
+    writes = _as_list(writes, "writes=[c]")
     accesses = [Access(region_of(r), False) for r in reads]
     accesses += [Access(region_of(w), True) for w in writes]
-    written = writes + [v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write]
-    args = tuple(_unwrap(a, accesses) for a in args)
-    kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
-    return args, kwargs, accesses, written
+    written = writes
+    if any(type(v) is Marker for v in args) or any(type(v) is Marker for v in kwargs.values()):
+        written = writes + [v.value for v in (*args, *kwargs.values())
+                            if isinstance(v, Marker) and v.write]
+        args = tuple(_unwrap(a, accesses) for a in args)
+        kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
+    return tuple(args), kwargs, accesses, written
+
+
+def _as_list(value: Any, example: str) -> list[Any]:
+    if type(value) is list or type(value) is tuple:  # the common case, checked cheaply
+        return list(value)
+    if isinstance(value, Marker) or not isinstance(value, Iterable) or _is_buffer(value):
+        raise TypeError(f"{example.split('=')[0]}= takes a list of buffers, e.g. {example}")
+    return list(value)
 
 
 def _is_buffer(value: Any) -> bool:

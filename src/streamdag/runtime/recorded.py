@@ -14,6 +14,7 @@ from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
+from .core import _wait_for_host_inputs
 from .ops import Future, Op
 
 if TYPE_CHECKING:
@@ -152,8 +153,11 @@ class RecordedGraph:
                 op = Op(rt._seq, rec.name, rec.fn, rec.args, rec.kwargs, rec.accesses)
                 op.run_id = run_id
                 outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
+                deps = outside + [launched[u] for u in sched.preds[v]]
+                if rec.stream is None and not rt.backend.deferred:  # host code runs now
+                    _wait_for_host_inputs(rec.accesses, deps)
                 stream = sched.stream[v] if rec.stream is None else rec.stream
-                rt._launch(op, outside + [launched[u] for u in sched.preds[v]], stream)
+                rt._launch(op, deps, stream)
                 launched.append(op)
         for op in launched:
             op.future.add_done_callback(one_done)

@@ -1,7 +1,18 @@
-"""Copies between host and device as ops on the copy streams (one per direction)."""
+"""Copies between host and device as ops on the copy streams (one per direction).
+
+- Pinned host memory is copied directly; the runtime keeps it referenced until
+  the copy has completed.
+- Pageable host memory is staged through pinned buffers from a pool of
+  bounded size (:class:`PinnedPool`), in chunks, so that the host copy of one
+  chunk overlaps the DMA of the one before. A buffer returns to the pool only
+  once the copy that reads or writes it has completed.
+- ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
+  would pass it blocks the submitter until earlier copies complete.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,7 +23,77 @@ from .ops import Future
 if TYPE_CHECKING:
     from .core import Runtime
 
-__all__ = ["copy", "to_device", "to_host"]
+__all__ = ["ByteBudget", "PinnedPool", "copy", "to_device", "to_host"]
+
+CHUNK_BYTES = 8 << 20
+
+
+class ByteBudget:
+    """Blocks while ``limit`` bytes are in flight; one transfer larger than the limit runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class PinnedPool:
+    """Reused pinned host buffers, at most ``limit`` bytes in all; ``take`` blocks when spent."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: dict[int, list[Any]] = {}
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> Any:
+        import torch
+
+        size = 1 << max(nbytes - 1, 0).bit_length()  # size classes: powers of two
+        with self._cond:
+            while True:
+                free = self._free.get(size)
+                if free:
+                    return free.pop()
+                if self._held + size <= self.limit or self._held == 0:
+                    self._held += size
+                    break
+                if not self._drop_one_free():
+                    self._cond.wait()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def _drop_one_free(self) -> bool:
+        for size, bufs in self._free.items():
+            if bufs:
+                bufs.pop()
+                self._held -= size
+                return True
+        return False
+
+    def give(self, buf: Any) -> None:
+        with self._cond:
+            self._free.setdefault(buf.numel(), []).append(buf)
+            self._cond.notify_all()
+
+
+def _copy_into(dst: Any, src: Any) -> Any:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+        return dst
+    return dst.copy_(src)
 
 
 def _direction(src_space: str, dst_space: str) -> str | None:
@@ -23,35 +104,125 @@ def _direction(src_space: str, dst_space: str) -> str | None:
     return None
 
 
-def _copy_fn(dst: Any, src: Any):
-    if isinstance(dst, np.ndarray):
-        def run() -> Any:
-            np.copyto(dst, src)
-            return dst
-        return run
+def _as_tensor(x: Any) -> Any:
+    import torch
 
-    def run_torch() -> Any:
-        return dst.copy_(src, non_blocking=True)
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
-    return run_torch
+
+def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
+                 keep: Any = None) -> Future:
+    """One copy op, its bytes counted against the budget until it completes."""
+    nbytes = region_of(src).nbytes
+    rt._bytes.acquire(nbytes)
+
+    def run() -> Any:
+        out = dst.copy_(src, non_blocking=True)
+        _ = keep  # the staging buffer lives as long as the op
+        return out
+
+    try:
+        future = rt._submit(run, (), {}, [src], [dst], name, True, stream, device_ordered=True)
+    except BaseException:
+        rt._bytes.release(nbytes)
+        raise
+    if isinstance(future, Future):
+        future.add_done_callback(lambda _f: rt._bytes.release(nbytes))
+    else:  # recorded: counted when the graph runs, not now
+        rt._bytes.release(nbytes)
+    return future
 
 
 def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
-    """Copy ``src`` into ``dst`` after every op it conflicts with; host<->device copies use copy streams.
+    """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
+    src_space, dst_space = region_of(src).space, region_of(dst).space
+    kind = _direction(src_space, dst_space)
+    if kind is None:
+        return rt.submit(_copy_into, dst, src, reads=[src], writes=[dst], name=name or "copy")
+    stream = rt._copy_index.get(kind)
+    name = name or f"copy_{kind}"
+    src_t, dst_t = _as_tensor(src), _as_tensor(dst)
+    host = src_t if kind == "h2d" else dst_t
+    if host.is_pinned() or rt._recording is not None:
+        return _device_copy(rt, dst_t, src_t, stream, name)
+    if kind == "h2d":
+        return _staged_h2d(rt, dst_t, src_t, stream, name)
+    return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
 
-    The runtime keeps both alive until the copy has completed.
-    """
-    kind = _direction(region_of(src).space, region_of(dst).space)
-    stream = rt._copy_index.get(kind) if kind else None
-    return rt._submit(_copy_fn(dst, src), (), {}, [src], [dst], name or f"copy_{kind or 'local'}",
-                      True, stream)
+
+def _chunks(dst: Any, src: Any):
+    """Flat byte views of both, cut into pieces of at most CHUNK_BYTES."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+    d, s = dst.reshape(-1).view(dtype=_uint8()), src.reshape(-1).view(dtype=_uint8())
+    for lo in range(0, s.numel(), CHUNK_BYTES):
+        yield d[lo : lo + CHUNK_BYTES], s[lo : lo + CHUNK_BYTES]
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
+    from ..graph.buffers import Access
+    from .core import _wait_for_host_inputs
+
+    reading = [Access(region_of(src), False)]
+    with rt._lock:  # the host data must be final before we read it
+        _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
+    last = None
+    for d, s in _chunks(dst, src):
+        stage = rt._staging.take(s.numel())
+        view = stage[: s.numel()]
+        view.copy_(s)
+        last = _device_copy(rt, d, view, stream, name, keep=stage)
+        last.add_done_callback(lambda _f, stage=stage: rt._staging.give(stage))
+    return _resolve_to(last, dst)
+
+
+def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | None,
+                name: str) -> Future:
+    pieces = []
+    for d, s in _chunks(dst, src):
+        stage = rt._staging.take(s.numel())
+        view = stage[: s.numel()]
+        _device_copy(rt, view, s, stream, name, keep=stage)
+        pieces.append((d, view, stage))
+
+    def unstage() -> Any:
+        for d, view, stage in pieces:
+            d.copy_(view)
+            rt._staging.give(stage)
+        return user_dst
+
+    # a host op: it waits (on the host) for the copies into the staging buffers
+    return rt.submit(unstage, reads=[v for _, v, _ in pieces], writes=[dst], name=f"{name}_unstage")
+
+
+def _resolve_to(last: Future | None, value: Any) -> Future:
+    out = Future()
+    out.op_name = "copy"
+    if last is None:
+        out.set_result(value)
+        return out
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(value)
+
+    last.add_done_callback(done)
+    return out
 
 
 def to_device(rt: Runtime, x: Any, name: str | None = None) -> Future:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
-    src = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    src = _as_tensor(x)
     dst = torch.empty(src.shape, dtype=src.dtype, device=rt.device)
     return copy(rt, dst, src, name or "to_device")
 
