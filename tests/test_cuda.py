@@ -192,7 +192,7 @@ def test_stream_sanitizer_finds_no_race_unless_waits_are_dropped(drop_waits):
                           timeout=300)
     text = proc.stdout + proc.stderr
     raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
-    assert raced == drop_waits, text[-3000:]
+    assert raced == drop_waits, text[:6000]
 
 
 def test_pageable_transfers_are_staged_in_chunks_and_round_trip():
@@ -233,7 +233,9 @@ DEVICE_LOST = textwrap.dedent(
             rt.synchronize()
         except sd.ExceptionGroup as group:
             print("group:", sorted({type(e).__name__ for e in group.exceptions}))
-    print("finished")
+    print("finished", flush=True)
+    import os
+    os._exit(0)  # a process whose CUDA context is broken may not exit cleanly
     """
 )
 

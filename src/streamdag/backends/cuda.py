@@ -15,6 +15,7 @@ lost and the runtime fails every pending and later op with
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -52,10 +53,11 @@ class CudaStream:
 
 
 class CudaEvent:
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "timing")
 
     def __init__(self, timing: bool = False) -> None:
         self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
+        self.timing = timing
 
     def record(self, stream: CudaStream) -> None:
         self.raw.record(stream.raw)
@@ -76,10 +78,15 @@ class CudaEvent:
 class _Completions:
     """One thread observes the completion events of every stream, in order per stream.
 
-    It finishes every op whose event has completed in one pass (one GIL hand-off
-    for many ops), and when none has, sleeps in ``cudaEventSynchronize`` on the
-    oldest pending event (GIL released).
+    It finishes every op whose event has completed in one pass, then pauses
+    ``BATCH_SECONDS`` before the next pass, so that it takes the GIL from the
+    submitting thread once per batch rather than once per op. With nothing
+    completed it sleeps in ``cudaEventSynchronize`` on the oldest pending
+    event (GIL released). Events go back to the backend's pool once their op
+    has been finished.
     """
+
+    BATCH_SECONDS = 100e-6
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
@@ -113,6 +120,8 @@ class _Completions:
                         error = owner.mark_lost(exc)
                 q.popleft()
                 callback(error)
+                if error is None:
+                    owner.recycle(event)
                 progressed = True
         return progressed
 
@@ -120,6 +129,7 @@ class _Completions:
         torch.cuda.set_device(self._owner.torch_device)
         while True:
             if self._drain():
+                time.sleep(self.BATCH_SECONDS)
                 continue
             heads = [q[0] for q in self._queues if q]
             if heads:
@@ -165,6 +175,7 @@ class CudaBackend:
                 "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
             }
         self._all = self._streams + list(self._copy.values())
+        self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
         self._caller_event = torch.cuda.Event()
 
@@ -177,7 +188,18 @@ class CudaBackend:
         return self._copy
 
     def event(self, timing: bool = False) -> CudaEvent:
+        if not timing and self._free_events:
+            return self._free_events.pop()
         return CudaEvent(timing)
+
+    def recycle(self, event: CudaEvent) -> None:
+        """Take back an event whose op has finished.
+
+        Safe to reuse: the runtime issues waits on an op's event only while the
+        op is unfinished, under the same lock under which events are recorded.
+        """
+        if not event.timing:
+            self._free_events.append(event)
 
     def launch(self, stream: CudaStream, work: Callable[[], None]) -> None:
         prev = torch.cuda.current_stream(self.torch_device)

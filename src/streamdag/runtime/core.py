@@ -278,10 +278,6 @@ class Runtime:
         if stream is None:
             stream = self._choose_stream(live)
         stamp, waits = self._clocks.place(stream, [d.stamp for d in live])
-        s = self._streams[stream]
-        for i in waits:
-            if not _DROP_WAITS:
-                live[i].event.wait(s)
         op.stamp = stamp
         self._tracker.add(op, op.accesses)
         with self._done_lock:
@@ -290,15 +286,30 @@ class Runtime:
             self._peak = max(self._peak, len(self._pending))
         backend = self.backend
         lost = backend.lost if self._can_be_lost else None
-        if lost is not None:
+        if lost is not None:  # the device takes no more calls: fail at once, touch nothing
             op.deps = ()
             op.error, op.root_name, op.root_error = lost, op.name, lost
-        else:
-            backend.launch(s, op.execute)
-            if op.error is not None and not backend.deferred and _is_sticky(backend, op.error):
-                op.root_error = op.error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
-        op.event = backend.event()
-        op.event.record(s)
+            self._finish(op)
+            return
+        s = self._streams[stream]
+        try:
+            if not _DROP_WAITS:
+                for i in waits:
+                    live[i].event.wait(s)
+            backend.launch(s, op.execute)  # execute itself never raises
+            stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
+            if not stop:
+                op.event = backend.event()
+                op.event.record(s)
+        except Exception as exc:  # the backend's own calls failed
+            op.error, op.root_name, op.root_error = exc, op.name, exc
+            stop = True
+        if stop:
+            if _is_sticky(backend, op.error):
+                op.error = op.root_error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
+            op.deps = ()
+            self._finish(op)
+            return
         backend.when_done(s, op.event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op]) -> int:
