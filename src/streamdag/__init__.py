@@ -21,6 +21,18 @@ from .schedule import Schedule, build_schedule
 
 __version__ = "0.1.0"
 
+
+def compile(fn, **options):
+    """Make a PyTorch function or ``nn.Module`` run its independent operators concurrently.
+
+    See :func:`streamdag.frontend.compile` (importing it imports torch).
+    """
+    from .frontend import compile as _compile
+    from .frontend import dynamo  # noqa: F401 - registers backend="streamdag"
+
+    return _compile(fn, **options)
+
+
 __all__ = [
     "CycleError",
     "DependencyFailed",
@@ -39,6 +51,7 @@ __all__ = [
     "WouldBlock",
     "__version__",
     "build_schedule",
+    "compile",
     "read",
     "write",
 ]

@@ -116,6 +116,8 @@ class _Completions:
                     try:
                         if not event.query():
                             break
+                        # returns at once; tells PyTorch's stream sanitizer that the host saw it
+                        event.synchronize()
                     except Exception as exc:  # a sticky error surfaces here
                         error = owner.mark_lost(exc)
                 q.popleft()

@@ -72,6 +72,11 @@ class _Captured:
         self.copy_out = [isinstance(v, torch.Tensor) and not _declared(acc, v)
                          for v, acc in zip(values, accesses)]
 
+    def results(self, copy_out: bool) -> list[Any]:
+        if not copy_out:
+            return list(self.values)
+        return [v.clone() if c else v for v, c in zip(self.values, self.copy_out)]
+
 
 class CudaGraphRunner:
     """Captures and replays one recorded graph."""
@@ -222,7 +227,7 @@ class CudaGraphRunner:
         assert cap is not None
         cap.graph.replay()
         self.stats.replays += 1
-        return [v.clone() if c else v for v, c in zip(cap.values, cap.copy_out)]
+        return cap.results(self.recorded.copy_out)
 
 
 def _declared(accesses: list[Any], value: torch.Tensor) -> bool:

@@ -71,8 +71,10 @@ class _Recorded:
 class RecordedGraph:
     """A graph of ops recorded by :meth:`Runtime.record`; :meth:`run` runs it on the runtime."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, copy_out: bool = True) -> None:
         self._rt = runtime
+        self.copy_out = copy_out
+        self.last_run_captured = False
         self._ops: list[_Recorded] = []
         self._preds: list[list[int]] = []
         self._tracker = DepsTracker()
@@ -120,9 +122,11 @@ class RecordedGraph:
         rt._check_open()
         sched = self.schedule
         self._runs += 1
+        self.last_run_captured = False
         if self.capture and self._runs > 1 and len(self._ops):
             future = self._run_captured()
             if future is not None:
+                self.last_run_captured = True
                 return future
         result = Future()
         result.op_name = "graph"
@@ -180,6 +184,12 @@ class RecordedGraph:
         accesses = self._replay_accesses
         return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, accesses, "graph_replay",
                            "graph_replay", True, 0)
+
+    def static_values(self) -> list[Any]:
+        """The values each op returned while being captured: the graph's own, rewritten by every replay."""
+        if self._runner is None or self._runner._captured is None:
+            raise RuntimeError("the graph has not been captured: it captures on its second run on CUDA")
+        return self._runner._captured.values
 
     def statistics(self) -> Any:
         """Capture statistics on CUDA (captures, replays, recaptures, fallbacks, timing of the choice)."""

@@ -1,0 +1,217 @@
+"""``streamdag.compile``: a PyTorch function or module, traced to aten ops and run as a streamdag graph.
+
+Per set of input shapes, dtypes and devices (the guard), the function is
+traced once with ``make_fx`` (PyTorch's own tracer), every node becomes an op
+whose accesses come from its schema (:mod:`.fx_ops`), and the ops are
+recorded into a :class:`~streamdag.RecordedGraph` on a runtime for the
+inputs' device. On CUDA the graph runs eagerly once, is then captured into a
+multi-stream CUDA graph and replayed; on the CPU it runs on worker lanes.
+
+Calls copy their inputs into the graph's static inputs, except parameters
+(``nn.Parameter``, as Dynamo passes them), which the graph reads in place;
+a different parameter object is a different specialization. On a replay the
+outputs are cloned on the caller's stream after it waits for the replay, so
+they belong to the caller, survive later calls, and the call returns without
+waiting for the GPU. Inputs the function mutates are written back.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ..runtime.core import Runtime
+from ..runtime.recorded import RecordedGraph
+from .fx_ops import ops_from_graph
+
+__all__ = ["CompileStatistics", "Compiled", "compile"]
+
+
+@dataclass
+class CompileStatistics:
+    calls: int = 0
+    traces: int = 0
+    eager_calls: int = 0
+    replays: int = 0
+    guards: int = 0
+
+
+def _guard(flat: list[Any]) -> tuple:
+    key = []
+    for v in flat:
+        if isinstance(v, torch.nn.Parameter):  # bound directly: the graph reads it in place
+            key.append(("P", v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device))
+        elif isinstance(v, torch.Tensor):
+            key.append(("T", tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad))
+        else:
+            try:
+                hash(v)
+                key.append(("V", v))
+            except TypeError:
+                key.append(("id", id(v)))
+    return tuple(key)
+
+
+class _Entry:
+    """One traced and scheduled specialization of the function."""
+
+    def __init__(self, owner: Compiled, flat: list[Any], spec: Any) -> None:
+        tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        constants = list(flat)
+
+        def flat_fn(*tensors: torch.Tensor) -> Any:
+            values = list(constants)
+            for i, t in zip(tensor_pos, tensors):
+                values[i] = t
+            args, kwargs = pytree.tree_unflatten(values, spec)
+            return owner._fn(*args, **kwargs)
+
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        examples = [flat[i] for i in tensor_pos]
+        # fake tensors: nothing runs, inputs stay as they are, and control flow that
+        # depends on data raises (it would be baked in) instead of tracing one branch
+        with torch.no_grad():
+            gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        self.gm = gm
+        self.tensor_pos = tensor_pos
+        device = next((t.device for t in examples if t.device.type != "cpu"), torch.device("cpu"))
+        self.runtime = owner._runtime_for(device)
+        ops, placeholders, output_arg, output_reads = ops_from_graph(gm)
+        self.static_inputs = [
+            t if isinstance(t, torch.nn.Parameter)
+            else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in examples
+        ]
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.base_env: dict[torch.fx.Node, Any] = dict(zip(placeholders, self.static_inputs))
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                self.base_env[node] = getattr(gm, node.target)
+        self.mutated_inputs = sorted({i for op in ops for i in op.writes_inputs})
+        graph = RecordedGraph(self.runtime, copy_out=False)  # outputs are cloned by the caller
+        env = self.env
+        for op in ops:
+            graph.add(lambda run=op.run: run(env), (), {}, op.accesses, op.node.name)
+        graph.add(lambda: torch.fx.node.map_arg(output_arg, env.__getitem__), (), {}, output_reads,
+                  "outputs")
+        graph.finish()
+        self.graph = graph
+        self.output_arg = output_arg
+        self.lock = threading.Lock()
+
+    def __call__(self, flat: list[Any]) -> Any:
+        tensors = [flat[i] for i in self.tensor_pos]
+        with self.lock:
+            for static, t in zip(self.static_inputs, tensors):
+                if static is not t:
+                    static.copy_(t)
+            self.env.clear()
+            self.env.update(self.base_env)
+            future = self.graph.run()
+            captured = self.graph.last_run_captured
+            outputs = self._replayed_outputs() if captured else future.result()[-1]
+            for i in self.mutated_inputs:
+                if tensors[i] is not self.static_inputs[i]:
+                    tensors[i].copy_(self.static_inputs[i])
+        return outputs, captured
+
+    def _replayed_outputs(self) -> Any:
+        static = self.graph.static_values()[-1]
+        caller = torch.cuda.current_stream()
+        caller.wait_stream(self.runtime.backend.streams[0].raw)  # the replay ran there
+        return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static)
+
+
+class Compiled:
+    """The callable :func:`compile` returns. ``statistics()`` counts traces, replays and eager calls."""
+
+    def __init__(self, fn: Callable[..., Any], streams: int | None = None,
+                 device: str | None = None) -> None:
+        self._fn = fn
+        self._streams = streams
+        self._device = device
+        self._entries: dict[tuple, _Entry | None] = {}
+        self._runtimes: dict[str, Runtime] = {}
+        self._stats = CompileStatistics()
+        self._warned: set[str] = set()
+        self.__wrapped__ = fn
+
+    def _runtime_for(self, device: torch.device) -> Runtime:
+        name = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+        if name == "cpu" and self._device is not None:  # e.g. "sim" for tests
+            name = self._device
+        if name not in self._runtimes:
+            self._runtimes[name] = Runtime(name, streams=self._streams, max_inflight=100_000)
+        return self._runtimes[name]
+
+    def _warn(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"streamdag.compile: running eagerly: {reason}", RuntimeWarning, stacklevel=3)
+
+    def statistics(self) -> CompileStatistics:
+        return CompileStatistics(**vars(self._stats))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._stats.calls += 1
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        needs_grad = torch.is_grad_enabled() and (
+            any(isinstance(v, torch.Tensor) and v.requires_grad for v in flat)
+            or any(p.requires_grad for p in _parameters(self._fn))
+        )
+        if needs_grad:
+            self._warn("gradients are enabled; streamdag.compile runs inference graphs: call it "
+                       "under torch.inference_mode() or torch.no_grad(), or set requires_grad=False")
+            self._stats.eager_calls += 1
+            return self._fn(*args, **kwargs)
+        key = _guard(flat)
+        if key not in self._entries:
+            self._stats.guards += 1
+            try:
+                self._stats.traces += 1
+                self._entries[key] = _Entry(self, flat, spec)
+            except Exception as exc:  # not traceable: say why once, then run as written
+                self._entries[key] = None
+                self._warn(f"tracing failed ({type(exc).__name__}: {exc})")
+        entry = self._entries[key]
+        if entry is None:
+            self._stats.eager_calls += 1
+            return self._fn(*args, **kwargs)
+        outputs, captured = entry(flat)
+        self._stats.replays += captured
+        return outputs
+
+    def explain(self) -> str:
+        """The schedule of every traced specialization."""
+        parts = []
+        for i, entry in enumerate(e for e in self._entries.values() if e is not None):
+            parts.append(f"specialization {i} on {entry.runtime.device}:\n{entry.graph.explain()}")
+        return "\n\n".join(parts) or "not traced yet: call the function once"
+
+    def close(self) -> None:
+        for rt in self._runtimes.values():
+            rt.close()
+
+
+def _parameters(fn: Any) -> list[torch.Tensor]:
+    return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+
+
+def compile(fn: Callable[..., Any], *, streams: int | None = None, device: str | None = None) -> Compiled:
+    """Make ``fn`` (a function or ``nn.Module``) run its independent operators concurrently.
+
+    Inference only: call the result under ``torch.inference_mode()`` or
+    ``torch.no_grad()``. On CUDA the schedule is captured into a multi-stream
+    CUDA graph after the first call for each input signature.
+    """
+    if not callable(fn):
+        raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
+    return Compiled(fn, streams=streams, device=device)

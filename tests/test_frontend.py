@@ -1,0 +1,148 @@
+"""streamdag.compile on the CPU: schema-derived hazards, guards, fallbacks, models."""
+
+import warnings
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+
+DEVICES = ["cpu", "sim"]
+
+
+def run_both(fn, *args, device="cpu", calls=3):
+    compiled = sd.compile(fn, device=device, streams=4)
+    with torch.no_grad():
+        for _ in range(calls):
+            eager_args = [a.clone() for a in args]
+            compiled_args = [a.clone() for a in args]
+            want = fn(*eager_args)
+            got = compiled(*compiled_args)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            for e, c in zip(eager_args, compiled_args):
+                assert torch.equal(e, c), "mutated inputs must be written back"
+    return compiled
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_after_read_through_a_view(device):
+    """y reads x; then x is changed in place through a view: y must see the old x."""
+
+    def f(x):
+        y = x * 2
+        x.view(-1)[:3].add_(10)
+        return y + x
+
+    run_both(f, torch.arange(12.0).reshape(3, 4), device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_on_an_input_is_written_back(device):
+    def f(x, w):
+        x.mul_(2)
+        return torch.relu(x @ w)
+
+    run_both(f, torch.randn(4, 4), torch.randn(4, 4), device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_variant_orders_its_output(device):
+    def f(a, b):
+        out = torch.empty(4)
+        torch.add(a, b, out=out)
+        c = out * 3
+        torch.mul(a, b, out=out)
+        return c, out
+
+    run_both(f, torch.randn(4), torch.randn(4), device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_independent_branches_run_on_several_lanes(device):
+    def f(x, ws):
+        return torch.stack([torch.tanh(x @ w) for w in ws]).sum(0)
+
+    ws = torch.randn(6, 8, 8)
+    compiled = run_both(lambda x: f(x, ws), torch.randn(8, 8), device=device)
+    text = compiled.explain()
+    assert "width 6" in text
+
+
+def test_small_cnn_and_recompile_on_a_new_shape():
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4),
+    ).eval()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for batch in (1, 1, 3, 3):
+            x = torch.randn(batch, 3, 8, 8)
+            torch.testing.assert_close(c(x), m(x))
+    s = c.statistics()
+    assert (s.calls, s.traces) == (4, 2)
+
+
+def test_transformer_encoder_block_matches_eager():
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval()
+    c = sd.compile(enc)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 10, 64)
+            torch.testing.assert_close(c(x), enc(x), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_the_callers_to_keep():
+    c = sd.compile(lambda x: x * 2)
+    with torch.no_grad():
+        a = c(torch.ones(3))
+        b = c(torch.full((3,), 5.0))
+    assert torch.equal(a, torch.full((3,), 2.0)) and torch.equal(b, torch.full((3,), 10.0))
+
+
+def test_gradients_enabled_runs_eagerly_with_one_warning():
+    lin = torch.nn.Linear(4, 4)
+    c = sd.compile(lin)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1, y2 = c(x), c(x)
+    assert y1.requires_grad and torch.equal(y1, y2)
+    assert len([w for w in caught if "inference_mode" in str(w.message)]) == 1
+    assert c.statistics().eager_calls == 2
+
+
+def test_data_dependent_control_flow_falls_back_and_stays_right():
+    def f(x):
+        return x + 1 if x.sum() > 0 else x - 1
+
+    c = sd.compile(f)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        pos, neg = c(torch.ones(3)), c(-torch.ones(3))
+    assert torch.equal(pos, torch.full((3,), 2.0)) and torch.equal(neg, torch.full((3,), -2.0))
+    assert any("tracing failed" in str(w.message) for w in caught)
+
+
+def test_dynamo_backend_is_registered():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    # the installed entry point registers the backend; importing the module does too
+    import streamdag.frontend.dynamo  # noqa: F401
+
+    opt = torch.compile(m, backend="streamdag")
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(opt(x), m(x))
+
+
+def test_parameters_passed_as_inputs_are_bound_not_copied():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    c = sd.compile(lambda x, w: x @ w)
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(c(x, w), x @ w)
+        w.mul_(2)  # an in-place update of the parameter is seen: it is the graph's buffer
+        torch.testing.assert_close(c(x, w), x @ w)
+    entry = next(iter(c._entries.values()))
+    assert entry.static_inputs[1] is w
