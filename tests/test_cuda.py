@@ -178,6 +178,8 @@ SANITIZED = textwrap.dedent(
             for o in outs:
                 rt.submit(torch.mul, x, 2, out=o, reads=[x], writes=[o])
             rt.submit(lambda: torch.sum(torch.stack(outs), 0, out=y), reads=outs, writes=[y])
+            if i == 0:
+                print("streams in use:", sorted({op.stamp.stream for op in rt._pending.values()}))
     print("done")
     """
 )

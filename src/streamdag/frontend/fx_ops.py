@@ -4,9 +4,9 @@ Values in the graph have no memory yet when it is traced, so hazards are
 tracked on symbols, as whole-unit regions of two address spaces, and the
 ordinary hazard tracker and scheduler apply unchanged:
 
-- ``"fx-value"``: every node writes its own value and reads the values of its
+- ``"sym:value"``: every node writes its own value and reads the values of its
   inputs, so data flow orders producers before consumers;
-- ``"fx"``: *symbolic storages*. Every placeholder and every fresh result has
+- ``"sym:storage"``: *symbolic storages*. Every placeholder and every fresh result has
   its own storage id; a view shares the storage of its base (the schema's
   alias sets say which); constants sharing memory share an id. An op reads the
   storages of its tensor arguments and writes those the schema marks
@@ -41,13 +41,13 @@ class NodeOp:
 
 
 def _storage_region(sid: int) -> Region:
-    return Region("fx", sid, sid + 1)
+    return Region("sym:storage", sid, sid + 1)
 
 
 def _value_accesses(node: torch.fx.Node, index: dict[torch.fx.Node, int]) -> list[Access]:
     inputs = dict.fromkeys(n for n in _flat_nodes((node.args, node.kwargs)) if n in index)
-    acc = [Access(Region("fx-value", index[n], index[n] + 1), False) for n in inputs]
-    acc.append(Access(Region("fx-value", index[node], index[node] + 1), True))
+    acc = [Access(Region("sym:value", index[n], index[n] + 1), False) for n in inputs]
+    acc.append(Access(Region("sym:value", index[node], index[node] + 1), True))
     return acc
 
 

@@ -18,12 +18,16 @@ from typing import Any
 
 from ..errors import InvalidBuffer
 
-__all__ = ["Access", "Marker", "Region", "coalesce", "read", "region_of", "write"]
+__all__ = ["Access", "Marker", "Region", "coalesce", "envelope", "read", "region_of", "write"]
 
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """A half-open byte range ``[start, end)`` in one address space."""
+    """A half-open byte range ``[start, end)`` in one address space.
+
+    Spaces named ``sym:*`` hold symbols rather than bytes (a traced graph's
+    values and storages, before they have memory): private to one graph.
+    """
 
     space: str
     start: int
@@ -186,6 +190,16 @@ def _probe_instance(value: Any) -> Region:
         "from memory, so declare numpy arrays or torch tensors (e.g. numpy.asarray(x)); "
         "plain Python values need no declaration, pass them as ordinary arguments"
     )
+
+
+def envelope(accesses: list[Access]) -> list[Access]:
+    """One access per space spanning all of ``accesses`` there: a write if any was."""
+    spans: dict[str, tuple[int, int, bool]] = {}
+    for a in accesses:
+        r = a.region
+        lo, hi, wr = spans.get(r.space, (r.start, r.end, a.write))
+        spans[r.space] = (min(lo, r.start), max(hi, r.end), wr or a.write)
+    return [Access(Region(space, lo, hi), wr) for space, (lo, hi, wr) in spans.items()]
 
 
 def coalesce(accesses: list[Access]) -> list[Access]:

@@ -30,7 +30,30 @@ from ..schedule.plan import Schedule, build_schedule
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
 
-__all__ = ["CaptureStatistics", "CudaGraphRunner"]
+__all__ = ["CaptureStatistics", "CudaGraphRunner", "probe_host_syncs"]
+
+
+def probe_host_syncs(fn: Any, name: str, found: list[str]) -> Any:
+    """Wrap ``fn`` to note (in ``found``) if it synchronizes with the host, as ``.item()`` does.
+
+    Used on a graph's first, eager run: an op that synchronizes cannot be
+    captured, and a capture that fails leaves PyTorch's CUDA RNG unusable for
+    the rest of the process, so such graphs are never captured at all.
+    """
+
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            if any("synchroniz" in str(w.message) for w in caught):
+                found.append(name)
+
+    return probed
 
 
 @dataclass
@@ -200,11 +223,6 @@ class CudaGraphRunner:
             self._failed = str(exc)
             self.stats.fallbacks += 1
             torch.cuda.synchronize(self.device)
-            warnings.warn(
-                f"streamdag: running this graph eagerly on streams, without a CUDA graph: {exc}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
             return False
         finally:
             for t, copy in zip(written, saved):

@@ -361,7 +361,7 @@ def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
     Device work (kernels, copies) is ordered by events; host code reading or
     writing host memory that pending device work touches waits on the host.
     """
-    if any(a.region.space == "cpu" for a in accesses):
+    if deps and any(a.region.space == "cpu" for a in accesses):
         for dep in deps:
             if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
                 dep.event.synchronize()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ExceptionGroup
-from ..graph.buffers import Access, coalesce
+from ..graph.buffers import Access, coalesce, envelope
 from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
@@ -80,6 +80,8 @@ class RecordedGraph:
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
         self._runs = 0
+        self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
+        self.capture_fallback: str | None = None
         self._runner: Any = None
         self._replay_accesses: list[Access] | None = None
         self.capture = runtime.device.startswith("cuda")
@@ -128,6 +130,9 @@ class RecordedGraph:
             if future is not None:
                 self.last_run_captured = True
                 return future
+        probe = None
+        if self.capture and self._runs == 1:
+            from .capture import probe_host_syncs as probe
         result = Future()
         result.op_name = "graph"
         n = len(self._ops)
@@ -154,7 +159,8 @@ class RecordedGraph:
             for v, rec in enumerate(self._ops):
                 rt._slots.acquire()
                 rt._seq += 1
-                op = Op(rt._seq, rec.name, rec.fn, rec.args, rec.kwargs, rec.accesses)
+                fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
+                op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
                 op.run_id = run_id
                 outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
                 deps = outside + [launched[u] for u in sched.preds[v]]
@@ -172,18 +178,35 @@ class RecordedGraph:
         from .capture import CudaGraphRunner
 
         rt = self._rt
+        if self._syncing_ops:  # a capture would fail, and a failed capture upsets PyTorch's RNG
+            self._give_up_capture(f"op {self._syncing_ops[0]!r} synchronizes with the host, "
+                                  "which a CUDA graph cannot hold")
+            return None
         if self._runner is None:
             self._runner = CudaGraphRunner(self, rt.backend.torch_device)  # type: ignore[attr-defined]
         runner = self._runner
         with rt._lock:  # capture after all earlier work: it reads no half-written buffer
             ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
         if not ok:
+            self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
         if self._replay_accesses is None:
-            self._replay_accesses = coalesce([a for rec in self._ops for a in rec.accesses])
-        accesses = self._replay_accesses
-        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, accesses, "graph_replay",
-                           "graph_replay", True, 0)
+            # the replay is one op over all the graph's memory: few, large accesses keep its
+            # hazard checks cheap; symbols are private to this graph, so one span per space
+            every = [a for rec in self._ops for a in rec.accesses]
+            self._replay_accesses = coalesce(
+                [a for a in every if not a.region.space.startswith("sym:")]
+            ) + envelope([a for a in every if a.region.space.startswith("sym:")])
+        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._replay_accesses,
+                           "graph_replay", "graph_replay", True, 0, device_ordered=True)
+
+    def _give_up_capture(self, reason: str) -> None:
+        import warnings
+
+        self.capture = False
+        self.capture_fallback = reason
+        warnings.warn(f"streamdag: running this graph eagerly on streams, without a CUDA graph: {reason}",
+                      RuntimeWarning, stacklevel=4)
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
@@ -204,8 +227,8 @@ class RecordedGraph:
             extra.append(f"CUDA graph: {stats.chosen_streams} stream(s) chosen by measured replay "
                          f"({timed or 'one candidate'}); {stats.captures} captures, "
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
-        elif self._runner is not None and self._runner.fallback_reason:
-            extra.append(f"CUDA graph: not used ({self._runner.fallback_reason}); runs eagerly")
+        elif self.capture_fallback:
+            extra.append(f"CUDA graph: not used ({self.capture_fallback}); runs eagerly")
         return explain_schedule(self.names, self.schedule, extra)
 
     def to_dot(self) -> str:
