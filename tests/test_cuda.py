@@ -172,14 +172,16 @@ SANITIZED = textwrap.dedent(
     outs = [torch.empty_like(x) for _ in range(4)]
     y = torch.empty_like(x)
     with sd.Runtime("cuda", streams=4) as rt:
-        for i in range(10):
+        with rt.record() as g:  # a fork/join: the schedule puts the consumers on four streams
             # a slow producer, so that the consumers are launched while it still runs
             rt.submit(lambda: (torch.cuda._sleep(2_000_000), x.mul_(1.5)), writes=[x])
             for o in outs:
                 rt.submit(torch.mul, x, 2, out=o, reads=[x], writes=[o])
             rt.submit(lambda: torch.sum(torch.stack(outs), 0, out=y), reads=outs, writes=[y])
-            if i == 0:
-                print("streams in use:", sorted({op.stamp.stream for op in rt._pending.values()}))
+        g.capture = False  # eager runs, so that the sanitizer sees every kernel
+        print("streams:", sorted(set(g.schedule.stream)))
+        for i in range(3):
+            g.run()
     print("done")
     """
 )

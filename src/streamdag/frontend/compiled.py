@@ -106,6 +106,7 @@ class _Entry:
         self.graph = graph
         self.output_arg = output_arg
         self.lock = threading.Lock()
+        self.replayed = torch.cuda.Event() if device.type == "cuda" else None
 
     def __call__(self, flat: list[Any]) -> Any:
         tensors = [flat[i] for i in self.tensor_pos]
@@ -113,8 +114,9 @@ class _Entry:
             for static, t in zip(self.static_inputs, tensors):
                 if static is not t:
                     static.copy_(t)
-            self.env.clear()
-            self.env.update(self.base_env)
+            if not self.graph.captured:  # eager runs and captures read the environment
+                self.env.clear()
+                self.env.update(self.base_env)
             future = self.graph.run()
             captured = self.graph.last_run_captured
             outputs = self._replayed_outputs() if captured else future.result()[-1]
@@ -125,8 +127,8 @@ class _Entry:
 
     def _replayed_outputs(self) -> Any:
         static = self.graph.static_values()[-1]
-        caller = torch.cuda.current_stream()
-        caller.wait_stream(self.runtime.backend.streams[0].raw)  # the replay ran there
+        self.replayed.record(self.runtime.backend.streams[0].raw)  # the replay ran there
+        torch.cuda.current_stream().wait_event(self.replayed)
         return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static)
 
 

@@ -200,6 +200,11 @@ class RecordedGraph:
         return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._replay_accesses,
                            "graph_replay", "graph_replay", True, 0, device_ordered=True)
 
+    @property
+    def captured(self) -> bool:
+        """Whether a CUDA graph of this graph exists (runs replay it while it stays valid)."""
+        return self._runner is not None and self._runner._captured is not None
+
     def _give_up_capture(self, reason: str) -> None:
         import warnings
 
