@@ -171,7 +171,11 @@ SANITIZED = textwrap.dedent(
     x = torch.randn(1 << 20, device="cuda")
     outs = [torch.empty_like(x) for _ in range(4)]
     y = torch.empty_like(x)
-    with sd.Runtime("cuda", streams=4) as rt:
+    # submit from a side stream: the sanitizer takes the legacy default stream to
+    # synchronize with every stream, which would hide the race we want it to see
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), sd.Runtime("cuda", streams=4) as rt:
         with rt.record() as g:  # a fork/join: the schedule puts the consumers on four streams
             # a slow producer, so that the consumers are launched while it still runs
             rt.submit(lambda: (torch.cuda._sleep(2_000_000), x.mul_(1.5)), writes=[x])
