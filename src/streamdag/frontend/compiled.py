@@ -114,16 +114,28 @@ class _Entry:
             for static, t in zip(self.static_inputs, tensors):
                 if static is not t:
                     static.copy_(t)
-            if not self.graph.captured:  # eager runs and captures read the environment
+            if self.graph.captured:
+                outputs, captured = self._replay_here(), True
+            else:  # eager runs and the capture read the environment
                 self.env.clear()
                 self.env.update(self.base_env)
-            future = self.graph.run()
-            captured = self.graph.last_run_captured
-            outputs = self._replayed_outputs() if captured else future.result()[-1]
+                future = self.graph.run()
+                captured = self.graph.last_run_captured
+                outputs = self._replayed_outputs() if captured else future.result()[-1]
             for i in self.mutated_inputs:
                 if tensors[i] is not self.static_inputs[i]:
                     tensors[i].copy_(self.static_inputs[i])
         return outputs, captured
+
+    def _replay_here(self) -> Any:
+        """Replay on the caller's stream: ordered with the caller's work, no runtime op needed.
+
+        The graph's memory is its own (static inputs, its pool, parameters it reads),
+        so nothing else in the runtime can conflict with it.
+        """
+        self.graph.replay_on_current_stream()
+        static = self.graph.static_values()[-1]
+        return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static)
 
     def _replayed_outputs(self) -> Any:
         static = self.graph.static_values()[-1]

@@ -205,6 +205,15 @@ class RecordedGraph:
         """Whether a CUDA graph of this graph exists (runs replay it while it stays valid)."""
         return self._runner is not None and self._runner._captured is not None
 
+    def replay_on_current_stream(self) -> None:
+        """Replay the captured graph on the caller's current stream, outside the runtime's ordering.
+
+        For owners whose graph touches only memory of its own (``streamdag.compile``).
+        """
+        runner = self._runner
+        runner._captured.graph.replay()
+        runner.stats.replays += 1
+
     def _give_up_capture(self, reason: str) -> None:
         import warnings
 
