@@ -16,6 +16,7 @@ from .errors import (
     WouldBlock,
 )
 from .graph.buffers import read, write
+from .observe.timeline import Span, Summary, Timeline
 from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, RuntimeStatistics
 from .schedule import Schedule, build_schedule
 
@@ -47,7 +48,10 @@ __all__ = [
     "RuntimeClosed",
     "RuntimeStatistics",
     "Schedule",
+    "Span",
     "StreamdagError",
+    "Summary",
+    "Timeline",
     "WouldBlock",
     "__version__",
     "build_schedule",

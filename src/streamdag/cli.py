@@ -1,44 +1,145 @@
-"""The ``streamdag`` command: ``streamdag bench`` runs the built-in suite on the best device present."""
+"""The ``streamdag`` command.
+
+- ``streamdag bench``: the built-in suite on the best device present (CUDA,
+  else the CPU): prints the comparison tables, writes JSON, a Chrome/Perfetto
+  trace and a PNG timeline.
+- ``streamdag doctor``: devices, peer access, copy bandwidth, versions, and
+  what is missing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["main"]
 
 
+def _step(i: int, n: int, text: str) -> None:
+    print(f"\n[{i}/{n}] {text}", flush=True)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from .suite import cpu_wide, sched_scale
+    from .suite import sched_scale
     from .suite.report import environment, write_json
 
     env = environment()
-    device = env.get("gpu") or "CPU only (no CUDA device found)"
-    print(f"streamdag {env['streamdag']} on {env['platform']}, {env['cpu_count']} cores; {device}")
     out = Path(args.out)
-    print("\n[1/2] scheduler: random DAG of 10,000 ops and ~50,000 edges", flush=True)
+    cuda = _has_cuda() and not args.cpu
+    print(f"streamdag {env['streamdag']} on {env['platform']}, {env['cpu_count']} cores; "
+          f"{env.get('gpu') or 'no CUDA device: the CPU suite'}")
+    steps = 3
+    _step(1, steps, "scheduler: random DAG of 10,000 ops and ~50,000 edges")
     sched = sched_scale.run(repeats=1 if args.quick else 3)
     print(sched_scale.table(sched))
     write_json(out, "sched_scale", sched)
-    print("\n[2/2] cpu_wide: 8 branches x 4 layers of numpy matmul+relu, 2 lanes vs serial", flush=True)
-    wide = cpu_wide.run(repeats=5 if args.quick else 15)
-    print(cpu_wide.table(wide))
-    if not wide["bit_identical"]:
-        print("ERROR: concurrent results differ from the serial run", file=sys.stderr)
-        return 1
-    write_json(out, "cpu_wide", wide)
-    print(f"\nJSON written to {out}/")
+    if cuda:
+        from .suite import gpu_wide
+
+        cases = ["tiny", "small"] if args.quick else list(gpu_wide.CASES)
+        _step(2, steps, f"wide graph on the GPU: {', '.join(cases)}")
+        results = []
+        for c in cases:
+            print(f"  {c} ...", flush=True)
+            results.append(gpu_wide.run_case(c, False, 8))
+        print(gpu_wide.table(results))
+        write_json(out, "wide", {"cases": results})
+        _step(3, steps, "timeline of the tiny wide graph, op by op")
+        timeline = gpu_wide.profile_case("tiny")
+        title = "wide graph (tiny), op by op on the GPU"
+    else:
+        from .suite import cpu_wide
+
+        _step(2, steps, "cpu_wide: 8 branches x 4 layers of numpy matmul+relu, 2 lanes vs serial")
+        wide = cpu_wide.run(repeats=5 if args.quick else 15)
+        print(cpu_wide.table(wide))
+        if not wide["bit_identical"]:
+            print("ERROR: concurrent results differ from the serial run", file=sys.stderr)
+            return 1
+        write_json(out, "cpu_wide", wide)
+        _step(3, steps, "timeline of one cpu_wide run")
+        timeline = cpu_wide.profile()
+        title = "cpu_wide, 2 lanes"
+    print(timeline.summary())
+    print(f"\nwrote {out}/: JSON, {timeline.save_trace(out / 'trace.json').name} "
+          f"(open in ui.perfetto.dev), {timeline.save_png(out / 'timeline.png', title).name}")
+    return 0
+
+
+def _version(name: str) -> str:
+    try:
+        return getattr(importlib.import_module(name), "__version__", "installed")
+    except ImportError:
+        return "missing"
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    import streamdag
+
+    print(f"streamdag {streamdag.__version__}, Python {platform.python_version()} on {platform.platform()}")
+    for name in ("numpy", "networkx", "torch", "matplotlib", "hypothesis"):
+        print(f"  {name:<11} {_version(name)}")
+    missing = []
+    if _version("torch") == "missing":
+        missing.append("torch (pip install 'streamdag[torch]') for CUDA and streamdag.compile")
+    if _version("matplotlib") == "missing":
+        missing.append("matplotlib (pip install 'streamdag[plot]') for PNG timelines")
+    if not _has_cuda():
+        missing.append("a CUDA GPU: streamdag runs on CPU lanes only")
+    else:
+        import torch
+
+        n = torch.cuda.device_count()
+        print(f"CUDA {torch.version.cuda}, {n} device(s):")
+        for i in range(n):
+            p = torch.cuda.get_device_properties(i)
+            print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+                  f"compute capability {p.major}.{p.minor}")
+        if n > 1:
+            print("peer access (row can read column):")
+            for i in range(n):
+                row = " ".join("-" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j)
+                                                   else "no") for j in range(n))
+                print(f"  cuda:{i}  {row}")
+        nbytes = 256 << 20
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        for label, host in (("pinned", torch.empty(nbytes, dtype=torch.uint8).pin_memory()),
+                            ("pageable", torch.empty(nbytes, dtype=torch.uint8))):
+            dev.copy_(host)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            print(f"  host->device {label}: {3 * nbytes / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
+    print("missing: " + ("; ".join(missing) if missing else "nothing"))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamdag", description=__doc__)
+    parser = argparse.ArgumentParser(prog="streamdag", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the table")
-    bench.add_argument("--out", default="bench/results/latest", help="folder for the JSON results")
-    bench.add_argument("--quick", action="store_true", help="fewer repeats")
+    bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the tables")
+    bench.add_argument("--out", default="bench/results/latest", help="folder for JSON, trace and PNG")
+    bench.add_argument("--quick", action="store_true", help="fewer cases and repeats")
+    bench.add_argument("--cpu", action="store_true", help="the CPU suite even when a GPU is present")
     bench.set_defaults(func=_bench)
+    doctor = sub.add_parser("doctor", help="devices, peer access, copy bandwidth, versions")
+    doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -96,6 +96,7 @@ class Runtime:
         self._closed = False
         self._recording: Any = None
         self._can_be_lost = hasattr(self.backend, "lost")
+        self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes)
         self._staging = PinnedPool(staging_bytes)
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", self.device}
@@ -158,13 +159,7 @@ class Runtime:
         Raises an ``ExceptionGroup`` of the ops that failed first (not their
         dependents) since the last call; the runtime stays usable.
         """
-        while True:
-            with self._done_lock:
-                pending = [op.future for op in self._pending.values()]
-            if not pending:
-                break
-            for f in pending:
-                f.exception()  # waits; never raises the op's error here
+        self._wait_all()
         with self._lock:
             with self._done_lock:
                 failures, self._failures = self._failures, []
@@ -185,6 +180,42 @@ class Runtime:
                 inflight_bytes=self._bytes.used,
                 peak_inflight_bytes=self._bytes.peak,
             )
+
+    @contextmanager
+    def profile(self, per_op: bool = True, nvtx: bool = False) -> Iterator[Any]:
+        """Time every op run inside the block: ``with rt.profile() as prof: ...; prof.timeline``.
+
+        On leaving, the runtime synchronizes and ``prof.timeline`` holds a
+        :class:`~streamdag.Timeline` (summary, Chrome trace, PNG). ``per_op``
+        runs recorded graphs op by op instead of as one CUDA-graph replay, so
+        that each op is seen; ``nvtx`` names NVTX ranges after the ops, for
+        Nsight Systems.
+        """
+        from .profiling import Profiler
+
+        with self._lock:
+            if self._profiler is not None:
+                raise RuntimeError("already profiling: leave the open `with rt.profile()` block first")
+            self._profiler = Profiler(self.backend, self._streams, per_op, nvtx)
+        prof = self._profiler
+        try:
+            yield prof
+        finally:
+            with self._lock:
+                self._profiler = None
+            with suppress(Exception):
+                self._wait_all()
+            prof.finish()
+
+    def _wait_all(self) -> None:
+        """Wait for every op submitted so far, keeping failures for the next :meth:`synchronize`."""
+        while True:
+            with self._done_lock:
+                pending = [op.future for op in self._pending.values()]
+            if not pending:
+                return
+            for f in pending:
+                f.exception()
 
     @contextmanager
     def record(self) -> Iterator[Any]:
@@ -292,11 +323,16 @@ class Runtime:
             self._finish(op)
             return
         s = self._streams[stream]
+        profiler = self._profiler
         try:
             if not _DROP_WAITS:
                 for i in waits:
                     live[i].event.wait(s)
+            if profiler is not None:
+                started = profiler.start(op, stream, deps)
             backend.launch(s, op.execute)  # execute itself never raises
+            if profiler is not None:
+                profiler.end(op, stream, started)
             stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
             if not stop:
                 op.event = backend.event()

@@ -125,7 +125,8 @@ class RecordedGraph:
         sched = self.schedule
         self._runs += 1
         self.last_run_captured = False
-        if self.capture and self._runs > 1 and len(self._ops):
+        per_op = rt._profiler is not None and rt._profiler.per_op
+        if self.capture and self._runs > 1 and len(self._ops) and not per_op:
             future = self._run_captured()
             if future is not None:
                 self.last_run_captured = True

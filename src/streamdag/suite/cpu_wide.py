@@ -17,7 +17,7 @@ import streamdag as sd
 
 from .report import format_table, median_ms
 
-__all__ = ["run"]
+__all__ = ["profile", "run"]
 
 
 def _layer(h: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -31,15 +31,31 @@ def _join(outs: list[np.ndarray], total: np.ndarray) -> None:
         total += o
 
 
+class _Workload:
+    """The buffers of the wide graph, and its ops submitted to a runtime."""
+
+    def __init__(self, branches: int, layers: int, rows: int, dim: int) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((rows, dim), dtype=np.float32)
+        self.ws = [[rng.standard_normal((dim, dim), dtype=np.float32) / dim**0.5 for _ in range(layers)]
+                   for _ in range(branches)]
+        self.hs = [[np.empty((rows, dim), np.float32) for _ in range(layers)] for _ in range(branches)]
+        self.total = np.empty((rows, dim), np.float32)
+        self.outs = [h[-1] for h in self.hs]
+
+    def submit_all(self, rt: sd.Runtime) -> None:
+        for b, (ws, hs) in enumerate(zip(self.ws, self.hs)):
+            src = self.x
+            for layer, (w, h) in enumerate(zip(ws, hs)):
+                rt.submit(_layer, src, w, h, reads=[src, w], writes=[h], name=f"b{b}l{layer}")
+                src = h
+        rt.submit(_join, self.outs, self.total, reads=self.outs, writes=[self.total], name="join")
+
+
 def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, streams: int = 2,
         repeats: int = 15) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, dim), dtype=np.float32)
-    ws = [[rng.standard_normal((dim, dim), dtype=np.float32) / dim**0.5 for _ in range(layers)]
-          for _ in range(branches)]
-    hs = [[np.empty((rows, dim), np.float32) for _ in range(layers)] for _ in range(branches)]
-    total = np.empty((rows, dim), np.float32)
-    outs = [h[-1] for h in hs]
+    work = _Workload(branches, layers, rows, dim)
+    x, ws, hs, total, outs = work.x, work.ws, work.hs, work.total, work.outs
 
     def serial() -> None:
         for b in range(branches):
@@ -51,13 +67,7 @@ def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, str
 
     with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
         def submit_all() -> None:
-            for b in range(branches):
-                src = x
-                for layer in range(layers):
-                    rt.submit(_layer, src, ws[b][layer], hs[b][layer], reads=[src, ws[b][layer]],
-                              writes=[hs[b][layer]], name=f"b{b}l{layer}")
-                    src = hs[b][layer]
-            rt.submit(_join, outs, total, reads=outs, writes=[total], name="join")
+            work.submit_all(rt)
 
         def eager() -> None:
             submit_all()
@@ -106,3 +116,15 @@ def table(result: dict[str, Any]) -> str:
          result["speedup"]["graph"]],
     ]
     return format_table(["cpu_wide", "ms", "x serial"], rows)
+
+
+def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, streams: int = 2):
+    """A timeline of one run of the recorded graph (for the trace and the PNG)."""
+    work = _Workload(branches, layers, rows, dim)
+    with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
+        with rt.record() as graph:
+            work.submit_all(rt)
+        graph.run().result()
+        with rt.profile() as prof:
+            graph.run().result()
+    return prof.timeline

@@ -1,0 +1,169 @@
+"""What ran where and when: spans of ops on streams, their summary, and a Chrome/Perfetto trace.
+
+Pure data and arithmetic; times are milliseconds from the start of profiling.
+The trace follows the layout of PyTorch's profiler: one process per device,
+one thread (track) per stream, ops as complete events (``"ph": "X"``), and a
+flow arrow (``"s"``/``"f"``) for every dependency between ops on different
+streams.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Span", "Summary", "Timeline"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One op: where it ran (device, stream and its kind), when, and the ops it depended on."""
+
+    seq: int
+    name: str
+    device: str
+    stream: int
+    kind: str
+    start: float
+    end: float
+    deps: tuple[int, ...] = ()
+    failed: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Summary:
+    makespan_ms: float
+    busy_ms: float
+    concurrency: float
+    critical_path_ms: float
+    critical_path: tuple[str, ...]
+    copy_compute_overlap_ms: float
+    idle_ms_per_stream: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        idle = ", ".join(f"{k} {v:.3f}" for k, v in self.idle_ms_per_stream.items())
+        path = " -> ".join(self.critical_path[:12]) + (" -> ..." if len(self.critical_path) > 12 else "")
+        return (
+            f"makespan {self.makespan_ms:.3f} ms, busy {self.busy_ms:.3f} ms summed over streams, "
+            f"achieved concurrency {self.concurrency:.2f}\n"
+            f"critical path {self.critical_path_ms:.3f} ms: {path}\n"
+            f"copies overlapping compute {self.copy_compute_overlap_ms:.3f} ms\n"
+            f"idle gaps per stream (ms): {idle or 'none'}"
+        )
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of time covered by both interval sets."""
+    return _union_length(a) + _union_length(b) - _union_length(a + b)
+
+
+class Timeline:
+    """Spans recorded by a profiled runtime (:meth:`Runtime.profile`)."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        self.spans = sorted(spans, key=lambda s: (s.start, s.seq))
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def tracks(self) -> dict[tuple[str, int], list[Span]]:
+        out: dict[tuple[str, int], list[Span]] = {}
+        for s in self.spans:
+            out.setdefault((s.device, s.stream), []).append(s)
+        return out
+
+    def summary(self) -> Summary:
+        if not self.spans:
+            return Summary(0.0, 0.0, 0.0, 0.0, (), 0.0, {})
+        start = min(s.start for s in self.spans)
+        makespan = max(s.end for s in self.spans) - start
+        busy = sum(s.duration for s in self.spans)
+        by_seq = {s.seq: s for s in self.spans}
+        finish: dict[int, float] = {}
+        best_pred: dict[int, int | None] = {}
+        for s in sorted(self.spans, key=lambda s: s.seq):  # longest chain of durations along deps
+            preds = [d for d in s.deps if d in finish]
+            p = max(preds, key=lambda d: finish[d], default=None)
+            best_pred[s.seq] = p
+            finish[s.seq] = (finish[p] if p is not None else 0.0) + s.duration
+        last = max(finish, key=finish.get)  # type: ignore[arg-type]
+        path = []
+        node: int | None = last
+        while node is not None:
+            path.append(by_seq[node].name)
+            node = best_pred[node]
+        copies = [(s.start, s.end) for s in self.spans if s.kind in ("h2d", "d2h")]
+        compute = [(s.start, s.end) for s in self.spans if s.kind not in ("h2d", "d2h")]
+        idle = {}
+        for (device, stream), spans in self.tracks().items():
+            covered = _union_length([(s.start, s.end) for s in spans])
+            idle[f"{device}/s{stream}"] = (max(s.end for s in spans) - min(s.start for s in spans)) - covered
+        return Summary(
+            makespan_ms=makespan,
+            busy_ms=busy,
+            concurrency=busy / makespan if makespan > 0 else 0.0,
+            critical_path_ms=finish[last],
+            critical_path=tuple(reversed(path)),
+            copy_compute_overlap_ms=_intersection_length(copies, compute),
+            idle_ms_per_stream=idle,
+        )
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace JSON (opens in Perfetto and chrome://tracing); times in microseconds."""
+        devices = sorted({s.device for s in self.spans})
+        pid = {d: i for i, d in enumerate(devices)}
+        events: list[dict[str, Any]] = []
+        for d in devices:
+            events.append({"ph": "M", "name": "process_name", "pid": pid[d], "tid": 0,
+                           "args": {"name": f"streamdag {d}"}})
+        for (d, stream), spans in self.tracks().items():
+            events.append({"ph": "M", "name": "thread_name", "pid": pid[d], "tid": stream,
+                           "args": {"name": f"stream {stream} ({spans[0].kind})"}})
+        by_seq = {s.seq: s for s in self.spans}
+        for s in self.spans:
+            events.append({
+                "ph": "X", "name": s.name, "cat": s.kind, "pid": pid[s.device], "tid": s.stream,
+                "ts": round(s.start * 1e3, 4), "dur": round(max(s.duration, 0.0) * 1e3, 4),
+                "args": {"op": s.seq, "deps": list(s.deps), "failed": s.failed},
+            })
+        flow = 0
+        for s in self.spans:
+            for d in s.deps:
+                src = by_seq.get(d)
+                if src is None or (src.device, src.stream) == (s.device, s.stream):
+                    continue
+                flow += 1
+                inside_end = src.end * 1e3 - min(0.001, src.duration * 1e3 / 2)  # within the slice
+                events.append({"ph": "s", "id": flow, "name": "wait", "cat": "dependency",
+                               "pid": pid[src.device], "tid": src.stream,
+                               "ts": round(inside_end, 4)})
+                events.append({"ph": "f", "bp": "e", "id": flow, "name": "wait", "cat": "dependency",
+                               "pid": pid[s.device], "tid": s.stream, "ts": round(s.start * 1e3, 4)})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_chrome_trace()))
+        return path
+
+    def save_png(self, path: str | Path, title: str = "") -> Path:
+        from .plot import timeline_png
+
+        return timeline_png(self, path, title)

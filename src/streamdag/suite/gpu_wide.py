@@ -1,0 +1,212 @@
+"""The wide graph of anchors.md on one GPU: streamdag against PyTorch's baselines, side by side.
+
+B branches of L layers ``h = relu(h @ W[b][l])`` from one shared input, joined
+by ``torch.stack(outs).sum(0)``; fp32 with TF32. Every variant is timed in
+the same run as the median wall time of one iteration between
+``torch.cuda.synchronize()`` calls, and checked against eager.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import streamdag as sd
+
+from .report import format_table
+
+__all__ = ["CASES", "profile_case", "run_case", "table"]
+
+CASES = {
+    "tiny": (32, 4, 64, 256),
+    "small": (32, 4, 64, 1024),
+    "medium": (16, 4, 512, 2048),
+    "large": (8, 4, 4096, 4096),
+}
+
+
+def wall_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def layer(h, w, out):
+    torch.matmul(h, w, out=out)
+    return torch.relu_(out)
+
+
+def join(outs, y):
+    return torch.sum(torch.stack(outs), 0, out=y)
+
+
+def run_case(name: str, use_compile: bool, streams: int) -> dict:
+    B, L, rows, D = CASES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, D, device=dev, generator=g)
+    W = [[torch.randn(D, D, device=dev, generator=g) / D**0.5 for _ in range(L)] for _ in range(B)]
+    iters = 20 if name == "large" else 100
+
+    def eager_branch(b):
+        h = x
+        for layer_w in W[b]:
+            h = torch.relu(h @ layer_w)
+        return h
+
+    def eager():
+        return torch.stack([eager_branch(b) for b in range(B)]).sum(0)
+
+    ref = eager()
+    side = [torch.cuda.Stream() for _ in range(8)]
+
+    def eager_streams():
+        main = torch.cuda.current_stream()
+        outs = [None] * B
+        for s in side:
+            s.wait_stream(main)
+        for b in range(B):
+            with torch.cuda.stream(side[b % 8]):
+                outs[b] = eager_branch(b)
+        for s in side:
+            main.wait_stream(s)
+        return torch.stack(outs).sum(0)
+
+    def graph_of(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            out = fn()
+        return cg, out
+
+    g1, g1_out = graph_of(eager)
+    g8, g8_out = graph_of(eager_streams)
+
+    results: dict[str, float] = {}
+    checks: dict[str, float] = {}
+
+    def check(label, got):
+        checks[label] = float((got - ref).norm() / ref.norm())
+
+    results["eager 1 stream"] = wall_ms(eager, iters)
+    results["eager 8 streams, hand-made"] = wall_ms(eager_streams, iters)
+    results["CUDA graph 1 stream"] = wall_ms(g1.replay, iters)
+    results["CUDA graph 8 streams, hand-made"] = wall_ms(g8.replay, iters)
+    check("CUDA graph 1 stream", g1_out)
+    check("CUDA graph 8 streams, hand-made", g8_out)
+
+    # streamdag: the same ops submitted with what they read and write
+    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
+    y = torch.empty(rows, D, device=dev)
+    outs = [h[-1] for h in hs]
+    with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt:
+        def submit_all():
+            for b in range(B):
+                src = x
+                for i in range(L):
+                    rt.submit(layer, src, W[b][i], hs[b][i], reads=[src, W[b][i]], writes=[hs[b][i]],
+                              name=f"b{b}l{i}")
+                    src = hs[b][i]
+            return rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
+
+        def sd_eager():
+            submit_all()
+
+        results["streamdag eager, multi-stream"] = wall_ms(sd_eager, iters)
+        rt.synchronize()
+        check("streamdag eager, multi-stream", y)
+
+        t0 = time.perf_counter()
+        with rt.record() as graph:
+            submit_all()
+        graph.run().result()  # first run: eager, warms up
+        t_rec = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        graph.run().result()  # second run: capture (choosing the stream count), then replay
+        t_cap = time.perf_counter() - t0
+        y.zero_()
+        graph.run().result()
+        check("streamdag captured", y)
+        results["streamdag captured"] = wall_ms(lambda: graph.run(), iters)
+        results["streamdag captured, result() latency"] = wall_ms(lambda: graph.run().result(), iters)
+        explain = graph.explain()
+        cap_stats = graph.statistics()
+
+    if use_compile:
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        compiled = torch.compile(eager, mode="reduce-overhead")
+        for _ in range(3):
+            compiled()
+        t_compile = time.perf_counter() - t0
+        results["torch.compile reduce-overhead"] = wall_ms(compiled, iters)
+    else:
+        t_compile = None
+
+    def branch_alone():
+        return eager_branch(0)
+
+    gb, _ = graph_of(branch_alone)
+    results["one branch alone, CUDA graph (critical path)"] = wall_ms(gb.replay, iters)
+    return {
+        "case": name, "B": B, "L": L, "rows": rows, "D": D, "iters": iters,
+        "ms": results, "rel_error_vs_eager": checks,
+        "record_and_first_run_s": t_rec, "capture_and_choice_s": t_cap,
+        "torch_compile_s": t_compile,
+        "capture": {"chosen_streams": cap_stats.chosen_streams, "choice_ms": cap_stats.choice_ms,
+                    "captures": cap_stats.captures, "replays": cap_stats.replays},
+        "explain_head": explain.splitlines()[:3],
+    }
+
+
+
+
+def table(cases: list[dict]) -> str:
+    labels = list(cases[0]["ms"])
+    rows = []
+    for label in labels:
+        row = [label]
+        for c in cases:
+            ms = c["ms"].get(label)
+            base = c["ms"]["CUDA graph 1 stream"]
+            row.append("-" if ms is None else f"{ms:.3f} ({base / ms:.2f}x)")
+        rows.append(row)
+    return format_table(["ms (speedup vs CUDA graph 1 stream)", *[c["case"] for c in cases]], rows)
+
+
+def profile_case(name: str, streams: int = 8):
+    """A timeline of one op-by-op run of the case's graph (for the trace and the PNG)."""
+    B, L, rows, D = CASES[name]
+    dev = torch.device("cuda")
+    x = torch.randn(rows, D, device=dev)
+    W = [[torch.randn(D, D, device=dev) / D**0.5 for _ in range(L)] for _ in range(B)]
+    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
+    y = torch.empty(rows, D, device=dev)
+    outs = [h[-1] for h in hs]
+    with sd.Runtime("cuda", streams=streams) as rt:
+        with rt.record() as graph:
+            for b in range(B):
+                src = x
+                for i in range(L):
+                    rt.submit(layer, src, W[b][i], hs[b][i], reads=[src, W[b][i]], writes=[hs[b][i]],
+                              name=f"b{b}l{i}")
+                    src = hs[b][i]
+            rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
+        graph.run().result()  # warm up
+        with rt.profile(per_op=True) as prof:
+            graph.run().result()
+    return prof.timeline
