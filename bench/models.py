@@ -12,7 +12,6 @@ Run on a GPU machine: PYTHONPATH=src python bench/models.py [--compile]
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import torchvision
 
 import streamdag as sd
+from streamdag.suite.cuda_timing import graph_of, wall_ms
 from streamdag.suite.report import format_table, write_json
 
 MODELS = {
@@ -29,32 +29,6 @@ MODELS = {
                                                              init_weights=False), 299),
     "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224),
 }
-
-
-def wall_ms(fn, iters=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def rel_err(a, b):

@@ -10,29 +10,15 @@ Run on a GPU machine: PYTHONPATH=src python bench/overlap.py
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import streamdag as sd
+from streamdag.suite.cuda_timing import wall_ms
 from streamdag.suite.report import format_table, write_json
 
 CHUNKS, CHUNK_FLOATS, STEPS = 8, 16 << 20, 6
-
-
-def wall_ms(fn, iters=7, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -8,13 +8,13 @@ the same run as the median wall time of one iteration between
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 import streamdag as sd
 
+from .cuda_timing import graph_of, wall_ms
 from .report import format_table
 
 __all__ = ["CASES", "profile_case", "run_case", "table"]
@@ -27,19 +27,6 @@ CASES = {
 }
 
 
-def wall_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def layer(h, w, out):
     torch.matmul(h, w, out=out)
     return torch.relu_(out)
@@ -47,6 +34,17 @@ def layer(h, w, out):
 
 def join(outs, y):
     return torch.sum(torch.stack(outs), 0, out=y)
+
+
+def submit_wide(rt: sd.Runtime, x, W, hs, y):
+    """The wide graph's ops, each with the buffers it reads and writes."""
+    for b, (ws, hb) in enumerate(zip(W, hs)):
+        src = x
+        for i, (w, h) in enumerate(zip(ws, hb)):
+            rt.submit(layer, src, w, h, reads=[src, w], writes=[h], name=f"b{b}l{i}")
+            src = h
+    outs = [h[-1] for h in hs]
+    return rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
 
 
 def run_case(name: str, use_compile: bool, streams: int) -> dict:
@@ -81,18 +79,6 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
             main.wait_stream(s)
         return torch.stack(outs).sum(0)
 
-    def graph_of(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
-            out = fn()
-        return cg, out
-
     g1, g1_out = graph_of(eager)
     g8, g8_out = graph_of(eager_streams)
 
@@ -112,16 +98,9 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     # streamdag: the same ops submitted with what they read and write
     hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
     y = torch.empty(rows, D, device=dev)
-    outs = [h[-1] for h in hs]
     with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt:
         def submit_all():
-            for b in range(B):
-                src = x
-                for i in range(L):
-                    rt.submit(layer, src, W[b][i], hs[b][i], reads=[src, W[b][i]], writes=[hs[b][i]],
-                              name=f"b{b}l{i}")
-                    src = hs[b][i]
-            return rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
+            return submit_wide(rt, x, W, hs, y)
 
         def sd_eager():
             submit_all()
@@ -196,16 +175,9 @@ def profile_case(name: str, streams: int = 8):
     W = [[torch.randn(D, D, device=dev) / D**0.5 for _ in range(L)] for _ in range(B)]
     hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
     y = torch.empty(rows, D, device=dev)
-    outs = [h[-1] for h in hs]
     with sd.Runtime("cuda", streams=streams) as rt:
         with rt.record() as graph:
-            for b in range(B):
-                src = x
-                for i in range(L):
-                    rt.submit(layer, src, W[b][i], hs[b][i], reads=[src, W[b][i]], writes=[hs[b][i]],
-                              name=f"b{b}l{i}")
-                    src = hs[b][i]
-            rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
+            submit_wide(rt, x, W, hs, y)
         graph.run().result()  # warm up
         with rt.profile(per_op=True) as prof:
             graph.run().result()
