@@ -1,6 +1,8 @@
 """Dependency inference, one test per hazard."""
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
 from streamdag.graph import Access, DepsTracker, region_of
 
@@ -94,3 +96,34 @@ def test_forget_drops_finished_nodes():
     submit(t, "w", acc(a, True))
     t.forget(lambda n: n == "w")
     assert submit(t, "r", acc(a)) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20), st.booleans()), max_size=40))
+def test_matches_a_brute_force_oracle(ops):
+    """Every overlapping earlier access is found (directly or through a covering write)."""
+    from streamdag.graph import Region
+
+    t = DepsTracker()
+    history = []
+    for i, (start, length, is_write) in enumerate(ops):
+        acc = Access(Region("cpu", start, start + length), is_write)
+        deps = set(t.depends_on([acc]))
+        t.add(i, [acc])
+        direct = {j for j, (s, n, w) in enumerate(ops[:i])
+                  if s < start + length and start < s + n and (w or is_write)}
+        assert deps <= direct  # nothing spurious
+        for j in direct - deps:  # anything left out is ordered through a later dependency
+            assert any(j in history[k] or _reaches(history, k, j) for k in deps), (i, j)
+        history.append(deps)
+
+
+def _reaches(history, k, j):
+    stack, seen = [k], set()
+    while stack:
+        n = stack.pop()
+        if n == j:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(history[n])
+    return False
