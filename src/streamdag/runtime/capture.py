@@ -6,10 +6,12 @@ joins every side stream back. The runtime's own streams never take part in a
 capture, so a failed capture cannot leave them in capture mode.
 
 The stream count is chosen by measurement: the schedule is captured for one
-stream and for more, each candidate's replay is timed with CUDA events, and
-the fastest wins. One stream is always a candidate, so a graph whose ops
-would not gain from concurrency runs as a single-stream graph: never slower
-than the best single-stream baseline.
+stream, for more, and for the count the cost model (:mod:`..schedule.cost`,
+fed with per-op times from the graph's first, timed run) estimates best;
+each candidate's replay is timed with CUDA events, and the fastest wins. One
+stream is always a candidate, so a graph whose ops would not gain from
+concurrency runs as a single-stream graph: never slower than the best
+single-stream baseline.
 
 A capture stays valid while every tensor argument keeps its address and
 shape; a change recaptures (``statistics()`` counts it).
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..graph.buffers import region_of
+from ..schedule.cost import simulate
 from ..schedule.plan import Schedule, build_schedule
 
 if TYPE_CHECKING:
@@ -63,6 +66,7 @@ class CaptureStatistics:
     recaptures: int = 0
     fallbacks: int = 0
     choice_ms: dict[int, float] = field(default_factory=dict)
+    estimate_ms: dict[int, float] = field(default_factory=dict)
     chosen_streams: int | None = None
     capture_seconds: float = 0.0
 
@@ -191,7 +195,7 @@ class CudaGraphRunner:
             times.append(start.elapsed_time(end))
         return sorted(times)[len(times) // 2]
 
-    def prepare(self, max_streams: int, before_capture: Any = None) -> bool:
+    def prepare(self, max_streams: int, before_capture: Any = None, durations: Any = None) -> bool:
         """Capture (choosing the stream count by measurement); False if the graph must run eagerly."""
         if self._failed is not None:
             return False
@@ -203,7 +207,15 @@ class CudaGraphRunner:
             before_capture()
         t0 = time.perf_counter()
         natural = build_schedule(self.recorded._preds, max_streams).num_streams
-        candidates = sorted({1, min(4, natural), natural})
+        candidates = {1, min(4, natural), natural}
+        measured = durations() if durations is not None else None
+        if measured is not None:  # the cost model's pick is measured too
+            for k in sorted({1, 2, 4, 8, 16, natural}):
+                if k <= natural:
+                    sched = build_schedule(self.recorded._preds, k)
+                    self.stats.estimate_ms[k] = simulate(sched, measured)
+            candidates.add(min(self.stats.estimate_ms, key=self.stats.estimate_ms.get))
+        candidates = sorted(candidates)
         best: tuple[float, _Captured] | None = None
         # timing replays must not change what the graph's buffers hold
         written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]

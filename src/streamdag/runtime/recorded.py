@@ -83,6 +83,7 @@ class RecordedGraph:
         self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
         self.capture_fallback: str | None = None
         self._runner: Any = None
+        self._first_profile: Any = None
         self._replay_accesses: list[Access] | None = None
         self.capture = runtime.device.startswith("cuda")
 
@@ -132,8 +133,13 @@ class RecordedGraph:
                 self.last_run_captured = True
                 return future
         probe = None
+        first_profile = None  # the first run of a graph that will be captured is also timed, per op
         if self.capture and self._runs == 1:
             from .capture import probe_host_syncs as probe
+            from .profiling import Profiler
+
+            if rt._profiler is None:
+                first_profile = Profiler(rt.backend, rt._streams, per_op=True, nvtx=False)
         result = Future()
         result.op_name = "graph"
         n = len(self._ops)
@@ -157,22 +163,33 @@ class RecordedGraph:
                 result.set_result(GraphResult([op.future.result() for op in launched]))
 
         with rt._lock:
-            for v, rec in enumerate(self._ops):
-                rt._slots.acquire()
-                rt._seq += 1
-                fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
-                op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
-                op.run_id = run_id
-                outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
-                deps = outside + [launched[u] for u in sched.preds[v]]
-                if rec.stream is None and not rt.backend.deferred:  # host code runs now
-                    _wait_for_host_inputs(rec.accesses, deps)
-                stream = sched.stream[v] if rec.stream is None else rec.stream
-                rt._launch(op, deps, stream)
-                launched.append(op)
+            if first_profile is not None:
+                rt._profiler = first_profile
+            try:
+                self._launch_ops(rt, sched, run_id, probe, launched)
+            finally:
+                if first_profile is not None:
+                    rt._profiler = None
+                    self._first_profile = first_profile
         for op in launched:
             op.future.add_done_callback(one_done)
         return result
+
+    def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:
+        """Launch every op of one eager run, in order; caller holds the runtime's lock."""
+        for v, rec in enumerate(self._ops):
+            rt._slots.acquire()
+            rt._seq += 1
+            fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
+            op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
+            op.run_id = run_id
+            outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
+            deps = outside + [launched[u] for u in sched.preds[v]]
+            if rec.stream is None and not rt.backend.deferred:  # host code runs now
+                _wait_for_host_inputs(rec.accesses, deps)
+            stream = sched.stream[v] if rec.stream is None else rec.stream
+            rt._launch(op, deps, stream)
+            launched.append(op)
 
     def _run_captured(self) -> Future | None:
         """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
@@ -187,7 +204,8 @@ class RecordedGraph:
             self._runner = CudaGraphRunner(self, rt.backend.torch_device)  # type: ignore[attr-defined]
         runner = self._runner
         with rt._lock:  # capture after all earlier work: it reads no half-written buffer
-            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
+            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize,
+                                durations=self._op_durations)
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
@@ -223,6 +241,14 @@ class RecordedGraph:
         warnings.warn(f"streamdag: running this graph eagerly on streams, without a CUDA graph: {reason}",
                       RuntimeWarning, stacklevel=4)
 
+    def _op_durations(self) -> list[float] | None:
+        """Per-op times (ms) from the timed first run, once it has completed."""
+        prof = self._first_profile
+        if prof is None or len(prof.records) != len(self._ops):
+            return None
+        spans = sorted(prof.finish().spans, key=lambda sp: sp.seq)
+        return [sp.duration for sp in spans]
+
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
         if self._runner is None or self._runner._captured is None:
@@ -239,6 +265,9 @@ class RecordedGraph:
         stats = self.statistics()
         if stats is not None and stats.chosen_streams is not None:
             timed = ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(stats.choice_ms.items()))
+            if stats.estimate_ms:
+                est = ", ".join(f"{k}: {ms:.3f}" for k, ms in sorted(stats.estimate_ms.items()))
+                extra.append(f"cost model estimate from the first run's op times (ms by streams): {est}")
             extra.append(f"CUDA graph: {stats.chosen_streams} stream(s) chosen by measured replay "
                          f"({timed or 'one candidate'}); {stats.captures} captures, "
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
