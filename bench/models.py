@@ -77,6 +77,7 @@ def run_model(name: str, dtype: torch.dtype, use_compile: bool) -> dict:
         "ops": len(entry.graph), "stats": vars(stats),
         "capture": {"chosen_streams": cap.chosen_streams if cap else None,
                     "choice_ms": cap.choice_ms if cap else None,
+                    "estimate_ms": cap.estimate_ms if cap else None,
                     "fallbacks": cap.fallbacks if cap else None},
         "explain_head": explain_head,
     }

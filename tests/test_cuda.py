@@ -284,3 +284,36 @@ def test_compiled_models_match_eager_on_cuda_and_replay_without_waiting():
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert fast.statistics().replays >= 3
         fast.close()
+
+
+def test_profiling_on_cuda_with_nvtx_times_every_op_on_its_stream():
+    x = torch.randn(256, 256, device="cuda")
+    outs = [torch.empty_like(x) for _ in range(4)]
+    with sd.Runtime("cuda", streams=4) as rt:
+        with rt.profile(nvtx=True) as prof:
+            for o in outs:
+                rt.submit(torch.matmul, x, x, out=o, reads=[x], writes=[o], name="mm")
+            rt.to_host(outs[0])
+    tl = prof.timeline
+    assert len(tl) == 5
+    assert {s.kind for s in tl.spans} == {"compute", "d2h"}
+    assert all(s.end >= s.start >= 0 for s in tl.spans)
+    copy = next(s for s in tl.spans if s.kind == "d2h")
+    first = min((s for s in tl.spans if s.kind == "compute"), key=lambda s: s.seq)
+    assert copy.start >= first.end - 1e-3  # the copy of outs[0] waited for its matmul
+    trace = tl.to_chrome_trace()
+    assert any(e["ph"] == "s" for e in trace["traceEvents"])
+
+
+def test_explain_shows_the_cost_model_and_the_measured_choice():
+    x = torch.randn(64, 64, device="cuda")
+    outs = [torch.empty_like(x) for _ in range(8)]
+    with sd.Runtime("cuda", streams=8) as rt:
+        with rt.record() as g:
+            for o in outs:
+                rt.submit(torch.matmul, x, x, out=o, reads=[x], writes=[o])
+        for _ in range(3):
+            g.run().result()
+        text = g.explain()
+    assert "cost model estimate" in text and "chosen by measured replay" in text
+    assert g.statistics().estimate_ms

@@ -147,6 +147,7 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
         "record_and_first_run_s": t_rec, "capture_and_choice_s": t_cap,
         "torch_compile_s": t_compile,
         "capture": {"chosen_streams": cap_stats.chosen_streams, "choice_ms": cap_stats.choice_ms,
+                    "estimate_ms": cap_stats.estimate_ms,
                     "captures": cap_stats.captures, "replays": cap_stats.replays},
         "explain_head": explain.splitlines()[:3],
     }
