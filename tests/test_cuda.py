@@ -289,11 +289,10 @@ def test_compiled_models_match_eager_on_cuda_and_replay_without_waiting():
 def test_profiling_on_cuda_with_nvtx_times_every_op_on_its_stream():
     x = torch.randn(256, 256, device="cuda")
     outs = [torch.empty_like(x) for _ in range(4)]
-    with sd.Runtime("cuda", streams=4) as rt:
-        with rt.profile(nvtx=True) as prof:
-            for o in outs:
-                rt.submit(torch.matmul, x, x, out=o, reads=[x], writes=[o], name="mm")
-            rt.to_host(outs[0])
+    with sd.Runtime("cuda", streams=4) as rt, rt.profile(nvtx=True) as prof:
+        for o in outs:
+            rt.submit(torch.matmul, x, x, out=o, reads=[x], writes=[o], name="mm")
+        rt.to_host(outs[0])
     tl = prof.timeline
     assert len(tl) == 5
     assert {s.kind for s in tl.spans} == {"compute", "d2h"}
