@@ -71,6 +71,26 @@ class CaptureStatistics:
     capture_seconds: float = 0.0
 
 
+class _OpFailed(RuntimeError):
+    def __init__(self, op_name: str, cause: BaseException) -> None:
+        super().__init__(f"op {op_name!r} failed in the timed run: {cause}")
+
+
+_CYCLES_PER_MS: dict[Any, float] = {}
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    """How many ``torch.cuda._sleep`` cycles make a millisecond on this GPU (measured once)."""
+    if device not in _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[device] = 1_000_000 / max(start.elapsed_time(end), 1e-3)
+    return _CYCLES_PER_MS[device]
+
+
 class CaptureFailed(RuntimeError):
     def __init__(self, op_name: str, cause: BaseException) -> None:
         super().__init__(f"op {op_name!r} cannot be captured into a CUDA graph: {cause}")
@@ -182,6 +202,31 @@ class CudaGraphRunner:
             raise CaptureFailed(current, failure) from failure
         return _Captured(graph, values, sched, [rec.accesses for rec in ops])
 
+    def _time_ops(self) -> list[float]:
+        """One profiled run of the ops, in order on one stream: each op's GPU time (ms).
+
+        The stream first sleeps on the GPU for longer than the host takes to
+        enqueue the run, so that the events around each op time the op itself,
+        not the host's launch gaps.
+        """
+        ops = self.recorded._ops
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(ops) + 1)]
+        host_ms = getattr(self.recorded, "first_run_host_ms", None) or 1.0
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(_cycles_per_ms(self.device) * (2.0 * host_ms + 0.2)))
+            events[0].record(stream)
+            for i, rec in enumerate(ops):
+                try:
+                    rec.fn(*rec.args, **rec.kwargs)
+                except Exception as exc:
+                    raise _OpFailed(rec.name, exc) from exc
+                events[i + 1].record(stream)
+        events[-1].synchronize()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return [events[i].elapsed_time(events[i + 1]) for i in range(len(ops))]
+
     def _time(self, captured: _Captured, reps: int = 5) -> float:
         stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -195,7 +240,7 @@ class CudaGraphRunner:
             times.append(start.elapsed_time(end))
         return sorted(times)[len(times) // 2]
 
-    def prepare(self, max_streams: int, before_capture: Any = None, durations: Any = None) -> bool:
+    def prepare(self, max_streams: int, before_capture: Any = None) -> bool:
         """Capture (choosing the stream count by measurement); False if the graph must run eagerly."""
         if self._failed is not None:
             return False
@@ -208,20 +253,20 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         natural = build_schedule(self.recorded._preds, max_streams).num_streams
         candidates = {1, min(4, natural), natural}
-        measured = durations() if durations is not None else None
-        if measured is not None:  # the cost model's pick is measured too
-            for k in sorted({1, 2, 4, 8, 16, natural}):
-                if k <= natural:
-                    sched = build_schedule(self.recorded._preds, k)
-                    self.stats.estimate_ms[k] = simulate(sched, measured)
-            candidates.add(min(self.stats.estimate_ms, key=self.stats.estimate_ms.get))
-        candidates = sorted(candidates)
         best: tuple[float, _Captured] | None = None
-        # timing replays must not change what the graph's buffers hold
+        # timing runs and replays must not change what the graph's buffers hold
         written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
         saved = [t.clone() for t in written]
         try:
-            for k in candidates:
+            if natural > 1:
+                durations = self._time_ops()
+                for k in sorted({1, 2, 4, 8, 16, natural}):
+                    if k <= natural:
+                        sched = build_schedule(self.recorded._preds, k)
+                        self.stats.estimate_ms[k] = simulate(sched, durations)
+                # the cost model's pick is measured with the others
+                candidates.add(min(self.stats.estimate_ms, key=self.stats.estimate_ms.get))
+            for k in sorted(candidates):
                 cap = self._capture(k)
                 self.stats.captures += 1
                 if len(candidates) > 1:
@@ -231,7 +276,7 @@ class CudaGraphRunner:
                     ms = 0.0
                 if best is None or ms < best[0]:
                     best = (ms, cap)
-        except CaptureFailed as exc:
+        except (CaptureFailed, _OpFailed) as exc:
             self._failed = str(exc)
             self.stats.fallbacks += 1
             torch.cuda.synchronize(self.device)

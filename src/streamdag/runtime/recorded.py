@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -80,10 +81,10 @@ class RecordedGraph:
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
         self._runs = 0
+        self.first_run_host_ms: float | None = None
         self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
         self.capture_fallback: str | None = None
         self._runner: Any = None
-        self._first_profile: Any = None
         self._replay_accesses: list[Access] | None = None
         self.capture = runtime.device.startswith("cuda")
 
@@ -133,13 +134,8 @@ class RecordedGraph:
                 self.last_run_captured = True
                 return future
         probe = None
-        first_profile = None  # the first run of a graph that will be captured is also timed, per op
         if self.capture and self._runs == 1:
             from .capture import probe_host_syncs as probe
-            from .profiling import Profiler
-
-            if rt._profiler is None:
-                first_profile = Profiler(rt.backend, rt._streams, per_op=True, nvtx=False)
         result = Future()
         result.op_name = "graph"
         n = len(self._ops)
@@ -162,15 +158,11 @@ class RecordedGraph:
             else:
                 result.set_result(GraphResult([op.future.result() for op in launched]))
 
+        t0 = time.perf_counter()
         with rt._lock:
-            if first_profile is not None:
-                rt._profiler = first_profile
-            try:
-                self._launch_ops(rt, sched, run_id, probe, launched)
-            finally:
-                if first_profile is not None:
-                    rt._profiler = None
-                    self._first_profile = first_profile
+            self._launch_ops(rt, sched, run_id, probe, launched)
+        if self._runs == 1:  # how long the host takes to launch the graph once, op by op
+            self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         for op in launched:
             op.future.add_done_callback(one_done)
         return result
@@ -204,8 +196,7 @@ class RecordedGraph:
             self._runner = CudaGraphRunner(self, rt.backend.torch_device)  # type: ignore[attr-defined]
         runner = self._runner
         with rt._lock:  # capture after all earlier work: it reads no half-written buffer
-            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize,
-                                durations=self._op_durations)
+            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
@@ -241,14 +232,6 @@ class RecordedGraph:
         warnings.warn(f"streamdag: running this graph eagerly on streams, without a CUDA graph: {reason}",
                       RuntimeWarning, stacklevel=4)
 
-    def _op_durations(self) -> list[float] | None:
-        """Per-op times (ms) from the timed first run, once it has completed."""
-        prof = self._first_profile
-        if prof is None or len(prof.records) != len(self._ops):
-            return None
-        spans = sorted(prof.finish().spans, key=lambda sp: sp.seq)
-        return [sp.duration for sp in spans]
-
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
         if self._runner is None or self._runner._captured is None:
@@ -267,7 +250,7 @@ class RecordedGraph:
             timed = ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(stats.choice_ms.items()))
             if stats.estimate_ms:
                 est = ", ".join(f"{k}: {ms:.3f}" for k, ms in sorted(stats.estimate_ms.items()))
-                extra.append(f"cost model estimate from the first run's op times (ms by streams): {est}")
+                extra.append(f"cost model estimate from one timed run of the ops (ms by streams): {est}")
             extra.append(f"CUDA graph: {stats.chosen_streams} stream(s) chosen by measured replay "
                          f"({timed or 'one candidate'}); {stats.captures} captures, "
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
