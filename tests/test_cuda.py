@@ -316,3 +316,19 @@ def test_explain_shows_the_cost_model_and_the_measured_choice():
         text = g.explain()
     assert "cost model estimate" in text and "chosen by measured replay" in text
     assert g.statistics().estimate_ms
+
+
+def test_replays_launched_back_to_back_do_not_overlap_on_shared_buffers():
+    """Fifty replays without waiting: each one accumulates into y, so any overlap would lose updates."""
+    x = torch.randn(1 << 16, device="cuda")
+    y = torch.zeros_like(x)
+    with sd.Runtime("cuda", streams=4) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: y.add_(x), reads=[x], writes=[y], name="accumulate")
+            rt.submit(lambda: torch.cuda._sleep(20_000), name="slow_tail")
+        futures = [g.run() for _ in range(50)]
+        for f in futures:
+            f.result()
+        rt.synchronize()
+        assert g.statistics().replays >= 48
+    torch.testing.assert_close(y, 50 * x, rtol=1e-5, atol=1e-4)
