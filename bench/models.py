@@ -56,7 +56,8 @@ def run_model(name: str, dtype: torch.dtype, use_compile: bool) -> dict:
         errors["streamdag"] = rel_err(fast(x), ref)
         res["streamdag"] = wall_ms(lambda: fast(x))
         stats = fast.statistics()
-        entry = next(e for e in fast._entries.values() if e is not None)
+        spec = next(e for e in fast._entries.values() if e is not None)
+        entry = spec.entry
         cap = entry.graph.statistics()
         explain_head = fast.explain().splitlines()[:3]
         t_compile = None
@@ -74,7 +75,8 @@ def run_model(name: str, dtype: torch.dtype, use_compile: bool) -> dict:
     return {
         "model": name, "dtype": str(dtype), "ms": res, "rel_error_vs_eager": errors,
         "streamdag_compile_s": t_sd, "torch_compile_s": t_compile,
-        "ops": len(entry.graph), "stats": vars(stats),
+        "ops": len(entry.graph), "stats": vars(stats), "variant": entry.label,
+        "variant_ms": spec.choice_ms, "batching": str(entry.batch_report or ""),
         "capture": {"chosen_streams": cap.chosen_streams if cap else None,
                     "choice_ms": cap.choice_ms if cap else None,
                     "estimate_ms": cap.estimate_ms if cap else None,

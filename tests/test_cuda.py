@@ -332,3 +332,29 @@ def test_replays_launched_back_to_back_do_not_overlap_on_shared_buffers():
         rt.synchronize()
         assert g.statistics().replays >= 48
     torch.testing.assert_close(y, 50 * x, rtol=1e-5, atol=1e-4)
+
+
+def test_compiled_wide_graph_batches_on_cuda_and_matches_eager():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ws = [[torch.randn(64, 64, device="cuda") / 8 for _ in range(3)] for _ in range(8)]
+    x = torch.randn(16, 64, device="cuda")
+
+    def wide(x):
+        outs = []
+        for branch in ws:
+            h = x
+            for w in branch:
+                h = torch.relu(h @ w)
+            outs.append(h)
+        return torch.stack(outs).sum(0)
+
+    fast = sd.compile(wide)
+    with torch.no_grad():
+        results = [(fast(x), wide(x)) for _ in range(14)]
+        ws[3][1].mul_(0.5)  # a stacked weight changed in place: seen by the next call
+        results.append((fast(x), wide(x)))
+    for got, want in results:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    spec = next(iter(fast._entries.values()))
+    assert len(spec.variants) == 2 and spec.chosen is not None and spec.choice_ms
+    fast.close()

@@ -144,5 +144,50 @@ def test_parameters_passed_as_inputs_are_bound_not_copied():
         torch.testing.assert_close(c(x, w), x @ w)
         w.mul_(2)  # an in-place update of the parameter is seen: it is the graph's buffer
         torch.testing.assert_close(c(x, w), x @ w)
-    entry = next(iter(c._entries.values()))
+    entry = next(iter(c._entries.values())).entry
     assert entry.static_inputs[1] is w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batching_turns_a_wide_graph_into_batched_ops_with_the_same_results(device):
+    torch.manual_seed(0)
+    ws = [[torch.randn(16, 16) / 4 for _ in range(3)] for _ in range(6)]
+
+    def wide(x):
+        outs = []
+        for branch in ws:
+            h = x
+            for w in branch:
+                h = torch.relu(h @ w)
+            outs.append(h)
+        return torch.stack(outs).sum(0)
+
+    c = sd.compile(wide, batch=True, device=device)
+    with torch.no_grad():
+        x = torch.randn(8, 16)
+        torch.testing.assert_close(c(x), wide(x), rtol=1e-5, atol=1e-5)
+        text = c.explain()
+        assert "3 x matmul (sizes [6])" in text and "3 x relu" in text
+        assert len(next(iter(c._entries.values())).entry.graph) <= 10  # from 37 ops
+
+
+def test_stacked_constants_follow_in_place_updates():
+    """A weight changed in place after the graph was built: the batched graph must see it."""
+    ws = [torch.randn(8, 8) for _ in range(4)]
+    c = sd.compile(lambda x: [torch.tanh(x @ w) for w in ws], batch=True)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        c(x)
+        ws[2].mul_(-1)
+        ws[0].copy_(torch.randn(8, 8))
+        for got, w in zip(c(x), ws):
+            torch.testing.assert_close(got, torch.tanh(x @ w))
+
+
+def test_ops_that_depend_on_each_other_are_not_batched():
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)
+    c = sd.compile(lambda x: (x @ w1) @ w2, batch=True)
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(c(x), (x @ w1) @ w2)
+    assert "no groups" in c.explain()

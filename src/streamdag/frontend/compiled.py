@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.core import Runtime
 from ..runtime.recorded import RecordedGraph
+from .batching import batch_independent_ops
 from .fx_ops import ops_from_graph
 
 __all__ = ["CompileStatistics", "Compiled", "compile"]
@@ -62,7 +63,7 @@ def _guard(flat: list[Any]) -> tuple:
 class _Entry:
     """One traced and scheduled specialization of the function."""
 
-    def __init__(self, owner: Compiled, flat: list[Any], spec: Any) -> None:
+    def __init__(self, owner: Compiled, flat: list[Any], spec: Any, batch: bool = False) -> None:
         tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         constants = list(flat)
 
@@ -80,6 +81,11 @@ class _Entry:
         # depends on data raises (it would be baked in) instead of tracing one branch
         with torch.no_grad():
             gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        self.label = "streams"
+        self.stacked = None
+        self.batch_report = None
+        if batch:
+            gm, self.stacked, self.batch_report = batch_independent_ops(gm)
         self.gm = gm
         self.tensor_pos = tensor_pos
         device = next((t.device for t in examples if t.device.type != "cpu"), torch.device("cpu"))
@@ -111,6 +117,8 @@ class _Entry:
     def __call__(self, flat: list[Any]) -> Any:
         tensors = [flat[i] for i in self.tensor_pos]
         with self.lock:
+            if self.stacked is not None:  # constants changed since they were stacked are copied in
+                self.stacked.refresh()
             for static, t in zip(self.static_inputs, tensors):
                 if static is not t:
                     static.copy_(t)
@@ -144,15 +152,59 @@ class _Entry:
         return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static)
 
 
+class _Specialization:
+    """The variants traced for one guard key (with and without batching), and the one that runs.
+
+    With two variants on a GPU, calls alternate between them until each has
+    replayed three times; the faster by CUDA-event timing then runs alone.
+    """
+
+    SAMPLES = 3
+
+    def __init__(self, variants: list[_Entry]) -> None:
+        self.variants = variants
+        self.chosen: int | None = 0 if len(variants) == 1 else None
+        self.samples: list[list[tuple[Any, Any]]] = [[] for _ in variants]
+        self.choice_ms: dict[str, float] = {}
+        self._turn = 0
+
+    def __call__(self, flat: list[Any]) -> tuple[Any, bool]:
+        if self.chosen is not None:
+            return self.variants[self.chosen](flat)
+        i = self._turn % len(self.variants)
+        self._turn += 1
+        entry = self.variants[i]
+        if not entry.graph.captured:
+            return entry(flat)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = entry(flat)
+        end.record()
+        self.samples[i].append((start, end))
+        if all(len(s) >= self.SAMPLES for s in self.samples):
+            ms = []
+            for s in self.samples:
+                s[-1][1].synchronize()
+                ms.append(sorted(a.elapsed_time(b) for a, b in s)[len(s) // 2])
+            self.chosen = min(range(len(ms)), key=ms.__getitem__)
+            self.choice_ms = {v.label: t for v, t in zip(self.variants, ms)}
+        return result
+
+    @property
+    def entry(self) -> _Entry:
+        return self.variants[self.chosen or 0]
+
+
 class Compiled:
     """The callable :func:`compile` returns. ``statistics()`` counts traces, replays and eager calls."""
 
     def __init__(self, fn: Callable[..., Any], streams: int | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, batch: bool | str = "auto") -> None:
         self._fn = fn
         self._streams = streams
         self._device = device
-        self._entries: dict[tuple, _Entry | None] = {}
+        self._batch = batch
+        self._entries: dict[tuple, _Specialization | None] = {}
         self._runtimes: dict[str, Runtime] = {}
         self._stats = CompileStatistics()
         self._warned: set[str] = set()
@@ -191,7 +243,7 @@ class Compiled:
             self._stats.guards += 1
             try:
                 self._stats.traces += 1
-                self._entries[key] = _Entry(self, flat, spec)
+                self._entries[key] = self._specialize(flat, spec)
             except Exception as exc:  # not traceable: say why once, then run as written
                 self._entries[key] = None
                 self._warn(f"tracing failed ({type(exc).__name__}: {exc})")
@@ -203,11 +255,30 @@ class Compiled:
         self._stats.replays += captured
         return outputs
 
+    def _specialize(self, flat: list[Any], spec: Any) -> _Specialization:
+        plain = _Entry(self, flat, spec, batch=self._batch is True)
+        plain.label = "batched" if self._batch is True else "streams"
+        variants = [plain]
+        if self._batch == "auto" and plain.runtime.device.startswith("cuda"):
+            batched = _Entry(self, flat, spec, batch=True)
+            batched.label = "batched"
+            if batched.batch_report.groups:  # a second variant only where batching changed something
+                variants.append(batched)
+        return _Specialization(variants)
+
     def explain(self) -> str:
-        """The schedule of every traced specialization."""
+        """The schedule of every traced specialization, its batching, and the variant chosen."""
         parts = []
-        for i, entry in enumerate(e for e in self._entries.values() if e is not None):
-            parts.append(f"specialization {i} on {entry.runtime.device}:\n{entry.graph.explain()}")
+        for i, spec in enumerate(e for e in self._entries.values() if e is not None):
+            head = f"specialization {i}"
+            if spec.choice_ms:
+                timed = ", ".join(f"{k} {v:.3f} ms" for k, v in spec.choice_ms.items())
+                head += f": variant {spec.entry.label!r} chosen by timed replays ({timed})"
+            for entry in spec.variants:
+                report = f"\n{entry.batch_report}" if entry.batch_report else ""
+                parts.append(f"{head}\n[{entry.label}] on {entry.runtime.device}{report}\n"
+                             f"{entry.graph.explain()}")
+                head = ""
         return "\n\n".join(parts) or "not traced yet: call the function once"
 
     def close(self) -> None:
@@ -219,7 +290,8 @@ def _parameters(fn: Any) -> list[torch.Tensor]:
     return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
 
 
-def compile(fn: Callable[..., Any], *, streams: int | None = None, device: str | None = None) -> Compiled:
+def compile(fn: Callable[..., Any], *, streams: int | None = None, device: str | None = None,
+            batch: bool | str = "auto") -> Compiled:
     """Make ``fn`` (a function or ``nn.Module``) run its independent operators concurrently.
 
     Inference only: call the result under ``torch.inference_mode()`` or
@@ -228,4 +300,4 @@ def compile(fn: Callable[..., Any], *, streams: int | None = None, device: str |
     """
     if not callable(fn):
         raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
-    return Compiled(fn, streams=streams, device=device)
+    return Compiled(fn, streams=streams, device=device, batch=batch)

@@ -1,0 +1,263 @@
+"""Fewer, larger kernels: independent ops of one kind and shape, run as one batched op.
+
+A rewrite pass over an aten-level fx graph (pure graph surgery; it runs no
+kernel):
+
+1. **Matmuls.** Mutually independent ``aten.mm`` nodes with equal shapes whose
+   right operand is a constant become one ``aten.bmm``: the constants are
+   stacked once, when the graph is built; the left operands are the same
+   tensor (expanded, no copy), slices of one tensor in order (that tensor, no
+   copy), or stacked. Each original result is a view of the batched one.
+2. **Elementwise ops.** The same unary op (relu, tanh, ...) applied to every
+   slice of one batched result becomes one op on the whole batch.
+3. **Stacks of slices.** ``stack`` of all slices of one tensor, in order, is
+   that tensor.
+
+Repeated, these turn a wide graph of B branches into one chain of batched ops.
+Stacked constants are checked before every call (:class:`StackedConstants`):
+an in-place update or a new tensor behind a constant is copied into the stack,
+in place, so results are never stale and captured graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["BatchReport", "StackedConstants", "batch_independent_ops"]
+
+aten = torch.ops.aten
+
+_UNARY = {aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.silu.default,
+          aten.gelu.default, aten.neg.default, aten.exp.default}
+
+
+@dataclass
+class StackedConstants:
+    """The stacked copies of constants, and the version of every source they were taken at."""
+
+    stacks: list[tuple[torch.Tensor, list[torch.Tensor], list[tuple[int, int]]]] = field(default_factory=list)
+
+    def refresh(self) -> int:
+        """Copy every source that changed since it was stacked; returns how many were."""
+        changed = 0
+        for stack, sources, seen in self.stacks:
+            for i, src in enumerate(sources):
+                now = (src._version, src.data_ptr())
+                if now != seen[i]:
+                    stack[i].copy_(src)
+                    seen[i] = now
+                    changed += 1
+        return changed
+
+
+@dataclass
+class BatchReport:
+    groups: list[tuple[str, int]] = field(default_factory=list)  # (kind, size) per group
+
+    def __str__(self) -> str:
+        if not self.groups:
+            return "batching: no groups"
+        kinds: dict[str, list[int]] = {}
+        for kind, size in self.groups:
+            kinds.setdefault(kind, []).append(size)
+        parts = [f"{len(sizes)} x {kind} (sizes {sorted(set(sizes))})" for kind, sizes in kinds.items()]
+        return "batching: " + ", ".join(parts)
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _descendants(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """Bit set of the nodes reachable from each node (bits by position in ``nodes``)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    reach: dict[torch.fx.Node, int] = {}
+    for n in reversed(nodes):
+        bits = 0
+        for user in n.users:
+            if user in index:
+                bits |= reach[user] | (1 << index[user])
+        reach[n] = bits
+    return reach
+
+
+def _independent_groups(candidates: list[torch.fx.Node], reach: dict, index: dict) -> list[list]:
+    """Greedy groups of candidates with no path between any two of them."""
+    groups: list[tuple[list[torch.fx.Node], int, int]] = []  # members, their bits, their reach
+    for n in candidates:
+        bit = 1 << index[n]
+        for g in groups:
+            members, bits, reached = g
+            if not (reached & bit) and not (reach[n] & bits):
+                members.append(n)
+                groups[groups.index(g)] = (members, bits | bit, reached | reach[n])
+                break
+        else:
+            groups.append(([n], bit, reach[n]))
+    return [members for members, _, _ in groups if len(members) > 1]
+
+
+def _slices_of(args: list[Any]) -> torch.fx.Node | None:
+    """The tensor whose ``unbind`` slices ``args`` are, all of them and in order; else None."""
+    if not args or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem for a in args):
+        return None
+    source = args[0].args[0]
+    if not (isinstance(source, torch.fx.Node) and source.target is aten.unbind.int
+            and (len(source.args) < 2 or source.args[1] == 0)):
+        return None
+    if [a.args[0] for a in args] != [source] * len(args):
+        return None
+    if [a.args[1] for a in args] != list(range(len(args))):
+        return None
+    if len(_val(source) or ()) != len(args):
+        return None
+    return source.args[0]
+
+
+def _unbind(graph: torch.fx.Graph, batched: torch.fx.Node, members: list[torch.fx.Node]) -> None:
+    """Replace each member's uses by its slice of ``batched``."""
+    with graph.inserting_after(batched):
+        parts = graph.call_function(aten.unbind.int, (batched, 0))
+    previous = parts
+    for i, member in enumerate(members):
+        with graph.inserting_after(previous):
+            piece = graph.call_function(operator.getitem, (parts, i))
+        piece.meta["val"] = _val(member)
+        member.replace_all_uses_with(piece)
+        previous = piece
+    parts.meta["val"] = [_val(m) for m in members]
+
+
+def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    reach = _descendants(nodes)
+    by_key: dict[tuple, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if n.target is aten.mm.default and n.args[1].op == "get_attr":
+            a, b = _val(n.args[0]), _val(n.args[1])
+            if a is not None and b is not None:
+                key = (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, str(a.device))
+                by_key.setdefault(key, []).append(n)
+    changed = False
+    for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
+        k = len(members)
+        lefts = [m.args[0] for m in members]
+        sources = [getattr(gm, m.args[1].target) for m in members]
+        stack = torch.stack(sources).contiguous()
+        name = f"_streamdag_stack_{len(constants.stacks)}"
+        gm.register_buffer(name, stack, persistent=False)
+        constants.stacks.append((stack, sources, [(s._version, s.data_ptr()) for s in sources]))
+        last = max(members, key=index.__getitem__)
+        with graph.inserting_after(last):
+            weights = graph.get_attr(name)
+        weights.meta["val"] = stack
+        base = _slices_of(lefts)
+        with graph.inserting_after(weights):
+            if base is not None:
+                left = base
+            elif all(a is lefts[0] for a in lefts):
+                shape = list(_val(lefts[0]).shape)
+                left = graph.call_function(aten.expand.default, (
+                    graph.call_function(aten.unsqueeze.default, (lefts[0], 0)), [k, *shape]))
+            else:
+                left = graph.call_function(aten.stack.default, (lefts, 0))
+        with graph.inserting_after(left if left is not base else weights):
+            batched = graph.call_function(aten.bmm.default, (left, weights))
+        _unbind(graph, batched, members)
+        for m in members:
+            graph.erase_node(m)
+        report.groups.append(("matmul", k))
+        changed = True
+    return changed
+
+
+def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
+    graph = gm.graph
+    by_source: dict[tuple, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if n.target in _UNARY and len(n.args) == 1 and not n.kwargs:
+            arg = n.args[0]
+            if isinstance(arg, torch.fx.Node) and arg.target is operator.getitem:
+                by_source.setdefault((n.target, arg.args[0]), []).append(n)
+    changed = False
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for (target, _), members in by_source.items():
+        members.sort(key=lambda m: m.args[0].args[1])
+        base = _slices_of([m.args[0] for m in members])
+        if base is None or len(members) < 2:
+            continue
+        last = max(members, key=position.__getitem__)
+        with graph.inserting_after(last):
+            batched = graph.call_function(target, (base,))
+        _unbind(graph, batched, members)
+        for m in members:
+            graph.erase_node(m)
+        report.groups.append((str(target).split(".")[1], len(members)))
+        changed = True
+    return changed
+
+
+def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.target is aten.stack.default and (len(n.args) < 2 or n.args[1] == 0):
+            base = _slices_of(list(n.args[0]))
+            if base is not None:
+                n.replace_all_uses_with(base)
+                gm.graph.erase_node(n)
+                changed = True
+    return changed
+
+
+def _topological(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The same graph with its nodes in an order where every input comes first."""
+    placed: set[torch.fx.Node] = set()
+    order: list[torch.fx.Node] = []
+
+    def inputs(n: torch.fx.Node) -> Iterable[torch.fx.Node]:
+        found: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((n.args, n.kwargs), found.append)
+        return found
+
+    for root in graph.nodes:
+        stack = [(root, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in placed:
+                continue
+            if expanded:
+                placed.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((i, False) for i in inputs(n) if i not in placed)
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in order:
+        env[n] = new.node_copy(n, lambda x: env[x])
+    return new
+
+
+def batch_independent_ops(
+    gm: torch.fx.GraphModule,
+) -> tuple[torch.fx.GraphModule, StackedConstants, BatchReport]:
+    """Rewrite ``gm`` in place; returns it with the stacked constants and what was grouped."""
+    constants, report = StackedConstants(), BatchReport()
+    for _ in range(64):  # each round batches one more layer of a wide graph
+        changed = _batch_matmuls(gm, constants, report)
+        changed |= _batch_unary(gm, report)
+        changed |= _fold_stacks(gm)
+        gm.graph = _topological(gm.graph)
+        gm.graph.eliminate_dead_code()
+        if not changed:
+            break
+    gm.recompile()
+    return gm, constants, report
