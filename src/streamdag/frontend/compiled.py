@@ -88,7 +88,10 @@ class _Entry:
             gm, self.stacked, self.batch_report = batch_independent_ops(gm)
         self.gm = gm
         self.tensor_pos = tensor_pos
-        device = next((t.device for t in examples if t.device.type != "cpu"), torch.device("cpu"))
+        # the device of the inputs, or of the tensors the function closes over when it takes none
+        consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+        device = next((t.device for t in [*examples, *consts]
+                       if isinstance(t, torch.Tensor) and t.device.type != "cpu"), torch.device("cpu"))
         self.runtime = owner._runtime_for(device)
         ops, placeholders, output_arg, output_reads = ops_from_graph(gm)
         self.static_inputs = [
