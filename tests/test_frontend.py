@@ -191,3 +191,64 @@ def test_ops_that_depend_on_each_other_are_not_batched():
         x = torch.randn(4, 8)
         torch.testing.assert_close(c(x), (x @ w1) @ w2)
     assert "no groups" in c.explain()
+
+
+class _ConvBnRelu(torch.nn.Module):
+    def __init__(self, cin, cout, k):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, k, padding=k // 2, bias=False)
+        self.bn = torch.nn.BatchNorm2d(cout, eps=1e-3)
+
+    def forward(self, x):
+        return torch.nn.functional.relu(self.bn(self.conv(x)), inplace=True)
+
+
+class _Inception(torch.nn.Module):
+    """Three branches open with 1x1 convolutions of the same input, as in GoogLeNet."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.b1 = _ConvBnRelu(c, 8, 1)
+        self.b2 = torch.nn.Sequential(_ConvBnRelu(c, 6, 1), _ConvBnRelu(6, 8, 3))
+        self.b3 = torch.nn.Sequential(_ConvBnRelu(c, 4, 1), _ConvBnRelu(4, 8, 3))
+        self.b4 = torch.nn.Sequential(torch.nn.MaxPool2d(3, 1, 1), _ConvBnRelu(c, 8, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+
+
+def _inception_net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_ConvBnRelu(3, 16, 3), _Inception(16), _Inception(32)).eval()
+    for mod in net.modules():
+        if isinstance(mod, torch.nn.BatchNorm2d):
+            mod.running_mean.uniform_(-1, 1)
+            mod.running_var.uniform_(0.5, 2)
+            mod.weight.data.uniform_(0.5, 1.5)
+            mod.bias.data.uniform_(-0.5, 0.5)
+    return net
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_convolutions_of_one_input_are_batched_with_their_norms(device):
+    net = _inception_net()
+    c = sd.compile(net, batch=True, device=device)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(2, 3, 16, 16)
+            torch.testing.assert_close(c(x), net(x), rtol=1e-5, atol=1e-5)
+    text = c.explain()
+    assert "2 x convolution (sizes [3])" in text and "2 x batch_norm (sizes [3])" in text
+
+
+def test_batched_norms_follow_in_place_updates_of_running_stats():
+    net = _inception_net()
+    c = sd.compile(net, batch=True)
+    with torch.inference_mode():
+        x = torch.randn(1, 3, 16, 16)
+        c(x)
+    with torch.no_grad():
+        net[1].b2[0].bn.running_mean.add_(0.3)
+        net[2].b1.conv.weight.mul_(-1)
+    with torch.inference_mode():
+        torch.testing.assert_close(c(x), net(x), rtol=1e-5, atol=1e-5)

@@ -3,11 +3,15 @@
 A rewrite pass over an aten-level fx graph (pure graph surgery; it runs no
 kernel):
 
-1. **Matmuls.** Mutually independent ``aten.mm`` nodes with equal shapes whose
+1. **Matmuls and convolutions.** Mutually independent ``aten.mm`` nodes with equal shapes whose
    right operand is a constant become one ``aten.bmm``: the constants are
    stacked once, when the graph is built; the left operands are the same
    tensor (expanded, no copy), slices of one tensor in order (that tensor, no
    copy), or stacked. Each original result is a view of the batched one.
+   Convolutions that read one input with one geometry become one convolution
+   over concatenated filters (the 1x1 convolutions that open GoogLeNet's and
+   Inception's branches); inference batch norms over all its channel slices
+   become one batch norm over concatenated parameters.
 2. **Elementwise ops.** The same unary op (relu, tanh, ...) applied to every
    slice of one batched result becomes one op on the whole batch.
 3. **Stacks of slices.** ``stack`` of all slices of one tensor, in order, is
@@ -39,18 +43,26 @@ _UNARY = {aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.silu.
 
 @dataclass
 class StackedConstants:
-    """The stacked copies of constants, and the version of every source they were taken at."""
+    """Stacked or concatenated copies of constants: for each, its parts, and what each copies.
 
-    stacks: list[tuple[torch.Tensor, list[torch.Tensor], list[tuple[int, int]]]] = field(default_factory=list)
+    ``parts[i]`` is the view of the combined tensor that holds ``sources[i]``;
+    ``seen[i]`` the version counter and address the copy was taken at.
+    """
+
+    groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]] = field(
+        default_factory=list)
+
+    def add(self, parts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        self.groups.append((parts, sources, [(s._version, s.data_ptr()) for s in sources]))
 
     def refresh(self) -> int:
-        """Copy every source that changed since it was stacked; returns how many were."""
+        """Copy every source that changed since it was copied; returns how many were."""
         changed = 0
-        for stack, sources, seen in self.stacks:
+        for parts, sources, seen in self.groups:
             for i, src in enumerate(sources):
                 now = (src._version, src.data_ptr())
                 if now != seen[i]:
-                    stack[i].copy_(src)
+                    parts[i].copy_(src)
                     seen[i] = now
                     changed += 1
         return changed
@@ -152,13 +164,8 @@ def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
         lefts = [m.args[0] for m in members]
         sources = [getattr(gm, m.args[1].target) for m in members]
         stack = torch.stack(sources).contiguous()
-        name = f"_streamdag_stack_{len(constants.stacks)}"
-        gm.register_buffer(name, stack, persistent=False)
-        constants.stacks.append((stack, sources, [(s._version, s.data_ptr()) for s in sources]))
         last = max(members, key=index.__getitem__)
-        with graph.inserting_after(last):
-            weights = graph.get_attr(name)
-        weights.meta["val"] = stack
+        weights = _constant(gm, constants, stack, list(stack.unbind(0)), sources, last)
         base = _slices_of(lefts)
         with graph.inserting_after(weights):
             if base is not None:
@@ -175,6 +182,164 @@ def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
         for m in members:
             graph.erase_node(m)
         report.groups.append(("matmul", k))
+        changed = True
+    return changed
+
+
+def _constant(gm: torch.fx.GraphModule, constants: StackedConstants, value: torch.Tensor,
+              parts: list[torch.Tensor], sources: list[torch.Tensor], after: torch.fx.Node) -> torch.fx.Node:
+    """Register a combined constant on ``gm``; its get_attr node goes after ``after``."""
+    name = f"_streamdag_const_{len(constants.groups)}"
+    gm.register_buffer(name, value, persistent=False)
+    constants.add(parts, sources)
+    with gm.graph.inserting_after(after):
+        node = gm.graph.get_attr(name)
+    node.meta["val"] = value
+    return node
+
+
+def _channels(node: torch.fx.Node) -> int | None:
+    if "channels" in node.meta:
+        return node.meta["channels"]
+    val = _val(node)
+    return int(val.shape[1]) if val is not None and val.dim() > 1 else None
+
+
+def _channel_slices_of(args: list[Any]) -> torch.fx.Node | None:
+    """The tensor that ``args`` slice along dim 1, all of it and in order; else None."""
+    if not args or not all(isinstance(a, torch.fx.Node) and a.target is aten.slice.Tensor
+                           and len(a.args) == 4 and a.args[1] == 1 for a in args):
+        return None
+    base = args[0].args[0]
+    end = 0
+    for a in args:
+        if a.args[0] is not base or a.args[2] != end:
+            return None
+        end = a.args[3]
+    return base if end == _channels(base) else None
+
+
+def _split_channels(graph: torch.fx.Graph, combined: torch.fx.Node, members: list[torch.fx.Node],
+                    widths: list[int]) -> None:
+    """Replace each member's uses by its channel slice of ``combined``."""
+    combined.meta["channels"] = sum(widths)
+    start, previous = 0, combined
+    for member, width in zip(members, widths):
+        with graph.inserting_after(previous):
+            piece = graph.call_function(aten.slice.Tensor, (combined, 1, start, start + width))
+        piece.meta["val"] = _val(member)
+        member.replace_all_uses_with(piece)
+        start, previous = start + width, piece
+
+
+def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
+    """Convolutions reading one input with one geometry: one convolution over concatenated filters."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    reach = _descendants(nodes)
+    by_key: dict[tuple, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if n.target is not aten.convolution.default:
+            continue
+        x, w, b, stride, padding, dilation, transposed, _, groups = n.args
+        if transposed or groups != 1 or w.op != "get_attr" or (b is not None and b.op != "get_attr"):
+            continue
+        wv = getattr(gm, w.target)
+        key = (x, tuple(wv.shape[1:]), tuple(stride), tuple(padding), tuple(dilation), b is None, wv.dtype)
+        by_key.setdefault(key, []).append(n)
+    changed = False
+    for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
+        last = max(members, key=index.__getitem__)
+        ws = [getattr(gm, m.args[1].target) for m in members]
+        widths = [int(w.shape[0]) for w in ws]
+        cat_w = torch.cat(ws).contiguous()
+        weights = _constant(gm, constants, cat_w, list(cat_w.split(widths)), ws, last)
+        bias = None
+        if members[0].args[2] is not None:
+            bs = [getattr(gm, m.args[2].target) for m in members]
+            cat_b = torch.cat(bs).contiguous()
+            bias = _constant(gm, constants, cat_b, list(cat_b.split(widths)), bs, weights)
+        x, _, _, *geometry = members[0].args
+        with graph.inserting_after(bias or weights):
+            conv = graph.call_function(aten.convolution.default, (x, weights, bias, *geometry))
+        _split_channels(graph, conv, members, widths)
+        for m in members:
+            graph.erase_node(m)
+        report.groups.append(("convolution", len(members)))
+        changed = True
+    return changed
+
+
+def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
+    """Inference batch norms over all the channel slices of one tensor: one batch norm."""
+    graph = gm.graph
+    by_base: dict[tuple, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if n.target is not aten.native_batch_norm.default or n.args[5]:  # training
+            continue
+        x, *params = n.args[:5]
+        if not all(isinstance(p, torch.fx.Node) and p.op == "get_attr" for p in params):
+            continue
+        if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
+            continue
+        if isinstance(x, torch.fx.Node) and x.target is aten.slice.Tensor:
+            by_base.setdefault((x.args[0], n.args[6], n.args[7]), []).append(n)
+    changed = False
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for (_, momentum, eps), members in by_base.items():
+        members.sort(key=lambda m: m.args[0].args[2])
+        base = _channel_slices_of([m.args[0] for m in members])
+        if base is None or len(members) < 2:
+            continue
+        after = max(members, key=position.__getitem__)
+        combined = []
+        for p in range(1, 5):
+            srcs = [getattr(gm, m.args[p].target) for m in members]
+            cat = torch.cat(srcs).contiguous()
+            node = _constant(gm, constants, cat, list(cat.split([len(t) for t in srcs])), srcs, after)
+            combined.append(node)
+            after = node
+        widths = [int(getattr(gm, m.args[1].target).shape[0]) for m in members]
+        with graph.inserting_after(after):
+            bn = graph.call_function(aten.native_batch_norm.default,
+                                     (base, *combined, False, momentum, eps))
+        with graph.inserting_after(bn):
+            out = graph.call_function(operator.getitem, (bn, 0))
+        outs = [next(u for u in m.users if u.args[1] == 0) for m in members]
+        _split_channels(graph, out, outs, widths)
+        for m in members:
+            for u in list(m.users):
+                graph.erase_node(u)
+            graph.erase_node(m)
+        report.groups.append(("batch_norm", len(members)))
+        changed = True
+    return changed
+
+
+def _batch_channel_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
+    """The same unary op on every channel slice of one tensor: one op on the tensor."""
+    graph = gm.graph
+    by_source: dict[tuple, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if (n.target in _UNARY or n.target is aten.relu_.default) and len(n.args) == 1 and not n.kwargs:
+            arg = n.args[0]
+            if isinstance(arg, torch.fx.Node) and arg.target is aten.slice.Tensor:
+                by_source.setdefault((n.target, arg.args[0]), []).append(n)
+    changed = False
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for (target, _), members in by_source.items():
+        members.sort(key=lambda m: m.args[0].args[2])
+        base = _channel_slices_of([m.args[0] for m in members])
+        if base is None or len(members) < 2:
+            continue
+        with graph.inserting_after(max(members, key=position.__getitem__)):
+            whole = graph.call_function(target, (base,))
+        widths = [m.args[0].args[3] - m.args[0].args[2] for m in members]
+        _split_channels(graph, whole, members, widths)
+        for m in members:
+            graph.erase_node(m)
+        report.groups.append((str(target).split(".")[1], len(members)))
         changed = True
     return changed
 
@@ -251,11 +416,20 @@ def batch_independent_ops(
 ) -> tuple[torch.fx.GraphModule, StackedConstants, BatchReport]:
     """Rewrite ``gm`` in place; returns it with the stacked constants and what was grouped."""
     constants, report = StackedConstants(), BatchReport()
+    passes = [
+        lambda: _batch_matmuls(gm, constants, report),
+        lambda: _batch_convs(gm, constants, report),
+        lambda: _batch_norms(gm, constants, report),
+        lambda: _batch_channel_unary(gm, report),
+        lambda: _batch_unary(gm, report),
+        lambda: _fold_stacks(gm),
+    ]
     for _ in range(64):  # each round batches one more layer of a wide graph
-        changed = _batch_matmuls(gm, constants, report)
-        changed |= _batch_unary(gm, report)
-        changed |= _fold_stacks(gm)
-        gm.graph = _topological(gm.graph)
+        changed = False
+        for rewrite in passes:
+            if rewrite():  # new nodes sit after the last member: restore a topological order
+                gm.graph = _topological(gm.graph)
+                changed = True
         gm.graph.eliminate_dead_code()
         if not changed:
             break
