@@ -317,52 +317,30 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
     return changed
 
 
-def _batch_channel_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
-    """The same unary op on every channel slice of one tensor: one op on the tensor."""
+def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
+    """The same unary op on every slice of one tensor (by ``unbind`` or along channels): one op."""
     graph = gm.graph
     by_source: dict[tuple, list[torch.fx.Node]] = {}
     for n in graph.nodes:
         if (n.target in _UNARY or n.target is aten.relu_.default) and len(n.args) == 1 and not n.kwargs:
             arg = n.args[0]
-            if isinstance(arg, torch.fx.Node) and arg.target is aten.slice.Tensor:
-                by_source.setdefault((n.target, arg.args[0]), []).append(n)
+            if isinstance(arg, torch.fx.Node) and arg.target in (operator.getitem, aten.slice.Tensor):
+                by_source.setdefault((n.target, arg.target, arg.args[0]), []).append(n)
     changed = False
     position = {n: i for i, n in enumerate(graph.nodes)}
-    for (target, _), members in by_source.items():
-        members.sort(key=lambda m: m.args[0].args[2])
-        base = _channel_slices_of([m.args[0] for m in members])
+    for (target, kind, _), members in by_source.items():
+        channels = kind is aten.slice.Tensor
+        members.sort(key=lambda m: m.args[0].args[2] if channels else m.args[0].args[1])
+        args = [m.args[0] for m in members]
+        base = _channel_slices_of(args) if channels else _slices_of(args)
         if base is None or len(members) < 2:
             continue
         with graph.inserting_after(max(members, key=position.__getitem__)):
             whole = graph.call_function(target, (base,))
-        widths = [m.args[0].args[3] - m.args[0].args[2] for m in members]
-        _split_channels(graph, whole, members, widths)
-        for m in members:
-            graph.erase_node(m)
-        report.groups.append((str(target).split(".")[1], len(members)))
-        changed = True
-    return changed
-
-
-def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
-    graph = gm.graph
-    by_source: dict[tuple, list[torch.fx.Node]] = {}
-    for n in graph.nodes:
-        if n.target in _UNARY and len(n.args) == 1 and not n.kwargs:
-            arg = n.args[0]
-            if isinstance(arg, torch.fx.Node) and arg.target is operator.getitem:
-                by_source.setdefault((n.target, arg.args[0]), []).append(n)
-    changed = False
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for (target, _), members in by_source.items():
-        members.sort(key=lambda m: m.args[0].args[1])
-        base = _slices_of([m.args[0] for m in members])
-        if base is None or len(members) < 2:
-            continue
-        last = max(members, key=position.__getitem__)
-        with graph.inserting_after(last):
-            batched = graph.call_function(target, (base,))
-        _unbind(graph, batched, members)
+        if channels:
+            _split_channels(graph, whole, members, [a.args[3] - a.args[2] for a in args])
+        else:
+            _unbind(graph, whole, members)
         for m in members:
             graph.erase_node(m)
         report.groups.append((str(target).split(".")[1], len(members)))
@@ -420,7 +398,6 @@ def batch_independent_ops(
         lambda: _batch_matmuls(gm, constants, report),
         lambda: _batch_convs(gm, constants, report),
         lambda: _batch_norms(gm, constants, report),
-        lambda: _batch_channel_unary(gm, report),
         lambda: _batch_unary(gm, report),
         lambda: _fold_stacks(gm),
     ]
