@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import Backend, Event, Stream
 
-__all__ = ["Backend", "Event", "Stream", "make_backend"]
+__all__ = ["Backend", "Event", "Stream", "make_backend", "make_backends"]
 
 
 def make_backend(device: str, streams: int | None, seed: int = 0) -> Backend:
@@ -29,3 +29,36 @@ def make_backend(device: str, streams: int | None, seed: int = 0) -> Backend:
         f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' (a GPU), or 'sim' (a simulated "
         "device for tests)"
     )
+
+
+def make_backends(devices: list[str], streams: int | None, seed: int = 0) -> list[Backend]:
+    """One backend per device of a runtime that spans several: GPUs, or simulated devices ``"sim:N"``."""
+    names = [str(d) for d in devices]
+    if not names:
+        raise ValueError("devices= needs at least one device, e.g. devices=['cuda:0', 'cuda:1']")
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices= lists a device twice: {names}")
+    if streams is not None and streams < 1:
+        raise ValueError(f"streams must be at least 1, got {streams}")
+    backends: list[Backend] = []
+    executor = None
+    for name in names:
+        if name.startswith("sim:") and name[4:].isdigit():
+            from .sim import SimBackend, SimExecutor
+
+            executor = executor or SimExecutor(seed)
+            backends.append(SimBackend(streams or 4, device=name, copy_kinds=("p2p",), executor=executor))
+        elif name.startswith("cuda:") and name[5:].isdigit():
+            backends.append(make_backend(name, streams, seed))
+        else:
+            for b in backends:
+                b.close()
+            raise ValueError(
+                f"devices= takes GPUs 'cuda:N' or simulated devices 'sim:N' (for tests), got {name!r}; "
+                "for one device use device= instead"
+            )
+    if len({b.device.split(":")[0] for b in backends}) > 1:
+        for b in backends:
+            b.close()
+        raise ValueError(f"devices= mixes GPUs and simulated devices: {names}")
+    return backends

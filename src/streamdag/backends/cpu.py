@@ -58,7 +58,7 @@ class CpuBackend:
     def event(self, timing: bool = False) -> HostEvent:
         return HostEvent()
 
-    def launch(self, stream: _Lane, work: Callable[[], None]) -> None:
+    def launch(self, stream: _Lane, work: Callable[[], None], after_caller: bool = True) -> None:
         stream.enqueue(("run", work))
 
     def when_done(self, stream: _Lane, event: HostEvent, callback: Callable[[], None]) -> None:

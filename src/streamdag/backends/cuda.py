@@ -153,7 +153,7 @@ class _Completions:
 
 
 class CudaBackend:
-    """``streams`` compute streams plus one copy stream per direction on one GPU."""
+    """``streams`` compute streams plus copy streams on one GPU: host-to-device, device-to-host, peer-in."""
 
     deferred = False
 
@@ -175,7 +175,10 @@ class CudaBackend:
             self._copy = {
                 "h2d": CudaStream(streams, "h2d", torch.cuda.Stream()),
                 "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
+                "p2p": CudaStream(streams + 2, "p2p", torch.cuda.Stream()),
             }
+            #: where PyTorch runs the DMA of a peer copy out of this device (see runtime.peers)
+            self.peer_out = torch.cuda.Stream()
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -203,17 +206,25 @@ class CudaBackend:
         if not event.timing:
             self._free_events.append(event)
 
-    def launch(self, stream: CudaStream, work: Callable[[], None]) -> None:
+    def launch(self, stream: CudaStream, work: Callable[[], None], after_caller: bool = True) -> None:
+        """Run ``work`` with ``stream`` current; first order ``stream`` after the caller's stream.
+
+        ``after_caller=False`` skips that order, for work already ordered (a graph's later ops).
+        """
+        caller_device = torch.cuda.current_device()
         prev = torch.cuda.current_stream(self.torch_device)
-        # work the caller enqueued on its own stream (creating inputs, say) comes first;
-        # a wait takes the event's state when it is issued, so one event object serves all
-        self._caller_event.record(prev)
-        stream.raw.wait_event(self._caller_event)
+        if after_caller:
+            # work the caller enqueued on its own stream (creating inputs, say) comes first;
+            # a wait takes the event's state when it is issued, so one event object serves all
+            self._caller_event.record(prev)
+            stream.raw.wait_event(self._caller_event)
         torch.cuda.set_stream(stream.raw)
         try:
             work()
         finally:
             torch.cuda.set_stream(prev)
+            if caller_device != self.torch_device.index:
+                torch.cuda.set_device(caller_device)
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
         self._completions.put(stream.index, event, callback)

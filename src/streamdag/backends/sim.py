@@ -13,55 +13,52 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from .host import Command, HostEvent
 
-__all__ = ["SimBackend"]
+__all__ = ["SimArray", "SimBackend", "SimExecutor"]
 
 
 class _SimStream:
-    def __init__(self, index: int, owner: SimBackend) -> None:
+    def __init__(self, index: int, executor: SimExecutor, kind: str = "compute") -> None:
         self.index = index
-        self.kind = "compute"
-        self._owner = owner
+        self.kind = kind
+        self._executor = executor
         self.queue: deque[Command] = deque()
 
     def enqueue(self, command: Command) -> None:
-        with self._owner._cond:
+        with self._executor.cond:
             self.queue.append(command)
-            self._owner._cond.notify()
+            self._executor.cond.notify()
 
 
-class SimBackend:
-    """``streams`` simulated streams executed in a seeded random interleaving."""
+class SimExecutor:
+    """The one thread that runs the streams of one or several simulated devices.
 
-    deferred = True
+    Devices of one runtime share it, so that a stream waiting on another
+    device's event is looked at again whenever any stream makes progress.
+    """
 
-    def __init__(self, streams: int, seed: int = 0, device: str = "sim") -> None:
-        self.device = device
-        self._rng = random.Random(seed)
-        self._cond = threading.Condition()
-        self._streams = [_SimStream(i, self) for i in range(streams)]
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.cond = threading.Condition()
+        self.streams: list[_SimStream] = []
+        self._users = 0
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="streamdag-sim", daemon=True)
         self._thread.start()
 
-    @property
-    def streams(self) -> list[_SimStream]:
-        return self._streams
-
-    def event(self, timing: bool = False) -> HostEvent:
-        return HostEvent()
-
-    def launch(self, stream: _SimStream, work: Callable[[], None]) -> None:
-        stream.enqueue(("run", work))
-
-    def when_done(self, stream: _SimStream, event: HostEvent, callback: Callable[[], None]) -> None:
-        stream.enqueue(("run", callback))
+    def join(self, streams: list[_SimStream]) -> None:
+        with self.cond:
+            self.streams += streams
+            self._users += 1
 
     def _runnable(self) -> list[_SimStream]:
         ready = []
-        for s in self._streams:
+        for s in self.streams:
             if s.queue:
                 kind, payload = s.queue[0]
                 if kind == "run" or payload.is_set():  # type: ignore[union-attr]
@@ -70,22 +67,67 @@ class SimBackend:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self.cond:
                 while True:
                     if self._closed:
                         return
                     ready = self._runnable()
                     if ready:
                         break
-                    self._cond.wait()
-                stream = self._rng.choice(ready)
+                    self.cond.wait()
+                stream = self.rng.choice(ready)
                 kind, payload = stream.queue.popleft()
             if kind == "run":
                 payload()  # type: ignore[operator]
 
+    def leave(self) -> None:
+        with self.cond:
+            self._users -= 1
+            if self._users > 0:
+                return
+            self._closed = True
+            self.cond.notify()
+        self._thread.join()
+
+
+class SimBackend:
+    """``streams`` simulated streams executed in a seeded random interleaving.
+
+    ``copy_kinds`` adds copy streams (``"p2p"`` for a device of a group);
+    devices of one group pass one shared ``executor``.
+    """
+
+    deferred = True
+
+    def __init__(self, streams: int, seed: int = 0, device: str = "sim",
+                 copy_kinds: tuple[str, ...] = (), executor: SimExecutor | None = None) -> None:
+        self.device = device
+        self._executor = executor if executor is not None else SimExecutor(seed)
+        self._streams = [_SimStream(i, self._executor) for i in range(streams)]
+        self._copy = {k: _SimStream(streams + i, self._executor, k) for i, k in enumerate(copy_kinds)}
+        self._all = self._streams + list(self._copy.values())
+        self._executor.join(self._all)
+
+    @property
+    def streams(self) -> list[_SimStream]:
+        return self._streams
+
+    @property
+    def copy_streams(self) -> dict[str, _SimStream]:
+        return self._copy
+
+    def event(self, timing: bool = False) -> HostEvent:
+        return HostEvent()
+
+    def launch(self, stream: _SimStream, work: Callable[[], None], after_caller: bool = True) -> None:
+        stream.enqueue(("run", work))
+
+    def when_done(self, stream: _SimStream, event: HostEvent, callback: Callable[[], None]) -> None:
+        stream.enqueue(("run", callback))
+
     def synchronize(self) -> None:
         events = []
-        for s in self._streams:
+        for s in self._all:
             ev = HostEvent()
             ev.record(s)
             events.append(ev)
@@ -93,7 +135,39 @@ class SimBackend:
             ev.synchronize()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
+        self._executor.leave()
+
+
+class SimArray:
+    """An array in a simulated device's memory: host memory tagged with the device, for tests.
+
+    Its reads and writes are tracked in the device's own address space, so an
+    op on another simulated device that reads it gets a peer copy, as a GPU
+    tensor would.
+    """
+
+    def __init__(self, data: Any, device: str) -> None:
+        self.data = np.asarray(data)
+        self.device = device
+
+    @property
+    def streamdag_space(self) -> str:
+        return self.device
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self.data.__array_interface__
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def empty_on(self, device: str) -> SimArray:
+        return SimArray(np.empty_like(self.data), device)
+
+    def copy_(self, src: SimArray, non_blocking: bool = False) -> SimArray:
+        np.copyto(self.data, src.data)
+        return self
+
+    def __repr__(self) -> str:
+        return f"SimArray({self.data!r}, device={self.device!r})"

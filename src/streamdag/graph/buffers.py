@@ -144,6 +144,11 @@ def _numpy_like_region(value: Any) -> Region:
     return _interface_region(value.__array_interface__, "cpu")
 
 
+def _spaced_region(value: Any) -> Region:
+    """Host-addressable memory that belongs to another space (a simulated device's arrays)."""
+    return _interface_region(value.__array_interface__, value.streamdag_space)
+
+
 def _cuda_interface_region(value: Any) -> Region:
     device_id = getattr(getattr(value, "device", None), "id", 0)
     return _interface_region(value.__cuda_array_interface__, f"cuda:{device_id}")
@@ -162,6 +167,8 @@ def _handler_for(cls: type) -> Any:
         return _torch_region
     if hasattr(cls, "__cuda_array_interface__"):
         return _cuda_interface_region
+    if hasattr(cls, "streamdag_space") and hasattr(cls, "__array_interface__"):
+        return _spaced_region
     if hasattr(cls, "__array_interface__"):
         return _numpy_like_region
     return None

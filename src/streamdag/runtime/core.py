@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..backends import Backend, make_backend
+from ..backends import Backend, make_backend, make_backends
 from ..errors import ExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access
 from ..graph.hazards import DepsTracker
@@ -50,13 +50,16 @@ class RuntimeStatistics:
 
 
 class Runtime:
-    """Runs ops asynchronously and concurrently on the streams of one device.
+    """Runs ops asynchronously and concurrently on the streams of one device, or of several.
 
     ``device`` is ``"cpu"`` (worker lanes), ``"cuda"``/``"cuda:N"`` (CUDA streams)
     or ``"sim"`` (a simulated device that runs streams in a random interleaving,
-    for tests). ``max_inflight`` bounds the ops submitted but not finished:
-    :meth:`submit` blocks at the bound, :meth:`submit_nowait` raises
-    :class:`WouldBlock`.
+    for tests). ``devices=["cuda:0", "cuda:1"]`` spans several GPUs (or
+    simulated devices ``"sim:N"``): an op runs on the device of the memory it
+    writes (else reads) unless ``run_on=`` says otherwise, and reading memory
+    of another device inserts a peer copy. ``max_inflight`` bounds the ops
+    submitted but not finished: :meth:`submit` blocks at the bound,
+    :meth:`submit_nowait` raises :class:`WouldBlock`.
     """
 
     def __init__(
@@ -69,16 +72,40 @@ class Runtime:
         staging_bytes: int = 256 << 20,
         seed: int = 0,
         backend: Backend | None = None,
+        devices: Sequence[str] | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
-        self.backend: Backend = backend if backend is not None else make_backend(device, streams, seed)
+        if devices is not None:
+            if backend is not None:
+                raise ValueError("pass devices= or backend=, not both")
+            members = make_backends(list(devices), streams, seed)
+        else:
+            members = [backend if backend is not None else make_backend(device, streams, seed)]
+        #: one backend per device; ``backend`` is the first (the only one on one device)
+        self.backends: list[Backend] = members
+        self.backend: Backend = members[0]
         self.device = self.backend.device
+        self.devices = [m.device for m in members]
+        self._multi = len(members) > 1
         self.max_inflight = max_inflight
         self._compute = len(self.backend.streams)
-        copy = getattr(self.backend, "copy_streams", {})
-        self._streams = list(self.backend.streams) + list(copy.values())
-        self._copy_index = {kind: self._compute + i for i, kind in enumerate(copy)}
+        # every stream of every device, numbered: each device's compute streams, then its copy streams
+        self._streams: list[Any] = []
+        self._member: list[Backend] = []  # the backend that owns each stream
+        self._stream_device: list[str] = []
+        self._compute_of: dict[str, range] = {}
+        self._copy_index: dict[tuple[str, str], int] = {}  # (kind, device) -> stream
+        for m in members:
+            base = len(self._streams)
+            self._compute_of[m.device] = range(base, base + len(m.streams))
+            copy = getattr(m, "copy_streams", {})
+            for i, kind in enumerate(copy):
+                self._copy_index[(kind, m.device)] = base + len(m.streams) + i
+            added = list(m.streams) + list(copy.values())
+            self._streams += added
+            self._member += [m] * len(added)
+            self._stream_device += [m.device] * len(added)
         n = len(self._streams)
         self._lock = threading.RLock()
         self._done_lock = threading.Lock()
@@ -86,7 +113,7 @@ class Runtime:
         self._tracker = DepsTracker(retired=_finished_ok)
         self._clocks = StreamClocks(n)
         self._busy = [0] * n
-        self._next_stream = 0
+        self._next_stream = {d: 0 for d in self.devices}
         self._pending: dict[int, Op] = {}
         self._failures: list[BaseException] = []
         self._seq = 0
@@ -99,7 +126,7 @@ class Runtime:
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes)
         self._staging = PinnedPool(staging_bytes)
-        self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", self.device}
+        self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}
 
     # ------------------------------------------------------------------ API
     @property
@@ -114,14 +141,16 @@ class Runtime:
         reads: Iterable[Any] = (),
         writes: Iterable[Any] = (),
         name: str | None = None,
+        run_on: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` after every earlier op it conflicts with; returns a Future at once.
 
         Inside ``with rt.record() as g`` the op is recorded instead and an
-        :class:`OpNode` is returned; ``g.run()`` runs it.
+        :class:`OpNode` is returned; ``g.run()`` runs it. ``run_on`` picks the
+        device on a runtime of several (default: where its memory lives).
         """
-        return self._submit(fn, args, kwargs, reads, writes, name, blocking=True)
+        return self._submit(fn, args, kwargs, reads, writes, name, blocking=True, run_on=run_on)
 
     def submit_nowait(
         self,
@@ -130,10 +159,11 @@ class Runtime:
         reads: Iterable[Any] = (),
         writes: Iterable[Any] = (),
         name: str | None = None,
+        run_on: str | None = None,
         **kwargs: Any,
     ) -> Future:
         """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
-        return self._submit(fn, args, kwargs, reads, writes, name, blocking=False)
+        return self._submit(fn, args, kwargs, reads, writes, name, blocking=False, run_on=run_on)
 
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
         """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams."""
@@ -141,11 +171,11 @@ class Runtime:
 
         return transfers.copy(self, dst, src, name)
 
-    def to_device(self, x: Any, name: str | None = None) -> Future:
-        """A Future of a device tensor holding host data ``x``."""
+    def to_device(self, x: Any, name: str | None = None, device: str | None = None) -> Future:
+        """A Future of a tensor on ``device`` (default: the runtime's first) holding host data ``x``."""
         from . import transfers
 
-        return transfers.to_device(self, x, name)
+        return transfers.to_device(self, x, name, device)
 
     def to_host(self, t: Any, name: str | None = None) -> Future:
         """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
@@ -196,7 +226,7 @@ class Runtime:
         with self._lock:
             if self._profiler is not None:
                 raise RuntimeError("already profiling: leave the open `with rt.profile()` block first")
-            self._profiler = Profiler(self.backend, self._streams, per_op, nvtx)
+            self._profiler = Profiler(self._member, self._streams, per_op, nvtx)
         prof = self._profiler
         try:
             yield prof
@@ -242,7 +272,8 @@ class Runtime:
         with suppress(Exception):
             self.synchronize()
         self._closed = True
-        self.backend.close()
+        for m in self.backends:
+            m.close()
 
     def __enter__(self) -> Runtime:
         return self
@@ -274,20 +305,31 @@ class Runtime:
                 )
 
     def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool, stream: int | None = None,
-                device_ordered: bool = False):
+                device_ordered: bool = False, run_on: str | None = None):
         self._check_open()
         if not callable(fn):
             raise TypeError(f"submit() needs a callable first, got {type(fn).__name__}")
         args, kwargs, accesses, written = collect_accesses(args, kwargs, reads, writes)
         op_name = name or getattr(fn, "__name__", type(fn).__name__)
         self._check_spaces(accesses, op_name)
+        device = self.device
+        if self._multi:
+            from .peers import bring_inputs, place
+
+            device = place(self, accesses, run_on, stream, op_name)
+            if stream is None:  # copies read remote memory by design; other ops get local copies
+                args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
+        elif run_on is not None and run_on != self.device:
+            raise ValueError(f"run_on={run_on!r}, but this runtime runs on {self.device} only: "
+                             f"create it with devices=[{self.device!r}, {run_on!r}]")
         recording = self._recording
         if recording is not None:
-            return recording.add(fn, args, kwargs, accesses, name, stream, written)
-        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered)
+            return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
+        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
+                             device)
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
-                 device_ordered: bool = False):
+                 device_ordered: bool = False, device: str | None = None):
         if not self._slots.acquire(blocking=blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
@@ -299,15 +341,15 @@ class Runtime:
             deps = self._tracker.depends_on(accesses)
             if not (device_ordered or self.backend.deferred):
                 _wait_for_host_inputs(accesses, deps)
-            self._launch(op, deps, stream=stream)
+            self._launch(op, deps, stream, device)
         return op.future
 
-    def _launch(self, op: Op, deps: list[Op], stream: int | None) -> None:
+    def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
         live = [d for d in deps if not d.done]
         op.deps = [d for d in deps if not d.done or d.error is not None]
         if stream is None:
-            stream = self._choose_stream(live)
+            stream = self._choose_stream(live, device or self.device)
         stamp, waits = self._clocks.place(stream, [d.stamp for d in live])
         op.stamp = stamp
         self._tracker.add(op, op.accesses)
@@ -315,7 +357,7 @@ class Runtime:
             self._pending[op.seq] = op
             self._busy[stream] += 1
             self._peak = max(self._peak, len(self._pending))
-        backend = self.backend
+        backend = self._member[stream]
         lost = backend.lost if self._can_be_lost else None
         if lost is not None:  # the device takes no more calls: fail at once, touch nothing
             op.deps = ()
@@ -348,23 +390,25 @@ class Runtime:
             return
         backend.when_done(s, op.event, partial(self._finish, op))
 
-    def _choose_stream(self, live: list[Op]) -> int:
+    def _choose_stream(self, live: list[Op], device: str) -> int:
         """Continue a producer's compute stream when it is that stream's last op; else the least busy one.
 
-        Copy streams are never continued: compute placed there would serialize with copies.
+        Only compute streams of ``device`` are candidates. Copy streams are
+        never continued: compute placed there would serialize with copies.
         """
+        compute = self._compute_of[device]
+        lo, n = compute.start, len(compute)
         for dep in reversed(live):
             st = dep.stamp
-            if st is not None and st.stream < self._compute and self._clocks.tail(st.stream) == st.pos:
+            if st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos:
                 return st.stream
-        n = self._compute
         busy = self._busy
-        least = min(busy[:n])
-        chosen = self._next_stream  # round robin among the least busy
-        while busy[chosen] != least:
+        least = min(busy[lo:lo + n])
+        chosen = self._next_stream[device]  # round robin among the least busy
+        while busy[lo + chosen] != least:
             chosen = (chosen + 1) % n
-        self._next_stream = (chosen + 1) % n
-        return chosen
+        self._next_stream[device] = (chosen + 1) % n
+        return lo + chosen
 
     def _finish(self, op: Op, device_error: BaseException | None = None) -> None:
         """Called by the backend once ``op``'s completion event has been observed."""

@@ -67,6 +67,7 @@ class _Recorded:
     name: str
     stream: int | None = None  # pinned stream (copies), else the schedule's
     written: list[Any] = field(default_factory=list)
+    device: str = ""
 
 
 class RecordedGraph:
@@ -86,7 +87,9 @@ class RecordedGraph:
         self.capture_fallback: str | None = None
         self._runner: Any = None
         self._replay_accesses: list[Access] | None = None
+        self._host_replay: Any = None
         self.capture = runtime.device.startswith("cuda")
+        self.devices: list[str] = []  # the devices its ops run on, once finished
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -96,19 +99,35 @@ class RecordedGraph:
         return [op.name for op in self._ops]
 
     def add(self, fn, args, kwargs, accesses, name: str | None, stream: int | None = None,
-            written: list[Any] | None = None) -> OpNode:
+            written: list[Any] | None = None, device: str | None = None) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
         index = len(self._ops)
         unique = name or f"{getattr(fn, '__name__', type(fn).__name__)}#{index}"
         self._preds.append(sorted(self._tracker.depends_on(accesses)))
         self._tracker.add(index, accesses)
-        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, written or []))
+        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, written or [],
+                                   device or self._rt.device))
         return OpNode(index, unique)
 
     def finish(self) -> None:
-        self._schedule = build_schedule(self._preds, self._rt.num_streams)
+        rt = self._rt
+        groups = [rt.devices.index(op.device) for op in self._ops]
+        self._schedule = build_schedule(self._preds, rt.num_streams, groups=groups if rt._multi else None)
         self._tracker = DepsTracker()
+        self.devices = sorted({op.device for op in self._ops}, key=rt.devices.index)
+        # a CUDA graph holds one device's work here; graphs over several run as host replays
+        self.capture = len(self.devices) == 1 and self.devices[0].startswith("cuda")
+
+    def _runtime_stream(self, v: int) -> int:
+        """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
+        rec = self._ops[v]
+        if rec.stream is not None:
+            return rec.stream
+        rt = self._rt
+        k = self.schedule.stream[v]
+        per_device = rt.num_streams
+        return rt._compute_of[rt.devices[k // per_device]][k % per_device]
 
     @property
     def schedule(self) -> Schedule:
@@ -133,6 +152,8 @@ class RecordedGraph:
             if future is not None:
                 self.last_run_captured = True
                 return future
+        if self._host_replay_allowed(per_op):
+            return self._run_host_replay()
         probe = None
         if self.capture and self._runs == 1:
             from .capture import probe_host_syncs as probe
@@ -179,9 +200,55 @@ class RecordedGraph:
             deps = outside + [launched[u] for u in sched.preds[v]]
             if rec.stream is None and not rt.backend.deferred:  # host code runs now
                 _wait_for_host_inputs(rec.accesses, deps)
-            stream = sched.stream[v] if rec.stream is None else rec.stream
-            rt._launch(op, deps, stream)
+            rt._launch(op, deps, self._runtime_stream(v))
             launched.append(op)
+
+    def _host_replay_allowed(self, per_op: bool) -> bool:
+        """Graphs over several devices run as host replays, unless profiled op by op.
+
+        On GPUs, host code that touches host memory must run op by op, since it
+        runs at launch and must wait on the host for its inputs.
+        """
+        if len(self.devices) < 2 or per_op:
+            return False
+        if not self._rt.backend.deferred and any(
+                rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses) for rec in self._ops):
+            return False
+        return True
+
+    def _run_host_replay(self) -> Future:
+        from .replay import HostReplay
+
+        if self._host_replay is None:
+            ops = self._ops
+            self._host_replay = HostReplay(
+                self._rt, [r.fn for r in ops], [r.args for r in ops], [r.kwargs for r in ops],
+                [r.name for r in ops], [self._runtime_stream(v) for v in range(len(ops))],
+                self.schedule.preds, self._graph_accesses())
+        run = self._host_replay.launch()
+        result = Future()
+        result.op_name = "graph"
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                result.set_exception(f.exception())
+            else:
+                result.set_result(GraphResult(f.result()))
+
+        run.future.add_done_callback(done)
+        return result
+
+    def _graph_accesses(self) -> list[Access]:
+        """All the graph's memory as few, large accesses: cheap hazard checks for a whole run.
+
+        Symbols are private to this graph, so one span per symbolic space.
+        """
+        if self._replay_accesses is None:
+            every = [a for rec in self._ops for a in rec.accesses]
+            self._replay_accesses = coalesce(
+                [a for a in every if not a.region.space.startswith("sym:")]
+            ) + envelope([a for a in every if a.region.space.startswith("sym:")])
+        return self._replay_accesses
 
     def _run_captured(self) -> Future | None:
         """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
@@ -192,23 +259,22 @@ class RecordedGraph:
             self._give_up_capture(f"op {self._syncing_ops[0]!r} synchronizes with the host, "
                                   "which a CUDA graph cannot hold")
             return None
+        device = self.devices[0]
+        member = rt.backends[rt.devices.index(device)]
         if self._runner is None:
-            self._runner = CudaGraphRunner(self, rt.backend.torch_device)  # type: ignore[attr-defined]
+            self._runner = CudaGraphRunner(self, member.torch_device)  # type: ignore[attr-defined]
         runner = self._runner
-        with rt._lock:  # capture after all earlier work: it reads no half-written buffer
-            ok = runner.prepare(rt.num_streams, before_capture=rt.backend.synchronize)
+        import torch
+
+        with rt._lock, torch.cuda.device(member.torch_device):  # type: ignore[attr-defined]
+            # capture after all earlier work: it reads no half-written buffer
+            ok = runner.prepare(rt.num_streams, before_capture=member.synchronize)
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
-        if self._replay_accesses is None:
-            # the replay is one op over all the graph's memory: few, large accesses keep its
-            # hazard checks cheap; symbols are private to this graph, so one span per space
-            every = [a for rec in self._ops for a in rec.accesses]
-            self._replay_accesses = coalesce(
-                [a for a in every if not a.region.space.startswith("sym:")]
-            ) + envelope([a for a in every if a.region.space.startswith("sym:")])
-        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._replay_accesses,
-                           "graph_replay", "graph_replay", True, 0, device_ordered=True)
+        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._graph_accesses(),
+                           "graph_replay", "graph_replay", True, rt._compute_of[device][0],
+                           device_ordered=True, device=device)
 
     @property
     def captured(self) -> bool:

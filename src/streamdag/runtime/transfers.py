@@ -8,6 +8,11 @@
   once the copy that reads or writes it has completed.
 - ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
   would pass it blocks the submitter until earlier copies complete.
+- Between two devices, the copy is an op on the destination's peer copy
+  stream. PyTorch runs a cross-device ``copy_`` on the source device's
+  current stream, fenced both ways with the destination's current stream; the
+  source side gets a stream of its own for that (``peer_out``), so peer copies
+  never wait behind the caller's work.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ def _direction(src_space: str, dst_space: str) -> str | None:
         return "h2d"
     if dst_space == "cpu" and src_space != "cpu":
         return "d2h"
+    if src_space != dst_space:
+        return "p2p"
     return None
 
 
@@ -111,12 +118,17 @@ def _as_tensor(x: Any) -> Any:
 
 
 def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
-                 keep: Any = None) -> Future:
+                 keep: Any = None, source_stream: Any = None) -> Future:
     """One copy op, its bytes counted against the budget until it completes."""
     nbytes = region_of(src).nbytes
     rt._bytes.acquire(nbytes)
 
     def run() -> Any:
+        if source_stream is not None:  # a peer copy: PyTorch runs it on the source's current stream
+            import torch
+
+            with torch.cuda.stream(source_stream):
+                return dst.copy_(src, non_blocking=True)
         out = dst.copy_(src, non_blocking=True)
         _ = keep  # the staging buffer lives as long as the op
         return out
@@ -139,8 +151,10 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     kind = _direction(src_space, dst_space)
     if kind is None:
         return rt.submit(_copy_into, dst, src, reads=[src], writes=[dst], name=name or "copy")
-    stream = rt._copy_index.get(kind)
     name = name or f"copy_{kind}"
+    if kind == "p2p":
+        return _peer_copy(rt, dst, src, src_space, dst_space, name)
+    stream = rt._copy_index.get((kind, dst_space if kind == "h2d" else src_space))
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
     host = src_t if kind == "h2d" else dst_t
     if host.is_pinned() or rt._recording is not None:
@@ -148,6 +162,17 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     if kind == "h2d":
         return _staged_h2d(rt, dst_t, src_t, stream, name)
     return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
+
+
+def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, name: str) -> Future:
+    stream = rt._copy_index.get(("p2p", dst_space))
+    if stream is None or src_space not in rt._compute_of:
+        raise ValueError(
+            f"copy from {src_space} to {dst_space}: both must be devices of this runtime "
+            f"({', '.join(rt.devices)}); create it with devices=[{src_space!r}, {dst_space!r}]"
+        )
+    source = rt.backends[rt.devices.index(src_space)]
+    return _device_copy(rt, dst, src, stream, name, source_stream=getattr(source, "peer_out", None))
 
 
 def _chunks(dst: Any, src: Any):
@@ -218,12 +243,12 @@ def _resolve_to(last: Future | None, value: Any) -> Future:
     return out
 
 
-def to_device(rt: Runtime, x: Any, name: str | None = None) -> Future:
+def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
     src = _as_tensor(x)
-    dst = torch.empty(src.shape, dtype=src.dtype, device=rt.device)
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device or rt.device)
     return copy(rt, dst, src, name or "to_device")
 
 

@@ -55,26 +55,72 @@ class Schedule:
         return sum(1 for v, ps in enumerate(self.preds) for u in ps if self.stream[u] != self.stream[v])
 
 
-def build_schedule(
-    preds: Preds,
-    max_streams: int,
-    costs: Sequence[float] | None = None,
-    closure_limit: int = CLOSURE_LIMIT,
-) -> Schedule:
-    """Schedule a DAG whose ops are numbered in a topological order (see :mod:`.dag`)."""
-    check_order(preds)
-    n = len(preds)
-    costs = [1.0] * n if costs is None else list(costs)
-    if len(costs) != n:
-        raise ValueError(f"got {len(costs)} costs for {n} ops")
-    reduced, reach = reduce_transitively(preds)
+def _assign(reduced: list[list[int]], reach: list[int], max_streams: int, costs: list[float],
+            closure_limit: int) -> tuple[list[int], int, int | None]:
+    """Streams from a minimum chain cover; returns (stream of each op, chains, width or None)."""
+    n = len(reduced)
     match_l, match_r = match_paths(reduced)
     width = None
     if n <= closure_limit:
         match_closure(reach, match_l, match_r)
         width = n - sum(1 for v in match_l if v != -1)
     chains = chains_from_matching(match_l, match_r)
-    stream = assign_streams(chains, reach, max_streams, costs)
+    return assign_streams(chains, reach, max_streams, costs), len(chains), width
+
+
+def _assign_grouped(reach: list[int], groups: Sequence[int], max_streams: int, costs: list[float],
+                    closure_limit: int) -> tuple[list[int], int, int | None]:
+    """Chain each group's ops apart, keeping the order the whole graph imposes on them."""
+    n = len(reach)
+    stream = [0] * n
+    chains, width = 0, 0
+    for g in sorted(set(groups)):
+        members = [v for v in range(n) if groups[v] == g]
+        local = {v: i for i, v in enumerate(members)}
+        # u precedes v within the group when v is reachable from u in the whole graph
+        sub_preds: list[list[int]] = [[] for _ in members]
+        for u in members:
+            r = reach[u]
+            for v in members:
+                if v > u and (r >> v) & 1:
+                    sub_preds[local[v]].append(local[u])
+        sub_reduced, sub_reach = reduce_transitively(sub_preds)
+        sub_stream, sub_chains, sub_width = _assign(
+            sub_reduced, sub_reach, max_streams, [costs[v] for v in members], closure_limit)
+        for v, s in zip(members, sub_stream):
+            stream[v] = g * max_streams + s
+        chains += sub_chains
+        width = None if width is None or sub_width is None else width + sub_width
+    return stream, chains, width
+
+
+def build_schedule(
+    preds: Preds,
+    max_streams: int,
+    costs: Sequence[float] | None = None,
+    closure_limit: int = CLOSURE_LIMIT,
+    groups: Sequence[int] | None = None,
+) -> Schedule:
+    """Schedule a DAG whose ops are numbered in a topological order (see :mod:`.dag`).
+
+    ``groups[v]`` (optional) is the device of op ``v``: ops of group ``g`` get
+    streams ``g * max_streams`` to ``g * max_streams + max_streams - 1``,
+    chained within their group only; waits span groups as they must.
+    """
+    check_order(preds)
+    n = len(preds)
+    costs = [1.0] * n if costs is None else list(costs)
+    if len(costs) != n:
+        raise ValueError(f"got {len(costs)} costs for {n} ops")
+    reduced, reach = reduce_transitively(preds)
+    if groups is None or len(set(groups)) <= 1:
+        base = max_streams * (groups[0] if groups else 0)
+        stream, chains, width = _assign(reduced, reach, max_streams, costs, closure_limit)
+        stream = [base + s for s in stream]
+    else:
+        if len(groups) != n:
+            raise ValueError(f"got {len(groups)} groups for {n} ops")
+        stream, chains, width = _assign_grouped(reach, groups, max_streams, costs, closure_limit)
     num_streams = max(stream, default=-1) + 1
     order: list[list[int]] = [[] for _ in range(num_streams)]
     for v in range(n):
@@ -91,7 +137,7 @@ def build_schedule(
     return Schedule(
         preds=tuple(tuple(p) for p in reduced),
         levels=tuple(tuple(lv) for lv in wavefront_levels(reduced)),
-        chains=len(chains),
+        chains=chains,
         width=width,
         stream=tuple(stream),
         order=tuple(tuple(o) for o in order),
