@@ -6,6 +6,7 @@ own, so an op that reads another device's array without its peer copy would,
 for some seed, read stale data.
 """
 
+import itertools
 import os
 
 import numpy as np
@@ -210,7 +211,7 @@ def test_grouped_schedules_keep_devices_apart_with_sufficient_and_minimal_waits(
     # happens-before: stream order plus waits
     edges: dict[int, set[int]] = {}
     for order in sched.order:
-        for a, b in zip(order, order[1:]):
+        for a, b in itertools.pairwise(order):
             edges.setdefault(a, set()).add(b)
     for v, ws in enumerate(sched.waits):
         for u in ws:

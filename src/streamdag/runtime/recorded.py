@@ -211,10 +211,10 @@ class RecordedGraph:
         """
         if len(self.devices) < 2 or per_op:
             return False
-        if not self._rt.backend.deferred and any(
-                rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses) for rec in self._ops):
-            return False
-        return True
+        if self._rt.backend.deferred:
+            return True
+        return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
+                       for rec in self._ops)
 
     def _run_host_replay(self) -> Future:
         from .replay import HostReplay
