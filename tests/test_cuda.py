@@ -177,8 +177,10 @@ SANITIZED = textwrap.dedent(
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), sd.Runtime("cuda", streams=4) as rt:
         with rt.record() as g:  # a fork/join: the schedule puts the consumers on four streams
-            # a slow producer, so that the consumers are launched while it still runs
-            rt.submit(lambda: (torch.cuda._sleep(2_000_000), x.mul_(1.5)), writes=[x])
+            # a slow producer, so that the consumers are launched while it still runs: the
+            # sanitizer slows every launch down, and once the completion thread has seen the
+            # producer finish, the sanitizer rightly orders every later kernel after it
+            rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), x.mul_(1.5)), writes=[x])
             for o in outs:
                 rt.submit(torch.mul, x, 2, out=o, reads=[x], writes=[o])
             rt.submit(lambda: torch.sum(torch.stack(outs), 0, out=y), reads=outs, writes=[y])
@@ -191,13 +193,7 @@ SANITIZED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("drop_waits", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True,
-        reason="known gap: with the waits dropped the sanitizer still reports no race here, so the "
-               "negative control does not yet show the check can fail (docs/status.md)")),
-])
+@pytest.mark.parametrize("drop_waits", [False, True])
 def test_stream_sanitizer_finds_no_race_unless_waits_are_dropped(drop_waits):
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
     if drop_waits:

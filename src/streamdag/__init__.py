@@ -5,6 +5,7 @@ Dependencies are inferred from memory, independent ops run on several
 streams, and recorded graphs are scheduled once and run many times.
 """
 
+from . import parallel
 from .errors import (
     CycleError,
     DependencyFailed,
@@ -56,6 +57,7 @@ __all__ = [
     "__version__",
     "build_schedule",
     "compile",
+    "parallel",
     "read",
     "write",
 ]

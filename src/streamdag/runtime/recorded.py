@@ -90,6 +90,7 @@ class RecordedGraph:
         self._host_replay: Any = None
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
+        self._spans_devices = False
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -116,8 +117,11 @@ class RecordedGraph:
         self._schedule = build_schedule(self._preds, rt.num_streams, groups=groups if rt._multi else None)
         self._tracker = DepsTracker()
         self.devices = sorted({op.device for op in self._ops}, key=rt.devices.index)
-        # a CUDA graph holds one device's work here; graphs over several run as host replays
-        self.capture = len(self.devices) == 1 and self.devices[0].startswith("cuda")
+        device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt._compute_of)
+        # a CUDA graph holds one device's work here; graphs that touch several run as host replays
+        self._spans_devices = len(self.devices) > 1 or len(device_spaces - set(self.devices)) > 0
+        self.capture = (len(self.devices) == 1 and self.devices[0].startswith("cuda")
+                        and not self._spans_devices)
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
@@ -209,7 +213,7 @@ class RecordedGraph:
         On GPUs, host code that touches host memory must run op by op, since it
         runs at launch and must wait on the host for its inputs.
         """
-        if len(self.devices) < 2 or per_op:
+        if not self._spans_devices or per_op:
             return False
         if self._rt.backend.deferred:
             return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,16 +12,24 @@ import torch
 __all__ = ["graph_of", "wall_ms"]
 
 
-def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3) -> float:
-    """Median wall time of ``fn()`` in ms, each call between ``torch.cuda.synchronize()`` calls."""
+def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
+            devices: Sequence[int] | None = None) -> float:
+    """Median wall time of ``fn()`` in ms, each call between ``torch.cuda.synchronize()`` calls.
+
+    ``devices`` lists the GPUs to synchronize (default: the current one).
+    """
+    def sync() -> None:
+        for d in devices if devices is not None else [None]:
+            torch.cuda.synchronize(d)
+
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

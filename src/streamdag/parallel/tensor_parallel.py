@@ -1,0 +1,352 @@
+"""Tensor-parallel linear layers over the devices of a runtime, built from ops and peer copies.
+
+- :func:`column_linear`: ``act(x @ W)`` split by the columns of ``W``: device
+  ``g`` computes column block ``g``. ``x`` may come whole or as column blocks
+  spread over the devices (a previous column layer's output); then each device
+  multiplies the block it holds first, and adds the products with the other
+  blocks as their peer copies arrive, so that the gather of one layer overlaps
+  the compute of the next.
+- :func:`row_linear`: ``x @ W`` with ``x`` in column blocks and ``W`` split by
+  rows: each device multiplies its own block, and the partial sums are reduced
+  on one device.
+- :class:`LinearChain`: layers ``act(h @ W_l)`` one after another; each layer
+  split or kept on the first device as the cost model of :mod:`.plan` decides
+  from measured times, checked against the whole chain on one device by
+  timing both. Runs are recorded graphs: a CUDA graph when everything stays on
+  one GPU, a host replay of the recorded schedule when it spans several.
+
+Every buffer is allocated when a layer is built; runs only write into them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .kernels import kernels_for
+from .plan import LayerCost, LinkCost, choose_layout, estimate
+
+if TYPE_CHECKING:
+    from ..runtime.core import Runtime
+
+__all__ = ["Block", "LinearChain", "column_linear", "row_linear"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Columns ``[start, stop)`` of a matrix, held on ``device``."""
+
+    value: Any
+    device: str
+    start: int
+    stop: int
+
+
+def _bounds(n: int, k: int) -> list[tuple[int, int]]:
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def _as_blocks(x: Any) -> list[Block]:
+    if isinstance(x, list | tuple):
+        return list(x)
+    kern = kernels_for(x)
+    return [Block(x, kern.device_of(x), 0, x.shape[1])]
+
+
+def _product(rt: Runtime, blocks: Sequence[Block], weight_blocks: Sequence[Any], out: Any, device: str,
+             activation: str | None, name: str) -> None:
+    """``out = act(sum_j blocks[j] @ weight_blocks[j])`` on ``device``, local blocks first."""
+    kern = kernels_for(out)
+    order = sorted(range(len(blocks)), key=lambda j: blocks[j].device != device)
+    for i, j in enumerate(order):
+        x, w = blocks[j].value, weight_blocks[j]
+        fn = kern.mm_into if i == 0 else kern.addmm_into
+        rt.submit(fn, out, x, w, reads=[x, w], writes=[out], run_on=device, name=f"{name}.mm{j}")
+    if activation == "relu":
+        rt.submit(kern.relu_, out, writes=[out], run_on=device, name=f"{name}.relu")
+    elif activation is not None:
+        raise ValueError(f"activation={activation!r}: use 'relu' or None")
+
+
+def _weight_blocks(w: Any, in_bounds: Sequence[tuple[int, int]], cols: tuple[int, int],
+                   device: str) -> list[Any]:
+    kern = kernels_for(w)
+    return [kern.block(w, slice(a, b), slice(*cols), device) for a, b in in_bounds]
+
+
+def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = None,
+                  activation: str | None = None, name: str = "column_linear") -> list[Block]:
+    """``act(x @ w)`` split by the columns of ``w`` over ``devices``; returns one column block per device.
+
+    ``x`` is a matrix on one device, or a list of :class:`Block`. Weight
+    blocks are copied to their devices here, once; record the call in
+    ``rt.record()`` to run it many times.
+    """
+    devices = list(devices or rt.devices)
+    blocks = _as_blocks(x)
+    kern = kernels_for(w)
+    rows = blocks[0].value.shape[0]
+    in_bounds = [(b.start, b.stop) for b in blocks]
+    out_blocks = []
+    for g, cols in zip(devices, _bounds(w.shape[1], len(devices))):
+        out = kern.empty(rows, cols[1] - cols[0], w, g)
+        _product(rt, blocks, _weight_blocks(w, in_bounds, cols, g), out, g, activation, f"{name}@{g}")
+        out_blocks.append(Block(out, g, *cols))
+    return out_blocks
+
+
+def row_linear(rt: Runtime, x: Sequence[Block], w: Any, out_device: str | None = None,
+               name: str = "row_linear") -> Any:
+    """``x @ w`` with ``x`` in column blocks: each device multiplies its block by its rows of ``w``.
+
+    The partial products are summed on ``out_device`` (default: the runtime's
+    first device) as their peer copies arrive.
+    """
+    out_device = out_device or rt.device
+    kern = kernels_for(w)
+    rows, cols = x[0].value.shape[0], w.shape[1]
+    partials = []
+    for b in x:
+        part = kern.empty(rows, cols, w, b.device)
+        wb = kern.block(w, slice(b.start, b.stop), slice(0, cols), b.device)
+        rt.submit(kern.mm_into, part, b.value, wb, reads=[b.value, wb], writes=[part], run_on=b.device,
+                  name=f"{name}.partial@{b.device}")
+        partials.append(part)
+    local = sorted(partials, key=lambda p: kern.device_of(p) != out_device)
+    out = local[0] if kern.device_of(local[0]) == out_device else None
+    if out is None:
+        out = kern.empty(rows, cols, w, out_device)
+        rt.copy(out, local[0], name=f"{name}.first")
+    for p in local[1:]:
+        rt.submit(kern.add_into, out, p, reads=[p], writes=[out], run_on=out_device, name=f"{name}.reduce")
+    return out
+
+
+@dataclass
+class ChainInfo:
+    """What :meth:`LinearChain.explain` reports."""
+
+    plan: list[str]
+    estimate_ms: dict[str, float] = field(default_factory=dict)
+    measured_ms: dict[str, float] = field(default_factory=dict)
+    layer_costs: list[LayerCost] = field(default_factory=list)
+    link: LinkCost | None = None
+    chosen: str = ""
+
+
+class LinearChain:
+    """``h = act(h @ W_l)`` for each weight in turn, over the devices of ``rt``.
+
+    ``plan`` is ``"auto"`` (measure, then let the cost model decide per layer,
+    and keep a split plan only if it is measured faster than the chain on one
+    device), ``"split"``, ``"single"``, or a list with one of those per layer.
+
+    :meth:`run` takes the input whole on the first device, or as column blocks
+    over the devices (a list of :class:`Block`, as a previous tensor-parallel
+    layer leaves it; :meth:`input_blocks` gives the chain's own, which need no
+    copy). It returns a Future of the output: whole on the first device when
+    ``gather`` (the default), else as column blocks. The output is the chain's
+    own buffer, rewritten by the next run; calling the chain returns a copy.
+    """
+
+    def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
+                 plan: str | Sequence[str] = "auto", gather: bool = True) -> None:
+        if not weights:
+            raise ValueError("LinearChain needs at least one weight")
+        for a, b in itertools.pairwise(weights):
+            if a.shape[1] != b.shape[0]:
+                raise ValueError(f"weights do not chain: {tuple(a.shape)} then {tuple(b.shape)}")
+        self.rt = rt
+        self.weights = list(weights)
+        self.activation = activation
+        self.gather = gather
+        self.devices = list(rt.devices)
+        self._plan_option = plan
+        self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+        self._inputs: dict[tuple[Any, ...], Any] = {}
+        self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
+        self.info: ChainInfo | None = None
+
+    # ------------------------------------------------------------------ API
+    def input_blocks(self, example: Any) -> list[Block]:
+        """The chain's own input column blocks for inputs shaped like ``example``: fill them, pass them."""
+        return self._input(example, "split")
+
+    def run(self, x: Any) -> Any:
+        """Launch one run on ``x``; a Future of the output (valid until the next run)."""
+        layout = "split" if isinstance(x, list | tuple) else "single"
+        example = x[0].value if layout == "split" else x
+        key = (example.shape[0], layout)
+        plan = self._chosen.get(key)
+        if plan is None:
+            plan = self._chosen[key] = self._decide(example, layout)
+        graph, inp, out = self._graph(example, layout, plan)
+        if layout == "single":
+            if x is not inp:
+                self.rt.copy(inp, x, name="chain_input")
+        else:
+            for given, own in zip(x, inp, strict=True):
+                if given.value is not own.value:
+                    self.rt.copy(own.value, given.value, name="chain_input")
+        return _map_future(graph.run(), lambda _r: out)
+
+    def __call__(self, x: Any) -> Any:
+        out = self.run(x).result()
+        return [Block(_clone(b.value), b.device, b.start, b.stop) for b in out] \
+            if isinstance(out, list) else _clone(out)
+
+    def explain(self) -> str:
+        """The plan per layer, the cost model's estimates and the measured times."""
+        info = self.info
+        if info is None:
+            return "not run yet: the plan is made on the first run"
+        lines = [f"LinearChain over {', '.join(self.devices)}: {len(self.weights)} layers, "
+                 f"plan {'/'.join(info.plan)} ({info.chosen})"]
+        if info.link is not None:
+            link = info.link
+            lines.append(f"  peer copy: {link.latency_ms * 1e3:.1f} us + {link.ms_per_mb * 1e3:.2f} us/MB")
+        for i, c in enumerate(info.layer_costs):
+            lines.append(f"  layer {i}: one device {c.single_ms:.3f} ms, block product {c.block_ms:.3f} ms "
+                         f"-> {info.plan[i]}")
+        for key, ms in info.estimate_ms.items():
+            lines.append(f"  estimate {key}: {ms:.3f} ms")
+        for key, ms in info.measured_ms.items():
+            lines.append(f"  measured {key}: {ms:.3f} ms")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------- internals
+    def _normalized(self, plan: str | Sequence[str]) -> tuple[str, ...]:
+        n = len(self.weights)
+        steps = [plan] * n if isinstance(plan, str) else list(plan)
+        if len(steps) != n or any(s not in ("split", "single") for s in steps):
+            raise ValueError(f"plan={plan!r}: use 'auto', 'split', 'single' or a list of 'split'/'single' "
+                             f"with one entry per layer ({n})")
+        if len(self.devices) < 2:
+            steps = ["single"] * n
+        return tuple(steps)
+
+    def _decide(self, x: Any, layout: str) -> tuple[str, ...]:
+        single = ("single",) * len(self.weights)
+        if self._plan_option != "auto":
+            plan = self._normalized(self._plan_option)
+            self.info = ChainInfo(list(plan), chosen="given")
+            return plan
+        if len(self.devices) < 2 or not _is_cuda(x):
+            self.info = ChainInfo(list(single), chosen="nothing to measure or split over: one device")
+            return single
+        from .measure import measure_costs
+
+        layers, link = measure_costs(self.weights, x.shape[0], x.dtype, self.devices)
+        k = len(self.devices)
+        plan, est = choose_layout(layers, k, link, layout, self.gather)
+        info = ChainInfo(plan, layer_costs=layers, link=link)
+        info.estimate_ms = {"/".join(plan): est,
+                            "single": estimate(single, layers, k, link, layout, self.gather)}
+        self.info = info
+        if tuple(plan) == single:
+            info.chosen = "the cost model keeps every layer on one device"
+            return single
+        # never slower: the split plan must beat one device when measured, not only on paper
+        measured = {p: self._time(x, layout, p) for p in (tuple(plan), single)}
+        info.measured_ms = {"/".join(p) if p != single else "single": ms for p, ms in measured.items()}
+        best = min(measured, key=measured.get)  # type: ignore[arg-type]
+        info.chosen = "measured faster" if best == tuple(plan) else "split measured slower: one device"
+        info.plan = list(best)
+        return best
+
+    def _time(self, x: Any, layout: str, plan: tuple[str, ...], runs: int = 5) -> float:
+        graph, _, _ = self._graph(x, layout, plan)
+        for _ in range(3):  # eager first run, then the capture (one device) or host replays
+            graph.run().result()
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                graph.run()
+            graph.run().result()
+            self.rt.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3 / 4)
+        return sorted(times)[len(times) // 2]
+
+    def _input(self, x: Any, layout: str) -> Any:
+        key = (x.shape[0], layout)
+        got = self._inputs.get(key)
+        if got is None:
+            kern = kernels_for(self.weights[0])
+            rows, cols = x.shape[0], self.weights[0].shape[0]
+            if layout == "single":
+                got = kern.empty(rows, cols, self.weights[0], self.devices[0])
+            else:
+                got = [Block(kern.empty(rows, b - a, self.weights[0], d), d, a, b)
+                       for d, (a, b) in zip(self.devices, _bounds(cols, len(self.devices)))]
+            self._inputs[key] = got
+        return got
+
+    def _graph(self, x: Any, layout: str, plan: tuple[str, ...]) -> tuple[Any, Any, Any]:
+        key = (x.shape[0], layout, plan)
+        got = self._graphs.get(key)
+        if got is None:
+            got = self._graphs[key] = self._record(x, layout, plan)
+        return got
+
+    def _record(self, x: Any, layout: str, plan: tuple[str, ...]) -> tuple[Any, Any, Any]:
+        rt = self.rt
+        kern = kernels_for(self.weights[0])
+        first = self.devices[0]
+        rows = x.shape[0]
+        inp = self._input(x, layout)
+        with rt.record() as graph:
+            blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
+            for i, (w, step) in enumerate(zip(self.weights, plan)):
+                devices = self.devices if step == "split" else [first]
+                blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}")
+            if len(blocks) == 1 and blocks[0].device == first:
+                out = blocks[0].value
+            elif not self.gather:
+                out = blocks
+            else:
+                out = kern.empty(rows, self.weights[-1].shape[1], self.weights[-1], first)
+                for b in blocks:
+                    rt.copy(_columns(out, b.start, b.stop), b.value, name=f"gather@{b.device}")
+        return graph, inp, out
+
+
+def _is_cuda(x: Any) -> bool:
+    return getattr(getattr(x, "device", None), "type", None) == "cuda"
+
+
+def _columns(m: Any, start: int, stop: int) -> Any:
+    if hasattr(m, "streamdag_space"):
+        from ..backends.sim import SimArray
+
+        view = SimArray.__new__(SimArray)
+        view.data, view.device = m.data[:, start:stop], m.device
+        return view
+    return m[:, start:stop]
+
+
+def _clone(value: Any) -> Any:
+    if hasattr(value, "streamdag_space"):
+        from ..backends.sim import SimArray
+
+        return SimArray(value.data.copy(), value.device)
+    return value.clone()
+
+
+def _map_future(source: Any, fn: Any) -> Any:
+    from ..runtime.ops import Future
+
+    out = Future()
+    out.op_name = "chain"
+
+    def done(f: Any) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(fn(f.result()))
+
+    source.add_done_callback(done)
+    return out

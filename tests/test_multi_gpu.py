@@ -1,0 +1,141 @@
+"""Several GPUs: placement, peer copies, recorded graphs and tensor-parallel chains on real devices.
+
+Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs two NVIDIA GPUs"),
+]
+DEVICES = ["cuda:0", "cuda:1"]
+
+
+def test_ops_follow_their_data_and_remote_reads_get_peer_copies():
+    a = torch.randn(256, 256, device="cuda:0")
+    b = torch.randn(256, 256, device="cuda:1")
+    out = torch.empty(256, 256, device="cuda:1")
+    torch.cuda.set_device(0)
+    with sd.Runtime(devices=DEVICES, streams=2) as rt, rt.profile() as prof:
+        rt.submit(lambda: a.mul_(2), writes=[a], name="scale_a")
+        f = rt.submit(torch.mm, a, b, out=out, reads=[a, b], writes=[out], name="mm_on_1")
+        f.result()
+        assert torch.cuda.current_device() == 0  # launching on cuda:1 left the caller's device alone
+    by_name = {s.name: s for s in prof.timeline.spans}
+    assert by_name["scale_a"].device == "cuda:0" and by_name["mm_on_1"].device == "cuda:1"
+    copy = next(s for s in prof.timeline.spans if s.name.startswith("peer_copy"))
+    assert copy.device == "cuda:1" and copy.kind == "p2p"
+    torch.testing.assert_close(out, (a @ b.to("cuda:0")).to("cuda:1"))
+
+
+def test_many_peer_copies_in_flight_round_trip_exactly():
+    srcs = [torch.randint(0, 1 << 30, (1 << 18,), device="cuda:0") for _ in range(32)]
+    with sd.Runtime(devices=DEVICES, max_inflight=1000) as rt:
+        there = [torch.empty_like(s, device="cuda:1") for s in srcs]
+        back = [torch.empty_like(s) for s in srcs]
+        for t, s in zip(there, srcs):
+            rt.copy(t, s)
+        for b, t in zip(back, there):
+            rt.copy(b, t)
+        del there  # the runtime keeps them alive until the copies complete
+    for b, s in zip(back, srcs):
+        assert torch.equal(b, s)
+
+
+def submit_program(rt, prog, bufs, body):
+    for w, rs in prog:
+        ins = [bufs[r] for r in rs]
+        rt.submit(body, bufs[w], *ins, reads=ins, writes=[bufs[w]])
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_random_cross_device_programs_equal_one_device(record):
+    import random
+
+    rng = random.Random(7 + record)
+    for _ in range(10):
+        n = 6
+        init = [torch.randn(64, 64, dtype=torch.float64) for _ in range(n)]
+        prog = [(rng.randrange(n), [rng.randrange(n) for _ in range(rng.randint(1, 3))]) for _ in range(20)]
+        ref = [t.clone().cuda(0) for t in init]
+        for w, rs in prog:
+            ref[w] = torch.tanh(ref[w] + sum(ref[r].sum() for r in rs) * 1e-3)
+        bufs = [t.clone().to(DEVICES[i % 2]) for i, t in enumerate(init)]
+
+        def body(out, *ins):
+            out.copy_(torch.tanh(out + sum(x.sum() for x in ins) * 1e-3))
+
+        with sd.Runtime(devices=DEVICES, streams=3) as rt:
+            if record:
+                with rt.record() as g:
+                    submit_program(rt, prog, bufs, body)
+                g.run().result()
+            else:
+                submit_program(rt, prog, bufs, body)
+        for got, want in zip(bufs, ref):
+            torch.testing.assert_close(got.to("cuda:0"), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("plan", ["split", "single", "auto"])
+def test_tensor_parallel_chain_equals_one_gpu(plan):
+    from streamdag.parallel import LinearChain
+
+    torch.manual_seed(0)
+    weights = [torch.randn(512, 512, device="cuda:0", dtype=torch.float64) / 20 for _ in range(4)]
+    x = torch.randn(64, 512, device="cuda:0", dtype=torch.float64)
+    want = x
+    for w in weights:
+        want = torch.relu(want @ w)
+    with sd.Runtime(devices=DEVICES, streams=2) as rt:
+        chain = LinearChain(rt, weights, plan=plan)
+        for _ in range(3):
+            got = chain(x)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        blocks = chain.input_blocks(x)
+        for b in blocks:
+            b.value.copy_(x[:, b.start:b.stop])
+        torch.testing.assert_close(chain(blocks), want, rtol=1e-10, atol=1e-10)
+        assert chain.explain()
+
+
+SANITIZED = textwrap.dedent(
+    """
+    import torch, streamdag as sd
+    from streamdag.parallel import LinearChain
+    ws = [torch.randn(256, 256, device="cuda:0") / 16 for _ in range(3)]
+    side0, side1 = torch.cuda.Stream(0), torch.cuda.Stream(1)
+    with torch.cuda.stream(side0), torch.cuda.device(1), torch.cuda.stream(side1), torch.cuda.device(0):
+        with sd.Runtime(devices=["cuda:0", "cuda:1"], streams=2) as rt:
+            a = torch.randn(1 << 20, device="cuda:0")
+            b = torch.empty(1 << 20, device="cuda:1")
+            # a slow producer on cuda:0, read on cuda:1 through a peer copy
+            rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), a.mul_(2)), writes=[a])
+            rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
+            chain = LinearChain(rt, ws, plan="split")
+            for _ in range(2):
+                chain.run(torch.randn(32, 256, device="cuda:0"))
+    print("done")
+    """
+)
+
+
+@pytest.mark.parametrize("drop_waits", [False, True])
+def test_stream_sanitizer_on_two_gpus(drop_waits):
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
+    if drop_waits:
+        env["STREAMDAG_TEST_DROP_WAITS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", SANITIZED], env=env, capture_output=True, text=True,
+                          timeout=300)
+    text = proc.stdout + proc.stderr
+    raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
+    assert raced == drop_waits, text[:6000]
