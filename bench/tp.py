@@ -10,8 +10,11 @@ or split by columns over the GPUs (as a previous tensor-parallel layer leaves
 it); its output is gathered whole on GPU 0. Also measured: peer copy throughput,
 many copies in flight through ``rt.copy`` against raw ``copy_``.
 
-Times: median wall time per chain run, each between synchronizations of both
-GPUs. Run on a two-GPU machine: PYTHONPATH=src python bench/tp.py [--quick]
+Times: median wall time per chain call, each between synchronizations of both
+GPUs (latency); then ten calls back to back per synchronization (throughput).
+streamdag is called as ``chain(x)``: once captured, one CUDA graph over both
+GPUs replayed on the caller's stream. Run on a two-GPU machine:
+PYTHONPATH=src python bench/tp.py [--quick]
 """
 
 from __future__ import annotations
@@ -92,6 +95,54 @@ def peer_copy_throughput(rt: sd.Runtime, quick: bool) -> dict[str, float]:
             "anchor_GBps": ANCHOR_GBS}
 
 
+def back_to_back(fn, iters: int, n: int = 10) -> float:
+    """Throughput: ``n`` calls per synchronization, ms per call."""
+    return wall_ms(lambda: [fn() for _ in range(n)], iters=max(iters // 4, 3), devices=[0, 1]) / n
+
+
+def run_case(rt: sd.Runtime, rows: int, layers: int, iters: int) -> dict:
+    torch.manual_seed(rows)
+    weights = [(torch.randn(D, D, device="cuda:0") / D ** 0.5).bfloat16() for _ in range(layers)]
+    x = torch.randn(rows, D, device="cuda:0").bfloat16()
+
+    def one_gpu():
+        h = x
+        for w in weights:
+            h = torch.relu(h @ w)
+        return h
+
+    hand = hand_made(weights, rows)
+    chain = LinearChain(rt, weights, plan="auto")
+    blocks = chain.input_blocks(x)
+    for b in blocks:
+        b.value.copy_(x[:, b.start:b.stop])
+    want = one_gpu()
+    for label, got in (("input whole", chain(x)), ("input split", chain(blocks)), ("hand-made", hand(x))):
+        err = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        assert err <= 0.05 * scale + 1e-3, f"{label} differs from one GPU: {err} vs {scale}"
+    result = {
+        "rows": rows, "layers": layers,
+        "one_gpu_ms": wall_ms(one_gpu, iters=iters, devices=[0, 1]),
+        "hand_made_ms": wall_ms(lambda: hand(x), iters=iters, devices=[0, 1]),
+        "streamdag_input_whole_ms": wall_ms(lambda: chain(x, copy_out=False), iters=iters, devices=[0, 1]),
+        "streamdag_input_split_ms": wall_ms(lambda: chain(blocks, copy_out=False), iters=iters,
+                                            devices=[0, 1]),
+        "back_to_back": {
+            "one_gpu_ms": back_to_back(one_gpu, iters),
+            "hand_made_ms": back_to_back(lambda: hand(x), iters),
+            "streamdag_input_split_ms": back_to_back(lambda: chain(blocks, copy_out=False), iters),
+        },
+        "plan_input_whole": "/".join(chain._chosen[(rows, "single")]),
+        "plan_input_split": "/".join(chain._chosen[(rows, "split")]),
+        "graphs_captured": [g.captured for g, _, _ in chain._graphs.values()],
+        "goal_speedup": GOALS[rows],
+        "explain": chain.explain(),
+    }
+    print(chain.explain(), flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small cases only, few iterations")
@@ -102,54 +153,24 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     cases = CASES[:2] if args.quick else CASES
     iters = 5 if args.quick else 20
-    rows_out, results = [], []
     with sd.Runtime(devices=["cuda:0", "cuda:1"], streams=2, max_inflight=10_000) as rt:
-        for rows, layers in cases:
-            torch.manual_seed(rows)
-            weights = [(torch.randn(D, D, device="cuda:0") / D ** 0.5).bfloat16() for _ in range(layers)]
-            x = torch.randn(rows, D, device="cuda:0").bfloat16()
-
-            def one_gpu(x=x, weights=weights):
-                h = x
-                for w in weights:
-                    h = torch.relu(h @ w)
-                return h
-
-            hand = hand_made(weights, rows)
-            chain = LinearChain(rt, weights, plan="auto")
-            blocks = chain.input_blocks(x)
-            for b in blocks:
-                b.value.copy_(x[:, b.start:b.stop])
-            want = one_gpu()
-            got_whole = chain(x)
-            got_split = chain(blocks)
-            got_hand = hand(x).clone()
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            for label, got in (("whole", got_whole), ("split", got_split), ("hand-made", got_hand)):
-                err = (got.float() - want.float()).abs().max().item()
-                scale = want.float().abs().max().item()
-                assert err <= 0.05 * scale + 1e-3, f"{label} differs from one GPU: {err} vs {scale}"
-            t_one = wall_ms(one_gpu, iters=iters, devices=[0, 1])
-            t_hand = wall_ms(lambda hand=hand, x=x: hand(x), iters=iters, devices=[0, 1])
-            t_whole = wall_ms(lambda chain=chain, x=x: chain.run(x), iters=iters, devices=[0, 1])
-            t_split = wall_ms(lambda chain=chain, b=blocks: chain.run(b), iters=iters, devices=[0, 1])
-            plan_whole = "/".join(chain._chosen[(rows, "single")])
-            plan_split = "/".join(chain._chosen[(rows, "split")])
-            results.append({
-                "rows": rows, "layers": layers, "one_gpu_ms": t_one, "hand_made_ms": t_hand,
-                "streamdag_input_whole_ms": t_whole, "streamdag_input_split_ms": t_split,
-                "plan_input_whole": plan_whole, "plan_input_split": plan_split,
-                "goal_speedup": GOALS[rows], "explain": chain.explain(),
-            })
-            rows_out.append([f"{rows} x {D}, {layers}", t_one, t_hand, t_one / t_hand, t_whole,
-                             t_one / t_whole, t_split, t_one / t_split, GOALS[rows], plan_split])
-            print(chain.explain(), flush=True)
-            del chain, hand
+        results = [run_case(rt, rows, layers, iters) for rows, layers in cases]
         link = peer_copy_throughput(rt, args.quick)
+    table, thr_rows = [], []
+    for r in results:
+        one = r["one_gpu_ms"]
+        label = f"{r['rows']} x {D}, {r['layers']}"
+        table.append([label, one, r["hand_made_ms"], one / r["hand_made_ms"], r["streamdag_input_whole_ms"],
+                      one / r["streamdag_input_whole_ms"], r["streamdag_input_split_ms"],
+                      one / r["streamdag_input_split_ms"], r["goal_speedup"], r["plan_input_split"]])
+        b = r["back_to_back"]
+        thr_rows.append([label, b["one_gpu_ms"], b["hand_made_ms"], b["streamdag_input_split_ms"],
+                         b["one_gpu_ms"] / b["streamdag_input_split_ms"]])
     print(format_table(
         ["rows x D, L", "one GPU ms", "hand 2-GPU ms", "hand speedup", "sd whole-in ms", "sd speedup",
-         "sd split-in ms", "sd speedup", "goal", "plan"], rows_out))
+         "sd split-in ms", "sd speedup", "goal", "plan"], table))
+    print("back to back (10 calls, one synchronization), ms per call:")
+    print(format_table(["rows x D, L", "one GPU", "hand 2-GPU", "sd split-in", "sd speedup"], thr_rows))
     print(format_table(["peer copies (GPU1->GPU0)", "GB/s", "of anchor 353"],
                        [["raw copy_ back to back", link["raw_GBps"], link["raw_GBps"] / ANCHOR_GBS],
                         ["streamdag rt.copy, all in flight", link["streamdag_GBps"],

@@ -106,6 +106,10 @@ def test_tensor_parallel_chain_equals_one_gpu(plan):
             b.value.copy_(x[:, b.start:b.stop])
         torch.testing.assert_close(chain(blocks), want, rtol=1e-10, atol=1e-10)
         assert chain.explain()
+        graphs = [g for g, _, _ in chain._graphs.values()]
+        if plan == "split":  # one CUDA graph over both GPUs, replayed on the caller's stream
+            assert graphs[0].captured and graphs[0].capture_fallback is None
+            assert graphs[0].statistics().replays >= 1
 
 
 SANITIZED = textwrap.dedent(
@@ -114,6 +118,8 @@ SANITIZED = textwrap.dedent(
     from streamdag.parallel import LinearChain
     ws = [torch.randn(256, 256, device="cuda:0") / 16 for _ in range(3)]
     side0, side1 = torch.cuda.Stream(0), torch.cuda.Stream(1)
+    side0.wait_stream(torch.cuda.current_stream(0))  # the weights were made on the default stream
+    side1.wait_stream(torch.cuda.current_stream(1))
     with torch.cuda.stream(side0), torch.cuda.device(1), torch.cuda.stream(side1), torch.cuda.device(0):
         with sd.Runtime(devices=["cuda:0", "cuda:1"], streams=2) as rt:
             a = torch.randn(1 << 20, device="cuda:0")
@@ -121,7 +127,7 @@ SANITIZED = textwrap.dedent(
             # a slow producer on cuda:0, read on cuda:1 through a peer copy
             rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), a.mul_(2)), writes=[a])
             rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
-            chain = LinearChain(rt, ws, plan="split")
+            chain = LinearChain(rt, ws, plan="split", capture=False)  # host replays: every kernel seen
             for _ in range(2):
                 chain.run(torch.randn(32, 256, device="cuda:0"))
     print("done")

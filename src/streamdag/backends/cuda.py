@@ -43,13 +43,24 @@ def is_sticky(exc: BaseException) -> bool:
     return not isinstance(exc, torch.cuda.OutOfMemoryError) and any(s in text for s in _STICKY)
 
 
+# PyTorch's own C entry points for the calls made per op: its Python wrappers around them
+# (device lookups, Stream objects built per call) cost more than the calls themselves
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_set_device = getattr(torch._C, "_cuda_setDevice", None)
+_record = torch._C._CudaEventBase.record if hasattr(torch._C, "_CudaEventBase") else None
+_wait = torch._C._CudaEventBase.wait if hasattr(torch._C, "_CudaEventBase") else None
+
+
 class CudaStream:
-    __slots__ = ("index", "kind", "raw")
+    __slots__ = ("ids", "index", "kind", "raw")
 
     def __init__(self, index: int, kind: str, raw: torch.cuda.Stream) -> None:
         self.index = index
         self.kind = kind
         self.raw = raw
+        self.ids = (raw.stream_id, raw.device_index, raw.device_type)
 
 
 class CudaEvent:
@@ -60,10 +71,10 @@ class CudaEvent:
         self.timing = timing
 
     def record(self, stream: CudaStream) -> None:
-        self.raw.record(stream.raw)
+        _record(self.raw, stream.raw)
 
     def wait(self, stream: CudaStream) -> None:
-        stream.raw.wait_event(self.raw)
+        _wait(self.raw, stream.raw)
 
     def query(self) -> bool:
         return self.raw.query()
@@ -177,12 +188,14 @@ class CudaBackend:
                 "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
                 "p2p": CudaStream(streams + 2, "p2p", torch.cuda.Stream()),
             }
-            #: where PyTorch runs the DMA of a peer copy out of this device (see runtime.peers)
-            self.peer_out = torch.cuda.Stream()
+            #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
+            self.peer_out = CudaStream(-1, "peer_out", torch.cuda.Stream())
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
         self._caller_event = torch.cuda.Event()
+        self._index = index
+        self._callers: dict[tuple[int, int, int], torch.cuda.Stream] = {}  # caller streams seen
 
     @property
     def streams(self) -> list[CudaStream]:
@@ -211,20 +224,40 @@ class CudaBackend:
 
         ``after_caller=False`` skips that order, for work already ordered (a graph's later ops).
         """
-        caller_device = torch.cuda.current_device()
-        prev = torch.cuda.current_stream(self.torch_device)
+        caller_device = _get_device()
+        prev = _get_stream(self._index)
         if after_caller:
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
-            self._caller_event.record(prev)
-            stream.raw.wait_event(self._caller_event)
-        torch.cuda.set_stream(stream.raw)
+            caller = self._callers.get(prev)
+            if caller is None:
+                caller = self._callers[prev] = torch.cuda.Stream(
+                    stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+            _record(self._caller_event, caller)
+            _wait(self._caller_event, stream.raw)
+        _set_stream(*stream.ids)
         try:
             work()
         finally:
-            torch.cuda.set_stream(prev)
-            if caller_device != self.torch_device.index:
-                torch.cuda.set_device(caller_device)
+            _set_stream(*prev)
+            if caller_device != self._index:
+                _set_device(caller_device)
+
+    def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.
+
+        PyTorch runs a cross-device copy on the source device's current stream,
+        fenced both ways with the destination's current stream: the source side
+        gets :attr:`peer_out`, so the copy never waits behind the caller's work.
+        """
+        dst_device = _get_device()
+        prev = _get_stream(self._index)
+        _set_stream(*self.peer_out.ids)
+        try:
+            return dst.copy_(src, non_blocking=True)
+        finally:
+            _set_stream(*prev)
+            _set_device(dst_device)
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
         self._completions.put(stream.index, event, callback)

@@ -144,16 +144,22 @@ class LinearChain:
     and keep a split plan only if it is measured faster than the chain on one
     device), ``"split"``, ``"single"``, or a list with one of those per layer.
 
-    :meth:`run` takes the input whole on the first device, or as column blocks
-    over the devices (a list of :class:`Block`, as a previous tensor-parallel
-    layer leaves it; :meth:`input_blocks` gives the chain's own, which need no
-    copy). It returns a Future of the output: whole on the first device when
-    ``gather`` (the default), else as column blocks. The output is the chain's
-    own buffer, rewritten by the next run; calling the chain returns a copy.
+    The input comes whole on the first device, or as column blocks over the
+    devices (a list of :class:`Block`, as a previous tensor-parallel layer
+    leaves it; :meth:`input_blocks` gives the chain's own, which need no copy).
+    The output is whole on the first device when ``gather`` (the default),
+    else column blocks.
+
+    Two ways to run it, not to be mixed on one chain: :meth:`run` is an op of
+    the runtime and returns a Future of the output; calling the chain returns
+    the output ordered on the caller's current streams, as PyTorch does, and
+    once the chain is captured (``capture``, from its third call) it replays
+    the CUDA graph there directly. Outputs are the chain's own buffers,
+    rewritten by the next run, unless ``copy_out``.
     """
 
     def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
-                 plan: str | Sequence[str] = "auto", gather: bool = True) -> None:
+                 plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True) -> None:
         if not weights:
             raise ValueError("LinearChain needs at least one weight")
         for a, b in itertools.pairwise(weights):
@@ -163,7 +169,9 @@ class LinearChain:
         self.weights = list(weights)
         self.activation = activation
         self.gather = gather
+        self.capture = capture
         self.devices = list(rt.devices)
+        self._fences: dict[str, tuple[Any, Any]] = {}
         self._plan_option = plan
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         self._inputs: dict[tuple[Any, ...], Any] = {}
@@ -177,13 +185,7 @@ class LinearChain:
 
     def run(self, x: Any) -> Any:
         """Launch one run on ``x``; a Future of the output (valid until the next run)."""
-        layout = "split" if isinstance(x, list | tuple) else "single"
-        example = x[0].value if layout == "split" else x
-        key = (example.shape[0], layout)
-        plan = self._chosen.get(key)
-        if plan is None:
-            plan = self._chosen[key] = self._decide(example, layout)
-        graph, inp, out = self._graph(example, layout, plan)
+        graph, inp, out, layout = self._prepare(x)
         if layout == "single":
             if x is not inp:
                 self.rt.copy(inp, x, name="chain_input")
@@ -193,10 +195,58 @@ class LinearChain:
                     self.rt.copy(own.value, given.value, name="chain_input")
         return _map_future(graph.run(), lambda _r: out)
 
-    def __call__(self, x: Any) -> Any:
-        out = self.run(x).result()
+    def __call__(self, x: Any, copy_out: bool = True) -> Any:
+        graph, inp, out, layout = self._prepare(x)
+        if graph.captured:
+            self._replay_here(graph, x, inp, layout)
+        else:
+            out = self.run(x).result()
+        if not copy_out:
+            return out
         return [Block(_clone(b.value), b.device, b.start, b.stop) for b in out] \
             if isinstance(out, list) else _clone(out)
+
+    def _prepare(self, x: Any) -> tuple[Any, Any, Any, str]:
+        layout = "split" if isinstance(x, list | tuple) else "single"
+        example = x[0].value if layout == "split" else x
+        key = (example.shape[0], layout)
+        plan = self._chosen.get(key)
+        if plan is None:
+            plan = self._chosen[key] = self._decide(example, layout)
+        graph, inp, out = self._graph(example, layout, plan)
+        return graph, inp, out, layout
+
+    def _replay_here(self, graph: Any, x: Any, inp: Any, layout: str) -> None:
+        """Replay the captured graph on the caller's stream of the first device, fenced with the others'."""
+        import torch
+
+        with torch.cuda.device(self.devices[0]):
+            main = torch.cuda.current_stream()
+            if layout == "single":
+                if x is not inp:
+                    inp.copy_(x)
+            else:
+                for given, own in zip(x, inp, strict=True):
+                    if given.value is not own.value:
+                        own.value.copy_(given.value)
+            others = self.devices[1:]
+            for d in others:  # what the caller did on the other GPUs comes first
+                before, _ = self._fence(d)
+                before.record(torch.cuda.current_stream(d))
+                main.wait_event(before)
+            graph.replay_on_current_stream()
+            for d in others:  # and what it does next there comes after
+                _, after = self._fence(d)
+                after.record(main)
+                torch.cuda.current_stream(d).wait_event(after)
+
+    def _fence(self, device: str) -> tuple[Any, Any]:
+        got = self._fences.get(device)
+        if got is None:
+            import torch
+
+            got = self._fences[device] = (torch.cuda.Event(), torch.cuda.Event())
+        return got
 
     def explain(self) -> str:
         """The plan per layer, the cost model's estimates and the measured times."""
@@ -311,6 +361,7 @@ class LinearChain:
                 out = kern.empty(rows, self.weights[-1].shape[1], self.weights[-1], first)
                 for b in blocks:
                     rt.copy(_columns(out, b.start, b.stop), b.value, name=f"gather@{b.device}")
+        graph.capture = graph.capture and self.capture
         return graph, inp, out
 
 

@@ -15,6 +15,14 @@ single-stream baseline.
 
 A capture stays valid while every tensor argument keeps its address and
 shape; a change recaptures (``statistics()`` counts it).
+
+A graph over several GPUs is captured into one multi-device CUDA graph: side
+streams on every device fork from the capture stream (on the first device)
+and join it again, and peer copies join through PyTorch's fences. Only the
+first device's allocations go to the graph's private memory pool, so such a
+graph must not allocate on the others: after a warm-up run on the same side
+streams (which sets up library workspaces), any allocation on another device
+during the capture rejects it, and the graph runs as a host replay instead.
 """
 
 from __future__ import annotations
@@ -128,9 +136,14 @@ class _Captured:
 class CudaGraphRunner:
     """Captures and replays one recorded graph."""
 
-    def __init__(self, recorded: RecordedGraph, device: torch.device) -> None:
+    def __init__(self, recorded: RecordedGraph, device: torch.device,
+                 groups: list[int] | None = None, devices: list[torch.device] | None = None) -> None:
         self.recorded = recorded
         self.device = device
+        #: for a graph over several devices: the device (index into ``devices``) of each op
+        self.groups = groups
+        self.devices = devices or [device]
+        self._side: dict[tuple[int, int], torch.cuda.Stream] = {}
         self.stats = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
@@ -160,13 +173,41 @@ class CudaGraphRunner:
             same_ptrs = check(tensors, ptrs, list(range(len(tensors))))
         return same_ptrs and [t.shape for t in tensors] == shapes
 
+    def _side_streams(self, sched: Schedule, max_streams: int) -> list[torch.cuda.Stream]:
+        """Fresh side streams on one device; kept ones (warmed up) over several."""
+        if self.groups is None:
+            return [torch.cuda.Stream(self.device) for _ in range(sched.num_streams)]
+        out = []
+        for s in range(sched.num_streams):
+            key = (max_streams, s)
+            if key not in self._side:
+                self._side[key] = torch.cuda.Stream(self.devices[s // max_streams])
+            out.append(self._side[key])
+        return out
+
+    def _warm_up(self, sched: Schedule, side: list[torch.cuda.Stream]) -> None:
+        """Run every op once, in order, on its side stream: libraries set up per-stream state here."""
+        for s in side:
+            s.wait_stream(torch.cuda.current_stream(s.device))
+        for v, rec in enumerate(self.recorded._ops):
+            with torch.cuda.stream(side[sched.stream[v]]):
+                rec.fn(*rec.args, **rec.kwargs)
+            side[sched.stream[v]].synchronize()
+
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
-        sched = build_schedule(self.recorded._preds, max_streams)
+        sched = build_schedule(self.recorded._preds, max_streams, groups=self.groups)
         needs_event = {u for ws in sched.waits for u in ws}
         graph = torch.cuda.CUDAGraph()
         origin = torch.cuda.Stream(self.device)
-        side = [torch.cuda.Stream(self.device) for _ in range(sched.num_streams)]
+        side = self._side_streams(sched, max_streams)
+        others = [d for d in self.devices if d != self.device]
+        if others:
+            try:
+                self._warm_up(sched, side)
+            except Exception as exc:
+                raise CaptureFailed("<warm-up>", exc) from exc
+            allocations = [_allocations(d) for d in others]
         origin.wait_stream(torch.cuda.current_stream(self.device))
         values: list[Any] = [None] * len(ops)
         current = "<fork>"
@@ -192,7 +233,7 @@ class CudaGraphRunner:
                             events[v] = ev
                 except Exception as exc:
                     failure = exc
-                for s in side:  # always join, so that the capture can end
+                for s in side + _capturing_peer_streams(self.recorded):  # always join: the capture ends
                     ev = torch.cuda.Event()
                     ev.record(s)
                     origin.wait_event(ev)
@@ -200,6 +241,10 @@ class CudaGraphRunner:
             raise CaptureFailed(current, failure or exc) from exc
         if failure is not None:
             raise CaptureFailed(current, failure) from failure
+        if others and [_allocations(d) for d in others] != allocations:
+            raise CaptureFailed("<several devices>", RuntimeError(
+                "ops allocated memory on another GPU than the first during capture, which a CUDA "
+                "graph over several GPUs cannot own; write into preallocated outputs (out=, in place)"))
         return _Captured(graph, values, sched, [rec.accesses for rec in ops])
 
     def _time_ops(self) -> list[float]:
@@ -253,6 +298,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         natural = build_schedule(self.recorded._preds, max_streams).num_streams
         candidates = {1, min(4, natural), natural}
+        if self.groups is not None:  # over several devices: streams per device
+            candidates = {1, max_streams}
+            natural = 1  # the op-by-op timing below runs on one device's stream
         best: tuple[float, _Captured] | None = None
         # timing runs and replays must not change what the graph's buffers hold
         written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
@@ -282,6 +330,9 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
             return False
         finally:
+            if self.groups is not None:  # replays ran on the first device's stream: wait for all of them
+                for d in self.devices:
+                    torch.cuda.synchronize(d)
             for t, copy in zip(written, saved):
                 t.copy_(copy)
         assert best is not None
@@ -303,6 +354,23 @@ class CudaGraphRunner:
         cap.graph.replay()
         self.stats.replays += 1
         return cap.results(self.recorded.copy_out)
+
+
+def _allocations(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
+
+
+def _capturing_peer_streams(recorded: Any) -> list[torch.cuda.Stream]:
+    """The source-side streams of peer copies that joined the capture (through PyTorch's fences)."""
+    out = []
+    for backend in getattr(recorded._rt, "backends", ()):
+        peer = getattr(backend, "peer_out", None)
+        if peer is None:
+            continue
+        with torch.cuda.stream(peer.raw):
+            if torch.cuda.is_current_stream_capturing():
+                out.append(peer.raw)
+    return out
 
 
 def _declared(accesses: list[Any], value: torch.Tensor) -> bool:

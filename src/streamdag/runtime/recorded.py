@@ -120,8 +120,9 @@ class RecordedGraph:
         device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt._compute_of)
         # a CUDA graph holds one device's work here; graphs that touch several run as host replays
         self._spans_devices = len(self.devices) > 1 or len(device_spaces - set(self.devices)) > 0
-        self.capture = (len(self.devices) == 1 and self.devices[0].startswith("cuda")
-                        and not self._spans_devices)
+        # one CUDA graph holds the work of every GPU it touches (see capture.py); else host replays
+        touched = device_spaces | set(self.devices)
+        self.capture = bool(self.devices) and all(d.startswith("cuda") for d in touched)
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
@@ -266,13 +267,21 @@ class RecordedGraph:
         device = self.devices[0]
         member = rt.backends[rt.devices.index(device)]
         if self._runner is None:
-            self._runner = CudaGraphRunner(self, member.torch_device)  # type: ignore[attr-defined]
+            groups = devices = None
+            if self._spans_devices:
+                groups = [rt.devices.index(op.device) for op in self._ops]
+                devices = [b.torch_device for b in rt.backends]  # type: ignore[attr-defined]
+            self._runner = CudaGraphRunner(self, member.torch_device, groups, devices)  # type: ignore[attr-defined]
         runner = self._runner
         import torch
 
+        def synchronize_all() -> None:
+            for b in rt.backends:
+                b.synchronize()
+
         with rt._lock, torch.cuda.device(member.torch_device):  # type: ignore[attr-defined]
             # capture after all earlier work: it reads no half-written buffer
-            ok = runner.prepare(rt.num_streams, before_capture=member.synchronize)
+            ok = runner.prepare(rt.num_streams, before_capture=synchronize_all)
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None

@@ -9,10 +9,8 @@
 - ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
   would pass it blocks the submitter until earlier copies complete.
 - Between two devices, the copy is an op on the destination's peer copy
-  stream. PyTorch runs a cross-device ``copy_`` on the source device's
-  current stream, fenced both ways with the destination's current stream; the
-  source side gets a stream of its own for that (``peer_out``), so peer copies
-  never wait behind the caller's work.
+  stream, done by the source backend's ``peer_copy`` (PyTorch runs it on a
+  stream of the source device, fenced both ways with the destination's).
 """
 
 from __future__ import annotations
@@ -118,17 +116,14 @@ def _as_tensor(x: Any) -> Any:
 
 
 def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
-                 keep: Any = None, source_stream: Any = None) -> Future:
+                 keep: Any = None, copier: Any = None) -> Future:
     """One copy op, its bytes counted against the budget until it completes."""
     nbytes = region_of(src).nbytes
     rt._bytes.acquire(nbytes)
 
     def run() -> Any:
-        if source_stream is not None:  # a peer copy: PyTorch runs it on the source's current stream
-            import torch
-
-            with torch.cuda.stream(source_stream):
-                return dst.copy_(src, non_blocking=True)
+        if copier is not None:  # a peer copy, done the source device's way
+            return copier(dst, src)
         out = dst.copy_(src, non_blocking=True)
         _ = keep  # the staging buffer lives as long as the op
         return out
@@ -172,7 +167,7 @@ def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, 
             f"({', '.join(rt.devices)}); create it with devices=[{src_space!r}, {dst_space!r}]"
         )
     source = rt.backends[rt.devices.index(src_space)]
-    return _device_copy(rt, dst, src, stream, name, source_stream=getattr(source, "peer_out", None))
+    return _device_copy(rt, dst, src, stream, name, copier=getattr(source, "peer_copy", None))
 
 
 def _chunks(dst: Any, src: Any):
