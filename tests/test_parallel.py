@@ -164,3 +164,18 @@ def test_chain_rejects_bad_plans_and_shapes(weights):
         with pytest.raises(ValueError, match="one entry per layer"):
             chain(sim(np.ones((2, 12))))
     assert isinstance(Block(None, "sim:0", 0, 1), Block)
+
+
+def test_chain_on_one_cpu_runtime_with_torch_tensors():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    ws = [torch.randn(16, 16, dtype=torch.float64) / 4 for _ in range(3)]
+    x = torch.randn(5, 16, dtype=torch.float64)
+    want = x
+    for w in ws:
+        want = torch.relu(want @ w)
+    with sd.Runtime("cpu", streams=2) as rt:
+        chain = LinearChain(rt, ws)
+        got = chain(x)
+    assert "one device" in chain.explain()
+    torch.testing.assert_close(got, want)

@@ -18,9 +18,9 @@ class Kernels:
 
     @staticmethod
     def empty(rows: int, cols: int, like: Any, device: str) -> Any:
-        import torch
+        from ..runtime.peers import empty_on
 
-        return torch.empty(rows, cols, dtype=like.dtype, device=device)
+        return empty_on(_Shape((rows, cols), like.dtype), device)
 
     @staticmethod
     def block(w: Any, rows: slice, cols: slice, device: str) -> Any:
@@ -88,6 +88,11 @@ class SimKernels:
     @staticmethod
     def device_of(x: Any) -> str:
         return x.device
+
+
+class _Shape:
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype = shape, dtype
 
 
 def kernels_for(x: Any) -> Any:

@@ -68,10 +68,11 @@ def _single_ms(layer: LayerCost, layout: str, k: int, link: LinkCost) -> float:
 
 
 def estimate(plan: Sequence[str], layers: Sequence[LayerCost], k: int, link: LinkCost,
-             start: str = "single", gather: bool = True) -> float:
+             start: str = "single", gather: bool = True, gather_chunks: int = 1) -> float:
     """Estimated time of a whole chain run under ``plan``.
 
-    ``start`` is the input's layout; ``gather`` adds moving a split output to the first device.
+    ``start`` is the input's layout; ``gather`` adds moving a split output to the
+    first device, of which only the last of ``gather_chunks`` row chunks is exposed.
     """
     layout, total = start, 0.0
     for choice, layer in zip(plan, layers, strict=True):
@@ -79,16 +80,16 @@ def estimate(plan: Sequence[str], layers: Sequence[LayerCost], k: int, link: Lin
         total += step(layer, layout, k, link)
         layout = choice
     if gather and layout == "split" and layers:
-        total += link.copy_ms(layers[-1].out_mb * (k - 1) / k)
+        total += link.copy_ms(layers[-1].out_mb * (k - 1) / k / gather_chunks)
     return total
 
 
 def choose_layout(layers: Sequence[LayerCost], k: int, link: LinkCost, start: str = "single",
-                  gather: bool = True) -> tuple[list[str], float]:
+                  gather: bool = True, gather_chunks: int = 1) -> tuple[list[str], float]:
     """The plan ("split" / "single" per layer) of least estimated time, and that time."""
     if k < 2 or not layers:
         single = ["single"] * len(layers)
-        return single, estimate(single, layers, max(k, 1), link, start, gather)
+        return single, estimate(single, layers, max(k, 1), link, start, gather, gather_chunks)
     # best[layout] = (time so far, plan) with the last layer's output in that layout
     best: dict[str, tuple[float, list[str]]] = {start: (0.0, [])}
     for layer in layers:
@@ -102,6 +103,6 @@ def choose_layout(layers: Sequence[LayerCost], k: int, link: LinkCost, start: st
         best = nxt
     if gather and "split" in best:
         t, plan = best["split"]
-        best["split"] = (t + link.copy_ms(layers[-1].out_mb * (k - 1) / k), plan)
+        best["split"] = (t + link.copy_ms(layers[-1].out_mb * (k - 1) / k / gather_chunks), plan)
     t, plan = min(best.values(), key=lambda tp: tp[0])
     return plan, t

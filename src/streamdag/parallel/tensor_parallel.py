@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Block", "LinearChain", "column_linear", "row_linear"]
 
+#: Row chunks of a chain's last layer when its output is gathered: the gather of each overlaps the next.
+GATHER_CHUNKS = 2
+
 
 @dataclass(frozen=True)
 class Block:
@@ -78,12 +81,16 @@ def _weight_blocks(w: Any, in_bounds: Sequence[tuple[int, int]], cols: tuple[int
 
 
 def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = None,
-                  activation: str | None = None, name: str = "column_linear") -> list[Block]:
+                  activation: str | None = None, name: str = "column_linear", row_chunks: int = 1,
+                  outputs: dict[str, Any] | None = None) -> list[Block]:
     """``act(x @ w)`` split by the columns of ``w`` over ``devices``; returns one column block per device.
 
     ``x`` is a matrix on one device, or a list of :class:`Block`. Weight
     blocks are copied to their devices here, once; record the call in
-    ``rt.record()`` to run it many times.
+    ``rt.record()`` to run it many times. ``row_chunks`` computes each block
+    in that many row chunks, so that whatever consumes the first chunks (a
+    gather, say) overlaps the computing of the last. ``outputs`` gives the
+    buffer of a device's block (a column slice of a larger matrix, say).
     """
     devices = list(devices or rt.devices)
     blocks = _as_blocks(x)
@@ -92,8 +99,13 @@ def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = N
     in_bounds = [(b.start, b.stop) for b in blocks]
     out_blocks = []
     for g, cols in zip(devices, _bounds(w.shape[1], len(devices))):
-        out = kern.empty(rows, cols[1] - cols[0], w, g)
-        _product(rt, blocks, _weight_blocks(w, in_bounds, cols, g), out, g, activation, f"{name}@{g}")
+        given = (outputs or {}).get(g)
+        out = given if given is not None else kern.empty(rows, cols[1] - cols[0], w, g)
+        weights = _weight_blocks(w, in_bounds, cols, g)
+        for r0, r1 in _bounds(rows, row_chunks):
+            part = [Block(_view(b.value, r0, r1), b.device, b.start, b.stop) for b in blocks]
+            label = f"{name}@{g}" if row_chunks == 1 else f"{name}@{g}[{r0}:{r1}]"
+            _product(rt, part, weights, _view(out, r0, r1), g, activation, label)
         out_blocks.append(Block(out, g, *cols))
     return out_blocks
 
@@ -220,7 +232,12 @@ class LinearChain:
         """Replay the captured graph on the caller's stream of the first device, fenced with the others'."""
         import torch
 
-        with torch.cuda.device(self.devices[0]):
+        first = self.devices[0]
+        index = torch.device(first).index
+        caller_device = torch.cuda.current_device()
+        if caller_device != index:
+            torch.cuda.set_device(index)
+        try:
             main = torch.cuda.current_stream()
             if layout == "single":
                 if x is not inp:
@@ -229,7 +246,7 @@ class LinearChain:
                 for given, own in zip(x, inp, strict=True):
                     if given.value is not own.value:
                         own.value.copy_(given.value)
-            others = self.devices[1:]
+            others = [d for d in graph.touched_devices if d != first]
             for d in others:  # what the caller did on the other GPUs comes first
                 before, _ = self._fence(d)
                 before.record(torch.cuda.current_stream(d))
@@ -239,6 +256,9 @@ class LinearChain:
                 _, after = self._fence(d)
                 after.record(main)
                 torch.cuda.current_stream(d).wait_event(after)
+        finally:
+            if caller_device != index:
+                torch.cuda.set_device(caller_device)
 
     def _fence(self, device: str) -> tuple[Any, Any]:
         got = self._fences.get(device)
@@ -291,10 +311,10 @@ class LinearChain:
 
         layers, link = measure_costs(self.weights, x.shape[0], x.dtype, self.devices)
         k = len(self.devices)
-        plan, est = choose_layout(layers, k, link, layout, self.gather)
+        plan, est = choose_layout(layers, k, link, layout, self.gather, GATHER_CHUNKS)
         info = ChainInfo(plan, layer_costs=layers, link=link)
         info.estimate_ms = {"/".join(plan): est,
-                            "single": estimate(single, layers, k, link, layout, self.gather)}
+                            "single": estimate(single, layers, k, link, layout, self.gather, GATHER_CHUNKS)}
         self.info = info
         if tuple(plan) == single:
             info.chosen = "the cost model keeps every layer on one device"
@@ -348,19 +368,28 @@ class LinearChain:
         first = self.devices[0]
         rows = x.shape[0]
         inp = self._input(x, layout)
+        last = len(self.weights) - 1
+        gathering = self.gather and plan[-1] == "split"
         with rt.record() as graph:
             blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
             for i, (w, step) in enumerate(zip(self.weights, plan)):
                 devices = self.devices if step == "split" else [first]
-                blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}")
-            if len(blocks) == 1 and blocks[0].device == first:
-                out = blocks[0].value
-            elif not self.gather:
-                out = blocks
-            else:
-                out = kern.empty(rows, self.weights[-1].shape[1], self.weights[-1], first)
-                for b in blocks:
-                    rt.copy(_columns(out, b.start, b.stop), b.value, name=f"gather@{b.device}")
+                if i == last and gathering:
+                    # the first device writes its block into the output; the others' blocks are
+                    # copied in by row chunks, the first chunks while the last are computed
+                    out = kern.empty(rows, w.shape[1], w, first)
+                    c0, c1 = _bounds(w.shape[1], len(devices))[0]
+                    mine = {first: _view(out, 0, rows, c0, c1)}
+                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}",
+                                           row_chunks=GATHER_CHUNKS, outputs=mine)
+                    for b in blocks[1:]:
+                        for r0, r1 in _bounds(rows, GATHER_CHUNKS):
+                            rt.copy(_view(out, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
+                                    name=f"gather@{b.device}[{r0}:{r1}]")
+                else:
+                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}")
+            if not gathering:
+                out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
         graph.capture = graph.capture and self.capture
         return graph, inp, out
 
@@ -369,14 +398,17 @@ def _is_cuda(x: Any) -> bool:
     return getattr(getattr(x, "device", None), "type", None) == "cuda"
 
 
-def _columns(m: Any, start: int, stop: int) -> Any:
+def _view(m: Any, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> Any:
+    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a matrix, as a view."""
+    if r0 == 0 and r1 == m.shape[0] and c0 == 0 and c1 in (None, m.shape[1]):
+        return m
     if hasattr(m, "streamdag_space"):
         from ..backends.sim import SimArray
 
         view = SimArray.__new__(SimArray)
-        view.data, view.device = m.data[:, start:stop], m.device
+        view.data, view.device = m.data[r0:r1, c0:c1], m.device
         return view
-    return m[:, start:stop]
+    return m[r0:r1, c0:c1]
 
 
 def _clone(value: Any) -> Any:

@@ -92,9 +92,17 @@ def _is_device_buffer(value: Any) -> bool:
 
 
 def empty_on(value: Any, device: str) -> Any:
-    """A new buffer like ``value`` (dense, same shape and dtype) on ``device``."""
+    """A new buffer like ``value`` (dense, same shape and dtype) on ``device``.
+
+    Allocated with ``device`` current: PyTorch's allocator hands out memory for
+    that device's current stream, and tools that model streams (the CUDA stream
+    sanitizer) see the allocation on that same stream.
+    """
     if hasattr(value, "empty_on"):
         return value.empty_on(device)
     import torch
 
-    return torch.empty(value.shape, dtype=value.dtype, device=device)
+    if not str(device).startswith("cuda"):
+        return torch.empty(value.shape, dtype=value.dtype, device=device)
+    with torch.cuda.device(device):
+        return torch.empty(value.shape, dtype=value.dtype, device=device)

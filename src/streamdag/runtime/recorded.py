@@ -91,6 +91,7 @@ class RecordedGraph:
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
+        self.touched_devices: list[str] = []
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -122,6 +123,8 @@ class RecordedGraph:
         self._spans_devices = len(self.devices) > 1 or len(device_spaces - set(self.devices)) > 0
         # one CUDA graph holds the work of every GPU it touches (see capture.py); else host replays
         touched = device_spaces | set(self.devices)
+        #: every device whose memory or streams the graph uses
+        self.touched_devices = sorted(touched, key=rt.devices.index)
         self.capture = bool(self.devices) and all(d.startswith("cuda") for d in touched)
 
     def _runtime_stream(self, v: int) -> int:
