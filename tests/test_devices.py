@@ -249,3 +249,32 @@ def test_negative_control_without_event_waits_the_random_programs_go_wrong(monke
             g.run().result()
         wrong += any(not np.array_equal(a.data, e) for a, e in zip(arrays, expected))
     assert wrong > 0
+
+
+@given(st.integers(2, 16).flatmap(lambda n: st.tuples(
+    st.just(n),
+    st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=n, max_size=n),
+    st.lists(st.integers(0, 3), min_size=n, max_size=n))))
+@EXAMPLES
+def test_waits_for_any_placement_are_sufficient_and_minimal(case):
+    from streamdag.schedule.waits import plan_waits
+
+    n, raw, streams = case
+    preds = [sorted({u for u in ps if u < v}) for v, ps in enumerate(raw)]
+    waits = plan_waits(preds, streams, 4)
+    edges: dict[int, set[int]] = {}
+    for s in range(4):
+        order = [v for v in range(n) if streams[v] == s]
+        for a, b in itertools.pairwise(order):
+            edges.setdefault(a, set()).add(b)
+    for v, ws in enumerate(waits):
+        for u in ws:
+            edges.setdefault(u, set()).add(v)
+    for v, ps in enumerate(preds):
+        for u in ps:
+            assert reaches(n, edges, u, v)
+    for v, ws in enumerate(waits):
+        for u in ws:
+            edges[u].discard(v)
+            assert not reaches(n, edges, u, v)
+            edges[u].add(v)

@@ -37,6 +37,7 @@ import torch
 from ..graph.buffers import region_of
 from ..schedule.cost import simulate
 from ..schedule.plan import Schedule, build_schedule
+from ..schedule.waits import plan_waits
 
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
@@ -144,6 +145,7 @@ class CudaGraphRunner:
         self.groups = groups
         self.devices = devices or [device]
         self._side: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self._copy_side: dict[tuple[str, str], torch.cuda.Stream] = {}
         self.stats = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
@@ -185,26 +187,48 @@ class CudaGraphRunner:
             out.append(self._side[key])
         return out
 
-    def _warm_up(self, sched: Schedule, side: list[torch.cuda.Stream]) -> None:
+    def _copy_stream(self, device: str, kind: str) -> torch.cuda.Stream:
+        """A side stream for copies of one kind on one device: fresh on one device, kept over several."""
+        if self.groups is None:
+            return torch.cuda.Stream(torch.device(device))
+        key = (device, kind)
+        if key not in self._copy_side:
+            self._copy_side[key] = torch.cuda.Stream(torch.device(device))
+        return self._copy_side[key]
+
+    def _warm_up(self, stream_of: list[int], side: list[torch.cuda.Stream]) -> None:
         """Run every op once, in order, on its side stream: libraries set up per-stream state here."""
         for s in side:
             s.wait_stream(torch.cuda.current_stream(s.device))
         for v, rec in enumerate(self.recorded._ops):
-            with torch.cuda.stream(side[sched.stream[v]]):
+            with torch.cuda.stream(side[stream_of[v]]):
                 rec.fn(*rec.args, **rec.kwargs)
-            side[sched.stream[v]].synchronize()
+            side[stream_of[v]].synchronize()
 
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
         sched = build_schedule(self.recorded._preds, max_streams, groups=self.groups)
-        needs_event = {u for ws in sched.waits for u in ws}
+        side = self._side_streams(sched, max_streams)
+        # copies pinned to a copy stream (host<->device, peer) get a side stream of their own per
+        # device and kind, so that they overlap compute inside the graph as they do outside it
+        stream_of = list(sched.stream)
+        copy_side: dict[tuple[Any, str], int] = {}
+        for v, rec in enumerate(ops):
+            if rec.stream is not None:
+                kind = self.recorded._rt._streams[rec.stream].kind
+                key = (rec.device, kind)
+                if key not in copy_side:
+                    copy_side[key] = len(side)
+                    side.append(self._copy_stream(rec.device, kind))
+                stream_of[v] = copy_side[key]
+        waits = plan_waits(sched.preds, stream_of, len(side)) if copy_side else list(sched.waits)
+        needs_event = {u for ws in waits for u in ws}
         graph = torch.cuda.CUDAGraph()
         origin = torch.cuda.Stream(self.device)
-        side = self._side_streams(sched, max_streams)
         others = [d for d in self.devices if d != self.device]
         if others:
             try:
-                self._warm_up(sched, side)
+                self._warm_up(stream_of, side)
             except Exception as exc:
                 raise CaptureFailed("<warm-up>", exc) from exc
             allocations = [_allocations(d) for d in others]
@@ -222,8 +246,8 @@ class CudaGraphRunner:
                 try:
                     for v, rec in enumerate(ops):
                         current = rec.name
-                        s = side[sched.stream[v]]
-                        for u in sched.waits[v]:
+                        s = side[stream_of[v]]
+                        for u in waits[v]:
                             s.wait_event(events[u])
                         with torch.cuda.stream(s):
                             values[v] = rec.fn(*rec.args, **rec.kwargs)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access
-from ..schedule.waits import StreamClocks
+from ..schedule.waits import plan_waits
 from .core import _DROP_WAITS
 from .ops import Op
 
@@ -43,15 +43,7 @@ class HostReplay:
         self.preds = [tuple(p) for p in preds]
         self.accesses = accesses
         n = len(self.streams)
-        clocks = StreamClocks(len(rt._streams))
-        stamps = []
-        self.waits: list[tuple[int, ...]] = []
-        for v in range(n):
-            s = self.streams[v]
-            deps = [u for u in self.preds[v] if self.streams[u] != s]
-            stamp, chosen = clocks.place(s, [stamps[u] for u in deps])
-            stamps.append(stamp)
-            self.waits.append(tuple(deps[i] for i in chosen))
+        self.waits = plan_waits(self.preds, self.streams, len(rt._streams))
         self.used = sorted(set(self.streams))
         self.first = {s: self.streams.index(s) for s in self.used}
         self.last = {s: n - 1 - self.streams[::-1].index(s) for s in self.used}

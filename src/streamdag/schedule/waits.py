@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Stamp", "StreamClocks"]
+__all__ = ["Stamp", "StreamClocks", "plan_waits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +66,20 @@ class StreamClocks:
         known[stream] += 1
         self._known[stream] = known
         return Stamp(stream, known[stream], tuple(known)), waits
+
+
+def plan_waits(preds: Sequence[Sequence[int]], streams: Sequence[int], num_streams: int
+               ) -> list[tuple[int, ...]]:
+    """For ops in topological order placed on ``streams``: the ops each must wait on, none redundant.
+
+    For a placement other than a schedule's own (copies moved to copy streams, say).
+    """
+    clocks = StreamClocks(num_streams)
+    stamps: list[Stamp] = []
+    waits: list[tuple[int, ...]] = []
+    for v, ps in enumerate(preds):
+        deps = [u for u in ps if streams[u] != streams[v]]
+        stamp, chosen = clocks.place(streams[v], [stamps[u] for u in deps])
+        stamps.append(stamp)
+        waits.append(tuple(deps[i] for i in chosen))
+    return waits
