@@ -48,13 +48,14 @@ def test_column_then_row_linear_equal_the_matmuls():
 
 
 @pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("row_chunks", [1, 3])
 @pytest.mark.parametrize("plan", ["split", "single", ["split", "single", "split", "split"],
                                   ["single", "split", "split", "single"]])
-def test_chain_equals_the_layers_run_one_after_another(weights, devices, plan):
+def test_chain_equals_the_layers_run_one_after_another(weights, devices, plan, row_chunks):
     names = [f"sim:{i}" for i in range(devices)]
     rng = np.random.default_rng(2)
     with sd.Runtime(devices=names, streams=2, seed=devices) as rt:
-        chain = LinearChain(rt, [sim(w) for w in weights], plan=plan)
+        chain = LinearChain(rt, [sim(w) for w in weights], plan=plan, row_chunks=row_chunks)
         for _ in range(3):  # new inputs, same recorded graph
             x = rng.standard_normal((7, 12))
             got = chain(sim(x))

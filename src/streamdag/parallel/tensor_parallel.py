@@ -155,6 +155,9 @@ class LinearChain:
     ``plan`` is ``"auto"`` (measure, then let the cost model decide per layer,
     and keep a split plan only if it is measured faster than the chain on one
     device), ``"split"``, ``"single"``, or a list with one of those per layer.
+    ``row_chunks`` cuts split layers into row chunks, so that the next layer
+    starts on the first chunk while the last is computed (``None``: measured,
+    1 or 2, under ``"auto"``; else 1).
 
     The input comes whole on the first device, or as column blocks over the
     devices (a list of :class:`Block`, as a previous tensor-parallel layer
@@ -171,7 +174,8 @@ class LinearChain:
     """
 
     def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
-                 plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True) -> None:
+                 plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True,
+                 row_chunks: int | None = None) -> None:
         if not weights:
             raise ValueError("LinearChain needs at least one weight")
         for a, b in itertools.pairwise(weights):
@@ -182,12 +186,16 @@ class LinearChain:
         self.activation = activation
         self.gather = gather
         self.capture = capture
+        if row_chunks is not None and row_chunks < 1:
+            raise ValueError(f"row_chunks must be at least 1, got {row_chunks}")
+        self.row_chunks = row_chunks
         self.devices = list(rt.devices)
         self._fences: dict[str, tuple[Any, Any]] = {}
         self._plan_option = plan
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         self._inputs: dict[tuple[Any, ...], Any] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
+        self._row_chunks: dict[tuple[Any, ...], int] = {}  # of split layers, per input shape
         self.info: ChainInfo | None = None
 
     # ------------------------------------------------------------------ API
@@ -225,7 +233,8 @@ class LinearChain:
         plan = self._chosen.get(key)
         if plan is None:
             plan = self._chosen[key] = self._decide(example, layout)
-        graph, inp, out = self._graph(example, layout, plan)
+        chunks = self._row_chunks.get(key, self.row_chunks or 1)
+        graph, inp, out = self._graph(example, layout, plan, chunks)
         return graph, inp, out, layout
 
     def _replay_here(self, graph: Any, x: Any, inp: Any, layout: str) -> None:
@@ -319,16 +328,23 @@ class LinearChain:
         if tuple(plan) == single:
             info.chosen = "the cost model keeps every layer on one device"
             return single
-        # never slower: the split plan must beat one device when measured, not only on paper
-        measured = {p: self._time(x, layout, p) for p in (tuple(plan), single)}
-        info.measured_ms = {"/".join(p) if p != single else "single": ms for p, ms in measured.items()}
-        best = min(measured, key=measured.get)  # type: ignore[arg-type]
-        info.chosen = "measured faster" if best == tuple(plan) else "split measured slower: one device"
+        # never slower: the split plan must beat one device when measured, not only on paper; split
+        # layers in two row chunks are measured too (the next layer starts on the first chunk)
+        chunk_options = [self.row_chunks] if self.row_chunks else [1, 2]
+        candidates = [(tuple(plan), n) for n in chunk_options] + [(single, 1)]
+        measured = {c: self._time(x, layout, *c) for c in candidates}
+        info.measured_ms = {
+            ("single" if p == single else "/".join(p) + (f", {n} row chunks" if n > 1 else "")): ms
+            for (p, n), ms in measured.items()}
+        best, chunks = min(measured, key=measured.get)  # type: ignore[arg-type]
+        self._row_chunks[(x.shape[0], layout)] = chunks
+        info.chosen = (f"measured faster, {chunks} row chunk(s)" if best != single
+                       else "split measured slower: one device")
         info.plan = list(best)
         return best
 
-    def _time(self, x: Any, layout: str, plan: tuple[str, ...], runs: int = 5) -> float:
-        graph, _, _ = self._graph(x, layout, plan)
+    def _time(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1, runs: int = 5) -> float:
+        graph, _, _ = self._graph(x, layout, plan, chunks)
         for _ in range(3):  # eager first run, then the capture (one device) or host replays
             graph.run().result()
         times = []
@@ -355,14 +371,14 @@ class LinearChain:
             self._inputs[key] = got
         return got
 
-    def _graph(self, x: Any, layout: str, plan: tuple[str, ...]) -> tuple[Any, Any, Any]:
-        key = (x.shape[0], layout, plan)
+    def _graph(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1) -> tuple[Any, Any, Any]:
+        key = (x.shape[0], layout, plan, chunks)
         got = self._graphs.get(key)
         if got is None:
-            got = self._graphs[key] = self._record(x, layout, plan)
+            got = self._graphs[key] = self._record(x, layout, plan, chunks)
         return got
 
-    def _record(self, x: Any, layout: str, plan: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    def _record(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int) -> tuple[Any, Any, Any]:
         rt = self.rt
         kern = kernels_for(self.weights[0])
         first = self.devices[0]
@@ -380,14 +396,16 @@ class LinearChain:
                     out = kern.empty(rows, w.shape[1], w, first)
                     c0, c1 = _bounds(w.shape[1], len(devices))[0]
                     mine = {first: _view(out, 0, rows, c0, c1)}
+                    n = max(chunks, GATHER_CHUNKS)
                     blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=GATHER_CHUNKS, outputs=mine)
+                                           row_chunks=n, outputs=mine)
                     for b in blocks[1:]:
-                        for r0, r1 in _bounds(rows, GATHER_CHUNKS):
+                        for r0, r1 in _bounds(rows, n):
                             rt.copy(_view(out, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
                                     name=f"gather@{b.device}[{r0}:{r1}]")
                 else:
-                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}")
+                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}",
+                                           row_chunks=chunks if step == "split" else 1)
             if not gathering:
                 out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
         graph.capture = graph.capture and self.capture
