@@ -145,3 +145,18 @@ def test_stream_sanitizer_on_two_gpus(drop_waits):
     text = proc.stdout + proc.stderr
     raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
     assert raced == drop_waits, text[:6000]
+
+
+def test_pipeline_over_two_gpus_equals_one_gpu():
+    from streamdag.parallel import pipeline
+
+    torch.manual_seed(1)
+    w0 = torch.randn(64, 64, device="cuda:0", dtype=torch.float64) / 8
+    w1 = w0.to("cuda:1")
+    stages = [(lambda h: torch.tanh(h @ w0), "cuda:0"), (lambda h: torch.tanh(h @ w1), "cuda:1")]
+    batches = [torch.randn(16, 64, device="cuda:0", dtype=torch.float64) for _ in range(8)]
+    with sd.Runtime(devices=DEVICES) as rt:
+        outs = pipeline(rt, stages, batches, max_in_flight=2)
+    for x, y in zip(batches, outs):
+        assert y.device == torch.device("cuda:1")
+        torch.testing.assert_close(y.to("cuda:0"), torch.tanh(torch.tanh(x @ w0) @ w0))

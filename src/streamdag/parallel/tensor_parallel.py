@@ -196,7 +196,8 @@ class LinearChain:
         self._inputs: dict[tuple[Any, ...], Any] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
         self._row_chunks: dict[tuple[Any, ...], int] = {}  # of split layers, per input shape
-        self.info: ChainInfo | None = None
+        #: what was decided for each input shape and layout: (rows, "single" | "split") -> ChainInfo
+        self.infos: dict[tuple[int, str], ChainInfo] = {}
 
     # ------------------------------------------------------------------ API
     def input_blocks(self, example: Any) -> list[Block]:
@@ -278,11 +279,17 @@ class LinearChain:
         return got
 
     def explain(self) -> str:
-        """The plan per layer, the cost model's estimates and the measured times."""
-        info = self.info
-        if info is None:
+        """Per input shape: the plan per layer, the cost model's estimates and the measured times."""
+        if not self.infos:
             return "not run yet: the plan is made on the first run"
-        lines = [f"LinearChain over {', '.join(self.devices)}: {len(self.weights)} layers, "
+        lines = [f"LinearChain over {', '.join(self.devices)}: {len(self.weights)} layers"]
+        for (rows, layout), info in self.infos.items():
+            lines += self._explain_one(rows, layout, info)
+        return "\n".join(lines)
+
+    @staticmethod
+    def _explain_one(rows: int, layout: str, info: ChainInfo) -> list[str]:
+        lines = [f"- {rows} rows, input {'whole' if layout == 'single' else 'split'}: "
                  f"plan {'/'.join(info.plan)} ({info.chosen})"]
         if info.link is not None:
             link = info.link
@@ -294,7 +301,7 @@ class LinearChain:
             lines.append(f"  estimate {key}: {ms:.3f} ms")
         for key, ms in info.measured_ms.items():
             lines.append(f"  measured {key}: {ms:.3f} ms")
-        return "\n".join(lines)
+        return lines
 
     # ------------------------------------------------------------- internals
     def _normalized(self, plan: str | Sequence[str]) -> tuple[str, ...]:
@@ -311,10 +318,11 @@ class LinearChain:
         single = ("single",) * len(self.weights)
         if self._plan_option != "auto":
             plan = self._normalized(self._plan_option)
-            self.info = ChainInfo(list(plan), chosen="given")
+            self.infos[(x.shape[0], layout)] = ChainInfo(list(plan), chosen="given")
             return plan
         if len(self.devices) < 2 or not _is_cuda(x):
-            self.info = ChainInfo(list(single), chosen="nothing to measure or split over: one device")
+            self.infos[(x.shape[0], layout)] = ChainInfo(
+                list(single), chosen="nothing to measure or split over: one device")
             return single
         from .measure import measure_costs
 
@@ -324,7 +332,7 @@ class LinearChain:
         info = ChainInfo(plan, layer_costs=layers, link=link)
         info.estimate_ms = {"/".join(plan): est,
                             "single": estimate(single, layers, k, link, layout, self.gather, GATHER_CHUNKS)}
-        self.info = info
+        self.infos[(x.shape[0], layout)] = info
         if tuple(plan) == single:
             info.chosen = "the cost model keeps every layer on one device"
             return single
