@@ -3,14 +3,12 @@
 Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import streamdag as sd
+from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -137,13 +135,7 @@ SANITIZED = textwrap.dedent(
 
 @pytest.mark.parametrize("drop_waits", [False, True])
 def test_stream_sanitizer_on_two_gpus(drop_waits):
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
-    if drop_waits:
-        env["STREAMDAG_TEST_DROP_WAITS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SANITIZED], env=env, capture_output=True, text=True,
-                          timeout=300)
-    text = proc.stdout + proc.stderr
-    raced = "data race" in text.lower() or "CUDASanitizerErrors" in text
+    raced, text = reports_race(SANITIZED, drop_waits)
     assert raced == drop_waits, text[:6000]
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..runtime.ops import then
 from .kernels import kernels_for
 from .plan import LayerCost, LinkCost, choose_layout, estimate
 
@@ -214,7 +215,7 @@ class LinearChain:
             for given, own in zip(x, inp, strict=True):
                 if given.value is not own.value:
                     self.rt.copy(own.value, given.value, name="chain_input")
-        return _map_future(graph.run(), lambda _r: out)
+        return then(graph.run(), lambda _r: out, "chain")
 
     def __call__(self, x: Any, copy_out: bool = True) -> Any:
         graph, inp, out, layout = self._prepare(x)
@@ -443,19 +444,3 @@ def _clone(value: Any) -> Any:
 
         return SimArray(value.data.copy(), value.device)
     return value.clone()
-
-
-def _map_future(source: Any, fn: Any) -> Any:
-    from ..runtime.ops import Future
-
-    out = Future()
-    out.op_name = "chain"
-
-    def done(f: Any) -> None:
-        if f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result(fn(f.result()))
-
-    source.add_done_callback(done)
-    return out

@@ -11,7 +11,7 @@ from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, region_of
 from ..schedule.waits import Stamp
 
-__all__ = ["Future", "Op", "collect_accesses"]
+__all__ = ["Future", "Op", "collect_accesses", "then"]
 
 
 class Future(concurrent.futures.Future):
@@ -24,6 +24,21 @@ class Future(concurrent.futures.Future):
 
     def __repr__(self) -> str:
         return f"<streamdag.Future {self.op_name!r} {self._state.lower()}>"
+
+
+def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
+    """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
+    out = Future()
+    out.op_name = op_name
+
+    def done(f: concurrent.futures.Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(fn(f.result()))
+
+    source.add_done_callback(done)
+    return out
 
 
 def _unwrap(value: Any, accesses: list[Access]) -> Any:

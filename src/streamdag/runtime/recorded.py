@@ -16,7 +16,7 @@ from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
 from .core import _wait_for_host_inputs
-from .ops import Future, Op
+from .ops import Future, Op, then
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -233,18 +233,7 @@ class RecordedGraph:
                 self._rt, [r.fn for r in ops], [r.args for r in ops], [r.kwargs for r in ops],
                 [r.name for r in ops], [self._runtime_stream(v) for v in range(len(ops))],
                 self.schedule.preds, self._graph_accesses())
-        run = self._host_replay.launch()
-        result = Future()
-        result.op_name = "graph"
-
-        def done(f: Future) -> None:
-            if f.exception() is not None:
-                result.set_exception(f.exception())
-            else:
-                result.set_result(GraphResult(f.result()))
-
-        run.future.add_done_callback(done)
-        return result
+        return then(self._host_replay.launch().future, GraphResult, "graph")
 
     def _graph_accesses(self) -> list[Access]:
         """All the graph's memory as few, large accesses: cheap hazard checks for a whole run.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..graph.buffers import region_of
-from .ops import Future
+from .ops import Future, then
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -222,20 +222,12 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | No
 
 
 def _resolve_to(last: Future | None, value: Any) -> Future:
-    out = Future()
-    out.op_name = "copy"
     if last is None:
+        out = Future()
+        out.op_name = "copy"
         out.set_result(value)
         return out
-
-    def done(f: Future) -> None:
-        if f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result(value)
-
-    last.add_done_callback(done)
-    return out
+    return then(last, lambda _r: value, "copy")
 
 
 def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
