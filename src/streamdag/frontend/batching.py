@@ -46,26 +46,36 @@ class StackedConstants:
     """Stacked or concatenated copies of constants: for each, its parts, and what each copies.
 
     ``parts[i]`` is the view of the combined tensor that holds ``sources[i]``;
-    ``seen[i]`` the version counter and address the copy was taken at.
+    the version counters and addresses the copies were taken at are kept per
+    group, as lists, so that the check before every call is two list
+    comparisons when nothing changed (the common case).
     """
 
-    groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]] = field(
+    groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]] = field(
         default_factory=list)
 
     def add(self, parts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        self.groups.append((parts, sources, [(s._version, s.data_ptr()) for s in sources]))
+        self.groups.append((parts, sources, [s._version for s in sources], [s.data_ptr() for s in sources]))
 
     def refresh(self) -> int:
         """Copy every source that changed since it was copied; returns how many were."""
         changed = 0
-        for parts, sources, seen in self.groups:
+        for parts, sources, versions, ptrs in self.groups:
+            if [s._version for s in sources] == versions and _same_addresses(sources, ptrs):
+                continue
             for i, src in enumerate(sources):
-                now = (src._version, src.data_ptr())
-                if now != seen[i]:
+                if src._version != versions[i] or src.data_ptr() != ptrs[i]:
                     parts[i].copy_(src)
-                    seen[i] = now
+                    versions[i], ptrs[i] = src._version, src.data_ptr()
                     changed += 1
         return changed
+
+
+def _same_addresses(tensors: list[torch.Tensor], ptrs: list[int]) -> bool:
+    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if check is None:
+        return [t.data_ptr() for t in tensors] == ptrs
+    return check(tensors, ptrs, list(range(len(tensors))))
 
 
 @dataclass
