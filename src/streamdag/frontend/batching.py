@@ -281,12 +281,17 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
     return changed
 
 
+#: Batch norms with the argument layout (input, weight, bias, running mean, running var,
+#: training, momentum, eps) and the normalized input as output 0: PyTorch traces the second on GPUs.
+_BATCH_NORMS = (aten.native_batch_norm.default, aten.cudnn_batch_norm.default)
+
+
 def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
     """Inference batch norms over all the channel slices of one tensor: one batch norm."""
     graph = gm.graph
     by_base: dict[tuple, list[torch.fx.Node]] = {}
     for n in graph.nodes:
-        if n.target is not aten.native_batch_norm.default or n.args[5]:  # training
+        if n.target not in _BATCH_NORMS or n.args[5]:  # training
             continue
         x, *params = n.args[:5]
         if not all(isinstance(p, torch.fx.Node) and p.op == "get_attr" for p in params):
@@ -294,10 +299,10 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
         if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
             continue
         if isinstance(x, torch.fx.Node) and x.target is aten.slice.Tensor:
-            by_base.setdefault((x.args[0], n.args[6], n.args[7]), []).append(n)
+            by_base.setdefault((x.args[0], n.target, n.args[6], n.args[7]), []).append(n)
     changed = False
     position = {n: i for i, n in enumerate(graph.nodes)}
-    for (_, momentum, eps), members in by_base.items():
+    for (_, target, momentum, eps), members in by_base.items():
         members.sort(key=lambda m: m.args[0].args[2])
         base = _channel_slices_of([m.args[0] for m in members])
         if base is None or len(members) < 2:
@@ -312,8 +317,7 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
             after = node
         widths = [int(getattr(gm, m.args[1].target).shape[0]) for m in members]
         with graph.inserting_after(after):
-            bn = graph.call_function(aten.native_batch_norm.default,
-                                     (base, *combined, False, momentum, eps))
+            bn = graph.call_function(target, (base, *combined, False, momentum, eps))
         with graph.inserting_after(bn):
             out = graph.call_function(operator.getitem, (bn, 0))
         outs = [next(u for u in m.users if u.args[1] == 0) for m in members]
