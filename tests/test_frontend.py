@@ -294,23 +294,3 @@ def test_batching_random_graphs_equals_eager(program, seed):
         torch.testing.assert_close(c(x), f(x), rtol=1e-5, atol=1e-5)
         assert c.statistics().eager_calls == 0
 
-
-def test_cudnn_batch_norms_are_grouped_like_native_ones():
-    """On GPUs PyTorch traces inference batch norms to cudnn_batch_norm: same arguments, grouped too."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from streamdag.frontend.batching import batch_independent_ops
-
-    net = _inception_net()
-    with torch.no_grad():
-        gm = make_fx(net, tracing_mode="fake", _allow_non_fake_inputs=True)(torch.randn(1, 3, 16, 16))
-    aten = torch.ops.aten
-    norms = [n for n in gm.graph.nodes if n.target is aten.native_batch_norm.default]
-    assert norms
-    for n in norms:  # what a trace on a GPU holds (the op has no CPU kernel: the graph is not run)
-        n.target = aten.cudnn_batch_norm.default
-    gm, _, report = batch_independent_ops(gm)
-    assert "2 x batch_norm (sizes [3])" in str(report)
-    targets = [n.target for n in gm.graph.nodes]
-    assert aten.native_batch_norm.default not in targets
-    assert targets.count(aten.cudnn_batch_norm.default) == len(norms) - 2 * (3 - 1)
