@@ -84,8 +84,9 @@ def test_random_cross_device_programs_equal_one_device(record):
             torch.testing.assert_close(got.to("cuda:0"), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("plan", ["split", "single", "auto"])
-def test_tensor_parallel_chain_equals_one_gpu(plan):
+@pytest.mark.parametrize(("plan", "exchange"), [("split", "ksplit"), ("split", "gathered"),
+                                               ("single", None), ("auto", None)])
+def test_tensor_parallel_chain_equals_one_gpu(plan, exchange):
     from streamdag.parallel import LinearChain
 
     torch.manual_seed(0)
@@ -95,7 +96,7 @@ def test_tensor_parallel_chain_equals_one_gpu(plan):
     for w in weights:
         want = torch.relu(want @ w)
     with sd.Runtime(devices=DEVICES, streams=2) as rt:
-        chain = LinearChain(rt, weights, plan=plan)
+        chain = LinearChain(rt, weights, plan=plan, exchange=exchange, row_chunks=2 if exchange else None)
         for _ in range(3):
             got = chain(x)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

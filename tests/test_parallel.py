@@ -48,14 +48,15 @@ def test_column_then_row_linear_equal_the_matmuls():
 
 
 @pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("row_chunks", [1, 3])
+@pytest.mark.parametrize(("row_chunks", "exchange"), [(1, "ksplit"), (3, "ksplit"), (2, "gathered")])
 @pytest.mark.parametrize("plan", ["split", "single", ["split", "single", "split", "split"],
                                   ["single", "split", "split", "single"]])
-def test_chain_equals_the_layers_run_one_after_another(weights, devices, plan, row_chunks):
+def test_chain_equals_the_layers_run_one_after_another(weights, devices, plan, row_chunks, exchange):
     names = [f"sim:{i}" for i in range(devices)]
     rng = np.random.default_rng(2)
     with sd.Runtime(devices=names, streams=2, seed=devices) as rt:
-        chain = LinearChain(rt, [sim(w) for w in weights], plan=plan, row_chunks=row_chunks)
+        chain = LinearChain(rt, [sim(w) for w in weights], plan=plan, row_chunks=row_chunks,
+                            exchange=exchange)
         for _ in range(3):  # new inputs, same recorded graph
             x = rng.standard_normal((7, 12))
             got = chain(sim(x))
@@ -68,10 +69,12 @@ def test_chain_equals_the_layers_run_one_after_another(weights, devices, plan, r
 
 
 @pytest.mark.parametrize("gather", [True, False])
-def test_chain_takes_split_inputs_and_leaves_split_outputs(weights, gather):
+@pytest.mark.parametrize("exchange", ["ksplit", "gathered"])
+def test_chain_takes_split_inputs_and_leaves_split_outputs(weights, gather, exchange):
     rng = np.random.default_rng(6)
     with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=9) as rt:
-        chain = LinearChain(rt, [sim(w) for w in weights], plan="split", gather=gather)
+        chain = LinearChain(rt, [sim(w) for w in weights], plan="split", gather=gather, exchange=exchange,
+                            row_chunks=2)
         x = rng.standard_normal((4, 12))
         own = chain.input_blocks(sim(x))
         for b in own:
@@ -87,9 +90,10 @@ def test_chain_takes_split_inputs_and_leaves_split_outputs(weights, gather):
         np.testing.assert_allclose(full, want, rtol=1e-12, atol=1e-12)
 
 
-def test_chain_graph_reads_other_devices_only_through_peer_copies(weights):
+@pytest.mark.parametrize("exchange", ["ksplit", "gathered"])
+def test_chain_graph_reads_other_devices_only_through_peer_copies(weights, exchange):
     with sd.Runtime(devices=["sim:0", "sim:1"], streams=2) as rt:
-        chain = LinearChain(rt, [sim(w) for w in weights], plan="split")
+        chain = LinearChain(rt, [sim(w) for w in weights], plan="split", exchange=exchange, row_chunks=2)
         chain(sim(np.ones((3, 12))))
         ((graph, _, _),) = chain._graphs.values()
     ops, preds = graph._ops, graph.schedule.preds

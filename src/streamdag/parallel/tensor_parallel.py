@@ -86,7 +86,8 @@ def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = N
                   outputs: dict[str, Any] | None = None) -> list[Block]:
     """``act(x @ w)`` split by the columns of ``w`` over ``devices``; returns one column block per device.
 
-    ``x`` is a matrix on one device, or a list of :class:`Block`. Weight
+    ``x`` is a matrix on one device, a list of :class:`Block`, or a dict giving
+    each device the blocks it reads (a full copy of its own, say). Weight
     blocks are copied to their devices here, once; record the call in
     ``rt.record()`` to run it many times. ``row_chunks`` computes each block
     in that many row chunks, so that whatever consumes the first chunks (a
@@ -94,12 +95,13 @@ def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = N
     buffer of a device's block (a column slice of a larger matrix, say).
     """
     devices = list(devices or rt.devices)
-    blocks = _as_blocks(x)
+    per_device = {g: _as_blocks(x[g] if isinstance(x, dict) else x) for g in devices}
     kern = kernels_for(w)
-    rows = blocks[0].value.shape[0]
-    in_bounds = [(b.start, b.stop) for b in blocks]
     out_blocks = []
     for g, cols in zip(devices, _bounds(w.shape[1], len(devices))):
+        blocks = per_device[g]
+        rows = blocks[0].value.shape[0]
+        in_bounds = [(b.start, b.stop) for b in blocks]
         given = (outputs or {}).get(g)
         out = given if given is not None else kern.empty(rows, cols[1] - cols[0], w, g)
         weights = _weight_blocks(w, in_bounds, cols, g)
@@ -158,7 +160,10 @@ class LinearChain:
     device), ``"split"``, ``"single"``, or a list with one of those per layer.
     ``row_chunks`` cuts split layers into row chunks, so that the next layer
     starts on the first chunk while the last is computed (``None``: measured,
-    1 or 2, under ``"auto"``; else 1).
+    1 or 2, under ``"auto"``; else 1). ``exchange`` is how split layers pass
+    their output on: ``"ksplit"`` (column blocks; the next layer sums products
+    over them, the local one first) or ``"gathered"`` (every device gathers a
+    full copy by row chunks); ``None``: measured under ``"auto"``, else ksplit.
 
     The input comes whole on the first device, or as column blocks over the
     devices (a list of :class:`Block`, as a previous tensor-parallel layer
@@ -176,7 +181,7 @@ class LinearChain:
 
     def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
                  plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True,
-                 row_chunks: int | None = None) -> None:
+                 row_chunks: int | None = None, exchange: str | None = None) -> None:
         if not weights:
             raise ValueError("LinearChain needs at least one weight")
         for a, b in itertools.pairwise(weights):
@@ -190,13 +195,17 @@ class LinearChain:
         if row_chunks is not None and row_chunks < 1:
             raise ValueError(f"row_chunks must be at least 1, got {row_chunks}")
         self.row_chunks = row_chunks
+        if exchange not in (None, "ksplit", "gathered"):
+            raise ValueError(f"exchange={exchange!r}: use 'ksplit', 'gathered' or None (measured)")
+        self.exchange = exchange
         self.devices = list(rt.devices)
         self._fences: dict[str, tuple[Any, Any]] = {}
         self._plan_option = plan
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         self._inputs: dict[tuple[Any, ...], Any] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
-        self._row_chunks: dict[tuple[Any, ...], int] = {}  # of split layers, per input shape
+        #: per input shape: row chunks of split layers, and the mode (see ``_record``)
+        self._variant: dict[tuple[Any, ...], tuple[int, str]] = {}
         #: what was decided for each input shape and layout: (rows, "single" | "split") -> ChainInfo
         self.infos: dict[tuple[int, str], ChainInfo] = {}
 
@@ -235,8 +244,8 @@ class LinearChain:
         plan = self._chosen.get(key)
         if plan is None:
             plan = self._chosen[key] = self._decide(example, layout)
-        chunks = self._row_chunks.get(key, self.row_chunks or 1)
-        graph, inp, out = self._graph(example, layout, plan, chunks)
+        chunks, mode = self._variant.get(key, (self.row_chunks or 1, self.exchange or "ksplit"))
+        graph, inp, out = self._graph(example, layout, plan, chunks, mode)
         return graph, inp, out, layout
 
     def _replay_here(self, graph: Any, x: Any, inp: Any, layout: str) -> None:
@@ -340,20 +349,26 @@ class LinearChain:
         # never slower: the split plan must beat one device when measured, not only on paper; split
         # layers in two row chunks are measured too (the next layer starts on the first chunk)
         chunk_options = [self.row_chunks] if self.row_chunks else [1, 2]
-        candidates = [(tuple(plan), n) for n in chunk_options] + [(single, 1)]
+        candidates = []
+        if self.exchange in (None, "ksplit"):
+            candidates += [(tuple(plan), n, "ksplit") for n in chunk_options]
+        if self.exchange in (None, "gathered"):
+            candidates.append((tuple(plan), max(chunk_options), "gathered"))
+        candidates.append((single, 1, "ksplit"))
         measured = {c: self._time(x, layout, *c) for c in candidates}
         info.measured_ms = {
-            ("single" if p == single else "/".join(p) + (f", {n} row chunks" if n > 1 else "")): ms
-            for (p, n), ms in measured.items()}
-        best, chunks = min(measured, key=measured.get)  # type: ignore[arg-type]
-        self._row_chunks[(x.shape[0], layout)] = chunks
-        info.chosen = (f"measured faster, {chunks} row chunk(s)" if best != single
+            ("single" if p == single else "/".join(p) + f", {n} row chunk(s), {mode}"): ms
+            for (p, n, mode), ms in measured.items()}
+        best, chunks, mode = min(measured, key=measured.get)  # type: ignore[arg-type]
+        self._variant[(x.shape[0], layout)] = (chunks, mode)
+        info.chosen = (f"measured faster, {chunks} row chunk(s), {mode}" if best != single
                        else "split measured slower: one device")
         info.plan = list(best)
         return best
 
-    def _time(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1, runs: int = 5) -> float:
-        graph, _, _ = self._graph(x, layout, plan, chunks)
+    def _time(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1, mode: str = "ksplit",
+              runs: int = 5) -> float:
+        graph, _, _ = self._graph(x, layout, plan, chunks, mode)
         for _ in range(3):  # eager first run, then the capture (one device) or host replays
             graph.run().result()
         times = []
@@ -365,6 +380,17 @@ class LinearChain:
             self.rt.synchronize()
             times.append((time.perf_counter() - t0) * 1e3 / 4)
         return sorted(times)[len(times) // 2]
+
+    def _copy_blocks(self, blocks: list[Block], into: dict[str, Any], rows: int, chunks: int,
+                     name: str) -> None:
+        """Copy every block into the matrices of ``into`` on the other devices, row chunk by chunk."""
+        for b in blocks:
+            for device, matrix in into.items():
+                if device == b.device:
+                    continue
+                for r0, r1 in _bounds(rows, chunks):
+                    self.rt.copy(_view(matrix, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
+                                 name=f"{name}@{b.device}->{device}[{r0}:{r1}]")
 
     def _input(self, x: Any, layout: str) -> Any:
         key = (x.shape[0], layout)
@@ -380,14 +406,23 @@ class LinearChain:
             self._inputs[key] = got
         return got
 
-    def _graph(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1) -> tuple[Any, Any, Any]:
-        key = (x.shape[0], layout, plan, chunks)
+    def _graph(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int = 1,
+               mode: str = "ksplit") -> tuple[Any, Any, Any]:
+        key = (x.shape[0], layout, plan, chunks, mode)
         got = self._graphs.get(key)
         if got is None:
-            got = self._graphs[key] = self._record(x, layout, plan, chunks)
+            got = self._graphs[key] = self._record(x, layout, plan, chunks, mode)
         return got
 
-    def _record(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int) -> tuple[Any, Any, Any]:
+    def _record(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int,
+                mode: str = "ksplit") -> tuple[Any, Any, Any]:
+        """Record one run. ``mode`` is how a split layer's output reaches the next split layer:
+
+        - ``"ksplit"``: left in column blocks; the next layer multiplies each block by
+          its rows of the weight and sums (the local block first, while the others arrive);
+        - ``"gathered"``: every device gathers a full copy, by row chunks, and the next
+          layer multiplies it in one product over the whole width.
+        """
         rt = self.rt
         kern = kernels_for(self.weights[0])
         first = self.devices[0]
@@ -397,24 +432,32 @@ class LinearChain:
         gathering = self.gather and plan[-1] == "split"
         with rt.record() as graph:
             blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
+            full: dict[str, Any] | None = None  # each device's gathered copy, in "gathered" mode
             for i, (w, step) in enumerate(zip(self.weights, plan)):
                 devices = self.devices if step == "split" else [first]
+                src: Any = blocks
+                if full is not None:
+                    src = {g: [Block(full[g], g, 0, full[g].shape[1])] for g in devices}
+                bounds = _bounds(w.shape[1], len(devices))
                 if i == last and gathering:
                     # the first device writes its block into the output; the others' blocks are
                     # copied in by row chunks, the first chunks while the last are computed
                     out = kern.empty(rows, w.shape[1], w, first)
-                    c0, c1 = _bounds(w.shape[1], len(devices))[0]
-                    mine = {first: _view(out, 0, rows, c0, c1)}
                     n = max(chunks, GATHER_CHUNKS)
-                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=n, outputs=mine)
-                    for b in blocks[1:]:
-                        for r0, r1 in _bounds(rows, n):
-                            rt.copy(_view(out, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
-                                    name=f"gather@{b.device}[{r0}:{r1}]")
+                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
+                                           row_chunks=n, outputs={first: _view(out, 0, rows, *bounds[0])})
+                    self._copy_blocks(blocks[1:], {first: out}, rows, n, "gather")
+                elif step == "split" and mode == "gathered" and i < last:
+                    full = {g: kern.empty(rows, w.shape[1], w, g) for g in devices}
+                    mine = {g: _view(full[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)}
+                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
+                                           row_chunks=chunks, outputs=mine)
+                    self._copy_blocks(blocks, full, rows, chunks, f"layer{i}.gather")
+                    continue
                 else:
-                    blocks = column_linear(rt, blocks, w, devices, self.activation, name=f"layer{i}",
+                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
                                            row_chunks=chunks if step == "split" else 1)
+                full = None
             if not gathering:
                 out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
         graph.capture = graph.capture and self.capture
