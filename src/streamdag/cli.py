@@ -2,7 +2,7 @@
 
 - ``streamdag bench``: the built-in suite on the best device present (CUDA,
   else the CPU): prints the comparison tables, writes JSON, a Chrome/Perfetto
-  trace and a PNG timeline.
+  trace and a PNG timeline; with two GPUs or more, the tensor-parallel chain too.
 - ``streamdag doctor``: devices, peer access, copy bandwidth, versions, and
   what is missing.
 """
@@ -30,6 +30,12 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .suite import sched_scale
     from .suite.report import environment, write_json
@@ -39,7 +45,8 @@ def _bench(args: argparse.Namespace) -> int:
     cuda = _has_cuda() and not args.cpu
     print(f"streamdag {env['streamdag']} on {env['platform']}, {env['cpu_count']} cores; "
           f"{env.get('gpu') or 'no CUDA device: the CPU suite'}")
-    steps = 3
+    several = cuda and _gpu_count() >= 2
+    steps = 4 if several else 3
     _step(1, steps, "scheduler: random DAG of 10,000 ops and ~50,000 edges")
     sched = sched_scale.run(repeats=1 if args.quick else 3)
     print(sched_scale.table(sched))
@@ -72,6 +79,13 @@ def _bench(args: argparse.Namespace) -> int:
         timeline = cpu_wide.profile()
         title = "cpu_wide, 2 lanes"
     print(timeline.summary())
+    if several:
+        from .suite import tp
+
+        _step(4, steps, "tensor-parallel chain over two GPUs: one GPU, hand-made, streamdag")
+        chain = tp.run(quick=args.quick)
+        print(tp.table(chain))
+        write_json(out, "tp", chain)
     print(f"\nwrote {out}/: JSON, {timeline.save_trace(out / 'trace.json').name} "
           f"(open in ui.perfetto.dev), {timeline.save_png(out / 'timeline.png', title).name}")
     return 0
