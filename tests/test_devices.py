@@ -278,3 +278,38 @@ def test_waits_for_any_placement_are_sufficient_and_minimal(case):
             edges[u].discard(v)
             assert not reaches(n, edges, u, v)
             edges[u].add(v)
+
+
+def test_a_failure_on_one_device_fails_its_dependents_on_the_other_only():
+    with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=2) as rt:
+        a, b, c = arr([1.0], "sim:0"), arr([0.0], "sim:1"), arr([0.0], "sim:1")
+
+        def boom(x):
+            raise ValueError("injected on sim:0")
+
+        root = rt.submit(boom, a, writes=[a], name="boom")
+        dependent = rt.submit(add_into, b, a, a, reads=[a], writes=[b], name="reads_a_on_1")
+        independent = rt.submit(lambda z: np.add(z.data, 1, out=z.data), c, writes=[c], name="free")
+        with pytest.raises(ValueError):
+            root.result()
+        with pytest.raises(sd.DependencyFailed, match="boom"):
+            dependent.result()
+        independent.result()
+        with pytest.raises(sd.ExceptionGroup) as info:
+            rt.synchronize()
+    assert [type(e) for e in info.value.exceptions] == [ValueError]  # the root only
+    np.testing.assert_array_equal(c.data, [1.0])
+
+
+def test_a_timeline_over_two_devices_has_a_track_per_device_and_stream():
+    with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=4) as rt, rt.profile() as prof:
+        a, b = arr(np.ones(4), "sim:0"), arr(np.zeros(4), "sim:1")
+        rt.submit(lambda x: np.multiply(x.data, 3, out=x.data), a, writes=[a], name="on0")
+        rt.submit(add_into, b, a, a, reads=[a], writes=[b], name="on1")
+    trace = prof.timeline.to_chrome_trace()
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"streamdag sim:0", "streamdag sim:1"} <= processes
+    spans = {s.name: s for s in prof.timeline.spans}
+    assert spans["on0"].device == "sim:0" and spans["on1"].device == "sim:1"
+    np.testing.assert_array_equal(b.data, np.full(4, 6.0))
