@@ -329,6 +329,9 @@ class LinearChain:
             for (p, n, mode), ms in measured.items()}
         best, chunks, mode = min(measured, key=measured.get)  # type: ignore[arg-type]
         self._variant[(x.shape[0], layout)] = (chunks, mode)
+        for p, n, m in candidates:  # the losers' buffers and CUDA graphs are not needed again
+            if (p, n, m) != (best, chunks, mode):
+                self._graphs.pop((x.shape[0], layout, p, n, m), None)
         info.chosen = (f"measured faster, {chunks} row chunk(s), {mode}" if best != single
                        else "split measured slower: one device")
         info.plan = list(best)
