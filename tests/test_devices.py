@@ -152,6 +152,7 @@ def test_a_recorded_graph_over_devices_replays_many_times_and_orders_with_eager_
             rt.submit(lambda y, x: np.add(y.data, x.data, out=y.data), b, a, reads=[a], writes=[b],
                       name="acc_b")
         assert g.devices == ["sim:0", "sim:1"]
+        assert "s0-s1 on sim:0, s2-s3 on sim:1" in g.explain()
         for _ in range(3):
             g.run()
             rt.submit(lambda x: np.multiply(x.data, 2, out=x.data), a, writes=[a])

@@ -327,6 +327,13 @@ class RecordedGraph:
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
         elif self.capture_fallback:
             extra.append(f"CUDA graph: not used ({self.capture_fallback}); runs eagerly")
+        rt = self._rt
+        if rt._multi:
+            per = rt.num_streams
+            spans = ", ".join(f"s{i * per}-s{i * per + per - 1} on {d}" for i, d in enumerate(rt.devices))
+            copies = sum(1 for op in self._ops if op.stream is not None)
+            extra.append(f"devices: {spans}; {copies} copies run on copy streams (the schedule's stream "
+                         "is where they would run otherwise)")
         return explain_schedule(self.names, self.schedule, extra)
 
     def to_dot(self) -> str:
