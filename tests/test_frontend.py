@@ -174,6 +174,25 @@ def test_batching_turns_a_wide_graph_into_batched_ops_with_the_same_results(devi
         assert len(next(iter(c._entries.values())).entry.graph) <= 10  # from 37 ops
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_operand_ops_over_batched_branches_become_one_op(device):
+    torch.manual_seed(1)
+    ws = [torch.randn(16, 16) / 4 for _ in range(5)]
+    vs = [torch.randn(16, 16) / 4 for _ in range(5)]
+    bias = torch.randn(16)
+
+    def residual(x):  # per branch: (x @ w) * (x @ v), plus the shared x, minus a shared bias
+        return torch.stack([(x @ w) * (x @ v) + x - bias for w, v in zip(ws, vs)]).sum(0)
+
+    c = sd.compile(residual, batch=True, device=device)
+    with torch.no_grad():
+        x = torch.randn(8, 16)
+        torch.testing.assert_close(c(x), residual(x), rtol=1e-5, atol=1e-5)
+    text = c.explain()
+    assert "1 x matmul (sizes [10])" in text  # the w and v products of all branches: one bmm
+    assert "1 x mul (sizes [5])" in text and "1 x add (sizes [5])" in text and "1 x sub (sizes [5])" in text
+
+
 def test_stacked_constants_follow_in_place_updates():
     """A weight changed in place after the graph was built: the batched graph must see it."""
     ws = [torch.randn(8, 8) for _ in range(4)]

@@ -142,6 +142,22 @@ def _slices_of(args: list[Any]) -> torch.fx.Node | None:
     return source.args[0]
 
 
+def _slice_range_of(args: list[Any]) -> tuple[torch.fx.Node, int, int] | None:
+    """``(tensor, k, step)`` when ``args`` are its ``unbind`` slices ``k, k+step, ...``; else None."""
+    if not args or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem for a in args):
+        return None
+    source = args[0].args[0]
+    if not (isinstance(source, torch.fx.Node) and source.target is aten.unbind.int
+            and (len(source.args) < 2 or source.args[1] == 0)):
+        return None
+    k = args[0].args[1]
+    step = args[1].args[1] - k if len(args) > 1 else 1
+    if step < 1 or [a.args[0] for a in args] != [source] * len(args) or \
+            [a.args[1] for a in args] != list(range(k, k + step * len(args), step)):
+        return None
+    return source.args[0], k, step
+
+
 def _unbind(graph: torch.fx.Graph, batched: torch.fx.Node, members: list[torch.fx.Node]) -> None:
     """Replace each member's uses by its slice of ``batched``."""
     with graph.inserting_after(batched):
@@ -364,6 +380,71 @@ def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
     return changed
 
 
+_BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
+           aten.minimum.default}
+
+
+def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
+    """The same two-operand op on consecutive ``unbind`` slices of one tensor, with consecutive
+    slices of another (or the same) tensor index for index, or with one value shared by all:
+    one op over the two ranges (broadcasting the shared value)."""
+    graph = gm.graph
+    by_key: dict[tuple, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if n.target not in _BINARY or len(n.args) != 2 or n.kwargs:
+            continue
+        a, b = n.args
+        if not (isinstance(a, torch.fx.Node) and a.target is operator.getitem):
+            continue
+        if isinstance(b, torch.fx.Node) and b.target is operator.getitem:
+            other: Any = ("slices", b.args[0], b.args[1] - a.args[1])  # pairs at one offset
+        elif isinstance(b, torch.fx.Node) and b.op == "get_attr":  # tracing lifts a constant per use
+            other = ("shared", id(getattr(gm, b.target)), 0)
+        elif isinstance(b, torch.fx.Node | int | float):
+            other = ("shared", b, 0)
+        else:
+            continue
+        by_key.setdefault((n.target, a.args[0], other), []).append(n)
+    changed = False
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for (target, _, (kind, _, _)), members in by_key.items():
+        members.sort(key=lambda m: m.args[0].args[1])
+        b_source = members[0].args[1]
+        range_a = _slice_range_of([m.args[0] for m in members])
+        if range_a is None or len(members) < 2:
+            continue
+        # every result has the shape of its left slice: no operand broadcasts a slice up
+        piece, result = _val(members[0].args[0]), _val(members[0])
+        if piece is None or result is None or tuple(result.shape) != tuple(piece.shape):
+            continue
+        if kind == "slices":
+            range_b = _slice_range_of([m.args[1] for m in members])
+            right = _val(members[0].args[1])
+            if range_b is None or right is None or tuple(right.shape) != tuple(piece.shape):
+                continue
+        elif isinstance(b_source, torch.fx.Node):  # broadcast over the stacked dimension
+            shared = _val(b_source) if b_source.op != "get_attr" else getattr(gm, b_source.target)
+            if shared is None or shared.dim() > piece.dim():
+                continue
+        after = max(members, key=position.__getitem__)
+        operands = []
+        for source, k, step in ([range_a, range_b] if kind == "slices" else [range_a]):
+            with graph.inserting_after(after):
+                after = graph.call_function(aten.slice.Tensor,
+                                            (source, 0, k, k + step * (len(members) - 1) + 1, step))
+            operands.append(after)
+        if kind == "shared":
+            operands.append(b_source)
+        with graph.inserting_after(after):
+            whole = graph.call_function(target, tuple(operands))
+        _unbind(graph, whole, members)
+        for m in members:
+            graph.erase_node(m)
+        report.groups.append((str(target).split(".")[1], len(members)))
+        changed = True
+    return changed
+
+
 def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
     changed = False
     for n in list(gm.graph.nodes):
@@ -415,6 +496,7 @@ def batch_independent_ops(
         lambda: _batch_convs(gm, constants, report),
         lambda: _batch_norms(gm, constants, report),
         lambda: _batch_unary(gm, report),
+        lambda: _batch_binary(gm, report),
         lambda: _fold_stacks(gm),
     ]
     for _ in range(64):  # each round batches one more layer of a wide graph
