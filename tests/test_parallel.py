@@ -165,6 +165,8 @@ def test_chain_rejects_bad_plans_and_shapes(weights):
     with sd.Runtime(devices=["sim:0", "sim:1"]) as rt:
         with pytest.raises(ValueError, match="do not chain"):
             LinearChain(rt, [sim(np.ones((3, 4))), sim(np.ones((5, 2)))])
+        with pytest.raises(ValueError, match="relu"):
+            LinearChain(rt, [sim(w) for w in weights], activation="gelu")
         chain = LinearChain(rt, [sim(w) for w in weights], plan=["split"])
         with pytest.raises(ValueError, match="one entry per layer"):
             chain(sim(np.ones((2, 12))))

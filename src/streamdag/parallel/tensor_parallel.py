@@ -187,6 +187,8 @@ class LinearChain:
         for a, b in itertools.pairwise(weights):
             if a.shape[1] != b.shape[0]:
                 raise ValueError(f"weights do not chain: {tuple(a.shape)} then {tuple(b.shape)}")
+        if activation not in (None, "relu"):
+            raise ValueError(f"activation={activation!r}: LinearChain supports 'relu' or None")
         self.rt = rt
         self.weights = list(weights)
         self.activation = activation
