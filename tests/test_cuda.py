@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 import streamdag as sd
+from programs import wide_fn
 from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
@@ -330,14 +331,7 @@ def test_compiled_wide_graph_batches_on_cuda_and_matches_eager():
     ws = [[torch.randn(64, 64, device="cuda") / 8 for _ in range(3)] for _ in range(8)]
     x = torch.randn(16, 64, device="cuda")
 
-    def wide(x):
-        outs = []
-        for branch in ws:
-            h = x
-            for w in branch:
-                h = torch.relu(h @ w)
-            outs.append(h)
-        return torch.stack(outs).sum(0)
+    wide = wide_fn(ws)
 
     fast = sd.compile(wide)
     with torch.no_grad():

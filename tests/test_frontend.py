@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from programs import wide_fn
 
 torch = pytest.importorskip("torch")
 
@@ -156,14 +157,7 @@ def test_batching_turns_a_wide_graph_into_batched_ops_with_the_same_results(devi
     torch.manual_seed(0)
     ws = [[torch.randn(16, 16) / 4 for _ in range(3)] for _ in range(6)]
 
-    def wide(x):
-        outs = []
-        for branch in ws:
-            h = x
-            for w in branch:
-                h = torch.relu(h @ w)
-            outs.append(h)
-        return torch.stack(outs).sum(0)
+    wide = wide_fn(ws)
 
     c = sd.compile(wide, batch=True, device=device)
     with torch.no_grad():

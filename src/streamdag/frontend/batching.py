@@ -127,19 +127,10 @@ def _independent_groups(candidates: list[torch.fx.Node], reach: dict, index: dic
 
 def _slices_of(args: list[Any]) -> torch.fx.Node | None:
     """The tensor whose ``unbind`` slices ``args`` are, all of them and in order; else None."""
-    if not args or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem for a in args):
+    found = _slice_range_of(args)
+    if found is None or found[1:] != (0, 1) or len(_val(args[0].args[0]) or ()) != len(args):
         return None
-    source = args[0].args[0]
-    if not (isinstance(source, torch.fx.Node) and source.target is aten.unbind.int
-            and (len(source.args) < 2 or source.args[1] == 0)):
-        return None
-    if [a.args[0] for a in args] != [source] * len(args):
-        return None
-    if [a.args[1] for a in args] != list(range(len(args))):
-        return None
-    if len(_val(source) or ()) != len(args):
-        return None
-    return source.args[0]
+    return found[0]
 
 
 def _slice_range_of(args: list[Any]) -> tuple[torch.fx.Node, int, int] | None:

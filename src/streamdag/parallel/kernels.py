@@ -18,9 +18,9 @@ class Kernels:
 
     @staticmethod
     def empty(rows: int, cols: int, like: Any, device: str) -> Any:
-        from ..runtime.peers import empty_on
+        from ..runtime.peers import empty_tensor
 
-        return empty_on(_Shape((rows, cols), like.dtype), device)
+        return empty_tensor((rows, cols), like.dtype, device)
 
     @staticmethod
     def block(w: Any, rows: slice, cols: slice, device: str) -> Any:
@@ -48,6 +48,14 @@ class Kernels:
     @staticmethod
     def device_of(x: Any) -> str:
         return "cpu" if x.device.type == "cpu" else f"cuda:{x.device.index or 0}"
+
+    @staticmethod
+    def view(m: Any, r0: int, r1: int, c0: int, c1: int | None) -> Any:
+        return m[r0:r1, c0:c1]
+
+    @staticmethod
+    def clone(x: Any) -> Any:
+        return x.clone()
 
 
 class SimKernels:
@@ -89,10 +97,19 @@ class SimKernels:
     def device_of(x: Any) -> str:
         return x.device
 
+    @staticmethod
+    def view(m: Any, r0: int, r1: int, c0: int, c1: int | None) -> Any:
+        from ..backends.sim import SimArray
 
-class _Shape:
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
-        self.shape, self.dtype = shape, dtype
+        view = SimArray.__new__(SimArray)
+        view.data, view.device = m.data[r0:r1, c0:c1], m.device
+        return view
+
+    @staticmethod
+    def clone(x: Any) -> Any:
+        from ..backends.sim import SimArray
+
+        return SimArray(x.data.copy(), x.device)
 
 
 def kernels_for(x: Any) -> Any:

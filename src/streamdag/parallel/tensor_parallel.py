@@ -486,18 +486,8 @@ def _view(m: Any, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> Any:
     """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a matrix, as a view."""
     if r0 == 0 and r1 == m.shape[0] and c0 == 0 and c1 in (None, m.shape[1]):
         return m
-    if hasattr(m, "streamdag_space"):
-        from ..backends.sim import SimArray
-
-        view = SimArray.__new__(SimArray)
-        view.data, view.device = m.data[r0:r1, c0:c1], m.device
-        return view
-    return m[r0:r1, c0:c1]
+    return kernels_for(m).view(m, r0, r1, c0, c1)
 
 
 def _clone(value: Any) -> Any:
-    if hasattr(value, "streamdag_space"):
-        from ..backends.sim import SimArray
-
-        return SimArray(value.data.copy(), value.device)
-    return value.clone()
+    return kernels_for(value).clone(value)

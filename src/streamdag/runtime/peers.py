@@ -19,7 +19,7 @@ from ..graph.buffers import Access, region_of
 if TYPE_CHECKING:
     from .core import Runtime
 
-__all__ = ["bring_inputs", "empty_on", "place"]
+__all__ = ["bring_inputs", "empty_on", "empty_tensor", "place"]
 
 
 def place(rt: Runtime, accesses: list[Access], run_on: str | None, stream: int | None, name: str) -> str:
@@ -92,17 +92,22 @@ def _is_device_buffer(value: Any) -> bool:
 
 
 def empty_on(value: Any, device: str) -> Any:
-    """A new buffer like ``value`` (dense, same shape and dtype) on ``device``.
-
-    Allocated with ``device`` current: PyTorch's allocator hands out memory for
-    that device's current stream, and tools that model streams (the CUDA stream
-    sanitizer) see the allocation on that same stream.
-    """
+    """A new buffer like ``value`` (dense, same shape and dtype) on ``device``."""
     if hasattr(value, "empty_on"):
         return value.empty_on(device)
+    return empty_tensor(tuple(value.shape), value.dtype, device)
+
+
+def empty_tensor(shape: tuple[int, ...], dtype: Any, device: str) -> Any:
+    """A new torch tensor, allocated with ``device`` current.
+
+    PyTorch's allocator hands out memory for that device's current stream, and
+    tools that model streams (the CUDA stream sanitizer) then see the
+    allocation on that same stream.
+    """
     import torch
 
     if not str(device).startswith("cuda"):
-        return torch.empty(value.shape, dtype=value.dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     with torch.cuda.device(device):
-        return torch.empty(value.shape, dtype=value.dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)

@@ -91,6 +91,7 @@ class RecordedGraph:
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
+        self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
     def __len__(self) -> int:
@@ -114,18 +115,17 @@ class RecordedGraph:
 
     def finish(self) -> None:
         rt = self._rt
-        groups = [rt.devices.index(op.device) for op in self._ops]
-        self._schedule = build_schedule(self._preds, rt.num_streams, groups=groups if rt._multi else None)
+        self._groups = [rt.devices.index(op.device) for op in self._ops]
+        self._schedule = build_schedule(self._preds, rt.num_streams,
+                                        groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
         self.devices = sorted({op.device for op in self._ops}, key=rt.devices.index)
         device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt._compute_of)
-        # a CUDA graph holds one device's work here; graphs that touch several run as host replays
-        self._spans_devices = len(self.devices) > 1 or len(device_spaces - set(self.devices)) > 0
-        # one CUDA graph holds the work of every GPU it touches (see capture.py); else host replays
-        touched = device_spaces | set(self.devices)
         #: every device whose memory or streams the graph uses
-        self.touched_devices = sorted(touched, key=rt.devices.index)
-        self.capture = bool(self.devices) and all(d.startswith("cuda") for d in touched)
+        self.touched_devices = sorted(device_spaces | set(self.devices), key=rt.devices.index)
+        self._spans_devices = len(self.touched_devices) > 1
+        # one CUDA graph holds the work of every GPU it touches (see capture.py); else host replays
+        self.capture = bool(self.devices) and all(d.startswith("cuda") for d in self.touched_devices)
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
@@ -261,7 +261,7 @@ class RecordedGraph:
         if self._runner is None:
             groups = devices = None
             if self._spans_devices:
-                groups = [rt.devices.index(op.device) for op in self._ops]
+                groups = self._groups
                 devices = [b.torch_device for b in rt.backends]  # type: ignore[attr-defined]
             self._runner = CudaGraphRunner(self, member.torch_device, groups, devices)  # type: ignore[attr-defined]
         runner = self._runner
