@@ -49,8 +49,10 @@ def run_model(name: str, dtype: torch.dtype, use_compile: bool) -> dict:
         errors["CUDA graph 1 stream"] = rel_err(g_out, ref)
         t0 = time.perf_counter()
         fast = sd.compile(model)
-        fast(x)
-        fast(x)  # second call: capture, choosing the stream count
+        for _ in range(40):  # trace, run, capture (choosing the stream count), time the variants
+            fast(x)
+            if all(e is None or e.chosen is not None for e in fast._entries.values()):
+                break
         torch.cuda.synchronize()
         t_sd = time.perf_counter() - t0
         errors["streamdag"] = rel_err(fast(x), ref)
@@ -77,6 +79,7 @@ def run_model(name: str, dtype: torch.dtype, use_compile: bool) -> dict:
         "streamdag_compile_s": t_sd, "torch_compile_s": t_compile,
         "ops": len(entry.graph), "stats": vars(stats), "variant": entry.label,
         "variant_ms": spec.choice_ms, "batching": str(entry.batch_report or ""),
+        "group_estimates": [str(e) for e in spec.group_estimates],
         "capture": {"chosen_streams": cap.chosen_streams if cap else None,
                     "choice_ms": cap.choice_ms if cap else None,
                     "estimate_ms": cap.estimate_ms if cap else None,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["BatchReport", "StackedConstants", "batch_independent_ops"]
+__all__ = ["BatchGroup", "BatchReport", "StackedConstants", "batch_independent_ops"]
 
 aten = torch.ops.aten
 
@@ -78,16 +78,44 @@ def _same_addresses(tensors: list[torch.Tensor], ptrs: list[int]) -> bool:
     return check(tensors, ptrs, list(range(len(tensors))))
 
 
+@dataclass(frozen=True)
+class BatchGroup:
+    """One group the pass rewrote: its kind, the nodes it replaced, and the nodes that now do the work.
+
+    ``members`` are node names of the traced graph before the rewrite, so a
+    group is known by the same key in every trace of one function; ``ops``
+    are the new nodes that launch kernels (the batched op, and any stack of
+    its inputs), whose measured times are the batched cost.
+    """
+
+    kind: str
+    members: tuple[str, ...]
+    ops: tuple[str, ...]
+
+    @property
+    def key(self) -> frozenset[str]:
+        return frozenset(self.members)
+
+
 @dataclass
 class BatchReport:
-    groups: list[tuple[str, int]] = field(default_factory=list)  # (kind, size) per group
+    """The groups a pass made; ``only`` (keys of groups) limits it to those groups when set."""
+
+    groups: list[BatchGroup] = field(default_factory=list)
+    only: frozenset[frozenset[str]] | None = None
+
+    def admits(self, members: list[torch.fx.Node]) -> bool:
+        return self.only is None or frozenset(m.name for m in members) in self.only
+
+    def add(self, kind: str, members: list[torch.fx.Node], ops: list[torch.fx.Node]) -> None:
+        self.groups.append(BatchGroup(kind, tuple(m.name for m in members), tuple(o.name for o in ops)))
 
     def __str__(self) -> str:
         if not self.groups:
             return "batching: no groups"
         kinds: dict[str, list[int]] = {}
-        for kind, size in self.groups:
-            kinds.setdefault(kind, []).append(size)
+        for g in self.groups:
+            kinds.setdefault(g.kind, []).append(len(g.members))
         parts = [f"{len(sizes)} x {kind} (sizes {sorted(set(sizes))})" for kind, sizes in kinds.items()]
         return "batching: " + ", ".join(parts)
 
@@ -177,6 +205,8 @@ def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
                 by_key.setdefault(key, []).append(n)
     changed = False
     for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
+        if not report.admits(members):
+            continue
         k = len(members)
         lefts = [m.args[0] for m in members]
         sources = [getattr(gm, m.args[1].target) for m in members]
@@ -196,9 +226,10 @@ def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
         with graph.inserting_after(left if left is not base else weights):
             batched = graph.call_function(aten.bmm.default, (left, weights))
         _unbind(graph, batched, members)
+        stacked_left = [left] if left is not base and left.target is aten.stack.default else []
+        report.add("matmul", members, [batched, *stacked_left])
         for m in members:
             graph.erase_node(m)
-        report.groups.append(("matmul", k))
         changed = True
     return changed
 
@@ -267,6 +298,8 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
         by_key.setdefault(key, []).append(n)
     changed = False
     for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
+        if not report.admits(members):
+            continue
         last = max(members, key=index.__getitem__)
         ws = [getattr(gm, m.args[1].target) for m in members]
         widths = [int(w.shape[0]) for w in ws]
@@ -281,9 +314,9 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
         with graph.inserting_after(bias or weights):
             conv = graph.call_function(aten.convolution.default, (x, weights, bias, *geometry))
         _split_channels(graph, conv, members, widths)
+        report.add("convolution", members, [conv])
         for m in members:
             graph.erase_node(m)
-        report.groups.append(("convolution", len(members)))
         changed = True
     return changed
 
@@ -314,7 +347,7 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
     for (_, target, momentum, eps), members in by_base.items():
         members.sort(key=lambda m: m.args[0].args[2])
         base = _channel_slices_of([m.args[0] for m in members])
-        if base is None or len(members) < 2:
+        if base is None or len(members) < 2 or not report.admits(members):
             continue
         after = max(members, key=position.__getitem__)
         combined = []
@@ -331,11 +364,11 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
             out = graph.call_function(operator.getitem, (bn, 0))
         outs = [next(u for u in m.users if u.args[1] == 0) for m in members]
         _split_channels(graph, out, outs, widths)
+        report.add("batch_norm", members, [bn])
         for m in members:
             for u in list(m.users):
                 graph.erase_node(u)
             graph.erase_node(m)
-        report.groups.append(("batch_norm", len(members)))
         changed = True
     return changed
 
@@ -356,7 +389,7 @@ def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
         members.sort(key=lambda m: m.args[0].args[2] if channels else m.args[0].args[1])
         args = [m.args[0] for m in members]
         base = _channel_slices_of(args) if channels else _slices_of(args)
-        if base is None or len(members) < 2:
+        if base is None or len(members) < 2 or not report.admits(members):
             continue
         with graph.inserting_after(max(members, key=position.__getitem__)):
             whole = graph.call_function(target, (base,))
@@ -364,9 +397,9 @@ def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
             _split_channels(graph, whole, members, [a.args[3] - a.args[2] for a in args])
         else:
             _unbind(graph, whole, members)
+        report.add(str(target).split(".")[1], members, [whole])
         for m in members:
             graph.erase_node(m)
-        report.groups.append((str(target).split(".")[1], len(members)))
         changed = True
     return changed
 
@@ -402,7 +435,7 @@ def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
         members.sort(key=lambda m: m.args[0].args[1])
         b_source = members[0].args[1]
         range_a = _slice_range_of([m.args[0] for m in members])
-        if range_a is None or len(members) < 2:
+        if range_a is None or len(members) < 2 or not report.admits(members):
             continue
         # every result has the shape of its left slice: no operand broadcasts a slice up
         piece, result = _val(members[0].args[0]), _val(members[0])
@@ -429,9 +462,9 @@ def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
         with graph.inserting_after(after):
             whole = graph.call_function(target, tuple(operands))
         _unbind(graph, whole, members)
+        report.add(str(target).split(".")[1], members, [whole])
         for m in members:
             graph.erase_node(m)
-        report.groups.append((str(target).split(".")[1], len(members)))
         changed = True
     return changed
 
@@ -478,10 +511,14 @@ def _topological(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 
 def batch_independent_ops(
-    gm: torch.fx.GraphModule,
+    gm: torch.fx.GraphModule, only: Iterable[frozenset[str]] | None = None,
 ) -> tuple[torch.fx.GraphModule, StackedConstants, BatchReport]:
-    """Rewrite ``gm`` in place; returns it with the stacked constants and what was grouped."""
-    constants, report = StackedConstants(), BatchReport()
+    """Rewrite ``gm`` in place; returns it with the stacked constants and what was grouped.
+
+    ``only``: keys (:attr:`BatchGroup.key`) of the groups to make; others stay as they are.
+    """
+    constants = StackedConstants()
+    report = BatchReport(only=None if only is None else frozenset(only))
     passes = [
         lambda: _batch_matmuls(gm, constants, report),
         lambda: _batch_convs(gm, constants, report),

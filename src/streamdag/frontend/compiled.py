@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.core import Runtime
 from ..runtime.recorded import RecordedGraph
+from .batch_choice import GroupEstimate, estimate_groups, paying_groups
 from .batching import batch_independent_ops
 from .fx_ops import ops_from_graph
 
@@ -63,7 +64,8 @@ def _guard(flat: list[Any]) -> tuple:
 class _Entry:
     """One traced and scheduled specialization of the function."""
 
-    def __init__(self, owner: Compiled, flat: list[Any], spec: Any, batch: bool = False) -> None:
+    def __init__(self, owner: Compiled, flat: list[Any], spec: Any, batch: bool = False,
+                 only: frozenset | None = None) -> None:
         tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         constants = list(flat)
 
@@ -85,7 +87,7 @@ class _Entry:
         self.stacked = None
         self.batch_report = None
         if batch:
-            gm, self.stacked, self.batch_report = batch_independent_ops(gm)
+            gm, self.stacked, self.batch_report = batch_independent_ops(gm, only)
         self.gm = gm
         self.tensor_pos = tensor_pos
         # the device of the inputs, or of the tensors the function closes over when it takes none
@@ -159,16 +161,22 @@ class _Specialization:
     """The variants traced for one guard key (with and without batching), and the one that runs.
 
     With two variants on a GPU, calls alternate between them until each has
-    replayed three times; the faster by CUDA-event timing then runs alone.
+    replayed three times. Then the cost model estimates every batched group
+    from the op times measured while capturing (:mod:`.batch_choice`); when
+    some groups pay and others do not, a third variant batching only those
+    that pay joins the race. The fastest by CUDA-event timing then runs alone.
     """
 
     SAMPLES = 3
 
-    def __init__(self, variants: list[_Entry]) -> None:
+    def __init__(self, variants: list[_Entry], make_variant: Callable[[list[Any], frozenset], _Entry]
+                 | None = None) -> None:
         self.variants = variants
         self.chosen: int | None = 0 if len(variants) == 1 else None
         self.samples: list[list[tuple[Any, Any]]] = [[] for _ in variants]
         self.choice_ms: dict[str, float] = {}
+        self.group_estimates: list[GroupEstimate] = []
+        self._make_variant = make_variant
         self._turn = 0
 
     def __call__(self, flat: list[Any]) -> tuple[Any, bool]:
@@ -189,9 +197,33 @@ class _Specialization:
             for s in self.samples:
                 s[-1][1].synchronize()
                 ms.append(sorted(a.elapsed_time(b) for a, b in s)[len(s) // 2])
-            self.chosen = min(range(len(ms)), key=ms.__getitem__)
             self.choice_ms = {v.label: t for v, t in zip(self.variants, ms)}
+            if not self._add_mixed_variant(flat):
+                self.chosen = min(range(len(ms)), key=ms.__getitem__)
         return result
+
+    def _add_mixed_variant(self, flat: list[Any]) -> bool:
+        """Estimate each batched group; add a variant with only the paying ones if that is new."""
+        make, self._make_variant = self._make_variant, None
+        if make is None or len(self.variants) != 2:
+            return False
+        plain, batched = self.variants
+        plain_stats, batched_stats = plain.graph.statistics(), batched.graph.statistics()
+        if plain_stats is None or batched_stats is None or not plain_stats.op_ms or not batched_stats.op_ms:
+            return False
+        groups = batched.batch_report.groups
+        self.group_estimates = estimate_groups(groups, plain_stats.op_ms, batched_stats.op_ms,
+                                               plain_stats.chosen_streams or 1)
+        only = paying_groups(self.group_estimates, groups)
+        if only is None:
+            return False
+        mixed = make(flat, only)
+        if not mixed.batch_report.groups:
+            return False
+        mixed.label = "batched where it pays"
+        self.variants.append(mixed)
+        self.samples.append([])
+        return True
 
     @property
     def entry(self) -> _Entry:
@@ -267,7 +299,7 @@ class Compiled:
             batched.label = "batched"
             if batched.batch_report.groups:  # a second variant only where batching changed something
                 variants.append(batched)
-        return _Specialization(variants)
+        return _Specialization(variants, lambda flat, only: _Entry(self, flat, spec, True, only))
 
     def explain(self) -> str:
         """The schedule of every traced specialization, its batching, and the variant chosen."""
@@ -277,6 +309,9 @@ class Compiled:
             if spec.choice_ms:
                 timed = ", ".join(f"{k} {v:.3f} ms" for k, v in spec.choice_ms.items())
                 head += f": variant {spec.entry.label!r} chosen by timed replays ({timed})"
+            if spec.group_estimates:
+                head += "\ncost model, per batched group (members timed in the 'streams' variant, " \
+                        "batched ops in 'batched'):\n  " + "\n  ".join(map(str, spec.group_estimates))
             for entry in spec.variants:
                 report = f"\n{entry.batch_report}" if entry.batch_report else ""
                 parts.append(f"{head}\n[{entry.label}] on {entry.runtime.device}{report}\n"

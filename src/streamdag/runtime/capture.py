@@ -76,6 +76,8 @@ class CaptureStatistics:
     fallbacks: int = 0
     choice_ms: dict[int, float] = field(default_factory=dict)
     estimate_ms: dict[int, float] = field(default_factory=dict)
+    #: each op's GPU time (ms) in the one timed run, by op name (single-device graphs)
+    op_ms: dict[str, float] = field(default_factory=dict)
     chosen_streams: int | None = None
     capture_seconds: float = 0.0
 
@@ -330,8 +332,10 @@ class CudaGraphRunner:
         written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
         saved = [t.clone() for t in written]
         try:
-            if natural > 1:
+            if self.groups is None:  # op times: for the cost model here, and for batching's choice
                 durations = self._time_ops()
+                self.stats.op_ms = dict(zip(self.recorded.names, durations))
+            if natural > 1:
                 for k in sorted({1, 2, 4, 8, 16, natural}):
                     if k <= natural:
                         sched = build_schedule(self.recorded._preds, k)

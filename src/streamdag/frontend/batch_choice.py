@@ -1,0 +1,68 @@
+"""Per group, batching or streams: the cost model's estimate from measured op times.
+
+The unbatched graph's members of a group are estimated running side by side
+on the streams its schedule has (:func:`~streamdag.schedule.cost.simulate`,
+processor sharing); the batched graph's ops for the group are measured. A
+group pays when its batched ops take less than its members on streams. The
+estimate is per group, in isolation: it ignores what else runs beside the
+group, which is why the variant finally run is still chosen by timing
+whole replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..schedule.cost import simulate
+from ..schedule.plan import build_schedule
+from .batching import BatchGroup
+
+__all__ = ["GroupEstimate", "estimate_groups", "paying_groups"]
+
+
+@dataclass(frozen=True)
+class GroupEstimate:
+    group: BatchGroup
+    streams_ms: float  # the members side by side on the streams, by the cost model
+    serial_ms: float  # the members one after another, measured
+    batched_ms: float  # the batched op(s), measured
+
+    @property
+    def pays(self) -> bool:
+        return self.batched_ms < self.streams_ms
+
+    def __str__(self) -> str:
+        g = self.group
+        names = ", ".join(g.members[:3]) + (f", ... +{len(g.members) - 3}" if len(g.members) > 3 else "")
+        verdict = "batch" if self.pays else "keep on streams"
+        return (f"{g.kind} x{len(g.members)} ({names}): on streams ~{self.streams_ms:.4f} ms "
+                f"({self.serial_ms:.4f} one after another), batched {self.batched_ms:.4f} ms: {verdict}")
+
+
+def estimate_groups(
+    groups: Sequence[BatchGroup],
+    streams_op_ms: Mapping[str, float],
+    batched_op_ms: Mapping[str, float],
+    streams: int,
+) -> list[GroupEstimate]:
+    """An estimate for every group whose members and ops were all timed; the others are left out."""
+    out = []
+    for g in groups:
+        if not all(m in streams_op_ms for m in g.members) or not all(o in batched_op_ms for o in g.ops):
+            continue
+        durations = [streams_op_ms[m] for m in g.members]
+        side_by_side = build_schedule([[] for _ in durations], max(1, min(streams, len(durations))))
+        out.append(GroupEstimate(g, simulate(side_by_side, durations), sum(durations),
+                                 sum(batched_op_ms[o] for o in g.ops)))
+    return out
+
+
+def paying_groups(
+    estimates: Sequence[GroupEstimate], groups: Sequence[BatchGroup],
+) -> frozenset[frozenset[str]] | None:
+    """Keys of the groups worth batching, or None when that is all of them or none (no new variant)."""
+    if len(estimates) != len(groups):  # a group without an estimate: no basis for a mixed variant
+        return None
+    paying = frozenset(e.group.key for e in estimates if e.pays)
+    return paying if 0 < len(paying) < len(groups) else None
