@@ -86,6 +86,12 @@ class CudaEvent:
         return self.raw.elapsed_time(end.raw)
 
 
+def _sanitizer_enabled() -> bool:
+    """Whether PyTorch's CUDA stream sanitizer is on (it must see the host observe each event)."""
+    sanitizer = getattr(torch.cuda, "_sanitizer", None)
+    return bool(sanitizer is not None and sanitizer.cuda_sanitizer.enabled)
+
+
 class _Completions:
     """One thread observes the completion events of every stream, in order per stream.
 
@@ -116,21 +122,35 @@ class _Completions:
         self._wake.set()
 
     def _drain(self) -> bool:
-        """Finish what has completed; True if anything did."""
+        """Finish what has completed; True if anything did.
+
+        A stream runs in order: once its newest queued event has completed, so
+        have all before it, and one query covers the whole queue.
+        """
         progressed = False
         owner = self._owner
+        sanitized = _sanitizer_enabled()
         for q in self._queues:
+            known_done = 0  # entries at the head of ``q`` known to have completed
+            n = len(q)  # the submitting thread may append meanwhile: those are not covered
+            if n and owner.lost is None:
+                try:
+                    if q[n - 1][1].query():
+                        known_done = n
+                except Exception as exc:  # a sticky error surfaces here
+                    owner.mark_lost(exc)
             while q:
                 _, event, callback = q[0]
                 error = owner.lost
-                if error is None:
+                if error is None and (known_done <= 0 or sanitized):
                     try:
-                        if not event.query():
+                        if known_done <= 0 and not event.query():
                             break
-                        # returns at once; tells PyTorch's stream sanitizer that the host saw it
-                        event.synchronize()
+                        if sanitized:  # returns at once; tells the stream sanitizer that the host saw it
+                            event.synchronize()
                     except Exception as exc:  # a sticky error surfaces here
                         error = owner.mark_lost(exc)
+                known_done -= 1
                 q.popleft()
                 callback(error)
                 if error is None:

@@ -103,14 +103,18 @@ def _extent(base: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsiz
     return lo, hi + itemsize
 
 
-_SPACES: dict[Any, str] = {}
+_CUDA_SPACES: dict[int, str] = {}
 
 
 def _torch_region(t: Any) -> Region:
-    dev = t.device
-    space = _SPACES.get(dev)
-    if space is None:
-        space = _SPACES[dev] = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+    if t.is_cpu:  # flags and an int: cheaper than building ``t.device``
+        space = "cpu"
+    elif t.is_cuda:
+        index = t.get_device()
+        space = _CUDA_SPACES.get(index) or _CUDA_SPACES.setdefault(index, f"cuda:{index}")
+    else:
+        dev = t.device
+        space = f"{dev.type}:{dev.index or 0}"
     if t.layout is not _STRIDED:
         raise InvalidBuffer(
             f"streamdag tracks strided tensors only (got layout {t.layout}); "

@@ -109,7 +109,7 @@ class Runtime:
         n = len(self._streams)
         self._lock = threading.RLock()
         self._done_lock = threading.Lock()
-        self._slots = threading.Semaphore(max_inflight)
+        self._slots = _Slots(max_inflight)
         self._tracker = DepsTracker(retired=_finished_ok)
         self._clocks = StreamClocks(n)
         self._busy = [0] * n
@@ -435,16 +435,58 @@ class Runtime:
             op.future.set_exception(error)
 
 
+class _Slots:
+    """A counting semaphore for the in-flight bound.
+
+    Uncontended, an acquire or a release takes one plain lock;
+    ``threading.Semaphore`` goes through a Python-level ``Condition`` every
+    time, which costs more than the rest of the bookkeeping of a small op.
+    """
+
+    __slots__ = ("_free", "_freed", "_lock", "_waiting")
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._waiting = 0
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._lock:
+            while self._free == 0:
+                if not blocking:
+                    return False
+                self._waiting += 1
+                try:
+                    self._freed.wait()
+                finally:
+                    self._waiting -= 1
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            if self._waiting:
+                self._freed.notify()
+
+
 def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
     """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
 
     Device work (kernels, copies) is ordered by events; host code reading or
     writing host memory that pending device work touches waits on the host.
     """
-    if deps and any(a.region.space == "cpu" for a in accesses):
-        for dep in deps:
-            if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
-                dep.event.synchronize()
+    if not deps:
+        return
+    for a in accesses:  # a plain loop: this runs for every op on a GPU runtime
+        if a.region.space == "cpu":
+            break
+    else:
+        return
+    for dep in deps:
+        if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
+            dep.event.synchronize()
 
 
 def _is_sticky(backend: Any, error: BaseException) -> bool:

@@ -48,19 +48,28 @@ class StreamClocks:
         No returned wait is implied by stream order and the other returned waits.
         """
         base = self._known[stream]
-        known = list(base)
         waits: list[int] = []
-        for i in sorted(range(len(deps)), key=lambda i: -sum(deps[i].clock)):
-            d = deps[i]
-            if known[d.stream] < d.pos:
-                waits.append(i)
-                known = [max(a, b) for a, b in zip(known, d.clock)]
+        if len(deps) == 1:  # the common case, without the sort
+            d = deps[0]
+            if base[d.stream] < d.pos:
+                waits.append(0)
+                known = list(map(max, base, d.clock))
+            else:
+                known = list(base)
+        else:
+            known = list(base)
+            order = sorted(range(len(deps)), key=lambda i: -sum(deps[i].clock)) if deps else ()
+            for i in order:
+                d = deps[i]
+                if known[d.stream] < d.pos:
+                    waits.append(i)
+                    known = list(map(max, known, d.clock))
         if len(waits) > 1:  # a later wait may imply an earlier one: drop those
             for i in list(waits):
                 others = list(base)
                 for j in waits:
                     if j != i:
-                        others = [max(a, b) for a, b in zip(others, deps[j].clock)]
+                        others = list(map(max, others, deps[j].clock))
                 if others[deps[i].stream] >= deps[i].pos:
                     waits.remove(i)
         known[stream] += 1
