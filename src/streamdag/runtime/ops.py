@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable, Generator, Iterable, Sequence
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
+from concurrent.futures._base import FINISHED as _FINISHED
+from concurrent.futures._base import PENDING as _PENDING
 from typing import Any
 
 from ..errors import DependencyFailed
@@ -13,11 +17,54 @@ from ..schedule.waits import Stamp
 
 __all__ = ["Future", "Op", "collect_accesses", "then"]
 
+_DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
+
+
+_LAZY = threading.Lock()  # orders making a future's condition against setting its result
+
 
 class Future(concurrent.futures.Future):
-    """A :class:`concurrent.futures.Future` that can also be awaited in asyncio."""
+    """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
+
+    Its condition variable is made only when something waits on it or adds a
+    callback: most futures of small ops are set before anyone looks, and the
+    condition would cost more than the rest of their bookkeeping.
+    """
 
     op_name: str = ""
+
+    def __init__(self) -> None:  # the base's state, without its Condition
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "_condition":
+            raise AttributeError(name)
+        with _LAZY:
+            cond = self.__dict__.get("_condition")
+            if cond is None:
+                cond = self.__dict__["_condition"] = threading.Condition()
+        return cond
+
+    def done(self) -> bool:
+        return self._state in _DONE_STATES
+
+    def set_result(self, result: Any) -> None:
+        with _LAZY:  # nobody waits and no callback is set: no condition to notify
+            if "_condition" not in self.__dict__ and self._state == _PENDING:
+                self._result, self._state = result, _FINISHED
+                return
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        with _LAZY:
+            if "_condition" not in self.__dict__ and self._state == _PENDING:
+                self._exception, self._state = exception, _FINISHED
+                return
+        super().set_exception(exception)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return asyncio.wrap_future(self).__await__()
