@@ -536,5 +536,9 @@ def batch_independent_ops(
         gm.graph.eliminate_dead_code()
         if not changed:
             break
+    # a stack made for one group may have been folded away by a later one: it costs nothing
+    present = {n.name for n in gm.graph.nodes}
+    report.groups = [BatchGroup(g.kind, g.members, tuple(o for o in g.ops if o in present))
+                     for g in report.groups]
     gm.recompile()
     return gm, constants, report
