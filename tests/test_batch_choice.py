@@ -4,7 +4,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from programs import wide_fn
-from streamdag.frontend.batch_choice import estimate_groups, paying_groups
+from streamdag.frontend.batch_choice import estimate_groups, linked_sets, paying_groups
 from streamdag.frontend.batching import BatchGroup, batch_independent_ops
 from streamdag.frontend.fx_ops import ops_from_graph
 
@@ -56,3 +56,21 @@ def test_a_group_pays_when_its_batched_op_beats_its_members_side_by_side():
     # all groups paying, or one not timed: no mixed variant to try
     assert paying_groups([small], [many_small]) is None
     assert paying_groups([small], [many_small, two_large]) is None
+
+
+def test_groups_that_read_each_others_results_are_decided_together():
+    """Unbatching a relu group under a batched matmul group would cost a stack neither sees."""
+    matmuls = _group("matmul", 4, "mm")
+    relus = _group("relu", 4, "relu")
+    apart = _group("matmul", 4, "other")
+    inputs_of = {f"relu{i}": [f"mm{i}"] for i in range(4)}
+    assert sorted(map(sorted, linked_sets([matmuls, relus, apart], inputs_of))) == [[0, 1], [2]]
+
+    streams_ms = {**{m: 0.2 for m in matmuls.members}, **{m: 0.01 for m in relus.members},
+                  **{m: 0.2 for m in apart.members}}
+    batched_ms = {"mm_batched": 0.3, "relu_batched": 0.05, "other_batched": 0.9}
+    est = estimate_groups([matmuls, relus, apart], streams_ms, batched_ms, streams=4)
+    assert [e.pays for e in est] == [True, False, False]  # alone, the relus would stay apart
+    chosen = paying_groups(est, [matmuls, relus, apart], inputs_of)
+    assert chosen == frozenset({matmuls.key, relus.key})  # together, they pay: batched as a pair
+    assert paying_groups(est, [matmuls, relus, apart]) == frozenset({matmuls.key})  # without links

@@ -3,10 +3,10 @@
 The unbatched graph's members of a group are estimated running side by side
 on the streams its schedule has (:func:`~streamdag.schedule.cost.simulate`,
 processor sharing); the batched graph's ops for the group are measured. A
-group pays when its batched ops take less than its members on streams. The
-estimate is per group, in isolation: it ignores what else runs beside the
-group, which is why the variant finally run is still chosen by timing
-whole replays.
+group pays when its batched ops take less than its members on streams;
+groups whose members read each other's results are decided together. The
+estimate ignores what else runs beside a group, which is why the variant
+finally run is still chosen by timing whole replays.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..schedule.cost import simulate
 from ..schedule.plan import build_schedule
 from .batching import BatchGroup
 
-__all__ = ["GroupEstimate", "estimate_groups", "paying_groups"]
+__all__ = ["GroupEstimate", "estimate_groups", "linked_sets", "paying_groups"]
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,49 @@ def estimate_groups(
     return out
 
 
+def linked_sets(groups: Sequence[BatchGroup], inputs_of: Mapping[str, Sequence[str]]) -> list[list[int]]:
+    """Groups joined when one's members read another's results, as lists of indices.
+
+    Batching one of two linked groups but not the other costs a stack (a copy)
+    or slices between them that neither estimate sees, so linked groups are
+    decided together.
+    """
+    owner = {m: i for i, g in enumerate(groups) for m in g.members}
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for j, g in enumerate(groups):
+        for m in g.members:
+            for src in inputs_of.get(m, ()):
+                i = owner.get(src)
+                if i is not None:
+                    parent[root(i)] = root(j)
+    sets: dict[int, list[int]] = {}
+    for i in range(len(groups)):
+        sets.setdefault(root(i), []).append(i)
+    return list(sets.values())
+
+
 def paying_groups(
     estimates: Sequence[GroupEstimate], groups: Sequence[BatchGroup],
+    inputs_of: Mapping[str, Sequence[str]] | None = None,
 ) -> frozenset[frozenset[str]] | None:
-    """Keys of the groups worth batching, or None when that is all of them or none (no new variant)."""
+    """Keys of the groups worth batching, or None when that is all of them or none (no new variant).
+
+    Linked groups (:func:`linked_sets`) are batched together when their
+    batched ops take less in total than their members on streams.
+    """
     if len(estimates) != len(groups):  # a group without an estimate: no basis for a mixed variant
         return None
-    paying = frozenset(e.group.key for e in estimates if e.pays)
-    return paying if 0 < len(paying) < len(groups) else None
+    by_key = {e.group.key: e for e in estimates}
+    paying: set[frozenset[str]] = set()
+    for members in linked_sets(groups, inputs_of or {}):
+        ests = [by_key[groups[i].key] for i in members]
+        if sum(e.batched_ms for e in ests) < sum(e.streams_ms for e in ests):
+            paying.update(e.group.key for e in ests)
+    return frozenset(paying) if 0 < len(paying) < len(groups) else None

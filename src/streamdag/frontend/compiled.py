@@ -214,7 +214,8 @@ class _Specialization:
         groups = batched.batch_report.groups
         self.group_estimates = estimate_groups(groups, plain_stats.op_ms, batched_stats.op_ms,
                                                plain_stats.chosen_streams or 1)
-        only = paying_groups(self.group_estimates, groups)
+        inputs_of = {n.name: [a.name for a in n.all_input_nodes] for n in plain.gm.graph.nodes}
+        only = paying_groups(self.group_estimates, groups, inputs_of)
         if only is None:
             return False
         mixed = make(flat, only)
@@ -311,7 +312,8 @@ class Compiled:
                 head += f": variant {spec.entry.label!r} chosen by timed replays ({timed})"
             if spec.group_estimates:
                 head += "\ncost model, per batched group (members timed in the 'streams' variant, " \
-                        "batched ops in 'batched'):\n  " + "\n  ".join(map(str, spec.group_estimates))
+                        "batched ops in 'batched'; groups that read each other's results are " \
+                        "decided together):\n  " + "\n  ".join(map(str, spec.group_estimates))
             for entry in spec.variants:
                 report = f"\n{entry.batch_report}" if entry.batch_report else ""
                 parts.append(f"{head}\n[{entry.label}] on {entry.runtime.device}{report}\n"
