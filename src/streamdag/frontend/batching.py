@@ -191,22 +191,35 @@ def _unbind(graph: torch.fx.Graph, batched: torch.fx.Node, members: list[torch.f
     parts.meta["val"] = [_val(m) for m in members]
 
 
-def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
-    graph = gm.graph
-    nodes = list(graph.nodes)
+def _groups_by_key(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any
+                   ) -> tuple[list[list[torch.fx.Node]], dict[torch.fx.Node, int]]:
+    """Groups of mutually independent nodes with one ``key_of(node)`` (None: not a candidate)
+    that the report admits, and every node's position."""
+    nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     reach = _descendants(nodes)
-    by_key: dict[tuple, list[torch.fx.Node]] = {}
+    by_key: dict[Any, list[torch.fx.Node]] = {}
     for n in nodes:
-        if n.target is aten.mm.default and n.args[1].op == "get_attr":
-            a, b = _val(n.args[0]), _val(n.args[1])
-            if a is not None and b is not None:
-                key = (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, str(a.device))
-                by_key.setdefault(key, []).append(n)
+        key = key_of(n)
+        if key is not None:
+            by_key.setdefault(key, []).append(n)
+    groups = [g for cands in by_key.values() for g in _independent_groups(cands, reach, index)]
+    return [g for g in groups if report.admits(g)], index
+
+
+def _matmul_key(n: torch.fx.Node) -> tuple | None:
+    if n.target is aten.mm.default and n.args[1].op == "get_attr":
+        a, b = _val(n.args[0]), _val(n.args[1])
+        if a is not None and b is not None:
+            return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, str(a.device))
+    return None
+
+
+def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
+    graph = gm.graph
+    groups, index = _groups_by_key(gm, report, _matmul_key)
     changed = False
-    for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
-        if not report.admits(members):
-            continue
+    for members in groups:
         k = len(members)
         lefts = [m.args[0] for m in members]
         sources = [getattr(gm, m.args[1].target) for m in members]
@@ -280,26 +293,22 @@ def _split_channels(graph: torch.fx.Graph, combined: torch.fx.Node, members: lis
         start, previous = start + width, piece
 
 
+def _conv_key(gm: torch.fx.GraphModule, n: torch.fx.Node) -> tuple | None:
+    if n.target is not aten.convolution.default:
+        return None
+    x, w, b, stride, padding, dilation, transposed, _, groups = n.args
+    if transposed or groups != 1 or w.op != "get_attr" or (b is not None and b.op != "get_attr"):
+        return None
+    wv = getattr(gm, w.target)
+    return (x, tuple(wv.shape[1:]), tuple(stride), tuple(padding), tuple(dilation), b is None, wv.dtype)
+
+
 def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
     """Convolutions reading one input with one geometry: one convolution over concatenated filters."""
     graph = gm.graph
-    nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    reach = _descendants(nodes)
-    by_key: dict[tuple, list[torch.fx.Node]] = {}
-    for n in nodes:
-        if n.target is not aten.convolution.default:
-            continue
-        x, w, b, stride, padding, dilation, transposed, _, groups = n.args
-        if transposed or groups != 1 or w.op != "get_attr" or (b is not None and b.op != "get_attr"):
-            continue
-        wv = getattr(gm, w.target)
-        key = (x, tuple(wv.shape[1:]), tuple(stride), tuple(padding), tuple(dilation), b is None, wv.dtype)
-        by_key.setdefault(key, []).append(n)
+    groups, index = _groups_by_key(gm, report, lambda n: _conv_key(gm, n))
     changed = False
-    for members in (g for cands in by_key.values() for g in _independent_groups(cands, reach, index)):
-        if not report.admits(members):
-            continue
+    for members in groups:
         last = max(members, key=index.__getitem__)
         ws = [getattr(gm, m.args[1].target) for m in members]
         widths = [int(w.shape[0]) for w in ws]
