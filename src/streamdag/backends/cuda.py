@@ -15,7 +15,6 @@ lost and the runtime fails every pending and later op with
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -96,14 +95,16 @@ class _Completions:
     """One thread observes the completion events of every stream, in order per stream.
 
     It finishes every op whose event has completed in one pass, then pauses
-    ``BATCH_SECONDS`` before the next pass, so that it takes the GIL from the
-    submitting thread once per batch rather than once per op. With nothing
-    completed it sleeps in ``cudaEventSynchronize`` on the oldest pending
-    event (GIL released). Events go back to the backend's pool once their op
-    has been finished.
+    up to ``BATCH_SECONDS`` before the next pass, so that it takes the GIL
+    from the submitting thread once per batch rather than once per op: each
+    time it does, the submitter stalls on a thread switch. Someone waiting
+    (a future's ``result()``, ``synchronize()``, a full in-flight bound) cuts
+    the pause short through :meth:`hurry`. With nothing completed it sleeps in
+    ``cudaEventSynchronize`` on the oldest pending event (GIL released).
+    Events go back to the backend's pool once their op has been finished.
     """
 
-    BATCH_SECONDS = 100e-6
+    BATCH_SECONDS = 1e-3
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
@@ -112,6 +113,7 @@ class _Completions:
         ]
         self._seq = 0
         self._wake = threading.Event()
+        self._hurry = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
@@ -162,7 +164,9 @@ class _Completions:
         torch.cuda.set_device(self._owner.torch_device)
         while True:
             if self._drain():
-                time.sleep(self.BATCH_SECONDS)
+                # a hurry set before the clear is served by the drain right after it
+                self._hurry.wait(self.BATCH_SECONDS)
+                self._hurry.clear()
                 continue
             heads = [q[0] for q in self._queues if q]
             if heads:
@@ -176,6 +180,10 @@ class _Completions:
                 return
             self._wake.wait()
             self._wake.clear()
+
+    def hurry(self) -> None:
+        """Someone waits for a finish: end the pause between passes now."""
+        self._hurry.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -281,6 +289,10 @@ class CudaBackend:
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
         self._completions.put(stream.index, event, callback)
+
+    def hurry(self) -> None:
+        """Finish completed ops now rather than at the end of the completion thread's pause."""
+        self._completions.hurry()
 
     is_sticky = staticmethod(is_sticky)
 

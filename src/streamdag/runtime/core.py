@@ -110,6 +110,8 @@ class Runtime:
         self._lock = threading.RLock()
         self._done_lock = threading.Lock()
         self._slots = _Slots(max_inflight)
+        #: per stream: asks its backend to finish completed ops now, for one who waits (or None)
+        self._hurry_of = [getattr(m, "hurry", None) for m in self._member]
         self._tracker = DepsTracker(retired=_finished_ok)
         self._clocks = StreamClocks(n)
         self._busy = [0] * n
@@ -330,7 +332,7 @@ class Runtime:
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
                  device_ordered: bool = False, device: str | None = None):
-        if not self._slots.acquire(blocking=blocking):
+        if not self._take_slot(blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
                 "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
@@ -343,6 +345,17 @@ class Runtime:
                 _wait_for_host_inputs(accesses, deps)
             self._launch(op, deps, stream, device)
         return op.future
+
+    def _take_slot(self, blocking: bool = True) -> bool:
+        """A slot under ``max_inflight``; at the bound, finishing is hurried before waiting."""
+        if self._slots.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        for hurry in self._hurry_of:
+            if hurry is not None:
+                hurry()
+        return self._slots.acquire()
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
@@ -388,6 +401,7 @@ class Runtime:
             op.deps = ()
             self._finish(op)
             return
+        op.future._hurry = self._hurry_of[stream]
         backend.when_done(s, op.event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op], device: str) -> int:

@@ -32,6 +32,8 @@ class Future(concurrent.futures.Future):
     """
 
     op_name: str = ""
+    #: asks whoever finishes this future to look now (set by the runtime; see ``CudaBackend.hurry``)
+    _hurry: Callable[[], None] | None = None
 
     def __init__(self) -> None:  # the base's state, without its Condition
         self._state = _PENDING
@@ -51,6 +53,22 @@ class Future(concurrent.futures.Future):
 
     def done(self) -> bool:
         return self._state in _DONE_STATES
+
+    def _waited_on(self) -> None:
+        if self._hurry is not None and self._state not in _DONE_STATES:
+            self._hurry()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._waited_on()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._waited_on()
+        return super().exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+        self._waited_on()
+        super().add_done_callback(fn)
 
     def set_result(self, result: Any) -> None:
         with _LAZY:  # nobody waits and no callback is set: no condition to notify

@@ -199,7 +199,7 @@ class RecordedGraph:
     def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:
         """Launch every op of one eager run, in order; caller holds the runtime's lock."""
         for v, rec in enumerate(self._ops):
-            rt._slots.acquire()
+            rt._take_slot()
             rt._seq += 1
             fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
             op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)

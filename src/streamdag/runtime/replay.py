@@ -57,7 +57,7 @@ class HostReplay:
         """Launch one run; returns its runtime op (its future gets the list of values). Takes the lock."""
         rt = self.rt
         rt._check_open()
-        rt._slots.acquire()
+        rt._take_slot()
         with rt._lock:
             rt._seq += 1
             op = Op(rt._seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
@@ -140,4 +140,5 @@ class HostReplay:
             op.value = values
             rt._finish(op)
 
+        op.future._hurry = rt._hurry_of[self.join]
         member[self.join].when_done(join, done_event, finished)
