@@ -352,10 +352,15 @@ class Runtime:
             return True
         if not blocking:
             return False
-        for hurry in self._hurry_of:
+        self._hurry_all()
+        return self._slots.acquire()
+
+    def _hurry_all(self) -> None:
+        """Ask every backend to finish its completed ops now: someone waits."""
+        for m in self.backends:
+            hurry = getattr(m, "hurry", None)
             if hurry is not None:
                 hurry()
-        return self._slots.acquire()
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""

@@ -95,6 +95,7 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
     out = Future()
     out.op_name = op_name
+    out._hurry = getattr(source, "_hurry", None)  # waiting on ``out`` is waiting on ``source``
 
     def done(f: concurrent.futures.Future) -> None:
         if f.exception() is not None:
