@@ -126,8 +126,8 @@ class Runtime:
         self._recording: Any = None
         self._can_be_lost = hasattr(self.backend, "lost")
         self._profiler: Any = None
-        self._bytes = ByteBudget(max_inflight_bytes)
-        self._staging = PinnedPool(staging_bytes)
+        self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
+        self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}
 
     # ------------------------------------------------------------------ API

@@ -70,6 +70,10 @@ class Future(concurrent.futures.Future):
         self._waited_on()
         super().add_done_callback(fn)
 
+    def on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+        """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
+        super().add_done_callback(fn)
+
     def set_result(self, result: Any) -> None:
         with _LAZY:  # nobody waits and no callback is set: no condition to notify
             if "_condition" not in self.__dict__ and self._state == _PENDING:
@@ -103,7 +107,10 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
         else:
             out.set_result(fn(f.result()))
 
-    source.add_done_callback(done)
+    if isinstance(source, Future):
+        source.on_done(done)
+    else:
+        source.add_done_callback(done)
     return out
 
 

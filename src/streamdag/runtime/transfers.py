@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,15 +35,18 @@ CHUNK_BYTES = 8 << 20
 class ByteBudget:
     """Blocks while ``limit`` bytes are in flight; one transfer larger than the limit runs alone."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
         self._cond = threading.Condition()
+        self._on_wait = on_wait  # before blocking: bytes come back when ops are seen finished
 
     def acquire(self, n: int) -> None:
         with self._cond:
             while self.used and self.used + n > self.limit:
+                if self._on_wait is not None:
+                    self._on_wait()
                 self._cond.wait()
             self.used += n
             self.peak = max(self.peak, self.used)
@@ -56,11 +60,12 @@ class ByteBudget:
 class PinnedPool:
     """Reused pinned host buffers, at most ``limit`` bytes in all; ``take`` blocks when spent."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self._free: dict[int, list[Any]] = {}
         self._held = 0
         self._cond = threading.Condition()
+        self._on_wait = on_wait
 
     def take(self, nbytes: int) -> Any:
         import torch
@@ -75,6 +80,8 @@ class PinnedPool:
                     self._held += size
                     break
                 if not self._drop_one_free():
+                    if self._on_wait is not None:
+                        self._on_wait()
                     self._cond.wait()
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
@@ -134,7 +141,7 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
         rt._bytes.release(nbytes)
         raise
     if isinstance(future, Future):
-        future.add_done_callback(lambda _f: rt._bytes.release(nbytes))
+        future.on_done(lambda _f: rt._bytes.release(nbytes))
     else:  # recorded: counted when the graph runs, not now
         rt._bytes.release(nbytes)
     return future
@@ -198,7 +205,7 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
         view = stage[: s.numel()]
         view.copy_(s)
         last = _device_copy(rt, d, view, stream, name, keep=stage)
-        last.add_done_callback(lambda _f, stage=stage: rt._staging.give(stage))
+        last.on_done(lambda _f, stage=stage: rt._staging.give(stage))
     return _resolve_to(last, dst)
 
 
