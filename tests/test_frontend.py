@@ -307,3 +307,22 @@ def test_batching_random_graphs_equals_eager(program, seed):
         torch.testing.assert_close(c(x), f(x), rtol=1e-5, atol=1e-5)
         assert c.statistics().eager_calls == 0
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_op_on_independent_tensors_becomes_one_multi_tensor_kernel(device):
+    """tanh and relu of separate tensors of different shapes: one _foreach_ kernel each."""
+    ws = [torch.randn(8, n) for n in (4, 6, 8)]
+
+    def branches(x):
+        outs = [torch.tanh(x @ w) for w in ws]  # different shapes: not one bmm
+        return [torch.relu(o - 0.1) for o in outs], torch.relu(x)
+
+    c = sd.compile(branches, batch=True, device=device)
+    with torch.no_grad():
+        x = torch.randn(5, 8)
+        x[0, 0] = float("nan")  # relu keeps NaN, and so must its multi-tensor form
+        got, want = c(x), branches(x)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    text = c.explain()
+    assert "1 x foreach tanh (sizes [3])" in text and "1 x foreach relu (sizes [4])" in text

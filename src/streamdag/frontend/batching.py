@@ -13,7 +13,10 @@ kernel):
    Inception's branches); inference batch norms over all its channel slices
    become one batch norm over concatenated parameters.
 2. **Elementwise ops.** The same unary op (relu, tanh, ...) applied to every
-   slice of one batched result becomes one op on the whole batch.
+   slice of one batched result becomes one op on the whole batch; two-operand
+   ops over slices (index for index, or with a shared operand) likewise.
+   Last, the same unary op on independent tensors of any shapes becomes one
+   of PyTorch's multi-tensor ``_foreach_`` kernels.
 3. **Stacks of slices.** ``stack`` of all slices of one tensor, in order, is
    that tensor.
 
@@ -478,6 +481,54 @@ def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
     return changed
 
 
+#: unary op -> its multi-tensor form (one kernel over a list of tensors) and extra arguments
+_FOREACH = {
+    aten.relu.default: (aten._foreach_clamp_min.Scalar, (0.0,)),  # NaN stays NaN in both
+    aten.tanh.default: (aten._foreach_tanh.default, ()),
+    aten.sigmoid.default: (aten._foreach_sigmoid.default, ()),
+    aten.exp.default: (aten._foreach_exp.default, ()),
+    aten.neg.default: (aten._foreach_neg.default, ()),
+}
+
+
+def _foreach_key(n: torch.fx.Node) -> tuple | None:
+    if n.target not in _FOREACH or len(n.args) != 1 or n.kwargs:
+        return None
+    val = _val(n.args[0])
+    if val is None or not val.is_floating_point():
+        return None
+    return (n.target, val.dtype, str(val.device))
+
+
+def _batch_foreach(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
+    """The same unary op on independent tensors that are not slices of one: one multi-tensor kernel.
+
+    Runs once the other passes are done, so that ops they could batch over
+    one tensor (cheaper still) go to them first. Shapes may differ.
+    """
+    graph = gm.graph
+    groups, index = _groups_by_key(gm, report, _foreach_key)
+    changed = False
+    for members in groups:
+        target = members[0].target
+        foreach, extra = _FOREACH[target]
+        with graph.inserting_after(max(members, key=index.__getitem__)):
+            whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
+        whole.meta["val"] = [_val(m) for m in members]
+        previous = whole
+        for i, member in enumerate(members):
+            with graph.inserting_after(previous):
+                piece = graph.call_function(operator.getitem, (whole, i))
+            piece.meta["val"] = _val(member)
+            member.replace_all_uses_with(piece)
+            previous = piece
+        report.add("foreach " + str(target).split(".")[1], members, [whole])
+        for m in members:
+            graph.erase_node(m)
+        changed = True
+    return changed
+
+
 def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
     changed = False
     for n in list(gm.graph.nodes):
@@ -545,6 +596,8 @@ def batch_independent_ops(
         gm.graph.eliminate_dead_code()
         if not changed:
             break
+    if _batch_foreach(gm, report):
+        gm.graph = _topological(gm.graph)
     # a stack made for one group may have been folded away by a later one: it costs nothing
     present = {n.name for n in gm.graph.nodes}
     report.groups = [BatchGroup(g.kind, g.members, tuple(o for o in g.ops if o in present))
