@@ -13,20 +13,20 @@ device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import InvalidBuffer
 
 __all__ = ["Access", "Marker", "Region", "coalesce", "envelope", "read", "region_of", "write"]
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
+class Region(NamedTuple):
     """A half-open byte range ``[start, end)`` in one address space.
 
     Spaces named ``sym:*`` hold symbols rather than bytes (a traced graph's
     values and storages, before they have memory): private to one graph.
+    A named tuple: made for every access of every op, and a tuple is the
+    cheapest immutable record Python builds.
     """
 
     space: str
@@ -52,8 +52,7 @@ class Region:
         return self.end - self.start
 
 
-@dataclass(frozen=True, slots=True)
-class Access:
+class Access(NamedTuple):
     """One op's use of one region."""
 
     region: Region
