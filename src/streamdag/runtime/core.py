@@ -364,8 +364,11 @@ class Runtime:
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
-        live = [d for d in deps if not d.done]
-        op.deps = [d for d in deps if not d.done or d.error is not None]
+        if deps:
+            live = [d for d in deps if not d.done]
+            op.deps = [d for d in deps if not d.done or d.error is not None]
+        else:
+            live = deps
         if stream is None:
             stream = self._choose_stream(live, device or self.device)
         stamp, waits = self._clocks.place(stream, [d.stamp for d in live])

@@ -136,7 +136,7 @@ def collect_accesses(
     accesses = [Access(region_of(r), False) for r in reads]
     accesses += [Access(region_of(w), True) for w in writes]
     written = writes
-    if any(type(v) is Marker for v in args) or any(type(v) is Marker for v in kwargs.values()):
+    if Marker in set(map(type, args)) or (kwargs and Marker in set(map(type, kwargs.values()))):
         written = writes + [v.value for v in (*args, *kwargs.values())
                             if isinstance(v, Marker) and v.write]
         args = tuple(_unwrap(a, accesses) for a in args)
