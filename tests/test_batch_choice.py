@@ -74,3 +74,24 @@ def test_groups_that_read_each_others_results_are_decided_together():
     chosen = paying_groups(est, [matmuls, relus, apart], inputs_of)
     assert chosen == frozenset({matmuls.key, relus.key})  # together, they pay: batched as a pair
     assert paying_groups(est, [matmuls, relus, apart]) == frozenset({matmuls.key})  # without links
+
+
+def test_groups_that_feed_each_other_are_not_merged_into_a_cycle():
+    """Two matmul groups, each of independent members, where a member of each feeds the other group:
+    merged together they would wait on each other; the pass merges one and leaves the other."""
+    torch.manual_seed(2)
+    wa1, wa2 = torch.randn(6, 6), torch.randn(6, 6)
+    wb1, wb2 = torch.randn(6, 8), torch.randn(6, 8)
+
+    def crossed(x):
+        a1 = x @ wa1
+        b2 = a1 @ wb2  # group b reads group a's member
+        b1 = x @ wb1
+        a2 = b1[:, :6] @ wa2  # group a reads group b's member
+        return a2, b2
+
+    x = torch.randn(4, 6)
+    gm, _, report = batch_independent_ops(_traced(crossed, x))
+    assert [g.kind for g in report.groups] == ["matmul"]
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), crossed(x))

@@ -218,36 +218,55 @@ def _matmul_key(n: torch.fx.Node) -> tuple | None:
     return None
 
 
-def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
-    graph = gm.graph
-    groups, index = _groups_by_key(gm, report, _matmul_key)
+def _one_group_at_a_time(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any, rewrite: Any) -> bool:
+    """Rewrite groups one by one, finding them again after each.
+
+    Groups whose members read arbitrary inputs cannot all be merged at once:
+    with a member of each feeding the other's inputs, two groups are each
+    independent, but merged they would wait on each other (a cycle).
+    """
     changed = False
-    for members in groups:
-        k = len(members)
-        lefts = [m.args[0] for m in members]
-        sources = [getattr(gm, m.args[1].target) for m in members]
-        stack = torch.stack(sources).contiguous()
-        last = max(members, key=index.__getitem__)
-        weights = _constant(gm, constants, stack, list(stack.unbind(0)), sources, last)
-        base = _slices_of(lefts)
-        with graph.inserting_after(weights):
-            if base is not None:
-                left = base
-            elif all(a is lefts[0] for a in lefts):
-                shape = list(_val(lefts[0]).shape)
-                left = graph.call_function(aten.expand.default, (
-                    graph.call_function(aten.unsqueeze.default, (lefts[0], 0)), [k, *shape]))
-            else:
-                left = graph.call_function(aten.stack.default, (lefts, 0))
-        with graph.inserting_after(left if left is not base else weights):
-            batched = graph.call_function(aten.bmm.default, (left, weights))
-        _unbind(graph, batched, members)
-        stacked_left = [left] if left is not base and left.target is aten.stack.default else []
-        report.add("matmul", members, [batched, *stacked_left])
-        for m in members:
-            graph.erase_node(m)
+    for _ in range(len(gm.graph.nodes)):  # every rewrite removes at least two candidates
+        groups, index = _groups_by_key(gm, report, key_of)
+        if not groups:
+            break
+        rewrite(groups[0], index)
+        gm.graph = _topological(gm.graph)
         changed = True
     return changed
+
+
+def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
+    return _one_group_at_a_time(gm, report, _matmul_key,
+                                lambda members, index: _merge_matmuls(gm, constants, report, members, index))
+
+
+def _merge_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport,
+                   members: list[torch.fx.Node], index: dict[torch.fx.Node, int]) -> None:
+    graph = gm.graph
+    k = len(members)
+    lefts = [m.args[0] for m in members]
+    sources = [getattr(gm, m.args[1].target) for m in members]
+    stack = torch.stack(sources).contiguous()
+    last = max(members, key=index.__getitem__)
+    weights = _constant(gm, constants, stack, list(stack.unbind(0)), sources, last)
+    base = _slices_of(lefts)
+    with graph.inserting_after(weights):
+        if base is not None:
+            left = base
+        elif all(a is lefts[0] for a in lefts):
+            shape = list(_val(lefts[0]).shape)
+            left = graph.call_function(aten.expand.default, (
+                graph.call_function(aten.unsqueeze.default, (lefts[0], 0)), [k, *shape]))
+        else:
+            left = graph.call_function(aten.stack.default, (lefts, 0))
+    with graph.inserting_after(left if left is not base else weights):
+        batched = graph.call_function(aten.bmm.default, (left, weights))
+    _unbind(graph, batched, members)
+    stacked_left = [left] if left is not base and left.target is aten.stack.default else []
+    report.add("matmul", members, [batched, *stacked_left])
+    for m in members:
+        graph.erase_node(m)
 
 
 def _constant(gm: torch.fx.GraphModule, constants: StackedConstants, value: torch.Tensor,
@@ -506,27 +525,27 @@ def _batch_foreach(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
     Runs once the other passes are done, so that ops they could batch over
     one tensor (cheaper still) go to them first. Shapes may differ.
     """
-    graph = gm.graph
-    groups, index = _groups_by_key(gm, report, _foreach_key)
-    changed = False
-    for members in groups:
-        target = members[0].target
-        foreach, extra = _FOREACH[target]
-        with graph.inserting_after(max(members, key=index.__getitem__)):
-            whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
-        whole.meta["val"] = [_val(m) for m in members]
-        previous = whole
-        for i, member in enumerate(members):
-            with graph.inserting_after(previous):
-                piece = graph.call_function(operator.getitem, (whole, i))
-            piece.meta["val"] = _val(member)
-            member.replace_all_uses_with(piece)
-            previous = piece
-        report.add("foreach " + str(target).split(".")[1], members, [whole])
-        for m in members:
-            graph.erase_node(m)
-        changed = True
-    return changed
+    return _one_group_at_a_time(gm, report, _foreach_key,
+                                lambda members, index: _merge_foreach(gm.graph, report, members, index))
+
+
+def _merge_foreach(graph: torch.fx.Graph, report: BatchReport, members: list[torch.fx.Node],
+                   index: dict[torch.fx.Node, int]) -> None:
+    target = members[0].target
+    foreach, extra = _FOREACH[target]
+    with graph.inserting_after(max(members, key=index.__getitem__)):
+        whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
+    whole.meta["val"] = [_val(m) for m in members]
+    previous = whole
+    for i, member in enumerate(members):
+        with graph.inserting_after(previous):
+            piece = graph.call_function(operator.getitem, (whole, i))
+        piece.meta["val"] = _val(member)
+        member.replace_all_uses_with(piece)
+        previous = piece
+    report.add("foreach " + str(target).split(".")[1], members, [whole])
+    for m in members:
+        graph.erase_node(m)
 
 
 def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
@@ -551,6 +570,7 @@ def _topological(graph: torch.fx.Graph) -> torch.fx.Graph:
         torch.fx.node.map_arg((n.args, n.kwargs), found.append)
         return found
 
+    open_: set[torch.fx.Node] = set()  # expanded, inputs not all placed yet
     for root in graph.nodes:
         stack = [(root, False)]
         while stack:
@@ -559,8 +579,13 @@ def _topological(graph: torch.fx.Graph) -> torch.fx.Graph:
                 continue
             if expanded:
                 placed.add(n)
+                open_.discard(n)
                 order.append(n)
                 continue
+            if n in open_:
+                raise RuntimeError(f"batching made a cycle through {n.name!r}: this is a streamdag bug; "
+                                   "pass batch=False to streamdag.compile meanwhile")
+            open_.add(n)
             stack.append((n, True))
             stack.extend((i, False) for i in inputs(n) if i not in placed)
     new = torch.fx.Graph()
