@@ -184,14 +184,19 @@ def _unbind(graph: torch.fx.Graph, batched: torch.fx.Node, members: list[torch.f
     """Replace each member's uses by its slice of ``batched``."""
     with graph.inserting_after(batched):
         parts = graph.call_function(aten.unbind.int, (batched, 0))
-    previous = parts
+    _replace_by_items(graph, parts, members)
+
+
+def _replace_by_items(graph: torch.fx.Graph, listing: torch.fx.Node, members: list[torch.fx.Node]) -> None:
+    """Replace member ``i``'s uses by item ``i`` of ``listing`` (a node whose value is a list)."""
+    listing.meta["val"] = [_val(m) for m in members]
+    previous = listing
     for i, member in enumerate(members):
         with graph.inserting_after(previous):
-            piece = graph.call_function(operator.getitem, (parts, i))
+            piece = graph.call_function(operator.getitem, (listing, i))
         piece.meta["val"] = _val(member)
         member.replace_all_uses_with(piece)
         previous = piece
-    parts.meta["val"] = [_val(m) for m in members]
 
 
 def _groups_by_key(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any
@@ -535,14 +540,7 @@ def _merge_foreach(graph: torch.fx.Graph, report: BatchReport, members: list[tor
     foreach, extra = _FOREACH[target]
     with graph.inserting_after(max(members, key=index.__getitem__)):
         whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
-    whole.meta["val"] = [_val(m) for m in members]
-    previous = whole
-    for i, member in enumerate(members):
-        with graph.inserting_after(previous):
-            piece = graph.call_function(operator.getitem, (whole, i))
-        piece.meta["val"] = _val(member)
-        member.replace_all_uses_with(piece)
-        previous = piece
+    _replace_by_items(graph, whole, members)
     report.add("foreach " + str(target).split(".")[1], members, [whole])
     for m in members:
         graph.erase_node(m)
