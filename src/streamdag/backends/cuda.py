@@ -15,6 +15,7 @@ lost and the runtime fails every pending and later op with
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -100,11 +101,18 @@ class _Completions:
     time it does, the submitter stalls on a thread switch. Someone waiting
     (a future's ``result()``, ``synchronize()``, a full in-flight bound) cuts
     the pause short through :meth:`hurry`. With nothing completed it sleeps in
-    ``cudaEventSynchronize`` on the oldest pending event (GIL released).
+    ``cudaEventSynchronize`` on the oldest pending event (GIL released), or,
+    for a while after someone waited, polls: a blocking event wait wakes
+    through an interrupt, later than a poll sees the event (on the H100, a
+    ``result()`` after a captured replay of the medium wide graph came 0.06 ms
+    after the replay with polling, 0.37 ms without).
     Events go back to the backend's pool once their op has been finished.
     """
 
     BATCH_SECONDS = 1e-3
+    #: after someone waited, poll this often instead of blocking, for this long
+    POLL_SECONDS = 20e-6
+    POLL_AFTER_WAIT_SECONDS = 20e-3
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
@@ -114,6 +122,7 @@ class _Completions:
         self._seq = 0
         self._wake = threading.Event()
         self._hurry = threading.Event()
+        self._hurried_at = -1.0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
@@ -169,6 +178,10 @@ class _Completions:
                 self._hurry.clear()
                 continue
             heads = [q[0] for q in self._queues if q]
+            if heads and time.perf_counter() - self._hurried_at < self.POLL_AFTER_WAIT_SECONDS:
+                # someone waits: poll, since a blocking event wait wakes through an interrupt (slower)
+                time.sleep(self.POLL_SECONDS)
+                continue
             if heads:
                 oldest = min(heads, key=lambda h: h[0])
                 try:
@@ -182,7 +195,8 @@ class _Completions:
             self._wake.clear()
 
     def hurry(self) -> None:
-        """Someone waits for a finish: end the pause between passes now."""
+        """Someone waits for a finish: end the pause between passes now, and poll for a while."""
+        self._hurried_at = time.perf_counter()
         self._hurry.set()
 
     def stop(self) -> None:
