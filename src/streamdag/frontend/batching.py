@@ -269,9 +269,19 @@ def _merge_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
         batched = graph.call_function(aten.bmm.default, (left, weights))
     _unbind(graph, batched, members)
     stacked_left = [left] if left is not base and left.target is aten.stack.default else []
-    report.add("matmul", members, [batched, *stacked_left])
+    _record_and_erase(graph, report, "matmul", members, [batched, *stacked_left])
+
+
+def _record_and_erase(graph: torch.fx.Graph, report: BatchReport, kind: str, members: list[torch.fx.Node],
+                      ops: list[torch.fx.Node]) -> None:
+    """The group is rewritten: report it, then drop its members (their uses are replaced)."""
+    report.add(kind, members, ops)
     for m in members:
         graph.erase_node(m)
+
+
+def _op_name(target: Any) -> str:
+    return str(target).split(".")[1]  # aten.relu.default -> relu
 
 
 def _constant(gm: torch.fx.GraphModule, constants: StackedConstants, value: torch.Tensor,
@@ -350,9 +360,7 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
         with graph.inserting_after(bias or weights):
             conv = graph.call_function(aten.convolution.default, (x, weights, bias, *geometry))
         _split_channels(graph, conv, members, widths)
-        report.add("convolution", members, [conv])
-        for m in members:
-            graph.erase_node(m)
+        _record_and_erase(graph, report, "convolution", members, [conv])
         changed = True
     return changed
 
@@ -400,11 +408,10 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
             out = graph.call_function(operator.getitem, (bn, 0))
         outs = [next(u for u in m.users if u.args[1] == 0) for m in members]
         _split_channels(graph, out, outs, widths)
-        report.add("batch_norm", members, [bn])
-        for m in members:
+        for m in members:  # the getitems of its outputs go first
             for u in list(m.users):
                 graph.erase_node(u)
-            graph.erase_node(m)
+        _record_and_erase(graph, report, "batch_norm", members, [bn])
         changed = True
     return changed
 
@@ -433,9 +440,7 @@ def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
             _split_channels(graph, whole, members, [a.args[3] - a.args[2] for a in args])
         else:
             _unbind(graph, whole, members)
-        report.add(str(target).split(".")[1], members, [whole])
-        for m in members:
-            graph.erase_node(m)
+        _record_and_erase(graph, report, _op_name(target), members, [whole])
         changed = True
     return changed
 
@@ -498,9 +503,7 @@ def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
         with graph.inserting_after(after):
             whole = graph.call_function(target, tuple(operands))
         _unbind(graph, whole, members)
-        report.add(str(target).split(".")[1], members, [whole])
-        for m in members:
-            graph.erase_node(m)
+        _record_and_erase(graph, report, _op_name(target), members, [whole])
         changed = True
     return changed
 
@@ -541,9 +544,7 @@ def _merge_foreach(graph: torch.fx.Graph, report: BatchReport, members: list[tor
     with graph.inserting_after(max(members, key=index.__getitem__)):
         whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
     _replace_by_items(graph, whole, members)
-    report.add("foreach " + str(target).split(".")[1], members, [whole])
-    for m in members:
-        graph.erase_node(m)
+    _record_and_erase(graph, report, "foreach " + _op_name(target), members, [whole])
 
 
 def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
