@@ -74,19 +74,21 @@ class Future(concurrent.futures.Future):
         """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
         super().add_done_callback(fn)
 
+    def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
+        """Finish at once if nobody waits and no callback is set (no condition to notify)."""
+        with _LAZY:
+            if "_condition" in self.__dict__ or self._state != _PENDING:
+                return False
+            self._result, self._exception, self._state = result, exception, _FINISHED
+            return True
+
     def set_result(self, result: Any) -> None:
-        with _LAZY:  # nobody waits and no callback is set: no condition to notify
-            if "_condition" not in self.__dict__ and self._state == _PENDING:
-                self._result, self._state = result, _FINISHED
-                return
-        super().set_result(result)
+        if not self._settle_unobserved(result, None):
+            super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        with _LAZY:
-            if "_condition" not in self.__dict__ and self._state == _PENDING:
-                self._exception, self._state = exception, _FINISHED
-                return
-        super().set_exception(exception)
+        if not self._settle_unobserved(None, exception):
+            super().set_exception(exception)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return asyncio.wrap_future(self).__await__()
