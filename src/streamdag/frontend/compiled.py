@@ -108,6 +108,7 @@ class _Entry:
                 self.base_env[node] = getattr(gm, node.target)
         self.mutated_inputs = sorted({i for op in ops for i in op.writes_inputs})
         graph = RecordedGraph(self.runtime, copy_out=False)  # outputs are cloned by the caller
+        graph.time_ops = True  # each op's GPU time feeds the choice between batching and streams
         env = self.env
         for op in ops:
             graph.add(lambda run=op.run: run(env), (), {}, op.accesses, op.node.name)

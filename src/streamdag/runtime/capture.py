@@ -332,8 +332,8 @@ class CudaGraphRunner:
         written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
         saved = [t.clone() for t in written]
         try:
-            if self.groups is None:  # op times: for the cost model here, and for batching's choice
-                durations = self._time_ops()
+            if self.groups is None and (natural > 1 or self.recorded.time_ops):
+                durations = self._time_ops()  # for the cost model here, and for batching's choice
                 self.stats.op_ms = dict(zip(self.recorded.names, durations))
             if natural > 1:
                 for k in sorted({1, 2, 4, 8, 16, natural}):

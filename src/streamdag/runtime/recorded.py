@@ -85,6 +85,8 @@ class RecordedGraph:
         self.first_run_host_ms: float | None = None
         self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
         self.capture_fallback: str | None = None
+        #: time every op while capturing even when the schedule is one chain (for batching's choice)
+        self.time_ops = False
         self._runner: Any = None
         self._replay_accesses: list[Access] | None = None
         self._host_replay: Any = None
