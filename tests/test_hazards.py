@@ -90,6 +90,25 @@ def test_buffers_in_different_spaces_never_conflict():
     assert submit(t, "r", Access(Region("cuda:0", 0, 100), False)) == []
 
 
+def test_an_op_reading_and_writing_one_buffer_never_depends_on_itself():
+    a = np.zeros(8)
+    t = DepsTracker()
+    assert t.link("w1", [acc(a), acc(a, True)]) == []
+    assert t.link("w2", [acc(a, True), acc(a[:2])]) == ["w1"]
+    assert t.link("r", [acc(a[1:])]) == ["w2"]  # w2 rewrote all of a, after w1
+
+
+def test_retired_nodes_are_dropped_as_records_grow():
+    a = np.zeros(8)
+    done = set()
+    t = DepsTracker(retired=done.__contains__)
+    for i in range(100):
+        t.link(i, [acc(a)])  # readers pile up on one range until compaction drops the finished
+        done.add(i)
+    assert len(t) < 40
+    assert set(t.link("w", [acc(a, True)])) <= done  # what is left is finished: the owner skips it
+
+
 def test_forget_drops_finished_nodes():
     a = np.zeros(8)
     t = DepsTracker()
@@ -103,12 +122,14 @@ def test_matches_a_brute_force_oracle(ops):
     """Every overlapping earlier access is found (directly or through a covering write)."""
     from streamdag.graph import Region
 
-    t = DepsTracker()
+    t, linked = DepsTracker(), DepsTracker()
     history = []
     for i, (start, length, is_write) in enumerate(ops):
         acc = Access(Region("cpu", start, start + length), is_write)
-        deps = set(t.depends_on([acc]))
+        in_order = t.depends_on([acc])
         t.add(i, [acc])
+        assert linked.link(i, [acc]) == in_order  # the runtime's one-pass path finds the same
+        deps = set(in_order)
         direct = {j for j, (s, n, w) in enumerate(ops[:i])
                   if s < start + length and start < s + n and (w or is_write)}
         assert deps <= direct  # nothing spurious

@@ -161,3 +161,26 @@ def test_recorded_graph_runs_equal_serial(program, streams, seed):
         assert list(g.run().result()) == expect_results
     for got, want in zip(bases, expect_bases):
         assert np.array_equal(got, want)
+
+
+@EXAMPLES
+@given(programs, programs, st.integers(1, 4), st.integers(0, 2**16))
+def test_graph_runs_and_eager_ops_interleaved_equal_serial(graph_program, eager_program, streams, seed):
+    """g.run(); eager ops; g.run(), with nothing waited for in between: ordered as if serial."""
+    sequence = graph_program + eager_program + graph_program
+    expect_bases, expect_results, _, _ = serial([dict(op) for op in sequence])
+    bases = initial_bases()
+    with sd.Runtime("sim", streams=streams, seed=seed) as rt:
+        with rt.record() as g:
+            for i, op in enumerate(graph_program):
+                rt.submit(run_op, op, bases, reads=[make_view(bases, r) for r in op["reads"]],
+                          writes=[make_view(bases, op["write"])], name=f"g{i}")
+        first = g.run()
+        eager = [rt.submit(run_op, op, bases, reads=[make_view(bases, r) for r in op["reads"]],
+                           writes=[make_view(bases, op["write"])], name=f"e{i}")
+                 for i, op in enumerate(eager_program)]
+        second = g.run()
+        got = list(first.result()) + [f.result() for f in eager] + list(second.result())
+    assert got == expect_results
+    for g_base, want in zip(bases, expect_bases):
+        assert np.array_equal(g_base, want)

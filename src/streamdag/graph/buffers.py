@@ -103,6 +103,7 @@ def _extent(base: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsiz
 
 
 _CUDA_SPACES: dict[int, str] = {}
+_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 def _torch_region(t: Any) -> Region:
@@ -119,10 +120,10 @@ def _torch_region(t: Any) -> Region:
             f"streamdag tracks strided tensors only (got layout {t.layout}); "
             "pass a dense tensor (t.to_dense()) in reads/writes"
         )
-    size = t.element_size()
     start = t.data_ptr()
     if t.is_contiguous():  # the common case: one C call instead of a loop over dimensions
-        return Region(space, start, start + t.numel() * size)
+        return _new(Region, (space, start, start + t.nbytes))
+    size = t.element_size()
     stride_bytes = tuple(s * size for s in t.stride())
     start, end = _extent(start, tuple(t.shape), stride_bytes, size)
     return Region(space, start, end)

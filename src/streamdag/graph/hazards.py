@@ -1,20 +1,21 @@
 """Dependencies from data: which earlier ops a new op must wait for.
 
-State (plain data): for each address space, the entries
-``(start, end, node, write)`` of the accesses that may still matter, sorted
-by start, and the length of the longest one. A new op that reads a region
-depends on every earlier overlapping *write* (read-after-write); one that
-writes depends on every earlier overlapping access (write-after-read,
-write-after-write). Reads never wait for reads.
+State (plain data): for each address space, one record per distinct byte
+range accessed, ``[start, end)``, holding the last op that wrote it and the
+ops that read it since. A new op that reads a range depends on the writer of
+every overlapping record (read-after-write); one that writes depends on the
+writers and the readers (write-after-read, write-after-write). Reads never
+wait for reads. A write replaces its record's writer and readers: anything
+that would depend on them depends on the write, which follows them.
 
-Look-ups bisect the sorted starts: only entries starting within the longest
-entry's length before the region can overlap it, so a look-up costs the
-entries near the region, not all of them.
+Records are kept sorted by start, with the length of the longest, so that
+finding the records overlapping a range bisects to the few near it. Most
+ops access exactly the ranges earlier ops did (the same tensors again): a
+dictionary finds that record at once, and a record that no other record
+overlaps needs no search at all.
 
-An entry is dropped once a later write covers it entirely: that write already
-depends on it, so anything that will depend on the entry depends on the write.
-The owner may also drop entries of finished ops (:meth:`forget`), or name a
-``retired`` predicate that drops them as the entries grow.
+The owner may drop the ops that no longer matter (:meth:`forget`), or name a
+``retired`` predicate that drops them as the records grow.
 
 Nodes are opaque to this module; it never looks inside them.
 """
@@ -23,47 +24,83 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable
-from itertools import count
 
 from .buffers import Access
 
 __all__ = ["DepsTracker"]
 
-Entry = tuple[int, int, Hashable, bool, int]  # start, end, node, write, order added
+
+class _Record:
+    """One byte range: its last writer and the readers since, each as ``(node, order added)``."""
+
+    __slots__ = ("end", "readers", "shared", "start", "writer")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+        self.writer: tuple[Hashable, int] | None = None
+        self.readers: list[tuple[Hashable, int]] = []
+        #: another record overlaps this one (or did): a look-up must search the neighbours
+        self.shared = False
+
+    def size(self) -> int:
+        return len(self.readers) + (self.writer is not None)
 
 
 class _Space:
-    """The entries of one address space, sorted by start."""
+    """The records of one address space: by exact range, and sorted by start."""
 
-    __slots__ = ("compact_at", "entries", "longest", "starts")
+    __slots__ = ("by_range", "compact_at", "count", "longest", "records", "starts")
 
     def __init__(self) -> None:
+        self.by_range: dict[tuple[int, int], _Record] = {}
         self.starts: list[int] = []
-        self.entries: list[Entry] = []
+        self.records: list[_Record] = []
         self.longest = 0
+        self.count = 0  # writers and readers held, for compaction
         self.compact_at = 16
 
-    def near(self, start: int, end: int) -> range:
-        """Indices of the entries that may overlap ``[start, end)``."""
-        lo = bisect_right(self.starts, start - self.longest)
-        return range(lo, bisect_left(self.starts, end))
+    def overlapping(self, start: int, end: int) -> list[_Record]:
+        """The records overlapping ``[start, end)``."""
+        starts, records = self.starts, self.records
+        lo = bisect_right(starts, start - self.longest)
+        hi = bisect_left(starts, end)
+        return [r for r in records[lo:hi] if r.end > start]
 
-    def insert(self, entry: Entry) -> None:
-        i = bisect_right(self.starts, entry[0])
-        self.starts.insert(i, entry[0])
-        self.entries.insert(i, entry)
-        self.longest = max(self.longest, entry[1] - entry[0])
+    def record(self, start: int, end: int) -> _Record:
+        """The record of exactly ``[start, end)``, made (and its neighbours told) if new."""
+        rec = self.by_range.get((start, end))
+        if rec is not None:
+            return rec
+        rec = _Record(start, end)
+        for other in self.overlapping(start, end):
+            other.shared = rec.shared = True
+        i = bisect_right(self.starts, start)
+        self.starts.insert(i, start)
+        self.records.insert(i, rec)
+        self.by_range[(start, end)] = rec
+        if end - start > self.longest:
+            self.longest = end - start
+        return rec
 
-    def drop_covered(self, start: int, end: int) -> None:
-        lo, hi = bisect_left(self.starts, start), bisect_left(self.starts, end)
-        kept = [e for e in self.entries[lo:hi] if e[1] > end]
-        if len(kept) != hi - lo:
-            self.entries[lo:hi] = kept
-            self.starts[lo:hi] = [e[0] for e in kept]
-
-    def keep(self, wanted: Callable[[Entry], bool]) -> None:
-        self.entries = [e for e in self.entries if wanted(e)]
-        self.starts = [e[0] for e in self.entries]
+    def keep(self, wanted: Callable[[Hashable], bool]) -> None:
+        """Drop the nodes not ``wanted``, and the records left empty."""
+        kept: list[_Record] = []
+        count = 0
+        for rec in self.records:
+            if rec.writer is not None and not wanted(rec.writer[0]):
+                rec.writer = None
+            if rec.readers:
+                rec.readers = [r for r in rec.readers if wanted(r[0])]
+            size = rec.size()
+            if size:
+                kept.append(rec)
+                count += size
+            else:
+                del self.by_range[(rec.start, rec.end)]
+        self.records = kept
+        self.starts = [r.start for r in kept]
+        self.count = count
 
 
 class DepsTracker:
@@ -72,52 +109,107 @@ class DepsTracker:
     def __init__(self, retired: Callable[[Hashable], bool] | None = None) -> None:
         self._spaces: dict[str, _Space] = {}
         self._retired = retired
-        self._order = count()
+        self._order = 0
 
     def __len__(self) -> int:
-        return sum(len(s.entries) for s in self._spaces.values())
+        """Accesses held: a writer or a reader of some range."""
+        return sum(s.count for s in self._spaces.values())
 
     def depends_on(self, accesses: Iterable[Access]) -> list[Hashable]:
         """Earlier nodes that an op with ``accesses`` must follow, in the order they were added."""
         found: dict[Hashable, int] = {}
-        retired = self._retired
-        for acc in accesses:
-            r = acc.region
-            if r.start == r.end:
+        for (space_name, start, end), write in accesses:
+            if start == end:
                 continue
-            space = self._spaces.get(r.space)
+            space = self._spaces.get(space_name)
             if space is None:
                 continue
-            if retired is not None and len(space.entries) >= space.compact_at:
-                # drop what no longer matters; amortized: only once the entries have doubled
-                space.keep(lambda e: not retired(e[2]))
-                space.compact_at = max(16, 2 * len(space.entries))
-            entries = space.entries
-            for i in space.near(r.start, r.end):
-                _, end, node, was_write, order = entries[i]
-                if end > r.start and (acc.write or was_write) and order < found.get(node, order + 1):
-                    found[node] = order
+            rec = space.by_range.get((start, end))
+            records = (rec,) if rec is not None and not rec.shared else space.overlapping(start, end)
+            for rec in records:
+                if rec.writer is not None:
+                    node, order = rec.writer
+                    if order < found.get(node, order + 1):
+                        found[node] = order
+                if write:
+                    for node, order in rec.readers:
+                        if order < found.get(node, order + 1):
+                            found[node] = order
+        if len(found) < 2:
+            return list(found)
+        return sorted(found, key=found.__getitem__)
+
+    def link(self, node: Hashable, accesses: Iterable[Access]) -> list[Hashable]:
+        """:meth:`depends_on` then :meth:`add` in one pass over the records: the runtime's path."""
+        found: dict[Hashable, int] = {}
+        touched: list[tuple[_Space, _Record, bool]] = []
+        for (space_name, start, end), write in accesses:
+            if start == end:
+                continue
+            space = self._spaces.get(space_name)
+            if space is None:
+                space = self._spaces[space_name] = _Space()
+            elif space.count >= space.compact_at:
+                self._compact(space)
+            rec = space.by_range.get((start, end))
+            if rec is None:
+                rec = space.record(start, end)
+            touched.append((space, rec, write))
+            for other in space.overlapping(start, end) if rec.shared else (rec,):
+                if other.writer is not None:
+                    dep, order = other.writer
+                    if order < found.get(dep, order + 1):
+                        found[dep] = order
+                if write:
+                    for dep, order in other.readers:
+                        if order < found.get(dep, order + 1):
+                            found[dep] = order
+        for space, rec, write in touched:
+            self._order += 1
+            if write:
+                space.count += 1 - rec.size()
+                rec.writer = (node, self._order)
+                rec.readers = []
+            else:
+                space.count += 1
+                rec.readers.append((node, self._order))
+        if len(found) < 2:
+            return list(found)
         return sorted(found, key=found.__getitem__)
 
     def add(self, node: Hashable, accesses: Iterable[Access]) -> None:
         """Record ``node``'s accesses; call after :meth:`depends_on` for the same node."""
-        for acc in accesses:
-            r = acc.region
-            if r.start == r.end:
+        for (space_name, start, end), write in accesses:
+            if start == end:
                 continue
-            space = self._spaces.get(r.space)
+            space = self._spaces.get(space_name)
             if space is None:
-                space = self._spaces[r.space] = _Space()
-            if acc.write:
-                space.drop_covered(r.start, r.end)
-            space.insert((r.start, r.end, node, acc.write, next(self._order)))
+                space = self._spaces[space_name] = _Space()
+            elif space.count >= space.compact_at:
+                self._compact(space)
+            rec = space.record(start, end)
+            self._order += 1
+            if write:
+                space.count += 1 - rec.size()
+                rec.writer = (node, self._order)
+                rec.readers = []
+            else:
+                space.count += 1
+                rec.readers.append((node, self._order))
+
+    def _compact(self, space: _Space) -> None:
+        """Drop retired nodes; amortized: only once the records have doubled since the last time."""
+        retired = self._retired
+        if retired is not None:
+            space.keep(lambda node: not retired(node))
+        space.compact_at = max(16, 2 * space.count)
 
     def forget(self, finished: Callable[[Hashable], bool]) -> None:
         """Drop the entries of nodes for which ``finished(node)`` is true."""
         for name in list(self._spaces):
             space = self._spaces[name]
-            space.keep(lambda e: not finished(e[2]))
-            if not space.entries:
+            space.keep(lambda node: not finished(node))
+            if not space.records:
                 del self._spaces[name]
 
     def clear(self) -> None:

@@ -308,12 +308,16 @@ class Runtime:
 
     def _submit(self, fn, args, kwargs, reads, writes, name, blocking: bool, stream: int | None = None,
                 device_ordered: bool = False, run_on: str | None = None):
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if not callable(fn):
             raise TypeError(f"submit() needs a callable first, got {type(fn).__name__}")
         args, kwargs, accesses, written = collect_accesses(args, kwargs, reads, writes)
-        op_name = name or getattr(fn, "__name__", type(fn).__name__)
-        self._check_spaces(accesses, op_name)
+        op_name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        spaces = self._spaces
+        for acc in accesses:
+            if acc.region.space not in spaces:
+                self._check_spaces(accesses, op_name)
         device = self.device
         if self._multi:
             from .peers import bring_inputs, place
@@ -321,9 +325,9 @@ class Runtime:
             device = place(self, accesses, run_on, stream, op_name)
             if stream is None:  # copies read remote memory by design; other ops get local copies
                 args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
-        elif run_on is not None and run_on != self.device:
-            raise ValueError(f"run_on={run_on!r}, but this runtime runs on {self.device} only: "
-                             f"create it with devices=[{self.device!r}, {run_on!r}]")
+        elif run_on is not None and run_on != device:
+            raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "
+                             f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording
         if recording is not None:
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
@@ -332,16 +336,16 @@ class Runtime:
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
                  device_ordered: bool = False, device: str | None = None):
-        if not self._take_slot(blocking):
+        if not self._slots.acquire(False) and not self._take_slot(blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
                 "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
             )
         with self._lock:
-            self._seq += 1
-            op = Op(self._seq, op_name if name else f"{op_name}#{self._seq}", fn, args, kwargs, accesses)
-            deps = self._tracker.depends_on(accesses)
-            if not (device_ordered or self.backend.deferred):
+            seq = self._seq = self._seq + 1
+            op = Op(seq, op_name if name else f"{op_name}#{seq}", fn, args, kwargs, accesses)
+            deps = self._tracker.link(op, accesses)
+            if deps and not (device_ordered or self.backend.deferred):
                 _wait_for_host_inputs(accesses, deps)
             self._launch(op, deps, stream, device)
         return op.future
@@ -364,31 +368,37 @@ class Runtime:
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
+        live: list[Op] = []
         if deps:
-            live = [d for d in deps if not d.done]
-            op.deps = [d for d in deps if not d.done or d.error is not None]
-        else:
-            live = deps
+            kept = []  # what ``execute`` checks for failures: the unfinished, and the failed
+            for d in deps:
+                if not d.done:
+                    live.append(d)
+                    kept.append(d)
+                elif d.error is not None:
+                    kept.append(d)
+            op.deps = kept
         if stream is None:
             stream = self._choose_stream(live, device or self.device)
-        stamp, waits = self._clocks.place(stream, [d.stamp for d in live])
+        stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         op.stamp = stamp
-        self._tracker.add(op, op.accesses)
+        pending = self._pending
         with self._done_lock:
-            self._pending[op.seq] = op
+            pending[op.seq] = op
             self._busy[stream] += 1
-            self._peak = max(self._peak, len(self._pending))
+            if len(pending) > self._peak:
+                self._peak = len(pending)
         backend = self._member[stream]
-        lost = backend.lost if self._can_be_lost else None
-        if lost is not None:  # the device takes no more calls: fail at once, touch nothing
+        if self._can_be_lost and backend.lost is not None:  # the device takes no more calls: fail at once
             op.deps = ()
-            op.error, op.root_name, op.root_error = lost, op.name, lost
+            op.error = op.root_error = backend.lost
+            op.root_name = op.name
             self._finish(op)
             return
         s = self._streams[stream]
         profiler = self._profiler
         try:
-            if not _DROP_WAITS:
+            if waits and not _DROP_WAITS:
                 for i in waits:
                     live[i].event.wait(s)
             if profiler is not None:
@@ -398,8 +408,8 @@ class Runtime:
                 profiler.end(op, stream, started)
             stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
             if not stop:
-                op.event = backend.event()
-                op.event.record(s)
+                op.event = event = backend.event()
+                event.record(s)
         except Exception as exc:  # the backend's own calls failed
             op.error, op.root_name, op.root_error = exc, op.name, exc
             stop = True
@@ -410,7 +420,7 @@ class Runtime:
             self._finish(op)
             return
         op.future._hurry = self._hurry_of[stream]
-        backend.when_done(s, op.event, partial(self._finish, op))
+        backend.when_done(s, event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op], device: str) -> int:
         """Continue a producer's compute stream when it is that stream's last op; else the least busy one.

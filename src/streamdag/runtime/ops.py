@@ -118,32 +118,43 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
 
 def _unwrap(value: Any, accesses: list[Access]) -> Any:
     if isinstance(value, Marker):
-        accesses.append(Access(region_of(value.value), value.write))
+        accesses.append(_new(Access, (region_of(value.value), value.write)))
         return value.value
     return value
 
 
 def collect_accesses(
-    args: Sequence[Any],
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
     reads: Iterable[Any],
     writes: Iterable[Any],
-) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], list[Any]]:
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], Sequence[Any]]:
     """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped.
 
     Also returns the objects written, for graphs that must save and restore them.
+    Runs for every submitted op: the common case (lists of tensors, no markers)
+    takes the fewest Python steps.
     """
-    reads = _as_list(reads, "reads=[a, b]")
-    writes = _as_list(writes, "writes=[c]")
-    accesses = [Access(region_of(r), False) for r in reads]
-    accesses += [Access(region_of(w), True) for w in writes]
-    written = writes
-    if Marker in set(map(type, args)) or (kwargs and Marker in set(map(type, kwargs.values()))):
-        written = writes + [v.value for v in (*args, *kwargs.values())
-                            if isinstance(v, Marker) and v.write]
-        args = tuple(_unwrap(a, accesses) for a in args)
-        kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
-    return tuple(args), kwargs, accesses, written
+    if type(reads) is not list and type(reads) is not tuple:
+        reads = _as_list(reads, "reads=[a, b]")
+    if type(writes) is not list and type(writes) is not tuple:
+        writes = _as_list(writes, "writes=[c]")
+    accesses = [_new(Access, (region_of(r), False)) for r in reads]
+    if writes:
+        accesses += [_new(Access, (region_of(w), True)) for w in writes]
+    for v in args:
+        if type(v) is Marker:
+            break
+    else:
+        if not kwargs or Marker not in set(map(type, kwargs.values())):
+            return args, kwargs, accesses, writes
+    written = [*writes, *(v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write)]
+    args = tuple(_unwrap(a, accesses) for a in args)
+    kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
+    return args, kwargs, accesses, written
+
+
+_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 def _as_list(value: Any, example: str) -> list[Any]:

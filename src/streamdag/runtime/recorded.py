@@ -111,7 +111,7 @@ class RecordedGraph:
         unique = name or f"{getattr(fn, '__name__', type(fn).__name__)}#{index}"
         self._preds.append(sorted(self._tracker.depends_on(accesses)))
         self._tracker.add(index, accesses)
-        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, written or [],
+        self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, list(written or ()),
                                    device or self._rt.device))
         return OpNode(index, unique)
 
@@ -207,7 +207,7 @@ class RecordedGraph:
             fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
             op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
-            outside = [d for d in rt._tracker.depends_on(rec.accesses) if d.run_id != run_id]
+            outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]
             if rec.stream is None and not rt.backend.deferred:  # host code runs now
                 _wait_for_host_inputs(rec.accesses, deps)

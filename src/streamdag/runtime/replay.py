@@ -61,13 +61,12 @@ class HostReplay:
         with rt._lock:
             rt._seq += 1
             op = Op(rt._seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
-            deps = rt._tracker.depends_on(self.accesses)
+            deps = rt._tracker.link(op, self.accesses)
             live = [d for d in deps if not d.done]
             op.deps = [d for d in deps if not d.done or d.error is not None]
             failed_dep = next((d for d in op.deps if d.error is not None), None)
             join = self.join
             op.stamp, _ = rt._clocks.place(join, [d.stamp for d in live])
-            rt._tracker.add(op, self.accesses)
             with rt._done_lock:
                 rt._pending[op.seq] = op
                 rt._busy[join] += 1

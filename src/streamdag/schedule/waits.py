@@ -14,18 +14,24 @@ placement. It is pure: positions and clocks are plain ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Stamp", "StreamClocks", "plan_waits"]
 
 
-@dataclass(frozen=True, slots=True)
-class Stamp:
-    """Where an op ran: its stream, its 1-based position there, and its vector clock."""
+class Stamp(NamedTuple):
+    """Where an op ran: its stream, its 1-based position there, and its vector clock.
+
+    A named tuple: one is made per submitted op, and a frozen dataclass costs
+    several times more to build.
+    """
 
     stream: int
     pos: int
     clock: tuple[int, ...]
+
+
+_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 class StreamClocks:
@@ -74,7 +80,7 @@ class StreamClocks:
                     waits.remove(i)
         known[stream] += 1
         self._known[stream] = known
-        return Stamp(stream, known[stream], tuple(known)), waits
+        return _new(Stamp, (stream, known[stream], tuple(known))), waits
 
 
 def plan_waits(preds: Sequence[Sequence[int]], streams: Sequence[int], num_streams: int
