@@ -130,7 +130,8 @@ class _Completions:
     def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> None:
         self._seq += 1
         self._queues[stream].append((self._seq, event, callback))
-        self._wake.set()
+        if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
+            self._wake.set()
 
     def _drain(self) -> bool:
         """Finish what has completed; True if anything did.

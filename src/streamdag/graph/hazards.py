@@ -58,7 +58,7 @@ class _Space:
         self.records: list[_Record] = []
         self.longest = 0
         self.count = 0  # writers and readers held, for compaction
-        self.compact_at = 16
+        self.compact_at = 64
 
     def overlapping(self, start: int, end: int) -> list[_Record]:
         """The records overlapping ``[start, end)``."""
@@ -83,24 +83,26 @@ class _Space:
             self.longest = end - start
         return rec
 
-    def keep(self, wanted: Callable[[Hashable], bool]) -> None:
-        """Drop the nodes not ``wanted``, and the records left empty."""
-        kept: list[_Record] = []
-        count = 0
+    def keep(self, wanted: Callable[[Hashable], bool], drop_empty: bool = True) -> None:
+        """Drop the nodes not ``wanted``; and the records left empty, when at least half are."""
+        count = empty = 0
         for rec in self.records:
             if rec.writer is not None and not wanted(rec.writer[0]):
                 rec.writer = None
             if rec.readers:
                 rec.readers = [r for r in rec.readers if wanted(r[0])]
             size = rec.size()
-            if size:
-                kept.append(rec)
-                count += size
-            else:
-                del self.by_range[(rec.start, rec.end)]
-        self.records = kept
-        self.starts = [r.start for r in kept]
+            count += size
+            empty += not size
         self.count = count
+        # an empty record costs nothing to keep and saves making it again for the next op on
+        # the same range (the common case); dropped only once they would dominate the search
+        if empty and (drop_empty or 2 * empty >= len(self.records)):
+            for rec in self.records:
+                if not rec.size():
+                    del self.by_range[(rec.start, rec.end)]
+            self.records = [r for r in self.records if r.size()]
+            self.starts = [r.start for r in self.records]
 
 
 class DepsTracker:
@@ -198,11 +200,12 @@ class DepsTracker:
                 rec.readers.append((node, self._order))
 
     def _compact(self, space: _Space) -> None:
-        """Drop retired nodes; amortized: only once the records have doubled since the last time."""
+        """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
         retired = self._retired
         if retired is not None:
-            space.keep(lambda node: not retired(node))
-        space.compact_at = max(16, 2 * space.count)
+            space.keep(lambda node: not retired(node), drop_empty=False)
+        # the next compaction comes after at least as many adds as this one visited
+        space.compact_at = space.count + max(64, len(space.records) + space.count)
 
     def forget(self, finished: Callable[[Hashable], bool]) -> None:
         """Drop the entries of nodes for which ``finished(node)`` is true."""
