@@ -127,19 +127,9 @@ class DepsTracker:
             if space is None:
                 continue
             rec = space.by_range.get((start, end))
-            records = (rec,) if rec is not None and not rec.shared else space.overlapping(start, end)
-            for rec in records:
-                if rec.writer is not None:
-                    node, order = rec.writer
-                    if order < found.get(node, order + 1):
-                        found[node] = order
-                if write:
-                    for node, order in rec.readers:
-                        if order < found.get(node, order + 1):
-                            found[node] = order
-        if len(found) < 2:
-            return list(found)
-        return sorted(found, key=found.__getitem__)
+            _collect((rec,) if rec is not None and not rec.shared else space.overlapping(start, end),
+                     write, found)
+        return _in_order(found)
 
     def link(self, node: Hashable, accesses: Iterable[Access]) -> list[Hashable]:
         """:meth:`depends_on` then :meth:`add` in one pass over the records: the runtime's path."""
@@ -148,56 +138,40 @@ class DepsTracker:
         for (space_name, start, end), write in accesses:
             if start == end:
                 continue
-            space = self._spaces.get(space_name)
-            if space is None:
-                space = self._spaces[space_name] = _Space()
-            elif space.count >= space.compact_at:
-                self._compact(space)
-            rec = space.by_range.get((start, end))
-            if rec is None:
-                rec = space.record(start, end)
+            space = self._space(space_name)
+            rec = space.by_range.get((start, end)) or space.record(start, end)
             touched.append((space, rec, write))
-            for other in space.overlapping(start, end) if rec.shared else (rec,):
-                if other.writer is not None:
-                    dep, order = other.writer
-                    if order < found.get(dep, order + 1):
-                        found[dep] = order
-                if write:
-                    for dep, order in other.readers:
-                        if order < found.get(dep, order + 1):
-                            found[dep] = order
-        for space, rec, write in touched:
-            self._order += 1
-            if write:
-                space.count += 1 - rec.size()
-                rec.writer = (node, self._order)
-                rec.readers = []
-            else:
-                space.count += 1
-                rec.readers.append((node, self._order))
-        if len(found) < 2:
-            return list(found)
-        return sorted(found, key=found.__getitem__)
+            _collect(space.overlapping(start, end) if rec.shared else (rec,), write, found)
+        for space, rec, write in touched:  # after the look-ups: an op never depends on itself
+            self._enter(node, space, rec, write)
+        return _in_order(found)
 
     def add(self, node: Hashable, accesses: Iterable[Access]) -> None:
         """Record ``node``'s accesses; call after :meth:`depends_on` for the same node."""
         for (space_name, start, end), write in accesses:
-            if start == end:
-                continue
-            space = self._spaces.get(space_name)
-            if space is None:
-                space = self._spaces[space_name] = _Space()
-            elif space.count >= space.compact_at:
-                self._compact(space)
-            rec = space.record(start, end)
-            self._order += 1
-            if write:
-                space.count += 1 - rec.size()
-                rec.writer = (node, self._order)
-                rec.readers = []
-            else:
-                space.count += 1
-                rec.readers.append((node, self._order))
+            if start != end:
+                space = self._space(space_name)
+                self._enter(node, space, space.record(start, end), write)
+
+    def _space(self, name: str) -> _Space:
+        """The space named ``name``, made if new, compacted when due."""
+        space = self._spaces.get(name)
+        if space is None:
+            space = self._spaces[name] = _Space()
+        elif space.count >= space.compact_at:
+            self._compact(space)
+        return space
+
+    def _enter(self, node: Hashable, space: _Space, rec: _Record, write: bool) -> None:
+        """``node`` becomes the writer of ``rec`` (replacing the readers) or one more reader."""
+        self._order += 1
+        if write:
+            space.count += 1 - rec.size()
+            rec.writer = (node, self._order)
+            rec.readers = []
+        else:
+            space.count += 1
+            rec.readers.append((node, self._order))
 
     def _compact(self, space: _Space) -> None:
         """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
@@ -217,3 +191,20 @@ class DepsTracker:
 
     def clear(self) -> None:
         self._spaces.clear()
+
+
+def _collect(records: Iterable[_Record], write: bool, found: dict[Hashable, int]) -> None:
+    """Add to ``found`` the nodes an access must follow in ``records``, each at its earliest order."""
+    for rec in records:
+        if rec.writer is not None:
+            node, order = rec.writer
+            if order < found.get(node, order + 1):
+                found[node] = order
+        if write:
+            for node, order in rec.readers:
+                if order < found.get(node, order + 1):
+                    found[node] = order
+
+
+def _in_order(found: dict[Hashable, int]) -> list[Hashable]:
+    return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
