@@ -25,6 +25,14 @@ def test_submit_returns_a_future_of_the_functions_value(rt):
     assert f.result() == 6.0
 
 
+def test_keywords_other_than_the_runtimes_reach_the_function(rt):
+    def f(x, fn=None, streams=None):
+        return (x, fn, streams)
+
+    assert rt.submit(f, 1, fn="kept", streams=2).result() == (1, "kept", 2)
+    assert rt.submit_nowait(f, x=3, fn="too").result() == (3, "too", None)
+
+
 def test_future_is_awaitable(rt):
     a = np.arange(4.0)
 

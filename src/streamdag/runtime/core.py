@@ -139,6 +139,7 @@ class Runtime:
     def submit(
         self,
         fn: Callable[..., Any],
+        /,
         *args: Any,
         reads: Iterable[Any] = (),
         writes: Iterable[Any] = (),
@@ -151,12 +152,16 @@ class Runtime:
         Inside ``with rt.record() as g`` the op is recorded instead and an
         :class:`OpNode` is returned; ``g.run()`` runs it. ``run_on`` picks the
         device on a runtime of several (default: where its memory lives).
+        Every other keyword goes to ``fn``; to pass ``fn`` a keyword named
+        ``reads``, ``writes``, ``name`` or ``run_on``, bind it first with
+        ``functools.partial``.
         """
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=True, run_on=run_on)
 
     def submit_nowait(
         self,
         fn: Callable[..., Any],
+        /,
         *args: Any,
         reads: Iterable[Any] = (),
         writes: Iterable[Any] = (),
