@@ -148,3 +148,37 @@ def _reaches(history, k, j):
             seen.add(n)
             stack.extend(history[n])
     return False
+
+
+def test_ranges_used_in_turn_keep_their_records_while_ops_finish(monkeypatch):
+    """Ops on 64 buffers in turn, each finished at once: compaction must not drop and remake records."""
+    from streamdag.graph import hazards
+
+    made = []
+
+    class Counted(hazards._Record):
+        __slots__ = ()
+
+        def __init__(self, start, end):
+            made.append((start, end))
+            super().__init__(start, end)
+
+    monkeypatch.setattr(hazards, "_Record", Counted)
+    bufs = [np.zeros(8) for _ in range(64)]
+    done = set()
+    t = DepsTracker(retired=done.__contains__)
+    for i in range(64 * 20):
+        t.link(i, [acc(bufs[i % 64]), acc(bufs[(i + 1) % 64], True)])
+        done.add(i)
+    assert len(made) == 64
+
+
+def test_records_of_ranges_no_longer_used_are_dropped():
+    from streamdag.graph import Region
+
+    done = set()
+    t = DepsTracker(retired=done.__contains__)
+    for i in range(5000):  # a fresh range every op, as with new allocations that never repeat
+        t.link(i, [Access(Region("cpu", 64 * i, 64 * i + 8), True)])
+        done.add(i)
+    assert len(t._spaces["cpu"].records) < 600

@@ -33,7 +33,7 @@ __all__ = ["DepsTracker"]
 class _Record:
     """One byte range: its last writer and the readers since, each as ``(node, order added)``."""
 
-    __slots__ = ("end", "readers", "shared", "start", "writer")
+    __slots__ = ("end", "readers", "shared", "start", "used", "writer")
 
     def __init__(self, start: int, end: int) -> None:
         self.start = start
@@ -42,6 +42,8 @@ class _Record:
         self.readers: list[tuple[Hashable, int]] = []
         #: another record overlaps this one (or did): a look-up must search the neighbours
         self.shared = False
+        #: an op accessed the range since the last compaction
+        self.used = True
 
     def size(self) -> int:
         return len(self.readers) + (self.writer is not None)
@@ -83,9 +85,16 @@ class _Space:
             self.longest = end - start
         return rec
 
-    def keep(self, wanted: Callable[[Hashable], bool], drop_empty: bool = True) -> None:
-        """Drop the nodes not ``wanted``; and the records left empty, when at least half are."""
-        count = empty = 0
+    def keep(self, wanted: Callable[[Hashable], bool]) -> None:
+        """Drop the nodes not ``wanted``; and empty records no op used since last time, once half are.
+
+        An empty record of a range in use costs nothing to keep and saves
+        making it again for the next op on that range (the common case: the
+        same tensors, op after op, reused every few ops). Records of ranges no
+        longer used (fresh allocations) go once they are half of all, so the
+        records stay within twice those in use.
+        """
+        count = stale = 0
         for rec in self.records:
             if rec.writer is not None and not wanted(rec.writer[0]):
                 rec.writer = None
@@ -93,16 +102,19 @@ class _Space:
                 rec.readers = [r for r in rec.readers if wanted(r[0])]
             size = rec.size()
             count += size
-            empty += not size
+            stale += not (size or rec.used)
         self.count = count
-        # an empty record costs nothing to keep and saves making it again for the next op on
-        # the same range (the common case); dropped only once they would dominate the search
-        if empty and (drop_empty or 2 * empty >= len(self.records)):
+        if 2 * stale >= len(self.records) > 0:
+            kept = []
             for rec in self.records:
-                if not rec.size():
+                if rec.used or rec.size():
+                    kept.append(rec)
+                else:
                     del self.by_range[(rec.start, rec.end)]
-            self.records = [r for r in self.records if r.size()]
-            self.starts = [r.start for r in self.records]
+            self.records = kept
+            self.starts = [r.start for r in kept]
+        for rec in self.records:
+            rec.used = False
 
 
 class DepsTracker:
@@ -164,6 +176,7 @@ class DepsTracker:
 
     def _enter(self, node: Hashable, space: _Space, rec: _Record, write: bool) -> None:
         """``node`` becomes the writer of ``rec`` (replacing the readers) or one more reader."""
+        rec.used = True
         self._order += 1
         if write:
             space.count += 1 - rec.size()
@@ -177,7 +190,7 @@ class DepsTracker:
         """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
         retired = self._retired
         if retired is not None:
-            space.keep(lambda node: not retired(node), drop_empty=False)
+            space.keep(lambda node: not retired(node))
         # the next compaction comes after at least as many adds as this one visited
         space.compact_at = space.count + max(64, len(space.records) + space.count)
 
