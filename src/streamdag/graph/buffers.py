@@ -107,11 +107,12 @@ _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__`
 
 
 def _torch_region(t: Any) -> Region:
-    if t.is_cpu:  # flags and an int: cheaper than building ``t.device``
-        space = "cpu"
-    elif t.is_cuda:
+    # flags and an int, CUDA first: each call into torch costs, most on a GPU host between launches
+    if t.is_cuda:
         index = t.get_device()
         space = _CUDA_SPACES.get(index) or _CUDA_SPACES.setdefault(index, f"cuda:{index}")
+    elif t.is_cpu:
+        space = "cpu"
     else:
         dev = t.device
         space = f"{dev.type}:{dev.index or 0}"
