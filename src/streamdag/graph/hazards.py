@@ -94,7 +94,8 @@ class _Space:
         longer used (fresh allocations) go once they are half of all, so the
         records stay within twice those in use.
         """
-        count = stale = 0
+        count = 0
+        stale: list[_Record] = []
         for rec in self.records:
             if rec.writer is not None and not wanted(rec.writer[0]):
                 rec.writer = None
@@ -102,19 +103,15 @@ class _Space:
                 rec.readers = [r for r in rec.readers if wanted(r[0])]
             size = rec.size()
             count += size
-            stale += not (size or rec.used)
-        self.count = count
-        if 2 * stale >= len(self.records) > 0:
-            kept = []
-            for rec in self.records:
-                if rec.used or rec.size():
-                    kept.append(rec)
-                else:
-                    del self.by_range[(rec.start, rec.end)]
-            self.records = kept
-            self.starts = [r.start for r in kept]
-        for rec in self.records:
+            if not (size or rec.used):
+                stale.append(rec)
             rec.used = False
+        self.count = count
+        if stale and 2 * len(stale) >= len(self.records):
+            for rec in stale:
+                del self.by_range[(rec.start, rec.end)]
+            self.records = [r for r in self.records if (r.start, r.end) in self.by_range]
+            self.starts = [r.start for r in self.records]
 
 
 class DepsTracker:
@@ -151,7 +148,7 @@ class DepsTracker:
             if start == end:
                 continue
             space = self._space(space_name)
-            rec = space.by_range.get((start, end)) or space.record(start, end)
+            rec = space.record(start, end)
             touched.append((space, rec, write))
             _collect(space.overlapping(start, end) if rec.shared else (rec,), write, found)
         for space, rec, write in touched:  # after the look-ups: an op never depends on itself

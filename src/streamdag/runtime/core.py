@@ -371,11 +371,16 @@ class Runtime:
             if hurry is not None:
                 hurry()
 
-    def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
-        """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
+    def _admit(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None
+               ) -> tuple[int, list[Op], list[int]]:
+        """Place ``op`` after ``deps`` and count it pending; returns its stream, the unfinished
+        deps, and the indices of those it must wait on. Caller holds ``_lock`` and a slot.
+
+        ``op.deps`` keeps what a failure check needs: the unfinished deps and the failed ones.
+        """
         live: list[Op] = []
         if deps:
-            kept = []  # what ``execute`` checks for failures: the unfinished, and the failed
+            kept = []
             for d in deps:
                 if not d.done:
                     live.append(d)
@@ -385,14 +390,18 @@ class Runtime:
             op.deps = kept
         if stream is None:
             stream = self._choose_stream(live, device or self.device)
-        stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
-        op.stamp = stamp
+        op.stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         pending = self._pending
         with self._done_lock:
             pending[op.seq] = op
             self._busy[stream] += 1
             if len(pending) > self._peak:
                 self._peak = len(pending)
+        return stream, live, waits
+
+    def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
+        """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
+        stream, live, waits = self._admit(op, deps, stream, device)
         backend = self._member[stream]
         if self._can_be_lost and backend.lost is not None:  # the device takes no more calls: fail at once
             op.deps = ()

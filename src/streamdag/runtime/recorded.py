@@ -109,8 +109,7 @@ class RecordedGraph:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
         index = len(self._ops)
         unique = name or f"{getattr(fn, '__name__', type(fn).__name__)}#{index}"
-        self._preds.append(sorted(self._tracker.depends_on(accesses)))
-        self._tracker.add(index, accesses)
+        self._preds.append(sorted(self._tracker.link(index, accesses)))
         self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, list(written or ()),
                                    device or self._rt.device))
         return OpNode(index, unique)

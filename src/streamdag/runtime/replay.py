@@ -61,16 +61,8 @@ class HostReplay:
         with rt._lock:
             rt._seq += 1
             op = Op(rt._seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
-            deps = rt._tracker.link(op, self.accesses)
-            live = [d for d in deps if not d.done]
-            op.deps = [d for d in deps if not d.done or d.error is not None]
+            _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
             failed_dep = next((d for d in op.deps if d.error is not None), None)
-            join = self.join
-            op.stamp, _ = rt._clocks.place(join, [d.stamp for d in live])
-            with rt._done_lock:
-                rt._pending[op.seq] = op
-                rt._busy[join] += 1
-                rt._peak = max(rt._peak, len(rt._pending))
             if failed_dep is not None:
                 op.error = DependencyFailed(op.name, failed_dep.root_name, failed_dep.root_error)
                 op.root_name, op.root_error = failed_dep.root_name, failed_dep.root_error
