@@ -13,8 +13,8 @@ stream is always a candidate, so a graph whose ops would not gain from
 concurrency runs as a single-stream graph: never slower than the best
 single-stream baseline.
 
-A capture stays valid while every tensor argument keeps its address and
-shape; a change recaptures (``statistics()`` counts it).
+A capture stays valid while every tensor argument keeps its address, shape
+and strides; a change recaptures (``statistics()`` counts it).
 
 A graph over several GPUs is captured into one multi-device CUDA graph: side
 streams on every device fork from the capture stream (on the first device)
@@ -160,22 +160,21 @@ class CudaGraphRunner:
         return self._failed
 
     def _take_snapshot(self) -> Any:
-        """Addresses and shapes of every tensor argument: what in-place ``set_``/``resize_`` change.
-
-        Not seen: an in-place ``as_strided_`` that keeps both (a known gap).
+        """Address, shape and strides of every tensor argument: what in-place ``set_``,
+        ``resize_``, ``t_`` or ``as_strided_`` change (a square ``t_()`` changes the strides only).
         """
         tensors = self._tensors
-        return [t.data_ptr() for t in tensors], [t.shape for t in tensors]
+        return [t.data_ptr() for t in tensors], [(t.shape, t.stride()) for t in tensors]
 
     def _still_valid(self) -> bool:
-        ptrs, shapes = self._snapshot
+        ptrs, layouts = self._snapshot
         check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
         tensors = self._tensors
         if check is None:
             same_ptrs = [t.data_ptr() for t in tensors] == ptrs
         else:  # one C++ loop instead of a Python call per tensor
             same_ptrs = check(tensors, ptrs, list(range(len(tensors))))
-        return same_ptrs and [t.shape for t in tensors] == shapes
+        return same_ptrs and [(t.shape, t.stride()) for t in tensors] == layouts
 
     def _side_streams(self, sched: Schedule, max_streams: int) -> list[torch.cuda.Stream]:
         """Fresh side streams on one device; kept ones (warmed up) over several."""
