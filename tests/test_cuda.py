@@ -84,6 +84,21 @@ def test_transfers_round_trip_exactly_under_load():
             assert torch.equal(back.result(), host)
 
 
+@pytest.mark.parametrize("caller", ["default", "side"])
+@pytest.mark.parametrize("caller_busy", [False, True])
+def test_ops_follow_work_the_caller_enqueued_on_its_stream(caller, caller_busy):
+    """Inputs made on the caller's stream are ready when the op runs, busy caller stream or idle."""
+    stream = torch.cuda.current_stream() if caller == "default" else torch.cuda.Stream()
+    with sd.Runtime("cuda", streams=2) as rt, torch.cuda.stream(stream):
+        for i in range(20):
+            x = torch.zeros(1 << 16, device="cuda")
+            if caller_busy:
+                torch.cuda._sleep(2_000_000)  # the caller's stream is still busy when we submit
+            x.fill_(i)  # on the caller's stream, after the sleep
+            y = rt.submit(torch.add, x, 1, reads=[x], name="after_caller").result()
+            assert torch.equal(y, torch.full_like(y, i + 1)), i
+
+
 def test_exception_fails_only_dependents_on_cuda():
     a = torch.zeros(8, device="cuda")
     b = torch.zeros(8, device="cuda")
@@ -96,6 +111,28 @@ def test_exception_fails_only_dependents_on_cuda():
         assert isinstance(fa.exception(), ZeroDivisionError)
         assert isinstance(fd.exception(), sd.DependencyFailed)
         assert torch.equal(fi.result(), torch.ones(8, device="cuda"))
+
+
+def test_out_of_memory_fails_only_that_op_and_its_dependents():
+    a = torch.zeros(8, device="cuda")
+    b = torch.zeros(8, device="cuda")
+    too_big = torch.cuda.get_device_properties(0).total_memory * 4  # bytes no GPU has
+
+    def allocate_too_much(out):
+        out.add_(torch.empty(too_big // 4, device="cuda").sum())
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        oom = rt.submit(allocate_too_much, a, writes=[a], name="oom")
+        dependent = rt.submit(torch.add, a, 1, reads=[a])
+        independent = rt.submit(b.add_, 1, writes=[b])
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert isinstance(oom.exception(), torch.cuda.OutOfMemoryError)
+        assert isinstance(dependent.exception(), sd.DependencyFailed)
+        assert torch.equal(independent.result(), torch.ones(8, device="cuda"))
+        # not a lost device: later ops on the same buffers run
+        later = rt.submit(torch.add, a, 2, reads=[a])
+        assert torch.equal(later.result(), torch.full((8,), 2.0, device="cuda"))
 
 
 def wide_graph(rt, x, ws, hs, y):
@@ -146,6 +183,22 @@ def test_recapture_when_an_argument_changes_address_and_shape():
         g.run().result()
         rt.synchronize()
         assert torch.equal(y, torch.full((8, 8), 6.0, device="cuda"))
+        assert g.statistics().recaptures == 1
+
+
+def test_recapture_when_an_argument_changes_strides_only():
+    """A square ``t_()`` keeps address and shape: a stale capture would read the old layout."""
+    x = torch.arange(16.0, device="cuda").view(4, 4)
+    y = torch.empty(4, 4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda a, o: o.copy_(a), x, y, reads=[x], writes=[y])
+        for _ in range(3):
+            g.run().result()
+        x.t_()
+        g.run().result()
+        rt.synchronize()
+        assert torch.equal(y, torch.arange(16.0, device="cuda").view(4, 4).t())
         assert g.statistics().recaptures == 1
 
 
