@@ -72,6 +72,38 @@ def test_lifetimes_survive_dropped_references():
             assert f.result().item() == 2.0 * (i % 97) * n
 
 
+def test_threads_that_wait_finish_ops_themselves_and_every_result_is_right():
+    """Waiting threads finish completed ops beside the completion thread: nothing lost or twice."""
+    import threading
+
+    errors = []
+    with sd.Runtime("cuda", streams=4, max_inflight=64) as rt:
+        def worker(k):
+            try:
+                x = torch.zeros(1 << 12, device="cuda")
+                for i in range(300):
+                    f = rt.submit(torch.add, x, 1, out=x, reads=[x], writes=[x])
+                    if i % 3 == 0:  # now and then sleep on the GPU, so that waits are long too
+                        rt.submit(lambda: torch.cuda._sleep(50_000), name="nap")
+                    if i % 5 == k % 5:
+                        assert f.result(timeout=60) is x
+                        assert x[0].item() == i + 1
+                rt.submit(lambda: None).result(timeout=60)
+                assert torch.equal(x, torch.full_like(x, 300))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rt.synchronize()
+        stats = rt.statistics()
+    assert not errors, errors
+    assert stats.inflight == 0 and stats.completed == stats.submitted and stats.failed == 0
+
+
 def test_transfers_round_trip_exactly_under_load():
     with sd.Runtime("cuda", streams=4) as rt:
         pairs = []

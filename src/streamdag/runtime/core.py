@@ -364,11 +364,20 @@ class Runtime:
         self._hurry_all()
         return self._slots.acquire()
 
-    def _hurry_all(self) -> None:
-        """Ask every backend to finish its completed ops now: someone waits."""
+    def _hurry_all(self, waiter: Future | None = None, seconds: float | None = None) -> None:
+        """Ask every backend to finish its completed ops now: someone waits.
+
+        On one device the waiting thread may help (see ``CudaBackend.hurry``);
+        over several it would poll one device while another finishes the ops.
+        """
+        helps = waiter is not None and len(self.backends) == 1
         for m in self.backends:
             hurry = getattr(m, "hurry", None)
-            if hurry is not None:
+            if hurry is None:
+                continue
+            if helps:
+                hurry(waiter, seconds)
+            else:
                 hurry()
 
     def _admit(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None

@@ -32,8 +32,9 @@ class Future(concurrent.futures.Future):
     """
 
     op_name: str = ""
-    #: asks whoever finishes this future to look now (set by the runtime; see ``CudaBackend.hurry``)
-    _hurry: Callable[[], None] | None = None
+    #: asks whoever finishes this future to look now, and with the future and a time limit lets
+    #: the waiting thread finish it itself (set by the runtime; see ``CudaBackend.hurry``)
+    _hurry: Callable[..., None] | None = None
 
     def __init__(self) -> None:  # the base's state, without its Condition
         self._state = _PENDING
@@ -54,20 +55,21 @@ class Future(concurrent.futures.Future):
     def done(self) -> bool:
         return self._state in _DONE_STATES
 
-    def _waited_on(self) -> None:
+    def _waited_on(self, timeout: float | None) -> None:
         if self._hurry is not None and self._state not in _DONE_STATES:
-            self._hurry()
+            self._hurry(self, timeout)
 
     def result(self, timeout: float | None = None) -> Any:
-        self._waited_on()
+        self._waited_on(timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._waited_on()
+        self._waited_on(timeout)
         return super().exception(timeout)
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
-        self._waited_on()
+        if self._hurry is not None and self._state not in _DONE_STATES:
+            self._hurry()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
     def on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
