@@ -94,42 +94,49 @@ def main() -> None:
             main.wait_stream(s)
 
     rows = {}
+    ok, peak = True, 0
     rows["sequential, one stream"] = wall_ms(sequential)
     rows["hand-made 3-stream pipeline"] = wall_ms(hand_pipeline)
-    with sd.Runtime("cuda", streams=4) as rt:
-        def streamdag_eager():
-            for i in range(CHUNKS):
-                rt.copy(dev_in[i], host_in[i])
-                rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
-                rt.copy(host_out[i], dev_out[i])
-            rt.synchronize()
+    for streams in (4, 1):
+        with sd.Runtime("cuda", streams=streams) as rt:
+            def streamdag_eager(rt=rt):
+                for i in range(CHUNKS):
+                    rt.copy(dev_in[i], host_in[i])
+                    rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
+                    rt.copy(host_out[i], dev_out[i])
+                rt.synchronize()
 
-        rows["streamdag eager (copy streams + compute streams)"] = wall_ms(streamdag_eager)
-        for h in host_out:
-            h.zero_()
-        streamdag_eager()
-        ok = all(torch.equal(h, e) for h, e in zip(host_out, expect))
-        stats = rt.statistics()
+            rows[f"streamdag eager, {streams} compute stream(s) + copy streams"] = wall_ms(streamdag_eager)
+            for h in host_out:
+                h.zero_()
+            streamdag_eager()
+            ok = ok and all(torch.equal(h, e) for h, e in zip(host_out, expect))
+            peak = max(peak, rt.statistics().peak_inflight_bytes)
 
     table = [["pinned H2D GB/s", CHUNKS * nbytes / t_in / 1e6, ""],
              ["pinned D2H GB/s", CHUNKS * nbytes / t_out / 1e6, ""],
              ["both ways at once GB/s", bidir_gbs, ""],
              ["all copies in ms", t_in, ""], ["all copies out ms", t_out, ""],
              ["all compute ms", t_compute, ""], ["bound ms", bound, "1.00x"],
-             ["pipeline bound ms (chunk order)", pipeline_bound, f"{pipeline_bound / bound:.2f}x bound"]]
+             ["pipeline bound ms (chunk order)", pipeline_bound, f"{pipeline_bound / bound:.2f}x bound"],
+             ["goal: 1.05x bound ms", 1.05 * bound,
+              "below the pipeline bound: no schedule of these ops reaches it here"
+              if pipeline_bound > 1.05 * bound else "at or above the pipeline bound"]]
     for label, ms in rows.items():
         table.append([f"{label} ms", ms, f"{ms / bound:.2f}x bound, "
                       f"{ms / pipeline_bound:.2f}x pipeline bound, "
                       f"{rows['sequential, one stream'] / ms:.2f}x faster than sequential"])
     print(format_table(["overlap", "value", "vs bound"], table))
-    print("streamdag results equal sequential:", ok, "peak bytes in flight:", stats.peak_inflight_bytes)
+    print("streamdag results equal sequential:", ok, "peak bytes in flight:", peak)
     print(write_json(Path(__file__).parent / "results",
                      "overlap_" + torch.cuda.get_device_name().replace(" ", "_"),
-                     {"settings": {"chunks": CHUNKS, "chunk_mib": nbytes >> 20, "steps": STEPS},
+                     {"settings": {"chunks": CHUNKS, "chunk_mib": nbytes >> 20, "steps": STEPS,
+                                   "compute_streams": [4, 1]},
                       "ms": {"copies_in": t_in, "copies_out": t_out, "compute": t_compute,
                              "both_ways": t_both, "bound": bound, "pipeline_bound": pipeline_bound,
                              **rows},
-                      "bidirectional_gbs": bidir_gbs, "results_equal": ok}))
+                      "bidirectional_gbs": bidir_gbs, "results_equal": ok,
+                      "goal_reachable": pipeline_bound <= 1.05 * bound}))
 
 
 if __name__ == "__main__":
