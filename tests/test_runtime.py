@@ -149,6 +149,19 @@ def test_unknown_device_is_refused():
         sd.Runtime("tpu")
 
 
+@pytest.mark.parametrize(("settings", "error", "message"), [
+    ({"streams": 0}, ValueError, "streams must be at least 1"),
+    ({"streams": 2.5}, TypeError, "streams must be a whole number"),
+    ({"max_inflight": 0}, ValueError, "max_inflight must be at least 1"),
+    ({"max_inflight": "8"}, TypeError, "max_inflight must be a whole number"),
+    ({"max_inflight_bytes": -1}, ValueError, "max_inflight_bytes must be at least 0"),
+    ({"staging_bytes": 1.5e9}, TypeError, "staging_bytes must be a whole number"),
+])
+def test_bad_settings_are_refused_with_what_is_expected(settings, error, message):
+    with pytest.raises(error, match=message):
+        sd.Runtime("cpu", **settings)
+
+
 def test_statistics_count_failures(rt):
     a = np.zeros(1)
     rt.submit(lambda: 1 / 0, writes=[a])

@@ -74,8 +74,9 @@ class Runtime:
         backend: Backend | None = None,
         devices: Sequence[str] | None = None,
     ) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        _check_count("max_inflight", max_inflight, 1)
+        _check_count("max_inflight_bytes", max_inflight_bytes, 0, "0 lets one transfer run at a time")
+        _check_count("staging_bytes", staging_bytes, 0, "0 stages one transfer at a time")
         if devices is not None:
             if backend is not None:
                 raise ValueError("pass devices= or backend=, not both")
@@ -524,6 +525,13 @@ class _Slots:
             self._free += 1
             if self._waiting:
                 self._freed.notify()
+
+
+def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}" + (f" ({hint})" if hint else ""))
 
 
 def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
