@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable
+from itertools import islice
 
 from .buffers import Access
 
@@ -33,7 +34,7 @@ __all__ = ["DepsTracker"]
 class _Record:
     """One byte range: its last writer and the readers since, each as ``(node, order added)``."""
 
-    __slots__ = ("end", "readers", "shared", "start", "used", "writer")
+    __slots__ = ("end", "last", "readers", "shared", "start", "writer")
 
     def __init__(self, start: int, end: int) -> None:
         self.start = start
@@ -42,17 +43,23 @@ class _Record:
         self.readers: list[tuple[Hashable, int]] = []
         #: another record overlaps this one (or did): a look-up must search the neighbours
         self.shared = False
-        #: an op accessed the range since the last compaction
-        self.used = True
+        #: the order of the last access to the range
+        self.last = 0
 
     def size(self) -> int:
         return len(self.readers) + (self.writer is not None)
 
 
+#: a record idle for this many accesses may be dropped; doubled while dropped ranges come back
+_FIRST_HORIZON = 64
+_MAX_HORIZON = 1 << 14
+
+
 class _Space:
     """The records of one address space: by exact range, and sorted by start."""
 
-    __slots__ = ("by_range", "compact_at", "count", "longest", "records", "starts")
+    __slots__ = ("by_range", "came_back", "compact_at", "count", "dropped", "horizon", "longest",
+                 "records", "starts")
 
     def __init__(self) -> None:
         self.by_range: dict[tuple[int, int], _Record] = {}
@@ -61,6 +68,10 @@ class _Space:
         self.longest = 0
         self.count = 0  # writers and readers held, for compaction
         self.compact_at = 64
+        self.horizon = _FIRST_HORIZON
+        #: ranges whose records were dropped, oldest first (at most ``_MAX_HORIZON`` remembered)
+        self.dropped: dict[tuple[int, int], None] = {}
+        self.came_back = 0  # how many of those were used again since the last compaction
 
     def overlapping(self, start: int, end: int) -> list[_Record]:
         """The records overlapping ``[start, end)``."""
@@ -74,6 +85,8 @@ class _Space:
         rec = self.by_range.get((start, end))
         if rec is not None:
             return rec
+        if self.dropped.pop((start, end), 0) is None:
+            self.came_back += 1
         rec = _Record(start, end)
         for other in self.overlapping(start, end):
             other.shared = rec.shared = True
@@ -85,15 +98,23 @@ class _Space:
             self.longest = end - start
         return rec
 
-    def keep(self, wanted: Callable[[Hashable], bool]) -> None:
-        """Drop the nodes not ``wanted``; and empty records no op used since last time, once half are.
+    def keep(self, wanted: Callable[[Hashable], bool], now: int) -> None:
+        """Drop the nodes not ``wanted``; and the empty records idle for ``horizon`` accesses, once
+        half are.
 
         An empty record of a range in use costs nothing to keep and saves
         making it again for the next op on that range (the common case: the
-        same tensors, op after op, reused every few ops). Records of ranges no
+        same tensors, op after op, reused every few ops; or a wide graph run
+        again and again, each range used once per run). Records of ranges no
         longer used (fresh allocations) go once they are half of all, so the
-        records stay within twice those in use.
+        records stay within about twice those in use. The horizon starts
+        short and doubles whenever dropped ranges come back: it grows to the
+        period at which the program reuses its memory.
         """
+        if self.came_back:
+            self.horizon = min(2 * self.horizon, _MAX_HORIZON)
+            self.came_back = 0
+        idle_since = now - self.horizon
         count = 0
         stale: list[_Record] = []
         for rec in self.records:
@@ -103,13 +124,17 @@ class _Space:
                 rec.readers = [r for r in rec.readers if wanted(r[0])]
             size = rec.size()
             count += size
-            if not (size or rec.used):
+            if not size and rec.last < idle_since:
                 stale.append(rec)
-            rec.used = False
         self.count = count
         if stale and 2 * len(stale) >= len(self.records):
+            dropped = self.dropped
             for rec in stale:
-                del self.by_range[(rec.start, rec.end)]
+                key = (rec.start, rec.end)
+                del self.by_range[key]
+                dropped[key] = None
+            for key in list(islice(dropped, max(0, len(dropped) - _MAX_HORIZON))):
+                del dropped[key]
             self.records = [r for r in self.records if (r.start, r.end) in self.by_range]
             self.starts = [r.start for r in self.records]
 
@@ -173,8 +198,8 @@ class DepsTracker:
 
     def _enter(self, node: Hashable, space: _Space, rec: _Record, write: bool) -> None:
         """``node`` becomes the writer of ``rec`` (replacing the readers) or one more reader."""
-        rec.used = True
         self._order += 1
+        rec.last = self._order
         if write:
             space.count += 1 - rec.size()
             rec.writer = (node, self._order)
@@ -187,7 +212,7 @@ class DepsTracker:
         """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
         retired = self._retired
         if retired is not None:
-            space.keep(lambda node: not retired(node))
+            space.keep(lambda node: not retired(node), self._order)
         # the next compaction comes after at least as many adds as this one visited
         space.compact_at = space.count + max(64, len(space.records) + space.count)
 
@@ -195,7 +220,7 @@ class DepsTracker:
         """Drop the entries of nodes for which ``finished(node)`` is true."""
         for name in list(self._spaces):
             space = self._spaces[name]
-            space.keep(lambda node: not finished(node))
+            space.keep(lambda node: not finished(node), self._order)
             if not space.records:
                 del self._spaces[name]
 
