@@ -208,6 +208,17 @@ def test_recorded_graph_orders_after_earlier_eager_work(rt):
     assert after == 2000.0
 
 
+def test_recorded_ops_given_one_name_keep_distinct_names(rt):
+    a, b, c = np.zeros(4), np.zeros(4), np.ones(4)
+    with rt.record() as g:
+        rt.copy(a, c)
+        rt.copy(b, c)
+        rt.submit(np.add, a, b, out=a, reads=[a, b], writes=[a], name="copy")
+    assert len(set(g.names)) == 3 and all(n.startswith("copy") for n in g.names)
+    g.run().result()
+    assert np.array_equal(a, 2 * c)
+
+
 def test_recorded_node_has_no_result_yet(rt):
     a = np.zeros(1)
     with rt.record():

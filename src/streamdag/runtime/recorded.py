@@ -78,6 +78,7 @@ class RecordedGraph:
         self.copy_out = copy_out
         self.last_run_captured = False
         self._ops: list[_Recorded] = []
+        self._names_used: set[str] = set()  # op names are keys (timings, explain): kept distinct
         self._preds: list[list[int]] = []
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
@@ -109,6 +110,9 @@ class RecordedGraph:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
         index = len(self._ops)
         unique = name or f"{getattr(fn, '__name__', type(fn).__name__)}#{index}"
+        while unique in self._names_used:  # a name given twice (copies are all "copy_h2d"...)
+            unique = f"{unique}#{index}"
+        self._names_used.add(unique)
         self._preds.append(sorted(self._tracker.link(index, accesses)))
         self._ops.append(_Recorded(fn, args, kwargs, accesses, unique, stream, list(written or ()),
                                    device or self._rt.device))
