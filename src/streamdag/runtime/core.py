@@ -201,7 +201,8 @@ class Runtime:
         with self._lock:
             with self._done_lock:
                 failures, self._failures = self._failures, []
-            self._tracker.forget(lambda op: op.done)
+            if failures:  # later ops must not fail for these; finished ops that did not fail
+                self._tracker.forget(lambda op: op.done)  # go at the next compaction anyway
         if failures:
             raise ExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
 
