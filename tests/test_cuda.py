@@ -104,6 +104,19 @@ def test_threads_that_wait_finish_ops_themselves_and_every_result_is_right():
     assert stats.inflight == 0 and stats.completed == stats.submitted and stats.failed == 0
 
 
+def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
+    import concurrent.futures
+    import time
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        f = rt.submit(lambda: torch.cuda._sleep(2_000_000_000), name="long")  # about a second
+        started = time.perf_counter()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            f.result(timeout=0.05)
+        assert time.perf_counter() - started < 0.5  # the wait helped finish ops, within the timeout
+        assert f.exception(timeout=60) is None
+
+
 def test_transfers_round_trip_exactly_under_load():
     with sd.Runtime("cuda", streams=4) as rt:
         pairs = []

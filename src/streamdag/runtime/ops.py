@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
@@ -55,17 +56,19 @@ class Future(concurrent.futures.Future):
     def done(self) -> bool:
         return self._state in _DONE_STATES
 
-    def _waited_on(self, timeout: float | None) -> None:
-        if self._hurry is not None and self._state not in _DONE_STATES:
-            self._hurry(self, timeout)
+    def _waited_on(self, timeout: float | None) -> float | None:
+        """Let the waiting thread help finish this future; returns what is left of ``timeout``."""
+        if self._hurry is None or self._state in _DONE_STATES:
+            return timeout
+        started = time.perf_counter()
+        self._hurry(self, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.perf_counter() - started))
 
     def result(self, timeout: float | None = None) -> Any:
-        self._waited_on(timeout)
-        return super().result(timeout)
+        return super().result(self._waited_on(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._waited_on(timeout)
-        return super().exception(timeout)
+        return super().exception(self._waited_on(timeout))
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         if self._hurry is not None and self._state not in _DONE_STATES:
