@@ -51,3 +51,45 @@ def test_launch_and_wait_costs_count():
     base = simulate(s, [0.1, 0.1, 0.1, 0.1], CostModel(0.0, 0.0, 1.0))
     est = simulate(s, [0.1, 0.1, 0.1, 0.1], model)
     assert est == pytest.approx(base + 3 * 0.01 + 0.005 * 2)  # 3 launches on the path, 2 waits
+
+
+def test_copies_on_their_own_engines_overlap_compute_like_a_pipeline():
+    """8 chunks: copy in -> compute -> copy out. Copy streams per direction, as captures place them."""
+    from streamdag.schedule.plan import pin_ops
+
+    preds, keys, engines, durations = [], [], [], []
+    for _ in range(8):
+        base = len(preds)
+        preds += [[], [base], [base + 1]]
+        keys += [("cuda:0", "h2d"), None, ("cuda:0", "d2h")]
+        engines += ["h2d", "compute", "d2h"]
+        durations += [1.25, 0.55, 1.25]
+    sched = pin_ops(build_schedule(preds, 1), keys)
+    assert sched.num_streams == 3 and set(sched.stream[0::3]) == {1} and set(sched.stream[2::3]) == {2}
+    # all copies in back to back, then the last chunk's compute and copy out
+    assert simulate(sched, durations, FREE, engines=engines) == pytest.approx(8 * 1.25 + 0.55 + 1.25)
+    # one engine for everything: copies in, computes and copies out slow each other down
+    assert simulate(sched, durations, FREE) > 15
+
+
+def test_pinned_ops_keep_every_dependency_through_waits():
+    from streamdag.schedule.plan import pin_ops
+
+    preds = wide(4, 2)
+    keys = [("d", "h2d") if v % 3 == 0 else None for v in range(len(preds))]
+    sched = pin_ops(build_schedule(preds, 2), keys)
+    on_copy = [v for v, k in enumerate(keys) if k]
+    assert {sched.stream[v] for v in on_copy} == {sched.num_streams - 1}
+    for s, ops in enumerate(sched.order):
+        assert list(ops) == sorted(ops) and all(sched.stream[v] == s for v in ops)
+    # every cross-stream dependency is implied by a wait (directly or through stream order)
+    done_before = {}
+    for v in range(len(preds)):
+        seen = set()
+        for u in sched.waits[v]:
+            seen |= done_before[u] | {u}
+        prev = [u for u in sched.order[sched.stream[v]] if u < v]
+        if prev:
+            seen |= done_before[prev[-1]] | {prev[-1]}
+        done_before[v] = seen
+        assert set(sched.preds[v]) <= seen, v

@@ -247,6 +247,32 @@ def test_recapture_when_an_argument_changes_strides_only():
         assert g.statistics().recaptures == 1
 
 
+def test_captured_pipeline_of_copies_and_compute_equals_eager_run_after_run():
+    """Copies in, compute, copies out, recorded once: captured with the copies on copy streams."""
+    chunks, n = 4, 1 << 16
+    host_in = [torch.empty(n).pin_memory() for _ in range(chunks)]
+    host_out = [torch.empty(n).pin_memory() for _ in range(chunks)]
+    dev_in = [torch.empty(n, device="cuda") for _ in range(chunks)]
+    dev_out = [torch.empty(n, device="cuda") for _ in range(chunks)]
+    with sd.Runtime("cuda", streams=4) as rt:
+        with rt.record() as g:
+            for i in range(chunks):
+                rt.copy(dev_in[i], host_in[i])
+                rt.submit(lambda a, o: torch.mul(a.sin(), 2, out=o), dev_in[i], dev_out[i],
+                          reads=[dev_in[i]], writes=[dev_out[i]])
+                rt.copy(host_out[i], dev_out[i])
+        for step in range(5):
+            for h in host_in:
+                h.copy_(torch.randn(n))
+            g.run().result()
+            for h, o in zip(host_in, host_out):
+                torch.testing.assert_close(o, h.sin() * 2, msg=f"run {step}")
+        stats = g.statistics()
+        assert stats.captures >= 1 and stats.fallbacks == 0 and stats.replays >= 3
+        assert not stats.choice_ms or stats.chosen_streams in stats.choice_ms  # compute streams
+        assert len(set(g.names)) == 3 * chunks
+
+
 def test_capture_failure_falls_back_with_one_warning_and_streams_stay_usable():
     a = torch.ones(8, device="cuda")
     out = torch.zeros(8, device="cuda")

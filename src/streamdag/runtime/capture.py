@@ -36,8 +36,7 @@ import torch
 
 from ..graph.buffers import region_of
 from ..schedule.cost import simulate
-from ..schedule.plan import Schedule, build_schedule
-from ..schedule.waits import plan_waits
+from ..schedule.plan import Schedule, build_schedule, pin_ops
 
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
@@ -121,10 +120,11 @@ def _tensors_in(obj: Any):
 
 class _Captured:
     def __init__(self, graph: torch.cuda.CUDAGraph, values: list[Any], schedule: Schedule,
-                 accesses: list[list[Any]]) -> None:
+                 accesses: list[list[Any]], compute_streams: int) -> None:
         self.graph = graph
         self.values = values
-        self.schedule = schedule
+        self.schedule = schedule  # copies on their copy streams
+        self.compute_streams = compute_streams
         # results in the graph's private pool are copied out after each replay;
         # results that are the op's own declared outputs are returned as they are
         self.copy_out = [isinstance(v, torch.Tensor) and not _declared(acc, v)
@@ -206,23 +206,28 @@ class CudaGraphRunner:
                 rec.fn(*rec.args, **rec.kwargs)
             side[stream_of[v]].synchronize()
 
+    def _copy_keys(self) -> list[tuple[str, str] | None]:
+        """Per op: the (device, kind) of the copy stream it is pinned to, or None for compute."""
+        streams = self.recorded._rt._streams
+        return [None if rec.stream is None else (rec.device, streams[rec.stream].kind)
+                for rec in self.recorded._ops]
+
+    def _schedule(self, max_streams: int) -> tuple[Schedule, Schedule]:
+        """The compute schedule for ``max_streams``, and the same with each copy on its copy stream.
+
+        Copies pinned to a copy stream (host<->device, peer) get a stream of their
+        own per device and kind, so that they overlap compute inside the graph as
+        they do outside it.
+        """
+        base = build_schedule(self.recorded._preds, max_streams, groups=self.groups)
+        return base, pin_ops(base, self._copy_keys())
+
     def _capture(self, max_streams: int) -> _Captured:
         ops = self.recorded._ops
-        sched = build_schedule(self.recorded._preds, max_streams, groups=self.groups)
-        side = self._side_streams(sched, max_streams)
-        # copies pinned to a copy stream (host<->device, peer) get a side stream of their own per
-        # device and kind, so that they overlap compute inside the graph as they do outside it
-        stream_of = list(sched.stream)
-        copy_side: dict[tuple[Any, str], int] = {}
-        for v, rec in enumerate(ops):
-            if rec.stream is not None:
-                kind = self.recorded._rt._streams[rec.stream].kind
-                key = (rec.device, kind)
-                if key not in copy_side:
-                    copy_side[key] = len(side)
-                    side.append(self._copy_stream(rec.device, kind))
-                stream_of[v] = copy_side[key]
-        waits = plan_waits(sched.preds, stream_of, len(side)) if copy_side else list(sched.waits)
+        base, sched = self._schedule(max_streams)
+        side = self._side_streams(base, max_streams)
+        side += [self._copy_stream(*key) for key in dict.fromkeys(k for k in self._copy_keys() if k)]
+        stream_of, waits = sched.stream, sched.waits
         needs_event = {u for ws in waits for u in ws}
         graph = torch.cuda.CUDAGraph()
         origin = torch.cuda.Stream(self.device)
@@ -270,7 +275,7 @@ class CudaGraphRunner:
             raise CaptureFailed("<several devices>", RuntimeError(
                 "ops allocated memory on another GPU than the first during capture, which a CUDA "
                 "graph over several GPUs cannot own; write into preallocated outputs (out=, in place)"))
-        return _Captured(graph, values, sched, [rec.accesses for rec in ops])
+        return _Captured(graph, values, sched, [rec.accesses for rec in ops], base.num_streams)
 
     def _time_ops(self) -> list[float]:
         """One profiled run of the ops, in order on one stream: each op's GPU time (ms).
@@ -335,10 +340,11 @@ class CudaGraphRunner:
                 durations = self._time_ops()  # for the cost model here, and for batching's choice
                 self.stats.op_ms = dict(zip(self.recorded.names, durations))
             if natural > 1:
+                engines = [key[1] if key else "compute" for key in self._copy_keys()]
                 for k in sorted({1, 2, 4, 8, 16, natural}):
                     if k <= natural:
-                        sched = build_schedule(self.recorded._preds, k)
-                        self.stats.estimate_ms[k] = simulate(sched, durations)
+                        self.stats.estimate_ms[k] = simulate(self._schedule(k)[1], durations,
+                                                             engines=engines)
                 # the cost model's pick is measured with the others
                 candidates.add(min(self.stats.estimate_ms, key=self.stats.estimate_ms.get))
             for k in sorted(candidates):
@@ -364,7 +370,7 @@ class CudaGraphRunner:
                 t.copy_(copy)
         assert best is not None
         self._captured = best[1]
-        self.stats.chosen_streams = best[1].schedule.num_streams
+        self.stats.chosen_streams = best[1].compute_streams
         seen: dict[int, torch.Tensor] = {}
         for op in self.recorded._ops:
             for t in _tensors_in((op.args, op.kwargs)):

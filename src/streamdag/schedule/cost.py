@@ -1,11 +1,13 @@
 """A cost model: how long a schedule takes on a device that concurrent ops share.
 
 Each op has a duration measured when it ran (``durations[v]``, ms) and uses a
-fraction ``use[v]`` of the device: short kernels leave most of a GPU idle,
-long ones fill it. Running ops share the device in proportion to what they
+fraction ``use[v]`` of its engine: short kernels leave most of a GPU idle,
+long ones fill it. Running ops share their engine in proportion to what they
 use (processor sharing): while their uses sum to at most 1 each runs at full
-speed, beyond that all slow down alike. On top, every op costs a launch, and
-every cross-stream wait costs a wait, on its stream.
+speed, beyond that all slow down alike. Kernels share the compute engine;
+copies run on their own engines (one per direction), beside the kernels. On
+top, every op costs a launch, and every cross-stream wait costs a wait, on
+its stream.
 
 The model is pure and deliberately simple; the runtime uses it to estimate,
 ``explain()`` shows the estimate, and the final choice between stream counts
@@ -14,7 +16,7 @@ is still made by timing the candidates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from .plan import Schedule
@@ -35,12 +37,20 @@ class CostModel:
         return min(1.0, max(self.min_use, duration / self.saturating_ms))
 
 
-def simulate(sched: Schedule, durations: Sequence[float], model: CostModel | None = None) -> float:
-    """Estimated makespan (ms) of ``sched`` with the measured op ``durations``."""
+def simulate(sched: Schedule, durations: Sequence[float], model: CostModel | None = None,
+             engines: Sequence[Hashable] | None = None) -> float:
+    """Estimated makespan (ms) of ``sched`` with the measured op ``durations``.
+
+    ``engines[v]`` names what op ``v`` runs on (default: all on one compute
+    engine); only ops on the same engine share it.
+    """
     model = model or CostModel()
     n = sched.num_ops
     if n == 0:
         return 0.0
+    engine = list(engines) if engines is not None else [0] * n
+    if len(engine) != n:
+        raise ValueError(f"got {len(engine)} engines for {n} ops")
     use = [model.use(d) for d in durations]
     remaining = [max(d, 0.0) for d in durations]
     finish = [-1.0] * n
@@ -66,9 +76,10 @@ def simulate(sched: Schedule, durations: Sequence[float], model: CostModel | Non
                 raise RuntimeError("the schedule deadlocks: a stream waits on an op that never runs")
             now = min(ready_at.values())
             continue
-        demand = sum(use[v] for v in running)
-        scale = min(1.0, 1.0 / demand) if demand > 0 else 1.0
-        rate = {v: scale for v in running}  # fraction of its solo speed
+        demand: dict[Hashable, float] = {}
+        for v in running:
+            demand[engine[v]] = demand.get(engine[v], 0.0) + use[v]
+        rate = {v: min(1.0, 1.0 / demand[engine[v]]) for v in running}  # fraction of its solo speed
         step = min(remaining[v] / rate[v] for v in running)
         if ready_at:
             step = min(step, max(min(ready_at.values()) - now, 0.0))

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
 from .chains import assign_streams, chains_from_matching, match_closure, match_paths
 from .dag import Preds, check_order
 from .levels import critical_path, wavefront_levels
 from .reduction import reduce_transitively
-from .waits import Stamp, StreamClocks
+from .waits import Stamp, StreamClocks, plan_waits
 
-__all__ = ["CLOSURE_LIMIT", "Schedule", "build_schedule"]
+__all__ = ["CLOSURE_LIMIT", "Schedule", "build_schedule", "pin_ops"]
 
 #: Graphs up to this many ops get their chain count reduced to the DAG's width.
 CLOSURE_LIMIT = 20_000
@@ -146,3 +146,25 @@ def build_schedule(
         critical_cost=cost,
         removed_edges=sum(len(set(p)) for p in preds) - sum(len(p) for p in reduced),
     )
+
+
+def pin_ops(sched: Schedule, pinned: Sequence[Hashable | None]) -> Schedule:
+    """``sched`` with the ops that have a ``pinned[v]`` key moved to one extra stream per key.
+
+    Copies run on copy streams (one per device and direction), not on the
+    chains the schedule gave them; their streams follow the schedule's, in
+    the order keys first appear, and the waits are planned anew.
+    """
+    extra: dict[Hashable, int] = {}
+    stream = list(sched.stream)
+    for v, key in enumerate(pinned):
+        if key is not None:
+            stream[v] = extra.setdefault(key, sched.num_streams + len(extra))
+    if not extra:
+        return sched
+    order: list[list[int]] = [[] for _ in range(sched.num_streams + len(extra))]
+    for v, s in enumerate(stream):
+        order[s].append(v)
+    waits = plan_waits(sched.preds, stream, len(order))
+    return replace(sched, stream=tuple(stream), order=tuple(tuple(o) for o in order),
+                   waits=tuple(tuple(w) for w in waits))
