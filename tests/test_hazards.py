@@ -192,3 +192,17 @@ def test_records_of_ranges_no_longer_used_are_dropped():
         t.link(i, [Access(Region("cpu", 64 * i, 64 * i + 8), True)])
         done.add(i)
     assert len(t._spaces["cpu"].records) < 600
+
+
+def test_fresh_ranges_with_a_few_that_recur_keep_the_records_few():
+    """Mostly new allocations, one in ten at an address seen before: records must not pile up."""
+    from streamdag.graph import Region
+
+    done = set()
+    t = DepsTracker(retired=done.__contains__)
+    for i in range(20000):
+        # one op in ten uses one of 100 recurring ranges (each every 1,000 ops); the rest, new ones
+        start = 64 * ((i // 10) % 100) if i % 10 == 0 else 64 * (100 + i)
+        t.link(i, [Access(Region("cpu", start, start + 8), True)])
+        done.add(i)
+    assert len(t._spaces["cpu"].records) < 1000

@@ -50,7 +50,8 @@ class _Record:
         return len(self.readers) + (self.writer is not None)
 
 
-#: a record idle for this many accesses may be dropped; doubled while dropped ranges come back
+#: a record idle for this many accesses may be dropped; doubled while the records made are mostly
+#: of dropped ranges that came back
 _FIRST_HORIZON = 64
 _MAX_HORIZON = 1 << 14
 
@@ -59,7 +60,7 @@ class _Space:
     """The records of one address space: by exact range, and sorted by start."""
 
     __slots__ = ("by_range", "came_back", "compact_at", "count", "dropped", "horizon", "longest",
-                 "records", "starts")
+                 "made", "records", "starts")
 
     def __init__(self) -> None:
         self.by_range: dict[tuple[int, int], _Record] = {}
@@ -71,7 +72,8 @@ class _Space:
         self.horizon = _FIRST_HORIZON
         #: ranges whose records were dropped, oldest first (at most ``_MAX_HORIZON`` remembered)
         self.dropped: dict[tuple[int, int], None] = {}
-        self.came_back = 0  # how many of those were used again since the last compaction
+        self.made = 0  # records made since the last compaction
+        self.came_back = 0  # of those, how many were of dropped ranges
 
     def overlapping(self, start: int, end: int) -> list[_Record]:
         """The records overlapping ``[start, end)``."""
@@ -85,6 +87,7 @@ class _Space:
         rec = self.by_range.get((start, end))
         if rec is not None:
             return rec
+        self.made += 1
         if self.dropped.pop((start, end), 0) is None:
             self.came_back += 1
         rec = _Record(start, end)
@@ -108,12 +111,15 @@ class _Space:
         again and again, each range used once per run). Records of ranges no
         longer used (fresh allocations) go once they are half of all, so the
         records stay within about twice those in use. The horizon starts
-        short and doubles whenever dropped ranges come back: it grows to the
-        period at which the program reuses its memory.
+        short and doubles while at least a quarter of the records made are of
+        dropped ranges that came back: it grows to the period at which the
+        program reuses its memory, but not for a few recurring ranges among
+        many new ones (there, keeping every new range that long would cost
+        more than remaking the few).
         """
-        if self.came_back:
+        if self.came_back and 4 * self.came_back >= self.made:
             self.horizon = min(2 * self.horizon, _MAX_HORIZON)
-            self.came_back = 0
+        self.made = self.came_back = 0
         idle_since = now - self.horizon
         count = 0
         stale: list[_Record] = []
