@@ -7,20 +7,13 @@ from .base import Backend, Event, Stream
 __all__ = ["Backend", "Event", "Stream", "make_backend", "make_backends"]
 
 
-def _check_streams(streams: int | None) -> None:
-    if streams is None:
-        return
-    if not isinstance(streams, int) or isinstance(streams, bool):
-        raise TypeError(f"streams must be a whole number (or None for the default), got {streams!r}")
-    if streams < 1:
-        raise ValueError(f"streams must be at least 1, got {streams}")
-
-
 def make_backend(device: str, streams: int | None, seed: int = 0) -> Backend:
-    """The backend for a device string: ``"cpu"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"``."""
+    """The backend for a device string: ``"cpu"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"``.
+
+    ``streams`` (or None for the backend's default) is checked by the runtime.
+    """
     if not isinstance(device, str):
         device = str(device)
-    _check_streams(streams)
     if device == "cpu":
         from .cpu import CpuBackend
 
@@ -46,7 +39,6 @@ def make_backends(devices: list[str], streams: int | None, seed: int = 0) -> lis
         raise ValueError("devices= needs at least one device, e.g. devices=['cuda:0', 'cuda:1']")
     if len(set(names)) != len(names):
         raise ValueError(f"devices= lists a device twice: {names}")
-    _check_streams(streams)
     backends: list[Backend] = []
     executor = None
     for name in names:

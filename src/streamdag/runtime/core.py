@@ -74,6 +74,8 @@ class Runtime:
         backend: Backend | None = None,
         devices: Sequence[str] | None = None,
     ) -> None:
+        if streams is not None and backend is None:  # a backend given brings its own streams
+            _check_count("streams", streams, 1, "or None for the default")
         _check_count("max_inflight", max_inflight, 1)
         _check_count("max_inflight_bytes", max_inflight_bytes, 0, "0 lets one transfer run at a time")
         _check_count("staging_bytes", staging_bytes, 0, "0 stages one transfer at a time")

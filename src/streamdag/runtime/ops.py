@@ -19,6 +19,7 @@ from ..schedule.waits import Stamp
 __all__ = ["Future", "Op", "collect_accesses", "then"]
 
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
+_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 _LAZY = threading.Lock()  # orders making a future's condition against setting its result
@@ -158,8 +159,6 @@ def collect_accesses(
     kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
     return args, kwargs, accesses, written
 
-
-_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 def _as_list(value: Any, example: str) -> list[Any]:
