@@ -104,6 +104,22 @@ def test_threads_that_wait_finish_ops_themselves_and_every_result_is_right():
     assert stats.inflight == 0 and stats.completed == stats.submitted and stats.failed == 0
 
 
+def test_a_thread_that_keeps_submitting_finishes_completed_ops_itself():
+    """With the completion thread stopped, ops still finish (and free their slots) as submits go on."""
+    from streamdag.runtime.core import FINISH_EVERY
+
+    x = torch.zeros(1024, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        rt.backend._completions.stop()
+        first = [rt.submit(x.add_, 1, writes=[x]) for _ in range(FINISH_EVERY)]
+        torch.cuda.synchronize()
+        later = [rt.submit(x.add_, 1, writes=[x]) for _ in range(FINISH_EVERY)]
+        assert all(f.done() for f in first) and rt.statistics().completed >= FINISH_EVERY
+        torch.cuda.synchronize()
+        assert later[-1].result(timeout=10) is x
+    assert x[0].item() == FINISH_EVERY * 2
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time

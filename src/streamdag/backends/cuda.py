@@ -109,6 +109,10 @@ class _Completions:
     after the replay with polling, 0.37 ms without).
     Events go back to the backend's pool once their op has been finished.
 
+    A thread that submits finishes completed ops between its submits
+    (:meth:`try_pass`); while it does, this thread holds off its own passes
+    for ``BACKOFF_SECONDS`` unless someone waits.
+
     A thread that waits on a future also finishes completed ops itself for a
     short while (:meth:`help`), polling the events: handing the finish over
     from this thread would cost the waiter a sleep's overshoot and a wake-up
@@ -118,6 +122,8 @@ class _Completions:
     """
 
     BATCH_SECONDS = 1e-3
+    #: no pass of this thread's own within this long of another thread's (unless someone waits)
+    BACKOFF_SECONDS = 20e-3
     #: after someone waited, poll this often instead of blocking, for this long
     POLL_SECONDS = 20e-6
     POLL_AFTER_WAIT_SECONDS = 20e-3
@@ -133,6 +139,7 @@ class _Completions:
         self._wake = threading.Event()
         self._hurry = threading.Event()
         self._hurried_at = -1.0
+        self._passed_at = -1.0  # when another thread last began a pass (see ``try_pass``)
         self._stopping = False
         self._passing = threading.Lock()  # one pass over the queues at a time
         self._watched: CudaEvent | None = None  # the event this thread sleeps on: not to be reused yet
@@ -189,6 +196,12 @@ class _Completions:
     def _loop(self) -> None:
         torch.cuda.set_device(self._owner.torch_device)
         while True:
+            since = time.perf_counter() - self._passed_at
+            if since < self.BACKOFF_SECONDS and not self._hurry.is_set():
+                # the submitting thread passes as it goes (see ``CudaBackend.finish_ready``): leave it
+                if not self._hurry.wait(self.BACKOFF_SECONDS - since):
+                    continue
+                self._hurry.clear()
             if self._drain():
                 # a hurry set before the clear is served by the drain right after it
                 self._hurry.wait(self.BATCH_SECONDS)
@@ -221,17 +234,22 @@ class _Completions:
         self._hurried_at = time.perf_counter()
         self._hurry.set()
 
+    def try_pass(self) -> None:
+        """Finish what has completed, in the calling thread, unless a pass is under way; never waits."""
+        if self._passing.acquire(blocking=False):
+            self._passed_at = time.perf_counter()
+            try:
+                self._pass()
+            finally:
+                self._passing.release()
+
     def help(self, waiter: Any, seconds: float) -> None:
         """Finish completed ops in this thread until ``waiter`` is done, for at most ``seconds``."""
         if threading.current_thread() is self._thread:  # a callback of ours waits: we are busy
             return
         deadline = time.perf_counter() + seconds
         while not waiter.done():
-            if self._passing.acquire(blocking=False):
-                try:
-                    self._pass()
-                finally:
-                    self._passing.release()
+            self.try_pass()
             if waiter.done() or time.perf_counter() >= deadline:
                 return
             time.sleep(0)  # lets other threads run between polls
@@ -340,6 +358,19 @@ class CudaBackend:
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> None:
         self._completions.put(stream.index, event, callback)
+
+    def finish_ready(self) -> None:
+        """Finish the ops whose events have completed, in the calling thread, if no pass is under way.
+
+        The runtime calls it every few submits. A thread that submits in a
+        loop then finishes ops between its own launches, and the completion
+        thread, seeing recent passes, stays asleep: the GIL does not change
+        hands mid-burst. On the H100, every 64 submits with the thread held
+        off for 20 ms took 6 µs off each op of a chain of tiny ops (51.7 to
+        45.8 µs) and 9 µs off independent ones; every 32 with a 1 ms hold-off
+        gained nothing.
+        """
+        self._completions.try_pass()
 
     def hurry(self, waiter: Any = None, seconds: float | None = None) -> None:
         """Finish completed ops now rather than at the end of the completion thread's pause.
