@@ -120,6 +120,21 @@ def test_a_thread_that_keeps_submitting_finishes_completed_ops_itself():
     assert x[0].item() == FINISH_EVERY * 2
 
 
+def test_done_callbacks_that_submit_at_the_bound_do_not_hang_on_cuda():
+    x = torch.zeros(1024, device="cuda")
+    follow_ups = []
+    with sd.Runtime("cuda", streams=2, max_inflight=2) as rt:
+        def continue_with_two(_f):
+            for _ in range(2):
+                follow_ups.append(rt.submit(x.add_, 1, writes=[x]))
+
+        for _ in range(8):
+            rt.submit(torch.cuda._sleep, 100_000).add_done_callback(continue_with_two)
+        rt.synchronize()  # waits for the follow-ups too: they are pending before their trigger is done
+    assert len(follow_ups) == 16 and all(f.exception(timeout=10) is None for f in follow_ups)
+    assert x[0].item() == 16
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time

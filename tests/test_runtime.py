@@ -82,6 +82,47 @@ def test_in_flight_bound_blocks_and_is_never_exceeded():
     assert stats.completed == 40 and stats.inflight == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_done_callbacks_that_submit_at_the_bound_do_not_hang(device):
+    """A continuation submitted from a done-callback goes over the bound: its thread may be the finisher."""
+    x = np.zeros(4)
+    follow_ups = []
+    with sd.Runtime(device, streams=1, max_inflight=2) as rt:
+        def continue_with_two(_f):
+            for _ in range(2):
+                follow_ups.append(rt.submit(np.add, x, 1, out=x, writes=[x]))
+
+        for _ in range(8):
+            rt.submit(time.sleep, 0.001).add_done_callback(continue_with_two)
+        rt.synchronize()
+        assert rt.statistics().inflight == 0
+        assert rt.submit(np.sum, x, reads=[x]).result() == 4 * 16  # the bound holds again after
+    assert len(follow_ups) == 16 and all(f.done() and f.exception() is None for f in follow_ups)
+    assert (x == 16).all()
+
+
+def test_waiting_without_a_timeout_inside_a_done_callback_raises_instead_of_hanging():
+    gate = threading.Event()
+    seen = []
+    with sd.Runtime("cpu", streams=2) as rt:  # two lanes: the awaited op is still running
+        later = rt.submit(gate.wait, 10)
+
+        def wait_inside(_f):
+            try:
+                seen.append(later.result())
+            except RuntimeError as exc:
+                seen.append(exc)
+
+        rt.submit(time.sleep, 0.001).add_done_callback(wait_inside)
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.set()
+        rt.synchronize()
+    assert isinstance(seen[0], RuntimeError), seen
+    assert "inside a done-callback would hang" in str(seen[0]) and "Chain instead" in str(seen[0])
+
+
 def test_submit_nowait_raises_would_block_at_the_bound():
     gate = threading.Event()
     a, b = np.zeros(1), np.zeros(1)

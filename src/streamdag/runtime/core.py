@@ -25,7 +25,7 @@ from ..errors import ExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access
 from ..graph.hazards import DepsTracker
 from ..schedule.waits import StreamClocks
-from .ops import Future, Op, collect_accesses
+from .ops import Future, Op, collect_accesses, in_done_callback
 from .transfers import ByteBudget, PinnedPool
 
 __all__ = ["Runtime", "RuntimeStatistics"]
@@ -379,6 +379,9 @@ class Runtime:
             finish_ready()
         if self._slots.acquire(blocking=False):
             return True
+        if in_done_callback():  # this thread may be the one that frees slots: waiting could hang
+            self._slots.take_over()
+            return True
         self._hurry_all()
         return self._slots.acquire()
 
@@ -526,7 +529,7 @@ class _Slots:
 
     def acquire(self, blocking: bool = True) -> bool:
         with self._lock:
-            while self._free == 0:
+            while self._free <= 0:
                 if not blocking:
                     return False
                 self._waiting += 1
@@ -536,6 +539,11 @@ class _Slots:
                     self._waiting -= 1
             self._free -= 1
             return True
+
+    def take_over(self) -> None:
+        """Take a slot past the bound, without waiting (later acquires wait until it is back)."""
+        with self._lock:
+            self._free -= 1
 
     def release(self) -> None:
         with self._lock:

@@ -16,13 +16,32 @@ from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, region_of
 from ..schedule.waits import Stamp
 
-__all__ = ["Future", "Op", "collect_accesses", "then"]
+__all__ = ["Future", "Op", "collect_accesses", "in_done_callback", "then"]
 
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 _LAZY = threading.Lock()  # orders making a future's condition against setting its result
+_CALLBACKS = threading.local()  # how deep this thread is in running futures' done-callbacks
+
+
+def in_done_callback() -> bool:
+    """Whether this thread is running a future's done-callbacks (user code the runtime called).
+
+    Such a thread may be the one that finishes ops, so it must never block on
+    the runtime: its submits go over the in-flight bounds instead of waiting,
+    and waiting on an unfinished future without a timeout raises.
+    """
+    return getattr(_CALLBACKS, "depth", 0) > 0
+
+
+def _running_callbacks(settle: Callable[[Any], None], value: Any) -> None:
+    _CALLBACKS.depth = getattr(_CALLBACKS, "depth", 0) + 1
+    try:
+        settle(value)
+    finally:
+        _CALLBACKS.depth -= 1
 
 
 class Future(concurrent.futures.Future):
@@ -59,7 +78,16 @@ class Future(concurrent.futures.Future):
 
     def _waited_on(self, timeout: float | None) -> float | None:
         """Let the waiting thread help finish this future; returns what is left of ``timeout``."""
-        if self._hurry is None or self._state in _DONE_STATES:
+        if self._state in _DONE_STATES:
+            return timeout
+        if timeout is None and in_done_callback():
+            raise RuntimeError(
+                f"waiting on the unfinished streamdag future of {self.op_name!r} inside a done-callback "
+                "would hang: the callback runs in a thread that finishes ops. Chain instead (add a "
+                "done-callback to this future, or submit the follow-up as an op that reads its data), "
+                "or pass a timeout"
+            )
+        if self._hurry is None:
             return timeout
         started = time.perf_counter()
         self._hurry(self, timeout)
@@ -90,11 +118,11 @@ class Future(concurrent.futures.Future):
 
     def set_result(self, result: Any) -> None:
         if not self._settle_unobserved(result, None):
-            super().set_result(result)
+            _running_callbacks(super().set_result, result)
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self._settle_unobserved(None, exception):
-            super().set_exception(exception)
+            _running_callbacks(super().set_exception, exception)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return asyncio.wrap_future(self).__await__()

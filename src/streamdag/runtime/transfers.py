@@ -7,7 +7,8 @@
   chunk overlaps the DMA of the one before. A buffer returns to the pool only
   once the copy that reads or writes it has completed.
 - ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
-  would pass it blocks the submitter until earlier copies complete.
+  would pass it blocks the submitter until earlier copies complete (except in
+  a done-callback, whose thread may be the one that finishes them).
 - Between two devices, the copy is an op on the destination's peer copy
   stream, done by the source backend's ``peer_copy`` (PyTorch runs it on a
   stream of the source device, fenced both ways with the destination's).
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..graph.buffers import region_of
-from .ops import Future, then
+from .ops import Future, in_done_callback, then
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -44,7 +45,8 @@ class ByteBudget:
 
     def acquire(self, n: int) -> None:
         with self._cond:
-            while self.used and self.used + n > self.limit:
+            # a done-callback's thread may be the one that brings bytes back: it goes over the limit
+            while self.used and self.used + n > self.limit and not in_done_callback():
                 if self._on_wait is not None:
                     self._on_wait()
                 self._cond.wait()
@@ -76,7 +78,7 @@ class PinnedPool:
                 free = self._free.get(size)
                 if free:
                     return free.pop()
-                if self._held + size <= self.limit or self._held == 0:
+                if self._held + size <= self.limit or self._held == 0 or in_done_callback():
                     self._held += size
                     break
                 if not self._drop_one_free():
