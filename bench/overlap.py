@@ -5,9 +5,10 @@ per chunk, device -> pinned host. The bound is measured in the same run:
 max(all copies in, all copies out, all compute, all copy bytes / bidirectional
 throughput). The pipeline bound adds what no schedule of this program can
 overlap: the last chunk's compute and copy out come after all copies in (and
-the first chunk's copy in before all copies out). The schedule bound adds
-that the link is shared: while both directions run, each gets less than
-alone (see ``link_shared_bound``). Times are medians of wall time between
+the first chunk's copy in before all copies out). The link model adds that
+the link is shared: while both directions run, each gets less than alone
+(see ``link_model_ms``). It is an estimate from rates measured apart, not a
+strict bound: the hand-made pipeline has come within -2% to +2% of it. Times are medians of wall time between
 torch.cuda.synchronize().
 
 Run on a GPU machine: PYTHONPATH=src python bench/overlap.py
@@ -71,14 +72,15 @@ def _chunks_by(ends_ms: list[float], t: float) -> float:
     return float(len(ends_ms))
 
 
-def link_shared_bound(total_mb: float, one_in: float, one_compute: float, one_out: float,
+def link_model_ms(total_mb: float, one_in: float, one_compute: float, one_out: float,
                       in_gbs: float, out_gbs: float, both_gbs: float) -> float:
-    """A lower bound (ms) on any schedule of the chunked program, given how the link is shared.
+    """The best any schedule of the chunked program can do (ms), given how the link is shared.
 
     Until the first chunk is in and computed, only copies in can run; after
     the last copy in, the last compute and copy out follow with only copies out
     running. In between both directions share the link: together at most
-    ``both_gbs``, each at most its own rate alone. (GB/s equals MB/ms.)
+    ``both_gbs``, each at most its own rate alone. (GB/s equals MB/ms.) The
+    rates are measured apart from the pipeline, so this is an estimate.
     """
     head, tail = one_in + one_compute, one_compute + one_out
     left_in, left_out = total_mb - in_gbs * head, total_mb - out_gbs * tail
@@ -114,7 +116,7 @@ def main() -> None:
     # and the first chunk in before any compute and copy out (one copy engine per direction)
     one_in, one_out, one_compute = t_in / CHUNKS, t_out / CHUNKS, t_compute / CHUNKS
     pipeline_bound = max(bound, t_in + one_compute + one_out, one_in + one_compute + t_out)
-    schedule_bound = link_shared_bound(CHUNKS * nbytes / 1e6, one_in, one_compute, one_out,
+    link_model = link_model_ms(CHUNKS * nbytes / 1e6, one_in, one_compute, one_out,
                                        CHUNKS * nbytes / t_in / 1e6, CHUNKS * nbytes / t_out / 1e6,
                                        both_active_gbs)
     for d, h in zip(dev_in, host_in):
@@ -191,13 +193,15 @@ def main() -> None:
              ["all compute ms", t_compute, ""], ["bound ms", bound, "1.00x"],
              ["pipeline bound ms (chunk order)", pipeline_bound, f"{pipeline_bound / bound:.2f}x bound"],
              ["both directions running, GB/s together", both_active_gbs, ""],
-             ["schedule bound ms (link shared)", schedule_bound, f"{schedule_bound / bound:.2f}x bound"],
+             ["best schedule, link model ms", link_model, f"{link_model / bound:.2f}x bound"],
              ["goal: 1.05x bound ms", 1.05 * bound,
-              "below the schedule bound: no schedule of these ops reaches it here"
-              if max(pipeline_bound, schedule_bound) > 1.05 * bound else "at or above the schedule bound"]]
+              "below the pipeline bound: no schedule of these ops reaches it here"
+              if pipeline_bound > 1.05 * bound else
+              "below the link model's best schedule" if link_model > 1.05 * bound else
+              "at or above the link model's best schedule"]]
     for label, ms in rows.items():
         table.append([f"{label} ms", ms, f"{ms / bound:.2f}x bound, "
-                      f"{ms / max(pipeline_bound, schedule_bound):.2f}x schedule bound, "
+                      f"{ms / link_model:.2f}x link model, "
                       f"{rows['sequential, one stream'] / ms:.2f}x faster than sequential"])
     print(format_table(["overlap", "value", "vs bound"], table))
     print("streamdag results equal sequential:", ok, "peak bytes in flight:", peak)
@@ -208,11 +212,12 @@ def main() -> None:
                                    "compute_streams": [4, 1]},
                       "ms": {"copies_in": t_in, "copies_out": t_out, "compute": t_compute,
                              "both_ways": t_both, "bound": bound, "pipeline_bound": pipeline_bound,
-                             "schedule_bound": schedule_bound,
+                             "link_model": link_model,
                              **rows},
                       "bidirectional_gbs": bidir_gbs, "both_active_gbs": both_active_gbs,
                       "results_equal": ok, "recorded": capture,
-                      "goal_reachable": max(pipeline_bound, schedule_bound) <= 1.05 * bound}))
+                      "goal_below_pipeline_bound": pipeline_bound > 1.05 * bound,
+                      "goal_below_link_model": link_model > 1.05 * bound}))
 
 
 if __name__ == "__main__":
