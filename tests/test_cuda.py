@@ -135,6 +135,22 @@ def test_done_callbacks_that_submit_at_the_bound_do_not_hang_on_cuda():
     assert x[0].item() == 16
 
 
+def test_an_asyncio_timeout_on_a_cuda_future_leaves_the_runtime_working():
+    import asyncio
+
+    x = torch.zeros(1024, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        async def main():
+            slow = rt.submit(torch.cuda._sleep, 200_000_000, name="slow")  # about 0.1 s
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(slow, 0.001)  # cancels the future it gave up on
+            return slow, await rt.submit(x.add_, 1, writes=[x])
+
+        slow, added = asyncio.run(main())
+        assert slow.result(timeout=30) is None and added[0].item() == 1
+        assert rt.submit(x.add_, 1, writes=[x]).result(timeout=30)[0].item() == 2
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time

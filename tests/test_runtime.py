@@ -82,6 +82,32 @@ def test_in_flight_bound_blocks_and_is_never_exceeded():
     assert stats.completed == 40 and stats.inflight == 0
 
 
+def test_cancel_is_refused_and_the_op_still_runs_for_its_dependents(rt):
+    a = np.zeros(3)
+    f = rt.submit(time.sleep, 0.02, writes=[a])
+    assert f.cancel() is False and not f.cancelled()
+    g = rt.submit(np.add, a, 1, out=a, writes=[a])
+    rt.synchronize()
+    assert f.result() is None and (g.result() == 1).all()
+
+
+def test_an_asyncio_timeout_leaves_the_op_and_the_runtime_working(rt):
+    """``asyncio.wait_for`` cancels the future it gave up on: the runtime must carry on."""
+    a = np.zeros(3)
+    gate = threading.Event()
+
+    async def main():
+        slow = rt.submit(gate.wait, 10, writes=[a])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(slow, 0.01)
+        gate.set()
+        return slow, await rt.submit(np.add, a, 1, out=a, writes=[a])
+
+    slow, added = asyncio.run(main())
+    rt.synchronize()
+    assert slow.result() is True and (added == 1).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_done_callbacks_that_submit_at_the_bound_do_not_hang(device):
     """A continuation submitted from a done-callback goes over the bound: its thread may be the finisher."""

@@ -76,6 +76,15 @@ class Future(concurrent.futures.Future):
     def done(self) -> bool:
         return self._state in _DONE_STATES
 
+    def cancel(self) -> bool:
+        """Refuses, like a running ``concurrent.futures.Future``: returns False.
+
+        The op was handed to its stream at submit and runs to its end; ops
+        after it may depend on what it writes. (``asyncio.wait_for`` and
+        ``concurrent.futures`` helpers call this; the future still completes.)
+        """
+        return False
+
     def _waited_on(self, timeout: float | None) -> float | None:
         """Let the waiting thread help finish this future; returns what is left of ``timeout``."""
         if self._state in _DONE_STATES:
