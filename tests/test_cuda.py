@@ -151,6 +151,36 @@ def test_an_asyncio_timeout_on_a_cuda_future_leaves_the_runtime_working():
         assert rt.submit(x.add_, 1, writes=[x]).result(timeout=30)[0].item() == 2
 
 
+@pytest.mark.parametrize("how", ["result", "wait", "as_completed", "await"])
+def test_waiting_on_the_last_of_a_burst_finishes_it_first_and_every_op_after(how):
+    """A waiter's op is finished ahead of the ops queued before it; those still finish, in time."""
+    import asyncio
+    import concurrent.futures
+
+    bufs = [torch.zeros(64, device="cuda") for _ in range(4)]
+    with sd.Runtime("cuda", streams=4) as rt:
+        for round_ in range(1, 21):
+            futures = [rt.submit(b.add_, 1, writes=[b]) for _ in range(16) for b in bufs]
+            last = futures[-1]
+            if how == "result":
+                assert last.result(timeout=30) is bufs[-1]
+            elif how == "wait":
+                done, _ = concurrent.futures.wait([last], timeout=30)
+                assert last in done
+            elif how == "as_completed":
+                assert len(list(concurrent.futures.as_completed(futures, timeout=30))) == len(futures)
+            else:
+                async def waiting(last=last):
+                    return await last
+                assert asyncio.run(waiting()) is bufs[-1]
+            assert bufs[-1][0].item() == 16 * round_
+        rt.synchronize()
+        stats = rt.statistics()
+        assert all(f.done() and f.exception() is None for f in futures)
+    assert stats.inflight == 0 and stats.completed == stats.submitted == 20 * 64
+    assert all(b[0].item() == 320 for b in bufs)
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time

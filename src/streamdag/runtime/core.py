@@ -463,8 +463,9 @@ class Runtime:
             op.deps = ()
             self._finish(op)
             return
-        op.future._hurry = self._hurry_of[stream]
-        backend.when_done(s, event, partial(self._finish, op))
+        future = op.future
+        future._hurry = self._hurry_of[stream]
+        future._done_token = backend.when_done(s, event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op], device: str) -> int:
         """Continue a producer's compute stream when it is that stream's last op; else the least busy one.

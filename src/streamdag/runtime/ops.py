@@ -56,6 +56,8 @@ class Future(concurrent.futures.Future):
     #: asks whoever finishes this future to look now, and with the future and a time limit lets
     #: the waiting thread finish it itself (set by the runtime; see ``CudaBackend.hurry``)
     _hurry: Callable[..., None] | None = None
+    #: the backend's token for this op's completion entry, so that a waiter gets it finished first
+    _done_token: Any = None
 
     def __init__(self) -> None:  # the base's state, without its Condition
         self._state = _PENDING
@@ -69,9 +71,22 @@ class Future(concurrent.futures.Future):
             raise AttributeError(name)
         with _LAZY:
             cond = self.__dict__.get("_condition")
-            if cond is None:
+            made = cond is None
+            if made:
                 cond = self.__dict__["_condition"] = threading.Condition()
+        if made and self._hurry is not None and self._state not in _DONE_STATES:
+            # someone waits in a way that does not go through result() (concurrent.futures.wait,
+            # as_completed): ask for a prompt finish
+            self._ask_first()
         return cond
+
+    def _ask_first(self) -> None:
+        """Ask whoever finishes this future to finish it promptly, ahead of others if it can."""
+        token = self._done_token
+        if token is None:
+            self._hurry()  # type: ignore[misc]
+        else:
+            self._hurry(wanted=token)  # type: ignore[misc]
 
     def done(self) -> bool:
         return self._state in _DONE_STATES
@@ -110,7 +125,7 @@ class Future(concurrent.futures.Future):
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         if self._hurry is not None and self._state not in _DONE_STATES:
-            self._hurry()  # a callback waits too, but nobody here can finish ops for it
+            self._ask_first()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
     def on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
