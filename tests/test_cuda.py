@@ -181,6 +181,25 @@ def test_waiting_on_the_last_of_a_burst_finishes_it_first_and_every_op_after(how
     assert all(b[0].item() == 320 for b in bufs)
 
 
+@pytest.mark.parametrize("which", ["given", "all"])
+def test_current_stream_wait_orders_pytorch_code_after_ops_without_blocking_the_host(which):
+    out = torch.zeros(1 << 20, device="cuda")
+
+    def slow_fill():
+        torch.cuda._sleep(100_000_000)  # about 50 ms, then the write
+        out.fill_(7)
+
+    with sd.Runtime("cuda", streams=4) as rt:
+        for _ in range(3):
+            out.zero_()
+            torch.cuda.synchronize()
+            f = rt.submit(slow_fill, writes=[out])
+            rt.current_stream_wait(*([f] if which == "given" else []))
+            assert not f.done()  # the host went on
+            seen = out.clone()  # plain PyTorch on the caller's stream, ordered after the op
+            assert seen.min().item() == 7
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time

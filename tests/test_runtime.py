@@ -82,6 +82,18 @@ def test_in_flight_bound_blocks_and_is_never_exceeded():
     assert stats.completed == 40 and stats.inflight == 0
 
 
+def test_current_stream_wait_on_the_host_waits_for_the_ops(rt):
+    a, b = np.zeros(3), np.zeros(3)
+    f = rt.submit(lambda: (time.sleep(0.02), a.fill(1)), writes=[a])
+    rt.current_stream_wait(f)
+    assert f.done() and (a == 1).all()
+    g = rt.submit(lambda: (time.sleep(0.02), b.fill(2)), writes=[b])
+    rt.current_stream_wait()
+    assert g.done() and (b == 2).all()
+    with pytest.raises(TypeError, match="futures of ops"):
+        rt.current_stream_wait(a)
+
+
 def test_cancel_is_refused_and_the_op_still_runs_for_its_dependents(rt):
     a = np.zeros(3)
     f = rt.submit(time.sleep, 0.02, writes=[a])

@@ -414,6 +414,10 @@ class CudaBackend:
             if caller_device != self._index:
                 _set_device(caller_device)
 
+    def caller_waits(self, event: CudaEvent) -> None:
+        """Make the caller's current stream on this device wait for ``event``; the host goes on."""
+        _wait(event.raw, torch.cuda.current_stream(self.torch_device))
+
     def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.
 

@@ -12,6 +12,7 @@ the in-flight semaphore, under ``_done_lock``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -214,6 +215,47 @@ class Runtime:
                 self._tracker.forget(lambda op: op.done)  # go at the next compaction anyway
         if failures:
             raise ExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
+
+    def current_stream_wait(self, *futures: Future) -> None:
+        """Order the caller's current stream after ``futures`` (default: every op submitted so far).
+
+        On CUDA the host does not wait: the caller's current stream on each
+        op's device waits on the op's completion event, so PyTorch code the
+        caller runs next on that stream sees what the ops wrote. On the CPU
+        lanes and the simulated device the caller's stream is the host, so
+        this waits for the ops; so it does for a future without a device
+        event (a graph's first run, op by op). Failures are not raised here:
+        they stay with the futures and :meth:`synchronize`.
+        """
+        for f in futures:
+            if not isinstance(f, concurrent.futures.Future):
+                raise TypeError(f"current_stream_wait() takes the futures of ops, got {type(f).__name__}")
+        host_waits = []
+        with self._lock:  # events are recorded (and reused) under this lock: each still marks its op
+            if futures:
+                fences = []
+                for f in futures:
+                    if f.done():
+                        continue
+                    fence = getattr(f, "_fence", None)
+                    if fence is None or not hasattr(fence[0], "caller_waits"):
+                        host_waits.append(f)
+                    else:
+                        fences.append(fence)
+            else:
+                with self._done_lock:
+                    last = {op.stamp.stream: op for op in self._pending.values() if op.event is not None}
+                fences = []
+                for stream, op in last.items():
+                    backend = self._member[stream]
+                    if hasattr(backend, "caller_waits"):
+                        fences.append((backend, op.event))
+                    else:
+                        host_waits.append(op.future)
+            for backend, event in fences:
+                backend.caller_waits(event)
+        for f in host_waits:
+            f.exception()
 
     def statistics(self) -> RuntimeStatistics:
         with self._done_lock:
@@ -465,6 +507,7 @@ class Runtime:
             return
         future = op.future
         future._hurry = self._hurry_of[stream]
+        future._fence = (backend, event)
         future._done_token = backend.when_done(s, event, partial(self._finish, op))
 
     def _choose_stream(self, live: list[Op], device: str) -> int:

@@ -58,6 +58,8 @@ class Future(concurrent.futures.Future):
     _hurry: Callable[..., None] | None = None
     #: the backend's token for this op's completion entry, so that a waiter gets it finished first
     _done_token: Any = None
+    #: (backend, completion event) of the op, for ``Runtime.current_stream_wait``; None: host waits
+    _fence: Any = None
 
     def __init__(self) -> None:  # the base's state, without its Condition
         self._state = _PENDING
@@ -160,6 +162,7 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     out = Future()
     out.op_name = op_name
     out._hurry = getattr(source, "_hurry", None)  # waiting on ``out`` is waiting on ``source``
+    out._fence = getattr(source, "_fence", None)
 
     def done(f: concurrent.futures.Future) -> None:
         if f.exception() is not None:

@@ -132,4 +132,5 @@ class HostReplay:
             rt._finish(op)
 
         op.future._hurry = rt._hurry_of[self.join]
-        member[self.join].when_done(join, done_event, finished)
+        op.future._fence = (member[self.join], done_event)
+        op.future._done_token = member[self.join].when_done(join, done_event, finished)
