@@ -347,3 +347,52 @@ def test_byte_budget_blocks_until_earlier_transfers_complete():
     budget.release(60)
     budget.acquire(500)  # larger than the limit: runs alone once nothing else is in flight
     assert budget.used == 500 and budget.peak == 500
+
+
+class _RunsInTheCaller:
+    """A backend that runs each op at once in the submitting thread, as the CUDA backend does."""
+
+    deferred = False
+
+    class _Lane:
+        def __init__(self, index: int) -> None:
+            self.index, self.kind = index, "compute"
+
+    class _Event:
+        def record(self, stream) -> None: ...
+        def wait(self, stream) -> None: ...
+        def query(self) -> bool: return True
+        def synchronize(self) -> None: ...
+
+    def __init__(self) -> None:
+        self.device = "cpu"
+        self.streams = [self._Lane(0), self._Lane(1)]
+
+    def event(self, timing: bool = False):
+        return self._Event()
+
+    def launch(self, stream, work, after_caller: bool = True) -> None:
+        work()
+
+    def when_done(self, stream, event, callback) -> None:
+        callback()
+
+    def synchronize(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending():
+    """Ctrl-C while an op's host code runs (on CUDA it runs in the submitting thread)."""
+    a = np.zeros(3)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with sd.Runtime(backend=_RunsInTheCaller()) as rt:
+        with pytest.raises(KeyboardInterrupt):
+            rt.submit(interrupted, writes=[a])
+        dependent = rt.submit(np.add, a, 1, out=a, writes=[a])
+        assert isinstance(dependent.exception(timeout=5), sd.DependencyFailed)
+        rt.synchronize()  # returns: the interrupted op is finished, and not raised a second time
+        assert rt.statistics().inflight == 0
+        assert (rt.submit(np.add, a, 1, out=a, writes=[a]).result(timeout=5) == 1).all()

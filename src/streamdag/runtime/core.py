@@ -132,6 +132,7 @@ class Runtime:
         self._seq = 0
         self._completed = 0
         self._failed = 0
+        self._failed_seen = 0  # ``_failed`` at the last synchronize
         self._peak = 0
         self._closed = False
         self._recording: Any = None
@@ -211,7 +212,8 @@ class Runtime:
         with self._lock:
             with self._done_lock:
                 failures, self._failures = self._failures, []
-            if failures:  # later ops must not fail for these; finished ops that did not fail
+                failed_since, self._failed_seen = self._failed != self._failed_seen, self._failed
+            if failed_since:  # later ops must not fail for these; finished ops that did not fail
                 self._tracker.forget(lambda op: op.done)  # go at the next compaction anyway
         if failures:
             raise ExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
@@ -496,7 +498,7 @@ class Runtime:
             if not stop:
                 op.event = event = backend.event()
                 event.record(s)
-        except Exception as exc:  # the backend's own calls failed
+        except BaseException as exc:  # the backend's own calls failed, or an interrupt (Ctrl-C) came
             op.error, op.root_name, op.root_error = exc, op.name, exc
             stop = True
         if stop:
@@ -504,6 +506,8 @@ class Runtime:
                 op.error = op.root_error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
             op.deps = ()
             self._finish(op)
+            if not isinstance(op.error, Exception):  # the op failed with it; the caller gets it too
+                raise op.error  # type: ignore[misc]
             return
         future = op.future
         future._hurry = self._hurry_of[stream]
@@ -543,8 +547,8 @@ class Runtime:
                 self._completed += 1
             else:
                 self._failed += 1
-                if op.root_error is error:
-                    _annotate(error, op.name)
+                if op.root_error is error and isinstance(error, Exception):  # an interrupt was raised
+                    _annotate(error, op.name)                                 # to the caller already
                     self._failures.append(error)
         value = op.value
         op.release()
