@@ -396,3 +396,22 @@ def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending
         rt.synchronize()  # returns: the interrupted op is finished, and not raised a second time
         assert rt.statistics().inflight == 0
         assert (rt.submit(np.add, a, 1, out=a, writes=[a]).result(timeout=5) == 1).all()
+
+
+def test_a_submit_from_inside_an_op_that_touches_its_memory_fails_clearly():
+    a, b = np.zeros(3), np.zeros(3)
+    inner = {}
+
+    def outer():
+        inner["conflicting"] = rt.submit(np.add, a, 1, out=a, writes=[a])
+        inner["independent"] = rt.submit(np.add, b, 1, out=b, writes=[b])
+        a.fill(5)
+
+    with sd.Runtime(backend=_RunsInTheCaller()) as rt:
+        rt.submit(outer, writes=[a]).result(timeout=5)
+        with pytest.raises(RuntimeError, match="submitted from inside op 'outer"):
+            inner["conflicting"].result(timeout=5)
+        assert (inner["independent"].result(timeout=5) == 1).all()
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+    assert (a == 5).all()

@@ -405,9 +405,7 @@ class Runtime:
             seq = self._seq = self._seq + 1
             op = Op(seq, op_name if name else f"{op_name}#{seq}", fn, args, kwargs, accesses)
             deps = self._tracker.link(op, accesses)
-            if deps and not (device_ordered or self.backend.deferred):
-                _wait_for_host_inputs(accesses, deps)
-            self._launch(op, deps, stream, device)
+            self._launch(op, deps, stream, device, host_inputs=not (device_ordered or self.backend.deferred))
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
             for finish_ready in self._finish_ready:
                 finish_ready()
@@ -473,8 +471,13 @@ class Runtime:
                 self._peak = len(pending)
         return stream, live, waits
 
-    def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None) -> None:
-        """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot."""
+    def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None,
+                host_inputs: bool = False) -> None:
+        """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot.
+
+        ``host_inputs``: the op's function runs now, in this thread, so the host memory it
+        touches must first be final (see ``_wait_for_host_inputs``).
+        """
         stream, live, waits = self._admit(op, deps, stream, device)
         backend = self._member[stream]
         if self._can_be_lost and backend.lost is not None:  # the device takes no more calls: fail at once
@@ -486,9 +489,11 @@ class Runtime:
         s = self._streams[stream]
         profiler = self._profiler
         try:
+            if host_inputs and live:
+                _wait_for_host_inputs(op.accesses, live, op)
             if waits and not _DROP_WAITS:
                 for i in waits:
-                    live[i].event.wait(s)
+                    _event_of(live[i], op).wait(s)
             if profiler is not None:
                 started = profiler.start(op, stream, deps)
             backend.launch(s, op.execute)  # execute itself never raises
@@ -607,7 +612,7 @@ def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be at least {minimum}, got {value}" + (f" ({hint})" if hint else ""))
 
 
-def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
+def _wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:
     """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
 
     Device work (kernels, copies) is ordered by events; host code reading or
@@ -622,7 +627,19 @@ def _wait_for_host_inputs(accesses: list[Access], deps: list[Op]) -> None:
         return
     for dep in deps:
         if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
-            dep.event.synchronize()
+            _event_of(dep, op).synchronize()
+
+
+def _event_of(dep: Op, op: Any) -> Any:
+    """``dep``'s completion event; it has none while it launches, so ``op`` was submitted inside it."""
+    event = dep.event
+    if event is None:
+        name = f"op {op.name!r}" if op is not None else "this copy"
+        raise RuntimeError(
+            f"{name} was submitted from inside op {dep.name!r}, whose memory it touches: on this "
+            "device an op's function runs inside its submit. Run that work directly in the "
+            "function (it lands on the op's stream), or submit it after")
+    return event
 
 
 def _is_sticky(backend: Any, error: BaseException) -> bool:

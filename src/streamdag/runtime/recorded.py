@@ -15,7 +15,6 @@ from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
-from .core import _wait_for_host_inputs
 from .ops import Future, Op, then
 
 if TYPE_CHECKING:
@@ -212,9 +211,9 @@ class RecordedGraph:
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]
-            if rec.stream is None and not rt.backend.deferred:  # host code runs now
-                _wait_for_host_inputs(rec.accesses, deps)
-            rt._launch(op, deps, self._runtime_stream(v))
+            # host code runs now: its host inputs must be final
+            rt._launch(op, deps, self._runtime_stream(v),
+                       host_inputs=rec.stream is None and not rt.backend.deferred)
             launched.append(op)
 
     def _host_replay_allowed(self, per_op: bool) -> bool:
