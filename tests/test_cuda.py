@@ -200,6 +200,27 @@ def test_current_stream_wait_orders_pytorch_code_after_ops_without_blocking_the_
             assert seen.min().item() == 7
 
 
+def test_submits_from_inside_an_op_that_touch_its_memory_fail_clearly_on_cuda():
+    x = torch.zeros(1024, device="cuda")
+    y = torch.zeros(1024, device="cuda")
+    inner = {}
+
+    def outer():
+        x.fill_(3)
+        inner["reads x"] = rt.submit(lambda: y.copy_(x * 2), reads=[x], writes=[y])
+        inner["writes x"] = rt.submit(x.add_, 1, writes=[x])
+
+    with sd.Runtime("cuda", streams=4) as rt:
+        rt.submit(outer, writes=[x]).result(timeout=30)
+        with pytest.raises(RuntimeError, match="submitted from inside op 'outer"):
+            inner["writes x"].result(timeout=30)
+        with pytest.raises(RuntimeError, match="submitted from inside op 'outer"):
+            inner["reads x"].result(timeout=30)  # it reads what the outer op writes: refused too
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert rt.submit(x.add_, 1, writes=[x]).result(timeout=30)[0].item() == 4
+
+
 def test_result_with_a_timeout_gives_up_in_time_while_the_gpu_is_busy():
     import concurrent.futures
     import time
