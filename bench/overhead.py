@@ -19,50 +19,12 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
+from streamdag.backends.inline import InlineBackend
 from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
 OPS_PER_ROUND = 4000
 ROUNDS = 7
-
-
-class _Lane:
-    def __init__(self, index: int) -> None:
-        self.index, self.kind = index, "compute"
-
-
-class _NoEvent:
-    def record(self, stream) -> None: ...
-    def wait(self, stream) -> None: ...
-    def query(self) -> bool: return True
-    def synchronize(self) -> None: ...
-
-
-class BookkeepingOnly:
-    """A backend that runs each op at once on the caller's stream and finishes it there.
-
-    What a submit costs with it is the runtime's own work (dependencies,
-    placement, futures, finishing) plus PyTorch's launch: no stream switch,
-    no event, no completion thread.
-    """
-
-    deferred = False
-
-    def __init__(self, device: str, streams: int) -> None:
-        self.device = device
-        self.streams = [_Lane(i) for i in range(streams)]
-
-    def event(self, timing: bool = False) -> _NoEvent:
-        return _NoEvent()
-
-    def launch(self, stream, work, after_caller: bool = True) -> None:
-        work()
-
-    def when_done(self, stream, event, callback) -> None:
-        callback()
-
-    def synchronize(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def main():
@@ -110,7 +72,7 @@ def main():
     # the same, but every op finished by the completion thread (the submitting thread never passes)
     thread_only = sd.Runtime("cuda", streams=8, max_inflight=100000)
     thread_only._finish_ready = []
-    bare = sd.Runtime(backend=BookkeepingOnly(f"cuda:{torch.cuda.current_device()}", 8),
+    bare = sd.Runtime(backend=InlineBackend(f"cuda:{torch.cuda.current_device()}", 8),
                       max_inflight=100000)
     # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run()
     with rt.record() as g:

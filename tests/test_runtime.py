@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
+from streamdag.backends.inline import InlineBackend
 
 DEVICES = ["cpu", "sim"]
 
@@ -349,38 +350,6 @@ def test_byte_budget_blocks_until_earlier_transfers_complete():
     assert budget.used == 500 and budget.peak == 500
 
 
-class _RunsInTheCaller:
-    """A backend that runs each op at once in the submitting thread, as the CUDA backend does."""
-
-    deferred = False
-
-    class _Lane:
-        def __init__(self, index: int) -> None:
-            self.index, self.kind = index, "compute"
-
-    class _Event:
-        def record(self, stream) -> None: ...
-        def wait(self, stream) -> None: ...
-        def query(self) -> bool: return True
-        def synchronize(self) -> None: ...
-
-    def __init__(self) -> None:
-        self.device = "cpu"
-        self.streams = [self._Lane(0), self._Lane(1)]
-
-    def event(self, timing: bool = False):
-        return self._Event()
-
-    def launch(self, stream, work, after_caller: bool = True) -> None:
-        work()
-
-    def when_done(self, stream, event, callback) -> None:
-        callback()
-
-    def synchronize(self) -> None: ...
-    def close(self) -> None: ...
-
-
 def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending():
     """Ctrl-C while an op's host code runs (on CUDA it runs in the submitting thread)."""
     a = np.zeros(3)
@@ -388,7 +357,7 @@ def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending
     def interrupted():
         raise KeyboardInterrupt
 
-    with sd.Runtime(backend=_RunsInTheCaller()) as rt:
+    with sd.Runtime(backend=InlineBackend()) as rt:
         with pytest.raises(KeyboardInterrupt):
             rt.submit(interrupted, writes=[a])
         dependent = rt.submit(np.add, a, 1, out=a, writes=[a])
@@ -407,7 +376,7 @@ def test_a_submit_from_inside_an_op_that_touches_its_memory_fails_clearly():
         inner["independent"] = rt.submit(np.add, b, 1, out=b, writes=[b])
         a.fill(5)
 
-    with sd.Runtime(backend=_RunsInTheCaller()) as rt:
+    with sd.Runtime(backend=InlineBackend()) as rt:
         rt.submit(outer, writes=[a]).result(timeout=5)
         with pytest.raises(RuntimeError, match="submitted from inside op 'outer"):
             inner["conflicting"].result(timeout=5)
