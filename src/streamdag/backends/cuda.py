@@ -131,6 +131,8 @@ class _Completions:
     POLL_AFTER_WAIT_SECONDS = 20e-3
     #: how long a waiting thread polls and finishes ops itself before it sleeps on its future
     HELP_SECONDS = 2e-3
+    #: at most this many ops waited on without helping are finished ahead of their queues
+    WANTED_MAX = 8
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
@@ -192,8 +194,14 @@ class _Completions:
 
     def want(self, token: tuple[int, Any]) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
-        the next pass finishes it first and lets the waiter run before going on."""
-        self._wanted.append(token)
+        the next pass finishes it first and lets the waiter run before going on.
+
+        Only a few are kept (each pass looks each one up in its queue): with
+        more waited on at once (``as_completed`` over many futures), the rest
+        are finished in order, as before.
+        """
+        if len(self._wanted) < self.WANTED_MAX:
+            self._wanted.append(token)
         self.hurry()
 
     def _finish_wanted(self) -> bool:
