@@ -384,3 +384,19 @@ def test_a_submit_from_inside_an_op_that_touches_its_memory_fails_clearly():
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
     assert (a == 5).all()
+
+
+def test_a_future_derived_from_another_fails_when_its_function_raises():
+    """``then`` futures (transfers, graph results) must finish even when the mapping raises."""
+    from streamdag.runtime.ops import then
+
+    with sd.Runtime("cpu", streams=1) as rt:
+        source = rt.submit(time.sleep, 0.001)
+
+        def broken(_value):
+            raise ValueError("mapping failed")
+
+        derived = then(source, broken, "derived")
+        with pytest.raises(ValueError, match="mapping failed"):
+            derived.result(timeout=5)
+        assert then(source, lambda _v: 7, "fine").result(timeout=5) == 7

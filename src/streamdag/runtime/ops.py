@@ -167,8 +167,13 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     def done(f: concurrent.futures.Future) -> None:
         if f.exception() is not None:
             out.set_exception(f.exception())
+            return
+        try:
+            value = fn(f.result())
+        except Exception as exc:  # a raise here would only be logged, and ``out`` never finish
+            out.set_exception(exc)
         else:
-            out.set_result(fn(f.result()))
+            out.set_result(value)
 
     if isinstance(source, Future):
         source.on_done(done)
