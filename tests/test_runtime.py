@@ -400,3 +400,60 @@ def test_a_future_derived_from_another_fails_when_its_function_raises():
         with pytest.raises(ValueError, match="mapping failed"):
             derived.result(timeout=5)
         assert then(source, lambda _v: 7, "fine").result(timeout=5) == 7
+
+
+def test_a_graph_run_fails_when_an_earlier_failure_stops_its_ops(rt):
+    """A graph's ops failing for an op submitted before it: the run's future fails too."""
+    a = np.zeros(3)
+
+    def boom():
+        raise ValueError("before the graph")
+
+    with rt.record() as g:
+        rt.submit(np.add, a, 1, out=a, reads=[a], writes=[a])
+    rt.submit(boom, writes=[a])
+    with pytest.raises(sd.ExceptionGroup) as info:
+        g.run().result(timeout=5)
+    assert isinstance(info.value.exceptions[0], sd.DependencyFailed)
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
+
+
+def test_recording_takes_only_the_submits_of_the_thread_inside_the_block(rt):
+    a, b = np.zeros(3), np.zeros(3)
+    inside, outside = threading.Event(), threading.Event()
+    other = {}
+
+    def submit_elsewhere():
+        inside.wait(5)
+        other["future"] = rt.submit(np.add, b, 1, out=b, writes=[b])
+        outside.set()
+
+    t = threading.Thread(target=submit_elsewhere)
+    t.start()
+    with rt.record() as g:
+        rt.submit(np.add, a, 1, out=a, writes=[a])
+        inside.set()
+        assert outside.wait(5)
+    t.join()
+    assert isinstance(other["future"], sd.Future) and (other["future"].result(timeout=5) == 1).all()
+    assert len(g.names) == 1
+    g.run().result(timeout=5)
+    assert (a == 1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_run_waiting_for_slots_lets_done_callbacks_submit(device):
+    """A graph's first run launches its ops under the runtime's lock; when it waits for a slot,
+    the thread that frees slots may be running a callback that submits, which needs that lock."""
+    a, b = np.zeros(3), np.zeros(3)
+    follow_ups = []
+    with sd.Runtime(device, streams=1, max_inflight=2) as rt:
+        with rt.record() as g:
+            for _ in range(6):
+                rt.submit(np.add, a, 1, out=a, reads=[a], writes=[a])
+        slow = rt.submit(time.sleep, 0.05)
+        slow.add_done_callback(lambda _f: follow_ups.append(rt.submit(np.add, b, 1, out=b, writes=[b])))
+        g.run().result(timeout=10)
+        rt.synchronize()
+    assert (a == 6).all() and (b == 1).all() and len(follow_ups) == 1

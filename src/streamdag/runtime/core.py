@@ -135,7 +135,8 @@ class Runtime:
         self._failed_seen = 0  # ``_failed`` at the last synchronize
         self._peak = 0
         self._closed = False
-        self._recording: Any = None
+        #: the graph each thread records into, inside its ``with rt.record()`` block
+        self._recordings: dict[int, Any] = {}
         self._can_be_lost = hasattr(self.backend, "lost")
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
@@ -311,20 +312,26 @@ class Runtime:
 
     @contextmanager
     def record(self) -> Iterator[Any]:
-        """Record submits into a graph instead of running them: ``with rt.record() as g: ...``."""
+        """Record submits into a graph instead of running them: ``with rt.record() as g: ...``.
+
+        Only the submits of the thread inside the block are recorded; other
+        threads' submits run as usual meanwhile (and may record graphs of
+        their own).
+        """
         from .recorded import RecordedGraph
 
         self._check_open()
+        me = threading.get_ident()
         with self._lock:
-            if self._recording is not None:
+            if me in self._recordings:
                 raise RuntimeError("already recording: finish the open `with rt.record()` block first")
             graph = RecordedGraph(self)
-            self._recording = graph
+            self._recordings[me] = graph
         try:
             yield graph
         finally:
             with self._lock:
-                self._recording = None
+                del self._recordings[me]
         graph.finish()
 
     def close(self) -> None:
@@ -350,6 +357,10 @@ class Runtime:
             self.close()
 
     # ------------------------------------------------------------- internals
+    def _recording_here(self) -> Any:
+        """The graph this thread records into, or None."""
+        return self._recordings.get(threading.get_ident()) if self._recordings else None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeClosed(
@@ -388,7 +399,7 @@ class Runtime:
         elif run_on is not None and run_on != device:
             raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "
                              f"create it with devices=[{device!r}, {run_on!r}]")
-        recording = self._recording
+        recording = self._recording_here()
         if recording is not None:
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
@@ -425,7 +436,17 @@ class Runtime:
             self._slots.take_over()
             return True
         self._hurry_all()
-        return self._slots.acquire()
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            return self._slots.acquire()
+        # a graph's run launches its ops under the lock: let go of it while waiting, since the
+        # threads that free slots run done-callbacks, and a callback that submits needs the lock.
+        # (Condition does the same with these RLock methods.) Other submits may come in between
+        # the graph's ops meanwhile; dependencies follow submission order either way.
+        state = self._lock._release_save()  # type: ignore[attr-defined]
+        try:
+            return self._slots.acquire()
+        finally:
+            self._lock._acquire_restore(state)  # type: ignore[attr-defined]
 
     def _hurry_all(self, waiter: Future | None = None, seconds: float | None = None) -> None:
         """Ask every backend to finish its completed ops now: someone waits.

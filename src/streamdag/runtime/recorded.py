@@ -185,7 +185,10 @@ class RecordedGraph:
                 remaining[0] -= 1
                 if remaining[0]:
                     return
-            roots = [op.error for op in launched if op.error is not None and op.root_error is op.error]
+            failed = [op for op in launched if op.error is not None]
+            # the graph's own root failures; else ops failed for a failure before the graph
+            roots = [op.error for op in failed if op.root_error is op.error]
+            roots = roots or [op.error for op in failed[:1]]
             if roots:
                 result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
             else:

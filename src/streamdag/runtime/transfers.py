@@ -161,7 +161,7 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     stream = rt._copy_index.get((kind, dst_space if kind == "h2d" else src_space))
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
     host = src_t if kind == "h2d" else dst_t
-    if host.is_pinned() or rt._recording is not None:
+    if host.is_pinned() or rt._recording_here() is not None:
         return _device_copy(rt, dst_t, src_t, stream, name)
     if kind == "h2d":
         return _staged_h2d(rt, dst_t, src_t, stream, name)
