@@ -194,12 +194,19 @@ class _Completions:
 
     def want(self, token: tuple[int, Any]) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
-        the next pass finishes it first and lets the waiter run before going on.
+        if its event has completed, finish it here (the caller is about to wait, or an event
+        loop adds its callback); else the next pass finishes it first and lets the waiter run.
 
         Only a few are kept (each pass looks each one up in its queue): with
         more waited on at once (``as_completed`` over many futures), the rest
         are finished in order, as before.
         """
+        if self._passing.acquire(blocking=False):  # done already? then finish it here, now
+            try:
+                if self._finish_one(token):
+                    return
+            finally:
+                self._passing.release()
         if len(self._wanted) < self.WANTED_MAX:
             self._wanted.append(token)
         self.hurry()
