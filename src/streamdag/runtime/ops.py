@@ -212,7 +212,10 @@ def collect_accesses(
         if type(v) is Marker:
             break
     else:
-        if not kwargs or Marker not in set(map(type, kwargs.values())):
+        for v in kwargs.values():
+            if type(v) is Marker:
+                break
+        else:
             return args, kwargs, accesses, writes
     written = [*writes, *(v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write)]
     args = tuple(_unwrap(a, accesses) for a in args)
