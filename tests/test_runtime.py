@@ -457,3 +457,16 @@ def test_a_graph_run_waiting_for_slots_lets_done_callbacks_submit(device):
         g.run().result(timeout=10)
         rt.synchronize()
     assert (a == 6).all() and (b == 1).all() and len(follow_ups) == 1
+
+
+def test_the_runtimes_own_callbacks_do_not_ask_for_a_prompt_finish_but_users_do():
+    """A user's callback or wait asks the finishing side to hurry; bookkeeping callbacks must not,
+    or every copy would put the CUDA completion thread into its polling mode."""
+    asked = []
+    internal, user = sd.Future(), sd.Future()
+    for f in (internal, user):
+        f._hurry = lambda *args, **kwargs: asked.append(args or kwargs)
+    internal.on_done(lambda _f: None)
+    assert asked == []
+    user.add_done_callback(lambda _f: None)
+    assert len(asked) == 1

@@ -126,13 +126,21 @@ class Future(concurrent.futures.Future):
         return super().exception(self._waited_on(timeout))
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+        self._make_condition()
         if self._hurry is not None and self._state not in _DONE_STATES:
             self._ask_first()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
     def on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
+        self._make_condition()
         super().add_done_callback(fn)
+
+    def _make_condition(self) -> None:
+        """Make the condition here rather than in ``__getattr__``, which asks for a prompt finish."""
+        if "_condition" not in self.__dict__:
+            with _LAZY:
+                self.__dict__.setdefault("_condition", threading.Condition())
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
