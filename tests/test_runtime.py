@@ -470,3 +470,22 @@ def test_the_runtimes_own_callbacks_do_not_ask_for_a_prompt_finish_but_users_do(
     assert asked == []
     user.add_done_callback(lambda _f: None)
     assert len(asked) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_synchronize_waits_for_what_done_callbacks_submit(device):
+    """A future is done before its callbacks run: synchronize() (and leaving ``with``) must still
+    wait for them, or a callback's submit would meet a closed runtime."""
+    a = np.zeros(3)
+    follow_ups = []
+
+    def continue_later(_f):
+        time.sleep(0.05)
+        follow_ups.append(rt.submit(np.add, a, 1, out=a, writes=[a]))
+
+    with sd.Runtime(device, streams=2) as rt:
+        rt.submit(time.sleep, 0.001).add_done_callback(continue_later)
+        rt.synchronize()
+        assert len(follow_ups) == 1 and follow_ups[0].done() and (a == 1).all()
+        rt.submit(time.sleep, 0.001).add_done_callback(continue_later)
+    assert len(follow_ups) == 2 and follow_ups[1].exception() is None and (a == 2).all()

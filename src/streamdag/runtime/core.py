@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -133,6 +134,7 @@ class Runtime:
         self._completed = 0
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
+        self._in_callbacks = 0  # finished ops whose done-callbacks are running now
         self._peak = 0
         self._closed = False
         #: the graph each thread records into, inside its ``with rt.record()`` block
@@ -301,12 +303,21 @@ class Runtime:
             prof.finish()
 
     def _wait_all(self) -> None:
-        """Wait for every op submitted so far, keeping failures for the next :meth:`synchronize`."""
+        """Wait for every op submitted so far, keeping failures for the next :meth:`synchronize`.
+
+        Also for the done-callbacks of finished ops, and what they submit: a future counts
+        as done before its callbacks have run.
+        """
+        inside = in_done_callback()  # then one of the callbacks running is this thread's own
         while True:
             with self._done_lock:
                 pending = [op.future for op in self._pending.values()]
+                calling = self._in_callbacks
             if not pending:
-                return
+                if not calling or inside:
+                    return
+                time.sleep(1e-4)  # a future is done, its done-callbacks (which may submit) still run
+                continue
             for f in pending:
                 f.exception()
 
@@ -579,10 +590,19 @@ class Runtime:
         value = op.value
         op.release()
         self._slots.release()
-        if error is None:
-            op.future.set_result(value)
-        else:
-            op.future.set_exception(error)
+        future = op.future
+        if future._settle_unobserved(value, error):  # nobody waits and no callback: done
+            return
+        with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
+            self._in_callbacks += 1
+        try:
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(error)
+        finally:
+            with self._done_lock:
+                self._in_callbacks -= 1
 
 
 class _Slots:
