@@ -186,7 +186,7 @@ def test_current_stream_wait_orders_pytorch_code_after_ops_without_blocking_the_
     out = torch.zeros(1 << 20, device="cuda")
 
     def slow_fill():
-        torch.cuda._sleep(100_000_000)  # about 50 ms, then the write
+        torch.cuda._sleep(400_000_000)  # about 0.2 s (a host hiccup must not end it first), then the write
         out.fill_(7)
 
     with sd.Runtime("cuda", streams=4) as rt:
