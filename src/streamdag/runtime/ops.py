@@ -171,6 +171,7 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     out.op_name = op_name
     out._hurry = getattr(source, "_hurry", None)  # waiting on ``out`` is waiting on ``source``
     out._fence = getattr(source, "_fence", None)
+    out._done_token = getattr(source, "_done_token", None)  # finishing ``source`` finishes ``out``
 
     def done(f: concurrent.futures.Future) -> None:
         if f.exception() is not None:
