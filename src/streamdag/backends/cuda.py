@@ -187,10 +187,23 @@ class _Completions:
             owner.mark_lost(exc)
             return False
         del q[index]  # appends meanwhile go to the other end
-        callback(None)
-        if event is not self._watched:
-            owner.recycle(event)
+        self._settle(event, callback, None)
         return True
+
+    def _settle(self, event: CudaEvent, callback: Callable[..., None], error: Any) -> None:
+        """Finish a dequeued entry; its event goes back to the pool unless this thread sleeps on it."""
+        callback(error)
+        if error is None and event is not self._watched:
+            self._owner.recycle(event)
+
+    def _try_finish_one(self, token: tuple[int, Any]) -> bool:
+        """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
+        if not self._passing.acquire(blocking=False):
+            return False
+        try:
+            return self._finish_one(token)
+        finally:
+            self._passing.release()
 
     def want(self, token: tuple[int, Any]) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
@@ -201,12 +214,8 @@ class _Completions:
         more waited on at once (``as_completed`` over many futures), the rest
         are finished in order, as before.
         """
-        if self._passing.acquire(blocking=False):  # done already? then finish it here, now
-            try:
-                if self._finish_one(token):
-                    return
-            finally:
-                self._passing.release()
+        if self._try_finish_one(token):  # done already: finished here, now
+            return
         if len(self._wanted) < self.WANTED_MAX:
             self._wanted.append(token)
         self.hurry()
@@ -254,9 +263,7 @@ class _Completions:
                         error = owner.mark_lost(exc)
                 known_done -= 1
                 q.popleft()
-                callback(error)
-                if error is None and event is not self._watched:
-                    owner.recycle(event)
+                self._settle(event, callback, error)
                 progressed = True
         return progressed
 
@@ -334,11 +341,8 @@ class _Completions:
         while not waiter.done():
             if token is None:
                 self.try_pass()
-            elif self._passing.acquire(blocking=False):
-                try:
-                    self._finish_one(token)
-                finally:
-                    self._passing.release()
+            else:
+                self._try_finish_one(token)
             if waiter.done() or time.perf_counter() >= deadline:
                 return
             time.sleep(0)  # lets other threads run between polls

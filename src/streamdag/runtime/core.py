@@ -238,27 +238,16 @@ class Runtime:
         host_waits = []
         with self._lock:  # events are recorded (and reused) under this lock: each still marks its op
             if futures:
-                fences = []
-                for f in futures:
-                    if f.done():
-                        continue
-                    fence = getattr(f, "_fence", None)
-                    if fence is None or not hasattr(fence[0], "caller_waits"):
-                        host_waits.append(f)
-                    else:
-                        fences.append(fence)
-            else:
+                targets = [(getattr(f, "_fence", None), f) for f in futures if not f.done()]
+            else:  # each stream's last pending op: its event covers the ones before it
                 with self._done_lock:
                     last = {op.stamp.stream: op for op in self._pending.values() if op.event is not None}
-                fences = []
-                for stream, op in last.items():
-                    backend = self._member[stream]
-                    if hasattr(backend, "caller_waits"):
-                        fences.append((backend, op.event))
-                    else:
-                        host_waits.append(op.future)
-            for backend, event in fences:
-                backend.caller_waits(event)
+                targets = [((self._member[s], op.event), op.future) for s, op in last.items()]
+            for fence, f in targets:
+                if fence is not None and hasattr(fence[0], "caller_waits"):
+                    fence[0].caller_waits(fence[1])
+                else:
+                    host_waits.append(f)
         for f in host_waits:
             f.exception()
 
@@ -546,10 +535,16 @@ class Runtime:
             if not isinstance(op.error, Exception):  # the op failed with it; the caller gets it too
                 raise op.error  # type: ignore[misc]
             return
+        self._watch(op, stream, event, partial(self._finish, op))
+
+    def _watch(self, op: Op, stream: int, event: Any, finished: Callable[..., None]) -> None:
+        """Have ``finished`` called once ``event`` (just recorded on ``stream``) completes, and
+        give ``op``'s future what waiting on it uses: whom to hurry, the event, the backend's token."""
+        backend = self._member[stream]
         future = op.future
         future._hurry = self._hurry_of[stream]
         future._fence = (backend, event)
-        future._done_token = backend.when_done(s, event, partial(self._finish, op))
+        future._done_token = backend.when_done(self._streams[stream], event, finished)
 
     def _choose_stream(self, live: list[Op], device: str) -> int:
         """Continue a producer's compute stream when it is that stream's last op; else the least busy one.

@@ -131,6 +131,4 @@ class HostReplay:
             op.value = values
             rt._finish(op)
 
-        op.future._hurry = rt._hurry_of[self.join]
-        op.future._fence = (member[self.join], done_event)
-        op.future._done_token = member[self.join].when_done(join, done_event, finished)
+        rt._watch(op, self.join, done_event, finished)
