@@ -146,21 +146,22 @@ class _Completions:
         self._passed_at = -1.0  # when a submitting thread last began a pass (see ``try_pass``)
         self._stopping = False
         self._passing = threading.Lock()  # one pass over the queues at a time
-        self._wanted: list[tuple[int, Any]] = []  # tokens of entries someone waits on (see ``want``)
+        self._wanted: list[tuple[int, int]] = []  # tokens of entries someone waits on (see ``want``)
         self._watched: CudaEvent | None = None  # the event this thread sleeps on: not to be reused yet
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
 
-    def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> tuple[int, Any]:
+    def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> tuple[int, int]:
         """Queue ``callback`` for when ``event`` completes; returns the entry's token (see ``want``)."""
-        self._seq += 1
-        entry = (self._seq, event, callback)
-        self._queues[stream].append(entry)
+        seq = self._seq = self._seq + 1
+        self._queues[stream].append((seq, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
             self._wake.set()
-        return stream, entry
+        # numbers only: a token that held the entry (and so the callback, the op, its future) would
+        # make a cycle through the future that holds it, freed only by the cycle collector
+        return stream, seq
 
-    def _finish_one(self, token: tuple[int, Any]) -> bool:
+    def _finish_one(self, token: tuple[int, int]) -> bool:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
 
         For someone waiting on that op: finishing the whole queue first would
@@ -168,16 +169,15 @@ class _Completions:
         ops, a ``result()`` took 2.6x PyTorch's synchronize that way). The
         others stay queued, in order. Caller holds ``_passing``.
         """
-        stream, entry = token
+        stream, seq = token
         owner = self._owner
         if owner.lost is not None:  # the next pass fails everything, in order
             return False
         q = self._queues[stream]
-        try:
-            index = q.index(entry)  # only passes remove entries: it stays put while we hold the lock
-        except ValueError:
+        index = _position(q, seq)  # only passes remove entries: it stays put while we hold the lock
+        if index < 0:
             return False  # finished already
-        event, callback = entry[1], entry[2]
+        _, event, callback = q[index]
         try:
             if not event.query():
                 return False
@@ -196,7 +196,7 @@ class _Completions:
         if error is None and event is not self._watched:
             self._owner.recycle(event)
 
-    def _try_finish_one(self, token: tuple[int, Any]) -> bool:
+    def _try_finish_one(self, token: tuple[int, int]) -> bool:
         """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
         if not self._passing.acquire(blocking=False):
             return False
@@ -205,7 +205,7 @@ class _Completions:
         finally:
             self._passing.release()
 
-    def want(self, token: tuple[int, Any]) -> None:
+    def want(self, token: tuple[int, int]) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
         if its event has completed, finish it here (the caller is about to wait, or an event
         loop adds its callback); else the next pass finishes it first and lets the waiter run.
@@ -224,7 +224,8 @@ class _Completions:
         """Finish the wanted entries whose events have completed; keep the others. Holds ``_passing``."""
         with self._passing:
             wanted, self._wanted = self._wanted, []
-            waiting = [t for t in wanted if not self._finish_one(t) and t[1] in self._queues[t[0]]]
+            queues = self._queues
+            waiting = [t for t in wanted if not self._finish_one(t) and _position(queues[t[0]], t[1]) >= 0]
             self._wanted.extend(waiting)
             return len(waiting) < len(wanted)
 
@@ -351,6 +352,16 @@ class _Completions:
         self._stopping = True
         self._wake.set()
         self._thread.join()
+
+
+def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], seq: int) -> int:
+    """Where the entry numbered ``seq`` is in ``queue``, or -1 if it has left it (finished)."""
+    for i, entry in enumerate(queue):
+        if entry[0] == seq:
+            return i
+        if entry[0] > seq:  # entries are queued in the order of their numbers
+            break
+    return -1
 
 
 class CudaBackend:
