@@ -175,16 +175,39 @@ class DepsTracker:
         """:meth:`depends_on` then :meth:`add` in one pass over the records: the runtime's path."""
         found: dict[Hashable, int] = {}
         touched: list[tuple[_Space, _Record, bool]] = []
-        for (space_name, start, end), write in accesses:
-            if start == end:
+        spaces = self._spaces
+        for (space_name, start, end), write in accesses:  # runs for every op: _collect and _enter
+            if start == end:                                # are written out for the common case
                 continue
-            space = self._space(space_name)
-            rec = space.record(start, end)
+            space = spaces.get(space_name)
+            if space is None or space.count >= space.compact_at:
+                space = self._space(space_name)
+            rec = space.by_range.get((start, end)) or space.record(start, end)
             touched.append((space, rec, write))
-            _collect(space.overlapping(start, end) if rec.shared else (rec,), write, found)
+            if rec.shared:
+                _collect(space.overlapping(start, end), write, found)
+                continue
+            if rec.writer is not None:  # the one record of this range: _collect, inline
+                dep, order = rec.writer
+                if order < found.get(dep, order + 1):
+                    found[dep] = order
+            if write:
+                for dep, order in rec.readers:
+                    if order < found.get(dep, order + 1):
+                        found[dep] = order
+        order = self._order
         for space, rec, write in touched:  # after the look-ups: an op never depends on itself
-            self._enter(node, space, rec, write)
-        return _in_order(found)
+            order += 1
+            rec.last = order
+            if write:  # _enter, inline
+                space.count += 1 - len(rec.readers) - (rec.writer is not None)
+                rec.writer = (node, order)
+                rec.readers = []
+            else:
+                space.count += 1
+                rec.readers.append((node, order))
+        self._order = order
+        return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
 
     def add(self, node: Hashable, accesses: Iterable[Access]) -> None:
         """Record ``node``'s accesses; call after :meth:`depends_on` for the same node."""
