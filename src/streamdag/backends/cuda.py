@@ -65,11 +65,16 @@ class CudaStream:
 
 
 class CudaEvent:
-    __slots__ = ("raw", "timing")
+    __slots__ = ("device", "raw", "timing")
 
-    def __init__(self, timing: bool = False) -> None:
+    def __init__(self, timing: bool = False, device: torch.device | None = None) -> None:
         self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
         self.timing = timing
+        self.device = device
+
+    def caller_waits(self) -> None:
+        """Make the caller's current stream on this event's device wait for it; the host goes on."""
+        _wait(self.raw, torch.cuda.current_stream(self.device))
 
     def record(self, stream: CudaStream) -> None:
         _record(self.raw, stream.raw)
@@ -146,22 +151,23 @@ class _Completions:
         self._passed_at = -1.0  # when a submitting thread last began a pass (see ``try_pass``)
         self._stopping = False
         self._passing = threading.Lock()  # one pass over the queues at a time
-        self._wanted: list[tuple[int, int]] = []  # tokens of entries someone waits on (see ``want``)
+        self._wanted: list[int] = []  # tokens of entries someone waits on (see ``want``)
         self._watched: CudaEvent | None = None  # the event this thread sleeps on: not to be reused yet
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
 
-    def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> tuple[int, int]:
+    def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> int:
         """Queue ``callback`` for when ``event`` completes; returns the entry's token (see ``want``)."""
         seq = self._seq = self._seq + 1
         self._queues[stream].append((seq, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
             self._wake.set()
-        # numbers only: a token that held the entry (and so the callback, the op, its future) would
-        # make a cycle through the future that holds it, freed only by the cycle collector
-        return stream, seq
+        # one int: a token that held the entry (and so the callback, the op, its future) would make
+        # a cycle through the future that holds it, freed only by the cycle collector; and an int
+        # is no object for that collector to count at all
+        return seq * len(self._queues) + stream
 
-    def _finish_one(self, token: tuple[int, int]) -> bool:
+    def _finish_one(self, token: int) -> bool:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
 
         For someone waiting on that op: finishing the whole queue first would
@@ -169,7 +175,7 @@ class _Completions:
         ops, a ``result()`` took 2.6x PyTorch's synchronize that way). The
         others stay queued, in order. Caller holds ``_passing``.
         """
-        stream, seq = token
+        seq, stream = divmod(token, len(self._queues))
         owner = self._owner
         if owner.lost is not None:  # the next pass fails everything, in order
             return False
@@ -196,7 +202,12 @@ class _Completions:
         if error is None and event is not self._watched:
             self._owner.recycle(event)
 
-    def _try_finish_one(self, token: tuple[int, int]) -> bool:
+    def _queued(self, token: int) -> bool:
+        """Whether the entry of ``token`` is still queued (not finished yet)."""
+        seq, stream = divmod(token, len(self._queues))
+        return _position(self._queues[stream], seq) >= 0
+
+    def _try_finish_one(self, token: int) -> bool:
         """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
         if not self._passing.acquire(blocking=False):
             return False
@@ -205,7 +216,7 @@ class _Completions:
         finally:
             self._passing.release()
 
-    def want(self, token: tuple[int, int]) -> None:
+    def want(self, token: int) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
         if its event has completed, finish it here (the caller is about to wait, or an event
         loop adds its callback); else the next pass finishes it first and lets the waiter run.
@@ -224,8 +235,7 @@ class _Completions:
         """Finish the wanted entries whose events have completed; keep the others. Holds ``_passing``."""
         with self._passing:
             wanted, self._wanted = self._wanted, []
-            queues = self._queues
-            waiting = [t for t in wanted if not self._finish_one(t) and _position(queues[t[0]], t[1]) >= 0]
+            waiting = [t for t in wanted if not self._finish_one(t) and self._queued(t)]
             self._wanted.extend(waiting)
             return len(waiting) < len(wanted)
 
@@ -409,7 +419,7 @@ class CudaBackend:
     def event(self, timing: bool = False) -> CudaEvent:
         if not timing and self._free_events:
             return self._free_events.pop()
-        return CudaEvent(timing)
+        return CudaEvent(timing, self.torch_device)
 
     def recycle(self, event: CudaEvent) -> None:
         """Take back an event whose op has finished.
@@ -443,10 +453,6 @@ class CudaBackend:
             _set_stream(*prev)
             if caller_device != self._index:
                 _set_device(caller_device)
-
-    def caller_waits(self, event: CudaEvent) -> None:
-        """Make the caller's current stream on this device wait for ``event``; the host goes on."""
-        _wait(event.raw, torch.cuda.current_stream(self.torch_device))
 
     def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.

@@ -124,6 +124,7 @@ class Runtime:
         #: backends whose completed ops the submitting thread finishes every ``FINISH_EVERY`` submits
         self._finish_ready = [f for m in members if (f := getattr(m, "finish_ready", None))]
         self._finish_every = FINISH_EVERY
+        self._finish_bound = self._finish  # made once: a pending op's callback holds one object less
         self._tracker = DepsTracker(retired=_finished_ok)
         self._clocks = StreamClocks(n)
         self._busy = [0] * n
@@ -242,10 +243,11 @@ class Runtime:
             else:  # each stream's last pending op: its event covers the ones before it
                 with self._done_lock:
                     last = {op.stamp.stream: op for op in self._pending.values() if op.event is not None}
-                targets = [((self._member[s], op.event), op.future) for s, op in last.items()]
+                targets = [(op.event, op.future) for op in last.values()]
             for fence, f in targets:
-                if fence is not None and hasattr(fence[0], "caller_waits"):
-                    fence[0].caller_waits(fence[1])
+                caller_waits = getattr(fence, "caller_waits", None)  # a device event: the stream waits
+                if caller_waits is not None:
+                    caller_waits()
                 else:
                     host_waits.append(f)
         for f in host_waits:
@@ -535,7 +537,7 @@ class Runtime:
             if not isinstance(op.error, Exception):  # the op failed with it; the caller gets it too
                 raise op.error  # type: ignore[misc]
             return
-        self._watch(op, stream, event, partial(self._finish, op))
+        self._watch(op, stream, event, partial(self._finish_bound, op))
 
     def _watch(self, op: Op, stream: int, event: Any, finished: Callable[..., None]) -> None:
         """Have ``finished`` called once ``event`` (just recorded on ``stream``) completes, and
@@ -543,7 +545,7 @@ class Runtime:
         backend = self._member[stream]
         future = op.future
         future._hurry = self._hurry_of[stream]
-        future._fence = (backend, event)
+        future._fence = event
         future._done_token = backend.when_done(self._streams[stream], event, finished)
 
     def _choose_stream(self, live: list[Op], device: str) -> int:

@@ -23,6 +23,7 @@ _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__`
 
 
 _LAZY = threading.Lock()  # orders making a future's condition against setting its result
+_LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 _CALLBACKS = threading.local()  # how deep this thread is in running futures' done-callbacks
 
 
@@ -47,9 +48,11 @@ def _running_callbacks(settle: Callable[[Any], None], value: Any) -> None:
 class Future(concurrent.futures.Future):
     """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
 
-    Its condition variable is made only when something waits on it or adds a
-    callback: most futures of small ops are set before anyone looks, and the
-    condition would cost more than the rest of their bookkeeping.
+    Its condition variable, and the lists of waiters and callbacks, are made
+    only when something waits on it or adds a callback: most futures of small
+    ops are set before anyone looks. The condition would cost more than the
+    rest of their bookkeeping, and every object a pending op holds brings
+    Python's cycle collector nearer (whose full passes take tens of ms).
     """
 
     op_name: str = ""
@@ -58,17 +61,18 @@ class Future(concurrent.futures.Future):
     _hurry: Callable[..., None] | None = None
     #: the backend's token for this op's completion entry, so that a waiter gets it finished first
     _done_token: Any = None
-    #: (backend, completion event) of the op, for ``Runtime.current_stream_wait``; None: host waits
+    #: the op's completion event, for ``Runtime.current_stream_wait``; None: the host waits
     _fence: Any = None
 
-    def __init__(self) -> None:  # the base's state, without its Condition
+    def __init__(self) -> None:  # the base's state, without its Condition and lists
         self._state = _PENDING
         self._result = None
         self._exception = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
+        if name in _LAZY_LISTS:  # the base class's waiters or done-callbacks, asked for the first time
+            with _LAZY:
+                return self.__dict__.setdefault(name, [])
         if name != "_condition":
             raise AttributeError(name)
         with _LAZY:

@@ -185,14 +185,16 @@ class RecordedGraph:
                 remaining[0] -= 1
                 if remaining[0]:
                     return
-            failed = [op for op in launched if op.error is not None]
+            ops = launched[:]
+            launched.clear()  # each op's future holds this function: no cycle left to the collector
+            failed = [op for op in ops if op.error is not None]
             # the graph's own root failures; else ops failed for a failure before the graph
             roots = [op.error for op in failed if op.root_error is op.error]
             roots = roots or [op.error for op in failed[:1]]
             if roots:
                 result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
             else:
-                result.set_result(GraphResult([op.future.result() for op in launched]))
+                result.set_result(GraphResult([op.future.result() for op in ops]))
 
         t0 = time.perf_counter()
         with rt._lock:
