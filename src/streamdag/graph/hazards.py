@@ -101,8 +101,8 @@ class _Space:
             self.longest = end - start
         return rec
 
-    def keep(self, wanted: Callable[[Hashable], bool], now: int) -> None:
-        """Drop the nodes not ``wanted``; and the empty records idle for ``horizon`` accesses, once
+    def keep(self, gone: Callable[[Hashable], bool], now: int) -> None:
+        """Drop the nodes that are ``gone``; and the empty records idle for ``horizon`` accesses, once
         half are.
 
         An empty record of a range in use costs nothing to keep and saves
@@ -124,11 +124,11 @@ class _Space:
         count = 0
         stale: list[_Record] = []
         for rec in self.records:
-            if rec.writer is not None and not wanted(rec.writer[0]):
+            if rec.writer is not None and gone(rec.writer[0]):
                 rec.writer = None
             if rec.readers:
-                rec.readers = [r for r in rec.readers if wanted(r[0])]
-            size = rec.size()
+                rec.readers = [r for r in rec.readers if not gone(r[0])]
+            size = len(rec.readers) + (rec.writer is not None)
             count += size
             if not size and rec.last < idle_since:
                 stale.append(rec)
@@ -241,7 +241,7 @@ class DepsTracker:
         """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
         retired = self._retired
         if retired is not None:
-            space.keep(lambda node: not retired(node), self._order)
+            space.keep(retired, self._order)
         # the next compaction comes after at least as many adds as this one visited
         space.compact_at = space.count + max(64, len(space.records) + space.count)
 
@@ -249,7 +249,7 @@ class DepsTracker:
         """Drop the entries of nodes for which ``finished(node)`` is true."""
         for name in list(self._spaces):
             space = self._spaces[name]
-            space.keep(lambda node: not finished(node), self._order)
+            space.keep(finished, self._order)
             if not space.records:
                 del self._spaces[name]
 
