@@ -24,7 +24,7 @@ from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
 OPS_PER_ROUND = 4000
-ROUNDS = 7
+ROUNDS = 15
 
 
 def main():
