@@ -620,3 +620,21 @@ def test_finished_ops_are_freed_at_once_not_left_to_the_cycle_collector():
             gc.enable()
     assert held == live, f"{held - live} finished ops were garbage only the cycle collector frees"
     assert a[0].item() == 206
+
+
+def test_an_op_waiting_on_a_future_while_a_done_callback_submits_does_not_hang():
+    """On CUDA an op's function runs inside its submit, holding the runtime's lock. If it waits on
+    a future, and the completion thread meanwhile runs a done-callback that submits (and so needs
+    that lock), the awaited op must still be finished."""
+    a, b, c = (torch.zeros(8, device="cuda") for _ in range(3))
+    with sd.Runtime("cuda", streams=2) as rt:
+        rt.submit(lambda: (torch.cuda._sleep(1), a.add_(0), b.add_(0)), writes=[a, b]).result()  # loaded
+        follow_ups = []
+        x = rt.submit(lambda: (torch.cuda._sleep(200_000_000), a.add_(1)), writes=[a], name="x")  # ~0.1 s
+        x.add_done_callback(lambda _f: follow_ups.append(rt.submit(b.add_, 1, writes=[b])))
+        # on the other stream, done after x: its finish comes after x's callback has begun
+        y = rt.submit(lambda: (torch.cuda._sleep(600_000_000), c.add_(1)), writes=[c], name="y")
+        z = rt.submit(lambda: y.result(timeout=20) is not None, name="z")  # waits inside its submit
+        assert z.result(timeout=30) is True
+        rt.synchronize()
+    assert a.tolist() == b.tolist() == c.tolist() == [1.0] * 8 and len(follow_ups) == 1

@@ -518,3 +518,30 @@ def test_finished_ops_of_eager_work_and_graph_runs_are_freed_at_once(rt):
         gc.enable()
     assert held == live, f"{held - live} finished ops were garbage only the cycle collector frees"
     assert (a == 3 + 50 + 15).all()
+
+
+def test_futures_work_with_concurrent_futures_helpers(rt):
+    """wait(), as_completed() and done-callbacks use the base class's waiter and callback lists,
+    which a streamdag future makes only when first asked for."""
+    import concurrent.futures as cf
+
+    a = np.zeros(4)
+    slow = rt.submit(time.sleep, 0.05)
+    done_first = rt.submit(np.add, a, 1, out=a, writes=[a])
+    done_first.result()
+    later = [rt.submit(np.add, a, 1, out=a, writes=[a]) for _ in range(5)]
+    seen = []
+    later[-1].add_done_callback(lambda f: seen.append(f.result() is a))
+    finished, pending = cf.wait([slow, done_first, *later], timeout=10)
+    assert not pending and len(finished) == 7
+    assert set(cf.as_completed([slow, done_first, *later], timeout=10)) == {slow, done_first, *later}
+    rt.synchronize()
+    assert seen == [True] and (a == 6).all()
+
+
+def test_asking_for_cuda_without_a_gpu_says_what_to_do():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="use device='cpu'"):
+        sd.Runtime("cuda")

@@ -14,6 +14,7 @@ lost and the runtime fails every pending and later op with
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import DeviceLost
+from ..runtime.ops import callbacks_later
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 
@@ -50,8 +52,9 @@ _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _set_device = getattr(torch._C, "_cuda_setDevice", None)
-_record = torch._C._CudaEventBase.record if hasattr(torch._C, "_CudaEventBase") else None
-_wait = torch._C._CudaEventBase.wait if hasattr(torch._C, "_CudaEventBase") else None
+_event_base = getattr(torch._C, "_CudaEventBase", None)  # a CPU-only build has it, without methods
+_record = getattr(_event_base, "record", None)
+_wait = getattr(_event_base, "wait", None)
 
 
 class CudaStream:
@@ -125,7 +128,9 @@ class _Completions:
     from this thread would cost the waiter a sleep's overshoot and a wake-up
     (on the H100 a ``result()`` after a tiny op took 47-52 µs that way,
     ``torch.cuda.synchronize()`` 17-34 µs). Passes never overlap: one lock
-    guards them.
+    guards them. Done-callbacks run after the pass has let go of that lock
+    (see ``callbacks_later``): a callback that blocks must not keep a
+    waiter from finishing its own op.
     """
 
     BATCH_SECONDS = 1e-3
@@ -211,10 +216,11 @@ class _Completions:
         """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
         if not self._passing.acquire(blocking=False):
             return False
-        try:
-            return self._finish_one(token)
-        finally:
-            self._passing.release()
+        with callbacks_later():  # they run after the lock is let go (see ``callbacks_later``)
+            try:
+                return self._finish_one(token)
+            finally:
+                self._passing.release()
 
     def want(self, token: int) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
@@ -233,14 +239,14 @@ class _Completions:
 
     def _finish_wanted(self) -> bool:
         """Finish the wanted entries whose events have completed; keep the others. Holds ``_passing``."""
-        with self._passing:
+        with callbacks_later(), self._passing:
             wanted, self._wanted = self._wanted, []
             waiting = [t for t in wanted if not self._finish_one(t) and self._queued(t)]
             self._wanted.extend(waiting)
             return len(waiting) < len(wanted)
 
     def _drain(self) -> bool:
-        with self._passing:
+        with callbacks_later(), self._passing:
             return self._pass()
 
     def _pass(self) -> bool:
@@ -331,12 +337,13 @@ class _Completions:
         future is done, or after ``HELP_SECONDS``: they must not hold it off).
         """
         if self._passing.acquire(blocking=False):
-            if submitting:
-                self._passed_at = time.perf_counter()
-            try:
-                self._pass()
-            finally:
-                self._passing.release()
+            with callbacks_later():
+                if submitting:
+                    self._passed_at = time.perf_counter()
+                try:
+                    self._pass()
+                finally:
+                    self._passing.release()
 
     def help(self, waiter: Any, seconds: float) -> None:
         """Finish completed ops in this thread until ``waiter`` is done, for at most ``seconds``.
@@ -348,15 +355,18 @@ class _Completions:
         if threading.current_thread() is self._thread:  # a callback of ours waits: we are busy
             return
         token = getattr(waiter, "_done_token", None)
-        deadline = time.perf_counter() + seconds
+        started = time.perf_counter()
+        deadline = started + seconds
         while not waiter.done():
             if token is None:
                 self.try_pass()
             else:
                 self._try_finish_one(token)
-            if waiter.done() or time.perf_counter() >= deadline:
+            now = time.perf_counter()
+            if waiter.done() or now >= deadline:
                 return
-            time.sleep(0)  # lets other threads run between polls
+            # lets other threads run between polls; past the usual help, poll less often
+            time.sleep(0 if now - started < self.HELP_SECONDS else self.POLL_SECONDS)
 
     def stop(self) -> None:
         self._stopping = True
@@ -402,6 +412,7 @@ class CudaBackend:
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
             self.peer_out = CudaStream(-1, "peer_out", torch.cuda.Stream())
         self._all = self._streams + list(self._copy.values())
+        self._own_stream_ids = {s.ids[0] for s in self._all}  # current inside an op's function
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
         self._caller_event = torch.cuda.Event()
@@ -503,6 +514,11 @@ class CudaBackend:
             completions.hurry()
         if waiter is not None:
             limit = completions.HELP_SECONDS
+            if _get_stream(self._index)[0] in self._own_stream_ids:
+                # an op's function waits: it holds the runtime's lock, and a done-callback that
+                # submits may hold up the completion thread until it is let go, so this thread
+                # finishes what it waits on itself, however long that takes
+                limit = math.inf
             completions.help(waiter, limit if seconds is None else min(seconds, limit))
 
     is_sticky = staticmethod(is_sticky)

@@ -27,7 +27,7 @@ from ..errors import ExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access
 from ..graph.hazards import DepsTracker
 from ..schedule.waits import StreamClocks
-from .ops import Future, Op, collect_accesses, in_done_callback
+from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback
 from .transfers import ByteBudget, PinnedPool
 
 __all__ = ["Runtime", "RuntimeStatistics"]
@@ -592,14 +592,32 @@ class Runtime:
             return
         with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
             self._in_callbacks += 1
+        later = deferring_callbacks()
+        if later is not None:  # this thread finishes ops under a lock: callbacks once it is let go
+            try:
+                kept = future.settle_keeping_callbacks(value, error)
+            except BaseException:
+                self._callbacks_ran()
+                raise
+            later.append(partial(self._run_kept_callbacks, future, kept))
+            return
         try:
             if error is None:
                 future.set_result(value)
             else:
                 future.set_exception(error)
         finally:
-            with self._done_lock:
-                self._in_callbacks -= 1
+            self._callbacks_ran()
+
+    def _run_kept_callbacks(self, future: Future, callbacks: list[Any]) -> None:
+        try:
+            future.run_callbacks(callbacks)
+        finally:
+            self._callbacks_ran()
+
+    def _callbacks_ran(self) -> None:
+        with self._done_lock:
+            self._in_callbacks -= 1
 
 
 class _Slots:

@@ -6,17 +6,19 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, region_of
 from ..schedule.waits import Stamp
 
-__all__ = ["Future", "Op", "collect_accesses", "in_done_callback", "then"]
+__all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "in_done_callback",
+           "then"]
 
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
@@ -43,6 +45,40 @@ def _running_callbacks(settle: Callable[[Any], None], value: Any) -> None:
         settle(value)
     finally:
         _CALLBACKS.depth -= 1
+
+
+_LATER = threading.local()  # the done-callbacks this thread runs once it leaves ``callbacks_later``
+
+
+def deferring_callbacks() -> list[Any] | None:
+    """Where this thread puts done-callbacks to run later (inside ``callbacks_later``), or None."""
+    return getattr(_LATER, "calls", None)
+
+
+@contextmanager
+def callbacks_later() -> Iterator[None]:
+    """Inside, finishing a future sets its outcome and wakes its waiters; its done-callbacks
+    run when the block is left.
+
+    For a thread that finishes ops while holding a lock that waiters need in order to help:
+    a callback may block (a submit that needs the runtime's lock, held by an op's function
+    that waits on another future), and the waiter must still be able to finish that future.
+    """
+    outer = getattr(_LATER, "calls", None)
+    calls: list[Any] = []
+    _LATER.calls = calls
+    try:
+        yield
+    finally:
+        _LATER.calls = outer
+        raised: BaseException | None = None
+        for run in calls:  # each is owed its callbacks (and synchronize() waits for them all)
+            try:
+                run()
+            except BaseException as exc:  # an interrupt: raise it, after the others have run
+                raised = raised or exc
+        if raised is not None:
+            raise raised
 
 
 class Future(concurrent.futures.Future):
@@ -153,6 +189,24 @@ class Future(concurrent.futures.Future):
                 return False
             self._result, self._exception, self._state = result, exception, _FINISHED
             return True
+
+    def settle_keeping_callbacks(self, result: Any, exception: BaseException | None) -> list[Any]:
+        """Set the outcome and wake the waiters, but run no done-callback: returns them, for
+        :meth:`run_callbacks`. (The base class runs them inside ``set_result``.)"""
+        with self._condition:  # re-entrant: ``set_result`` takes it again
+            kept = self._done_callbacks
+            self._done_callbacks = []
+            if exception is None:
+                super().set_result(result)
+            else:
+                super().set_exception(exception)
+        return kept
+
+    def run_callbacks(self, callbacks: list[Any]) -> None:
+        """Run done-callbacks kept by :meth:`settle_keeping_callbacks`, as ``set_result`` would."""
+        if callbacks:
+            self._done_callbacks = callbacks  # the future is done: nothing else adds to this list
+            _running_callbacks(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
 
     def set_result(self, result: Any) -> None:
         if not self._settle_unobserved(result, None):
