@@ -545,3 +545,28 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_do():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="use device='cpu'"):
         sd.Runtime("cuda")
+
+
+def test_await_finishes_its_op_itself_for_a_while_then_waits_to_be_woken():
+    """``await`` polls (as ``result()`` helps) before handing over to a cross-thread wake-up."""
+    polls = []
+
+    def finishes_on_third_poll(waiter=None, seconds=None, wanted=None):
+        if waiter is not None:
+            polls.append(seconds)
+            if len(polls) == 3:
+                waiter.set_result(42)
+
+    quick = sd.Future()
+    quick._hurry = finishes_on_third_poll
+    assert asyncio.run(asyncio.wait_for(_await(quick), 5)) == 42
+    assert polls == [0.0, 0.0, 0.0]
+
+    slow = sd.Future()  # never finished by polling: another thread sets it later
+    slow._hurry = lambda *args, **kwargs: None
+    threading.Timer(0.05, slow.set_result, (7,)).start()
+    assert asyncio.run(asyncio.wait_for(_await(slow), 5)) == 7
+
+
+async def _await(f):
+    return await f
