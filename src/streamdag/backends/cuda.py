@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -216,11 +218,10 @@ class _Completions:
         """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
         if not self._passing.acquire(blocking=False):
             return False
-        with callbacks_later():  # they run after the lock is let go (see ``callbacks_later``)
-            try:
-                return self._finish_one(token)
-            finally:
-                self._passing.release()
+        try:  # callers run it inside ``callbacks_later``: callbacks after the lock is let go
+            return self._finish_one(token)
+        finally:
+            self._passing.release()
 
     def want(self, token: int) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
@@ -231,8 +232,9 @@ class _Completions:
         more waited on at once (``as_completed`` over many futures), the rest
         are finished in order, as before.
         """
-        if self._try_finish_one(token):  # done already: finished here, now
-            return
+        with callbacks_later():
+            if self._try_finish_one(token):  # done already: finished here, now
+                return
         if len(self._wanted) < self.WANTED_MAX:
             self._wanted.append(token)
         self.hurry()
@@ -357,16 +359,17 @@ class _Completions:
         token = getattr(waiter, "_done_token", None)
         started = time.perf_counter()
         deadline = started + seconds
-        while not waiter.done():
-            if token is None:
-                self.try_pass()
-            else:
-                self._try_finish_one(token)
-            now = time.perf_counter()
-            if waiter.done() or now >= deadline:
-                return
-            # lets other threads run between polls; past the usual help, poll less often
-            time.sleep(0 if now - started < self.HELP_SECONDS else self.POLL_SECONDS)
+        with callbacks_later():  # the callbacks of what this thread finishes run as it stops helping
+            while not waiter.done():
+                if token is None:
+                    self.try_pass()
+                else:
+                    self._try_finish_one(token)
+                now = time.perf_counter()
+                if waiter.done() or now >= deadline:
+                    return
+                # lets other threads run between polls; past the usual help, poll less often
+                time.sleep(0 if now - started < self.HELP_SECONDS else self.POLL_SECONDS)
 
     def stop(self) -> None:
         self._stopping = True
@@ -376,12 +379,8 @@ class _Completions:
 
 def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], seq: int) -> int:
     """Where the entry numbered ``seq`` is in ``queue``, or -1 if it has left it (finished)."""
-    for i, entry in enumerate(queue):
-        if entry[0] == seq:
-            return i
-        if entry[0] > seq:  # entries are queued in the order of their numbers
-            break
-    return -1
+    i = bisect_left(queue, seq, key=itemgetter(0))  # entries are queued in the order of their numbers
+    return i if i < len(queue) and queue[i][0] == seq else -1
 
 
 class CudaBackend:
@@ -513,13 +512,14 @@ class CudaBackend:
         else:
             completions.hurry()
         if waiter is not None:
-            limit = completions.HELP_SECONDS
-            if _get_stream(self._index)[0] in self._own_stream_ids:
+            limit = completions.HELP_SECONDS if seconds is None else min(seconds, completions.HELP_SECONDS)
+            completions.help(waiter, limit)
+            if (not waiter.done() and (seconds is None or seconds > limit)
+                    and _get_stream(self._index)[0] in self._own_stream_ids):
                 # an op's function waits: it holds the runtime's lock, and a done-callback that
                 # submits may hold up the completion thread until it is let go, so this thread
                 # finishes what it waits on itself, however long that takes
-                limit = math.inf
-            completions.help(waiter, limit if seconds is None else min(seconds, limit))
+                completions.help(waiter, math.inf if seconds is None else seconds - limit)
 
     is_sticky = staticmethod(is_sticky)
 

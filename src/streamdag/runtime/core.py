@@ -592,7 +592,7 @@ class Runtime:
             return
         with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
             self._in_callbacks += 1
-        later = deferring_callbacks()
+        later = deferring_callbacks() if future.has_callbacks() else None
         if later is not None:  # this thread finishes ops under a lock: callbacks once it is let go
             try:
                 kept = future.settle_keeping_callbacks(value, error)

@@ -6,11 +6,10 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
-from contextlib import contextmanager
 from typing import Any
 
 from ..errors import DependencyFailed
@@ -58,24 +57,27 @@ def deferring_callbacks() -> list[Any] | None:
     return getattr(_LATER, "calls", None)
 
 
-@contextmanager
-def callbacks_later() -> Iterator[None]:
+class callbacks_later:  # lower case: used like a function, ``with callbacks_later(): ...``
     """Inside, finishing a future sets its outcome and wakes its waiters; its done-callbacks
     run when the block is left.
 
     For a thread that finishes ops while holding a lock that waiters need in order to help:
     a callback may block (a submit that needs the runtime's lock, held by an op's function
     that waits on another future), and the waiter must still be able to finish that future.
+    A class rather than a generator: a waiter enters one for every poll.
     """
-    outer = getattr(_LATER, "calls", None)
-    calls: list[Any] = []
-    _LATER.calls = calls
-    try:
-        yield
-    finally:
-        _LATER.calls = outer
+
+    __slots__ = ("calls", "outer")
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_LATER, "calls", None)
+        self.calls: list[Any] = []
+        _LATER.calls = self.calls
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _LATER.calls = self.outer
         raised: BaseException | None = None
-        for run in calls:  # each is owed its callbacks (and synchronize() waits for them all)
+        for run in self.calls:  # each is owed its callbacks (and synchronize() waits for them all)
             try:
                 run()
             except BaseException as exc:  # an interrupt: raise it, after the others have run
@@ -119,6 +121,7 @@ class Future(concurrent.futures.Future):
             made = cond is None
             if made:
                 cond = self.__dict__["_condition"] = threading.Condition()
+                self._observed()
         if made and self._hurry is not None and self._state not in _DONE_STATES:
             # someone waits in a way that does not go through result() (concurrent.futures.wait,
             # as_completed): ask for a prompt finish
@@ -163,10 +166,18 @@ class Future(concurrent.futures.Future):
         return None if timeout is None else max(0.0, timeout - (time.perf_counter() - started))
 
     def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._waited_on(timeout))
+        timeout = self._waited_on(timeout)
+        if self._state is _FINISHED:  # (waiting helped finish it) no condition to make, to read it
+            if self._exception is not None:
+                raise self._exception
+            return self._result
+        return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._waited_on(timeout))
+        timeout = self._waited_on(timeout)
+        if self._state is _FINISHED:
+            return self._exception
+        return super().exception(timeout)
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         self._make_condition()
@@ -183,7 +194,16 @@ class Future(concurrent.futures.Future):
         """Make the condition here rather than in ``__getattr__``, which asks for a prompt finish."""
         if "_condition" not in self.__dict__:
             with _LAZY:
-                self.__dict__.setdefault("_condition", threading.Condition())
+                if "_condition" not in self.__dict__:
+                    self.__dict__["_condition"] = threading.Condition()
+                    self._observed()
+
+    def _observed(self) -> None:
+        """Someone waits or adds a callback: make the lists the base class uses then, at once,
+        rather than each through ``__getattr__`` as it is first used. Caller holds ``_LAZY``."""
+        d = self.__dict__
+        d.setdefault("_waiters", [])
+        d.setdefault("_done_callbacks", [])
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
@@ -204,6 +224,10 @@ class Future(concurrent.futures.Future):
             else:
                 super().set_exception(exception)
         return kept
+
+    def has_callbacks(self) -> bool:
+        """Whether done-callbacks are set (one added meanwhile may run in the finishing thread)."""
+        return bool(self.__dict__.get("_done_callbacks"))
 
     def run_callbacks(self, callbacks: list[Any]) -> None:
         """Run done-callbacks kept by :meth:`settle_keeping_callbacks`, as ``set_result`` would."""
