@@ -1,4 +1,4 @@
-"""Functions the frontend tests compile."""
+"""Functions the tests share: programs the frontend tests compile, and checks of the runtime."""
 
 
 def wide_fn(ws):
@@ -15,3 +15,25 @@ def wide_fn(ws):
         return torch.stack(outs).sum(0)
 
     return wide
+
+
+def ops_left_to_the_cycle_collector(work) -> int:
+    """How many finished ops running ``work()`` leaves alive only in reference cycles.
+
+    Such ops are freed only by Python's cycle collector, whose passes stall
+    submits (a full pass walks every object in the process).
+    """
+    import gc
+
+    from streamdag.runtime.ops import Op
+
+    gc.collect()
+    gc.disable()
+    try:
+        work()
+        held = sum(type(o) is Op for o in gc.get_objects())  # garbage in cycles counts too
+        gc.collect()
+        live = sum(type(o) is Op for o in gc.get_objects())  # only what the runtime holds
+    finally:
+        gc.enable()
+    return held - live

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
+from programs import ops_left_to_the_cycle_collector
 from streamdag.backends.inline import InlineBackend
 
 DEVICES = ["cpu", "sim"]
@@ -493,30 +494,20 @@ def test_synchronize_waits_for_what_done_callbacks_submit(device):
 
 def test_finished_ops_of_eager_work_and_graph_runs_are_freed_at_once(rt):
     """No cycle keeps a finished op alive for the cycle collector, whose passes stall submits."""
-    import gc
-
-    from streamdag.runtime.ops import Op
-
     a = np.zeros(8)
     with rt.record() as g:
         for _ in range(3):
             rt.submit(np.add, a, 1, out=a, writes=[a])
     g.run().result()  # the first run may make one-time state: not counted
     rt.synchronize()
-    gc.collect()
-    gc.disable()
-    try:
+
+    def work():
         futures = [rt.submit(np.add, a, 1, out=a, writes=[a]) for _ in range(50)]
         futures += [g.run() for _ in range(5)]
         futures[-1].result()
         rt.synchronize()
-        del futures
-        held = sum(type(o) is Op for o in gc.get_objects())  # garbage in cycles counts too
-        gc.collect()
-        live = sum(type(o) is Op for o in gc.get_objects())  # only what the runtime holds
-    finally:
-        gc.enable()
-    assert held == live, f"{held - live} finished ops were garbage only the cycle collector frees"
+
+    assert ops_left_to_the_cycle_collector(work) == 0
     assert (a == 3 + 50 + 15).all()
 
 
