@@ -169,7 +169,10 @@ class Future(concurrent.futures.Future):
         timeout = self._waited_on(timeout)
         if self._state is _FINISHED:  # (waiting helped finish it) no condition to make, to read it
             if self._exception is not None:
-                raise self._exception
+                try:
+                    raise self._exception
+                finally:  # as the base class does: the traceback's frame must not hold this future
+                    del self
             return self._result
         return super().result(timeout)
 
