@@ -1,6 +1,7 @@
 """Timelines: summary arithmetic, the Chrome trace's structure, the PNG, profiling a runtime."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -122,3 +123,15 @@ def test_cli_bench_and_doctor_run_on_the_cpu(tmp_path, capsys):
     check_trace(json.loads((tmp_path / "trace.json").read_text()))
     assert main(["doctor"]) == 0
     assert "numpy" in capsys.readouterr().out
+
+
+def test_cli_bench_without_matplotlib_keeps_its_results_and_says_how_to_get_the_png(
+        tmp_path, capsys, monkeypatch):
+    from streamdag.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    assert main(["bench", "--quick", "--cpu", "--out", str(tmp_path)]) == 0
+    assert "pip install 'streamdag[plot]'" in capsys.readouterr().out
+    for name in ("sched_scale.json", "cpu_wide.json", "trace.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert not (tmp_path / "timeline.png").exists()

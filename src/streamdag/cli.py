@@ -86,8 +86,12 @@ def _bench(args: argparse.Namespace) -> int:
         chain = tp.run(quick=args.quick)
         print(tp.table(chain))
         write_json(out, "tp", chain)
+    try:
+        png = timeline.save_png(out / "timeline.png", title).name
+    except ImportError as exc:  # the plot extra is not installed: the results stand, say how to get it
+        png = f"no timeline.png ({exc})"
     print(f"\nwrote {out}/: JSON, {timeline.save_trace(out / 'trace.json').name} "
-          f"(open in ui.perfetto.dev), {timeline.save_png(out / 'timeline.png', title).name}")
+          f"(open in ui.perfetto.dev), {png}")
     return 0
 
 
