@@ -164,7 +164,10 @@ class _Completions:
         self._thread.start()
 
     def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> int:
-        """Queue ``callback`` for when ``event`` completes; returns the entry's token (see ``want``)."""
+        """Queue ``callback`` for when ``event`` completes; returns the entry's token (see ``want``).
+
+        The runtime calls it under its lock, so entries are numbered in the order they are
+        queued (``_position`` bisects on that)."""
         seq = self._seq = self._seq + 1
         self._queues[stream].append((seq, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
