@@ -467,7 +467,7 @@ def test_the_runtimes_own_callbacks_do_not_ask_for_a_prompt_finish_but_users_do(
     internal, user = sd.Future(), sd.Future()
     for f in (internal, user):
         f._hurry = lambda *args, **kwargs: asked.append(args or kwargs)
-    internal.on_done(lambda _f: None)
+    internal._on_done(lambda _f: None)
     assert asked == []
     user.add_done_callback(lambda _f: None)
     assert len(asked) == 1

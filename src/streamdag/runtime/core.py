@@ -592,10 +592,10 @@ class Runtime:
             return
         with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
             self._in_callbacks += 1
-        later = deferring_callbacks() if future.has_callbacks() else None
+        later = deferring_callbacks() if future._has_callbacks() else None
         if later is not None:  # this thread finishes ops under a lock: callbacks once it is let go
             try:
-                kept = future.settle_keeping_callbacks(value, error)
+                kept = future._settle_keeping_callbacks(value, error)
             except BaseException:
                 self._callbacks_ran()
                 raise
@@ -611,7 +611,7 @@ class Runtime:
 
     def _run_kept_callbacks(self, future: Future, callbacks: list[Any]) -> None:
         try:
-            future.run_callbacks(callbacks)
+            future._run_callbacks(callbacks)
         finally:
             self._callbacks_ran()
 

@@ -188,7 +188,7 @@ class Future(concurrent.futures.Future):
             self._ask_first()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
-    def on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+    def _on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
         self._make_condition()
         super().add_done_callback(fn)
@@ -216,9 +216,9 @@ class Future(concurrent.futures.Future):
             self._result, self._exception, self._state = result, exception, _FINISHED
             return True
 
-    def settle_keeping_callbacks(self, result: Any, exception: BaseException | None) -> list[Any]:
+    def _settle_keeping_callbacks(self, result: Any, exception: BaseException | None) -> list[Any]:
         """Set the outcome and wake the waiters, but run no done-callback: returns them, for
-        :meth:`run_callbacks`. (The base class runs them inside ``set_result``.)"""
+        :meth:`_run_callbacks`. (The base class runs them inside ``set_result``.)"""
         with self._condition:  # re-entrant: ``set_result`` takes it again
             kept = self._done_callbacks
             self._done_callbacks = []
@@ -228,12 +228,12 @@ class Future(concurrent.futures.Future):
                 super().set_exception(exception)
         return kept
 
-    def has_callbacks(self) -> bool:
+    def _has_callbacks(self) -> bool:
         """Whether done-callbacks are set (one added meanwhile may run in the finishing thread)."""
         return bool(self.__dict__.get("_done_callbacks"))
 
-    def run_callbacks(self, callbacks: list[Any]) -> None:
-        """Run done-callbacks kept by :meth:`settle_keeping_callbacks`, as ``set_result`` would."""
+    def _run_callbacks(self, callbacks: list[Any]) -> None:
+        """Run done-callbacks kept by :meth:`_settle_keeping_callbacks`, as ``set_result`` would."""
         if callbacks:
             self._done_callbacks = callbacks  # the future is done: nothing else adds to this list
             _running_callbacks(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
@@ -285,7 +285,7 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
             out.set_result(value)
 
     if isinstance(source, Future):
-        source.on_done(done)
+        source._on_done(done)
     else:
         source.add_done_callback(done)
     return out

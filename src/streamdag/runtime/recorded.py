@@ -203,7 +203,7 @@ class RecordedGraph:
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
         for op in launched:
-            op.future.on_done(one_done)
+            op.future._on_done(one_done)
         return result
 
     def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:

@@ -143,7 +143,7 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
         rt._bytes.release(nbytes)
         raise
     if isinstance(future, Future):
-        future.on_done(lambda _f: rt._bytes.release(nbytes))
+        future._on_done(lambda _f: rt._bytes.release(nbytes))
     else:  # recorded: counted when the graph runs, not now
         rt._bytes.release(nbytes)
     return future
@@ -207,7 +207,7 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
         view = stage[: s.numel()]
         view.copy_(s)
         last = _device_copy(rt, d, view, stream, name, keep=stage)
-        last.on_done(lambda _f, stage=stage: rt._staging.give(stage))
+        last._on_done(lambda _f, stage=stage: rt._staging.give(stage))
     return _resolve_to(last, dst)
 
 
