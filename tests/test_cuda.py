@@ -1,10 +1,12 @@
 """CUDA backend and capture. Marked ``cuda``: skipped without a GPU, run on the lent machine."""
 
+import concurrent.futures
 import os
 import random
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -74,8 +76,6 @@ def test_lifetimes_survive_dropped_references():
 
 def test_threads_that_wait_finish_ops_themselves_and_every_result_is_right():
     """Waiting threads finish completed ops beside the completion thread: nothing lost or twice."""
-    import threading
-
     errors = []
     with sd.Runtime("cuda", streams=4, max_inflight=64) as rt:
         def worker(k):
@@ -625,3 +625,23 @@ def test_an_op_waiting_on_a_future_while_a_done_callback_submits_does_not_hang()
         assert z.result(timeout=30) is True
         rt.synchronize()
     assert a.tolist() == b.tolist() == c.tolist() == [1.0] * 8 and len(follow_ups) == 1
+
+
+def test_a_done_callback_raising_system_exit_leaves_the_completion_thread_working(caplog):
+    """The completion thread runs done-callbacks; one that raises what is no ``Exception`` must
+    not end it, or every later op of the device that nobody helps finish would never finish."""
+    a = torch.zeros(8, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        called = threading.Event()
+
+        def exits(_f):
+            called.set()
+            raise SystemExit(4)
+
+        rt.submit(lambda: (torch.cuda._sleep(20_000_000), a.add_(1)), writes=[a]).add_done_callback(exits)
+        assert called.wait(10)
+        slow = rt.submit(lambda: (torch.cuda._sleep(50_000_000), a.add_(1)), writes=[a])
+        done, _ = concurrent.futures.wait([slow], timeout=10)  # only the completion thread finishes it
+        assert slow in done and slow.exception() is None
+    assert a.tolist() == [2.0] * 8
+    assert any(r.exc_info and r.exc_info[0] is SystemExit for r in caplog.records)

@@ -153,3 +153,37 @@ def test_pipeline_over_two_gpus_equals_one_gpu():
     for x, y in zip(batches, outs):
         assert y.device == torch.device("cuda:1")
         torch.testing.assert_close(y.to("cuda:0"), torch.tanh(torch.tanh(x @ w0) @ w0))
+
+
+@pytest.mark.parametrize("waits_on", ["op", "graph"])
+def test_an_op_waiting_on_another_gpu_while_its_done_callback_submits_does_not_hang(waits_on):
+    """An op's function runs inside its submit, holding the runtime's lock. When it waits on work
+    of the other GPU (an op, or a graph's run over both GPUs), and that GPU's completion thread
+    meanwhile runs a done-callback that submits (and so needs the lock), the awaited work must
+    still be finished: by the waiting thread itself."""
+    a, b, c = (torch.zeros(8, device="cuda:1") for _ in range(3))
+    d = torch.zeros(8, device="cuda:0")
+    with sd.Runtime(devices=DEVICES, streams=2) as rt:
+        if waits_on == "graph":
+            with rt.record() as g:  # run over both GPUs as one op, finished on its last op's GPU
+                rt.submit(d.add_, 1, writes=[d], name="on_0")
+                rt.submit(lambda: (torch.cuda._sleep(600_000_000), c.add_(1)), writes=[c], name="y")
+        rt.submit(lambda: (torch.cuda._sleep(1), a.add_(0), b.add_(0)), writes=[a, b]).result()  # loaded
+        follow_ups = []
+        x = rt.submit(lambda: (torch.cuda._sleep(200_000_000), a.add_(1)), writes=[a], name="x")  # ~0.1 s
+        x.add_done_callback(lambda _f: follow_ups.append(rt.submit(b.add_, 1, writes=[b])))
+        # done after x on cuda:1: its finish comes after x's callback has begun
+        if waits_on == "graph":
+            y = g.run()
+        else:
+            y = rt.submit(lambda: (torch.cuda._sleep(600_000_000), c.add_(1)), writes=[c], name="y")
+
+        def wait_inside():
+            y.result(timeout=20)
+            return True
+
+        z = rt.submit(wait_inside, run_on="cuda:0", name="z")
+        assert z.result(timeout=30) is True
+        rt.synchronize()
+    assert a.tolist() == b.tolist() == c.tolist() == [1.0] * 8 and len(follow_ups) == 1
+    assert d.tolist() == [float(waits_on == "graph")] * 8

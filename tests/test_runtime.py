@@ -368,6 +368,40 @@ def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending
         assert (rt.submit(np.add, a, 1, out=a, writes=[a]).result(timeout=5) == 1).all()
 
 
+def test_system_exit_in_an_op_or_a_done_callback_leaves_the_runtimes_threads_working(rt, caplog):
+    """User code run in the runtime's own threads (an op on a CPU lane, a done-callback) that
+    raises what is no ``Exception``: the thread would die of it, and every later op it runs or
+    finishes would hang. The op fails with it, and nothing is lost or left pending."""
+    a, b = np.zeros(3), np.zeros(3)
+
+    def exits():
+        raise SystemExit(3)
+
+    exited = rt.submit(exits, writes=[a], name="exits")
+    dependent = rt.submit(np.add, a, 1, out=a, writes=[a])
+    with pytest.raises(SystemExit):
+        exited.result(timeout=5)
+    assert isinstance(dependent.exception(timeout=5), sd.DependencyFailed)
+    with pytest.raises(BaseExceptionGroup) as raised:  # noqa: F821 - builtin since 3.11
+        rt.synchronize()  # nobody else was told: the op ran in a thread of the runtime's own
+    assert [type(e) for e in raised.value.exceptions] == [SystemExit]
+
+    called = []
+
+    def callback_exits(_f):
+        called.append(1)
+        raise SystemExit(4)
+
+    for _ in range(3):  # every lane's thread finishes some of these
+        rt.submit(np.add, b, 1, out=b, writes=[b]).add_done_callback(callback_exits)
+    later = [rt.submit(np.add, b, 1, out=b, writes=[b]) for _ in range(2 * rt.num_streams)]
+    assert [f.result(timeout=5) is b for f in later] == [True] * len(later)
+    rt.synchronize()  # a callback's exception is logged, as concurrent.futures does, not raised
+    assert called == [1, 1, 1] and (b == 3 + len(later)).all()
+    assert rt.statistics().inflight == 0
+    assert sum(bool(r.exc_info) and r.exc_info[0] is SystemExit for r in caplog.records) == 4  # all logged
+
+
 def test_a_submit_from_inside_an_op_that_touches_its_memory_fails_clearly():
     a, b = np.zeros(3), np.zeros(3)
     inner = {}

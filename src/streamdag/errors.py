@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 
 if sys.version_info >= (3, 11):
-    from builtins import ExceptionGroup
+    from builtins import BaseExceptionGroup, ExceptionGroup
 else:  # pragma: no cover - Python 3.10
-    from exceptiongroup import ExceptionGroup
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 
 __all__ = [
+    "BaseExceptionGroup",
     "CycleError",
     "DependencyFailed",
     "DeviceLost",

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from .host import Command, HostEvent
+from .threads import report_escaped
 
 __all__ = ["CpuBackend"]
 
@@ -34,8 +35,11 @@ class _Lane:
             kind, payload = command
             if kind == "wait":
                 payload.wait()  # type: ignore[union-attr]
-            else:
+                continue
+            try:
                 payload()  # type: ignore[operator]
+            except BaseException:  # a user's SystemExit, say: the ops queued after it still run
+                report_escaped(self._thread.name)
 
     def stop(self) -> None:
         self._queue.put(None)

@@ -14,7 +14,6 @@ lost and the runtime fails every pending and later op with
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from bisect import bisect_left
@@ -27,6 +26,7 @@ import torch
 
 from ..errors import DeviceLost
 from ..runtime.ops import callbacks_later
+from .threads import report_escaped
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 
@@ -292,6 +292,13 @@ class _Completions:
     def _loop(self) -> None:
         torch.cuda.set_device(self._owner.torch_device)
         while True:
+            try:
+                return self._serve()
+            except BaseException:  # a done-callback's SystemExit, say: later ops still need finishing
+                report_escaped(self._thread.name)
+
+    def _serve(self) -> None:
+        while True:
             now = time.perf_counter()
             since = now - self._passed_at
             if (since < self.BACKOFF_SECONDS and not self._hurry.is_set()
@@ -414,7 +421,6 @@ class CudaBackend:
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
             self.peer_out = CudaStream(-1, "peer_out", torch.cuda.Stream())
         self._all = self._streams + list(self._copy.values())
-        self._own_stream_ids = {s.ids[0] for s in self._all}  # current inside an op's function
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
         self._caller_event = torch.cuda.Event()
@@ -505,7 +511,7 @@ class CudaBackend:
 
         With ``waiter`` (a future someone waits on), the calling thread also
         finishes them itself until ``waiter`` is done, for up to ``seconds``
-        (default ``HELP_SECONDS``). ``wanted``, a token from
+        (at most ``HELP_SECONDS``). ``wanted``, a token from
         :meth:`when_done`: someone waits on that op without helping; the
         completion thread finishes it first.
         """
@@ -517,12 +523,11 @@ class CudaBackend:
         if waiter is not None:
             limit = completions.HELP_SECONDS if seconds is None else min(seconds, completions.HELP_SECONDS)
             completions.help(waiter, limit)
-            if (not waiter.done() and (seconds is None or seconds > limit)
-                    and _get_stream(self._index)[0] in self._own_stream_ids):
-                # an op's function waits: it holds the runtime's lock, and a done-callback that
-                # submits may hold up the completion thread until it is let go, so this thread
-                # finishes what it waits on itself, however long that takes
-                completions.help(waiter, math.inf if seconds is None else seconds - limit)
+
+    def help(self, waiter: Any, seconds: float) -> None:
+        """Finish completed ops in the calling thread until ``waiter`` is done, for up to ``seconds``
+        (0: one poll). For a waiter that only it can get finished (see ``Runtime``)."""
+        self._completions.help(waiter, seconds)
 
     is_sticky = staticmethod(is_sticky)
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .host import Command, HostEvent
+from .threads import report_escaped
 
 __all__ = ["SimArray", "SimBackend", "SimExecutor"]
 
@@ -78,7 +79,10 @@ class SimExecutor:
                 stream = self.rng.choice(ready)
                 kind, payload = stream.queue.popleft()
             if kind == "run":
-                payload()  # type: ignore[operator]
+                try:
+                    payload()  # type: ignore[operator]
+                except BaseException:  # a user's SystemExit, say: the ops queued after it still run
+                    report_escaped(self._thread.name)
 
     def leave(self) -> None:
         with self.cond:

@@ -13,6 +13,7 @@ the in-flight semaphore, under ``_done_lock``.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from ..backends import Backend, make_backend, make_backends
-from ..errors import ExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
+from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access
 from ..graph.hazards import DepsTracker
 from ..schedule.waits import StreamClocks
@@ -120,7 +121,8 @@ class Runtime:
         self._done_lock = threading.Lock()
         self._slots = _Slots(max_inflight)
         #: per stream: asks its backend to finish completed ops now, for one who waits (or None)
-        self._hurry_of = [getattr(m, "hurry", None) for m in self._member]
+        hurries = {id(m): _Hurry(self, m) for m in members if hasattr(m, "hurry")}
+        self._hurry_of = [hurries.get(id(m)) for m in self._member]
         #: backends whose completed ops the submitting thread finishes every ``FINISH_EVERY`` submits
         self._finish_ready = [f for m in members if (f := getattr(m, "finish_ready", None))]
         self._finish_every = FINISH_EVERY
@@ -141,6 +143,7 @@ class Runtime:
         #: the graph each thread records into, inside its ``with rt.record()`` block
         self._recordings: dict[int, Any] = {}
         self._can_be_lost = hasattr(self.backend, "lost")
+        self._deferred = self.backend.deferred  # ops run in the backend's threads, not in submit
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
@@ -220,7 +223,8 @@ class Runtime:
             if failed_since:  # later ops must not fail for these; finished ops that did not fail
                 self._tracker.forget(lambda op: op.done)  # go at the next compaction anyway
         if failures:
-            raise ExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
+            # an ExceptionGroup, unless an op's function raised SystemExit (say) in a CPU lane
+            raise BaseExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
 
     def current_stream_wait(self, *futures: Future) -> None:
         """Order the caller's current stream after ``futures`` (default: every op submitted so far).
@@ -341,7 +345,7 @@ class Runtime:
         if self._closed:
             return
         with suppress(Exception):
-            self.synchronize()
+            self._wait_all()
         self._closed = True
         for m in self.backends:
             m.close()
@@ -453,10 +457,12 @@ class Runtime:
     def _hurry_all(self, waiter: Future | None = None, seconds: float | None = None) -> None:
         """Ask every backend to finish its completed ops now: someone waits.
 
-        On one device the waiting thread may help (see ``CudaBackend.hurry``);
-        over several it would poll one device while another finishes the ops.
+        On one device the waiting thread helps (see ``CudaBackend.hurry``); over
+        several it would poll one device while another finishes the ops, except
+        where it must (see :meth:`_help_while_holding_the_lock`).
         """
         helps = waiter is not None and len(self.backends) == 1
+        started = time.perf_counter()
         for m in self.backends:
             hurry = getattr(m, "hurry", None)
             if hurry is None:
@@ -465,6 +471,28 @@ class Runtime:
                 hurry(waiter, seconds)
             else:
                 hurry()
+        if waiter is not None:
+            self._help_while_holding_the_lock(waiter, self.backends, seconds, started)
+
+    def _help_while_holding_the_lock(self, waiter: Future, backends: Sequence[Any], seconds: float | None,
+                                     started: float) -> None:
+        """If this thread holds the runtime's lock, finish ops itself until ``waiter`` is done.
+
+        That thread is an op's function waiting inside its submit (on CUDA), or
+        a graph's run. The threads that finish ops may be held up on the lock
+        meanwhile (a done-callback that submits), so only this one is sure to
+        get ``waiter`` finished, however long that takes (within ``seconds``).
+        """
+        if waiter.done() or not self._lock._is_owned():  # type: ignore[attr-defined]
+            return
+        helpers = [h for m in backends if (h := getattr(m, "help", None)) is not None]
+        if not helpers:
+            return
+        deadline = math.inf if seconds is None else started + seconds
+        while not waiter.done() and time.perf_counter() < deadline:
+            for help_once in helpers:
+                help_once(waiter, 0.0)
+            time.sleep(0)
 
     def _admit(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None
                ) -> tuple[int, list[Op], list[int]]:
@@ -519,7 +547,7 @@ class Runtime:
                     _event_of(live[i], op).wait(s)
             if profiler is not None:
                 started = profiler.start(op, stream, deps)
-            backend.launch(s, op.execute)  # execute itself never raises
+            backend.launch(s, op.execute)  # execute raises only an interrupt (no Exception)
             if profiler is not None:
                 profiler.end(op, stream, started)
             stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
@@ -581,8 +609,10 @@ class Runtime:
                 self._completed += 1
             else:
                 self._failed += 1
-                if op.root_error is error and isinstance(error, Exception):  # an interrupt was raised
-                    _annotate(error, op.name)                                 # to the caller already
+                # an interrupt in the submitting thread was raised to the caller already; one in a
+                # lane of the runtime's own (SystemExit, say) was not
+                if op.root_error is error and (isinstance(error, Exception) or self._deferred):
+                    _annotate(error, op.name)
                     self._failures.append(error)
         value = op.value
         op.release()
@@ -618,6 +648,23 @@ class Runtime:
     def _callbacks_ran(self) -> None:
         with self._done_lock:
             self._in_callbacks -= 1
+
+
+class _Hurry:
+    """What waiting on an op's future calls (``Future._hurry``): its backend's ``hurry``, then,
+    in a thread that holds the runtime's lock, the help that only that thread can give."""
+
+    __slots__ = ("backend", "rt")
+
+    def __init__(self, rt: Runtime, backend: Any) -> None:
+        self.rt, self.backend = rt, backend
+
+    def __call__(self, waiter: Future | None = None, seconds: float | None = None,
+                 wanted: Any = None) -> None:
+        started = time.perf_counter()
+        self.backend.hurry(waiter, seconds, wanted)
+        if waiter is not None:
+            self.rt._help_while_holding_the_lock(waiter, (self.backend,), seconds, started)
 
 
 class _Slots:

@@ -400,7 +400,7 @@ class Op:
         return f"<op {self.name!r} #{self.seq}>"
 
     def execute(self) -> None:
-        """Run the op unless a dependency failed; never raises."""
+        """Run the op unless a dependency failed; raises only what is no ``Exception`` (Ctrl-C)."""
         for dep in self.deps:
             if dep.error is not None:
                 self.error = DependencyFailed(self.name, dep.root_name, dep.root_error)
@@ -412,6 +412,11 @@ class Op:
             except Exception as exc:  # the op's failure is its future's, not ours
                 self.error = exc
                 self.root_name, self.root_error = self.name, exc
+            except BaseException as exc:  # an interrupt or SystemExit: the op failed with it, and
+                self.error = exc          # it goes on up (to the caller, or a lane that reports it)
+                self.root_name, self.root_error = self.name, exc
+                self.deps = ()
+                raise
         self.deps = ()
 
     def release(self) -> None:
