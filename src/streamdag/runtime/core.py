@@ -122,6 +122,8 @@ class Runtime:
         n = len(self._streams)
         self._lock = threading.RLock()
         self._done_lock = threading.Lock()
+        #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
+        self._callbacks_done = threading.Condition(self._done_lock)
         self._slots = _Slots(max_inflight)
         #: per stream: asks its backend to finish completed ops now, for one who waits (or None)
         hurries = {id(m): _Hurry(self, m) for m in members if hasattr(m, "hurry")}
@@ -314,7 +316,8 @@ class Runtime:
             if not pending:
                 if not calling or inside:
                     return
-                time.sleep(1e-4)  # a future is done, its done-callbacks (which may submit) still run
+                with self._callbacks_done:  # a future is done; its done-callbacks (may submit) still run
+                    self._callbacks_done.wait_for(lambda: not self._in_callbacks)
                 continue
             for f in pending:
                 f.exception()
@@ -651,6 +654,8 @@ class Runtime:
     def _callbacks_ran(self) -> None:
         with self._done_lock:
             self._in_callbacks -= 1
+            if not self._in_callbacks:
+                self._callbacks_done.notify_all()
 
 
 class _Hurry:
