@@ -9,10 +9,16 @@ replayed as a captured CUDA graph. The lent host's speed drifts by tens of perce
 a minute, so the variants are timed in turns, round after round, and each
 reports its median round.
 
-Run on a GPU machine: PYTHONPATH=src python bench/overhead.py
+``--native`` adds the same CUDA calls made from C++ (an extension built at
+start with ``torch.utils.cpp_extension``, about a minute): the floor of this
+design once its launch path is native, not through PyTorch's Python API.
+
+Run on a GPU machine: PYTHONPATH=src python bench/overhead.py [--native]
 """
 
+import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +33,56 @@ OPS_PER_ROUND = 4000
 ROUNDS = 15
 
 
+#: what one launch of a stream runtime asks of CUDA, made natively: order the op's stream after the
+#: caller's, run the op's function with that stream current, switch back, record its completion event
+NATIVE_LAUNCH = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+void launch(py::handle fn, py::handle args, py::handle kwargs, int64_t stream_id, int64_t device_index,
+            int64_t device_type, uintptr_t caller_event, uintptr_t done_event) {
+  auto index = static_cast<c10::DeviceIndex>(device_index);
+  auto stream = c10::cuda::CUDAStream::unpack3(stream_id, index, static_cast<c10::DeviceType>(device_type));
+  auto caller = c10::cuda::getCurrentCUDAStream(index);
+  C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(caller_event), caller.stream()));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), reinterpret_cast<cudaEvent_t>(caller_event), 0));
+  c10::cuda::setCurrentCUDAStream(stream);
+  PyObject* out = PyObject_Call(fn.ptr(), args.ptr(), kwargs.ptr());
+  c10::cuda::setCurrentCUDAStream(caller);
+  if (out == nullptr) throw py::error_already_set();
+  Py_DECREF(out);
+  C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream.stream()));
+}
+"""
+
+
+def build_native_launch():
+    """The C++ launch above as a Python function, or None (with the reason printed) if it does not build."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline("streamdag_native_launch", NATIVE_LAUNCH, functions=["launch"], with_cuda=True,
+                           extra_cflags=["-O2"], build_directory=_build_dir()).launch
+    except Exception as exc:  # no compiler or headers: the row is left out, and said so
+        print(f"--native: the C++ launch did not build, its row is left out: {exc}", file=sys.stderr)
+        return None
+
+
+def _build_dir() -> str:
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / "streamdag_native_launch"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--native", action="store_true", help="also time the CUDA calls made from C++")
+    args = parser.parse_args()
+    native_launch = build_native_launch() if args.native else None
     bufs = [torch.zeros(256, device="cuda") for _ in range(64)]
 
     def torch_loop(n):
@@ -53,6 +108,14 @@ def main():
             torch.add(bufs[i % 64], 1, out=bufs[(i + 1) % 64])
             set_stream(*prev)
             record(events[i % 64], s)
+
+    def native_calls_only(n):
+        """The same CUDA calls, made from C++: one call into the extension per op."""
+        caller_ptr = caller_event.cuda_event
+        for i in range(n):
+            s = streams[i & 7]
+            native_launch(torch.add, (bufs[i % 64], 1), {"out": bufs[(i + 1) % 64]},
+                          s.stream_id, s.device_index, s.device_type, caller_ptr, event_ptrs[i % 64])
 
     def chain_on(rt):
         def chain(n):
@@ -83,9 +146,20 @@ def main():
         for _ in range(max(1, n // GRAPH_OPS)):
             g.run()
 
+    for e in [caller_event, *events]:  # PyTorch makes an event's CUDA event at its first record
+        e.record()
+    event_ptrs = [e.cuda_event for e in events]
+    if native_launch is not None:  # it runs the op, on the op's stream, after the caller's work
+        probe = torch.zeros(4, device="cuda")
+        probe.fill_(41)
+        native_launch(probe.add_, (1,), {}, streams[0].stream_id, streams[0].device_index,
+                      streams[0].device_type, caller_event.cuda_event, event_ptrs[0])
+        events[0].synchronize()
+        assert probe.tolist() == [42.0] * 4, probe
     variants = {
         "PyTorch launch, one stream": torch_loop,
         "the CUDA calls of a stream runtime, no bookkeeping": cuda_calls_only,
+        **({"the same CUDA calls made from C++ (native launch)": native_calls_only} if native_launch else {}),
         "streamdag submit, dependent chain": chain_on(rt),
         "streamdag submit, dependent chain, completion thread finishes all": chain_on(thread_only),
         "streamdag submit, independent ops": independent_on(rt),
@@ -114,7 +188,8 @@ def main():
     print(format_table(["per op (host)", "µs (median round)", "added over PyTorch µs", "rounds µs"], rows))
     print(write_json(Path(__file__).parent / "results",
                      "overhead_" + torch.cuda.get_device_name().replace(" ", "_"),
-                     {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8},
+                     {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8,
+                                   "native_launch": native_launch is not None},
                       "us": {"torch_us": t_torch, **{k: v for k, v in medians.items() if k != rows[0][0]}},
                       "rounds_us": rounds}))
 
