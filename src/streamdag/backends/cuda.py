@@ -177,22 +177,24 @@ class _Completions:
         # is no object for that collector to count at all
         return seq * len(self._queues) + stream
 
-    def _finish_one(self, token: int) -> bool:
+    def _finish_one(self, token: int) -> bool | None:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
 
         For someone waiting on that op: finishing the whole queue first would
         make them wait for every earlier op's bookkeeping too (after 64 tiny
         ops, a ``result()`` took 2.6x PyTorch's synchronize that way). The
-        others stay queued, in order. Caller holds ``_passing``.
+        others stay queued, in order. Caller holds ``_passing``. Returns True
+        if it finished the entry now, False if the entry stays queued, None
+        if it had left the queue already (finished).
         """
         seq, stream = divmod(token, len(self._queues))
-        owner = self._owner
-        if owner.lost is not None:  # the next pass fails everything, in order
-            return False
         q = self._queues[stream]
         index = _position(q, seq)  # only passes remove entries: it stays put while we hold the lock
         if index < 0:
-            return False  # finished already
+            return None  # finished already
+        owner = self._owner
+        if owner.lost is not None:  # the next pass fails everything, in order
+            return False
         _, event, callback = q[index]
         try:
             if not event.query():
@@ -212,12 +214,7 @@ class _Completions:
         if error is None and event is not self._watched:
             self._owner.recycle(event)
 
-    def _queued(self, token: int) -> bool:
-        """Whether the entry of ``token`` is still queued (not finished yet)."""
-        seq, stream = divmod(token, len(self._queues))
-        return _position(self._queues[stream], seq) >= 0
-
-    def _try_finish_one(self, token: int) -> bool:
+    def _try_finish_one(self, token: int) -> bool | None:
         """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
         if not self._passing.acquire(blocking=False):
             return False
@@ -246,7 +243,7 @@ class _Completions:
         """Finish the wanted entries whose events have completed; keep the others. Holds ``_passing``."""
         with callbacks_later(), self._passing:
             wanted, self._wanted = self._wanted, []
-            waiting = [t for t in wanted if not self._finish_one(t) and self._queued(t)]
+            waiting = [t for t in wanted if self._finish_one(t) is False]
             self._wanted.extend(waiting)
             return len(waiting) < len(wanted)
 
