@@ -362,6 +362,24 @@ def test_recapture_when_an_argument_changes_strides_only():
         assert g.statistics().recaptures == 1
 
 
+def test_a_replay_in_inference_mode_neither_recaptures_nor_misses_a_change():
+    """Replays check their arguments with PyTorch's C++ tensor guard, which also fails for what
+    does not matter here (inference mode changes dispatch keys): then the exact check decides."""
+    x = torch.ones(4, 4, device="cuda")
+    y = torch.empty(4, 4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda a, o: torch.mul(a, 2, out=o), x, y, reads=[x], writes=[y])
+        for _ in range(3):
+            g.run().result()
+        with torch.inference_mode():
+            g.run().result()
+        assert g.statistics().recaptures == 0 and torch.equal(y, torch.full((4, 4), 2.0, device="cuda"))
+        x.t_().mul_(3)  # strides change: the guard sees it
+        g.run().result()
+        assert g.statistics().recaptures == 1 and torch.equal(y, torch.full((4, 4), 6.0, device="cuda"))
+
+
 def test_captured_pipeline_of_copies_and_compute_equals_eager_run_after_run():
     """Copies in, compute, copies out, recorded once: captured with the copies on copy streams."""
     chunks, n = 4, 1 << 16
