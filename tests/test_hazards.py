@@ -206,3 +206,23 @@ def test_fresh_ranges_with_a_few_that_recur_keep_the_records_few():
         t.link(i, [Access(Region("cpu", start, start + 8), True)])
         done.add(i)
     assert len(t._spaces["cpu"].records) < 1000
+
+
+def test_a_wide_range_over_many_idle_small_ones_stops_scanning_them():
+    """A recorded graph runs op by op once (one record per buffer), then as one op whose access
+    spans all its buffers. Every later run searched all those idle records; a search is work
+    that brings compaction, which drops them once they are idle for long."""
+    from streamdag.graph import Region
+
+    done = set()
+    t = DepsTracker(retired=done.__contains__)
+    for i in range(258):  # the first run, op by op: 258 buffers side by side
+        t.link(i, [Access(Region("cuda:0", 1024 * i, 1024 * i + 1000), i % 2 == 0)])
+        done.add(i)
+    whole = Region("cuda:0", 0, 1024 * 258)
+    for run in range(200):  # later runs: one op each, over the whole span
+        deps = t.link(("run", run), [Access(whole, True)])
+        done.add(("run", run))
+        assert set(deps) <= done  # what it follows is finished (the owner skips it) or the last run
+    space = t._spaces["cuda:0"]
+    assert len(space.overlapping(whole.start, whole.end)) <= 2

@@ -60,7 +60,7 @@ class _Space:
     """The records of one address space: by exact range, and sorted by start."""
 
     __slots__ = ("by_range", "came_back", "compact_at", "count", "dropped", "horizon", "longest",
-                 "made", "records", "starts")
+                 "made", "records", "scanned", "starts")
 
     def __init__(self) -> None:
         self.by_range: dict[tuple[int, int], _Record] = {}
@@ -68,6 +68,9 @@ class _Space:
         self.records: list[_Record] = []
         self.longest = 0
         self.count = 0  # writers and readers held, for compaction
+        #: records looked at by searches since the last compaction: work that compaction also pays
+        #: for (a wide range over many small ones, idle since, is scanned again at every access)
+        self.scanned = 0
         self.compact_at = 64
         self.horizon = _FIRST_HORIZON
         #: ranges whose records were dropped, oldest first (at most ``_MAX_HORIZON`` remembered)
@@ -180,12 +183,14 @@ class DepsTracker:
             if start == end:                                # are written out for the common case
                 continue
             space = spaces.get(space_name)
-            if space is None or space.count >= space.compact_at:
+            if space is None or space.count + space.scanned >= space.compact_at:
                 space = self._space(space_name)
             rec = space.by_range.get((start, end)) or space.record(start, end)
             touched.append((space, rec, write))
             if rec.shared:
-                _collect(space.overlapping(start, end), write, found)
+                near = space.overlapping(start, end)
+                space.scanned += len(near)
+                _collect(near, write, found)
                 continue
             if rec.writer is not None:  # the one record of this range: _collect, inline
                 dep, order = rec.writer
@@ -221,7 +226,7 @@ class DepsTracker:
         space = self._spaces.get(name)
         if space is None:
             space = self._spaces[name] = _Space()
-        elif space.count >= space.compact_at:
+        elif space.count + space.scanned >= space.compact_at:
             self._compact(space)
         return space
 
@@ -242,7 +247,8 @@ class DepsTracker:
         retired = self._retired
         if retired is not None:
             space.keep(retired, self._order)
-        # the next compaction comes after at least as many adds as this one visited
+        # the next compaction comes after at least as many adds (or records scanned) as this one visited
+        space.scanned = 0
         space.compact_at = space.count + max(64, len(space.records) + space.count)
 
     def forget(self, finished: Callable[[Hashable], bool]) -> None:
