@@ -281,7 +281,8 @@ class RecordedGraph:
             for b in rt.backends:
                 b.synchronize()
 
-        with rt._lock, torch.cuda.device(member.torch_device):  # type: ignore[attr-defined]
+        # (the device as an int: resolving a torch.device took ~1.5 µs per run here, 6x an int)
+        with rt._lock, torch.cuda.device(member.torch_device.index):  # type: ignore[attr-defined]
             # capture after all earlier work: it reads no half-written buffer
             ok = runner.prepare(rt.num_streams, before_capture=synchronize_all)
         if not ok:
