@@ -7,7 +7,9 @@ those promotions bring full collections, each a stall of tens of ms with
 torch loaded. Finishing less often batches the bookkeeping. The settings are
 timed in turns, round after round (the lent host drifts): the tiny wide graph
 submitted op by op (median ms per graph, with the cycle collector's passes
-and time) and a chain of tiny ops (median µs per op).
+and time) and a chain of tiny ops (median µs per op). The last setting
+repeats 32 with ``gc.freeze()`` around its rounds: what a user can add, since
+a full collection then skips every object made before (torch's among them).
 
 Run on a GPU machine: PYTHONPATH=src python bench/finish_every.py
 """
@@ -25,7 +27,8 @@ import streamdag as sd
 from streamdag.suite.gpu_wide import CASES, submit_wide
 from streamdag.suite.report import format_table, write_json
 
-SETTINGS = (64, 32, 16)
+#: (FINISH_EVERY, whether gc.freeze() is on), each a label of the table
+SETTINGS = ((64, False), (32, False), (16, False), (32, True))
 ROUNDS = 7
 GRAPHS_PER_ROUND = 60
 CHAIN_OPS = 4000
@@ -57,15 +60,15 @@ def main() -> None:
     y = torch.empty(rows, D, device=dev)
     bufs = [torch.zeros(256, device=dev) for _ in range(64)]
     runtimes = {}
-    for every in SETTINGS:
+    for setting in SETTINGS:
         rt = sd.Runtime("cuda", streams=8, max_inflight=1024)
-        rt._finish_every = every
-        runtimes[every] = rt
+        rt._finish_every = setting[0]
+        runtimes[setting] = rt
     clock = CollectorClock()
-    graph_ms: dict[int, list[float]] = {e: [] for e in SETTINGS}
-    chain_us: dict[int, list[float]] = {e: [] for e in SETTINGS}
-    collections: dict[int, list[int]] = {e: [0, 0, 0] for e in SETTINGS}
-    collector_s: dict[int, float] = {e: 0.0 for e in SETTINGS}
+    graph_ms: dict[tuple, list[float]] = {e: [] for e in SETTINGS}
+    chain_us: dict[tuple, list[float]] = {e: [] for e in SETTINGS}
+    collections: dict[tuple, list[int]] = {e: [0, 0, 0] for e in SETTINGS}
+    collector_s: dict[tuple, float] = {e: 0.0 for e in SETTINGS}
 
     def wide(rt):
         for _ in range(GRAPHS_PER_ROUND):
@@ -85,6 +88,8 @@ def main() -> None:
         rt.synchronize()
     for _ in range(ROUNDS):
         for every, rt in runtimes.items():
+            if every[1]:
+                gc.freeze()
             before, before_s = list(clock.count), clock.seconds
             graph_ms[every] += list(wide(rt))
             t0 = time.perf_counter()
@@ -93,21 +98,30 @@ def main() -> None:
             rt.synchronize()
             collections[every] = [c + (a - b) for c, a, b in zip(collections[every], clock.count, before)]
             collector_s[every] += clock.seconds - before_s
+            if every[1]:
+                gc.unfreeze()
     for rt in runtimes.values():
         rt.close()
     rows_out = []
     for every in SETTINGS:
-        rows_out.append([every, statistics.median(graph_ms[every]), max(graph_ms[every]),
+        rows_out.append([label(every), statistics.median(graph_ms[every]), statistics.mean(graph_ms[every]),
+                         max(graph_ms[every]),
                          statistics.median(chain_us[every]),
                          "/".join(str(c) for c in collections[every]), collector_s[every] * 1e3])
-    print(format_table(["FINISH_EVERY", "wide tiny ms (median)", "wide tiny ms (max)",
+    print(format_table(["FINISH_EVERY, gc.freeze()", "wide tiny ms (median)", "(mean)", "(max)",
                         "chain µs/op (median round)", "collections gen 0/1/2", "collector ms"], rows_out))
     print(write_json(Path(__file__).parent / "results",
                      "finish_every_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"rounds": ROUNDS, "graphs_per_round": GRAPHS_PER_ROUND,
                                    "chain_ops": CHAIN_OPS, "streams": 8},
-                      "graph_ms": graph_ms, "chain_us": chain_us, "collections": collections,
-                      "collector_ms": {k: v * 1e3 for k, v in collector_s.items()}}))
+                      "graph_ms": {label(k): v for k, v in graph_ms.items()},
+                      "chain_us": {label(k): v for k, v in chain_us.items()},
+                      "collections": {label(k): v for k, v in collections.items()},
+                      "collector_ms": {label(k): v * 1e3 for k, v in collector_s.items()}}))
+
+
+def label(setting: tuple) -> str:
+    return f"{setting[0]}{', gc.freeze()' if setting[1] else ''}"
 
 
 if __name__ == "__main__":
