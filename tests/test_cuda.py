@@ -330,14 +330,20 @@ def test_captured_equals_eager_over_many_replays_with_new_inputs():
         assert stats.replays >= 298 and stats.fallbacks == 0
 
 
+def doubling_graph(rt, x, y):
+    """A recorded graph writing 2 * x into y, run three times: captured and replayed."""
+    with rt.record() as g:
+        rt.submit(lambda a, o: torch.mul(a, 2, out=o), x, y, reads=[x], writes=[y])
+    for _ in range(3):
+        g.run().result()
+    return g
+
+
 def test_recapture_when_an_argument_changes_address_and_shape():
     x = torch.ones(4, 4, device="cuda")
     y = torch.empty(4, 4, device="cuda")
     with sd.Runtime("cuda", streams=2) as rt:
-        with rt.record() as g:
-            rt.submit(lambda a, o: torch.mul(a, 2, out=o), x, y, reads=[x], writes=[y])
-        for _ in range(3):
-            g.run().result()
+        g = doubling_graph(rt, x, y)
         x.set_(torch.full((8, 8), 3.0, device="cuda"))
         y.set_(torch.empty(8, 8, device="cuda"))
         g.run().result()
@@ -368,10 +374,7 @@ def test_a_replay_in_inference_mode_neither_recaptures_nor_misses_a_change():
     x = torch.ones(4, 4, device="cuda")
     y = torch.empty(4, 4, device="cuda")
     with sd.Runtime("cuda", streams=2) as rt:
-        with rt.record() as g:
-            rt.submit(lambda a, o: torch.mul(a, 2, out=o), x, y, reads=[x], writes=[y])
-        for _ in range(3):
-            g.run().result()
+        g = doubling_graph(rt, x, y)
         with torch.inference_mode():
             g.run().result()
         assert g.statistics().recaptures == 0 and torch.equal(y, torch.full((4, 4), 2.0, device="cuda"))
