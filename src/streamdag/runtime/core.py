@@ -148,7 +148,6 @@ class Runtime:
         #: the graph each thread records into, inside its ``with rt.record()`` block
         self._recordings: dict[int, Any] = {}
         self._can_be_lost = hasattr(self.backend, "lost")
-        self._deferred = self.backend.deferred  # ops run in the backend's threads, not in submit
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
@@ -617,7 +616,7 @@ class Runtime:
                 self._failed += 1
                 # an interrupt in the submitting thread was raised to the caller already; one in a
                 # lane of the runtime's own (SystemExit, say) was not
-                if op.root_error is error and (isinstance(error, Exception) or self._deferred):
+                if op.root_error is error and (isinstance(error, Exception) or self.backend.deferred):
                     _annotate(error, op.name)
                     self._failures.append(error)
         value = op.value

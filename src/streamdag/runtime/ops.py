@@ -409,14 +409,12 @@ class Op:
         else:
             try:
                 self.value = self.fn(*self.args, **self.kwargs)
-            except Exception as exc:  # the op's failure is its future's, not ours
+            except BaseException as exc:  # the op's failure is its future's, not ours
                 self.error = exc
                 self.root_name, self.root_error = self.name, exc
-            except BaseException as exc:  # an interrupt or SystemExit: the op failed with it, and
-                self.error = exc          # it goes on up (to the caller, or a lane that reports it)
-                self.root_name, self.root_error = self.name, exc
-                self.deps = ()
-                raise
+                if not isinstance(exc, Exception):  # an interrupt or SystemExit goes on up too (to
+                    self.deps = ()                  # the caller, or to a lane that reports it)
+                    raise
         self.deps = ()
 
     def release(self) -> None:
