@@ -163,14 +163,14 @@ def test_ranges_used_in_turn_keep_their_records_while_ops_finish(monkeypatch, n_
 
     made = []
 
-    class Counted(hazards._Record):
+    class Counted(hazards._Space.record_type):
         __slots__ = ()
 
         def __init__(self, start, end):
             made.append((start, end))
             super().__init__(start, end)
 
-    monkeypatch.setattr(hazards, "_Record", Counted)
+    monkeypatch.setattr(hazards._Space, "record_type", Counted)
     bufs = [np.zeros(8) for _ in range(n_bufs)]
     done = set()
     t = DepsTracker(retired=done.__contains__)

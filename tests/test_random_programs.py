@@ -8,6 +8,7 @@ injected, exactly the transitive dependents of the failing ops must fail.
 """
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 from hypothesis import given, settings
@@ -184,3 +185,32 @@ def test_graph_runs_and_eager_ops_interleaved_equal_serial(graph_program, eager_
     assert got == expect_results
     for g_base, want in zip(bases, expect_bases):
         assert np.array_equal(g_base, want)
+
+
+@contextmanager
+def python_hot_path():
+    """The runtime with its reference Python tracker, clocks and accesses instead of the compiled ones."""
+    from streamdag.graph import buffers, hazards
+    from streamdag.runtime import core
+    from streamdag.runtime import ops as runtime_ops
+    from streamdag.schedule import waits
+
+    saved = core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of
+    core.DepsTracker, core.StreamClocks = hazards.PyDepsTracker, waits.PyStreamClocks
+    runtime_ops.accesses_of = buffers._py_accesses
+    try:
+        yield
+    finally:
+        core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of = saved
+
+
+@settings(max_examples=300 if os.environ.get("CI") else 50)
+@given(programs, st.sampled_from(["cpu", "sim"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_the_python_hot_path_also_equals_serial(program, device, streams, seed):
+    """Where no C compiler is, the runtime runs its Python reference: it must be as right."""
+    expect_bases, expect_results, _, _ = serial(program)
+    with python_hot_path():
+        bases, futures = concurrent(program, device, streams, seed)
+    assert [f.result() for f in futures] == expect_results
+    for got, want in zip(bases, expect_bases):
+        assert np.array_equal(got, want)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,7 +111,12 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"streamdag {streamdag.__version__}, Python {platform.python_version()} on {platform.platform()}")
     for name in ("numpy", "networkx", "torch", "matplotlib", "hypothesis"):
         print(f"  {name:<11} {_version(name)}")
+    from . import native
+
+    print(f"hot path: {native.status()}")
     missing = []
+    if native.load() is None and os.environ.get("STREAMDAG_NATIVE") != "0":
+        missing.append("a C compiler and Python's headers (python3-dev) for the compiled hot path")
     if _version("torch") == "missing":
         missing.append("torch (pip install 'streamdag[torch]') for CUDA and streamdag.compile")
     if _version("matplotlib") == "missing":

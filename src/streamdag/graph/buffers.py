@@ -13,11 +13,13 @@ device.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 from ..errors import InvalidBuffer
+from ..native import load as load_native
 
-__all__ = ["Access", "Marker", "Region", "coalesce", "envelope", "read", "region_of", "write"]
+__all__ = ["Access", "Marker", "Region", "accesses", "coalesce", "envelope", "read", "region_of", "write"]
 
 
 class Region(NamedTuple):
@@ -191,6 +193,14 @@ def region_of(value: Any) -> Region:
     return handler(value)
 
 
+def _py_accesses(reads: list[Any] | tuple[Any, ...], writes: list[Any] | tuple[Any, ...]) -> list[Access]:
+    """The access of every buffer in ``reads``, then in ``writes`` (see :func:`region_of`)."""
+    out = [_new(Access, (region_of(r), False)) for r in reads]
+    if writes:
+        out += [_new(Access, (region_of(w), True)) for w in writes]
+    return out
+
+
 def _probe_instance(value: Any) -> Region:
     """For objects that carry an array interface as an instance attribute, or none at all."""
     if hasattr(value, "__cuda_array_interface__"):
@@ -235,3 +245,12 @@ def coalesce(accesses: list[Access]) -> list[Access]:
                 start, end, wr = a.region.start, a.region.end, a.write
         merged.append(Access(Region(space, start, end), wr))
     return merged
+
+
+_speedups = load_native()
+if _speedups is not None:
+    _speedups.setup(sys.modules[__name__], _HANDLERS, _torch_region, region_of, _CUDA_SPACES, Region, Access)
+    #: compiled (``native/_speedups.c``): tensors read in C, anything else through :func:`region_of`
+    accesses = _speedups.accesses
+else:
+    accesses = _py_accesses

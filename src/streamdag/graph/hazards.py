@@ -25,14 +25,19 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable
 from itertools import islice
+from typing import Any
 
+from ..native import load as load_native
 from .buffers import Access
 
-__all__ = ["DepsTracker"]
+__all__ = ["DepsTracker", "PyDepsTracker"]
 
 
-class _Record:
-    """One byte range: its last writer and the readers since, each as ``(node, order added)``."""
+class _PyRecord:
+    """One byte range: its last writer and the readers since, each as ``(node, order added)``.
+
+    (The compiled ``Record`` has the same fields; annotations name this one for both.)
+    """
 
     __slots__ = ("end", "last", "readers", "shared", "start", "writer")
 
@@ -56,16 +61,22 @@ _FIRST_HORIZON = 64
 _MAX_HORIZON = 1 << 14
 
 
-class _Space:
-    """The records of one address space: by exact range, and sorted by start."""
-
+class _PySpaceFields:
     __slots__ = ("by_range", "came_back", "compact_at", "count", "dropped", "horizon", "longest",
                  "made", "records", "scanned", "starts")
 
+
+class _SpaceMethods:
+    """The records of one address space: by exact range, and sorted by start."""
+
+    __slots__ = ()
+    #: the class of its records (the compiled one goes with the compiled fields)
+    record_type: Any = _PyRecord
+
     def __init__(self) -> None:
-        self.by_range: dict[tuple[int, int], _Record] = {}
+        self.by_range: dict[tuple[int, int], _PyRecord] = {}
         self.starts: list[int] = []
-        self.records: list[_Record] = []
+        self.records: list[_PyRecord] = []
         self.longest = 0
         self.count = 0  # writers and readers held, for compaction
         #: records looked at by searches since the last compaction: work that compaction also pays
@@ -78,14 +89,14 @@ class _Space:
         self.made = 0  # records made since the last compaction
         self.came_back = 0  # of those, how many were of dropped ranges
 
-    def overlapping(self, start: int, end: int) -> list[_Record]:
+    def overlapping(self, start: int, end: int) -> list[_PyRecord]:
         """The records overlapping ``[start, end)``."""
         starts, records = self.starts, self.records
         lo = bisect_right(starts, start - self.longest)
         hi = bisect_left(starts, end)
         return [r for r in records[lo:hi] if r.end > start]
 
-    def record(self, start: int, end: int) -> _Record:
+    def record(self, start: int, end: int) -> _PyRecord:
         """The record of exactly ``[start, end)``, made (and its neighbours told) if new."""
         rec = self.by_range.get((start, end))
         if rec is not None:
@@ -93,7 +104,7 @@ class _Space:
         self.made += 1
         if self.dropped.pop((start, end), 0) is None:
             self.came_back += 1
-        rec = _Record(start, end)
+        rec = self.record_type(start, end)
         for other in self.overlapping(start, end):
             other.shared = rec.shared = True
         i = bisect_right(self.starts, start)
@@ -125,7 +136,7 @@ class _Space:
         self.made = self.came_back = 0
         idle_since = now - self.horizon
         count = 0
-        stale: list[_Record] = []
+        stale: list[_PyRecord] = []
         for rec in self.records:
             if rec.writer is not None and gone(rec.writer[0]):
                 rec.writer = None
@@ -148,11 +159,15 @@ class _Space:
             self.starts = [r.start for r in self.records]
 
 
-class DepsTracker:
+class _TrackerMethods:
     """Sequentially consistent hazard tracking over byte ranges (RAW, WAR, WAW)."""
 
+    __slots__ = ()
+    #: the class of its spaces (the compiled one goes with the compiled fields)
+    space_type: Any = None
+
     def __init__(self, retired: Callable[[Hashable], bool] | None = None) -> None:
-        self._spaces: dict[str, _Space] = {}
+        self._spaces: dict[str, Any] = {}
         self._retired = retired
         self._order = 0
 
@@ -174,10 +189,79 @@ class DepsTracker:
                      write, found)
         return _in_order(found)
 
+    def add(self, node: Hashable, accesses: Iterable[Access]) -> None:
+        """Record ``node``'s accesses; call after :meth:`depends_on` for the same node."""
+        for (space_name, start, end), write in accesses:
+            if start != end:
+                space = self._space(space_name)
+                self._enter(node, space, space.record(start, end), write)
+
+    def _space(self, name: str) -> _Space:
+        """The space named ``name``, made if new, compacted when due."""
+        space = self._spaces.get(name)
+        if space is None:
+            space = self._spaces[name] = self.space_type()
+        elif space.count + space.scanned >= space.compact_at:
+            self._compact(space)
+        return space
+
+    def _enter(self, node: Hashable, space: Any, rec: Any, write: bool) -> None:
+        """``node`` becomes the writer of ``rec`` (replacing the readers) or one more reader."""
+        self._order += 1
+        rec.last = self._order
+        if write:
+            space.count += 1 - rec.size()
+            rec.writer = (node, self._order)
+            rec.readers = []
+        else:
+            space.count += 1
+            rec.readers.append((node, self._order))
+
+    def _compact(self, space: Any) -> None:
+        """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
+        retired = self._retired
+        if retired is not None:
+            space.keep(retired, self._order)
+        # the next compaction comes after at least as many adds (or records scanned) as this one visited
+        space.scanned = 0
+        space.compact_at = space.count + max(64, len(space.records) + space.count)
+
+    def forget(self, finished: Callable[[Hashable], bool]) -> None:
+        """Drop the entries of nodes for which ``finished(node)`` is true."""
+        for name in list(self._spaces):
+            space = self._spaces[name]
+            space.keep(finished, self._order)
+            if not space.records:
+                del self._spaces[name]
+
+    def clear(self) -> None:
+        self._spaces.clear()
+
+
+def _collect(records: Iterable[_PyRecord], write: bool, found: dict[Hashable, int]) -> None:
+    """Add to ``found`` the nodes an access must follow in ``records``, each at its earliest order."""
+    for rec in records:
+        if rec.writer is not None:
+            node, order = rec.writer
+            if order < found.get(node, order + 1):
+                found[node] = order
+        if write:
+            for node, order in rec.readers:
+                if order < found.get(node, order + 1):
+                    found[node] = order
+
+
+def _in_order(found: dict[Hashable, int]) -> list[Hashable]:
+    return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
+
+
+class _PyTrackerFields:
+    __slots__ = ("_order", "_retired", "_spaces")
+
     def link(self, node: Hashable, accesses: Iterable[Access]) -> list[Hashable]:
         """:meth:`depends_on` then :meth:`add` in one pass over the records: the runtime's path."""
         found: dict[Hashable, int] = {}
-        touched: list[tuple[_Space, _Record, bool]] = []
+        touched: list[tuple[Any, Any, bool]] = []
         spaces = self._spaces
         for (space_name, start, end), write in accesses:  # runs for every op: _collect and _enter
             if start == end:                                # are written out for the common case
@@ -214,67 +298,34 @@ class DepsTracker:
         self._order = order
         return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
 
-    def add(self, node: Hashable, accesses: Iterable[Access]) -> None:
-        """Record ``node``'s accesses; call after :meth:`depends_on` for the same node."""
-        for (space_name, start, end), write in accesses:
-            if start != end:
-                space = self._space(space_name)
-                self._enter(node, space, space.record(start, end), write)
 
-    def _space(self, name: str) -> _Space:
-        """The space named ``name``, made if new, compacted when due."""
-        space = self._spaces.get(name)
-        if space is None:
-            space = self._spaces[name] = _Space()
-        elif space.count + space.scanned >= space.compact_at:
-            self._compact(space)
-        return space
-
-    def _enter(self, node: Hashable, space: _Space, rec: _Record, write: bool) -> None:
-        """``node`` becomes the writer of ``rec`` (replacing the readers) or one more reader."""
-        self._order += 1
-        rec.last = self._order
-        if write:
-            space.count += 1 - rec.size()
-            rec.writer = (node, self._order)
-            rec.readers = []
-        else:
-            space.count += 1
-            rec.readers.append((node, self._order))
-
-    def _compact(self, space: _Space) -> None:
-        """Drop retired nodes: amortized, since the adds in between outnumber what it visits."""
-        retired = self._retired
-        if retired is not None:
-            space.keep(retired, self._order)
-        # the next compaction comes after at least as many adds (or records scanned) as this one visited
-        space.scanned = 0
-        space.compact_at = space.count + max(64, len(space.records) + space.count)
-
-    def forget(self, finished: Callable[[Hashable], bool]) -> None:
-        """Drop the entries of nodes for which ``finished(node)`` is true."""
-        for name in list(self._spaces):
-            space = self._spaces[name]
-            space.keep(finished, self._order)
-            if not space.records:
-                del self._spaces[name]
-
-    def clear(self) -> None:
-        self._spaces.clear()
+class _PySpace(_SpaceMethods, _PySpaceFields):
+    __slots__ = ()
 
 
-def _collect(records: Iterable[_Record], write: bool, found: dict[Hashable, int]) -> None:
-    """Add to ``found`` the nodes an access must follow in ``records``, each at its earliest order."""
-    for rec in records:
-        if rec.writer is not None:
-            node, order = rec.writer
-            if order < found.get(node, order + 1):
-                found[node] = order
-        if write:
-            for node, order in rec.readers:
-                if order < found.get(node, order + 1):
-                    found[node] = order
+class PyDepsTracker(_TrackerMethods, _PyTrackerFields):
+    """:class:`DepsTracker` all in Python: the reference that the compiled one is checked against."""
+
+    space_type = _PySpace
 
 
-def _in_order(found: dict[Hashable, int]) -> list[Hashable]:
-    return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
+_speedups = load_native()
+if _speedups is not None:
+    class _Space(_SpaceMethods, _speedups.SpaceFields):
+        __slots__ = ()
+        record_type = _speedups.Record
+
+        def keep(self, gone: Callable[[Hashable], bool], now: int) -> None:
+            """:meth:`_SpaceMethods.keep`, compiled."""
+            self._keep(gone, now, _MAX_HORIZON)
+
+    class DepsTracker(_TrackerMethods, _speedups.TrackerFields):
+        """Sequentially consistent hazard tracking over byte ranges (RAW, WAR, WAW).
+
+        Its fields and :meth:`link` are compiled (``native/_speedups.c``); the rest is this module's.
+        """
+
+        space_type = _Space
+else:
+    _Space = _PySpace
+    DepsTracker = PyDepsTracker  # type: ignore[misc]

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, region_of
+from ..graph.buffers import accesses as accesses_of
 from ..schedule.waits import Stamp
 
 __all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "in_done_callback",
@@ -314,9 +315,7 @@ def collect_accesses(
         reads = _as_list(reads, "reads=[a, b]")
     if type(writes) is not list and type(writes) is not tuple:
         writes = _as_list(writes, "writes=[c]")
-    accesses = [_new(Access, (region_of(r), False)) for r in reads]
-    if writes:
-        accesses += [_new(Access, (region_of(w), True)) for w in writes]
+    accesses = accesses_of(reads, writes)
     for v in args:
         if type(v) is Marker:
             break

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["Stamp", "StreamClocks", "plan_waits"]
+from ..native import load as load_native
+
+__all__ = ["PyStreamClocks", "Stamp", "StreamClocks", "plan_waits"]
 
 
 class Stamp(NamedTuple):
@@ -34,8 +36,8 @@ class Stamp(NamedTuple):
 _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
-class StreamClocks:
-    """Vector clocks for ``num_streams`` streams."""
+class PyStreamClocks:
+    """Vector clocks for ``num_streams`` streams (the reference for the compiled ones)."""
 
     def __init__(self, num_streams: int) -> None:
         self.num_streams = num_streams
@@ -81,6 +83,18 @@ class StreamClocks:
         known[stream] += 1
         self._known[stream] = known
         return _new(Stamp, (stream, known[stream], tuple(known))), waits
+
+
+_speedups = load_native()
+if _speedups is not None:
+    _speedups.setup_clocks(Stamp)
+
+    class StreamClocks(_speedups.Clocks):
+        """Vector clocks for ``num_streams`` streams: :class:`PyStreamClocks`, compiled."""
+
+        __slots__ = ()
+else:
+    StreamClocks = PyStreamClocks  # type: ignore[misc]
 
 
 def plan_waits(preds: Sequence[Sequence[int]], streams: Sequence[int], num_streams: int

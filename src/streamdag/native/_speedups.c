@@ -1,0 +1,977 @@
+/* The hot path of dependency tracking, compiled: an op's accesses and their link into the tracker.
+ *
+ * Mirrors ``streamdag.graph.hazards`` (records, spaces, ``DepsTracker.link``) and
+ * ``streamdag.graph.buffers`` (the byte range of a contiguous torch tensor) exactly; the Python
+ * code stays the reference, and the tests check the two against each other. The rare paths
+ * (a new range, a compaction, ranges that overlap others) call back into that Python code, which
+ * reads and writes the same fields through the member descriptors below.
+ *
+ * Plain CPython API, no torch headers: a tensor is read through its Python methods.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ module state */
+
+typedef struct {
+    PyTypeObject *record_type;
+    PyTypeObject *space_type;
+    PyTypeObject *tracker_type;
+    /* set by setup(): what the Python side owns */
+    PyObject *handlers;      /* buffers._HANDLERS: type -> region function */
+    PyObject *torch_region;  /* buffers._torch_region */
+    PyObject *region_of;     /* buffers.region_of */
+    PyObject *cuda_spaces;   /* buffers._CUDA_SPACES: device index -> "cuda:N" */
+    PyObject *buffers;       /* the module, for _STRIDED once torch is seen */
+    PyObject *strided;
+    PyTypeObject *region_type;
+    PyTypeObject *access_type;
+    PyObject *cpu;           /* "cpu" */
+} State;
+
+static State state;  /* one interpreter: the module is not meant for subinterpreters */
+
+static PyObject *s_space, *s_overlapping, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
+                *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_STRIDED;
+
+/* ------------------------------------------------------------------ Record */
+
+typedef struct {
+    PyObject_HEAD
+    long long start;
+    long long end;
+    PyObject *writer;   /* (node, order) or None */
+    PyObject *readers;  /* list of (node, order) */
+    char shared;
+    char stale;  /* keep(): to be dropped */
+    long long last;
+} Record;
+
+static int record_init(Record *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"start", "end", NULL};
+    long long start, end;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL", kwlist, &start, &end)) return -1;
+    PyObject *readers = PyList_New(0);
+    if (readers == NULL) return -1;
+    self->start = start;
+    self->end = end;
+    Py_XSETREF(self->writer, Py_NewRef(Py_None));
+    Py_XSETREF(self->readers, readers);
+    self->shared = 0;
+    self->last = 0;
+    return 0;
+}
+
+static int record_traverse(Record *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->writer);
+    Py_VISIT(self->readers);
+    return 0;
+}
+
+static int record_clear(Record *self) {
+    Py_CLEAR(self->writer);
+    Py_CLEAR(self->readers);
+    return 0;
+}
+
+static void record_dealloc(Record *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    record_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *record_size(Record *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t n = self->readers == NULL ? 0 : PyList_GET_SIZE(self->readers);
+    return PyLong_FromSsize_t(n + (self->writer != NULL && self->writer != Py_None));
+}
+
+static PyMemberDef record_members[] = {
+    {"start", T_LONGLONG, offsetof(Record, start), 0, NULL},
+    {"end", T_LONGLONG, offsetof(Record, end), 0, NULL},
+    {"writer", T_OBJECT, offsetof(Record, writer), 0, NULL},
+    {"readers", T_OBJECT_EX, offsetof(Record, readers), 0, NULL},
+    {"shared", T_BOOL, offsetof(Record, shared), 0, NULL},
+    {"last", T_LONGLONG, offsetof(Record, last), 0, NULL},
+    {NULL}
+};
+
+static PyMethodDef record_methods[] = {
+    {"size", (PyCFunction)record_size, METH_NOARGS, "Writers and readers held."},
+    {NULL}
+};
+
+static PyType_Slot record_slots[] = {
+    {Py_tp_doc, "One byte range: its last writer and the readers since, each as (node, order added)."},
+    {Py_tp_init, record_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, record_traverse},
+    {Py_tp_clear, record_clear},
+    {Py_tp_dealloc, record_dealloc},
+    {Py_tp_members, record_members},
+    {Py_tp_methods, record_methods},
+    {0, NULL}
+};
+
+static PyType_Spec record_spec = {
+    "streamdag.native.Record", sizeof(Record), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, record_slots
+};
+
+/* ------------------------------------------------------------------ Space */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *by_range;  /* dict (start, end) -> Record */
+    PyObject *starts;
+    PyObject *records;
+    PyObject *dropped;
+    long long longest, count, scanned, compact_at, horizon, made, came_back;
+} Space;
+
+static int space_traverse(Space *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->by_range);
+    Py_VISIT(self->starts);
+    Py_VISIT(self->records);
+    Py_VISIT(self->dropped);
+    return 0;
+}
+
+static int space_clear(Space *self) {
+    Py_CLEAR(self->by_range);
+    Py_CLEAR(self->starts);
+    Py_CLEAR(self->records);
+    Py_CLEAR(self->dropped);
+    return 0;
+}
+
+static void space_dealloc(Space *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    space_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef space_members[] = {
+    {"by_range", T_OBJECT_EX, offsetof(Space, by_range), 0, NULL},
+    {"starts", T_OBJECT_EX, offsetof(Space, starts), 0, NULL},
+    {"records", T_OBJECT_EX, offsetof(Space, records), 0, NULL},
+    {"dropped", T_OBJECT_EX, offsetof(Space, dropped), 0, NULL},
+    {"longest", T_LONGLONG, offsetof(Space, longest), 0, NULL},
+    {"count", T_LONGLONG, offsetof(Space, count), 0, NULL},
+    {"scanned", T_LONGLONG, offsetof(Space, scanned), 0, NULL},
+    {"compact_at", T_LONGLONG, offsetof(Space, compact_at), 0, NULL},
+    {"horizon", T_LONGLONG, offsetof(Space, horizon), 0, NULL},
+    {"made", T_LONGLONG, offsetof(Space, made), 0, NULL},
+    {"came_back", T_LONGLONG, offsetof(Space, came_back), 0, NULL},
+    {NULL}
+};
+
+
+static PyObject *record_key(Record *rec) {
+    PyObject *start = PyLong_FromLongLong(rec->start), *end = PyLong_FromLongLong(rec->end);
+    PyObject *key = (start && end) ? PyTuple_Pack(2, start, end) : NULL;
+    Py_XDECREF(start);
+    Py_XDECREF(end);
+    return key;
+}
+
+/* whether ``gone(entry[0])`` for an entry (node, order) */
+static int entry_gone(PyObject *gone, PyObject *entry) {
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a record's entries must be (node, order) tuples");
+        return -1;
+    }
+    PyObject *out = PyObject_CallOneArg(gone, PyTuple_GET_ITEM(entry, 0));
+    if (out == NULL) return -1;
+    int truth = PyObject_IsTrue(out);
+    Py_DECREF(out);
+    return truth;
+}
+
+/* _SpaceMethods.keep (hazards.py, the reference): drop the nodes that are gone, and the empty
+ * records idle for ``horizon`` accesses once half are */
+static PyObject *space_keep(Space *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_keep(gone, now, max_horizon)");
+        return NULL;
+    }
+    PyObject *gone = args[0];
+    long long now = PyLong_AsLongLong(args[1]), max_horizon = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (self->records == NULL || !PyList_Check(self->records) || self->by_range == NULL
+            || self->dropped == NULL) {
+        PyErr_SetString(PyExc_TypeError, "a space's records must be a list, with by_range and dropped");
+        return NULL;
+    }
+    if (self->came_back && 4 * self->came_back >= self->made)
+        self->horizon = 2 * self->horizon < max_horizon ? 2 * self->horizon : max_horizon;
+    self->made = self->came_back = 0;
+    long long idle_since = now - self->horizon, count = 0;
+    Py_ssize_t stale = 0;
+    PyObject *records = Py_NewRef(self->records);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
+        PyObject *item = PyList_GET_ITEM(records, i);
+        if (!PyObject_TypeCheck(item, state.record_type)) {
+            PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
+            goto error;
+        }
+        Record *rec = (Record *)Py_NewRef(item);
+        rec->stale = 0;
+        if (rec->writer != NULL && rec->writer != Py_None) {
+            int g = entry_gone(gone, rec->writer);
+            if (g < 0) { Py_DECREF(rec); goto error; }
+            if (g) Py_XSETREF(rec->writer, Py_NewRef(Py_None));
+        }
+        if (rec->readers != NULL && PyList_GET_SIZE(rec->readers)) {
+            PyObject *old = Py_NewRef(rec->readers), *kept = PyList_New(0);
+            if (kept == NULL) { Py_DECREF(old); Py_DECREF(rec); goto error; }
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(old); j++) {
+                PyObject *entry = PyList_GET_ITEM(old, j);
+                int g = entry_gone(gone, entry);
+                if (g < 0 || (!g && PyList_Append(kept, entry) < 0)) {
+                    Py_DECREF(kept); Py_DECREF(old); Py_DECREF(rec); goto error;
+                }
+            }
+            Py_DECREF(old);
+            Py_XSETREF(rec->readers, kept);
+        }
+        long long size = (rec->readers ? PyList_GET_SIZE(rec->readers) : 0)
+                         + (rec->writer != NULL && rec->writer != Py_None);
+        count += size;
+        if (!size && rec->last < idle_since) {
+            rec->stale = 1;
+            stale++;
+        }
+        Py_DECREF(rec);
+    }
+    self->count = count;
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    if (stale && 2 * stale >= n) {
+        PyObject *kept = PyList_New(0), *starts = PyList_New(0);
+        if (kept == NULL || starts == NULL) { Py_XDECREF(kept); Py_XDECREF(starts); goto error; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Record *rec = (Record *)PyList_GET_ITEM(records, i);
+            if (!rec->stale) {
+                PyObject *start = PyLong_FromLongLong(rec->start);
+                if (start == NULL || PyList_Append(kept, (PyObject *)rec) < 0 || PyList_Append(starts, start) < 0) {
+                    Py_XDECREF(start); Py_DECREF(kept); Py_DECREF(starts); goto error;
+                }
+                Py_DECREF(start);
+                continue;
+            }
+            PyObject *key = record_key(rec);
+            if (key == NULL || PyDict_DelItem(self->by_range, key) < 0
+                    || PyDict_SetItem(self->dropped, key, Py_None) < 0) {
+                Py_XDECREF(key); Py_DECREF(kept); Py_DECREF(starts); goto error;
+            }
+            Py_DECREF(key);
+        }
+        Py_ssize_t excess = PyDict_GET_SIZE(self->dropped) - (Py_ssize_t)max_horizon;
+        if (excess > 0) {  /* forget the oldest dropped ranges */
+            PyObject *oldest = PyList_New(0), *key, *value;
+            Py_ssize_t pos = 0;
+            if (oldest == NULL) { Py_DECREF(kept); Py_DECREF(starts); goto error; }
+            while (PyList_GET_SIZE(oldest) < excess && PyDict_Next(self->dropped, &pos, &key, &value))
+                if (PyList_Append(oldest, key) < 0) { Py_DECREF(oldest); Py_DECREF(kept); Py_DECREF(starts); goto error; }
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(oldest); i++)
+                if (PyDict_DelItem(self->dropped, PyList_GET_ITEM(oldest, i)) < 0) {
+                    Py_DECREF(oldest); Py_DECREF(kept); Py_DECREF(starts); goto error;
+                }
+            Py_DECREF(oldest);
+        }
+        Py_XSETREF(self->records, kept);
+        Py_XSETREF(self->starts, starts);
+    }
+    Py_DECREF(records);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(records);
+    return NULL;
+}
+
+static PyMethodDef space_methods[] = {
+    {"_keep", (PyCFunction)(void (*)(void))space_keep, METH_FASTCALL,
+     "_keep(gone, now, max_horizon): the compiled keep()."},
+    {NULL}
+};
+
+static PyType_Slot space_slots[] = {
+    {Py_tp_doc, "The fields of one address space's records (the methods are Python's)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, space_traverse},
+    {Py_tp_clear, space_clear},
+    {Py_tp_dealloc, space_dealloc},
+    {Py_tp_members, space_members},
+    {Py_tp_methods, space_methods},
+    {0, NULL}
+};
+
+static PyType_Spec space_spec = {
+    "streamdag.native.SpaceFields", sizeof(Space), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, space_slots
+};
+
+/* ------------------------------------------------------------------ Tracker */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *spaces;   /* dict name -> Space */
+    PyObject *retired;
+    long long order;
+} Tracker;
+
+static int tracker_traverse(Tracker *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->spaces);
+    Py_VISIT(self->retired);
+    return 0;
+}
+
+static int tracker_clear(Tracker *self) {
+    Py_CLEAR(self->spaces);
+    Py_CLEAR(self->retired);
+    return 0;
+}
+
+static void tracker_dealloc(Tracker *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    tracker_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* found[node] = min(found.get(node), order) */
+static int note(PyObject *found, PyObject *node, PyObject *order_obj) {
+    PyObject *had = PyDict_GetItemWithError(found, node);
+    if (had == NULL) {
+        if (PyErr_Occurred()) return -1;
+        return PyDict_SetItem(found, node, order_obj);
+    }
+    long long order = PyLong_AsLongLong(order_obj), old = PyLong_AsLongLong(had);
+    if ((order == -1 || old == -1) && PyErr_Occurred()) return -1;
+    return order < old ? PyDict_SetItem(found, node, order_obj) : 0;
+}
+
+static int collect_record(Record *rec, int write, PyObject *found) {
+    PyObject *w = rec->writer;
+    if (w != NULL && w != Py_None) {
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a record's writer must be a (node, order) tuple");
+            return -1;
+        }
+        if (note(found, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1)) < 0) return -1;
+    }
+    if (write && rec->readers != NULL) {
+        PyObject *readers = rec->readers;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); i++) {
+            PyObject *r = PyList_GET_ITEM(readers, i);
+            if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+                PyErr_SetString(PyExc_TypeError, "a record's reader must be a (node, order) tuple");
+                return -1;
+            }
+            if (note(found, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+typedef struct { PyObject *node; long long order; } Found;
+
+static int by_order(const void *a, const void *b) {
+    long long x = ((const Found *)a)->order, y = ((const Found *)b)->order;
+    return (x > y) - (x < y);
+}
+
+/* the nodes of ``found`` by their earliest order */
+static PyObject *in_order(PyObject *found) {
+    Py_ssize_t n = PyDict_GET_SIZE(found);
+    if (n < 2) return PyDict_Keys(found);
+    Found *items = PyMem_Malloc(n * sizeof(Found));
+    if (items == NULL) return PyErr_NoMemory();
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(found, &pos, &key, &value)) {
+        items[i].node = key;
+        items[i].order = PyLong_AsLongLong(value);
+        i++;
+    }
+    if (PyErr_Occurred()) { PyMem_Free(items); return NULL; }
+    qsort(items, n, sizeof(Found), by_order);
+    PyObject *out = PyList_New(n);
+    if (out != NULL)
+        for (i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(items[i].node));
+    PyMem_Free(items);
+    return out;
+}
+
+typedef struct { Space *space; Record *rec; int write; } Touched;
+
+/* DepsTracker.link: depends_on then add in one pass (see hazards.py, the reference) */
+static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "link(node, accesses)");
+        return NULL;
+    }
+    PyObject *node = args[0];
+    PyObject *seq = PySequence_Fast(args[1], "link() needs a sequence of accesses");
+    if (seq == NULL) return NULL;
+    if (self->spaces == NULL || !PyDict_Check(self->spaces)) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_TypeError, "the tracker's _spaces must be a dict");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), used = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Touched *touched = n ? PyMem_Malloc(n * sizeof(Touched)) : NULL;
+    PyObject *found = PyDict_New();
+    PyObject *result = NULL;
+    if ((n && touched == NULL) || found == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *acc = items[i];
+        if (!PyTuple_Check(acc) || PyTuple_GET_SIZE(acc) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(acc, 0))
+                || PyTuple_GET_SIZE(PyTuple_GET_ITEM(acc, 0)) != 3) {
+            PyErr_SetString(PyExc_TypeError, "an access is ((space, start, end), write)");
+            goto done;
+        }
+        PyObject *region = PyTuple_GET_ITEM(acc, 0);
+        int write = PyObject_IsTrue(PyTuple_GET_ITEM(acc, 1));
+        if (write < 0) goto done;
+        PyObject *name = PyTuple_GET_ITEM(region, 0);
+        PyObject *start_o = PyTuple_GET_ITEM(region, 1), *end_o = PyTuple_GET_ITEM(region, 2);
+        long long start = PyLong_AsLongLong(start_o), end = PyLong_AsLongLong(end_o);
+        if ((start == -1 || end == -1) && PyErr_Occurred()) goto done;
+        if (start == end) continue;
+        PyObject *space = PyDict_GetItemWithError(self->spaces, name);  /* borrowed */
+        if (space == NULL && PyErr_Occurred()) goto done;
+        if (space != NULL && !PyObject_TypeCheck(space, state.space_type)) {
+            PyErr_SetString(PyExc_TypeError, "a tracker's spaces must be its own");
+            goto done;
+        }
+        if (space == NULL || ((Space *)space)->count + ((Space *)space)->scanned >= ((Space *)space)->compact_at) {
+            space = PyObject_CallMethodOneArg((PyObject *)self, s_space, name);  /* made or compacted */
+            if (space == NULL) goto done;
+            if (!PyObject_TypeCheck(space, state.space_type)) {
+                Py_DECREF(space);
+                PyErr_SetString(PyExc_TypeError, "_space() must return a space of this module's type");
+                goto done;
+            }
+        } else {
+            Py_INCREF(space);
+        }
+        Space *sp = (Space *)space;
+        PyObject *key = PyTuple_Pack(2, start_o, end_o);
+        if (key == NULL || sp->by_range == NULL) {
+            Py_XDECREF(key);
+            Py_DECREF(space);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "by_range");
+            goto done;
+        }
+        PyObject *rec = PyDict_GetItemWithError(sp->by_range, key);
+        Py_DECREF(key);
+        if (rec != NULL) {
+            Py_INCREF(rec);
+        } else {
+            if (PyErr_Occurred()) { Py_DECREF(space); goto done; }
+            rec = PyObject_CallMethodObjArgs(space, s_record, start_o, end_o, NULL);
+            if (rec == NULL) { Py_DECREF(space); goto done; }
+        }
+        if (!PyObject_TypeCheck(rec, state.record_type)) {
+            Py_DECREF(rec);
+            Py_DECREF(space);
+            PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
+            goto done;
+        }
+        touched[used].space = sp;  /* the references are the entry's now */
+        touched[used].rec = (Record *)rec;
+        touched[used].write = write;
+        used++;
+        if (((Record *)rec)->shared) {
+            PyObject *near = PyObject_CallMethodObjArgs(space, s_overlapping, start_o, end_o, NULL);
+            if (near == NULL) goto done;
+            PyObject *near_seq = PySequence_Fast(near, "overlapping() must return a list");
+            Py_DECREF(near);
+            if (near_seq == NULL) goto done;
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(near_seq);
+            sp->scanned += m;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                PyObject *other = PySequence_Fast_GET_ITEM(near_seq, j);
+                if (!PyObject_TypeCheck(other, state.record_type)) {
+                    PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
+                    Py_DECREF(near_seq);
+                    goto done;
+                }
+                if (collect_record((Record *)other, write, found) < 0) { Py_DECREF(near_seq); goto done; }
+            }
+            Py_DECREF(near_seq);
+            continue;
+        }
+        if (collect_record((Record *)rec, write, found) < 0) goto done;
+    }
+    /* after the look-ups: an op never depends on itself */
+    long long order = self->order;
+    for (Py_ssize_t i = 0; i < used; i++) {
+        Record *rec = touched[i].rec;
+        Space *sp = touched[i].space;
+        order++;
+        rec->last = order;
+        PyObject *order_obj = PyLong_FromLongLong(order);
+        if (order_obj == NULL) goto done;
+        PyObject *entry = PyTuple_Pack(2, node, order_obj);
+        Py_DECREF(order_obj);
+        if (entry == NULL) goto done;
+        if (touched[i].write) {
+            PyObject *fresh = PyList_New(0);
+            if (fresh == NULL) { Py_DECREF(entry); goto done; }
+            Py_ssize_t had = (rec->readers ? PyList_GET_SIZE(rec->readers) : 0)
+                             + (rec->writer != NULL && rec->writer != Py_None);
+            sp->count += 1 - had;
+            Py_XSETREF(rec->writer, entry);
+            Py_XSETREF(rec->readers, fresh);
+        } else {
+            if (rec->readers == NULL) {
+                rec->readers = PyList_New(0);
+                if (rec->readers == NULL) { Py_DECREF(entry); goto done; }
+            }
+            int failed = PyList_Append(rec->readers, entry);
+            Py_DECREF(entry);
+            if (failed) goto done;
+            sp->count += 1;
+        }
+        self->order = order;
+    }
+    result = in_order(found);
+done:
+    for (Py_ssize_t i = 0; i < used; i++) {
+        Py_DECREF(touched[i].rec);
+        Py_DECREF(touched[i].space);
+    }
+    PyMem_Free(touched);
+    Py_XDECREF(found);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyMemberDef tracker_members[] = {
+    {"_spaces", T_OBJECT_EX, offsetof(Tracker, spaces), 0, NULL},
+    {"_retired", T_OBJECT, offsetof(Tracker, retired), 0, NULL},
+    {"_order", T_LONGLONG, offsetof(Tracker, order), 0, NULL},
+    {NULL}
+};
+
+static PyMethodDef tracker_methods[] = {
+    {"link", (PyCFunction)(void (*)(void))tracker_link, METH_FASTCALL,
+     "depends_on then add in one pass over the records: the runtime's path."},
+    {NULL}
+};
+
+static PyType_Slot tracker_slots[] = {
+    {Py_tp_doc, "The fields of a DepsTracker, and its link (the other methods are Python's)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, tracker_traverse},
+    {Py_tp_clear, tracker_clear},
+    {Py_tp_dealloc, tracker_dealloc},
+    {Py_tp_members, tracker_members},
+    {Py_tp_methods, tracker_methods},
+    {0, NULL}
+};
+
+static PyType_Spec tracker_spec = {
+    "streamdag.native.TrackerFields", sizeof(Tracker), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, tracker_slots
+};
+
+/* ------------------------------------------------------------------ accesses */
+
+static PyObject *new_tuple_of(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c) {
+    Py_ssize_t n = c == NULL ? 2 : 3;
+    PyObject *t = type->tp_alloc(type, n);  /* a named tuple, as tuple.__new__(type, ...) makes it */
+    if (t == NULL) return NULL;
+    PyTuple_SET_ITEM(t, 0, Py_NewRef(a));
+    PyTuple_SET_ITEM(t, 1, Py_NewRef(b));
+    if (c != NULL) PyTuple_SET_ITEM(t, 2, Py_NewRef(c));
+    return t;
+}
+
+static PyObject *call0(PyObject *obj, PyObject *name) {
+    return PyObject_CallMethodNoArgs(obj, name);
+}
+
+/* buffers._torch_region for the common case (a contiguous strided tensor on the CPU or a known GPU);
+ * anything else goes to the Python function, which also raises the errors */
+static PyObject *torch_region(PyObject *t) {
+    PyObject *space = NULL, *flag = PyObject_GetAttr(t, s_is_cuda);
+    if (flag == NULL) return NULL;
+    if (flag == Py_True) {
+        PyObject *index = call0(t, s_get_device);
+        if (index == NULL) { Py_DECREF(flag); return NULL; }
+        space = PyDict_GetItemWithError(state.cuda_spaces, index);  /* borrowed */
+        Py_DECREF(index);
+        if (space == NULL) { Py_DECREF(flag); goto python; }
+    } else {
+        PyObject *cpu = PyObject_GetAttr(t, s_is_cpu);
+        if (cpu == NULL) { Py_DECREF(flag); return NULL; }
+        int is_cpu = cpu == Py_True;
+        Py_DECREF(cpu);
+        if (!is_cpu) { Py_DECREF(flag); goto python; }
+        space = state.cpu;
+    }
+    Py_DECREF(flag);
+    if (state.strided == NULL) {
+        state.strided = PyObject_GetAttr(state.buffers, s_STRIDED);
+        if (state.strided == NULL) return NULL;
+    }
+    PyObject *layout = PyObject_GetAttr(t, s_layout);
+    if (layout == NULL) return NULL;
+    Py_DECREF(layout);  /* compared by identity, as the Python code does */
+    if (layout != state.strided) goto python;
+    PyObject *contiguous = call0(t, s_is_contiguous);
+    if (contiguous == NULL) return NULL;
+    Py_DECREF(contiguous);
+    if (contiguous != Py_True) goto python;
+    PyObject *start = call0(t, s_data_ptr);
+    if (start == NULL) return NULL;
+    PyObject *nbytes = PyObject_GetAttr(t, s_nbytes);
+    if (nbytes == NULL) { Py_DECREF(start); return NULL; }
+    PyObject *end = PyNumber_Add(start, nbytes);
+    Py_DECREF(nbytes);
+    if (end == NULL) { Py_DECREF(start); return NULL; }
+    PyObject *region = new_tuple_of(state.region_type, space, start, end);
+    Py_DECREF(start);
+    Py_DECREF(end);
+    return region;
+python:
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_CallOneArg(state.torch_region, t);
+}
+
+static PyObject *region_of(PyObject *value) {
+    PyObject *handler = PyDict_GetItemWithError(state.handlers, (PyObject *)Py_TYPE(value));
+    if (handler == state.torch_region) return torch_region(value);
+    if (handler == NULL && PyErr_Occurred()) return NULL;
+    return PyObject_CallOneArg(state.region_of, value);
+}
+
+static int add_accesses(PyObject *out, PyObject *values, PyObject *write) {
+    PyObject *seq = PySequence_Fast(values, "reads= and writes= take lists of buffers");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *region = region_of(PySequence_Fast_GET_ITEM(seq, i));
+        if (region == NULL) { Py_DECREF(seq); return -1; }
+        PyObject *access = new_tuple_of(state.access_type, region, write, NULL);
+        Py_DECREF(region);
+        if (access == NULL || PyList_Append(out, access) < 0) {
+            Py_XDECREF(access);
+            Py_DECREF(seq);
+            return -1;
+        }
+        Py_DECREF(access);
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "accesses(reads, writes)");
+        return NULL;
+    }
+    if (state.handlers == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup() was not called");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    if (add_accesses(out, args[0], Py_False) < 0 || add_accesses(out, args[1], Py_True) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *setup(PyObject *module, PyObject *args) {
+    PyObject *buffers, *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type;
+    if (!PyArg_ParseTuple(args, "OO!OOO!O!O!", &buffers, &PyDict_Type, &handlers, &torch_region_fn,
+                          &region_of_fn, &PyDict_Type, &cuda_spaces, &PyType_Type, &region_type,
+                          &PyType_Type, &access_type))
+        return NULL;
+    Py_XSETREF(state.buffers, Py_NewRef(buffers));
+    Py_XSETREF(state.handlers, Py_NewRef(handlers));
+    Py_XSETREF(state.torch_region, Py_NewRef(torch_region_fn));
+    Py_XSETREF(state.region_of, Py_NewRef(region_of_fn));
+    Py_XSETREF(state.cuda_spaces, Py_NewRef(cuda_spaces));
+    Py_XSETREF(state.region_type, (PyTypeObject *)Py_NewRef(region_type));
+    Py_XSETREF(state.access_type, (PyTypeObject *)Py_NewRef(access_type));
+    Py_RETURN_NONE;
+}
+
+
+/* ------------------------------------------------------------------ Clocks */
+
+/* schedule/waits.py's StreamClocks (the reference): a vector clock per stream */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;
+    long long *known;  /* n rows of n: row s is what stream s has waited for */
+} Clocks;
+
+static PyTypeObject *stamp_type;  /* schedule.waits.Stamp, from setup_clocks() */
+
+static int clocks_init(Clocks *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"num_streams", NULL};
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &n)) return -1;
+    if (n < 1 || n > 1 << 15) {
+        PyErr_SetString(PyExc_ValueError, "num_streams must be between 1 and 32768");
+        return -1;
+    }
+    long long *known = PyMem_Calloc((size_t)(n * n), sizeof(long long));
+    if (known == NULL) { PyErr_NoMemory(); return -1; }
+    PyMem_Free(self->known);
+    self->known = known;
+    self->n = n;
+    return 0;
+}
+
+static void clocks_dealloc(Clocks *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyMem_Free(self->known);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int stream_arg(Clocks *self, PyObject *obj, Py_ssize_t *out) {
+    Py_ssize_t s = PyLong_AsSsize_t(obj);
+    if (s == -1 && PyErr_Occurred()) return -1;
+    if (self->known == NULL || s < 0 || s >= self->n) {
+        PyErr_Format(PyExc_IndexError, "stream %zd out of range (0..%zd)", s, self->n - 1);
+        return -1;
+    }
+    *out = s;
+    return 0;
+}
+
+typedef struct { Py_ssize_t stream; long long pos; long long sum; PyObject *clock; } Dep;
+
+static int read_stamp(Clocks *self, PyObject *stamp, Dep *d) {
+    if (!PyTuple_Check(stamp) || PyTuple_GET_SIZE(stamp) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(stamp, 2))
+            || PyTuple_GET_SIZE(PyTuple_GET_ITEM(stamp, 2)) != self->n) {
+        PyErr_SetString(PyExc_TypeError, "a stamp is (stream, pos, clock) with one entry per stream");
+        return -1;
+    }
+    if (stream_arg(self, PyTuple_GET_ITEM(stamp, 0), &d->stream) < 0) return -1;
+    d->pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
+    d->clock = PyTuple_GET_ITEM(stamp, 2);
+    d->sum = 0;
+    for (Py_ssize_t k = 0; k < self->n; k++) d->sum += PyLong_AsLongLong(PyTuple_GET_ITEM(d->clock, k));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static void max_into(long long *into, PyObject *clock, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(clock, k));  /* checked by read_stamp */
+        if (v > into[k]) into[k] = v;
+    }
+}
+
+static PyObject *clocks_tail(Clocks *self, PyObject *arg) {
+    Py_ssize_t s;
+    if (stream_arg(self, arg, &s) < 0) return NULL;
+    return PyLong_FromLongLong(self->known[s * self->n + s]);
+}
+
+static PyObject *clocks_implied(Clocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t s;
+    Dep d;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "implied(stream, dep)"); return NULL; }
+    if (stream_arg(self, args[0], &s) < 0 || read_stamp(self, args[1], &d) < 0) return NULL;
+    return PyBool_FromLong(self->known[s * self->n + d.stream] >= d.pos);
+}
+
+/* order of visit: dependencies that know most first, ties in their given order */
+static int by_sum(const void *a, const void *b) {
+    const Dep *x = *(Dep *const *)a, *y = *(Dep *const *)b;
+    if (x->sum != y->sum) return x->sum > y->sum ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t s, n = self->n;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "place(stream, deps)"); return NULL; }
+    if (stream_arg(self, args[0], &s) < 0) return NULL;
+    if (stamp_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "setup_clocks() was not called"); return NULL; }
+    PyObject *seq = PySequence_Fast(args[1], "place() needs a list of stamps");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject *result = NULL, *waits = PyList_New(0), *clock = NULL;
+    Dep *deps = PyMem_Malloc((m ? m : 1) * sizeof(Dep));
+    Dep **order = PyMem_Malloc((m ? m : 1) * sizeof(Dep *));
+    Py_ssize_t *chosen = PyMem_Malloc((m ? m : 1) * sizeof(Py_ssize_t));
+    long long *known = PyMem_Malloc(2 * n * sizeof(long long)), *others = known + n;
+    long long *base = self->known + s * n;
+    Py_ssize_t nw = 0;
+    if (waits == NULL || deps == NULL || order == NULL || chosen == NULL || known == NULL) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (read_stamp(self, PySequence_Fast_GET_ITEM(seq, i), &deps[i]) < 0) goto done;
+        order[i] = &deps[i];
+    }
+    memcpy(known, base, n * sizeof(long long));
+    if (m > 1) qsort(order, m, sizeof(Dep *), by_sum);
+    for (Py_ssize_t k = 0; k < m; k++) {
+        Dep *d = order[k];
+        if (known[d->stream] < d->pos) {
+            chosen[nw++] = d - deps;
+            max_into(known, d->clock, n);
+        }
+    }
+    if (nw > 1) {  /* a later wait may imply an earlier one: drop those (in the order chosen) */
+        Py_ssize_t total = nw;
+        Py_ssize_t *snapshot = PyMem_Malloc(total * sizeof(Py_ssize_t));
+        if (snapshot == NULL) { PyErr_NoMemory(); goto done; }
+        memcpy(snapshot, chosen, total * sizeof(Py_ssize_t));
+        for (Py_ssize_t a = 0; a < total; a++) {
+            Py_ssize_t i = snapshot[a];
+            memcpy(others, base, n * sizeof(long long));
+            for (Py_ssize_t b = 0; b < nw; b++)
+                if (chosen[b] != i) max_into(others, deps[chosen[b]].clock, n);
+            if (others[deps[i].stream] >= deps[i].pos) {  /* remove i from chosen */
+                Py_ssize_t w = 0;
+                for (Py_ssize_t b = 0; b < nw; b++)
+                    if (chosen[b] != i) chosen[w++] = chosen[b];
+                nw = w;
+            }
+        }
+        PyMem_Free(snapshot);
+    }
+    for (Py_ssize_t k = 0; k < nw; k++) {
+        PyObject *index = PyLong_FromSsize_t(chosen[k]);
+        if (index == NULL || PyList_Append(waits, index) < 0) { Py_XDECREF(index); goto done; }
+        Py_DECREF(index);
+    }
+    known[s] += 1;
+    memcpy(base, known, n * sizeof(long long));
+    clock = PyTuple_New(n);
+    if (clock == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyLong_FromLongLong(known[k]);
+        if (v == NULL) goto done;
+        PyTuple_SET_ITEM(clock, k, v);
+    }
+    PyObject *stream_obj = PyLong_FromSsize_t(s), *pos = PyLong_FromLongLong(known[s]);
+    PyObject *stamp = (stream_obj && pos) ? new_tuple_of(stamp_type, stream_obj, pos, clock) : NULL;
+    Py_XDECREF(stream_obj);
+    Py_XDECREF(pos);
+    if (stamp != NULL) {
+        result = PyTuple_Pack(2, stamp, waits);
+        Py_DECREF(stamp);
+    }
+done:
+    Py_XDECREF(clock);
+    Py_XDECREF(waits);
+    PyMem_Free(deps);
+    PyMem_Free(order);
+    PyMem_Free(chosen);
+    PyMem_Free(known);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *clocks_num_streams(Clocks *self, void *closure) {
+    return PyLong_FromSsize_t(self->n);
+}
+
+static PyGetSetDef clocks_getset[] = {
+    {"num_streams", (getter)clocks_num_streams, NULL, NULL, NULL},
+    {NULL}
+};
+
+static PyMethodDef clocks_methods[] = {
+    {"tail", (PyCFunction)clocks_tail, METH_O, "Position of the last op placed on the stream (0 when none)."},
+    {"implied", (PyCFunction)(void (*)(void))clocks_implied, METH_FASTCALL, NULL},
+    {"place", (PyCFunction)(void (*)(void))clocks_place, METH_FASTCALL,
+     "place(stream, deps) -> (stamp, indices of deps to wait on)"},
+    {NULL}
+};
+
+static PyType_Slot clocks_slots[] = {
+    {Py_tp_doc, "Vector clocks for num_streams streams (compiled StreamClocks)."},
+    {Py_tp_init, clocks_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, clocks_dealloc},
+    {Py_tp_methods, clocks_methods},
+    {Py_tp_getset, clocks_getset},
+    {0, NULL}
+};
+
+static PyType_Spec clocks_spec = {
+    "streamdag.native.Clocks", sizeof(Clocks), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, clocks_slots
+};
+
+static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
+    if (!PyType_Check(arg) || !PyType_IsSubtype((PyTypeObject *)arg, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_clocks(Stamp) takes the Stamp named tuple");
+        return NULL;
+    }
+    Py_XSETREF(stamp_type, (PyTypeObject *)Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"accesses", (PyCFunction)(void (*)(void))accesses, METH_FASTCALL,
+     "accesses(reads, writes): the Access of every buffer, reads first (buffers.region_of each)."},
+    {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
+    {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
+    {NULL}
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_streamdag_speedups", "streamdag's compiled hot path.", -1, module_methods
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
+    INTERN(s_space, "_space");
+    INTERN(s_overlapping, "overlapping");
+    INTERN(s_record, "record");
+    INTERN(s_is_cuda, "is_cuda");
+    INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_get_device, "get_device");
+    INTERN(s_layout, "layout");
+    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_is_contiguous, "is_contiguous");
+    INTERN(s_nbytes, "nbytes");
+    INTERN(s_STRIDED, "_STRIDED");
+    if ((state.cpu = PyUnicode_InternFromString("cpu")) == NULL) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    state.record_type = (PyTypeObject *)PyType_FromSpec(&record_spec);
+    state.space_type = (PyTypeObject *)PyType_FromSpec(&space_spec);
+    state.tracker_type = (PyTypeObject *)PyType_FromSpec(&tracker_spec);
+    PyObject *clocks_type = PyType_FromSpec(&clocks_spec);
+    if (clocks_type == NULL || PyModule_AddObject(m, "Clocks", clocks_type) < 0) {
+        Py_XDECREF(clocks_type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (state.record_type == NULL || state.space_type == NULL || state.tracker_type == NULL
+            || PyModule_AddObjectRef(m, "Record", (PyObject *)state.record_type) < 0
+            || PyModule_AddObjectRef(m, "SpaceFields", (PyObject *)state.space_type) < 0
+            || PyModule_AddObjectRef(m, "TrackerFields", (PyObject *)state.tracker_type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,181 @@
+"""The compiled hot path (``native/_speedups.c``) against its Python reference, step by step.
+
+The tracker, the stream clocks and the accesses of tensors each have a
+Python implementation that the compiled one must match exactly: same
+dependencies in the same order, same records kept and dropped, same stamps
+and waits, same regions and errors.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamdag import native
+from streamdag.graph import Access, Region, buffers, hazards
+from streamdag.schedule import waits
+
+compiled = pytest.mark.skipif(native.load() is None, reason=f"no compiled hot path: {native.status()}")
+
+
+def test_the_runtime_uses_the_compiled_hot_path_where_it_builds():
+    if os.environ.get("CI"):  # CI machines have a compiler: the compiled path must be what runs there
+        assert native.load() is not None, native.status()
+    if native.load() is None:
+        assert hazards.DepsTracker is hazards.PyDepsTracker
+        assert waits.StreamClocks is waits.PyStreamClocks
+    else:
+        assert issubclass(hazards.DepsTracker, native.load().TrackerFields)
+        assert issubclass(waits.StreamClocks, native.load().Clocks)
+        assert buffers.accesses is native.load().accesses
+    assert native.status()
+
+
+accesses = st.tuples(
+    st.sampled_from(["cpu", "cuda:0"]),
+    st.integers(0, 12),  # start (in units of 8 bytes): few, so that ranges meet and overlap often
+    st.integers(0, 4),  # length: 0 is an empty range, skipped
+    st.booleans(),  # write
+)
+steps = st.lists(
+    st.tuples(st.lists(accesses, max_size=4), st.booleans(), st.integers(0, 7)),  # accesses, forget, finish
+    min_size=1, max_size=120,
+)
+
+
+@compiled
+@settings(max_examples=600, deadline=None)
+@given(steps)
+def test_the_compiled_tracker_links_as_the_python_one(program):
+    done: set = set()
+    trackers = [cls(retired=done.__contains__) for cls in (hazards.DepsTracker, hazards.PyDepsTracker)]
+    for i, (accs, forget, finish_back) in enumerate(program):
+        node = ("op", i)  # a tuple: nodes are told apart by equality, as in a dict, not by identity
+        acc = [Access(Region(space, 8 * start, 8 * (start + length)), write)
+               for space, start, length, write in accs]
+        assert trackers[0].depends_on(acc) == trackers[1].depends_on(acc)
+        assert trackers[0].link(node, acc) == trackers[1].link(node, acc)
+        if finish_back and i >= finish_back:
+            done.add(("op", i - finish_back))  # ops finish out of order, as on several streams
+        if forget:
+            for t in trackers:
+                t.forget(done.__contains__)
+        assert len(trackers[0]) == len(trackers[1])
+        for name, space in trackers[1]._spaces.items():
+            other = trackers[0]._spaces[name]
+            assert [(r.start, r.end, r.writer, r.readers, r.shared, r.last) for r in other.records] == [
+                (r.start, r.end, r.writer, r.readers, r.shared, r.last) for r in space.records]
+            assert (other.count, other.compact_at, other.horizon, other.scanned) == (
+                space.count, space.compact_at, space.horizon, space.scanned)
+            assert list(other.dropped) == list(space.dropped)
+
+
+@compiled
+def test_the_compiled_tracker_compacts_as_the_python_one_over_many_ranges():
+    """Thousands of fresh ranges, some recurring: the horizon grows and dropped ranges are forgotten
+    in the same way (the paths a short random program seldom reaches)."""
+    done: set = set()
+    trackers = [cls(retired=done.__contains__) for cls in (hazards.DepsTracker, hazards.PyDepsTracker)]
+    rng = np.random.default_rng(0)
+    for i in range(40000):
+        start = 64 * int(rng.integers(0, 300)) if i % 3 == 0 else 64 * (1000 + i)
+        acc = [Access(Region("cpu", start, start + 8), bool(i % 2))]
+        assert trackers[0].link(i, acc) == trackers[1].link(i, acc)
+        done.add(i - 3)
+        assert len(trackers[0]._spaces["cpu"].dropped) <= hazards._MAX_HORIZON  # the oldest are forgotten
+    spaces = [t._spaces["cpu"] for t in trackers]
+    assert [(r.start, r.end) for r in spaces[0].records] == [(r.start, r.end) for r in spaces[1].records]
+    assert list(spaces[0].dropped) == list(spaces[1].dropped)
+    assert spaces[0].horizon == spaces[1].horizon > hazards._FIRST_HORIZON
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 200), max_size=5)),
+                                   min_size=1, max_size=60))
+def test_the_compiled_clocks_place_as_the_python_ones(num_streams, program):
+    clocks = [waits.StreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
+    stamps: list = []
+    for stream, picks in program:
+        stream %= num_streams
+        deps = [stamps[p % len(stamps)] for p in picks] if stamps else []
+        got, want = (c.place(stream, deps) for c in clocks)
+        assert got == want
+        assert type(got[0]) is waits.Stamp
+        assert clocks[0].tail(stream) == clocks[1].tail(stream)
+        for d in deps:
+            assert clocks[0].implied(stream, d) == clocks[1].implied(stream, d)
+        stamps.append(got[0])
+    assert clocks[0].num_streams == num_streams
+
+
+@st.composite
+def any_stamps(draw, num_streams):
+    """Stamps no run of clocks would make (a clock need not know what its op waited for): they
+    reach the pass that drops a wait implied by the others."""
+    stream = draw(st.integers(0, num_streams - 1))
+    clock = draw(st.lists(st.integers(0, 4), min_size=num_streams, max_size=num_streams))
+    clock[stream] = max(1, clock[stream])
+    return waits.Stamp(stream, clock[stream], tuple(clock))
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 4))
+def test_the_compiled_clocks_drop_the_same_implied_waits(data, num_streams):
+    clocks = [waits.StreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
+    for _ in range(data.draw(st.integers(1, 8))):
+        stream = data.draw(st.integers(0, num_streams - 1))
+        deps = data.draw(st.lists(any_stamps(num_streams), max_size=5))
+        got, want = (c.place(stream, deps) for c in clocks)
+        assert got == want
+
+
+def test_a_wait_implied_by_a_later_one_is_dropped():
+    clocks = waits.StreamClocks(4)
+    first = waits.Stamp(0, 1, (1, 0, 0, 9))  # knows most, so visited first
+    second = waits.Stamp(1, 1, (1, 1, 0, 0))  # also knows stream 0's first op: implies ``first``
+    assert clocks.place(2, [first, second])[1] == [1]
+
+
+def test_clocks_refuse_a_stream_out_of_range():
+    with pytest.raises(IndexError):
+        waits.StreamClocks(2).place(2, [])
+
+
+torch = pytest.importorskip("torch")
+
+
+def _tensors():
+    base = torch.arange(64, dtype=torch.float32)
+    return [
+        base, base[3:17], base[::3], base.view(8, 8).t(), base[5:5], torch.zeros(0, 4),
+        torch.zeros(3, 4, dtype=torch.float64)[:, 1], torch.nn.Parameter(torch.ones(4)),
+        np.arange(10), np.arange(12).reshape(3, 4)[:, ::2], torch.tensor(3.0),
+    ]
+
+
+def test_accesses_of_tensors_and_arrays_equal_the_python_ones():
+    values = _tensors()
+    got = buffers.accesses(values[:6], values[6:])
+    assert got == buffers._py_accesses(values[:6], values[6:])
+    assert [type(a) for a in got] == [Access] * len(values)
+    assert all(type(a.region) is Region for a in got)
+    assert [a.write for a in got] == [False] * 6 + [True] * 5
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4).to_sparse(), [1, 2], "text"])
+def test_accesses_of_what_is_not_memory_raise_the_same_clear_error(bad):
+    with pytest.raises(sd_invalid()) as compiled_error:
+        buffers.accesses([bad], [])
+    with pytest.raises(sd_invalid()) as python_error:
+        buffers._py_accesses([bad], [])
+    assert str(compiled_error.value) == str(python_error.value)
+
+
+def sd_invalid():
+    from streamdag import InvalidBuffer
+
+    return InvalidBuffer
