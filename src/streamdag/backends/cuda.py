@@ -59,42 +59,43 @@ _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
 
 
-class CudaStream:
-    __slots__ = ("ids", "index", "kind", "raw")
+class CudaStream(torch.cuda.Stream):
+    """One of the runtime's streams: a new PyTorch stream on the current device, which knows its
+    place among them (``index``, ``kind``). A PyTorch stream itself, so that events record on it
+    and wait for it in C, with no Python call in between: that runs for every op."""
 
-    def __init__(self, index: int, kind: str, raw: torch.cuda.Stream) -> None:
-        self.index = index
-        self.kind = kind
-        self.raw = raw
-        self.ids = (raw.stream_id, raw.device_index, raw.device_type)
+    def __new__(cls, index: int, kind: str) -> CudaStream:
+        self = super().__new__(cls)
+        self.index, self.kind = index, kind
+        self.ids = (self.stream_id, self.device_index, self.device_type)
+        return self
+
+    @property
+    def raw(self) -> CudaStream:
+        """The PyTorch stream: this one."""
+        return self
 
 
-class CudaEvent:
-    __slots__ = ("device", "raw", "timing")
+class CudaEvent(_event_base if _event_base is not None else object):  # type: ignore[misc]
+    """A PyTorch CUDA event (blocking, so a host wait sleeps). ``record``, ``wait``, ``query`` and
+    ``synchronize`` are PyTorch's own, in C: an op's event is recorded for every op."""
 
-    def __init__(self, timing: bool = False, device: torch.device | None = None) -> None:
-        self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
-        self.timing = timing
-        self.device = device
+    def __new__(cls, timing: bool = False, device: torch.device | None = None) -> CudaEvent:
+        self = super().__new__(cls, enable_timing=timing, blocking=True)  # type: ignore[call-arg]
+        self.timing, self.home = timing, device  # (PyTorch's ``device`` is where it was recorded)
+        return self
+
+    @property
+    def raw(self) -> CudaEvent:
+        """The PyTorch event: this one."""
+        return self
 
     def caller_waits(self) -> None:
         """Make the caller's current stream on this event's device wait for it; the host goes on."""
-        _wait(self.raw, torch.cuda.current_stream(self.device))
-
-    def record(self, stream: CudaStream) -> None:
-        _record(self.raw, stream.raw)
-
-    def wait(self, stream: CudaStream) -> None:
-        _wait(self.raw, stream.raw)
-
-    def query(self) -> bool:
-        return self.raw.query()
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
+        _wait(self, torch.cuda.current_stream(self.home))
 
     def elapsed_ms(self, end: CudaEvent) -> float:
-        return self.raw.elapsed_time(end.raw)
+        return self.elapsed_time(end)  # type: ignore[attr-defined]
 
 
 def _sanitizer_enabled() -> bool:
@@ -409,14 +410,14 @@ class CudaBackend:
         self.device = f"cuda:{index}"
         self.lost: DeviceLost | None = None
         with torch.cuda.device(self.torch_device):
-            self._streams = [CudaStream(i, "compute", torch.cuda.Stream()) for i in range(streams)]
+            self._streams = [CudaStream(i, "compute") for i in range(streams)]
             self._copy = {
-                "h2d": CudaStream(streams, "h2d", torch.cuda.Stream()),
-                "d2h": CudaStream(streams + 1, "d2h", torch.cuda.Stream()),
-                "p2p": CudaStream(streams + 2, "p2p", torch.cuda.Stream()),
+                "h2d": CudaStream(streams, "h2d"),
+                "d2h": CudaStream(streams + 1, "d2h"),
+                "p2p": CudaStream(streams + 2, "p2p"),
             }
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
-            self.peer_out = CudaStream(-1, "peer_out", torch.cuda.Stream())
+            self.peer_out = CudaStream(-1, "peer_out")
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -461,7 +462,7 @@ class CudaBackend:
                 caller = self._callers[prev] = torch.cuda.Stream(
                     stream_id=prev[0], device_index=prev[1], device_type=prev[2])
             _record(self._caller_event, caller)
-            _wait(self._caller_event, stream.raw)
+            _wait(self._caller_event, stream)
         _set_stream(*stream.ids)
         try:
             work()
