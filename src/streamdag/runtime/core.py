@@ -124,7 +124,8 @@ class Runtime:
         self._done_lock = threading.Lock()
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
-        self._slots = _Slots(max_inflight)
+        #: the in-flight bound; its count shares ``_done_lock``, so finishing an op takes one lock
+        self._slots = _Slots(max_inflight, self._done_lock)
         #: per stream: asks its backend to finish completed ops now, for one who waits (or None)
         hurries = {id(m): _Hurry(self, m) for m in members if hasattr(m, "hurry")}
         self._hurry_of = [hurries.get(id(m)) for m in self._member]
@@ -397,9 +398,13 @@ class Runtime:
         args, kwargs, accesses, written = collect_accesses(args, kwargs, reads, writes)
         op_name = name or getattr(fn, "__name__", None) or type(fn).__name__
         spaces = self._spaces
+        on_host = False  # an access in host memory (a host function on a GPU runtime waits for it)
         for acc in accesses:
-            if acc.region.space not in spaces:
+            space = acc.region.space
+            if space not in spaces:
                 self._check_spaces(accesses, op_name)
+            elif space == "cpu":
+                on_host = True
         device = self.device
         if self._multi:
             from .peers import bring_inputs, place
@@ -407,6 +412,7 @@ class Runtime:
             device = place(self, accesses, run_on, stream, op_name)
             if stream is None:  # copies read remote memory by design; other ops get local copies
                 args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
+                on_host = any(a.region.space == "cpu" for a in accesses)
         elif run_on is not None and run_on != device:
             raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "
                              f"create it with devices=[{device!r}, {run_on!r}]")
@@ -414,10 +420,10 @@ class Runtime:
         if recording is not None:
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
-                             device)
+                             device, on_host)
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
-                 device_ordered: bool = False, device: str | None = None):
+                 device_ordered: bool = False, device: str | None = None, on_host: bool = True):
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             raise WouldBlock(
                 f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
@@ -427,7 +433,8 @@ class Runtime:
             seq = self._seq = self._seq + 1
             op = Op(seq, op_name if name else f"{op_name}#{seq}", fn, args, kwargs, accesses)
             deps = self._tracker.link(op, accesses)
-            self._launch(op, deps, stream, device, host_inputs=not (device_ordered or self.backend.deferred))
+            self._launch(op, deps, stream, device,
+                         host_inputs=on_host and not (device_ordered or self.backend.deferred))
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
             for finish_ready in self._finish_ready:
                 finish_ready()
@@ -607,9 +614,11 @@ class Runtime:
             op.error, op.root_name, op.root_error = device_error, op.name, device_error
         error = op.error
         op.done = True
+        slots = self._slots
         with self._done_lock:
             del self._pending[op.seq]
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
+            slots.release_locked()
             if error is None:
                 self._completed += 1
             else:
@@ -621,7 +630,6 @@ class Runtime:
                     self._failures.append(error)
         value = op.value
         op.release()
-        self._slots.release()
         future = op.future
         if future._settle_unobserved(value, error):  # nobody waits and no callback: done
             return
@@ -677,16 +685,17 @@ class _Hurry:
 class _Slots:
     """A counting semaphore for the in-flight bound.
 
-    Uncontended, an acquire or a release takes one plain lock;
-    ``threading.Semaphore`` goes through a Python-level ``Condition`` every
-    time, which costs more than the rest of the bookkeeping of a small op.
+    Uncontended, an acquire takes one plain lock, and a release none of its
+    own: it runs under the lock the runtime takes to finish an op anyway
+    (``threading.Semaphore`` goes through a Python-level ``Condition`` every
+    time, which costs more than the rest of the bookkeeping of a small op).
     """
 
     __slots__ = ("_free", "_freed", "_lock", "_waiting")
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, lock: Any = None) -> None:
         self._free = count
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.Lock()
         self._freed = threading.Condition(self._lock)
         self._waiting = 0
 
@@ -708,11 +717,11 @@ class _Slots:
         with self._lock:
             self._free -= 1
 
-    def release(self) -> None:
-        with self._lock:
-            self._free += 1
-            if self._waiting:
-                self._freed.notify()
+    def release_locked(self) -> None:
+        """Give a slot back; the caller holds the lock."""
+        self._free += 1
+        if self._waiting:
+            self._freed.notify()
 
 
 def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
