@@ -270,6 +270,15 @@ class _Completions:
                         known_done = n
                 except Exception as exc:  # a sticky error surfaces here
                     owner.mark_lost(exc)
+            if known_done and not sanitized:  # the common case, with _settle and recycle written out
+                free, watched = owner._free_events, self._watched
+                while known_done > 0 and owner.lost is None:
+                    known_done -= 1
+                    _, event, callback = q.popleft()
+                    callback(None)
+                    if event is not watched and not event.timing:
+                        free.append(event)
+                    progressed = True
             while q:
                 _, event, callback = q[0]
                 error = owner.lost

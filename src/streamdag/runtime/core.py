@@ -629,7 +629,7 @@ class Runtime:
                     _annotate(error, op.name)
                     self._failures.append(error)
         value = op.value
-        op.release()
+        op.fn = op.args = op.kwargs = op.value = op.keep = None  # op.release(), written out: for every op
         future = op.future
         if future._settle_unobserved(value, error):  # nobody waits and no callback: done
             return
