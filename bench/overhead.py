@@ -1,13 +1,14 @@
 """Host cost per op that streamdag adds on top of PyTorch's own launch (goal: at most 5 µs).
 
-Eager submits (each op's dependencies inferred and launched at once), the
-runtime's bookkeeping alone (a backend that runs the op and makes no CUDA call
-of its own), the CUDA calls alone (what any runtime on PyTorch's streams
-calls per op, with no bookkeeping: the floor of this design through
-PyTorch's Python API), and for comparison the same chain recorded once and
-replayed as a captured CUDA graph. The lent host's speed drifts by tens of percent within
-a minute, so the variants are timed in turns, round after round, and each
-reports its median round.
+Eager submits (each op's dependencies inferred and launched at once); the
+same with the Python reference of the compiled hot path (``streamdag.native``:
+what runs where no C compiler is); the runtime's bookkeeping alone (a backend
+that runs the op and makes no CUDA call of its own); the CUDA calls alone (what
+any runtime on PyTorch's streams calls per op, with no bookkeeping: the floor
+of this design through PyTorch's Python API); and for comparison the same
+chain recorded once and replayed as a captured CUDA graph. The lent host's
+speed drifts by tens of percent within a minute, so the variants are timed in
+turns, round after round, and each reports its median round.
 
 ``--native`` adds the same CUDA calls made from C++ (an extension built at
 start with ``torch.utils.cpp_extension``, about a minute): the floor of this
@@ -25,7 +26,12 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
+from streamdag import native
 from streamdag.backends.inline import InlineBackend
+from streamdag.graph import buffers, hazards
+from streamdag.runtime import core as sd_core
+from streamdag.runtime import ops as sd_ops
+from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
@@ -137,6 +143,20 @@ def main():
     thread_only._finish_ready = []
     bare = sd.Runtime(backend=InlineBackend(f"cuda:{torch.cuda.current_device()}", 8),
                       max_inflight=100000)
+    # the same chain with the Python reference of the compiled hot path (what runs without a compiler)
+    python_path = sd.Runtime("cuda", streams=8, max_inflight=100000)
+    python_path._tracker = hazards.PyDepsTracker(retired=sd_core._finished_ok)
+    python_path._clocks = waits.PyStreamClocks(len(python_path._streams))
+
+    def with_python_accesses(run):
+        def python_run(n):
+            sd_ops.accesses_of = buffers._py_accesses
+            try:
+                run(n)
+            finally:
+                sd_ops.accesses_of = buffers.accesses
+        return python_run
+
     # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run()
     with rt.record() as g:
         chain_on(rt)(GRAPH_OPS)
@@ -162,6 +182,8 @@ def main():
         **({"the same CUDA calls made from C++ (native launch)": native_calls_only} if native_launch else {}),
         "streamdag submit, dependent chain": chain_on(rt),
         "streamdag submit, dependent chain, completion thread finishes all": chain_on(thread_only),
+        **({"streamdag submit, dependent chain, Python hot path (no compiler)":
+            with_python_accesses(chain_on(python_path))} if native.load() is not None else {}),
         "streamdag submit, independent ops": independent_on(rt),
         "streamdag bookkeeping alone, dependent chain": chain_on(bare),
         f"streamdag recorded chain of {GRAPH_OPS}, g.run() per op": graph_runs,
@@ -177,9 +199,11 @@ def main():
             rounds[label].append((time.perf_counter() - t0) / OPS_PER_ROUND * 1e6)
             rt.synchronize()
             thread_only.synchronize()
+            python_path.synchronize()
             torch.cuda.synchronize()
     rt.close()
     thread_only.close()
+    python_path.close()
     bare.close()
     medians = {label: statistics.median(ts) for label, ts in rounds.items()}
     t_torch = medians["PyTorch launch, one stream"]
@@ -189,7 +213,7 @@ def main():
     print(write_json(Path(__file__).parent / "results",
                      "overhead_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8,
-                                   "native_launch": native_launch is not None},
+                                   "native_launch": native_launch is not None, "hot_path": native.status()},
                       "us": {"torch_us": t_torch, **{k: v for k, v in medians.items() if k != rows[0][0]}},
                       "rounds_us": rounds}))
 
