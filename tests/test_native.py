@@ -7,6 +7,8 @@ and waits, same regions and errors.
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -31,6 +33,44 @@ def test_the_runtime_uses_the_compiled_hot_path_where_it_builds():
         assert issubclass(waits.StreamClocks, native.load().Clocks)
         assert buffers.accesses is native.load().accesses
     assert native.status()
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_without_a_compiler_streamdag_warns_once_and_runs_its_python_code(tmp_path):
+    code = (
+        "import numpy as np, streamdag as sd\n"
+        "from streamdag import native\n"
+        "from streamdag.graph import hazards\n"
+        "assert hazards.DepsTracker is hazards.PyDepsTracker\n"
+        "a = np.zeros(4)\n"
+        "with sd.Runtime('cpu', streams=2) as rt:\n"
+        "    rt.submit(np.add, a, 1, out=a, writes=[a])\n"
+        "    rt.submit(np.multiply, a, 3, out=a, writes=[a])\n"
+        "assert a.tolist() == [3.0] * 4\n"
+        "print(native.status())\n"
+    )
+    done = _python(code, CC="/no/such/compiler", STREAMDAG_CACHE_DIR=str(tmp_path), STREAMDAG_NATIVE="")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Python only:")
+    assert done.stderr.count("RuntimeWarning") == 1 and "STREAMDAG_NATIVE=0" in done.stderr
+
+
+def test_a_required_compiled_hot_path_that_cannot_build_is_an_error(tmp_path):
+    done = _python("import streamdag", CC="/no/such/compiler", STREAMDAG_CACHE_DIR=str(tmp_path),
+                   STREAMDAG_NATIVE="1")
+    assert done.returncode != 0 and "NativeBuildError" in done.stderr and "STREAMDAG_NATIVE=1" in done.stderr
+
+
+def test_streamdag_native_0_runs_the_python_code_without_a_warning():
+    done = _python("import warnings; warnings.simplefilter('error')\n"
+                   "import streamdag\nfrom streamdag import native\nprint(native.status())",
+                   STREAMDAG_NATIVE="0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Python only: STREAMDAG_NATIVE=0"
 
 
 accesses = st.tuples(

@@ -6,8 +6,8 @@ docs/status.md). ``_speedups.c`` does the common case in C; the Python code
 in ``graph/hazards.py`` and ``graph/buffers.py`` stays the reference (tests
 check the two against each other) and runs the rare paths.
 
-The extension is built with the compiler Python was built with, against
-this Python's headers, into a cache folder (``STREAMDAG_CACHE_DIR``, else
+The extension is built with ``$CC``, else the compiler Python was built
+with, against this Python's headers, into a cache folder (``STREAMDAG_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/streamdag`` or ``~/.cache/streamdag``), once per source
 and Python version: about a second. Without a compiler, streamdag runs the
 Python code and warns once; ``streamdag doctor`` says which runs.
@@ -94,7 +94,7 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     include = sysconfig.get_paths()["include"]
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)  # then renamed: processes may race
     os.close(fd)
