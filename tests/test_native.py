@@ -105,6 +105,9 @@ def test_the_compiled_tracker_links_as_the_python_one(program):
         assert len(trackers[0]) == len(trackers[1])
         for name, space in trackers[1]._spaces.items():
             other = trackers[0]._spaces[name]
+            for lo, hi in ((0, 8), (8, 24), (40, 104), (0, 200), (16, 17)):
+                assert [(r.start, r.end) for r in other.overlapping(lo, hi)] == [
+                    (r.start, r.end) for r in space.overlapping(lo, hi)]
             assert [(r.start, r.end, r.writer, r.readers, r.shared, r.last) for r in other.records] == [
                 (r.start, r.end, r.writer, r.readers, r.shared, r.last) for r in space.records]
             assert (other.count, other.compact_at, other.horizon, other.scanned) == (

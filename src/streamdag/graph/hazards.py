@@ -319,6 +319,9 @@ if _speedups is not None:
             """:meth:`_SpaceMethods.keep`, compiled."""
             self._keep(gone, now, _MAX_HORIZON)
 
+        #: :meth:`_SpaceMethods.overlapping`, compiled
+        overlapping = _speedups.SpaceFields._overlapping
+
     class DepsTracker(_TrackerMethods, _speedups.TrackerFields):
         """Sequentially consistent hazard tracking over byte ranges (RAW, WAR, WAW).
 

@@ -34,7 +34,7 @@ typedef struct {
 
 static State state;  /* one interpreter: the module is not meant for subinterpreters */
 
-static PyObject *s_space, *s_overlapping, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
+static PyObject *s_space, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
                 *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_STRIDED;
 
 /* ------------------------------------------------------------------ Record */
@@ -297,9 +297,63 @@ error:
     return NULL;
 }
 
+
+/* bisect.bisect_right (right=1) or bisect_left (right=0) over a sorted list of ints; -1 on error */
+static Py_ssize_t bisect_ints(PyObject *list, long long x, int right) {
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, mid));
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (right ? x < v : !(v < x)) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+/* _SpaceMethods.overlapping (hazards.py, the reference): the records overlapping [start, end) */
+static PyObject *overlapping(Space *self, long long start, long long end) {
+    if (self->starts == NULL || self->records == NULL || !PyList_Check(self->starts)
+            || !PyList_Check(self->records)) {
+        PyErr_SetString(PyExc_TypeError, "a space's starts and records must be lists");
+        return NULL;
+    }
+    Py_ssize_t lo = bisect_ints(self->starts, start - self->longest, 1);
+    Py_ssize_t hi = lo < 0 ? -1 : bisect_ints(self->starts, end, 0);
+    if (hi < 0) return NULL;
+    if (hi > PyList_GET_SIZE(self->records)) hi = PyList_GET_SIZE(self->records);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *rec = PyList_GET_ITEM(self->records, i);
+        if (!PyObject_TypeCheck(rec, state.record_type)) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
+            return NULL;
+        }
+        if (((Record *)rec)->end > start && PyList_Append(out, rec) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+static PyObject *space_overlapping(Space *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "overlapping(start, end)");
+        return NULL;
+    }
+    long long start = PyLong_AsLongLong(args[0]), end = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    return overlapping(self, start, end);
+}
+
 static PyMethodDef space_methods[] = {
     {"_keep", (PyCFunction)(void (*)(void))space_keep, METH_FASTCALL,
      "_keep(gone, now, max_horizon): the compiled keep()."},
+    {"_overlapping", (PyCFunction)(void (*)(void))space_overlapping, METH_FASTCALL,
+     "_overlapping(start, end): the compiled overlapping()."},
     {NULL}
 };
 
@@ -495,10 +549,7 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         touched[used].write = write;
         used++;
         if (((Record *)rec)->shared) {
-            PyObject *near = PyObject_CallMethodObjArgs(space, s_overlapping, start_o, end_o, NULL);
-            if (near == NULL) goto done;
-            PyObject *near_seq = PySequence_Fast(near, "overlapping() must return a list");
-            Py_DECREF(near);
+            PyObject *near_seq = overlapping(sp, start, end);
             if (near_seq == NULL) goto done;
             Py_ssize_t m = PySequence_Fast_GET_SIZE(near_seq);
             sp->scanned += m;
@@ -944,7 +995,6 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
     INTERN(s_space, "_space");
-    INTERN(s_overlapping, "overlapping");
     INTERN(s_record, "record");
     INTERN(s_is_cuda, "is_cuda");
     INTERN(s_is_cpu, "is_cpu");
