@@ -8,7 +8,9 @@ any runtime on PyTorch's streams calls per op, with no bookkeeping: the floor
 of this design through PyTorch's Python API); and for comparison the same
 chain recorded once and replayed as a captured CUDA graph. The lent host's
 speed drifts by tens of percent within a minute, so the variants are timed in
-turns, round after round, and each reports its median round.
+turns, in short rounds whose order alternates, and each reports its median
+round and its median over rounds of the time added to PyTorch's launch in
+the same round.
 
 ``--native`` adds the same CUDA calls made from C++ (an extension built at
 start with ``torch.utils.cpp_extension``, about a minute): the floor of this
@@ -35,8 +37,10 @@ from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
-OPS_PER_ROUND = 4000
-ROUNDS = 15
+#: short rounds, many of them, in alternating order: the lent host switches between a fast and a slow
+#: state every few seconds, and variants timed within tens of ms of each other compare fairly
+OPS_PER_ROUND = 1000
+ROUNDS = 60
 
 
 #: what one launch of a stream runtime asks of CUDA, made natively: order the op's stream after the
@@ -157,9 +161,12 @@ def main():
                 sd_ops.accesses_of = buffers.accesses
         return python_run
 
-    # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run()
-    with rt.record() as g:
-        chain_on(rt)(GRAPH_OPS)
+    # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run(). Its
+    # own runtime: a graph's run is one op over all its buffers, whose range would overlap every
+    # buffer of the eager chain and make each of its look-ups a search (runs 1-14 had that cost in)
+    graph_rt = sd.Runtime("cuda", streams=8, max_inflight=100000)
+    with graph_rt.record() as g:
+        chain_on(graph_rt)(GRAPH_OPS)
     g.run().result()
 
     def graph_runs(n):
@@ -192,29 +199,39 @@ def main():
     for fn in variants.values():  # warm up: caches, event pool, the graph's capture
         fn(500)
     torch.cuda.synchronize()
+    order = list(variants.items())
     for _ in range(ROUNDS):
-        for label, fn in variants.items():
+        order.reverse()  # neither variant always follows the same one
+        for label, fn in order:
             t0 = time.perf_counter()
             fn(OPS_PER_ROUND)
             rounds[label].append((time.perf_counter() - t0) / OPS_PER_ROUND * 1e6)
             rt.synchronize()
+            graph_rt.synchronize()
             thread_only.synchronize()
             python_path.synchronize()
             torch.cuda.synchronize()
     rt.close()
+    graph_rt.close()
     thread_only.close()
     python_path.close()
     bare.close()
     medians = {label: statistics.median(ts) for label, ts in rounds.items()}
     t_torch = medians["PyTorch launch, one stream"]
-    rows = [[label, us, us - t_torch, f"{min(rounds[label]):.1f}-{max(rounds[label]):.1f}"]
+    torch_rounds = rounds["PyTorch launch, one stream"]
+    # added over PyTorch within each round, then the median: the host's drift between rounds cancels
+    paired = {label: statistics.median(t - b for t, b in zip(ts, torch_rounds))
+              for label, ts in rounds.items()}
+    rows = [[label, us, us - t_torch, paired[label], f"{min(rounds[label]):.1f}-{max(rounds[label]):.1f}"]
             for label, us in medians.items()]
-    print(format_table(["per op (host)", "µs (median round)", "added over PyTorch µs", "rounds µs"], rows))
+    print(format_table(["per op (host)", "µs (median round)", "added over PyTorch µs",
+                        "added, paired by round", "rounds µs"], rows))
     print(write_json(Path(__file__).parent / "results",
                      "overhead_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8,
                                    "native_launch": native_launch is not None, "hot_path": native.status()},
                       "us": {"torch_us": t_torch, **{k: v for k, v in medians.items() if k != rows[0][0]}},
+                      "added_paired_us": paired,
                       "rounds_us": rounds}))
 
 
