@@ -222,3 +222,39 @@ def sd_invalid():
     from streamdag import InvalidBuffer
 
     return InvalidBuffer
+
+
+@compiled
+def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_one():
+    """A node's hash runs Python code, which may link more ops into the same tracker while the
+    compiled ``link`` is reading a record (a finalizer that submits would do the same): the C code
+    must hold its own references to what it reads, and end where the Python code does."""
+
+    def run(tracker_type):
+        tracker, busy, budget = tracker_type(), [False], [60]
+
+        class Reentrant:
+            def __init__(self, i):
+                self.i = i
+
+            def __hash__(self):
+                if not busy[0] and budget[0] > 0:
+                    busy[0], budget[0] = True, budget[0] - 1
+                    for k in range(5):  # replace the writer and the readers being read
+                        tracker.link(Reentrant(1000 + k), [Access(Region("cpu", 0, 8), True),
+                                                           Access(Region("cpu", 0, 16), False)])
+                    busy[0] = False
+                return self.i
+
+            def __eq__(self, other):
+                return self is other
+
+        linked = []
+        for i in range(120):
+            deps = tracker.link(Reentrant(i), [Access(Region("cpu", 0, 8), i % 2 == 0),
+                                               Access(Region("cpu", 4, 12), False),
+                                               Access(Region("cpu", 0, 16), True)])
+            linked.append([d.i for d in deps])
+        return linked, len(tracker)
+
+    assert run(hazards.DepsTracker) == run(hazards.PyDepsTracker)

@@ -321,21 +321,17 @@ static PyObject *overlapping(Space *self, long long start, long long end) {
     Py_ssize_t lo = bisect_ints(self->starts, start - self->longest, 1);
     Py_ssize_t hi = lo < 0 ? -1 : bisect_ints(self->starts, end, 0);
     if (hi < 0) return NULL;
-    if (hi > PyList_GET_SIZE(self->records)) hi = PyList_GET_SIZE(self->records);
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        PyObject *rec = PyList_GET_ITEM(self->records, i);
+    PyObject *out = PyList_New(0), *records = Py_NewRef(self->records);  /* (see collect_record) */
+    for (Py_ssize_t i = lo; out != NULL && i < hi && i < PyList_GET_SIZE(records); i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
         if (!PyObject_TypeCheck(rec, state.record_type)) {
-            Py_DECREF(out);
             PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
-            return NULL;
-        }
-        if (((Record *)rec)->end > start && PyList_Append(out, rec) < 0) {
-            Py_DECREF(out);
-            return NULL;
+            Py_CLEAR(out);
+        } else if (((Record *)rec)->end > start && PyList_Append(out, rec) < 0) {
+            Py_CLEAR(out);
         }
     }
+    Py_DECREF(records);
     return out;
 }
 
@@ -415,27 +411,34 @@ static int note(PyObject *found, PyObject *node, PyObject *order_obj) {
     return order < old ? PyDict_SetItem(found, node, order_obj) : 0;
 }
 
+/* Holds its own references to what it reads: a dict insertion may run the cycle collector, and a
+ * finalizer that submits (re-entering the tracker) may replace the record's writer or readers. */
 static int collect_record(Record *rec, int write, PyObject *found) {
-    PyObject *w = rec->writer;
+    int failed = 0;
+    PyObject *w = rec->writer == NULL ? NULL : Py_NewRef(rec->writer);
     if (w != NULL && w != Py_None) {
         if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 2) {
             PyErr_SetString(PyExc_TypeError, "a record's writer must be a (node, order) tuple");
-            return -1;
-        }
-        if (note(found, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1)) < 0) return -1;
-    }
-    if (write && rec->readers != NULL) {
-        PyObject *readers = rec->readers;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers); i++) {
-            PyObject *r = PyList_GET_ITEM(readers, i);
-            if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
-                PyErr_SetString(PyExc_TypeError, "a record's reader must be a (node, order) tuple");
-                return -1;
-            }
-            if (note(found, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)) < 0) return -1;
+            failed = -1;
+        } else {
+            failed = note(found, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
         }
     }
-    return 0;
+    Py_XDECREF(w);
+    if (failed || !write || rec->readers == NULL) return failed;
+    PyObject *readers = Py_NewRef(rec->readers);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(readers) && !failed; i++) {
+        PyObject *r = Py_NewRef(PyList_GET_ITEM(readers, i));
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a record's reader must be a (node, order) tuple");
+            failed = -1;
+        } else {
+            failed = note(found, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1));
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(readers);
+    return failed;
 }
 
 typedef struct { PyObject *node; long long order; } Found;
@@ -659,49 +662,48 @@ static PyObject *call0(PyObject *obj, PyObject *name) {
 /* buffers._torch_region for the common case (a contiguous strided tensor on the CPU or a known GPU);
  * anything else goes to the Python function, which also raises the errors */
 static PyObject *torch_region(PyObject *t) {
-    PyObject *space = NULL, *flag = PyObject_GetAttr(t, s_is_cuda);
+    PyObject *space = NULL, *region = NULL, *start = NULL, *nbytes = NULL, *end = NULL;
+    PyObject *flag = PyObject_GetAttr(t, s_is_cuda);
     if (flag == NULL) return NULL;
-    if (flag == Py_True) {
+    int on_cuda = flag == Py_True;
+    Py_DECREF(flag);
+    if (on_cuda) {
         PyObject *index = call0(t, s_get_device);
-        if (index == NULL) { Py_DECREF(flag); return NULL; }
-        space = PyDict_GetItemWithError(state.cuda_spaces, index);  /* borrowed */
+        if (index == NULL) return NULL;
+        space = Py_XNewRef(PyDict_GetItemWithError(state.cuda_spaces, index));  /* NULL: not seen yet */
         Py_DECREF(index);
-        if (space == NULL) { Py_DECREF(flag); goto python; }
+        if (space == NULL) goto python;
     } else {
         PyObject *cpu = PyObject_GetAttr(t, s_is_cpu);
-        if (cpu == NULL) { Py_DECREF(flag); return NULL; }
+        if (cpu == NULL) return NULL;
         int is_cpu = cpu == Py_True;
         Py_DECREF(cpu);
-        if (!is_cpu) { Py_DECREF(flag); goto python; }
-        space = state.cpu;
+        if (!is_cpu) goto python;
+        space = Py_NewRef(state.cpu);
     }
-    Py_DECREF(flag);
-    if (state.strided == NULL) {
-        state.strided = PyObject_GetAttr(state.buffers, s_STRIDED);
-        if (state.strided == NULL) return NULL;
-    }
+    if (state.strided == NULL && (state.strided = PyObject_GetAttr(state.buffers, s_STRIDED)) == NULL)
+        goto done;
     PyObject *layout = PyObject_GetAttr(t, s_layout);
-    if (layout == NULL) return NULL;
-    Py_DECREF(layout);  /* compared by identity, as the Python code does */
+    if (layout == NULL) goto done;
+    Py_DECREF(layout);  /* compared by identity, as the Python code does (torch.strided is one object) */
     if (layout != state.strided) goto python;
     PyObject *contiguous = call0(t, s_is_contiguous);
-    if (contiguous == NULL) return NULL;
+    if (contiguous == NULL) goto done;
     Py_DECREF(contiguous);
     if (contiguous != Py_True) goto python;
-    PyObject *start = call0(t, s_data_ptr);
-    if (start == NULL) return NULL;
-    PyObject *nbytes = PyObject_GetAttr(t, s_nbytes);
-    if (nbytes == NULL) { Py_DECREF(start); return NULL; }
-    PyObject *end = PyNumber_Add(start, nbytes);
-    Py_DECREF(nbytes);
-    if (end == NULL) { Py_DECREF(start); return NULL; }
-    PyObject *region = new_tuple_of(state.region_type, space, start, end);
-    Py_DECREF(start);
-    Py_DECREF(end);
+    if ((start = call0(t, s_data_ptr)) == NULL || (nbytes = PyObject_GetAttr(t, s_nbytes)) == NULL
+            || (end = PyNumber_Add(start, nbytes)) == NULL)
+        goto done;
+    region = new_tuple_of(state.region_type, space, start, end);
+    goto done;
+python:  /* anything else: the Python function (it also raises the errors) */
+    if (!PyErr_Occurred()) region = PyObject_CallOneArg(state.torch_region, t);
+done:
+    Py_XDECREF(space);
+    Py_XDECREF(start);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(end);
     return region;
-python:
-    if (PyErr_Occurred()) return NULL;
-    return PyObject_CallOneArg(state.torch_region, t);
 }
 
 static PyObject *region_of(PyObject *value) {
