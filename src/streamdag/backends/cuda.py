@@ -70,11 +70,6 @@ class CudaStream(torch.cuda.Stream):
         self.ids = (self.stream_id, self.device_index, self.device_type)
         return self
 
-    @property
-    def raw(self) -> CudaStream:
-        """The PyTorch stream: this one."""
-        return self
-
 
 class CudaEvent(_event_base if _event_base is not None else object):  # type: ignore[misc]
     """A PyTorch CUDA event (blocking, so a host wait sleeps). ``record``, ``wait``, ``query`` and
@@ -83,11 +78,6 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
     def __new__(cls, timing: bool = False, device: torch.device | None = None) -> CudaEvent:
         self = super().__new__(cls, enable_timing=timing, blocking=True)  # type: ignore[call-arg]
         self.timing, self.home = timing, device  # (PyTorch's ``device`` is where it was recorded)
-        return self
-
-    @property
-    def raw(self) -> CudaEvent:
-        """The PyTorch event: this one."""
         return self
 
     def caller_waits(self) -> None:

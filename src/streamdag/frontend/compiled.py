@@ -153,7 +153,7 @@ class _Entry:
 
     def _replayed_outputs(self) -> Any:
         static = self.graph.static_values()[-1]
-        self.replayed.record(self.runtime.backend.streams[0].raw)  # the replay ran there
+        self.replayed.record(self.runtime.backend.streams[0])  # the replay ran there
         torch.cuda.current_stream().wait_event(self.replayed)
         return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static)
 

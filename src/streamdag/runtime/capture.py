@@ -424,9 +424,9 @@ def _capturing_peer_streams(recorded: Any) -> list[torch.cuda.Stream]:
         peer = getattr(backend, "peer_out", None)
         if peer is None:
             continue
-        with torch.cuda.stream(peer.raw):
+        with torch.cuda.stream(peer):
             if torch.cuda.is_current_stream_capturing():
-                out.append(peer.raw)
+                out.append(peer)
     return out
 
 

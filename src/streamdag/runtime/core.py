@@ -629,7 +629,7 @@ class Runtime:
                     _annotate(error, op.name)
                     self._failures.append(error)
         value = op.value
-        op.fn = op.args = op.kwargs = op.value = op.keep = None  # op.release(), written out: for every op
+        op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
         future = op.future
         if future._settle_unobserved(value, error):  # nobody waits and no callback: done
             return
@@ -693,9 +693,9 @@ class _Slots:
 
     __slots__ = ("_free", "_freed", "_lock", "_waiting")
 
-    def __init__(self, count: int, lock: Any = None) -> None:
+    def __init__(self, count: int, lock: Any) -> None:
         self._free = count
-        self._lock = lock if lock is not None else threading.Lock()
+        self._lock = lock
         self._freed = threading.Condition(self._lock)
         self._waiting = 0
 

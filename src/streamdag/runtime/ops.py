@@ -415,7 +415,3 @@ class Op:
                     self.deps = ()                  # the caller, or to a lane that reports it)
                     raise
         self.deps = ()
-
-    def release(self) -> None:
-        """Drop every reference to user data once the op has finished."""
-        self.fn = self.args = self.kwargs = self.value = self.keep = None  # type: ignore[assignment]
