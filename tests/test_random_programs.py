@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from streamdag.backends.inline import InlineBackend
 
 N = 24  # elements per base buffer
 EXAMPLES = settings(max_examples=1500 if os.environ.get("CI") else 100)
@@ -103,7 +104,10 @@ def serial(program, failing=frozenset()):
 
 def concurrent(program, device, streams, seed, failing=frozenset(), roots=frozenset()):
     bases = initial_bases()
-    with sd.Runtime(device, streams=streams, seed=seed, max_inflight=8) as rt:
+    # "inline": each op runs inside its submit, as on CUDA (the runtime's non-deferred path)
+    backend = InlineBackend("cpu", streams) if device == "inline" else None
+    with sd.Runtime(device if backend is None else "cpu", streams=None if backend else streams, seed=seed,
+                    max_inflight=8, backend=backend) as rt:
         futures = []
         for i, op in enumerate(program):
             reads = [make_view(bases, r) for r in op["reads"]]
@@ -130,11 +134,11 @@ def test_concurrent_run_equals_serial_bit_for_bit(program, device, streams, seed
 
 
 @EXAMPLES
-@given(programs, st.data(), st.integers(1, 4), st.integers(0, 2**16))
-def test_injected_errors_fail_exactly_the_dependents(program, data, streams, seed):
+@given(programs, st.data(), st.sampled_from(["sim", "inline"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_injected_errors_fail_exactly_the_dependents(program, data, device, streams, seed):
     failing = frozenset(data.draw(st.sets(st.integers(0, len(program) - 1), max_size=3)))
     _, expect_results, expect_failed, roots = serial(program, failing)
-    _, futures = concurrent(program, "sim", streams, seed, failing, roots)
+    _, futures = concurrent(program, device, streams, seed, failing, roots)
     failed = {i for i, f in enumerate(futures) if f.exception() is not None}
     assert failed == expect_failed
     for i, f in enumerate(futures):
@@ -189,19 +193,20 @@ def test_graph_runs_and_eager_ops_interleaved_equal_serial(graph_program, eager_
 
 @contextmanager
 def python_hot_path():
-    """The runtime with its reference Python tracker, clocks and accesses instead of the compiled ones."""
+    """The runtime with its reference Python submit, tracker, clocks and accesses (not the compiled ones)."""
     from streamdag.graph import buffers, hazards
     from streamdag.runtime import core
     from streamdag.runtime import ops as runtime_ops
     from streamdag.schedule import waits
 
-    saved = core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of
+    saved = core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of, core.COMPILED_SUBMIT
     core.DepsTracker, core.StreamClocks = hazards.PyDepsTracker, waits.PyStreamClocks
     runtime_ops.accesses_of = buffers._py_accesses
+    core.COMPILED_SUBMIT = False
     try:
         yield
     finally:
-        core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of = saved
+        core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of, core.COMPILED_SUBMIT = saved
 
 
 @settings(max_examples=300 if os.environ.get("CI") else 50)

@@ -33,6 +33,7 @@ from types import ModuleType
 __all__ = ["NativeBuildError", "load", "status"]
 
 _SOURCE = Path(__file__).with_name("_speedups.c")
+_SOURCES = sorted(_SOURCE.parent.glob("*.c"))
 _NAME = "_streamdag_speedups"
 
 _loaded: ModuleType | None = None
@@ -87,7 +88,7 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     """The shared library for this source and this Python, compiled unless cached."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)  # _speedups.c includes the others
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{_NAME}-{key}{suffix}"

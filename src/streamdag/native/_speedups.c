@@ -20,6 +20,7 @@ typedef struct {
     PyTypeObject *record_type;
     PyTypeObject *space_type;
     PyTypeObject *tracker_type;
+    PyTypeObject *clocks_type;
     /* set by setup(): what the Python side owns */
     PyObject *handlers;      /* buffers._HANDLERS: type -> region function */
     PyObject *torch_region;  /* buffers._torch_region */
@@ -183,13 +184,23 @@ static PyObject *record_key(Record *rec) {
     return key;
 }
 
+/* the runtime's ``_finished_ok`` and where an Op keeps ``done`` and ``error`` (setup_submit() sets
+ * them): compaction asks it of every node it visits, answered here without the Python call */
+static struct { PyObject *fn; PyTypeObject *op_type; Py_ssize_t done, error; } finished_ok;
+
 /* whether ``gone(entry[0])`` for an entry (node, order) */
 static int entry_gone(PyObject *gone, PyObject *entry) {
     if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
         PyErr_SetString(PyExc_TypeError, "a record's entries must be (node, order) tuples");
         return -1;
     }
-    PyObject *out = PyObject_CallOneArg(gone, PyTuple_GET_ITEM(entry, 0));
+    PyObject *node = PyTuple_GET_ITEM(entry, 0);
+    if (gone == finished_ok.fn && Py_TYPE(node) == finished_ok.op_type) {
+        PyObject *done = *(PyObject **)((char *)node + finished_ok.done);
+        PyObject *error = *(PyObject **)((char *)node + finished_ok.error);
+        if (done != NULL && error != NULL) return done == Py_True && error == Py_None;
+    }
+    PyObject *out = PyObject_CallOneArg(gone, node);
     if (out == NULL) return -1;
     int truth = PyObject_IsTrue(out);
     Py_DECREF(out);
@@ -231,17 +242,21 @@ static PyObject *space_keep(Space *self, PyObject *const *args, Py_ssize_t nargs
             if (g) Py_XSETREF(rec->writer, Py_NewRef(Py_None));
         }
         if (rec->readers != NULL && PyList_GET_SIZE(rec->readers)) {
-            PyObject *old = Py_NewRef(rec->readers), *kept = PyList_New(0);
-            if (kept == NULL) { Py_DECREF(old); Py_DECREF(rec); goto error; }
+            /* a new list without the readers gone (as the Python code makes), only where one is */
+            PyObject *old = Py_NewRef(rec->readers), *kept = NULL;
             for (Py_ssize_t j = 0; j < PyList_GET_SIZE(old); j++) {
                 PyObject *entry = PyList_GET_ITEM(old, j);
                 int g = entry_gone(gone, entry);
-                if (g < 0 || (!g && PyList_Append(kept, entry) < 0)) {
+                if (g < 0) { Py_XDECREF(kept); Py_DECREF(old); Py_DECREF(rec); goto error; }
+                if (g && kept == NULL && (kept = PyList_GetSlice(old, 0, j)) == NULL) {
+                    Py_DECREF(old); Py_DECREF(rec); goto error;
+                }
+                if (!g && kept != NULL && PyList_Append(kept, entry) < 0) {
                     Py_DECREF(kept); Py_DECREF(old); Py_DECREF(rec); goto error;
                 }
             }
             Py_DECREF(old);
-            Py_XSETREF(rec->readers, kept);
+            if (kept != NULL) Py_XSETREF(rec->readers, kept);
         }
         long long size = (rec->readers ? PyList_GET_SIZE(rec->readers) : 0)
                          + (rec->writer != NULL && rec->writer != Py_None);
@@ -733,7 +748,7 @@ static int add_accesses(PyObject *out, PyObject *values, PyObject *write) {
     return 0;
 }
 
-static PyObject *accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *accesses_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "accesses(reads, writes)");
         return NULL;
@@ -981,11 +996,14 @@ static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+#include "_submit.c"
+
 static PyMethodDef module_methods[] = {
-    {"accesses", (PyCFunction)(void (*)(void))accesses, METH_FASTCALL,
+    {"accesses", (PyCFunction)(void (*)(void))accesses_of, METH_FASTCALL,
      "accesses(reads, writes): the Access of every buffer, reads first (buffers.region_of each)."},
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
+    SUBMIT_METHODS
     {NULL}
 };
 
@@ -1013,6 +1031,7 @@ PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
     state.space_type = (PyTypeObject *)PyType_FromSpec(&space_spec);
     state.tracker_type = (PyTypeObject *)PyType_FromSpec(&tracker_spec);
     PyObject *clocks_type = PyType_FromSpec(&clocks_spec);
+    state.clocks_type = (PyTypeObject *)clocks_type;  /* the module holds the reference */
     if (clocks_type == NULL || PyModule_AddObject(m, "Clocks", clocks_type) < 0) {
         Py_XDECREF(clocks_type);
         Py_DECREF(m);
@@ -1021,7 +1040,8 @@ PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
     if (state.record_type == NULL || state.space_type == NULL || state.tracker_type == NULL
             || PyModule_AddObjectRef(m, "Record", (PyObject *)state.record_type) < 0
             || PyModule_AddObjectRef(m, "SpaceFields", (PyObject *)state.space_type) < 0
-            || PyModule_AddObjectRef(m, "TrackerFields", (PyObject *)state.tracker_type) < 0) {
+            || PyModule_AddObjectRef(m, "TrackerFields", (PyObject *)state.tracker_type) < 0
+            || submit_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

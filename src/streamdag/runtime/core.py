@@ -25,9 +25,11 @@ from typing import Any
 
 from ..backends import Backend, make_backend, make_backends
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
-from ..graph.buffers import Access
+from ..graph.buffers import Access, Marker
 from ..graph.hazards import DepsTracker
+from ..native import load as load_native
 from ..schedule.waits import StreamClocks
+from . import ops
 from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback
 from .transfers import ByteBudget, PinnedPool
 
@@ -42,6 +44,13 @@ FINISH_EVERY = 32
 
 #: Test-only: drop every cross-stream event wait, to show that the race checks can fail.
 _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
+
+#: Whether runtimes made from now on submit and finish ops through the compiled code (where it
+#: built; see ``streamdag.native``). False: the Python methods of :class:`Runtime` (for tests and
+#: benchmarks that compare the two).
+COMPILED_SUBMIT = True
+
+_speedups = load_native()
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,14 @@ class Runtime:
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}
+        if _speedups is not None and COMPILED_SUBMIT and not self._multi:
+            # submit and finish in C (``native/_submit.c``); the methods below stay the reference
+            # and run every case it leaves to them
+            launch_parts = getattr(self.backend, "launch_parts", None)
+            submitter = _speedups.Submitter(self, ops.accesses_of, _DROP_WAITS,
+                                            launch_parts() if launch_parts is not None else None)
+            self.submit = submitter.submit  # type: ignore[method-assign]
+            self._finish_bound = submitter.finish
 
     # ------------------------------------------------------------------ API
     @property
@@ -544,11 +561,16 @@ class Runtime:
         stream, live, waits = self._admit(op, deps, stream, device)
         backend = self._member[stream]
         if self._can_be_lost and backend.lost is not None:  # the device takes no more calls: fail at once
-            op.deps = ()
-            op.error = op.root_error = backend.lost
-            op.root_name = op.name
-            self._finish(op)
+            self._fail_lost(op, backend)
             return
+        self._launch_placed(op, deps, stream, live, waits, host_inputs)
+
+    def _launch_placed(self, op: Op, deps: list[Op], stream: int, live: list[Op], waits: list[int],
+                       host_inputs: bool) -> None:
+        """:meth:`_launch` once ``op`` is placed on ``stream`` (see :meth:`_admit`) and its device is
+        not lost. (The compiled submit calls it for what it leaves to Python: a profiler, host
+        inputs to wait for, a dependency still launching.)"""
+        backend = self._member[stream]
         s = self._streams[stream]
         profiler = self._profiler
         try:
@@ -562,10 +584,26 @@ class Runtime:
             backend.launch(s, op.execute)  # execute raises only an interrupt (no Exception)
             if profiler is not None:
                 profiler.end(op, stream, started)
-            stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
+        except BaseException as exc:  # the backend's own calls failed, or an interrupt (Ctrl-C) came
+            op.error, op.root_name, op.root_error = exc, op.name, exc
+            self._finish_launch(op, stream, failed=True)
+            return
+        self._finish_launch(op, stream)
+
+    def _finish_launch(self, op: Op, stream: int, failed: bool = False) -> None:
+        """After ``op``'s host code ran on ``stream``: record its completion event and watch it, or
+        (``failed``: the launch itself failed; or a sticky device error) finish it now.
+
+        (The compiled submit, ``native/_submit.c``, calls this where ``op`` failed.)
+        """
+        backend = self._member[stream]
+        stop = failed
+        try:
+            if not stop:
+                stop = op.error is not None and not backend.deferred and _is_sticky(backend, op.error)
             if not stop:
                 op.event = event = backend.event()
-                event.record(s)
+                event.record(self._streams[stream])
         except BaseException as exc:  # the backend's own calls failed, or an interrupt (Ctrl-C) came
             op.error, op.root_name, op.root_error = exc, op.name, exc
             stop = True
@@ -578,6 +616,13 @@ class Runtime:
                 raise op.error  # type: ignore[misc]
             return
         self._watch(op, stream, event, partial(self._finish_bound, op))
+
+    def _fail_lost(self, op: Op, backend: Any) -> None:
+        """Fail ``op`` at once: its device is lost and takes no more calls."""
+        op.deps = ()
+        op.error = op.root_error = backend.lost
+        op.root_name = op.name
+        self._finish(op)
 
     def _watch(self, op: Op, stream: int, event: Any, finished: Callable[..., None]) -> None:
         """Have ``finished`` called once ``event`` (just recorded on ``stream``) completes, and
@@ -631,8 +676,11 @@ class Runtime:
         value = op.value
         op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
         future = op.future
-        if future._settle_unobserved(value, error):  # nobody waits and no callback: done
-            return
+        if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
+            self._settle(future, value, error)
+
+    def _settle(self, future: Future, value: Any, error: BaseException | None) -> None:
+        """Give a finished op's future its outcome when someone waits on it or a callback is set."""
         with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
             self._in_callbacks += 1
         later = deferring_callbacks() if future._has_callbacks() else None
@@ -768,6 +816,10 @@ def _is_sticky(backend: Any, error: BaseException) -> bool:
 
 def _finished_ok(op: Op) -> bool:
     return op.done and op.error is None
+
+
+if _speedups is not None:
+    _speedups.setup_submit(Op, Future, Marker, partial, ops._LAZY, ops._PENDING, ops._FINISHED, _finished_ok)
 
 
 def _annotate(error: BaseException, op_name: str) -> None:

@@ -106,7 +106,8 @@ class Future(concurrent.futures.Future):
     #: the op's completion event, for ``Runtime.current_stream_wait``; None: the host waits
     _fence: Any = None
 
-    def __init__(self) -> None:  # the base's state, without its Condition and lists
+    def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
+        # submit, native/_submit.c, sets the same attributes without this call: keep the two equal)
         self._state = _PENDING
         self._result = None
         self._exception = None
@@ -345,7 +346,12 @@ def _is_buffer(value: Any) -> bool:
 
 
 class Op:
-    """One submitted op. References to its arguments are dropped once it has finished."""
+    """One submitted op. References to its arguments are dropped once it has finished.
+
+    The compiled submit (``native/_submit.c``) makes ops without calling ``__init__``: it fills
+    the slots itself, at the offsets of their descriptors. A slot added here must be set there too
+    (its setup refuses an Op that lacks one it knows).
+    """
 
     __slots__ = (
         "accesses",

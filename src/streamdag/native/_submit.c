@@ -1,0 +1,913 @@
+/* The runtime's submit and finish, compiled: what runs for every op between the user's call and
+ * the backend's launch, and again when the op's completion is observed.
+ *
+ * Mirrors ``Runtime.submit`` -> ``_submit`` -> ``_enqueue`` -> ``_admit`` -> ``_launch`` ->
+ * ``_finish_launch`` -> ``_watch``, and ``Runtime._finish``, in ``runtime/core.py`` (the reference,
+ * which runs where no compiler is). Only the common case is here: one device, no recording, no
+ * profiler, no inline markers, no failure. Anything else calls the Python methods, at the point
+ * where the paths part, so each rare case has one implementation. On CUDA the backend's launch
+ * (order after the caller's stream, switch streams, run, switch back) and its event pool are done
+ * here too, through PyTorch's own C entry points (``torch._C``), as ``backends/cuda.py`` does.
+ *
+ * Included by _speedups.c (one module). Plain CPython API.
+ */
+
+/* Op's slots, read and written at the offsets of its member descriptors */
+enum {
+    OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
+    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FIELDS
+};
+static const char *op_field_names[OP_FIELDS] = {
+    "seq", "name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
+    "done", "error", "root_name", "root_error", "value", "keep", "run_id"
+};
+
+static struct {
+    PyTypeObject *op_type;
+    Py_ssize_t op_offset[OP_FIELDS];
+    PyObject *op_names[OP_FIELDS];  /* interned */
+    PyTypeObject *future_type;
+    PyTypeObject *marker_type;
+    PyObject *partial_type;
+    PyObject *lazy;      /* ops._LAZY: orders a future's condition against setting its outcome */
+    PyObject *pending;   /* concurrent.futures' PENDING and FINISHED */
+    PyObject *finished;
+    PyObject *empty_tuple;
+    PyObject *empty_str;
+} sub;
+
+static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
+                *s_tail, *s_place, *s_seq_attr, *s_peak, *s_profiler, *s_check_spaces, *s_take_slot,
+                *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
+                *s_wait, *s_when_done, *s_hurry_attr, *s_fence, *s_done_token, *s_finish_ready,
+                *s_finish_every, *s_free, *s_waiting, *s_freed, *s_notify, *s_completed, *s_finish_py,
+                *s_settle, *s_condition, *s_state, *s_result, *s_exception, *s_op_name, *s_name_attr,
+                *s_reads, *s_writes, *s_name, *s_run_on, *s_lost,
+                *s_index, *s_append, *s_wake, *s_flag, *s_set;
+
+#define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
+
+/* a field of a tracker node: an Op's slot directly, anything else by name */
+static PyObject *field(PyObject *node, int f) {
+    if (Py_TYPE(node) == sub.op_type) {
+        PyObject *v = OPF(node, f);
+        if (v != NULL) return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(node, sub.op_names[f]);
+}
+
+static void op_set(PyObject *op, int f, PyObject *value) {
+    PyObject *old = OPF(op, f);
+    OPF(op, f) = Py_NewRef(value);
+    Py_XDECREF(old);
+}
+
+static int call_method0(PyObject *obj, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int call0_(PyObject *fn) {
+    PyObject *r = PyObject_CallNoArgs(fn);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* an int attribute of ``obj`` */
+static int get_int(PyObject *obj, PyObject *name, Py_ssize_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_int(PyObject *obj, PyObject *name, Py_ssize_t value) {
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) return -1;
+    int r = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* the raised exception, taken (normalized, with its traceback); NULL if none */
+static PyObject *take_exception(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL) return NULL;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* raise ``exc`` again (a reference taken by take_exception, consumed) */
+static void restore_exception(PyObject *exc) {
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+}
+
+static PyObject *setup_submit(PyObject *module, PyObject *args) {
+    PyObject *op_type, *future_type, *marker_type, *partial_type, *lazy, *pending, *finished, *finished_ok_fn;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
+                          &PyType_Type, &marker_type, &partial_type, &lazy, &pending, &finished, &finished_ok_fn))
+        return NULL;
+    for (int f = 0; f < OP_FIELDS; f++) {
+        PyObject *d = PyDict_GetItemString(((PyTypeObject *)op_type)->tp_dict, op_field_names[f]);
+        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
+                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_TypeError, "setup_submit: Op has no slot %s", op_field_names[f]);
+            return NULL;
+        }
+        sub.op_offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
+        if (sub.op_names[f] == NULL && (sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL)
+            return NULL;
+    }
+    Py_XSETREF(sub.op_type, (PyTypeObject *)Py_NewRef(op_type));
+    Py_XSETREF(finished_ok.fn, Py_NewRef(finished_ok_fn));
+    Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
+    finished_ok.done = sub.op_offset[OP_DONE];
+    finished_ok.error = sub.op_offset[OP_ERROR];
+    Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
+    Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
+    Py_XSETREF(sub.partial_type, Py_NewRef(partial_type));
+    Py_XSETREF(sub.lazy, Py_NewRef(lazy));
+    Py_XSETREF(sub.pending, Py_NewRef(pending));
+    Py_XSETREF(sub.finished, Py_NewRef(finished));
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ Submitter */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *rt;
+    PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
+             *slots, *accesses_fn, *device, *next_stream, *finish;
+    /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
+     * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
+    PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
+             *callers, *free_events, *device_index, *queues, *completions;
+    /* the locks' bound acquire and release: no method look-up per call */
+    PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
+    Py_ssize_t n_compute;
+    int deferred, can_be_lost, drop_waits;
+} Submitter;
+
+static PyTypeObject *submitter_type;
+
+#define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
+    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
+    X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
+    X(callers) X(free_events) X(device_index) X(queues) X(completions) \
+    X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
+
+static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    SUBMITTER_OBJECTS(VISIT)
+#undef VISIT
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int submitter_clear(Submitter *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    SUBMITTER_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void submitter_dealloc(Submitter *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    submitter_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Submitter(rt, accesses, finish, drop_waits, cuda): ``cuda`` is None, or a tuple of what the CUDA
+ * launch calls (see the struct); ``finish`` is what the completion calls (this object's finish
+ * bound, or the runtime's ``_finish``) */
+static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
+    PyObject *rt, *accesses_fn, *cuda;
+    int drop_waits;
+    if (!PyArg_ParseTuple(args, "OOpO", &rt, &accesses_fn, &drop_waits, &cuda)) return -1;
+    if (sub.op_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup_submit() was not called");
+        return -1;
+    }
+    submitter_clear(self);
+    self->rt = Py_NewRef(rt);
+    self->accesses_fn = Py_NewRef(accesses_fn);
+    self->drop_waits = drop_waits;
+    struct { PyObject **slot; const char *name; } attrs[] = {
+        {&self->lock, "_lock"}, {&self->done_lock, "_done_lock"}, {&self->busy, "_busy"},
+        {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
+        {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
+        {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
+    };
+    for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
+        if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
+    if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
+            || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
+            || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->next_stream)) {
+        PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
+        return -1;
+    }
+    Py_ssize_t compute;
+    PyObject *count = PyObject_GetAttrString(rt, "_compute");
+    if (count == NULL) return -1;
+    compute = PyLong_AsSsize_t(count);
+    Py_DECREF(count);
+    if (compute < 1) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "no compute stream"); return -1; }
+    self->n_compute = compute;
+    PyObject *v = PyObject_GetAttrString(self->backend, "deferred");
+    if (v == NULL) return -1;
+    self->deferred = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    v = PyObject_GetAttrString(rt, "_can_be_lost");
+    if (v == NULL) return -1;
+    self->can_be_lost = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if ((self->finish = PyObject_GetAttrString((PyObject *)self, "finish")) == NULL
+            || (self->lock_acquire = PyObject_GetAttr(self->lock, s_acquire)) == NULL
+            || (self->lock_release = PyObject_GetAttr(self->lock, s_release)) == NULL
+            || (self->done_acquire = PyObject_GetAttr(self->done_lock, s_acquire)) == NULL
+            || (self->done_release = PyObject_GetAttr(self->done_lock, s_release)) == NULL
+            || (self->lazy_acquire = PyObject_GetAttr(sub.lazy, s_acquire)) == NULL
+            || (self->lazy_release = PyObject_GetAttr(sub.lazy, s_release)) == NULL)
+        return -1;
+    if (cuda != Py_None) {
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO", &self->get_device, &self->get_stream, &self->set_stream,
+                              &self->set_device, &self->record, &self->wait, &self->caller_event,
+                              &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
+                              &self->device_index, &self->completions))
+            return -1;
+        Py_INCREF(self->completions);
+        if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
+        if (!PyList_CheckExact(self->queues)) {
+            PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
+            return -1;
+        }
+        Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
+        Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
+        Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
+        Py_INCREF(self->device_index);
+    }
+    return 0;
+}
+
+static int is_cpu_space(PyObject *space) {
+    return space == state.cpu || (PyUnicode_CheckExact(space) && PyUnicode_Compare(space, state.cpu) == 0);
+}
+
+/* ``fn``'s name for the op: ``name or fn.__name__ or type(fn).__name__`` */
+static PyObject *op_name_of(PyObject *fn, PyObject *name) {
+    if (name != Py_None) {
+        int truth = PyObject_IsTrue(name);
+        if (truth < 0) return NULL;
+        if (truth) return Py_NewRef(name);
+    }
+    PyObject *n = PyObject_GetAttr(fn, s_name_attr);
+    if (n == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+    } else {
+        int truth = PyObject_IsTrue(n);
+        if (truth > 0) return n;
+        Py_DECREF(n);
+        if (truth < 0) return NULL;
+    }
+    return PyObject_GetAttr((PyObject *)Py_TYPE(fn), s_name_attr);
+}
+
+/* a new Future, its state set as Future.__init__ sets it (without the Python call) */
+static PyObject *new_future(PyObject *op_name) {
+    PyTypeObject *tp = sub.future_type;
+    PyObject *f = tp->tp_new(tp, sub.empty_tuple, NULL);
+    if (f == NULL) return NULL;
+    if (PyObject_SetAttr(f, s_state, sub.pending) < 0 || PyObject_SetAttr(f, s_result, Py_None) < 0
+            || PyObject_SetAttr(f, s_exception, Py_None) < 0 || PyObject_SetAttr(f, s_op_name, op_name) < 0) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    return f;
+}
+
+/* a new Op, its slots as Op.__init__ sets them, and its future */
+static PyObject *new_op(PyObject *seq, PyObject *name, PyObject *fn, PyObject *args, PyObject *kwargs,
+                        PyObject *accesses) {
+    PyTypeObject *tp = sub.op_type;
+    PyObject *op = tp->tp_new(tp, sub.empty_tuple, NULL);
+    if (op == NULL) return NULL;
+    PyObject *future = new_future(name);
+    if (future == NULL) { Py_DECREF(op); return NULL; }
+    PyObject *zero = PyLong_FromLong(0);
+    op_set(op, OP_SEQ, seq); op_set(op, OP_NAME, name); op_set(op, OP_FN, fn); op_set(op, OP_ARGS, args);
+    op_set(op, OP_KWARGS, kwargs); op_set(op, OP_ACCESSES, accesses); op_set(op, OP_DEPS, sub.empty_tuple);
+    op_set(op, OP_STAMP, Py_None); op_set(op, OP_EVENT, Py_None); op_set(op, OP_DONE, Py_False);
+    op_set(op, OP_ERROR, Py_None); op_set(op, OP_ROOT_NAME, sub.empty_str); op_set(op, OP_ROOT_ERROR, Py_None);
+    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None); op_set(op, OP_RUN_ID, zero);
+    OPF(op, OP_FUTURE) = future;  /* the reference made above */
+    Py_DECREF(zero);
+    return op;
+}
+
+/* Python's ``_submit`` for whatever the compiled path does not cover */
+static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
+                                  PyObject *reads, PyObject *writes, PyObject *name, PyObject *run_on) {
+    PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, Py_True, Py_None, Py_False, run_on};
+    return PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* a slot under max_inflight: ``_Slots.acquire(False)`` written out, else the runtime's ``_take_slot`` */
+static int take_slot(Submitter *self) {
+    if (call0_(self->done_acquire) < 0) return -1;
+    Py_ssize_t free_slots;
+    int r = get_int(self->slots, s_free, &free_slots);
+    int got = 0;
+    if (r == 0 && free_slots > 0) {
+        r = set_int(self->slots, s_free, free_slots - 1);
+        got = 1;
+    }
+    if (call0_(self->done_release) < 0 || r < 0) return -1;
+    if (got) return 0;
+    PyObject *taken = PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True);
+    if (taken == NULL) return -1;
+    Py_DECREF(taken);
+    return 0;
+}
+
+/* ``Runtime._choose_stream`` on a runtime of one device: the stream index, or -1 */
+static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *live) {
+    Py_ssize_t n = self->n_compute;
+    for (Py_ssize_t i = PyList_GET_SIZE(live) - 1; i >= 0; i--) {
+        PyObject *stamp = field(PyList_GET_ITEM(live, i), OP_STAMP);
+        if (stamp == NULL) return -1;
+        if (stamp != Py_None) {
+            Py_ssize_t st = PyLong_AsSsize_t(PyTuple_GET_ITEM(stamp, 0));
+            if (st == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
+            if (st >= 0 && st < n) {
+                PyObject *tail = PyObject_TypeCheck(clocks, state.clocks_type)
+                    ? clocks_tail((Clocks *)clocks, PyTuple_GET_ITEM(stamp, 0))
+                    : PyObject_CallMethodOneArg(clocks, s_tail, PyTuple_GET_ITEM(stamp, 0));
+                if (tail == NULL) { Py_DECREF(stamp); return -1; }
+                int same = PyObject_RichCompareBool(tail, PyTuple_GET_ITEM(stamp, 1), Py_EQ);
+                Py_DECREF(tail);
+                if (same != 0) { Py_DECREF(stamp); return same < 0 ? -1 : st; }
+            }
+        }
+        Py_DECREF(stamp);
+    }
+    /* the least busy, round robin among them */
+    Py_ssize_t least = PY_SSIZE_T_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(self->busy, i));
+        if (b == -1 && PyErr_Occurred()) return -1;
+        if (b < least) least = b;
+    }
+    PyObject *next = PyDict_GetItemWithError(self->next_stream, self->device);
+    if (next == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "no round robin for the runtime's device");
+        return -1;
+    }
+    Py_ssize_t chosen = PyLong_AsSsize_t(next);
+    if (chosen == -1 && PyErr_Occurred()) return -1;
+    for (Py_ssize_t k = 0; k < n; k++, chosen = (chosen + 1) % n)
+        if (PyLong_AsSsize_t(PyList_GET_ITEM(self->busy, chosen)) == least) break;
+    PyObject *after = PyLong_FromSsize_t((chosen + 1) % n);
+    if (after == NULL || PyDict_SetItem(self->next_stream, self->device, after) < 0) {
+        Py_XDECREF(after);
+        return -1;
+    }
+    Py_DECREF(after);
+    return chosen;
+}
+
+static int list_add(PyObject *list, Py_ssize_t i, long delta) {
+    PyObject *v = PyList_GET_ITEM(list, i);
+    PyObject *d = PyLong_FromLong(delta);
+    if (d == NULL) return -1;
+    PyObject *sum = PyNumber_Add(v, d);
+    Py_DECREF(d);
+    if (sum == NULL) return -1;
+    PyList_SET_ITEM(list, i, sum);
+    Py_DECREF(v);
+    return 0;
+}
+
+/* ``Op.execute`` for an op whose deps did not fail: 0, or -1 with an interrupt raised (no Exception:
+ * an Exception is the op's failure, kept in its error). A failed dep: the Python method. */
+static int execute(PyObject *op) {
+    PyObject *deps = OPF(op, OP_DEPS);
+    Py_ssize_t n = PyTuple_Check(deps) ? PyTuple_GET_SIZE(deps) : PyList_Check(deps) ? PyList_GET_SIZE(deps) : -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dep = PyTuple_Check(deps) ? PyTuple_GET_ITEM(deps, i) : PyList_GET_ITEM(deps, i);
+        PyObject *err = field(dep, OP_ERROR);
+        if (err == NULL) return -1;
+        Py_DECREF(err);
+        if (err != Py_None) n = -1;
+    }
+    if (n < 0) return call_method0(op, s_execute);
+    PyObject *kwargs = OPF(op, OP_KWARGS);
+    PyObject *value = PyObject_Call(OPF(op, OP_FN), OPF(op, OP_ARGS),
+                                    PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value == NULL) {
+        PyObject *exc = take_exception();
+        op_set(op, OP_ERROR, exc);
+        op_set(op, OP_ROOT_NAME, OPF(op, OP_NAME));
+        op_set(op, OP_ROOT_ERROR, exc);
+        int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);
+        if (interrupt) {
+            op_set(op, OP_DEPS, sub.empty_tuple);
+            restore_exception(exc);
+            return -1;
+        }
+        Py_DECREF(exc);
+    } else {
+        op_set(op, OP_VALUE, value);
+        Py_DECREF(value);
+    }
+    op_set(op, OP_DEPS, sub.empty_tuple);
+    return 0;
+}
+
+/* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
+ * op with ``s`` current, switch back. 1: the caller's stream is new to the backend (the Python
+ * launch makes its object); -1: raised. */
+static int cuda_launch(Submitter *self, PyObject *s, PyObject *op) {
+    PyObject *caller_device = PyObject_CallNoArgs(self->get_device);
+    if (caller_device == NULL) return -1;
+    PyObject *prev = PyObject_CallOneArg(self->get_stream, self->device_index);
+    if (prev == NULL) { Py_DECREF(caller_device); return -1; }
+    int rc = -1;
+    PyObject *caller = PyDict_GetItemWithError(self->callers, prev);
+    if (caller == NULL) {
+        rc = PyErr_Occurred() ? -1 : 1;
+        goto done;
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(self->record, self->caller_event, caller, NULL);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    if ((r = PyObject_CallFunctionObjArgs(self->wait, self->caller_event, s, NULL)) == NULL) goto done;
+    Py_DECREF(r);
+    PyObject *ids = PyObject_GetAttrString(s, "ids");
+    if (ids == NULL) goto done;
+    r = PyObject_Call(self->set_stream, ids, NULL);
+    Py_DECREF(ids);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    rc = execute(op);
+    PyObject *exc = rc < 0 ? take_exception() : NULL;
+    r = PyObject_Call(self->set_stream, prev, NULL);  /* restored whatever the op did */
+    if (r != NULL) {
+        Py_DECREF(r);
+        if (PyObject_RichCompareBool(caller_device, self->device_index, Py_NE) == 1)
+            r = PyObject_CallOneArg(self->set_device, caller_device);
+        Py_XDECREF(r);
+    }
+    if (exc != NULL) {
+        PyErr_Clear();
+        restore_exception(exc);
+    } else if (r == NULL) {
+        rc = -1;
+    }
+done:
+    Py_DECREF(caller_device);
+    Py_DECREF(prev);
+    return rc;
+}
+
+/* ``CudaBackend.when_done`` -> ``_Completions.put``: queue (number, event, callback) on the stream's
+ * queue, wake the completion thread if it sleeps; the entry's token */
+static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, PyObject *callback) {
+    Py_ssize_t index, seq, n = PyList_GET_SIZE(self->queues);
+    if (get_int(s, s_index, &index) < 0 || get_int(self->completions, s_seq_attr, &seq) < 0) return NULL;
+    if (index < 0 || index >= n) {
+        PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
+        return NULL;
+    }
+    seq += 1;
+    PyObject *number = PyLong_FromSsize_t(seq);
+    if (number == NULL) return NULL;
+    PyObject *entry = PyTuple_Pack(3, number, event, callback);
+    int bad = entry == NULL || PyObject_SetAttr(self->completions, s_seq_attr, number) < 0;
+    Py_DECREF(number);
+    if (!bad) {
+        PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(self->queues, index), s_append, entry);
+        bad = r == NULL;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(entry);
+    if (bad) return NULL;
+    PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
+    if (wake == NULL) return NULL;
+    PyObject *flag = PyObject_GetAttr(wake, s_flag);  /* threading.Event.is_set() reads it */
+    bad = flag == NULL || (flag != Py_True && call_method0(wake, s_set) < 0);
+    Py_XDECREF(flag);
+    Py_DECREF(wake);
+    return bad ? NULL : PyLong_FromSsize_t(seq * n + index);
+}
+
+/* ``op.error = op.root_error = the raised exception; op.root_name = op.name`` and
+ * ``Runtime._finish_launch(op, stream, failed=True)`` (which raises it again unless an Exception) */
+static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
+    PyObject *exc = take_exception();
+    op_set(op, OP_ERROR, exc);
+    op_set(op, OP_ROOT_NAME, OPF(op, OP_NAME));
+    op_set(op, OP_ROOT_ERROR, exc);
+    Py_DECREF(exc);
+    PyObject *call[] = {self->rt, op, stream, Py_True};
+    PyObject *r = PyObject_VectorcallMethod(s_finish_launch, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ``Runtime._launch`` after ``_admit``, for the common case; the rest goes to ``_launch_placed`` */
+static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stream, PyObject *live,
+                  PyObject *waits, int host_inputs) {
+    PyObject *stream_obj = PyLong_FromSsize_t(stream);
+    if (stream_obj == NULL) return -1;
+    int rc = -1;
+    PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
+    if (self->can_be_lost) {
+        PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
+        if (lost == NULL) goto done;
+        Py_DECREF(lost);
+        if (lost != Py_None) {
+            r = PyObject_CallMethodObjArgs(self->rt, s_fail_lost, op, self->backend, NULL);
+            Py_XDECREF(r);
+            rc = r == NULL ? -1 : 0;
+            goto done;
+        }
+    }
+    PyObject *s = PyList_GET_ITEM(self->streams, stream);
+    PyObject *profiler = PyObject_GetAttr(self->rt, s_profiler);
+    if (profiler == NULL) goto done;
+    Py_DECREF(profiler);
+    int python = profiler != Py_None || (host_inputs && PyList_GET_SIZE(live));
+    Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
+    events = PyList_New(0);
+    if (events == NULL) goto done;
+    for (Py_ssize_t k = 0; k < nwaits && !python; k++) {  /* a dep still launching has no event yet */
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(waits, k));
+        if (i == -1 && PyErr_Occurred()) goto done;
+        PyObject *ev = field(PyList_GET_ITEM(live, i), OP_EVENT);
+        if (ev == NULL) goto done;
+        python = ev == Py_None;
+        int bad = PyList_Append(events, ev) < 0;
+        Py_DECREF(ev);
+        if (bad) goto done;
+    }
+    if (python) {
+        PyObject *call[] = {self->rt, op, deps, stream_obj, live, waits, host_inputs ? Py_True : Py_False};
+        r = PyObject_VectorcallMethod(s_launch_placed, call, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(r);
+        rc = r == NULL ? -1 : 0;
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(events); k++) {
+        PyObject *ev = PyList_GET_ITEM(events, k);
+        r = self->wait != NULL ? PyObject_CallFunctionObjArgs(self->wait, ev, s, NULL)
+                               : PyObject_CallMethodOneArg(ev, s_wait, s);
+        if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
+        Py_DECREF(r);
+    }
+    int launched = self->get_device != NULL ? cuda_launch(self, s, op) : 1;
+    if (launched == 1) {  /* the backend's own launch */
+        PyObject *work = PyObject_GetAttr(op, s_execute);
+        if (work == NULL) goto done;
+        r = PyObject_CallMethodObjArgs(self->backend, s_launch, s, work, NULL);
+        Py_DECREF(work);
+        launched = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    if (launched < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
+    if (OPF(op, OP_ERROR) != Py_None) {  /* the op raised: the Python code tells a sticky device error */
+        PyObject *call[] = {self->rt, op, stream_obj};
+        r = PyObject_VectorcallMethod(s_finish_launch, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(r);
+        rc = r == NULL ? -1 : 0;
+        goto done;
+    }
+    if (self->free_events != NULL && PyList_GET_SIZE(self->free_events)) {
+        Py_ssize_t last = PyList_GET_SIZE(self->free_events) - 1;
+        event = Py_NewRef(PyList_GET_ITEM(self->free_events, last));
+        if (PyList_SetSlice(self->free_events, last, last + 1, NULL) < 0) goto done;
+    } else if ((event = PyObject_CallMethodNoArgs(self->backend, s_event)) == NULL) {
+        rc = launch_failed(self, op, stream_obj);
+        goto done;
+    }
+    r = self->record != NULL ? PyObject_CallFunctionObjArgs(self->record, event, s, NULL)
+                             : PyObject_CallMethodOneArg(event, s_record, s);
+    if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
+    Py_DECREF(r);
+    op_set(op, OP_EVENT, event);
+    /* Runtime._watch */
+    PyObject *future = OPF(op, OP_FUTURE);
+    if (PyObject_SetAttr(future, s_hurry_attr, PyList_GET_ITEM(self->hurry_of, stream)) < 0
+            || PyObject_SetAttr(future, s_fence, event) < 0)
+        goto done;
+    if ((callback = PyObject_CallFunctionObjArgs(sub.partial_type, self->finish, op, NULL)) == NULL) goto done;
+    if (self->completions != NULL) {
+        if ((token = completions_put(self, s, event, callback)) == NULL) goto done;
+    } else if ((token = PyObject_CallMethodObjArgs(self->backend, s_when_done, s, event, callback, NULL)) == NULL) {
+        goto done;
+    }
+    if (PyObject_SetAttr(future, s_done_token, token) < 0) goto done;
+    rc = 0;
+done:
+    Py_DECREF(stream_obj);
+    Py_XDECREF(events);
+    Py_XDECREF(event);
+    Py_XDECREF(callback);
+    Py_XDECREF(token);
+    return rc;
+}
+
+/* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken */
+static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
+                                PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
+                                Py_ssize_t *seq_out) {
+    PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
+             *live = NULL, *kept = NULL, *stamps = NULL, *placed = NULL, *future = NULL;
+    Py_ssize_t seq_n;
+    if (get_int(self->rt, s_seq_attr, &seq_n) < 0) goto done;
+    *seq_out = ++seq_n;
+    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL || PyObject_SetAttr(self->rt, s_seq_attr, seq) < 0) goto done;
+    int named = name != Py_None ? PyObject_IsTrue(name) : 0;
+    if (named < 0) goto done;
+    opname = named ? Py_NewRef(op_name) : PyUnicode_FromFormat("%S#%zd", op_name, seq_n);
+    if (opname == NULL || (op = new_op(seq, opname, fn, args, kwargs, accesses)) == NULL) goto done;
+    if ((tracker = PyObject_GetAttr(self->rt, s_tracker)) == NULL
+            || (clocks = PyObject_GetAttr(self->rt, s_clocks)) == NULL)
+        goto done;
+    PyObject *call[] = {tracker, op, accesses};
+    deps = PyObject_TypeCheck(tracker, state.tracker_type)
+        ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
+        : PyObject_VectorcallMethod(s_link, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (deps == NULL || (live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL) goto done;
+    PyObject *dep_list = PySequence_Fast(deps, "the tracker's link returns a list");
+    if (dep_list == NULL) goto done;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dep_list);
+    if (nd) {  /* Runtime._admit: op.deps keeps the unfinished deps and the failed ones */
+        if ((kept = PyList_New(0)) == NULL) { Py_DECREF(dep_list); goto done; }
+        for (Py_ssize_t i = 0; i < nd; i++) {
+            PyObject *d = PySequence_Fast_GET_ITEM(dep_list, i);
+            PyObject *done = field(d, OP_DONE), *error = done == NULL ? NULL : field(d, OP_ERROR);
+            int ok = error != NULL;
+            if (ok && done != Py_True) {
+                PyObject *stamp = field(d, OP_STAMP);
+                ok = stamp != NULL && PyList_Append(live, d) == 0 && PyList_Append(kept, d) == 0
+                     && PyList_Append(stamps, stamp) == 0;
+                Py_XDECREF(stamp);
+            } else if (ok && error != Py_None) {
+                ok = PyList_Append(kept, d) == 0;
+            }
+            Py_XDECREF(done);
+            Py_XDECREF(error);
+            if (!ok) { Py_DECREF(dep_list); goto done; }
+        }
+        op_set(op, OP_DEPS, kept);
+    }
+    Py_DECREF(dep_list);
+    Py_ssize_t stream = choose_stream(self, clocks, live);
+    if (stream < 0) goto done;
+    PyObject *stream_obj = PyLong_FromSsize_t(stream);
+    if (stream_obj == NULL) goto done;
+    PyObject *pcall[] = {clocks, stream_obj, stamps};
+    placed = PyObject_TypeCheck(clocks, state.clocks_type)
+        ? clocks_place((Clocks *)clocks, pcall + 1, 2)
+        : PyObject_VectorcallMethod(s_place, pcall, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(stream_obj);
+    if (placed == NULL) goto done;
+    if (!PyTuple_Check(placed) || PyTuple_GET_SIZE(placed) != 2 || !PyList_Check(PyTuple_GET_ITEM(placed, 1))) {
+        PyErr_SetString(PyExc_TypeError, "clocks.place returns (stamp, waits)");
+        goto done;
+    }
+    op_set(op, OP_STAMP, PyTuple_GET_ITEM(placed, 0));
+    /* counted pending */
+    if (call0_(self->done_acquire) < 0) goto done;
+    Py_ssize_t peak;
+    int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0
+              || get_int(self->rt, s_peak, &peak) < 0
+              || (PyDict_GET_SIZE(self->pending) > peak && set_int(self->rt, s_peak, PyDict_GET_SIZE(self->pending)) < 0);
+    if (call0_(self->done_release) < 0 || bad) goto done;
+    future = Py_NewRef(OPF(op, OP_FUTURE));
+    if (launch(self, op, deps, stream, live, PyTuple_GET_ITEM(placed, 1),
+               on_host && !self->deferred) < 0)
+        Py_CLEAR(future);
+done:
+    Py_XDECREF(op); Py_XDECREF(opname); Py_XDECREF(seq); Py_XDECREF(tracker); Py_XDECREF(clocks);
+    Py_XDECREF(deps); Py_XDECREF(live); Py_XDECREF(kept); Py_XDECREF(stamps); Py_XDECREF(placed);
+    return future;
+}
+
+/* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs) */
+static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "submit() needs the function to run first: rt.submit(fn, *args)");
+        return NULL;
+    }
+    PyObject *fn = argv[0];
+    PyObject *reads = sub.empty_tuple, *writes = sub.empty_tuple, *name = Py_None, *run_on = Py_None;
+    PyObject *args = PyTuple_New(nargs - 1), *kwargs = PyDict_New(), *result = NULL, *accesses = NULL,
+             *op_name = NULL;
+    if (args == NULL || kwargs == NULL) goto done;
+    int markers = 0;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
+        markers |= Py_TYPE(argv[i]) == sub.marker_type;
+    }
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i), *value = argv[nargs + i];
+        if (PyUnicode_Compare(key, s_reads) == 0) reads = value;
+        else if (PyUnicode_Compare(key, s_writes) == 0) writes = value;
+        else if (PyUnicode_Compare(key, s_name) == 0) name = value;
+        else if (PyUnicode_Compare(key, s_run_on) == 0) run_on = value;
+        else {
+            if (PyDict_SetItem(kwargs, key, value) < 0) goto done;
+            markers |= Py_TYPE(value) == sub.marker_type;
+        }
+    }
+    PyObject *closed = PyObject_GetAttr(self->rt, s_closed);
+    if (closed == NULL) goto done;
+    Py_DECREF(closed);
+    if (closed != Py_False || !PyCallable_Check(fn) || run_on != Py_None || markers
+            || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
+            || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
+            || PyDict_GET_SIZE(self->recordings)) {
+        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on);
+        goto done;
+    }
+    PyObject *both[] = {reads, writes};
+    accesses = PyCFunction_Check(self->accesses_fn) && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of
+        ? accesses_of(NULL, both, 2)  /* this module's own */
+        : PyObject_Vectorcall(self->accesses_fn, both, 2, NULL);
+    if (accesses == NULL) goto done;
+    if ((op_name = op_name_of(fn, name)) == NULL) goto done;
+    int on_host = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
+        PyObject *space = PyTuple_GET_ITEM(PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, i), 0), 0);
+        int known = PySet_Contains(self->spaces, space);
+        if (known < 0) goto done;
+        if (!known) {  /* raises the error that says what to do */
+            PyObject *r = PyObject_CallMethodObjArgs(self->rt, s_check_spaces, accesses, op_name, NULL);
+            Py_XDECREF(r);
+            if (r != NULL) PyErr_SetString(PyExc_RuntimeError, "streamdag: a memory space the runtime lacks");
+            goto done;
+        }
+        on_host |= is_cpu_space(space);
+    }
+    if (take_slot(self) < 0) goto done;
+    if (call0_(self->lock_acquire) < 0) goto done;
+    Py_ssize_t seq = 0;
+    result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, &seq);
+    PyObject *exc = result == NULL ? take_exception() : NULL;
+    int released = call0_(self->lock_release);
+    if (exc != NULL) {
+        if (released == 0) restore_exception(exc);
+        else Py_DECREF(exc);
+        goto done;
+    }
+    if (released < 0) { Py_CLEAR(result); goto done; }
+    /* outside the lock: finish what has completed, every so many submits (callbacks may submit) */
+    PyObject *ready = PyObject_GetAttr(self->rt, s_finish_ready);
+    if (ready == NULL) { Py_CLEAR(result); goto done; }
+    Py_ssize_t every = 1;
+    if (PyList_Check(ready) && PyList_GET_SIZE(ready) && get_int(self->rt, s_finish_every, &every) == 0
+            && every > 0 && seq % every == 0) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ready); i++) {
+            PyObject *r = PyObject_CallNoArgs(PyList_GET_ITEM(ready, i));
+            if (r == NULL) break;
+            Py_DECREF(r);
+        }
+    }
+    Py_DECREF(ready);
+    if (PyErr_Occurred()) Py_CLEAR(result);
+done:
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(accesses);
+    Py_XDECREF(op_name);
+    return result;
+}
+
+/* Runtime._finish(op, device_error=None): a successful op whose future nobody watches is finished
+ * here; anything else by the Python method (or, once counted, its ``_settle``) */
+static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "finish(op, device_error=None)");
+        return NULL;
+    }
+    PyObject *op = args[0];
+    if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(op) != sub.op_type || OPF(op, OP_ERROR) != Py_None
+            || OPF(op, OP_STAMP) == NULL || OPF(op, OP_STAMP) == Py_None)
+        return PyObject_VectorcallMethod(s_finish_py, (PyObject *[]){self->rt, op, nargs == 2 ? args[1] : Py_None},
+                                         3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    op_set(op, OP_DONE, Py_True);
+    if (call0_(self->done_acquire) < 0) return NULL;
+    Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting, completed;
+    int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
+              || list_add(self->busy, stream, -1) < 0 || get_int(self->slots, s_free, &free_slots) < 0
+              || set_int(self->slots, s_free, free_slots + 1) < 0 || get_int(self->slots, s_waiting, &waiting) < 0;
+    if (!bad && waiting) {
+        PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
+        bad = freed == NULL || call_method0(freed, s_notify) < 0;
+        Py_XDECREF(freed);
+    }
+    bad = bad || get_int(self->rt, s_completed, &completed) < 0 || set_int(self->rt, s_completed, completed + 1) < 0;
+    if (call0_(self->done_release) < 0 || bad) return NULL;
+    PyObject *value = Py_NewRef(OPF(op, OP_VALUE));
+    PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
+    op_set(op, OP_FN, Py_None); op_set(op, OP_ARGS, Py_None); op_set(op, OP_KWARGS, Py_None);
+    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None);  /* no reference to user data is kept */
+    /* Future._settle_unobserved */
+    PyObject *result = NULL;
+    int settled = 0;
+    if (call0_(self->lazy_acquire) < 0) goto done;
+    PyObject *dict = PyObject_GenericGetDict(future, NULL);
+    if (dict != NULL) {
+        int watched = PyDict_Contains(dict, s_condition);
+        PyObject *st = watched == 0 ? PyDict_GetItemWithError(dict, s_state) : NULL;
+        if (watched == 0 && st == sub.pending) {
+            settled = PyDict_SetItem(dict, s_result, value) == 0 && PyDict_SetItem(dict, s_exception, Py_None) == 0
+                      && PyDict_SetItem(dict, s_state, sub.finished) == 0;
+            if (!settled) goto unlock;
+        } else if (watched < 0 || PyErr_Occurred()) {
+            goto unlock;
+        }
+        settled = settled ? 1 : -1;  /* -1: someone watches, the Python code settles it */
+    }
+unlock:
+    Py_XDECREF(dict);
+    {
+        PyObject *exc = PyErr_Occurred() ? take_exception() : NULL;
+        if (call0_(self->lazy_release) < 0) { Py_XDECREF(exc); goto done; }
+        if (exc != NULL) { restore_exception(exc); goto done; }
+    }
+    if (settled == 1) {
+        result = Py_NewRef(Py_None);
+    } else if (settled == -1) {
+        PyObject *call[] = {self->rt, future, value, Py_None};
+        result = PyObject_VectorcallMethod(s_settle, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+done:
+    Py_DECREF(value);
+    Py_DECREF(future);
+    return result;
+}
+
+static PyMethodDef submitter_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
+     "Runtime.submit, compiled: see streamdag.Runtime.submit."},
+    {"finish", (PyCFunction)(void (*)(void))submitter_finish, METH_FASTCALL,
+     "Runtime._finish, compiled for a successful op nobody watches."},
+    {NULL}
+};
+
+static PyType_Slot submitter_slots[] = {
+    {Py_tp_init, submitter_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_traverse, submitter_traverse},
+    {Py_tp_clear, submitter_clear},
+    {Py_tp_dealloc, submitter_dealloc},
+    {Py_tp_methods, submitter_methods},
+    {Py_tp_doc, "The runtime's submit and finish, compiled (see native/_submit.c)."},
+    {0, NULL}
+};
+
+static PyType_Spec submitter_spec = {
+    "streamdag.native.Submitter", sizeof(Submitter), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, submitter_slots
+};
+
+#define SUBMIT_METHODS \
+    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, partial, _LAZY, PENDING, FINISHED, _finished_ok."},
+
+static int submit_init(PyObject *m) {
+#define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    S(s_acquire, "acquire") S(s_release, "release") S(s_closed, "_closed") S(s_submit_py, "_submit")
+    S(s_tracker, "_tracker") S(s_clocks, "_clocks") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
+    S(s_seq_attr, "_seq") S(s_peak, "_peak") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
+    S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
+    S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
+    S(s_wait, "wait") S(s_when_done, "when_done") S(s_hurry_attr, "_hurry") S(s_fence, "_fence")
+    S(s_done_token, "_done_token") S(s_finish_ready, "_finish_ready") S(s_finish_every, "_finish_every")
+    S(s_free, "_free") S(s_waiting, "_waiting") S(s_freed, "_freed") S(s_notify, "notify")
+    S(s_completed, "_completed") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_condition, "_condition")
+    S(s_state, "_state") S(s_result, "_result") S(s_exception, "_exception") S(s_op_name, "op_name")
+    S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
+    S(s_run_on, "run_on") S(s_lost, "lost")
+    S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
+#undef S
+    if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL) return -1;
+    submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
+    if (submitter_type == NULL) return -1;
+    return PyModule_AddObjectRef(m, "Submitter", (PyObject *)submitter_type);
+}
