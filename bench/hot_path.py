@@ -1,12 +1,13 @@
 """The compiled hot path against its Python reference: host time per submit, side by side.
 
-Two runtimes on the CPU with a backend that runs each op at once (no device,
-no threads), so what a submit costs is the runtime's bookkeeping: one with
-the compiled tracker, clocks and tensor ranges (``streamdag.native``), one
-with their Python reference (what runs where no C compiler is). A chain of
-ops over 64 tensors, each reading one and writing the next, the op a Python
-function that does nothing. The variants run in turns, round after round;
-each reports its median round.
+Runtimes on the CPU with a backend that runs each op at once (no device, no
+threads), so what a submit costs is the runtime's bookkeeping: one all
+compiled (the submit and finish, the tracker, clocks and tensor ranges:
+``streamdag.native``), one with the submit and finish in Python and the rest
+compiled, and one all in Python (what runs where no C compiler is). A chain
+of ops over 64 tensors, each reading one and writing the next, the op a
+Python function that does nothing. The variants run in turns, round after
+round, in alternating order; each reports its median round.
 
 Run: python bench/hot_path.py (CPU only; writes bench/results/hot_path_cpu.json)
 """
@@ -35,12 +36,16 @@ def nothing(*args, **kwargs):
     return None
 
 
-def chain_on(compiled: bool):
-    rt = sd.Runtime(backend=InlineBackend("cpu", 8), max_inflight=1 << 20)
-    if not compiled:
+def chain_on(kind: str):
+    core.COMPILED_SUBMIT = kind == "compiled"
+    try:
+        rt = sd.Runtime(backend=InlineBackend("cpu", 8), max_inflight=1 << 20)
+    finally:
+        core.COMPILED_SUBMIT = True
+    if kind == "python":
         rt._tracker = hazards.PyDepsTracker(retired=core._finished_ok)
         rt._clocks = waits.PyStreamClocks(len(rt._streams))
-    accesses = buffers.accesses if compiled else buffers._py_accesses
+    accesses = buffers._py_accesses if kind == "python" else buffers.accesses
     bufs = [torch.zeros(256) for _ in range(64)]
 
     def chain(n):
@@ -57,12 +62,16 @@ def chain_on(compiled: bool):
 def main():
     if native.load() is None:
         raise SystemExit(f"the compiled hot path is not built here ({native.status()}): nothing to compare")
-    variants = {"compiled hot path": chain_on(True), "Python reference": chain_on(False)}
+    variants = {"all compiled": chain_on("compiled"),
+                "submit in Python, tracker, clocks, ranges compiled": chain_on("glue"),
+                "Python reference": chain_on("python")}
     rounds: dict[str, list[float]] = {label: [] for label in variants}
     for run in variants.values():
         run(2000)
+    order = list(variants.items())
     for _ in range(ROUNDS):
-        for label, run in variants.items():
+        order.reverse()
+        for label, run in order:
             t0 = time.perf_counter()
             run(OPS_PER_ROUND)
             rounds[label].append((time.perf_counter() - t0) / OPS_PER_ROUND * 1e6)
