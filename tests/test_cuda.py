@@ -666,3 +666,24 @@ def test_a_done_callback_raising_system_exit_leaves_the_completion_thread_workin
         assert slow in done and slow.exception() is None
     assert a.tolist() == [2.0] * 8
     assert any(r.exc_info and r.exc_info[0] is SystemExit for r in caplog.records)
+
+
+def test_the_torch_extension_builds_here_and_reads_tensors_as_the_python_code():
+    """On a GPU machine with a compiler the CUDA calls are made in C++ (native/_torch.cpp); its
+    reads of tensors must equal the Python code's, for every layout and device."""
+    from streamdag import native
+    from streamdag.graph import buffers
+
+    assert native.load_torch() is not None, native.torch_status()
+    base = torch.arange(64, dtype=torch.float32, device="cuda")
+    tensors = [base, base[8:24], base.view(8, 8).t(), base[::2], torch.zeros(0, device="cuda"),
+               torch.nn.Parameter(torch.ones(4, device="cuda")), torch.ones(3, 4), torch.ones(3, 4)[:, 1],
+               base.to(torch.bfloat16), torch.zeros(4, device="cuda").to_sparse()]
+    for t in tensors:
+        try:
+            want = buffers._py_accesses([t], [t])
+        except Exception as exc:
+            with pytest.raises(type(exc)):
+                buffers.accesses([t], [t])
+            continue
+        assert buffers.accesses([t], [t]) == want, t

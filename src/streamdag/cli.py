@@ -127,6 +127,7 @@ def _doctor(args: argparse.Namespace) -> int:
         import torch
 
         n = torch.cuda.device_count()
+        print(f"CUDA calls: {native.torch_status()}")
         print(f"CUDA {torch.version.cuda}, {n} device(s):")
         for i in range(n):
             p = torch.cuda.get_device_properties(i)

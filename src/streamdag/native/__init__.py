@@ -30,15 +30,20 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeBuildError", "load", "status"]
+__all__ = ["NativeBuildError", "load", "load_torch", "status", "torch_status"]
 
 _SOURCE = Path(__file__).with_name("_speedups.c")
-_SOURCES = sorted(_SOURCE.parent.glob("*.c"))
+_SOURCES = sorted([*_SOURCE.parent.glob("*.c"), *_SOURCE.parent.glob("*.h")])
 _NAME = "_streamdag_speedups"
+
+_TORCH_SOURCE = _SOURCE.with_name("_torch.cpp")
 
 _loaded: ModuleType | None = None
 _tried = False
 _why_not = ""
+_torch_loaded: ModuleType | None = None
+_torch_tried = False
+_torch_why_not = ""
 
 
 class NativeBuildError(RuntimeError):
@@ -76,6 +81,71 @@ def load() -> ModuleType | None:
             "submit, or set STREAMDAG_NATIVE=0 to run the Python code without this warning.",
             RuntimeWarning, stacklevel=3)
     return _loaded
+
+
+def torch_status() -> str:
+    """One line for ``streamdag doctor``: whether a GPU runtime's CUDA calls are made in C++."""
+    module = load_torch()
+    if module is not None:
+        return f"C++ ({module.__file__})"
+    return f"through PyTorch's Python bindings: {_torch_why_not}"
+
+
+def load_torch() -> ModuleType | None:
+    """The torch extension (``_torch.cpp``): a GPU runtime's CUDA calls and its reads of tensors,
+    in C++ against PyTorch's headers; handed to the compiled hot path, which otherwise makes the
+    same calls through PyTorch's Python bindings.
+
+    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: about
+    a minute), then cached per torch and Python version. None (with one warning) where it cannot
+    be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
+    ``STREAMDAG_NATIVE=0`` skips it; ``STREAMDAG_NATIVE=1`` makes a failed build an error.
+    """
+    global _torch_loaded, _torch_tried, _torch_why_not
+    if _torch_tried:
+        return _torch_loaded
+    _torch_tried = True
+    module = load()
+    if module is None:
+        _torch_why_not = "no compiled hot path"
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        _torch_why_not = f"no PyTorch ({exc})"
+        return None
+    if not torch.cuda.is_available():
+        _torch_why_not = "no CUDA here"
+        return None
+    choice = os.environ.get("STREAMDAG_NATIVE", "")
+    try:
+        python = f"py{sys.version_info.major}{sys.version_info.minor}"
+        tag = f"torch-{torch.__version__}-{python}".replace("+", "_")
+        build = _cache_dir() / tag
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            print(f"streamdag: building its CUDA calls against torch {torch.__version__} "
+                  f"(once, cached in {build}; about a minute)", file=sys.stderr, flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
+            ext = cpp_extension.load(
+                name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=["-O2"],
+                extra_include_paths=[str(_SOURCE.parent)], with_cuda=True, build_directory=str(build),
+                verbose=False)
+        module.use_torch(ext)
+        _torch_loaded = ext
+    except Exception as exc:
+        last = str(exc).strip().splitlines()[-1:]  # a failed build's message ends with the reason
+        _torch_why_not = f"{type(exc).__name__}: {last[0] if last else ''}"
+        if choice == "1":
+            raise NativeBuildError(f"STREAMDAG_NATIVE=1, but the torch extension failed: {_torch_why_not}"
+                                   ) from exc
+        warnings.warn(
+            f"streamdag makes its CUDA calls through PyTorch's Python bindings: its torch extension did "
+            f"not build ({_torch_why_not}). That costs a few µs per op; a C++ compiler, ninja and the "
+            "CUDA headers make it build.", RuntimeWarning, stacklevel=3)
+    return _torch_loaded
 
 
 def _cache_dir() -> Path:

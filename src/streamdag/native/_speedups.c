@@ -13,6 +13,7 @@
 #include <structmember.h>
 #include <stdlib.h>
 #include <string.h>
+#include "_torch_hooks.h"
 
 /* ------------------------------------------------------------------ module state */
 
@@ -31,6 +32,8 @@ typedef struct {
     PyTypeObject *region_type;
     PyTypeObject *access_type;
     PyObject *cpu;           /* "cpu" */
+    const StreamdagTorchHooks *torch;  /* from the torch extension (use_torch()), or NULL */
+    PyObject *torch_module;  /* keeps it loaded */
 } State;
 
 static State state;  /* one interpreter: the module is not meant for subinterpreters */
@@ -678,6 +681,30 @@ static PyObject *call0(PyObject *obj, PyObject *name) {
  * anything else goes to the Python function, which also raises the errors */
 static PyObject *torch_region(PyObject *t) {
     PyObject *space = NULL, *region = NULL, *start = NULL, *nbytes = NULL, *end = NULL;
+    if (state.torch != NULL) {  /* read in C++ */
+        long long device, lo, hi;
+        int read = state.torch->region(t, &device, &lo, &hi);
+        if (read < 0) return NULL;
+        if (read) {
+            if (device < 0) {
+                space = Py_NewRef(state.cpu);
+            } else {
+                PyObject *index = PyLong_FromLongLong(device);
+                if (index == NULL) return NULL;
+                space = Py_XNewRef(PyDict_GetItemWithError(state.cuda_spaces, index));
+                Py_DECREF(index);
+                if (space == NULL && PyErr_Occurred()) return NULL;
+            }
+            if (space != NULL) {  /* else a GPU not seen yet: the Python code names it */
+                if ((start = PyLong_FromLongLong(lo)) != NULL && (end = PyLong_FromLongLong(hi)) != NULL)
+                    region = new_tuple_of(state.region_type, space, start, end);
+                Py_DECREF(space);
+                Py_XDECREF(start);
+                Py_XDECREF(end);
+                return region;
+            }
+        }
+    }
     PyObject *flag = PyObject_GetAttr(t, s_is_cuda);
     if (flag == NULL) return NULL;
     int on_cuda = flag == Py_True;
@@ -764,6 +791,22 @@ static PyObject *accesses_of(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     return out;
+}
+
+static PyObject *use_torch(PyObject *module, PyObject *torch_module) {
+    PyObject *capsule = PyObject_GetAttrString(torch_module, "hooks");
+    if (capsule == NULL) return NULL;
+    const StreamdagTorchHooks *hooks = PyCapsule_GetPointer(capsule, STREAMDAG_TORCH_HOOKS_CAPSULE);
+    Py_DECREF(capsule);
+    if (hooks == NULL) return NULL;
+    if (hooks->version != STREAMDAG_TORCH_HOOKS_VERSION) {
+        PyErr_Format(PyExc_RuntimeError, "the torch extension has hooks version %d, this module %d",
+                     hooks->version, STREAMDAG_TORCH_HOOKS_VERSION);
+        return NULL;
+    }
+    Py_XSETREF(state.torch_module, Py_NewRef(torch_module));
+    state.torch = hooks;
+    Py_RETURN_NONE;
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
@@ -1004,6 +1047,7 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
     SUBMIT_METHODS
+    {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp)."},
     {NULL}
 };
 

@@ -153,6 +153,7 @@ typedef struct {
              *callers, *free_events, *device_index, *queues, *completions;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
+    const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
 } Submitter;
@@ -247,6 +248,7 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
                               &self->device_index, &self->completions))
             return -1;
         Py_INCREF(self->completions);
+        self->torch = state.torch;
         if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
         if (!PyList_CheckExact(self->queues)) {
             PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
@@ -439,6 +441,20 @@ static int execute(PyObject *op) {
  * op with ``s`` current, switch back. 1: the caller's stream is new to the backend (the Python
  * launch makes its object); -1: raised. */
 static int cuda_launch(Submitter *self, PyObject *s, PyObject *op) {
+    const StreamdagTorchHooks *torch = self->torch;
+    if (torch != NULL) {  /* the same calls, in C++ */
+        StreamdagSaved saved;
+        if (torch->enter(s, self->caller_event, &saved) < 0) return -1;
+        int rc = execute(op);
+        PyObject *exc = rc < 0 ? take_exception() : NULL;
+        int left = torch->leave(&saved);  /* restored whatever the op did */
+        if (exc != NULL) {
+            PyErr_Clear();
+            restore_exception(exc);
+            return -1;
+        }
+        return left < 0 ? -1 : 0;
+    }
     PyObject *caller_device = PyObject_CallNoArgs(self->get_device);
     if (caller_device == NULL) return -1;
     PyObject *prev = PyObject_CallOneArg(self->get_stream, self->device_index);
@@ -572,6 +588,10 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(events); k++) {
         PyObject *ev = PyList_GET_ITEM(events, k);
+        if (self->torch != NULL) {
+            if (self->torch->wait(ev, s) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
+            continue;
+        }
         r = self->wait != NULL ? PyObject_CallFunctionObjArgs(self->wait, ev, s, NULL)
                                : PyObject_CallMethodOneArg(ev, s_wait, s);
         if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
@@ -602,10 +622,14 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         rc = launch_failed(self, op, stream_obj);
         goto done;
     }
-    r = self->record != NULL ? PyObject_CallFunctionObjArgs(self->record, event, s, NULL)
-                             : PyObject_CallMethodOneArg(event, s_record, s);
-    if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
-    Py_DECREF(r);
+    if (self->torch != NULL) {
+        if (self->torch->record(event, s) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
+    } else {
+        r = self->record != NULL ? PyObject_CallFunctionObjArgs(self->record, event, s, NULL)
+                                 : PyObject_CallMethodOneArg(event, s_record, s);
+        if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
+        Py_DECREF(r);
+    }
     op_set(op, OP_EVENT, event);
     /* Runtime._watch */
     PyObject *future = OPF(op, OP_FUTURE);

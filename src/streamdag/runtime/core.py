@@ -28,6 +28,7 @@ from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBloc
 from ..graph.buffers import Access, Marker
 from ..graph.hazards import DepsTracker
 from ..native import load as load_native
+from ..native import load_torch
 from ..schedule.waits import StreamClocks
 from . import ops
 from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback
@@ -166,6 +167,8 @@ class Runtime:
             # submit and finish in C (``native/_submit.c``); the methods below stay the reference
             # and run every case it leaves to them
             launch_parts = getattr(self.backend, "launch_parts", None)
+            if launch_parts is not None:
+                load_torch()  # the CUDA calls in C++, where the torch extension builds
             submitter = _speedups.Submitter(self, ops.accesses_of, _DROP_WAITS,
                                             launch_parts() if launch_parts is not None else None)
             self.submit = submitter.submit  # type: ignore[method-assign]

@@ -1,0 +1,127 @@
+// The CUDA calls of a launch and the reads of a tensor's byte range, in C++ against PyTorch's
+// headers: through PyTorch's Python bindings each is a Python call that parses its arguments
+// (19 of them per op on a GPU runtime), here each is a C++ call. Built by streamdag.native on
+// the first GPU runtime (torch.utils.cpp_extension, with CUDA), cached; _speedups.c takes the
+// functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
+// through the bindings otherwise.
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Stream.h>
+#include <torch/csrc/cuda/Event.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "_torch_hooks.h"
+
+#define STREAMDAG_STR2(x) #x
+#define STREAMDAG_STR(x) STREAMDAG_STR2(x)
+#define STREAMDAG_CAT2(a, b) a##b
+#define STREAMDAG_CAT(a, b) STREAMDAG_CAT2(a, b)
+#define TORCH_EXTENSION_NAME_STR STREAMDAG_STR(TORCH_EXTENSION_NAME)
+#define TORCH_EXTENSION_INIT STREAMDAG_CAT(PyInit_, TORCH_EXTENSION_NAME)
+
+namespace {
+
+int fail(const std::exception& e) {
+  PyErr_SetString(PyExc_RuntimeError, e.what());
+  return -1;
+}
+
+c10::cuda::CUDAStream stream_of(PyObject* obj) {
+  auto* s = reinterpret_cast<THPStream*>(obj);
+  return c10::cuda::CUDAStream::unpack3(s->stream_id, static_cast<c10::DeviceIndex>(s->device_index),
+                                        static_cast<c10::DeviceType>(s->device_type));
+}
+
+at::cuda::CUDAEvent& event_of(PyObject* obj) {
+  return reinterpret_cast<THCPEvent*>(obj)->cuda_event;
+}
+
+int region(PyObject* obj, long long* device, long long* start, long long* end) {
+  if (!THPVariable_CheckExact(obj)) return 0;  // a subclass may read differently (__torch_function__)
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous()) return 0;
+    if (t.is_cuda()) {
+      *device = t.get_device();
+    } else if (t.is_cpu()) {
+      *device = -1;
+    } else {
+      return 0;
+    }
+    *start = static_cast<long long>(reinterpret_cast<intptr_t>(t.data_ptr()));
+    *end = *start + static_cast<long long>(t.nbytes());
+    return 1;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
+  try {
+    auto target = stream_of(stream);
+    saved->device = c10::cuda::current_device();
+    auto caller = c10::cuda::getCurrentCUDAStream(target.device_index());
+    auto packed = caller.pack3();
+    saved->stream_id = packed.stream_id;
+    saved->device_index = packed.device_index;
+    saved->device_type = static_cast<long long>(packed.device_type);
+    auto& fence = event_of(caller_event);
+    fence.record(caller);  // work the caller enqueued on its own stream comes first
+    fence.block(target);
+    if (saved->device != target.device_index()) c10::cuda::set_device(target.device_index());
+    c10::cuda::setCurrentCUDAStream(target);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+int leave(const StreamdagSaved* saved) {
+  try {
+    c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream::unpack3(
+        saved->stream_id, static_cast<c10::DeviceIndex>(saved->device_index),
+        static_cast<c10::DeviceType>(saved->device_type)));
+    if (c10::cuda::current_device() != saved->device)
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+int record(PyObject* event, PyObject* stream) {
+  try {
+    event_of(event).record(stream_of(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+int wait(PyObject* event, PyObject* stream) {
+  try {
+    event_of(event).block(stream_of(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+StreamdagTorchHooks hooks = {STREAMDAG_TORCH_HOOKS_VERSION, region, enter, leave, record, wait};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, TORCH_EXTENSION_NAME_STR,
+                          "streamdag's CUDA calls in C++ (see _torch_hooks.h).", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC TORCH_EXTENSION_INIT(void) {
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  PyObject* capsule = PyCapsule_New(&hooks, STREAMDAG_TORCH_HOOKS_CAPSULE, nullptr);
+  if (capsule == nullptr || PyModule_AddObject(m, "hooks", capsule) < 0) {
+    Py_XDECREF(capsule);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

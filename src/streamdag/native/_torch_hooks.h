@@ -1,0 +1,29 @@
+/* What the torch extension (_torch.cpp) hands the compiled hot path (_speedups.c), in a capsule:
+ * reads of tensors and CUDA calls made in C++ against PyTorch's own headers, where _speedups.c
+ * (plain CPython API) goes through PyTorch's Python bindings. Each returns -1 with a Python
+ * exception set on failure. */
+#ifndef STREAMDAG_TORCH_HOOKS_H
+#define STREAMDAG_TORCH_HOOKS_H
+
+#define STREAMDAG_TORCH_HOOKS_VERSION 1
+#define STREAMDAG_TORCH_HOOKS_CAPSULE "streamdag.native._torch.hooks"
+
+/* the caller's stream and device, kept across a launch */
+typedef struct { long long stream_id, device_index, device_type, device; } StreamdagSaved;
+
+typedef struct {
+    int version;
+    /* a contiguous strided tensor (torch.Tensor or Parameter, on the CPU or a GPU): 1 and its
+     * device index (-1: the CPU) and byte range; 0: anything else (the caller reads it itself) */
+    int (*region)(PyObject *tensor, long long *device, long long *start, long long *end);
+    /* order ``stream`` (a torch.cuda.Stream) after the caller's current stream on its device through
+     * ``caller_event`` (a torch.cuda.Event), then make it current (and its device); ``saved``
+     * keeps what leave() restores */
+    int (*enter)(PyObject *stream, PyObject *caller_event, StreamdagSaved *saved);
+    int (*leave)(const StreamdagSaved *saved);
+    /* ``event.record(stream)`` and ``event.wait(stream)`` of torch.cuda.Event */
+    int (*record)(PyObject *event, PyObject *stream);
+    int (*wait)(PyObject *event, PyObject *stream);
+} StreamdagTorchHooks;
+
+#endif
