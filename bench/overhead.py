@@ -1,8 +1,9 @@
 """Host cost per op that streamdag adds on top of PyTorch's own launch (goal: at most 5 µs).
 
-Eager submits (each op's dependencies inferred and launched at once); the
-same with the Python reference of the compiled hot path (``streamdag.native``:
-what runs where no C compiler is); the runtime's bookkeeping alone (a backend
+Eager submits (each op's dependencies inferred and launched at once, compiled:
+``streamdag.native``); the same with the launch's CUDA calls through PyTorch's
+Python bindings (where the torch extension does not build), with the submit
+in Python, and all in Python (where no C compiler is); the runtime's bookkeeping alone (a backend
 that runs the op and makes no CUDA call of its own); the CUDA calls alone (what
 any runtime on PyTorch's streams calls per op, with no bookkeeping: the floor
 of this design through PyTorch's Python API); and for comparison the same
@@ -147,10 +148,21 @@ def main():
     thread_only._finish_ready = []
     bare = sd.Runtime(backend=InlineBackend(f"cuda:{torch.cuda.current_device()}", 8),
                       max_inflight=100000)
-    # the same chain with the Python reference of the compiled hot path (what runs without a compiler)
+    # the same chain with the launch's CUDA calls made through PyTorch's Python bindings (what runs
+    # where the torch extension does not build; tensors are still read in C++)
+    torch_ext = native.load_torch()
+    if torch_ext is not None:
+        native.load().use_torch(None)
+        bindings = sd.Runtime("cuda", streams=8, max_inflight=100000)
+        native.load().use_torch(torch_ext)
+    # the same chain with the submit path in Python (the tracker, clocks and accesses compiled)
+    sd_core.COMPILED_SUBMIT = False
+    python_glue = sd.Runtime("cuda", streams=8, max_inflight=100000)
+    # the same chain all in Python: what runs without a compiler
     python_path = sd.Runtime("cuda", streams=8, max_inflight=100000)
     python_path._tracker = hazards.PyDepsTracker(retired=sd_core._finished_ok)
     python_path._clocks = waits.PyStreamClocks(len(python_path._streams))
+    sd_core.COMPILED_SUBMIT = True
 
     def with_python_accesses(run):
         def python_run(n):
@@ -189,7 +201,11 @@ def main():
         **({"the same CUDA calls made from C++ (native launch)": native_calls_only} if native_launch else {}),
         "streamdag submit, dependent chain": chain_on(rt),
         "streamdag submit, dependent chain, completion thread finishes all": chain_on(thread_only),
-        **({"streamdag submit, dependent chain, Python hot path (no compiler)":
+        **({"streamdag submit, dependent chain, CUDA calls via PyTorch's bindings": chain_on(bindings)}
+           if torch_ext is not None else {}),
+        **({"streamdag submit, dependent chain, submit in Python": chain_on(python_glue)}
+           if native.load() is not None else {}),
+        **({"streamdag submit, dependent chain, all in Python (no compiler)":
             with_python_accesses(chain_on(python_path))} if native.load() is not None else {}),
         "streamdag submit, independent ops": independent_on(rt),
         "streamdag bookkeeping alone, dependent chain": chain_on(bare),
@@ -210,11 +226,17 @@ def main():
             graph_rt.synchronize()
             thread_only.synchronize()
             python_path.synchronize()
+            python_glue.synchronize()
+            if torch_ext is not None:
+                bindings.synchronize()
             torch.cuda.synchronize()
     rt.close()
     graph_rt.close()
     thread_only.close()
     python_path.close()
+    python_glue.close()
+    if torch_ext is not None:
+        bindings.close()
     bare.close()
     medians = {label: statistics.median(ts) for label, ts in rounds.items()}
     t_torch = medians["PyTorch launch, one stream"]
@@ -229,7 +251,8 @@ def main():
     print(write_json(Path(__file__).parent / "results",
                      "overhead_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8,
-                                   "native_launch": native_launch is not None, "hot_path": native.status()},
+                                   "native_launch": native_launch is not None, "hot_path": native.status(),
+                                   "cuda_calls": native.torch_status()},
                       "us": {"torch_us": t_torch, **{k: v for k, v in medians.items() if k != rows[0][0]}},
                       "added_paired_us": paired,
                       "rounds_us": rounds}))

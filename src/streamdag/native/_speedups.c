@@ -794,6 +794,11 @@ static PyObject *accesses_of(PyObject *module, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *use_torch(PyObject *module, PyObject *torch_module) {
+    if (torch_module == Py_None) {  /* back to PyTorch's bindings (runtimes made from now on) */
+        state.torch = NULL;
+        Py_CLEAR(state.torch_module);
+        Py_RETURN_NONE;
+    }
     PyObject *capsule = PyObject_GetAttrString(torch_module, "hooks");
     if (capsule == NULL) return NULL;
     const StreamdagTorchHooks *hooks = PyCapsule_GetPointer(capsule, STREAMDAG_TORCH_HOOKS_CAPSULE);
@@ -1047,7 +1052,7 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
     SUBMIT_METHODS
-    {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp)."},
+    {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
     {NULL}
 };
 

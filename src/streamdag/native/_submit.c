@@ -34,6 +34,8 @@ static struct {
     PyObject *finished;
     PyObject *empty_tuple;
     PyObject *empty_str;
+    PyObject *empty_list;  /* never added to */
+    PyObject *empty_dict;  /* never added to */
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
@@ -567,8 +569,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     Py_DECREF(profiler);
     int python = profiler != Py_None || (host_inputs && PyList_GET_SIZE(live));
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
-    events = PyList_New(0);
-    if (events == NULL) goto done;
+    if (nwaits && (events = PyList_New(0)) == NULL) goto done;
     for (Py_ssize_t k = 0; k < nwaits && !python; k++) {  /* a dep still launching has no event yet */
         Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(waits, k));
         if (i == -1 && PyErr_Occurred()) goto done;
@@ -586,7 +587,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         rc = r == NULL ? -1 : 0;
         goto done;
     }
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(events); k++) {
+    for (Py_ssize_t k = 0; events != NULL && k < PyList_GET_SIZE(events); k++) {
         PyObject *ev = PyList_GET_ITEM(events, k);
         if (self->torch != NULL) {
             if (self->torch->wait(ev, s) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
@@ -674,12 +675,19 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     deps = PyObject_TypeCheck(tracker, state.tracker_type)
         ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
         : PyObject_VectorcallMethod(s_link, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    if (deps == NULL || (live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL) goto done;
+    if (deps == NULL) goto done;
     PyObject *dep_list = PySequence_Fast(deps, "the tracker's link returns a list");
     if (dep_list == NULL) goto done;
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(dep_list);
-    if (nd) {  /* Runtime._admit: op.deps keeps the unfinished deps and the failed ones */
-        if ((kept = PyList_New(0)) == NULL) { Py_DECREF(dep_list); goto done; }
+    if (!nd) {  /* no dependency: nothing is added to these, so one empty list serves every op */
+        live = Py_NewRef(sub.empty_list);
+        stamps = Py_NewRef(sub.empty_list);
+    } else {  /* Runtime._admit: op.deps keeps the unfinished deps and the failed ones */
+        if ((live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL
+                || (kept = PyList_New(0)) == NULL) {
+            Py_DECREF(dep_list);
+            goto done;
+        }
         for (Py_ssize_t i = 0; i < nd; i++) {
             PyObject *d = PySequence_Fast_GET_ITEM(dep_list, i);
             PyObject *done = field(d, OP_DONE), *error = done == NULL ? NULL : field(d, OP_ERROR);
@@ -740,9 +748,10 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
     }
     PyObject *fn = argv[0];
     PyObject *reads = sub.empty_tuple, *writes = sub.empty_tuple, *name = Py_None, *run_on = Py_None;
-    PyObject *args = PyTuple_New(nargs - 1), *kwargs = PyDict_New(), *result = NULL, *accesses = NULL,
-             *op_name = NULL;
-    if (args == NULL || kwargs == NULL) goto done;
+    /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
+    PyObject *args = PyTuple_New(nargs - 1), *kwargs = Py_NewRef(sub.empty_dict), *result = NULL,
+             *accesses = NULL, *op_name = NULL;
+    if (args == NULL) goto done;
     int markers = 0;
     for (Py_ssize_t i = 1; i < nargs; i++) {
         PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
@@ -756,6 +765,10 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
         else if (PyUnicode_Compare(key, s_name) == 0) name = value;
         else if (PyUnicode_Compare(key, s_run_on) == 0) run_on = value;
         else {
+            if (kwargs == sub.empty_dict) {
+                Py_DECREF(kwargs);
+                if ((kwargs = PyDict_New()) == NULL) goto done;
+            }
             if (PyDict_SetItem(kwargs, key, value) < 0) goto done;
             markers |= Py_TYPE(value) == sub.marker_type;
         }
@@ -767,6 +780,10 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings)) {
+        if (kwargs == sub.empty_dict) {  /* the Python path gets a dict of its own, as **kwargs makes */
+            Py_DECREF(kwargs);
+            if ((kwargs = PyDict_New()) == NULL) goto done;
+        }
         result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on);
         goto done;
     }
@@ -930,7 +947,9 @@ static int submit_init(PyObject *m) {
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
 #undef S
-    if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL) return -1;
+    if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
+            || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
+        return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
     if (submitter_type == NULL) return -1;
     return PyModule_AddObjectRef(m, "Submitter", (PyObject *)submitter_type);
