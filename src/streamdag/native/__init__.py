@@ -1,10 +1,12 @@
 """The compiled hot path (``_speedups.c``), built on first use with the machine's C compiler.
 
-Dependency tracking runs for every submitted op; in Python its records and
-the byte ranges of tensors cost most of what ``submit`` adds (see
-docs/status.md). ``_speedups.c`` does the common case in C; the Python code
-in ``graph/hazards.py`` and ``graph/buffers.py`` stays the reference (tests
-check the two against each other) and runs the rare paths.
+What runs for every submitted op: dependency tracking, the byte ranges of
+tensors, the stream clocks (``_speedups.c``), and the runtime's submit and
+finish around them (``_submit.c``, included by it). The Python code in
+``graph/hazards.py``, ``graph/buffers.py``, ``schedule/waits.py`` and
+``runtime/core.py`` stays the reference (tests check the two against each
+other) and runs the rare paths. On a GPU, :func:`load_torch` adds a torch
+extension (``_torch.cpp``) that makes the launch's CUDA calls in C++.
 
 The extension is built with ``$CC``, else the compiler Python was built
 with, against this Python's headers, into a cache folder (``STREAMDAG_CACHE_DIR``, else
@@ -77,7 +79,7 @@ def load() -> ModuleType | None:
                                    ) from exc
         warnings.warn(
             f"streamdag runs its Python code: the compiled hot path did not build ({_why_not}). "
-            "Install a C compiler and Python's headers (python3-dev) for ~30% less host time per "
+            "Install a C compiler and Python's headers (python3-dev) for about half the host time per "
             "submit, or set STREAMDAG_NATIVE=0 to run the Python code without this warning.",
             RuntimeWarning, stacklevel=3)
     return _loaded

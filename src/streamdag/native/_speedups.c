@@ -1,4 +1,5 @@
-/* The hot path of dependency tracking, compiled: an op's accesses and their link into the tracker.
+/* The hot path of dependency tracking, compiled: an op's accesses and their link into the tracker
+ * (and, included at the end, the runtime's submit and finish: _submit.c).
  *
  * Mirrors ``streamdag.graph.hazards`` (records, spaces, ``DepsTracker.link``) and
  * ``streamdag.graph.buffers`` (the byte range of a contiguous torch tensor) exactly; the Python
