@@ -442,12 +442,16 @@ static int execute(PyObject *op) {
 /* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
  * op with ``s`` current, switch back. 1: the caller's stream is new to the backend (the Python
  * launch makes its object); -1: raised. */
-static int cuda_launch(Submitter *self, PyObject *s, PyObject *op) {
+static int cuda_launch(Submitter *self, PyObject *s, PyObject *op, PyObject *events, long long *device) {
     const StreamdagTorchHooks *torch = self->torch;
-    if (torch != NULL) {  /* the same calls, in C++ */
+    if (torch != NULL) {  /* the same calls, in C++; the waits on deps' events too, on the stream's device */
         StreamdagSaved saved;
         if (torch->enter(s, self->caller_event, &saved) < 0) return -1;
-        int rc = execute(op);
+        *device = saved.device;  /* current again after leave() */
+        int rc = 0;
+        for (Py_ssize_t k = 0; events != NULL && k < PyList_GET_SIZE(events) && rc == 0; k++)
+            rc = torch->wait(PyList_GET_ITEM(events, k), s, saved.device_index);
+        if (rc == 0) rc = execute(op);
         PyObject *exc = rc < 0 ? take_exception() : NULL;
         int left = torch->leave(&saved);  /* restored whatever the op did */
         if (exc != NULL) {
@@ -587,18 +591,15 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         rc = r == NULL ? -1 : 0;
         goto done;
     }
-    for (Py_ssize_t k = 0; events != NULL && k < PyList_GET_SIZE(events); k++) {
-        PyObject *ev = PyList_GET_ITEM(events, k);
-        if (self->torch != NULL) {
-            if (self->torch->wait(ev, s) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
-            continue;
-        }
+    for (Py_ssize_t k = 0; self->torch == NULL && events != NULL && k < PyList_GET_SIZE(events); k++) {
+        PyObject *ev = PyList_GET_ITEM(events, k);  /* (with the torch extension cuda_launch waits) */
         r = self->wait != NULL ? PyObject_CallFunctionObjArgs(self->wait, ev, s, NULL)
                                : PyObject_CallMethodOneArg(ev, s_wait, s);
         if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
         Py_DECREF(r);
     }
-    int launched = self->get_device != NULL ? cuda_launch(self, s, op) : 1;
+    long long device = -1;  /* the current device, where known */
+    int launched = self->get_device != NULL ? cuda_launch(self, s, op, events, &device) : 1;
     if (launched == 1) {  /* the backend's own launch */
         PyObject *work = PyObject_GetAttr(op, s_execute);
         if (work == NULL) goto done;
@@ -624,7 +625,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         goto done;
     }
     if (self->torch != NULL) {
-        if (self->torch->record(event, s) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
+        if (self->torch->record(event, s, device) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
     } else {
         r = self->record != NULL ? PyObject_CallFunctionObjArgs(self->record, event, s, NULL)
                                  : PyObject_CallMethodOneArg(event, s_record, s);

@@ -7,8 +7,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
 #include <torch/csrc/cuda/Event.h>
+#include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "_torch_hooks.h"
 
@@ -36,6 +39,29 @@ at::cuda::CUDAEvent& event_of(PyObject* obj) {
   return reinterpret_cast<THCPEvent*>(obj)->cuda_event;
 }
 
+// Whether the CUDA call can skip PyTorch's CUDAEvent method: the event exists on the stream's
+// device, which is current, and no stream sanitizer traces events (it hooks those methods)
+bool direct(at::cuda::CUDAEvent& ev, const c10::cuda::CUDAStream& stream, long long device) {
+  return ev.isCreated() && ev.device_index() == stream.device_index() && device == stream.device_index() &&
+         c10::impl::GPUTrace::get_trace() == nullptr;
+}
+
+void record_on(at::cuda::CUDAEvent& ev, const c10::cuda::CUDAStream& stream, long long device) {
+  if (direct(ev, stream, device)) {
+    C10_CUDA_CHECK(cudaEventRecord(ev.event(), stream.stream()));  // (a created event was recorded)
+  } else {
+    ev.record(stream);
+  }
+}
+
+void block_on(at::cuda::CUDAEvent& ev, const c10::cuda::CUDAStream& stream, long long device) {
+  if (direct(ev, stream, device)) {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), ev.event(), 0));
+  } else {
+    ev.block(stream);
+  }
+}
+
 int region(PyObject* obj, long long* device, long long* start, long long* end) {
   if (!THPVariable_CheckExact(obj)) return 0;  // a subclass may read differently (__torch_function__)
   try {
@@ -60,15 +86,15 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
   try {
     auto target = stream_of(stream);
     saved->device = c10::cuda::current_device();
+    if (saved->device != target.device_index()) c10::cuda::set_device(target.device_index());
     auto caller = c10::cuda::getCurrentCUDAStream(target.device_index());
     auto packed = caller.pack3();
     saved->stream_id = packed.stream_id;
     saved->device_index = packed.device_index;
     saved->device_type = static_cast<long long>(packed.device_type);
     auto& fence = event_of(caller_event);
-    fence.record(caller);  // work the caller enqueued on its own stream comes first
-    fence.block(target);
-    if (saved->device != target.device_index()) c10::cuda::set_device(target.device_index());
+    record_on(fence, caller, target.device_index());  // work the caller enqueued on its stream first
+    block_on(fence, target, target.device_index());
     c10::cuda::setCurrentCUDAStream(target);
     return 0;
   } catch (const std::exception& e) {
@@ -81,7 +107,7 @@ int leave(const StreamdagSaved* saved) {
     c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream::unpack3(
         saved->stream_id, static_cast<c10::DeviceIndex>(saved->device_index),
         static_cast<c10::DeviceType>(saved->device_type)));
-    if (c10::cuda::current_device() != saved->device)
+    if (c10::cuda::current_device() != saved->device)  // (the op may have switched devices too)
       c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
     return 0;
   } catch (const std::exception& e) {
@@ -89,18 +115,18 @@ int leave(const StreamdagSaved* saved) {
   }
 }
 
-int record(PyObject* event, PyObject* stream) {
+int record(PyObject* event, PyObject* stream, long long device) {
   try {
-    event_of(event).record(stream_of(stream));
+    record_on(event_of(event), stream_of(stream), device);
     return 0;
   } catch (const std::exception& e) {
     return fail(e);
   }
 }
 
-int wait(PyObject* event, PyObject* stream) {
+int wait(PyObject* event, PyObject* stream, long long device) {
   try {
-    event_of(event).block(stream_of(stream));
+    block_on(event_of(event), stream_of(stream), device);
     return 0;
   } catch (const std::exception& e) {
     return fail(e);

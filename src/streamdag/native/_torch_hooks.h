@@ -5,7 +5,7 @@
 #ifndef STREAMDAG_TORCH_HOOKS_H
 #define STREAMDAG_TORCH_HOOKS_H
 
-#define STREAMDAG_TORCH_HOOKS_VERSION 1
+#define STREAMDAG_TORCH_HOOKS_VERSION 2
 #define STREAMDAG_TORCH_HOOKS_CAPSULE "streamdag.native._torch.hooks"
 
 /* the caller's stream and device, kept across a launch */
@@ -21,9 +21,12 @@ typedef struct {
      * keeps what leave() restores */
     int (*enter)(PyObject *stream, PyObject *caller_event, StreamdagSaved *saved);
     int (*leave)(const StreamdagSaved *saved);
-    /* ``event.record(stream)`` and ``event.wait(stream)`` of torch.cuda.Event */
-    int (*record)(PyObject *event, PyObject *stream);
-    int (*wait)(PyObject *event, PyObject *stream);
+    /* ``event.record(stream)`` and ``event.wait(stream)`` of torch.cuda.Event. ``device``: the
+     * current device where the caller knows it (else -1); on the stream's device, with no stream
+     * sanitizer tracing, the CUDA call is made directly, without PyTorch's device guard (which asks
+     * CUDA for the current device at every call) */
+    int (*record)(PyObject *event, PyObject *stream, long long device);
+    int (*wait)(PyObject *event, PyObject *stream, long long device);
 } StreamdagTorchHooks;
 
 #endif
