@@ -655,6 +655,17 @@ done:
     return rc;
 }
 
+/* ``f"{name}#{seq}"``, written out for an ASCII name (PyUnicode_FromFormat costs ~2k instructions) */
+static PyObject *numbered_name(PyObject *name, Py_ssize_t seq) {
+    if (!PyUnicode_CheckExact(name) || !PyUnicode_IS_ASCII(name) || PyUnicode_GET_LENGTH(name) > 200)
+        return PyUnicode_FromFormat("%S#%zd", name, seq);
+    char buf[232];
+    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+    memcpy(buf, PyUnicode_DATA(name), (size_t)n);
+    int tail = snprintf(buf + n, sizeof(buf) - (size_t)n, "#%zd", seq);
+    return PyUnicode_FromStringAndSize(buf, n + tail);
+}
+
 /* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken */
 static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
                                 PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
@@ -667,7 +678,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if ((seq = PyLong_FromSsize_t(seq_n)) == NULL || PyObject_SetAttr(self->rt, s_seq_attr, seq) < 0) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
-    opname = named ? Py_NewRef(op_name) : PyUnicode_FromFormat("%S#%zd", op_name, seq_n);
+    opname = named ? Py_NewRef(op_name) : numbered_name(op_name, seq_n);
     if (opname == NULL || (op = new_op(seq, opname, fn, args, kwargs, accesses)) == NULL) goto done;
     if ((tracker = PyObject_GetAttr(self->rt, s_tracker)) == NULL
             || (clocks = PyObject_GetAttr(self->rt, s_clocks)) == NULL)
