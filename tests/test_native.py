@@ -258,3 +258,55 @@ def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_on
         return linked, len(tracker)
 
     assert run(hazards.DepsTracker) == run(hazards.PyDepsTracker)
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans()), max_size=12), st.integers(0, 14),
+       st.integers(-1, 12))
+def test_the_compiled_completion_loop_finishes_as_the_python_one(entries, count, watched_at):
+    """``_Completions._pass``'s loop over entries known to have completed: the same callbacks in the
+    same order, the same events back in the pool, the same entries left, the same stop when the
+    device is lost (a callback marks it) or a callback raises."""
+    from collections import deque
+
+    class Owner:
+        lost = None
+
+    class Event:
+        def __init__(self, timing):
+            self.timing = timing
+
+    def python_loop(q, n, owner, free, watched):  # backends/cuda.py's loop, as it was written
+        done = 0
+        while done < n and owner.lost is None:
+            _, event, callback = q.popleft()
+            callback(None)
+            if event is not watched and not event.timing:
+                free.append(event)
+            done += 1
+        return done
+
+    def run(loop):
+        owner, log, free = Owner(), [], []
+
+        def callback_for(i, loses, raises):
+            def callback(error):
+                log.append((i, error))
+                if loses:
+                    owner.lost = "lost"
+                if raises:
+                    raise RuntimeError(f"callback {i}")
+            return callback
+
+        events = [Event(timing) for timing, _, _ in entries]
+        q = deque((i, events[i], callback_for(i, loses, raises and i % 3 == 0))
+                  for i, (_, loses, raises) in enumerate(entries))
+        watched = events[watched_at] if 0 <= watched_at < len(events) else None
+        try:
+            result = loop(q, min(count, len(q)), owner, free, watched)
+        except RuntimeError as exc:
+            result = str(exc)
+        return result, log, [events.index(e) for e in free], [entry[0] for entry in q], owner.lost
+
+    assert run(native.load().finish_completed) == run(python_loop)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import DeviceLost
+from ..native import load as load_native
 from ..runtime.ops import callbacks_later
 from .threads import report_escaped
 
@@ -57,6 +58,8 @@ _set_device = getattr(torch._C, "_cuda_setDevice", None)
 _event_base = getattr(torch._C, "_CudaEventBase", None)  # a CPU-only build has it, without methods
 _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
+#: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
+_finish_completed = getattr(load_native(), "finish_completed", None)
 
 
 class CudaStream(torch.cuda.Stream):
@@ -260,7 +263,11 @@ class _Completions:
                         known_done = n
                 except Exception as exc:  # a sticky error surfaces here
                     owner.mark_lost(exc)
-            if known_done and not sanitized:  # the common case, with _settle and recycle written out
+            if known_done and not sanitized and _finish_completed is not None:  # the loop below, compiled
+                finished = _finish_completed(q, known_done, owner, owner._free_events, self._watched)
+                known_done -= finished
+                progressed = progressed or finished > 0
+            elif known_done and not sanitized:  # the common case, with _settle and recycle written out
                 free, watched = owner._free_events, self._watched
                 while known_done > 0 and owner.lost is None:
                     known_done -= 1

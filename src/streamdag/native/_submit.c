@@ -45,7 +45,7 @@ static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_
                 *s_finish_every, *s_free, *s_waiting, *s_freed, *s_notify, *s_completed, *s_finish_py,
                 *s_settle, *s_condition, *s_state, *s_result, *s_exception, *s_op_name, *s_name_attr,
                 *s_reads, *s_writes, *s_name, *s_run_on, *s_lost,
-                *s_index, *s_append, *s_wake, *s_flag, *s_set;
+                *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft, *s_timing;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 
@@ -917,6 +917,46 @@ done:
     return result;
 }
 
+/* finish_completed(queue, count, owner, free, watched): ``_Completions._pass``'s loop over entries
+ * known to have completed (backends/cuda.py, the reference): pop each, call its callback with None,
+ * and give its event back to ``free`` unless it is ``watched`` or times; stops early if the device is
+ * lost. Returns how many it finished. */
+static PyObject *finish_completed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "finish_completed(queue, count, owner, free: list, watched)");
+        return NULL;
+    }
+    PyObject *queue = args[0], *owner = args[2], *free_events = args[3], *watched = args[4];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]), done = 0;
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    for (; done < count; done++) {
+        PyObject *lost = PyObject_GetAttr(owner, s_lost);
+        if (lost == NULL) return NULL;
+        Py_DECREF(lost);
+        if (lost != Py_None) break;
+        PyObject *entry = PyObject_CallMethodNoArgs(queue, s_popleft);
+        if (entry == NULL) return NULL;
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+            Py_DECREF(entry);
+            PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
+            return NULL;
+        }
+        PyObject *event = PyTuple_GET_ITEM(entry, 1);
+        PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
+        int bad = r == NULL;
+        Py_XDECREF(r);
+        if (!bad && event != watched) {
+            PyObject *timing = PyObject_GetAttr(event, s_timing);
+            int times = timing == NULL ? -1 : PyObject_IsTrue(timing);
+            Py_XDECREF(timing);
+            bad = times < 0 || (!times && PyList_Append(free_events, event) < 0);
+        }
+        Py_DECREF(entry);
+        if (bad) return NULL;
+    }
+    return PyLong_FromSsize_t(done);
+}
+
 static PyMethodDef submitter_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
      "Runtime.submit, compiled: see streamdag.Runtime.submit."},
@@ -941,7 +981,9 @@ static PyType_Spec submitter_spec = {
 };
 
 #define SUBMIT_METHODS \
-    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, partial, _LAZY, PENDING, FINISHED, _finished_ok."},
+    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, partial, _LAZY, PENDING, FINISHED, _finished_ok."}, \
+    {"finish_completed", (PyCFunction)(void (*)(void))finish_completed, METH_FASTCALL, \
+     "_Completions._pass's loop over entries known to have completed (backends/cuda.py)."},
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
@@ -958,6 +1000,7 @@ static int submit_init(PyObject *m) {
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
+    S(s_popleft, "popleft") S(s_timing, "timing")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
