@@ -6,8 +6,10 @@
  * which runs where no compiler is). Only the common case is here: one device, no recording, no
  * profiler, no inline markers, no failure. Anything else calls the Python methods, at the point
  * where the paths part, so each rare case has one implementation. On CUDA the backend's launch
- * (order after the caller's stream, switch streams, run, switch back) and its event pool are done
- * here too, through PyTorch's own C entry points (``torch._C``), as ``backends/cuda.py`` does.
+ * (order after the caller's stream, switch streams, run, switch back), its event pool and its
+ * completion queue are done here too: in C++ through the torch extension's hooks where it built
+ * (_torch.cpp), else through PyTorch's own C entry points (``torch._C``), as ``backends/cuda.py``
+ * does. ``finish_completed`` at the end is the CUDA completion pass's loop.
  *
  * Included by _speedups.c (one module). Plain CPython API.
  */
@@ -191,9 +193,8 @@ static void submitter_dealloc(Submitter *self) {
     Py_DECREF(tp);
 }
 
-/* Submitter(rt, accesses, finish, drop_waits, cuda): ``cuda`` is None, or a tuple of what the CUDA
- * launch calls (see the struct); ``finish`` is what the completion calls (this object's finish
- * bound, or the runtime's ``_finish``) */
+/* Submitter(rt, accesses, drop_waits, cuda): ``cuda`` is None, or the tuple of what the CUDA launch
+ * calls (``CudaBackend.launch_parts``; see the struct); completions call this object's ``finish`` */
 static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     PyObject *rt, *accesses_fn, *cuda;
     int drop_waits;
