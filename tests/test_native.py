@@ -310,3 +310,12 @@ def test_the_compiled_completion_loop_finishes_as_the_python_one(entries, count,
         return result, log, [events.index(e) for e in free], [entry[0] for entry in q], owner.lost
 
     assert run(native.load().finish_completed) == run(python_loop)
+
+
+def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/test_cuda.py requires the extension instead")
+    assert native.load_torch() is None
+    status = native.torch_status()
+    assert status.startswith("through PyTorch's Python bindings: ")
+    assert ("no CUDA here" in status) or ("no compiled hot path" in status), status
