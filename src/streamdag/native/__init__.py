@@ -74,15 +74,18 @@ def load() -> ModuleType | None:
         _loaded = _import(_build())
     except Exception as exc:
         _why_not = f"{type(exc).__name__}: {exc}"
-        if choice == "1":
-            raise NativeBuildError(f"STREAMDAG_NATIVE=1, but the compiled hot path failed: {_why_not}"
-                                   ) from exc
-        warnings.warn(
-            f"streamdag runs its Python code: the compiled hot path did not build ({_why_not}). "
-            "Install a C compiler and Python's headers (python3-dev) for about half the host time per "
-            "submit, or set STREAMDAG_NATIVE=0 to run the Python code without this warning.",
-            RuntimeWarning, stacklevel=3)
+        _failed("the compiled hot path", _why_not, exc,
+                f"streamdag runs its Python code: the compiled hot path did not build ({_why_not}). "
+                "Install a C compiler and Python's headers (python3-dev) for about half the host time "
+                "per submit, or set STREAMDAG_NATIVE=0 to run the Python code without this warning.")
     return _loaded
+
+
+def _failed(what: str, why: str, exc: Exception, warning: str) -> None:
+    """A build failed: an error under ``STREAMDAG_NATIVE=1``, else one warning that says the fix."""
+    if os.environ.get("STREAMDAG_NATIVE", "") == "1":
+        raise NativeBuildError(f"STREAMDAG_NATIVE=1, but {what} failed: {why}") from exc
+    warnings.warn(warning, RuntimeWarning, stacklevel=4)
 
 
 def torch_status() -> str:
@@ -98,8 +101,8 @@ def load_torch() -> ModuleType | None:
     in C++ against PyTorch's headers; handed to the compiled hot path, which otherwise makes the
     same calls through PyTorch's Python bindings.
 
-    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: about
-    a minute), then cached per torch and Python version. None (with one warning) where it cannot
+    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s
+    on the lent H100), then cached per torch and Python version. None (with one warning) where it cannot
     be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
     ``STREAMDAG_NATIVE=0`` skips it; ``STREAMDAG_NATIVE=1`` makes a failed build an error.
     """
@@ -120,7 +123,6 @@ def load_torch() -> ModuleType | None:
     if not torch.cuda.is_available():
         _torch_why_not = "no CUDA here"
         return None
-    choice = os.environ.get("STREAMDAG_NATIVE", "")
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
         tag = f"torch-{torch.__version__}-{python}".replace("+", "_")
@@ -128,7 +130,7 @@ def load_torch() -> ModuleType | None:
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
             print(f"streamdag: building its CUDA calls against torch {torch.__version__} "
-                  f"(once, cached in {build}; about a minute)", file=sys.stderr, flush=True)
+                  f"(once, cached in {build}; ~20 s)", file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
             ext = cpp_extension.load(
@@ -140,13 +142,10 @@ def load_torch() -> ModuleType | None:
     except Exception as exc:
         last = str(exc).strip().splitlines()[-1:]  # a failed build's message ends with the reason
         _torch_why_not = f"{type(exc).__name__}: {last[0] if last else ''}"
-        if choice == "1":
-            raise NativeBuildError(f"STREAMDAG_NATIVE=1, but the torch extension failed: {_torch_why_not}"
-                                   ) from exc
-        warnings.warn(
-            f"streamdag makes its CUDA calls through PyTorch's Python bindings: its torch extension did "
-            f"not build ({_torch_why_not}). That costs a few µs per op; a C++ compiler, ninja and the "
-            "CUDA headers make it build.", RuntimeWarning, stacklevel=3)
+        _failed("the torch extension", _torch_why_not, exc,
+                f"streamdag makes its CUDA calls through PyTorch's Python bindings: its torch extension "
+                f"did not build ({_torch_why_not}). That costs a few µs per op; a C++ compiler, ninja "
+                "and the CUDA headers make it build.")
     return _torch_loaded
 
 
