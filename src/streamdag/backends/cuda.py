@@ -4,7 +4,7 @@
 kernel it enqueues lands on that stream; nothing on this path synchronizes
 the host. Completion is observed by one thread that polls each stream's
 events in order (events of one stream complete in order, so a FIFO per
-stream is exact) and sleeps in ``cudaEventSynchronize`` when nothing is done.
+stream is exact), polling less often the longer nothing completes.
 
 A sticky CUDA error (illegal address, device-side assert, launch failure)
 makes every later call on the device fail; the backend then marks itself
@@ -75,11 +75,17 @@ class CudaStream(torch.cuda.Stream):
 
 
 class CudaEvent(_event_base if _event_base is not None else object):  # type: ignore[misc]
-    """A PyTorch CUDA event (blocking, so a host wait sleeps). ``record``, ``wait``, ``query`` and
-    ``synchronize`` are PyTorch's own, in C: an op's event is recorded for every op."""
+    """A PyTorch CUDA event. ``record``, ``wait``, ``query`` and ``synchronize`` are PyTorch's own,
+    in C: an op's event is recorded for every op.
+
+    Not a blocking-sync event (whose host wait sleeps until an interrupt): on the H100, recording
+    one after a kernel cost ~1-1.5 µs more than recording a plain one, per op. So a host wait on it
+    (``synchronize``) spins or yields as CUDA's scheduling flags say, and the completion thread polls
+    (see ``_Completions``) rather than sleeping in it.
+    """
 
     def __new__(cls, timing: bool = False, device: torch.device | None = None) -> CudaEvent:
-        self = super().__new__(cls, enable_timing=timing, blocking=True)  # type: ignore[call-arg]
+        self = super().__new__(cls, enable_timing=timing, blocking=False)  # type: ignore[call-arg]
         self.timing, self.home = timing, device  # (PyTorch's ``device`` is where it was recorded)
         return self
 
@@ -105,12 +111,15 @@ class _Completions:
     from the submitting thread once per batch rather than once per op: each
     time it does, the submitter stalls on a thread switch. Someone waiting
     (a future's ``result()``, ``synchronize()``, a full in-flight bound) cuts
-    the pause short through :meth:`hurry`. With nothing completed it sleeps in
-    ``cudaEventSynchronize`` on the oldest pending event (GIL released), or,
-    for a while after someone waited, polls: a blocking event wait wakes
-    through an interrupt, later than a poll sees the event (on the H100, a
-    ``result()`` after a captured replay of the medium wide graph came 0.06 ms
-    after the replay with polling, 0.37 ms without).
+    the pause short through :meth:`hurry`. With nothing completed it polls:
+    every ``POLL_SECONDS`` for a while after someone waited, else at an
+    interval that doubles while nothing completes, up to
+    ``IDLE_POLL_MAX_SECONDS`` (GIL released in between). Its events are no
+    blocking-sync events (see ``CudaEvent``), and a blocking wait would wake
+    through an interrupt anyway, later than a poll sees the event (on the
+    H100, a ``result()`` after a captured replay of the medium wide graph came
+    0.06 ms after the replay with polling, 0.37 ms sleeping in a blocking
+    event).
     Events go back to the backend's pool once their op has been finished.
 
     A thread that submits finishes completed ops between its submits
@@ -135,6 +144,8 @@ class _Completions:
     #: after someone waited, poll this often instead of blocking, for this long
     POLL_SECONDS = 20e-6
     POLL_AFTER_WAIT_SECONDS = 20e-3
+    #: otherwise, with ops pending and none completed, the poll interval doubles up to this
+    IDLE_POLL_MAX_SECONDS = 0.5e-3
     #: how long a waiting thread polls and finishes ops itself before it sleeps on its future
     HELP_SECONDS = 2e-3
     #: at most this many ops waited on without helping are finished ahead of their queues
@@ -153,7 +164,6 @@ class _Completions:
         self._stopping = False
         self._passing = threading.Lock()  # one pass over the queues at a time
         self._wanted: list[int] = []  # tokens of entries someone waits on (see ``want``)
-        self._watched: CudaEvent | None = None  # the event this thread sleeps on: not to be reused yet
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
 
@@ -205,7 +215,7 @@ class _Completions:
     def _settle(self, event: CudaEvent, callback: Callable[..., None], error: Any) -> None:
         """Finish a dequeued entry; its event goes back to the pool unless this thread sleeps on it."""
         callback(error)
-        if error is None and event is not self._watched:
+        if error is None:
             self._owner.recycle(event)
 
     def _try_finish_one(self, token: int) -> bool | None:
@@ -264,16 +274,16 @@ class _Completions:
                 except Exception as exc:  # a sticky error surfaces here
                     owner.mark_lost(exc)
             if known_done and not sanitized and _finish_completed is not None:  # the loop below, compiled
-                finished = _finish_completed(q, known_done, owner, owner._free_events, self._watched)
+                finished = _finish_completed(q, known_done, owner, owner._free_events)
                 known_done -= finished
                 progressed = progressed or finished > 0
             elif known_done and not sanitized:  # the common case, with _settle and recycle written out
-                free, watched = owner._free_events, self._watched
+                free = owner._free_events
                 while known_done > 0 and owner.lost is None:
                     known_done -= 1
                     _, event, callback = q.popleft()
                     callback(None)
-                    if event is not watched and not event.timing:
+                    if not event.timing:
                         free.append(event)
                     progressed = True
             while q:
@@ -302,6 +312,7 @@ class _Completions:
                 report_escaped(self._thread.name)
 
     def _serve(self) -> None:
+        idle_poll = self.POLL_SECONDS
         while True:
             now = time.perf_counter()
             since = now - self._passed_at
@@ -314,31 +325,27 @@ class _Completions:
             if self._wanted and self._finish_wanted():
                 time.sleep(0)  # hand the GIL to the thread that waited, before finishing the rest
             if self._drain():
+                idle_poll = self.POLL_SECONDS
                 # a hurry set before the clear is served by the drain right after it
                 self._hurry.wait(self.BATCH_SECONDS)
                 self._hurry.clear()
                 continue
-            heads = [q[0] for q in self._queues if q]
-            if heads and time.perf_counter() - self._hurried_at < self.POLL_AFTER_WAIT_SECONDS:
-                # someone waits: poll, since a blocking event wait wakes through an interrupt (slower).
-                # Once a thread submits again after the wait (and so finishes ops as it goes), poll
+            pending = any(self._queues)
+            if pending and time.perf_counter() - self._hurried_at < self.POLL_AFTER_WAIT_SECONDS:
+                # someone waits: poll often. Once a thread submits again after the wait (and so
+                # finishes ops as it goes), poll
                 # once per batch instead: each poll takes the GIL, and the submitter then waits for
                 # it in every PyTorch call (they let go of it); a submit loop right after a
                 # synchronize() lost ~2 µs per op that way on the H100
                 submitting = self._passed_at > self._hurried_at
                 time.sleep(self.BATCH_SECONDS if submitting else self.POLL_SECONDS)
                 continue
-            if heads:
-                with self._passing:  # a waiter's pass may finish it meanwhile, but not reuse its event
-                    heads = [q[0] for q in self._queues if q]
-                    self._watched = min(heads, key=lambda h: h[0])[1] if heads else None
-                try:
-                    if self._watched is not None:
-                        self._watched.synchronize()
-                except Exception as exc:
-                    self._owner.mark_lost(exc)
-                finally:
-                    self._watched = None
+            if pending:  # nothing completed: poll again, later the longer nothing completes
+                if self._hurry.wait(idle_poll):
+                    self._hurry.clear()  # someone waits (``_hurried_at``): the polls above take over
+                    idle_poll = self.POLL_SECONDS
+                else:
+                    idle_poll = min(2 * idle_poll, self.IDLE_POLL_MAX_SECONDS)
                 continue
             if self._stopping:
                 return

@@ -678,10 +678,55 @@ static PyObject *call0(PyObject *obj, PyObject *name) {
     return PyObject_CallMethodNoArgs(obj, name);
 }
 
-/* buffers._torch_region for the common case (a contiguous strided tensor on the CPU or a known GPU);
- * anything else goes to the Python function, which also raises the errors */
-static PyObject *torch_region(PyObject *t) {
-    PyObject *space = NULL, *region = NULL, *start = NULL, *nbytes = NULL, *end = NULL;
+/* The accesses of recently seen tensors, by (space, start, end): the Region and its two Access
+ * tuples, made once and handed out again (they are immutable values). A submit that reads and writes
+ * tensors seen before then makes no tuple and no int for them. Direct-mapped: a slot holds the last
+ * range that hashed to it. */
+#define ACCESS_CACHE_SLOTS 1024
+typedef struct { PyObject *space; long long start, end; PyObject *read, *write; } CachedAccess;
+static CachedAccess access_cache[ACCESS_CACHE_SLOTS];
+
+static CachedAccess *cache_slot(PyObject *space, long long start, long long end) {
+    unsigned long long h = (unsigned long long)start * 0x9E3779B97F4A7C15ULL
+                           ^ (unsigned long long)end * 0xC2B2AE3D27D4EB4FULL ^ (unsigned long long)(uintptr_t)space;
+    h ^= h >> 31;
+    return &access_cache[h & (ACCESS_CACHE_SLOTS - 1)];
+}
+
+/* the Access of [start, end) in ``space`` (borrowed; a str that lives as long as the module's
+ * state), a read or a write: the cached one, or made and cached */
+static PyObject *cached_access(PyObject *space, long long start, long long end, PyObject *start_obj,
+                               PyObject *end_obj, int write) {
+    CachedAccess *slot = cache_slot(space, start, end);
+    if (slot->space == space && slot->start == start && slot->end == end)
+        return Py_NewRef(write ? slot->write : slot->read);
+    PyObject *lo = start_obj ? Py_NewRef(start_obj) : PyLong_FromLongLong(start);
+    PyObject *hi = end_obj ? Py_NewRef(end_obj) : PyLong_FromLongLong(end);
+    PyObject *region = lo && hi ? new_tuple_of(state.region_type, space, lo, hi) : NULL;
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    if (region == NULL) return NULL;
+    PyObject *read = new_tuple_of(state.access_type, region, Py_False, NULL);
+    PyObject *written = read ? new_tuple_of(state.access_type, region, Py_True, NULL) : NULL;
+    Py_DECREF(region);
+    if (written == NULL) { Py_XDECREF(read); return NULL; }
+    PyObject *old_read = slot->read, *old_write = slot->write, *old_space = slot->space;
+    slot->space = Py_NewRef(space);
+    slot->start = start;
+    slot->end = end;
+    slot->read = read;
+    slot->write = written;
+    Py_XDECREF(old_read);  /* after the slot is whole: a dealloc may run code */
+    Py_XDECREF(old_write);
+    Py_XDECREF(old_space);
+    return Py_NewRef(write ? written : read);
+}
+
+/* buffers._torch_region for the common case (a contiguous strided tensor on the CPU or a known GPU),
+ * as its Access (``write``): anything else goes to the Python function, which also raises the
+ * errors, and returns NULL with no error set */
+static PyObject *torch_access(PyObject *t, int write) {
+    PyObject *space = NULL, *access = NULL, *start = NULL, *nbytes = NULL, *end = NULL;
     if (state.torch != NULL) {  /* read in C++ */
         long long device, lo, hi;
         int read = state.torch->region(t, &device, &lo, &hi);
@@ -697,12 +742,9 @@ static PyObject *torch_region(PyObject *t) {
                 if (space == NULL && PyErr_Occurred()) return NULL;
             }
             if (space != NULL) {  /* else a GPU not seen yet: the Python code names it */
-                if ((start = PyLong_FromLongLong(lo)) != NULL && (end = PyLong_FromLongLong(hi)) != NULL)
-                    region = new_tuple_of(state.region_type, space, start, end);
+                access = cached_access(space, lo, hi, NULL, NULL, write);
                 Py_DECREF(space);
-                Py_XDECREF(start);
-                Py_XDECREF(end);
-                return region;
+                return access;
             }
         }
     }
@@ -715,13 +757,13 @@ static PyObject *torch_region(PyObject *t) {
         if (index == NULL) return NULL;
         space = Py_XNewRef(PyDict_GetItemWithError(state.cuda_spaces, index));  /* NULL: not seen yet */
         Py_DECREF(index);
-        if (space == NULL) goto python;
+        if (space == NULL) return NULL;
     } else {
         PyObject *cpu = PyObject_GetAttr(t, s_is_cpu);
         if (cpu == NULL) return NULL;
         int is_cpu = cpu == Py_True;
         Py_DECREF(cpu);
-        if (!is_cpu) goto python;
+        if (!is_cpu) return NULL;
         space = Py_NewRef(state.cpu);
     }
     if (state.strided == NULL && (state.strided = PyObject_GetAttr(state.buffers, s_STRIDED)) == NULL)
@@ -729,42 +771,53 @@ static PyObject *torch_region(PyObject *t) {
     PyObject *layout = PyObject_GetAttr(t, s_layout);
     if (layout == NULL) goto done;
     Py_DECREF(layout);  /* compared by identity, as the Python code does (torch.strided is one object) */
-    if (layout != state.strided) goto python;
+    if (layout != state.strided) goto done;
     PyObject *contiguous = call0(t, s_is_contiguous);
     if (contiguous == NULL) goto done;
     Py_DECREF(contiguous);
-    if (contiguous != Py_True) goto python;
+    if (contiguous != Py_True) goto done;
     if ((start = call0(t, s_data_ptr)) == NULL || (nbytes = PyObject_GetAttr(t, s_nbytes)) == NULL
             || (end = PyNumber_Add(start, nbytes)) == NULL)
         goto done;
-    region = new_tuple_of(state.region_type, space, start, end);
-    goto done;
-python:  /* anything else: the Python function (it also raises the errors) */
-    if (!PyErr_Occurred()) region = PyObject_CallOneArg(state.torch_region, t);
+    long long lo = PyLong_AsLongLong(start), hi = PyLong_AsLongLong(end);
+    if ((lo == -1 || hi == -1) && PyErr_Occurred()) {
+        PyErr_Clear();  /* out of range for the cache: made as it is */
+        PyObject *region = new_tuple_of(state.region_type, space, start, end);
+        access = region ? new_tuple_of(state.access_type, region, write ? Py_True : Py_False, NULL) : NULL;
+        Py_XDECREF(region);
+    } else {
+        access = cached_access(space, lo, hi, start, end, write);
+    }
 done:
     Py_XDECREF(space);
     Py_XDECREF(start);
     Py_XDECREF(nbytes);
     Py_XDECREF(end);
-    return region;
+    return access;
 }
 
-static PyObject *region_of(PyObject *value) {
+/* Access(region_of(value), write), the way buffers._py_accesses makes it */
+static PyObject *access_of(PyObject *value, int write) {
     PyObject *handler = PyDict_GetItemWithError(state.handlers, (PyObject *)Py_TYPE(value));
-    if (handler == state.torch_region) return torch_region(value);
     if (handler == NULL && PyErr_Occurred()) return NULL;
-    return PyObject_CallOneArg(state.region_of, value);
+    if (handler == state.torch_region) {
+        PyObject *access = torch_access(value, write);
+        if (access != NULL || PyErr_Occurred()) return access;
+    }
+    PyObject *region = PyObject_CallOneArg(handler == state.torch_region ? state.torch_region : state.region_of,
+                                           value);
+    if (region == NULL) return NULL;
+    PyObject *access = new_tuple_of(state.access_type, region, write ? Py_True : Py_False, NULL);
+    Py_DECREF(region);
+    return access;
 }
 
-static int add_accesses(PyObject *out, PyObject *values, PyObject *write) {
+static int add_accesses(PyObject *out, PyObject *values, int write) {
     PyObject *seq = PySequence_Fast(values, "reads= and writes= take lists of buffers");
     if (seq == NULL) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *region = region_of(PySequence_Fast_GET_ITEM(seq, i));
-        if (region == NULL) { Py_DECREF(seq); return -1; }
-        PyObject *access = new_tuple_of(state.access_type, region, write, NULL);
-        Py_DECREF(region);
+        PyObject *access = access_of(PySequence_Fast_GET_ITEM(seq, i), write);
         if (access == NULL || PyList_Append(out, access) < 0) {
             Py_XDECREF(access);
             Py_DECREF(seq);
@@ -787,7 +840,7 @@ static PyObject *accesses_of(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    if (add_accesses(out, args[0], Py_False) < 0 || add_accesses(out, args[1], Py_True) < 0) {
+    if (add_accesses(out, args[0], 0) < 0 || add_accesses(out, args[1], 1) < 0) {
         Py_DECREF(out);
         return NULL;
     }

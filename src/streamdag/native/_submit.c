@@ -30,7 +30,6 @@ static struct {
     PyObject *op_names[OP_FIELDS];  /* interned */
     PyTypeObject *future_type;
     PyTypeObject *marker_type;
-    PyObject *partial_type;
     PyObject *lazy;      /* ops._LAZY: orders a future's condition against setting its outcome */
     PyObject *pending;   /* concurrent.futures' PENDING and FINISHED */
     PyObject *finished;
@@ -97,6 +96,44 @@ static int set_int(PyObject *obj, PyObject *name, Py_ssize_t value) {
     return r;
 }
 
+/* where ``obj``'s class keeps the slot ``name`` (a member descriptor of its own), or -1 */
+static Py_ssize_t slot_offset(PyObject *obj, const char *name) {
+    PyObject *d = PyDict_GetItemString(Py_TYPE(obj)->tp_dict, name);
+    if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
+            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
+        return -1;
+    return ((PyMemberDescrObject *)d)->d_member->offset;
+}
+
+/* an int in a slot at ``offset`` (see slot_offset), else the attribute ``name`` */
+static int slot_int(PyObject *obj, Py_ssize_t offset, PyObject *name, Py_ssize_t *out) {
+    if (offset < 0) return get_int(obj, name, out);
+    PyObject *v = *(PyObject **)((char *)obj + offset);
+    if (v == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, name);
+        return -1;
+    }
+    *out = PyLong_AsSsize_t(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int slot_set_int(PyObject *obj, Py_ssize_t offset, PyObject *name, Py_ssize_t value) {
+    if (offset < 0) return set_int(obj, name, value);
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) return -1;
+    PyObject **at = (PyObject **)((char *)obj + offset), *old = *at;
+    *at = v;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* whether two str are equal: by identity where both are interned (keywords and names are) */
+static int same_str(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyUnicode_CheckExact(a) && PyUnicode_CHECK_INTERNED(a) && PyUnicode_CHECK_INTERNED(b)) return 0;
+    return PyUnicode_Compare(a, b) == 0;
+}
+
 /* the raised exception, taken (normalized, with its traceback); NULL if none */
 static PyObject *take_exception(void) {
     PyObject *type, *value, *tb;
@@ -115,9 +152,9 @@ static void restore_exception(PyObject *exc) {
 }
 
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
-    PyObject *op_type, *future_type, *marker_type, *partial_type, *lazy, *pending, *finished, *finished_ok_fn;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
-                          &PyType_Type, &marker_type, &partial_type, &lazy, &pending, &finished, &finished_ok_fn))
+    PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
+                          &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn))
         return NULL;
     for (int f = 0; f < OP_FIELDS; f++) {
         PyObject *d = PyDict_GetItemString(((PyTypeObject *)op_type)->tp_dict, op_field_names[f]);
@@ -137,7 +174,6 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     finished_ok.error = sub.op_offset[OP_ERROR];
     Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
     Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
-    Py_XSETREF(sub.partial_type, Py_NewRef(partial_type));
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
     Py_XSETREF(sub.pending, Py_NewRef(pending));
     Py_XSETREF(sub.finished, Py_NewRef(finished));
@@ -150,24 +186,53 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *slots, *accesses_fn, *device, *next_stream, *finish;
+             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
-             *callers, *free_events, *device_index, *queues, *completions;
+             *callers, *free_events, *device_index, *queues, *completions, *completions_dict, *wake_dict;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
+    Py_ssize_t free_offset, waiting_offset;  /* of _Slots' _free and _waiting, or -1 */
 } Submitter;
 
 static PyTypeObject *submitter_type;
+static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
+
+/* ``rt.<name>``: from the runtime's __dict__, else (a class attribute) the generic look-up */
+static PyObject *rt_attr(Submitter *self, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(self->rt_dict, name);
+    if (v != NULL) return Py_NewRef(v);
+    return PyErr_Occurred() ? NULL : PyObject_GetAttr(self->rt, name);
+}
+
+static int rt_int(Submitter *self, PyObject *name, Py_ssize_t *out) {
+    PyObject *v = rt_attr(self, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int rt_set(Submitter *self, PyObject *name, PyObject *value) {
+    return PyDict_SetItem(self->rt_dict, name, value);
+}
+
+static int rt_set_int(Submitter *self, PyObject *name, Py_ssize_t value) {
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) return -1;
+    int r = rt_set(self, name, v);
+    Py_DECREF(v);
+    return r;
+}
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
-    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
+    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) X(rt_dict) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
-    X(callers) X(free_events) X(device_index) X(queues) X(completions) \
+    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
 
 static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
@@ -205,6 +270,9 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     }
     submitter_clear(self);
     self->rt = Py_NewRef(rt);
+    /* the runtime's own __dict__: its counters and parts are read and written there (a look-up in it
+     * costs a fraction of a generic attribute access, and what Python code sets lands there too) */
+    if ((self->rt_dict = PyObject_GenericGetDict(rt, NULL)) == NULL) return -1;
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
     struct { PyObject **slot; const char *name; } attrs[] = {
@@ -221,6 +289,8 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
     }
+    self->free_offset = slot_offset(self->slots, "_free");
+    self->waiting_offset = slot_offset(self->slots, "_waiting");
     Py_ssize_t compute;
     PyObject *count = PyObject_GetAttrString(rt, "_compute");
     if (count == NULL) return -1;
@@ -253,6 +323,14 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         Py_INCREF(self->completions);
         self->torch = state.torch;
         if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
+        /* their counter and their wake-up event's flag are read and set in their __dict__ (the event
+         * is made once, with them) */
+        if ((self->completions_dict = PyObject_GenericGetDict(self->completions, NULL)) == NULL) return -1;
+        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
+        if (wake == NULL) return -1;
+        self->wake_dict = PyObject_GenericGetDict(wake, NULL);
+        Py_DECREF(wake);
+        if (self->wake_dict == NULL) return -1;
         if (!PyList_CheckExact(self->queues)) {
             PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
             return -1;
@@ -266,7 +344,7 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
 }
 
 static int is_cpu_space(PyObject *space) {
-    return space == state.cpu || (PyUnicode_CheckExact(space) && PyUnicode_Compare(space, state.cpu) == 0);
+    return PyUnicode_CheckExact(space) && same_str(space, state.cpu);
 }
 
 /* ``fn``'s name for the op: ``name or fn.__name__ or type(fn).__name__`` */
@@ -294,11 +372,14 @@ static PyObject *new_future(PyObject *op_name) {
     PyTypeObject *tp = sub.future_type;
     PyObject *f = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (f == NULL) return NULL;
-    if (PyObject_SetAttr(f, s_state, sub.pending) < 0 || PyObject_SetAttr(f, s_result, Py_None) < 0
-            || PyObject_SetAttr(f, s_exception, Py_None) < 0 || PyObject_SetAttr(f, s_op_name, op_name) < 0) {
+    PyObject *dict = PyObject_GenericGetDict(f, NULL);  /* its finish reads it anyway */
+    if (dict == NULL || PyDict_SetItem(dict, s_state, sub.pending) < 0 || PyDict_SetItem(dict, s_result, Py_None) < 0
+            || PyDict_SetItem(dict, s_exception, Py_None) < 0 || PyDict_SetItem(dict, s_op_name, op_name) < 0) {
+        Py_XDECREF(dict);
         Py_DECREF(f);
         return NULL;
     }
+    Py_DECREF(dict);
     return f;
 }
 
@@ -332,10 +413,10 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
 static int take_slot(Submitter *self) {
     if (call0_(self->done_acquire) < 0) return -1;
     Py_ssize_t free_slots;
-    int r = get_int(self->slots, s_free, &free_slots);
+    int r = slot_int(self->slots, self->free_offset, s_free, &free_slots);
     int got = 0;
     if (r == 0 && free_slots > 0) {
-        r = set_int(self->slots, s_free, free_slots - 1);
+        r = slot_set_int(self->slots, self->free_offset, s_free, free_slots - 1);
         got = 1;
     }
     if (call0_(self->done_release) < 0 || r < 0) return -1;
@@ -508,7 +589,13 @@ done:
  * queue, wake the completion thread if it sleeps; the entry's token */
 static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, PyObject *callback) {
     Py_ssize_t index, seq, n = PyList_GET_SIZE(self->queues);
-    if (get_int(s, s_index, &index) < 0 || get_int(self->completions, s_seq_attr, &seq) < 0) return NULL;
+    if (get_int(s, s_index, &index) < 0) return NULL;
+    PyObject *last = PyDict_GetItemWithError(self->completions_dict, s_seq_attr);
+    if (last == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, s_seq_attr);
+        return NULL;
+    }
+    if ((seq = PyLong_AsSsize_t(last)) == -1 && PyErr_Occurred()) return NULL;
     if (index < 0 || index >= n) {
         PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
         return NULL;
@@ -517,7 +604,7 @@ static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, 
     PyObject *number = PyLong_FromSsize_t(seq);
     if (number == NULL) return NULL;
     PyObject *entry = PyTuple_Pack(3, number, event, callback);
-    int bad = entry == NULL || PyObject_SetAttr(self->completions, s_seq_attr, number) < 0;
+    int bad = entry == NULL || PyDict_SetItem(self->completions_dict, s_seq_attr, number) < 0;
     Py_DECREF(number);
     if (!bad) {
         PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(self->queues, index), s_append, entry);
@@ -526,13 +613,15 @@ static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, 
     }
     Py_XDECREF(entry);
     if (bad) return NULL;
-    PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
-    if (wake == NULL) return NULL;
-    PyObject *flag = PyObject_GetAttr(wake, s_flag);  /* threading.Event.is_set() reads it */
-    bad = flag == NULL || (flag != Py_True && call_method0(wake, s_set) < 0);
-    Py_XDECREF(flag);
-    Py_DECREF(wake);
-    return bad ? NULL : PyLong_FromSsize_t(seq * n + index);
+    PyObject *flag = PyDict_GetItemWithError(self->wake_dict, s_flag);  /* threading.Event.is_set() reads it */
+    if (flag == NULL && PyErr_Occurred()) return NULL;
+    if (flag != Py_True) {  /* the completion thread sleeps: wake it */
+        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
+        bad = wake == NULL || call_method0(wake, s_set) < 0;
+        Py_XDECREF(wake);
+        if (bad) return NULL;
+    }
+    return PyLong_FromSsize_t(seq * n + index);
 }
 
 /* ``op.error = op.root_error = the raised exception; op.root_name = op.name`` and
@@ -556,7 +645,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     PyObject *stream_obj = PyLong_FromSsize_t(stream);
     if (stream_obj == NULL) return -1;
     int rc = -1;
-    PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
+    PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *future_dict = NULL, *r;
     if (self->can_be_lost) {
         PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
         if (lost == NULL) goto done;
@@ -569,7 +658,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         }
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
-    PyObject *profiler = PyObject_GetAttr(self->rt, s_profiler);
+    PyObject *profiler = rt_attr(self, s_profiler);
     if (profiler == NULL) goto done;
     Py_DECREF(profiler);
     int python = profiler != Py_None || (host_inputs && PyList_GET_SIZE(live));
@@ -636,18 +725,20 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     op_set(op, OP_EVENT, event);
     /* Runtime._watch */
     PyObject *future = OPF(op, OP_FUTURE);
-    if (PyObject_SetAttr(future, s_hurry_attr, PyList_GET_ITEM(self->hurry_of, stream)) < 0
-            || PyObject_SetAttr(future, s_fence, event) < 0)
+    if ((future_dict = PyObject_GenericGetDict(future, NULL)) == NULL
+            || PyDict_SetItem(future_dict, s_hurry_attr, PyList_GET_ITEM(self->hurry_of, stream)) < 0
+            || PyDict_SetItem(future_dict, s_fence, event) < 0)
         goto done;
-    if ((callback = PyObject_CallFunctionObjArgs(sub.partial_type, self->finish, op, NULL)) == NULL) goto done;
+    if ((callback = new_finish_call(self, op)) == NULL) goto done;
     if (self->completions != NULL) {
         if ((token = completions_put(self, s, event, callback)) == NULL) goto done;
     } else if ((token = PyObject_CallMethodObjArgs(self->backend, s_when_done, s, event, callback, NULL)) == NULL) {
         goto done;
     }
-    if (PyObject_SetAttr(future, s_done_token, token) < 0) goto done;
+    if (PyDict_SetItem(future_dict, s_done_token, token) < 0) goto done;
     rc = 0;
 done:
+    Py_XDECREF(future_dict);
     Py_DECREF(stream_obj);
     Py_XDECREF(events);
     Py_XDECREF(event);
@@ -656,15 +747,19 @@ done:
     return rc;
 }
 
-/* ``f"{name}#{seq}"``, written out for an ASCII name (PyUnicode_FromFormat costs ~2k instructions) */
+/* ``f"{name}#{seq}"``, written out for an ASCII name (PyUnicode_FromFormat costs ~2k instructions,
+ * snprintf ~1k) */
 static PyObject *numbered_name(PyObject *name, Py_ssize_t seq) {
-    if (!PyUnicode_CheckExact(name) || !PyUnicode_IS_ASCII(name) || PyUnicode_GET_LENGTH(name) > 200)
+    if (!PyUnicode_CheckExact(name) || !PyUnicode_IS_ASCII(name) || PyUnicode_GET_LENGTH(name) > 200 || seq < 0)
         return PyUnicode_FromFormat("%S#%zd", name, seq);
-    char buf[232];
-    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+    char buf[232], digits[24];
+    Py_ssize_t n = PyUnicode_GET_LENGTH(name), k = 0;
     memcpy(buf, PyUnicode_DATA(name), (size_t)n);
-    int tail = snprintf(buf + n, sizeof(buf) - (size_t)n, "#%zd", seq);
-    return PyUnicode_FromStringAndSize(buf, n + tail);
+    size_t v = (size_t)seq;
+    do { digits[k++] = (char)('0' + v % 10); v /= 10; } while (v);
+    buf[n++] = '#';
+    while (k) buf[n++] = digits[--k];
+    return PyUnicode_FromStringAndSize(buf, n);
 }
 
 /* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken */
@@ -674,15 +769,14 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
              *live = NULL, *kept = NULL, *stamps = NULL, *placed = NULL, *future = NULL;
     Py_ssize_t seq_n;
-    if (get_int(self->rt, s_seq_attr, &seq_n) < 0) goto done;
+    if (rt_int(self, s_seq_attr, &seq_n) < 0) goto done;
     *seq_out = ++seq_n;
-    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL || PyObject_SetAttr(self->rt, s_seq_attr, seq) < 0) goto done;
+    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL || rt_set(self, s_seq_attr, seq) < 0) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
     opname = named ? Py_NewRef(op_name) : numbered_name(op_name, seq_n);
     if (opname == NULL || (op = new_op(seq, opname, fn, args, kwargs, accesses)) == NULL) goto done;
-    if ((tracker = PyObject_GetAttr(self->rt, s_tracker)) == NULL
-            || (clocks = PyObject_GetAttr(self->rt, s_clocks)) == NULL)
+    if ((tracker = rt_attr(self, s_tracker)) == NULL || (clocks = rt_attr(self, s_clocks)) == NULL)
         goto done;
     PyObject *call[] = {tracker, op, accesses};
     deps = PyObject_TypeCheck(tracker, state.tracker_type)
@@ -739,8 +833,8 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if (call0_(self->done_acquire) < 0) goto done;
     Py_ssize_t peak;
     int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0
-              || get_int(self->rt, s_peak, &peak) < 0
-              || (PyDict_GET_SIZE(self->pending) > peak && set_int(self->rt, s_peak, PyDict_GET_SIZE(self->pending)) < 0);
+              || rt_int(self, s_peak, &peak) < 0
+              || (PyDict_GET_SIZE(self->pending) > peak && rt_set_int(self, s_peak, PyDict_GET_SIZE(self->pending)) < 0);
     if (call0_(self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
     if (launch(self, op, deps, stream, live, PyTuple_GET_ITEM(placed, 1),
@@ -773,10 +867,10 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, i), *value = argv[nargs + i];
-        if (PyUnicode_Compare(key, s_reads) == 0) reads = value;
-        else if (PyUnicode_Compare(key, s_writes) == 0) writes = value;
-        else if (PyUnicode_Compare(key, s_name) == 0) name = value;
-        else if (PyUnicode_Compare(key, s_run_on) == 0) run_on = value;
+        if (same_str(key, s_reads)) reads = value;
+        else if (same_str(key, s_writes)) writes = value;
+        else if (same_str(key, s_name)) name = value;
+        else if (same_str(key, s_run_on)) run_on = value;
         else {
             if (kwargs == sub.empty_dict) {
                 Py_DECREF(kwargs);
@@ -786,7 +880,7 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
             markers |= Py_TYPE(value) == sub.marker_type;
         }
     }
-    PyObject *closed = PyObject_GetAttr(self->rt, s_closed);
+    PyObject *closed = rt_attr(self, s_closed);
     if (closed == NULL) goto done;
     Py_DECREF(closed);
     if (closed != Py_False || !PyCallable_Check(fn) || run_on != Py_None || markers
@@ -832,10 +926,10 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
     }
     if (released < 0) { Py_CLEAR(result); goto done; }
     /* outside the lock: finish what has completed, every so many submits (callbacks may submit) */
-    PyObject *ready = PyObject_GetAttr(self->rt, s_finish_ready);
+    PyObject *ready = rt_attr(self, s_finish_ready);
     if (ready == NULL) { Py_CLEAR(result); goto done; }
     Py_ssize_t every = 1;
-    if (PyList_Check(ready) && PyList_GET_SIZE(ready) && get_int(self->rt, s_finish_every, &every) == 0
+    if (PyList_Check(ready) && PyList_GET_SIZE(ready) && rt_int(self, s_finish_every, &every) == 0
             && every > 0 && seq % every == 0) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ready); i++) {
             PyObject *r = PyObject_CallNoArgs(PyList_GET_ITEM(ready, i));
@@ -869,14 +963,15 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     if (call0_(self->done_acquire) < 0) return NULL;
     Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting, completed;
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
-              || list_add(self->busy, stream, -1) < 0 || get_int(self->slots, s_free, &free_slots) < 0
-              || set_int(self->slots, s_free, free_slots + 1) < 0 || get_int(self->slots, s_waiting, &waiting) < 0;
+              || list_add(self->busy, stream, -1) < 0 || slot_int(self->slots, self->free_offset, s_free, &free_slots) < 0
+              || slot_set_int(self->slots, self->free_offset, s_free, free_slots + 1) < 0
+              || slot_int(self->slots, self->waiting_offset, s_waiting, &waiting) < 0;
     if (!bad && waiting) {
         PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
         bad = freed == NULL || call_method0(freed, s_notify) < 0;
         Py_XDECREF(freed);
     }
-    bad = bad || get_int(self->rt, s_completed, &completed) < 0 || set_int(self->rt, s_completed, completed + 1) < 0;
+    bad = bad || rt_int(self, s_completed, &completed) < 0 || rt_set_int(self, s_completed, completed + 1) < 0;
     if (call0_(self->done_release) < 0 || bad) return NULL;
     PyObject *value = Py_NewRef(OPF(op, OP_VALUE));
     PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
@@ -918,16 +1013,91 @@ done:
     return result;
 }
 
-/* finish_completed(queue, count, owner, free, watched): ``_Completions._pass``'s loop over entries
- * known to have completed (backends/cuda.py, the reference): pop each, call its callback with None,
- * and give its event back to ``free`` unless it is ``watched`` or times; stops early if the device is
- * lost. Returns how many it finished. */
-static PyObject *finish_completed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "finish_completed(queue, count, owner, free: list, watched)");
+/* ``partial(submitter.finish, op)``, what an op's completion entry calls (with the device error or
+ * None, or with nothing), made without partial's argument tuple and keyword dict */
+typedef struct {
+    PyObject_HEAD
+    Submitter *submitter;
+    PyObject *op;
+    vectorcallfunc vectorcall;
+} FinishCall;
+
+static PyTypeObject *finish_call_type;
+
+static PyObject *finish_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+    FinishCall *self = (FinishCall *)callable;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n > 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "an op's finish takes at most its device error");
         return NULL;
     }
-    PyObject *queue = args[0], *owner = args[2], *free_events = args[3], *watched = args[4];
+    PyObject *call[2] = {self->op, n ? args[0] : Py_None};
+    return submitter_finish(self->submitter, call, 2);
+}
+
+static PyObject *new_finish_call(Submitter *submitter, PyObject *op) {
+    FinishCall *self = PyObject_GC_New(FinishCall, finish_call_type);
+    if (self == NULL) return NULL;
+    self->submitter = (Submitter *)Py_NewRef((PyObject *)submitter);
+    self->op = Py_NewRef(op);
+    self->vectorcall = finish_call_vectorcall;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static int finish_call_traverse(FinishCall *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->submitter);
+    Py_VISIT(self->op);
+    return 0;
+}
+
+static int finish_call_clear(FinishCall *self) {
+    Py_CLEAR(self->submitter);
+    Py_CLEAR(self->op);
+    return 0;
+}
+
+static void finish_call_dealloc(FinishCall *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    finish_call_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef finish_call_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(FinishCall, vectorcall), READONLY, NULL},
+    {"op", T_OBJECT, offsetof(FinishCall, op), READONLY, NULL},
+    {NULL}
+};
+
+static PyType_Slot finish_call_slots[] = {
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_traverse, finish_call_traverse},
+    {Py_tp_clear, finish_call_clear},
+    {Py_tp_dealloc, finish_call_dealloc},
+    {Py_tp_members, finish_call_members},
+    {Py_tp_doc, "partial(Runtime._finish, op), compiled: what an op's completion entry calls."},
+    {0, NULL}
+};
+
+static PyType_Spec finish_call_spec = {
+    "streamdag.native.FinishCall", sizeof(FinishCall), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, finish_call_slots
+};
+
+/* finish_completed(queue, count, owner, free): ``_Completions._pass``'s loop over entries known to
+ * have completed (backends/cuda.py, the reference): pop each, call its callback with None, and give
+ * its event back to ``free`` unless it times; stops early if the device is lost. Returns how many it
+ * finished. */
+static PyObject *finish_completed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "finish_completed(queue, count, owner, free: list)");
+        return NULL;
+    }
+    PyObject *queue = args[0], *owner = args[2], *free_events = args[3];
     Py_ssize_t count = PyLong_AsSsize_t(args[1]), done = 0;
     if (count == -1 && PyErr_Occurred()) return NULL;
     for (; done < count; done++) {
@@ -946,7 +1116,7 @@ static PyObject *finish_completed(PyObject *module, PyObject *const *args, Py_ss
         PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
         int bad = r == NULL;
         Py_XDECREF(r);
-        if (!bad && event != watched) {
+        if (!bad) {
             PyObject *timing = PyObject_GetAttr(event, s_timing);
             int times = timing == NULL ? -1 : PyObject_IsTrue(timing);
             Py_XDECREF(timing);
@@ -982,7 +1152,7 @@ static PyType_Spec submitter_spec = {
 };
 
 #define SUBMIT_METHODS \
-    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, partial, _LAZY, PENDING, FINISHED, _finished_ok."}, \
+    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
     {"finish_completed", (PyCFunction)(void (*)(void))finish_completed, METH_FASTCALL, \
      "_Completions._pass's loop over entries known to have completed (backends/cuda.py)."},
 
@@ -1008,5 +1178,8 @@ static int submit_init(PyObject *m) {
         return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
     if (submitter_type == NULL) return -1;
+    finish_call_type = (PyTypeObject *)PyType_FromSpec(&finish_call_spec);
+    if (finish_call_type == NULL || PyModule_AddObjectRef(m, "FinishCall", (PyObject *)finish_call_type) < 0)
+        return -1;
     return PyModule_AddObjectRef(m, "Submitter", (PyObject *)submitter_type);
 }

@@ -822,7 +822,7 @@ def _finished_ok(op: Op) -> bool:
 
 
 if _speedups is not None:
-    _speedups.setup_submit(Op, Future, Marker, partial, ops._LAZY, ops._PENDING, ops._FINISHED, _finished_ok)
+    _speedups.setup_submit(Op, Future, Marker, ops._LAZY, ops._PENDING, ops._FINISHED, _finished_ok)
 
 
 def _annotate(error: BaseException, op_name: str) -> None:
