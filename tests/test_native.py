@@ -135,6 +135,30 @@ def test_the_compiled_tracker_compacts_as_the_python_one_over_many_ranges():
 
 
 @compiled
+@pytest.mark.parametrize("kind", ["op", "tuple"])
+@pytest.mark.parametrize("readers", [1, 31, 32, 33, 100])
+def test_a_write_after_many_reads_links_every_reader_in_order(readers, kind):
+    """The compiled link keeps the ops it finds in a small array, and past a few dozen (or for
+    nodes other than ops) in a dict, as the Python code does: the same dependencies, in the same
+    order, either way."""
+    from streamdag.runtime.ops import Op
+
+    def node(i):
+        return Op(i if isinstance(i, int) else -1, f"op{i}", print, (), {}, []) if kind == "op" else ("op", i)
+
+    nodes = {i: node(i) for i in [*range(readers), "w", "last"]}
+    trackers = [hazards.DepsTracker(), hazards.PyDepsTracker()]
+    shared, own = Access(Region("cpu", 0, 64), False), Access(Region("cpu", 64, 128), False)
+    for t in trackers:
+        for i in range(readers):  # each reads the shared range, some also a second, overlapping view
+            t.link(nodes[i], [shared] + ([Access(Region("cpu", 0, 32), False)] if i % 3 == 0 else []))
+        t.link(nodes["w"], [own])
+    write = [Access(Region("cpu", 0, 128), True)]
+    linked = [t.link(nodes["last"], write) for t in trackers]
+    assert linked[0] == linked[1] == [nodes[i] for i in range(readers)] + [nodes["w"]]
+
+
+@compiled
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 200), max_size=5)),
                                    min_size=1, max_size=60))
@@ -222,7 +246,7 @@ def test_accesses_stay_equal_to_the_python_ones_as_memory_is_reused(program):
         t = torch.empty(size) if size % 2 else base[offset:offset + size]
         reads, writes = ([t], [t]) if write else ([t], [])
         assert buffers.accesses(reads, writes) == buffers._py_accesses(reads, writes)
-        kept = kept[-3:] + [t]  # some stay alive, the rest go back to the allocator
+        kept = [*kept[-3:], t]  # some stay alive, the rest go back to the allocator
     # more ranges than the compiled code keeps: some share a start, some an end
     many = [base[i:i + 1] for i in range(1500)] + [base[:k] for k in range(1, 1500)]
     many += [base[k:] for k in range(1500)]

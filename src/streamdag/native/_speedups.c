@@ -418,21 +418,74 @@ static void tracker_dealloc(Tracker *self) {
     Py_DECREF(tp);
 }
 
+/* The nodes an op must follow, each with its earliest order (the reference's ``found`` dict). Ops
+ * (the runtime's nodes, told apart by identity) go into a small array, holding its own references;
+ * any other node, or more than FOUND_LINEAR of them (a write after many reads of one range), and it
+ * becomes the dict the Python code has: node -> order, hashed and compared as there. */
+#define FOUND_LINEAR 32
+typedef struct { PyObject *node; long long order; } Found;
+typedef struct {
+    Found items[FOUND_LINEAR];
+    Py_ssize_t n;
+    PyObject *dict;  /* NULL while the array serves */
+} FoundSet;
+
+static void found_init(FoundSet *f) {
+    f->n = 0;
+    f->dict = NULL;
+}
+
+static void found_clear(FoundSet *f) {
+    for (Py_ssize_t i = 0; i < f->n; i++) Py_DECREF(f->items[i].node);
+    f->n = 0;
+    Py_CLEAR(f->dict);
+}
+
+/* from the array to the dict */
+static int found_to_dict(FoundSet *f) {
+    if ((f->dict = PyDict_New()) == NULL) return -1;
+    for (Py_ssize_t i = 0; i < f->n; i++) {
+        PyObject *order = PyLong_FromLongLong(f->items[i].order);
+        int bad = order == NULL || PyDict_SetItem(f->dict, f->items[i].node, order) < 0;
+        Py_XDECREF(order);
+        if (bad) return -1;
+    }
+    for (Py_ssize_t i = 0; i < f->n; i++) Py_DECREF(f->items[i].node);
+    f->n = 0;
+    return 0;
+}
+
 /* found[node] = min(found.get(node), order) */
-static int note(PyObject *found, PyObject *node, PyObject *order_obj) {
-    PyObject *had = PyDict_GetItemWithError(found, node);
+static int note(FoundSet *f, PyObject *node, PyObject *order_obj) {
+    if (f->dict == NULL && Py_TYPE(node) == finished_ok.op_type) {
+        long long order = PyLong_AsLongLong(order_obj);
+        if (order == -1 && PyErr_Occurred()) return -1;
+        for (Py_ssize_t i = 0; i < f->n; i++)
+            if (f->items[i].node == node) {
+                if (order < f->items[i].order) f->items[i].order = order;
+                return 0;
+            }
+        if (f->n < FOUND_LINEAR) {
+            f->items[f->n].node = Py_NewRef(node);
+            f->items[f->n].order = order;
+            f->n++;
+            return 0;
+        }
+    }
+    if (f->dict == NULL && found_to_dict(f) < 0) return -1;
+    PyObject *had = PyDict_GetItemWithError(f->dict, node);
     if (had == NULL) {
         if (PyErr_Occurred()) return -1;
-        return PyDict_SetItem(found, node, order_obj);
+        return PyDict_SetItem(f->dict, node, order_obj);
     }
     long long order = PyLong_AsLongLong(order_obj), old = PyLong_AsLongLong(had);
     if ((order == -1 || old == -1) && PyErr_Occurred()) return -1;
-    return order < old ? PyDict_SetItem(found, node, order_obj) : 0;
+    return order < old ? PyDict_SetItem(f->dict, node, order_obj) : 0;
 }
 
 /* Holds its own references to what it reads: a dict insertion may run the cycle collector, and a
  * finalizer that submits (re-entering the tracker) may replace the record's writer or readers. */
-static int collect_record(Record *rec, int write, PyObject *found) {
+static int collect_record(Record *rec, int write, FoundSet *found) {
     int failed = 0;
     PyObject *w = rec->writer == NULL ? NULL : Py_NewRef(rec->writer);
     if (w != NULL && w != Py_None) {
@@ -460,36 +513,68 @@ static int collect_record(Record *rec, int write, PyObject *found) {
     return failed;
 }
 
-typedef struct { PyObject *node; long long order; } Found;
-
 static int by_order(const void *a, const void *b) {
     long long x = ((const Found *)a)->order, y = ((const Found *)b)->order;
     return (x > y) - (x < y);
 }
 
-/* the nodes of ``found`` by their earliest order */
-static PyObject *in_order(PyObject *found) {
-    Py_ssize_t n = PyDict_GET_SIZE(found);
-    if (n < 2) return PyDict_Keys(found);
-    Found *items = PyMem_Malloc(n * sizeof(Found));
-    if (items == NULL) return PyErr_NoMemory();
-    Py_ssize_t pos = 0, i = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(found, &pos, &key, &value)) {
-        items[i].node = key;
-        items[i].order = PyLong_AsLongLong(value);
-        i++;
+/* the nodes found, by their earliest order (no two share one: each access has its own) */
+static PyObject *in_order(FoundSet *f) {
+    if (f->dict != NULL) {  /* its nodes into the array's place, sorted the same way */
+        Py_ssize_t n = PyDict_GET_SIZE(f->dict), pos = 0, i = 0;
+        if (n < 2) return PyDict_Keys(f->dict);
+        Found *items = PyMem_Malloc(n * sizeof(Found));
+        if (items == NULL) return PyErr_NoMemory();
+        PyObject *key, *value;
+        while (PyDict_Next(f->dict, &pos, &key, &value)) {
+            items[i].node = key;
+            items[i].order = PyLong_AsLongLong(value);
+            i++;
+        }
+        PyObject *out = NULL;
+        if (!PyErr_Occurred()) {
+            qsort(items, n, sizeof(Found), by_order);
+            if ((out = PyList_New(n)) != NULL)
+                for (i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(items[i].node));
+        }
+        PyMem_Free(items);
+        return out;
     }
-    if (PyErr_Occurred()) { PyMem_Free(items); return NULL; }
-    qsort(items, n, sizeof(Found), by_order);
-    PyObject *out = PyList_New(n);
+    if (f->n > 1) qsort(f->items, f->n, sizeof(Found), by_order);
+    PyObject *out = PyList_New(f->n);
     if (out != NULL)
-        for (i = 0; i < n; i++) PyList_SET_ITEM(out, i, Py_NewRef(items[i].node));
-    PyMem_Free(items);
+        for (Py_ssize_t i = 0; i < f->n; i++) PyList_SET_ITEM(out, i, Py_NewRef(f->items[i].node));
     return out;
 }
 
 typedef struct { Space *space; Record *rec; int write; } Touched;
+
+/* ``by_range.get((start, end))`` (borrowed, NULL if absent or on error) without making the key: a
+ * tuple kept for look-ups is filled with the two ints for the time of the look-up. Hashing and
+ * comparing ints runs no Python code, so nothing can see it meanwhile; it is not tracked by the
+ * cycle collector, and is emptied again before this returns. */
+static PyObject *range_lookup(PyObject *by_range, PyObject *start, PyObject *end) {
+    static PyObject *key = NULL;
+    if (key == NULL || Py_REFCNT(key) != 1) {  /* (a look-up never keeps it; be sure) */
+        PyObject *fresh = PyTuple_New(2);
+        if (fresh == NULL) return NULL;
+        PyObject_GC_UnTrack(fresh);
+        Py_XSETREF(key, fresh);
+    }
+    if (!PyLong_CheckExact(start) || !PyLong_CheckExact(end)) {  /* made as it is (an int subclass) */
+        PyObject *made = PyTuple_Pack(2, start, end);
+        if (made == NULL) return NULL;
+        PyObject *rec = PyDict_GetItemWithError(by_range, made);
+        Py_DECREF(made);
+        return rec;
+    }
+    PyTuple_SET_ITEM(key, 0, start);  /* borrowed, for the look-up only */
+    PyTuple_SET_ITEM(key, 1, end);
+    PyObject *rec = PyDict_GetItemWithError(by_range, key);
+    PyTuple_SET_ITEM(key, 0, NULL);
+    PyTuple_SET_ITEM(key, 1, NULL);
+    return rec;
+}
 
 /* DepsTracker.link: depends_on then add in one pass (see hazards.py, the reference) */
 static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -507,10 +592,12 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), used = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    Touched *touched = n ? PyMem_Malloc(n * sizeof(Touched)) : NULL;
-    PyObject *found = PyDict_New();
+    Touched local[8];
+    Touched *touched = n <= 8 ? local : PyMem_Malloc(n * sizeof(Touched));
+    FoundSet found;
+    found_init(&found);
     PyObject *result = NULL;
-    if ((n && touched == NULL) || found == NULL) { PyErr_NoMemory(); goto done; }
+    if (touched == NULL) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *acc = items[i];
         if (!PyTuple_Check(acc) || PyTuple_GET_SIZE(acc) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(acc, 0))
@@ -544,15 +631,12 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
             Py_INCREF(space);
         }
         Space *sp = (Space *)space;
-        PyObject *key = PyTuple_Pack(2, start_o, end_o);
-        if (key == NULL || sp->by_range == NULL) {
-            Py_XDECREF(key);
+        if (sp->by_range == NULL) {
             Py_DECREF(space);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "by_range");
+            PyErr_SetString(PyExc_AttributeError, "by_range");
             goto done;
         }
-        PyObject *rec = PyDict_GetItemWithError(sp->by_range, key);
-        Py_DECREF(key);
+        PyObject *rec = range_lookup(sp->by_range, start_o, end_o);
         if (rec != NULL) {
             Py_INCREF(rec);
         } else {
@@ -582,12 +666,12 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
                     Py_DECREF(near_seq);
                     goto done;
                 }
-                if (collect_record((Record *)other, write, found) < 0) { Py_DECREF(near_seq); goto done; }
+                if (collect_record((Record *)other, write, &found) < 0) { Py_DECREF(near_seq); goto done; }
             }
             Py_DECREF(near_seq);
             continue;
         }
-        if (collect_record((Record *)rec, write, found) < 0) goto done;
+        if (collect_record((Record *)rec, write, &found) < 0) goto done;
     }
     /* after the look-ups: an op never depends on itself */
     long long order = self->order;
@@ -621,14 +705,14 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         }
         self->order = order;
     }
-    result = in_order(found);
+    result = in_order(&found);
 done:
     for (Py_ssize_t i = 0; i < used; i++) {
         Py_DECREF(touched[i].rec);
         Py_DECREF(touched[i].space);
     }
-    PyMem_Free(touched);
-    Py_XDECREF(found);
+    if (touched != local) PyMem_Free(touched);
+    found_clear(&found);
     Py_DECREF(seq);
     return result;
 }
@@ -983,10 +1067,16 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject *result = NULL, *waits = PyList_New(0), *clock = NULL;
-    Dep *deps = PyMem_Malloc((m ? m : 1) * sizeof(Dep));
-    Dep **order = PyMem_Malloc((m ? m : 1) * sizeof(Dep *));
-    Py_ssize_t *chosen = PyMem_Malloc((m ? m : 1) * sizeof(Py_ssize_t));
-    long long *known = PyMem_Malloc(2 * n * sizeof(long long)), *others = known + n;
+    /* on the stack for the usual few deps and streams */
+    Dep local_deps[8], *local_order[8];
+    Py_ssize_t local_chosen[8];
+    long long local_known[64];
+    int small = m <= 8, few = n <= 32;
+    Dep *deps = small ? local_deps : PyMem_Malloc((m ? m : 1) * sizeof(Dep));
+    Dep **order = small ? local_order : PyMem_Malloc((m ? m : 1) * sizeof(Dep *));
+    Py_ssize_t *chosen = small ? local_chosen : PyMem_Malloc((m ? m : 1) * sizeof(Py_ssize_t));
+    long long *known = few ? local_known : PyMem_Malloc(2 * n * sizeof(long long));
+    long long *others = known == NULL ? NULL : known + n;
     long long *base = self->known + s * n;
     Py_ssize_t nw = 0;
     if (waits == NULL || deps == NULL || order == NULL || chosen == NULL || known == NULL) {
@@ -1050,10 +1140,12 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
 done:
     Py_XDECREF(clock);
     Py_XDECREF(waits);
-    PyMem_Free(deps);
-    PyMem_Free(order);
-    PyMem_Free(chosen);
-    PyMem_Free(known);
+    if (!small) {
+        PyMem_Free(deps);
+        PyMem_Free(order);
+        PyMem_Free(chosen);
+    }
+    if (!few) PyMem_Free(known);
     Py_DECREF(seq);
     return result;
 }

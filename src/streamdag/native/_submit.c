@@ -790,26 +790,38 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
         live = Py_NewRef(sub.empty_list);
         stamps = Py_NewRef(sub.empty_list);
     } else {  /* Runtime._admit: op.deps keeps the unfinished deps and the failed ones */
-        if ((live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL
-                || (kept = PyList_New(0)) == NULL) {
+        if ((live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL) {
             Py_DECREF(dep_list);
             goto done;
         }
+        int failed_deps = 0;
         for (Py_ssize_t i = 0; i < nd; i++) {
             PyObject *d = PySequence_Fast_GET_ITEM(dep_list, i);
             PyObject *done = field(d, OP_DONE), *error = done == NULL ? NULL : field(d, OP_ERROR);
             int ok = error != NULL;
             if (ok && done != Py_True) {
                 PyObject *stamp = field(d, OP_STAMP);
-                ok = stamp != NULL && PyList_Append(live, d) == 0 && PyList_Append(kept, d) == 0
-                     && PyList_Append(stamps, stamp) == 0;
+                ok = stamp != NULL && PyList_Append(live, d) == 0 && PyList_Append(stamps, stamp) == 0;
                 Py_XDECREF(stamp);
             } else if (ok && error != Py_None) {
-                ok = PyList_Append(kept, d) == 0;
+                failed_deps = 1;
             }
             Py_XDECREF(done);
             Py_XDECREF(error);
             if (!ok) { Py_DECREF(dep_list); goto done; }
+        }
+        if (!failed_deps) {  /* then the deps kept are the live ones: one list serves both */
+            kept = Py_NewRef(live);
+        } else {  /* the live ones and the failed ones, in their order */
+            if ((kept = PyList_New(0)) == NULL) { Py_DECREF(dep_list); goto done; }
+            for (Py_ssize_t i = 0; i < nd; i++) {
+                PyObject *d = PySequence_Fast_GET_ITEM(dep_list, i);
+                PyObject *done = field(d, OP_DONE), *error = done == NULL ? NULL : field(d, OP_ERROR);
+                int ok = error != NULL && ((done == Py_True && error == Py_None) || PyList_Append(kept, d) == 0);
+                Py_XDECREF(done);
+                Py_XDECREF(error);
+                if (!ok) { Py_DECREF(dep_list); goto done; }
+            }
         }
         op_set(op, OP_DEPS, kept);
     }
