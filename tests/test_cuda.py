@@ -120,6 +120,27 @@ def test_a_thread_that_keeps_submitting_finishes_completed_ops_itself():
     assert x[0].item() == FINISH_EVERY * 2
 
 
+def test_a_long_op_nobody_waits_on_is_finished_and_its_callback_runs():
+    """With nothing completing for a while, the completion thread polls ever less often, and still
+    finishes an op nobody waits on (its done-callback runs) once the GPU is through with it."""
+    import time
+
+    x = torch.zeros(16, device="cuda")
+    called = threading.Event()
+    with sd.Runtime("cuda", streams=2) as rt:
+        def long_op():
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: many idle polls
+            x.add_(1)
+
+        f = rt.submit(long_op, writes=[x])
+        f.add_done_callback(lambda _: called.set())
+        deadline = time.monotonic() + 30
+        while not f.done() and time.monotonic() < deadline:
+            time.sleep(0.005)  # looks without waiting on the future (which would help finish it)
+        assert f.done() and called.wait(5)
+    assert x.tolist() == [1.0] * 16
+
+
 def test_done_callbacks_that_submit_at_the_bound_do_not_hang_on_cuda():
     x = torch.zeros(1024, device="cuda")
     follow_ups = []

@@ -113,8 +113,8 @@ class _Completions:
     (a future's ``result()``, ``synchronize()``, a full in-flight bound) cuts
     the pause short through :meth:`hurry`. With nothing completed it polls:
     every ``POLL_SECONDS`` for a while after someone waited, else at an
-    interval that doubles while nothing completes, up to
-    ``IDLE_POLL_MAX_SECONDS`` (GIL released in between). Its events are no
+    interval that grows while nothing completes (see :func:`_idle_poll`; GIL
+    released in between). Its events are no
     blocking-sync events (see ``CudaEvent``), and a blocking wait would wake
     through an interrupt anyway, later than a poll sees the event (on the
     H100, a ``result()`` after a captured replay of the medium wide graph came
@@ -144,8 +144,6 @@ class _Completions:
     #: after someone waited, poll this often instead of blocking, for this long
     POLL_SECONDS = 20e-6
     POLL_AFTER_WAIT_SECONDS = 20e-3
-    #: otherwise, with ops pending and none completed, the poll interval doubles up to this
-    IDLE_POLL_MAX_SECONDS = 0.5e-3
     #: how long a waiting thread polls and finishes ops itself before it sleeps on its future
     HELP_SECONDS = 2e-3
     #: at most this many ops waited on without helping are finished ahead of their queues
@@ -312,7 +310,7 @@ class _Completions:
                 report_escaped(self._thread.name)
 
     def _serve(self) -> None:
-        idle_poll = self.POLL_SECONDS
+        idle_poll, idle_since = self.POLL_SECONDS, 0.0
         while True:
             now = time.perf_counter()
             since = now - self._passed_at
@@ -325,7 +323,7 @@ class _Completions:
             if self._wanted and self._finish_wanted():
                 time.sleep(0)  # hand the GIL to the thread that waited, before finishing the rest
             if self._drain():
-                idle_poll = self.POLL_SECONDS
+                idle_poll, idle_since = self.POLL_SECONDS, 0.0
                 # a hurry set before the clear is served by the drain right after it
                 self._hurry.wait(self.BATCH_SECONDS)
                 self._hurry.clear()
@@ -341,11 +339,12 @@ class _Completions:
                 time.sleep(self.BATCH_SECONDS if submitting else self.POLL_SECONDS)
                 continue
             if pending:  # nothing completed: poll again, later the longer nothing completes
+                idle_since = idle_since or time.perf_counter()
                 if self._hurry.wait(idle_poll):
                     self._hurry.clear()  # someone waits (``_hurried_at``): the polls above take over
-                    idle_poll = self.POLL_SECONDS
+                    idle_poll, idle_since = self.POLL_SECONDS, 0.0
                 else:
-                    idle_poll = min(2 * idle_poll, self.IDLE_POLL_MAX_SECONDS)
+                    idle_poll = _idle_poll(idle_poll, time.perf_counter() - idle_since)
                 continue
             if self._stopping:
                 return
@@ -401,6 +400,19 @@ class _Completions:
         self._stopping = True
         self._wake.set()
         self._thread.join()
+
+
+#: the completion thread's poll interval, with ops pending and none completed: it doubles up to
+#: IDLE_POLL_SECONDS, then grows to a 25th of the time nothing has completed, up to LONG_IDLE_POLL_SECONDS
+IDLE_POLL_SECONDS = 0.5e-3
+LONG_IDLE_POLL_SECONDS = 5e-3
+
+
+def _idle_poll(interval: float, idle_for: float) -> float:
+    """The next poll interval after ``interval`` found nothing completed, ``idle_for`` seconds since
+    the last completion: an op that runs long is seen done at most ~4% of its time late, and a GPU
+    busy for seconds costs a few hundred wake-ups per second rather than thousands."""
+    return min(max(min(2 * interval, IDLE_POLL_SECONDS), idle_for / 25), LONG_IDLE_POLL_SECONDS)
 
 
 def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], seq: int) -> int:
