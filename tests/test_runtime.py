@@ -27,6 +27,38 @@ def test_submit_returns_a_future_of_the_functions_value(rt):
     assert f.result() == 6.0
 
 
+@pytest.mark.parametrize("how", ["wait", "as_completed", "callback", "await", "weakref"])
+def test_futures_work_with_concurrent_futures_helpers_asyncio_and_weak_references(rt, how):
+    """A future keeps its state in slots and makes its condition and lists only when asked: every
+    way of waiting on it, or of holding it, must still see the outcome."""
+    import concurrent.futures
+    import weakref
+
+    a = np.zeros(4)
+    fs = [rt.submit(lambda i=i: time.sleep(0.002) or i, writes=[a]) for i in range(5)]
+    if how == "wait":
+        done, _ = concurrent.futures.wait(fs, timeout=30)
+        assert done == set(fs)
+    elif how == "as_completed":
+        assert sorted(f.result() for f in concurrent.futures.as_completed(fs, timeout=30)) == list(range(5))
+    elif how == "callback":
+        seen = []
+        for f in fs:
+            f.add_done_callback(lambda f: seen.append(f.result()))
+        rt.synchronize()
+        assert sorted(seen) == list(range(5))
+    elif how == "await":
+        async def main():
+            return [await f for f in fs]
+        assert asyncio.run(main()) == list(range(5))
+    else:
+        refs = [weakref.ref(f) for f in fs]
+        rt.synchronize()
+        assert [r().result() for r in refs] == list(range(5))
+    assert all(f.done() and f.exception() is None for f in fs)
+    assert "finished" in repr(fs[-1])
+
+
 def test_keywords_other_than_the_runtimes_reach_the_function(rt):
     def f(x, fn=None, streams=None):
         return (x, fn, streams)

@@ -19,6 +19,11 @@ enum {
     OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
     OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FIELDS
 };
+/* the slots of a Future the compiled code sets and reads (ops.Future.__slots__) */
+enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_FIELDS };
+static const char *future_field_names[F_FIELDS] = {
+    "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "op_name"
+};
 static const char *op_field_names[OP_FIELDS] = {
     "seq", "name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
     "done", "error", "root_name", "root_error", "value", "keep", "run_id"
@@ -29,6 +34,7 @@ static struct {
     Py_ssize_t op_offset[OP_FIELDS];
     PyObject *op_names[OP_FIELDS];  /* interned */
     PyTypeObject *future_type;
+    Py_ssize_t future_offset[F_FIELDS];
     PyTypeObject *marker_type;
     PyObject *lazy;      /* ops._LAZY: orders a future's condition against setting its outcome */
     PyObject *pending;   /* concurrent.futures' PENDING and FINISHED */
@@ -42,13 +48,19 @@ static struct {
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
                 *s_tail, *s_place, *s_seq_attr, *s_peak, *s_profiler, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_hurry_attr, *s_fence, *s_done_token, *s_finish_ready,
-                *s_finish_every, *s_free, *s_waiting, *s_freed, *s_notify, *s_completed, *s_finish_py,
-                *s_settle, *s_condition, *s_state, *s_result, *s_exception, *s_op_name, *s_name_attr,
-                *s_reads, *s_writes, *s_name, *s_run_on, *s_lost,
-                *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft, *s_timing;
+                *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
+                *s_notify, *s_completed, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
+                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft, *s_timing;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
+#define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
+
+/* set a Future's slot (its type checked by the caller: sub.future_type exactly) */
+static void future_set(PyObject *future, int f, PyObject *value) {
+    PyObject *old = FUTF(future, f);
+    FUTF(future, f) = Py_NewRef(value);
+    Py_XDECREF(old);
+}
 
 /* a field of a tracker node: an Op's slot directly, anything else by name */
 static PyObject *field(PyObject *node, int f) {
@@ -172,6 +184,15 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
     finished_ok.done = sub.op_offset[OP_DONE];
     finished_ok.error = sub.op_offset[OP_ERROR];
+    for (int f = 0; f < F_FIELDS; f++) {
+        PyObject *d = PyDict_GetItemString(((PyTypeObject *)future_type)->tp_dict, future_field_names[f]);
+        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
+                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_TypeError, "setup_submit: Future has no slot %s", future_field_names[f]);
+            return NULL;
+        }
+        sub.future_offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
     Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
     Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
@@ -372,14 +393,9 @@ static PyObject *new_future(PyObject *op_name) {
     PyTypeObject *tp = sub.future_type;
     PyObject *f = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (f == NULL) return NULL;
-    PyObject *dict = PyObject_GenericGetDict(f, NULL);  /* its finish reads it anyway */
-    if (dict == NULL || PyDict_SetItem(dict, s_state, sub.pending) < 0 || PyDict_SetItem(dict, s_result, Py_None) < 0
-            || PyDict_SetItem(dict, s_exception, Py_None) < 0 || PyDict_SetItem(dict, s_op_name, op_name) < 0) {
-        Py_XDECREF(dict);
-        Py_DECREF(f);
-        return NULL;
-    }
-    Py_DECREF(dict);
+    future_set(f, F_STATE, sub.pending); future_set(f, F_RESULT, Py_None); future_set(f, F_EXCEPTION, Py_None);
+    future_set(f, F_WATCHED, Py_False); future_set(f, F_HURRY, Py_None); future_set(f, F_DONE_TOKEN, Py_None);
+    future_set(f, F_FENCE, Py_None); future_set(f, F_OP_NAME, op_name);
     return f;
 }
 
@@ -645,7 +661,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     PyObject *stream_obj = PyLong_FromSsize_t(stream);
     if (stream_obj == NULL) return -1;
     int rc = -1;
-    PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *future_dict = NULL, *r;
+    PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
     if (self->can_be_lost) {
         PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
         if (lost == NULL) goto done;
@@ -724,21 +740,18 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     op_set(op, OP_EVENT, event);
     /* Runtime._watch */
-    PyObject *future = OPF(op, OP_FUTURE);
-    if ((future_dict = PyObject_GenericGetDict(future, NULL)) == NULL
-            || PyDict_SetItem(future_dict, s_hurry_attr, PyList_GET_ITEM(self->hurry_of, stream)) < 0
-            || PyDict_SetItem(future_dict, s_fence, event) < 0)
-        goto done;
+    PyObject *future = OPF(op, OP_FUTURE);  /* made by new_future: of the Future type exactly */
+    future_set(future, F_HURRY, PyList_GET_ITEM(self->hurry_of, stream));
+    future_set(future, F_FENCE, event);
     if ((callback = new_finish_call(self, op)) == NULL) goto done;
     if (self->completions != NULL) {
         if ((token = completions_put(self, s, event, callback)) == NULL) goto done;
     } else if ((token = PyObject_CallMethodObjArgs(self->backend, s_when_done, s, event, callback, NULL)) == NULL) {
         goto done;
     }
-    if (PyDict_SetItem(future_dict, s_done_token, token) < 0) goto done;
+    future_set(future, F_DONE_TOKEN, token);
     rc = 0;
 done:
-    Py_XDECREF(future_dict);
     Py_DECREF(stream_obj);
     Py_XDECREF(events);
     Py_XDECREF(event);
@@ -993,21 +1006,16 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     PyObject *result = NULL;
     int settled = 0;
     if (call0_(self->lazy_acquire) < 0) goto done;
-    PyObject *dict = PyObject_GenericGetDict(future, NULL);
-    if (dict != NULL) {
-        int watched = PyDict_Contains(dict, s_condition);
-        PyObject *st = watched == 0 ? PyDict_GetItemWithError(dict, s_state) : NULL;
-        if (watched == 0 && st == sub.pending) {
-            settled = PyDict_SetItem(dict, s_result, value) == 0 && PyDict_SetItem(dict, s_exception, Py_None) == 0
-                      && PyDict_SetItem(dict, s_state, sub.finished) == 0;
-            if (!settled) goto unlock;
-        } else if (watched < 0 || PyErr_Occurred()) {
-            goto unlock;
-        }
-        settled = settled ? 1 : -1;  /* -1: someone watches, the Python code settles it */
+    if (Py_TYPE(future) != sub.future_type || FUTF(future, F_WATCHED) == NULL || FUTF(future, F_STATE) == NULL) {
+        settled = -1;  /* not one new_future made: the Python code settles it */
+    } else if (FUTF(future, F_WATCHED) == Py_False && FUTF(future, F_STATE) == sub.pending) {
+        future_set(future, F_RESULT, value);
+        future_set(future, F_EXCEPTION, Py_None);
+        future_set(future, F_STATE, sub.finished);
+        settled = 1;
+    } else {
+        settled = -1;  /* someone watches: the Python code settles it */
     }
-unlock:
-    Py_XDECREF(dict);
     {
         PyObject *exc = PyErr_Occurred() ? take_exception() : NULL;
         if (call0_(self->lazy_release) < 0) { Py_XDECREF(exc); goto done; }
@@ -1175,11 +1183,9 @@ static int submit_init(PyObject *m) {
     S(s_seq_attr, "_seq") S(s_peak, "_peak") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
-    S(s_wait, "wait") S(s_when_done, "when_done") S(s_hurry_attr, "_hurry") S(s_fence, "_fence")
-    S(s_done_token, "_done_token") S(s_finish_ready, "_finish_ready") S(s_finish_every, "_finish_every")
-    S(s_free, "_free") S(s_waiting, "_waiting") S(s_freed, "_freed") S(s_notify, "notify")
-    S(s_completed, "_completed") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_condition, "_condition")
-    S(s_state, "_state") S(s_result, "_result") S(s_exception, "_exception") S(s_op_name, "op_name")
+    S(s_wait, "wait") S(s_when_done, "when_done") S(s_finish_ready, "_finish_ready")
+    S(s_finish_every, "_finish_every") S(s_free, "_free") S(s_waiting, "_waiting") S(s_freed, "_freed")
+    S(s_notify, "notify") S(s_completed, "_completed") S(s_finish_py, "_finish") S(s_settle, "_settle")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")

@@ -95,34 +95,58 @@ class Future(concurrent.futures.Future):
     ops are set before anyone looks. The condition would cost more than the
     rest of their bookkeeping, and every object a pending op holds brings
     Python's cycle collector nearer (whose full passes take tens of ms).
+
+    Its state is in slots, not in an instance dict (the base class has one,
+    left empty): one object less per op, and the compiled submit sets and
+    reads them at their offsets. The lazy ones stay unset until made (a read
+    of an unset slot comes to ``__getattr__``).
     """
 
-    op_name: str = ""
-    #: asks whoever finishes this future to look now, and with the future and a time limit lets
-    #: the waiting thread finish it itself (set by the runtime; see ``CudaBackend.hurry``)
-    _hurry: Callable[..., None] | None = None
-    #: the backend's token for this op's completion entry, so that a waiter gets it finished first
-    _done_token: Any = None
-    #: the op's completion event, for ``Runtime.current_stream_wait``; None: the host waits
-    _fence: Any = None
+    # The lazy ones (``_condition``, ``_waiters``, ``_done_callbacks``) stay unset until first asked for
+    # (``__getattr__``); ``_watched``: whether the condition was made (someone waits or a callback is
+    # set); ``_hurry`` asks whoever finishes this future to look now, and with the future and a time
+    # limit lets the waiting thread finish it itself (see ``CudaBackend.hurry``); ``_done_token``: the
+    # backend's token for the op's completion entry, so that a waiter gets it finished first;
+    # ``_fence``: the op's completion event, for ``Runtime.current_stream_wait`` (None: the host waits).
+    __slots__ = (
+        "_condition",
+        "_done_callbacks",
+        "_done_token",
+        "_exception",
+        "_fence",
+        "_hurry",
+        "_result",
+        "_state",
+        "_waiters",
+        "_watched",
+        "op_name",
+    )
 
     def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
-        # submit, native/_submit.c, sets the same attributes without this call: keep the two equal)
+        # submit, native/_submit.c, sets the same slots without this call: keep the two equal)
         self._state = _PENDING
         self._result = None
         self._exception = None
+        self._watched = False
+        self._hurry = self._done_token = self._fence = None
+        self.op_name = ""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
         if name in _LAZY_LISTS:  # the base class's waiters or done-callbacks, asked for the first time
             with _LAZY:
-                return self.__dict__.setdefault(name, [])
+                made = _slot(self, name)
+                if made is None:
+                    made = []
+                    setattr(self, name, made)
+                return made
         if name != "_condition":
             raise AttributeError(name)
         with _LAZY:
-            cond = self.__dict__.get("_condition")
+            cond = _slot(self, "_condition")
             made = cond is None
             if made:
-                cond = self.__dict__["_condition"] = threading.Condition()
+                cond = self._condition = threading.Condition()
+                self._watched = True
                 self._observed()
         if made and self._hurry is not None and self._state not in _DONE_STATES:
             # someone waits in a way that does not go through result() (concurrent.futures.wait,
@@ -197,23 +221,24 @@ class Future(concurrent.futures.Future):
 
     def _make_condition(self) -> None:
         """Make the condition here rather than in ``__getattr__``, which asks for a prompt finish."""
-        if "_condition" not in self.__dict__:
+        if not self._watched:
             with _LAZY:
-                if "_condition" not in self.__dict__:
-                    self.__dict__["_condition"] = threading.Condition()
+                if not self._watched:
+                    self._condition = threading.Condition()
+                    self._watched = True
                     self._observed()
 
     def _observed(self) -> None:
         """Someone waits or adds a callback: make the lists the base class uses then, at once,
         rather than each through ``__getattr__`` as it is first used. Caller holds ``_LAZY``."""
-        d = self.__dict__
-        d.setdefault("_waiters", [])
-        d.setdefault("_done_callbacks", [])
+        for name in _LAZY_LISTS:
+            if _slot(self, name) is None:
+                setattr(self, name, [])
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
         with _LAZY:
-            if "_condition" in self.__dict__ or self._state != _PENDING:
+            if self._watched or self._state != _PENDING:
                 return False
             self._result, self._exception, self._state = result, exception, _FINISHED
             return True
@@ -232,7 +257,7 @@ class Future(concurrent.futures.Future):
 
     def _has_callbacks(self) -> bool:
         """Whether done-callbacks are set (one added meanwhile may run in the finishing thread)."""
-        return bool(self.__dict__.get("_done_callbacks"))
+        return bool(_slot(self, "_done_callbacks"))
 
     def _run_callbacks(self, callbacks: list[Any]) -> None:
         """Run done-callbacks kept by :meth:`_settle_keeping_callbacks`, as ``set_result`` would."""
@@ -265,6 +290,17 @@ class Future(concurrent.futures.Future):
 
     def __repr__(self) -> str:
         return f"<streamdag.Future {self.op_name!r} {self._state.lower()}>"
+
+
+_SLOTS = {name: Future.__dict__[name] for name in ("_condition", *_LAZY_LISTS)}
+
+
+def _slot(future: Future, name: str) -> Any:
+    """A lazily made slot's value, or None while unset (without making it, as ``getattr`` would)."""
+    try:
+        return _SLOTS[name].__get__(future, Future)
+    except AttributeError:
+        return None
 
 
 def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
