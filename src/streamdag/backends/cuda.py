@@ -79,7 +79,8 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
     in C: an op's event is recorded for every op.
 
     Not a blocking-sync event (whose host wait sleeps until an interrupt): on the H100, recording
-    one after a kernel cost ~1-1.5 µs more than recording a plain one, per op. So a host wait on it
+    one after each launch added 1.20 µs per launch, a plain one 0.23 (``bench/cuda_calls.py``). So a
+    host wait on it
     (``synchronize``) spins or yields as CUDA's scheduling flags say, and the completion thread polls
     (see ``_Completions``) rather than sleeping in it.
     """
@@ -114,12 +115,11 @@ class _Completions:
     the pause short through :meth:`hurry`. With nothing completed it polls:
     every ``POLL_SECONDS`` for a while after someone waited, else at an
     interval that grows while nothing completes (see :func:`_idle_poll`; GIL
-    released in between). Its events are no
-    blocking-sync events (see ``CudaEvent``), and a blocking wait would wake
-    through an interrupt anyway, later than a poll sees the event (on the
-    H100, a ``result()`` after a captured replay of the medium wide graph came
-    0.06 ms after the replay with polling, 0.37 ms sleeping in a blocking
-    event).
+    released in between). Its events are no blocking-sync events (see
+    ``CudaEvent``), and a blocking wait would wake through an interrupt
+    anyway, later than a poll sees the event (on the H100, a ``result()``
+    after a captured replay of the medium wide graph came 0.06 ms after the
+    replay with polling, 0.37 ms sleeping in a blocking event).
     Events go back to the backend's pool once their op has been finished.
 
     A thread that submits finishes completed ops between its submits
@@ -211,7 +211,7 @@ class _Completions:
         return True
 
     def _settle(self, event: CudaEvent, callback: Callable[..., None], error: Any) -> None:
-        """Finish a dequeued entry; its event goes back to the pool unless this thread sleeps on it."""
+        """Finish a dequeued entry; its event goes back to the pool (unless the device was lost)."""
         callback(error)
         if error is None:
             self._owner.recycle(event)
@@ -331,10 +331,9 @@ class _Completions:
             pending = any(self._queues)
             if pending and time.perf_counter() - self._hurried_at < self.POLL_AFTER_WAIT_SECONDS:
                 # someone waits: poll often. Once a thread submits again after the wait (and so
-                # finishes ops as it goes), poll
-                # once per batch instead: each poll takes the GIL, and the submitter then waits for
-                # it in every PyTorch call (they let go of it); a submit loop right after a
-                # synchronize() lost ~2 µs per op that way on the H100
+                # finishes ops as it goes), poll once per batch instead: each poll takes the GIL, and
+                # the submitter then waits for it in every PyTorch call (they let go of it); a submit
+                # loop right after a synchronize() lost ~2 µs per op that way on the H100
                 submitting = self._passed_at > self._hurried_at
                 time.sleep(self.BATCH_SECONDS if submitting else self.POLL_SECONDS)
                 continue

@@ -50,7 +50,8 @@ static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
                 *s_notify, *s_completed, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
-                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft, *s_timing;
+                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
+                *s_timing;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -108,13 +109,17 @@ static int set_int(PyObject *obj, PyObject *name, Py_ssize_t value) {
     return r;
 }
 
-/* where ``obj``'s class keeps the slot ``name`` (a member descriptor of its own), or -1 */
-static Py_ssize_t slot_offset(PyObject *obj, const char *name) {
-    PyObject *d = PyDict_GetItemString(Py_TYPE(obj)->tp_dict, name);
+/* where ``tp`` keeps the slot ``name`` (a member descriptor of its own), or -1 */
+static Py_ssize_t type_slot_offset(PyTypeObject *tp, const char *name) {
+    PyObject *d = PyDict_GetItemString(tp->tp_dict, name);
     if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
             || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
         return -1;
     return ((PyMemberDescrObject *)d)->d_member->offset;
+}
+
+static Py_ssize_t slot_offset(PyObject *obj, const char *name) {
+    return type_slot_offset(Py_TYPE(obj), name);
 }
 
 /* an int in a slot at ``offset`` (see slot_offset), else the attribute ``name`` */
@@ -169,13 +174,10 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
                           &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn))
         return NULL;
     for (int f = 0; f < OP_FIELDS; f++) {
-        PyObject *d = PyDict_GetItemString(((PyTypeObject *)op_type)->tp_dict, op_field_names[f]);
-        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
-                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+        if ((sub.op_offset[f] = type_slot_offset((PyTypeObject *)op_type, op_field_names[f])) < 0) {
             PyErr_Format(PyExc_TypeError, "setup_submit: Op has no slot %s", op_field_names[f]);
             return NULL;
         }
-        sub.op_offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
         if (sub.op_names[f] == NULL && (sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL)
             return NULL;
     }
@@ -184,15 +186,11 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
     finished_ok.done = sub.op_offset[OP_DONE];
     finished_ok.error = sub.op_offset[OP_ERROR];
-    for (int f = 0; f < F_FIELDS; f++) {
-        PyObject *d = PyDict_GetItemString(((PyTypeObject *)future_type)->tp_dict, future_field_names[f]);
-        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
-                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+    for (int f = 0; f < F_FIELDS; f++)
+        if ((sub.future_offset[f] = type_slot_offset((PyTypeObject *)future_type, future_field_names[f])) < 0) {
             PyErr_Format(PyExc_TypeError, "setup_submit: Future has no slot %s", future_field_names[f]);
             return NULL;
         }
-        sub.future_offset[f] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
     Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
     Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
