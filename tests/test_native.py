@@ -305,54 +305,76 @@ def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_on
     assert run(hazards.DepsTracker) == run(hazards.PyDepsTracker)
 
 
+_ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "loses", "raises"]),
+                   st.booleans())
+
+
 @compiled
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans()), max_size=12), st.integers(0, 14))
-def test_the_compiled_completion_loop_finishes_as_the_python_one(entries, count):
-    """``_Completions._pass``'s loop over entries known to have completed: the same callbacks in the
-    same order, the same events back in the pool, the same entries left, the same stop when the
-    device is lost (a callback marks it) or a callback raises."""
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_ENTRY, max_size=6), min_size=1, max_size=4))
+def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
+    """``_Completions._pass``, compiled and in Python: the same callbacks with the same errors in the
+    same order, the same events back in the pool, the same entries left, the same device loss (a
+    query raising marks it, as a sticky CUDA error does; or a callback marks it), the same
+    exception from a callback. Each entry: its event's query says done, the event times, what its
+    callback does, whether its query raises."""
     from collections import deque
 
+    from streamdag.backends import cuda
+
     class Owner:
-        lost = None
+        def __init__(self):
+            self.lost = None
+            self._free_events = []
+
+        def mark_lost(self, exc):
+            self.lost = self.lost or f"lost: {exc}"
+            return self.lost
+
+        def recycle(self, event):
+            if not event.timing:
+                self._free_events.append(event)
 
     class Event:
-        def __init__(self, timing):
-            self.timing = timing
+        def __init__(self, name, done, timing, raises):
+            self.name, self.done, self.timing, self.raises = name, done, timing, raises
 
-    def python_loop(q, n, owner, free):  # backends/cuda.py's loop, as it was written
-        done = 0
-        while done < n and owner.lost is None:
-            _, event, callback = q.popleft()
-            callback(None)
-            if not event.timing:
-                free.append(event)
-            done += 1
-        return done
+        def query(self):
+            if self.raises:
+                raise RuntimeError(f"sticky at {self.name}")
+            return self.done
 
-    def run(loop):
-        owner, log, free = Owner(), [], []
+    def run(compiled):
+        owner, log = Owner(), []
+        completions = object.__new__(cuda._Completions)
+        completions._owner = owner
 
-        def callback_for(i, loses, raises):
+        def callback_for(name, does):
             def callback(error):
-                log.append((i, error))
-                if loses:
-                    owner.lost = "lost"
-                if raises:
-                    raise RuntimeError(f"callback {i}")
+                log.append((name, error))
+                if does == "loses":
+                    owner.lost = f"lost in {name}"
+                if does == "raises" and error is None:
+                    raise ValueError(f"callback {name}")
             return callback
 
-        events = [Event(timing) for timing, _, _ in entries]
-        q = deque((i, events[i], callback_for(i, loses, raises and i % 3 == 0))
-                  for i, (_, loses, raises) in enumerate(entries))
+        completions._queues = [
+            deque((j, Event((i, j), done, timing, raises), callback_for((i, j), does))
+                  for j, (done, timing, does, raises) in enumerate(entries))
+            for i, entries in enumerate(queues)
+        ]
+        saved = cuda._compiled_pass
+        cuda._compiled_pass = native.load().completions_pass if compiled else None
         try:
-            result = loop(q, min(count, len(q)), owner, free)
-        except RuntimeError as exc:
-            result = str(exc)
-        return result, log, [events.index(e) for e in free], [entry[0] for entry in q], owner.lost
+            outcome = completions._pass()
+        except ValueError as exc:
+            outcome = str(exc)
+        finally:
+            cuda._compiled_pass = saved
+        left = [[entry[0] for entry in q] for q in completions._queues]
+        return outcome, log, [e.name for e in owner._free_events], left, owner.lost
 
-    assert run(native.load().finish_completed) == run(python_loop)
+    assert run(compiled=True) == run(compiled=False)
 
 
 def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():

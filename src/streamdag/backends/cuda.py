@@ -59,7 +59,7 @@ _event_base = getattr(torch._C, "_CudaEventBase", None)  # a CPU-only build has 
 _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
 #: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
-_finish_completed = getattr(load_native(), "finish_completed", None)
+_compiled_pass = getattr(load_native(), "completions_pass", None)
 
 
 class CudaStream(torch.cuda.Stream):
@@ -256,11 +256,15 @@ class _Completions:
         """Finish what has completed; True if anything did. Caller holds ``_passing``.
 
         A stream runs in order: once its newest queued event has completed, so
-        have all before it, and one query covers the whole queue.
+        have all before it, and one query covers the whole queue. Compiled
+        (``completions_pass`` in ``native/_submit.c``) but under the stream
+        sanitizer; this code is its reference.
         """
-        progressed = False
         owner = self._owner
         sanitized = _sanitizer_enabled()
+        if _compiled_pass is not None and not sanitized:
+            return _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent)
+        progressed = False
         for q in self._queues:
             known_done = 0  # entries at the head of ``q`` known to have completed
             n = len(q)  # the submitting thread may append meanwhile: those are not covered
@@ -270,19 +274,6 @@ class _Completions:
                         known_done = n
                 except Exception as exc:  # a sticky error surfaces here
                     owner.mark_lost(exc)
-            if known_done and not sanitized and _finish_completed is not None:  # the loop below, compiled
-                finished = _finish_completed(q, known_done, owner, owner._free_events)
-                known_done -= finished
-                progressed = progressed or finished > 0
-            elif known_done and not sanitized:  # the common case, with _settle and recycle written out
-                free = owner._free_events
-                while known_done > 0 and owner.lost is None:
-                    known_done -= 1
-                    _, event, callback = q.popleft()
-                    callback(None)
-                    if not event.timing:
-                        free.append(event)
-                    progressed = True
             while q:
                 _, event, callback = q[0]
                 error = owner.lost

@@ -39,6 +39,7 @@ _SOURCES = sorted([*_SOURCE.parent.glob("*.c"), *_SOURCE.parent.glob("*.h")])
 _NAME = "_streamdag_speedups"
 
 _TORCH_SOURCE = _SOURCE.with_name("_torch.cpp")
+_HOOKS = _SOURCE.with_name("_torch_hooks.h")
 
 _loaded: ModuleType | None = None
 _tried = False
@@ -125,7 +126,9 @@ def load_torch() -> ModuleType | None:
         return None
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
-        tag = f"torch-{torch.__version__}-{python}".replace("+", "_")
+        # one folder per source: two versions of streamdag (an A/B run) must not rebuild each other's
+        source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes()).hexdigest()[:12]
+        tag = f"torch-{torch.__version__}-{python}-{source}".replace("+", "_")
         build = _cache_dir() / tag
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):

@@ -9,7 +9,7 @@
  * (order after the caller's stream, switch streams, run, switch back), its event pool and its
  * completion queue are done here too: in C++ through the torch extension's hooks where it built
  * (_torch.cpp), else through PyTorch's own C entry points (``torch._C``), as ``backends/cuda.py``
- * does. ``finish_completed`` at the end is the CUDA completion pass's loop.
+ * does. ``completions_pass`` at the end is the CUDA completion pass.
  *
  * Included by _speedups.c (one module). Plain CPython API.
  */
@@ -51,7 +51,7 @@ static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_
                 *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
                 *s_notify, *s_completed, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
-                *s_timing;
+                *s_timing, *s_query, *s_mark_lost, *s_settle_entry;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -1106,44 +1106,150 @@ static PyType_Spec finish_call_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, finish_call_slots
 };
 
-/* finish_completed(queue, count, owner, free): ``_Completions._pass``'s loop over entries known to
- * have completed (backends/cuda.py, the reference): pop each, call its callback with None, and give
- * its event back to ``free`` unless it times; stops early if the device is lost. Returns how many it
- * finished. */
-static PyObject *finish_completed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "finish_completed(queue, count, owner, free: list)");
+/* whether ``event`` has completed: 1, 0, or -1 with an exception; in C++ for a ``event_type`` (our
+ * CudaEvent) where the torch extension is loaded, else its ``query()`` through PyTorch's bindings */
+static int event_query(PyObject *event, PyObject *event_type) {
+    if (state.torch != NULL && PyObject_TypeCheck(event, (PyTypeObject *)event_type))
+        return state.torch->query(event);
+    PyObject *r = PyObject_CallMethodNoArgs(event, s_query);
+    if (r == NULL) return -1;
+    int done = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return done;
+}
+
+/* the event of queue entry ``q[index]`` (a new reference), or NULL with an exception */
+static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
+    PyObject *entry = PySequence_GetItem(q, index);
+    if (entry == NULL) return NULL;
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+        Py_DECREF(entry);
+        PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
         return NULL;
     }
-    PyObject *queue = args[0], *owner = args[2], *free_events = args[3];
-    Py_ssize_t count = PyLong_AsSsize_t(args[1]), done = 0;
-    if (count == -1 && PyErr_Occurred()) return NULL;
-    for (; done < count; done++) {
-        PyObject *lost = PyObject_GetAttr(owner, s_lost);
-        if (lost == NULL) return NULL;
-        Py_DECREF(lost);
-        if (lost != Py_None) break;
-        PyObject *entry = PyObject_CallMethodNoArgs(queue, s_popleft);
-        if (entry == NULL) return NULL;
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
-            Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
-            return NULL;
-        }
-        PyObject *event = PyTuple_GET_ITEM(entry, 1);
-        PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
-        int bad = r == NULL;
-        Py_XDECREF(r);
-        if (!bad) {
-            PyObject *timing = PyObject_GetAttr(event, s_timing);
-            int times = timing == NULL ? -1 : PyObject_IsTrue(timing);
-            Py_XDECREF(timing);
-            bad = times < 0 || (!times && PyList_Append(free_events, event) < 0);
-        }
+    PyObject *event = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    Py_DECREF(entry);
+    return event;
+}
+
+/* pop the head entry of ``q``, call its callback with None, give its event to ``free`` unless it
+ * times: _Completions._settle for an entry that completed */
+static int finish_head(PyObject *q, PyObject *free_events) {
+    PyObject *entry = PyObject_CallMethodNoArgs(q, s_popleft);
+    if (entry == NULL) return -1;
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
         Py_DECREF(entry);
-        if (bad) return NULL;
+        PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
+        return -1;
     }
-    return PyLong_FromSsize_t(done);
+    PyObject *event = PyTuple_GET_ITEM(entry, 1);
+    PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
+    int bad = r == NULL;
+    Py_XDECREF(r);
+    if (!bad) {
+        PyObject *timing = PyObject_GetAttr(event, s_timing);
+        int times = timing == NULL ? -1 : PyObject_IsTrue(timing);
+        Py_XDECREF(timing);
+        bad = times < 0 || (!times && PyList_Append(free_events, event) < 0);
+    }
+    Py_DECREF(entry);
+    return bad ? -1 : 0;
+}
+
+/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error */
+static PyObject *owner_lost(PyObject *owner) {
+    PyObject *lost = PyObject_GetAttr(owner, s_lost);
+    Py_XDECREF(lost);
+    return lost;
+}
+
+/* the query of ``event`` raised: ``owner.mark_lost(exc)`` for an Exception (a new reference to the
+ * error it returns), as the Python pass's ``except Exception``; anything else propagates (NULL) */
+static PyObject *mark_lost(PyObject *owner) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *exc = take_exception();
+    if (exc == NULL) return NULL;
+    PyObject *error = PyObject_CallMethodOneArg(owner, s_mark_lost, exc);
+    Py_DECREF(exc);
+    return error;
+}
+
+/* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
+ * (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one query of its newest
+ * event covers the whole queue (a stream runs in order); else its entries are queried from the head
+ * until one has not completed. A finished entry's callback is called with None and its event given
+ * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
+ * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
+ * A callback's exception propagates, as in the Python pass. */
+static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "completions_pass(completions, queues: list, owner, free: list, event_type)");
+        return NULL;
+    }
+    PyObject *completions = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
+    PyObject *event_type = args[4];
+    int progressed = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(queues); i++) {
+        PyObject *q = PyList_GET_ITEM(queues, i);
+        Py_ssize_t known = 0, n = PyObject_Size(q);  /* appended meanwhile: not covered */
+        if (n < 0) return NULL;
+        if (n == 0) continue;
+        PyObject *lost = owner_lost(owner);
+        if (lost == NULL) return NULL;
+        if (lost == Py_None) {
+            PyObject *event = entry_event(q, n - 1);
+            if (event == NULL) return NULL;
+            int done = event_query(event, event_type);
+            Py_DECREF(event);
+            if (done < 0) {  /* a sticky error surfaces here */
+                PyObject *error = mark_lost(owner);
+                if (error == NULL) return NULL;
+                Py_DECREF(error);
+            } else if (done) {
+                known = n;
+            }
+        }
+        for (;;) {
+            Py_ssize_t left = PyObject_Size(q);
+            if (left < 0) return NULL;
+            if (left == 0) break;
+            PyObject *error = owner_lost(owner);  /* a callback may have marked it */
+            if (error == NULL) return NULL;
+            Py_INCREF(error);
+            if (error == Py_None && known <= 0) {
+                PyObject *event = entry_event(q, 0);
+                if (event == NULL) { Py_DECREF(error); return NULL; }
+                int done = event_query(event, event_type);
+                Py_DECREF(event);
+                if (done == 0) { Py_DECREF(error); break; }
+                if (done < 0) {
+                    Py_SETREF(error, mark_lost(owner));
+                    if (error == NULL) return NULL;
+                }
+            }
+            known--;
+            progressed = 1;
+            if (error == Py_None) {
+                Py_DECREF(error);
+                if (finish_head(q, free_events) < 0) return NULL;
+                continue;
+            }
+            PyObject *entry = PyObject_CallMethodNoArgs(q, s_popleft);
+            if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+                if (entry != NULL) PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
+                Py_XDECREF(entry);
+                Py_DECREF(error);
+                return NULL;
+            }
+            PyObject *r = PyObject_CallMethodObjArgs(completions, s_settle_entry, PyTuple_GET_ITEM(entry, 1),
+                                                     PyTuple_GET_ITEM(entry, 2), error, NULL);
+            Py_DECREF(entry);
+            Py_DECREF(error);
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        }
+    }
+    return PyBool_FromLong(progressed);
 }
 
 static PyMethodDef submitter_methods[] = {
@@ -1171,8 +1277,8 @@ static PyType_Spec submitter_spec = {
 
 #define SUBMIT_METHODS \
     {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
-    {"finish_completed", (PyCFunction)(void (*)(void))finish_completed, METH_FASTCALL, \
-     "_Completions._pass's loop over entries known to have completed (backends/cuda.py)."},
+    {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
+     "_Completions._pass, compiled for its common case (backends/cuda.py)."},
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
@@ -1187,7 +1293,8 @@ static int submit_init(PyObject *m) {
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
-    S(s_popleft, "popleft") S(s_timing, "timing")
+    S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
+    S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)

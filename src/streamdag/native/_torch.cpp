@@ -133,7 +133,15 @@ int wait(PyObject* event, PyObject* stream, long long device) {
   }
 }
 
-StreamdagTorchHooks hooks = {STREAMDAG_TORCH_HOOKS_VERSION, region, enter, leave, record, wait};
+int query(PyObject* event) {
+  try {
+    return event_of(event).query() ? 1 : 0;  // PyTorch's own: clears a not-ready status, raises others
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+StreamdagTorchHooks hooks = {STREAMDAG_TORCH_HOOKS_VERSION, region, enter, leave, record, wait, query};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, TORCH_EXTENSION_NAME_STR,
                           "streamdag's CUDA calls in C++ (see _torch_hooks.h).", -1, nullptr};

@@ -5,7 +5,7 @@
 #ifndef STREAMDAG_TORCH_HOOKS_H
 #define STREAMDAG_TORCH_HOOKS_H
 
-#define STREAMDAG_TORCH_HOOKS_VERSION 2
+#define STREAMDAG_TORCH_HOOKS_VERSION 3
 #define STREAMDAG_TORCH_HOOKS_CAPSULE "streamdag.native._torch.hooks"
 
 /* the caller's stream and device, kept across a launch */
@@ -27,6 +27,8 @@ typedef struct {
      * CUDA for the current device at every call) */
     int (*record)(PyObject *event, PyObject *stream, long long device);
     int (*wait)(PyObject *event, PyObject *stream, long long device);
+    /* ``event.query()`` of a torch.cuda.Event (the caller checks the type): 1 completed, 0 not yet */
+    int (*query)(PyObject *event);
 } StreamdagTorchHooks;
 
 #endif
