@@ -329,6 +329,9 @@ if _speedups is not None:
         """
 
         space_type = _Space
+
+    # their compaction (``_space`` -> ``_compact`` -> ``_Space.keep``) runs in link(), compiled
+    _speedups.setup_compaction(DepsTracker, _Space, _MAX_HORIZON)
 else:
     _Space = _PySpace
     DepsTracker = PyDepsTracker  # type: ignore[misc]

@@ -35,6 +35,10 @@ typedef struct {
     PyObject *cpu;           /* "cpu" */
     const StreamdagTorchHooks *torch;  /* from the torch extension (use_torch()), or NULL */
     PyObject *torch_module;  /* keeps it loaded */
+    /* setup_compaction(): the tracker and space classes whose compaction is hazards.py's own
+     * (_TrackerMethods._space/_compact, _Space.keep), done here without those calls */
+    PyTypeObject *compact_tracker, *compact_space;
+    PyObject *max_horizon;
 } State;
 
 static State state;  /* one interpreter: the module is not meant for subinterpreters */
@@ -576,6 +580,48 @@ static PyObject *range_lookup(PyObject *by_range, PyObject *start, PyObject *end
     return rec;
 }
 
+/* _TrackerMethods._compact (hazards.py, the reference) for the classes setup_compaction() named:
+ * drop retired nodes (``space.keep``), and put the next compaction after at least as many adds (or
+ * records scanned) as this one visited. The caller holds a reference to ``space``. */
+static int compact(Space *space, Tracker *tracker) {
+    if (tracker->retired != NULL && tracker->retired != Py_None) {
+        PyObject *now = PyLong_FromLongLong(tracker->order);
+        if (now == NULL) return -1;
+        PyObject *retired = Py_NewRef(tracker->retired);  /* keep() may run code */
+        PyObject *args[] = {retired, now, state.max_horizon};
+        PyObject *r = space_keep(space, args, 3);
+        Py_DECREF(now);
+        Py_DECREF(retired);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    if (space->records == NULL || !PyList_Check(space->records)) {
+        PyErr_SetString(PyExc_TypeError, "a space's records must be a list");
+        return -1;
+    }
+    long long visited = PyList_GET_SIZE(space->records) + space->count;
+    space->scanned = 0;
+    space->compact_at = space->count + (visited > 64 ? visited : 64);
+    return 0;
+}
+
+/* setup_compaction(tracker_type, space_type, max_horizon): see State */
+static PyObject *setup_compaction(PyObject *module, PyObject *args) {
+    PyObject *tracker_type, *space_type, *max_horizon;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &tracker_type, &PyType_Type, &space_type,
+                          &PyLong_Type, &max_horizon))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)tracker_type, state.tracker_type)
+            || !PyType_IsSubtype((PyTypeObject *)space_type, state.space_type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_compaction takes subclasses of TrackerFields and SpaceFields");
+        return NULL;
+    }
+    Py_XSETREF(state.compact_tracker, (PyTypeObject *)Py_NewRef(tracker_type));
+    Py_XSETREF(state.compact_space, (PyTypeObject *)Py_NewRef(space_type));
+    Py_XSETREF(state.max_horizon, Py_NewRef(max_horizon));
+    Py_RETURN_NONE;
+}
+
 /* DepsTracker.link: depends_on then add in one pass (see hazards.py, the reference) */
 static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -619,7 +665,11 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
             PyErr_SetString(PyExc_TypeError, "a tracker's spaces must be its own");
             goto done;
         }
-        if (space == NULL || ((Space *)space)->count + ((Space *)space)->scanned >= ((Space *)space)->compact_at) {
+        int due = space != NULL && ((Space *)space)->count + ((Space *)space)->scanned >= ((Space *)space)->compact_at;
+        if (due && Py_TYPE(self) == state.compact_tracker && Py_TYPE(space) == state.compact_space) {
+            Py_INCREF(space);  /* compacting may run code (the retired test, deallocs) */
+            if (compact((Space *)space, self) < 0) { Py_DECREF(space); goto done; }  /* _space -> _compact */
+        } else if (space == NULL || due) {
             space = PyObject_CallMethodOneArg((PyObject *)self, s_space, name);  /* made or compacted */
             if (space == NULL) goto done;
             if (!PyObject_TypeCheck(space, state.space_type)) {
@@ -1197,6 +1247,8 @@ static PyMethodDef module_methods[] = {
      "accesses(reads, writes): the Access of every buffer, reads first (buffers.region_of each)."},
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
+    {"setup_compaction", setup_compaction, METH_VARARGS,
+     "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them)."},
     SUBMIT_METHODS
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
     {NULL}
