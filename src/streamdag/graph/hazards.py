@@ -285,16 +285,19 @@ class _PyTrackerFields:
                     if order < found.get(dep, order + 1):
                         found[dep] = order
         order = self._order
+        # one entry serves all of the node's accesses, at its first order: deps are sorted by order,
+        # and a link's orders come after every earlier link's, so the sort is the same as with one each
+        entry = (node, order + 1)
         for space, rec, write in touched:  # after the look-ups: an op never depends on itself
             order += 1
             rec.last = order
             if write:  # _enter, inline
                 space.count += 1 - len(rec.readers) - (rec.writer is not None)
-                rec.writer = (node, order)
+                rec.writer = entry
                 rec.readers = []
             else:
                 space.count += 1
-                rec.readers.append((node, order))
+                rec.readers.append(entry)
         self._order = order
         return list(found) if len(found) < 2 else sorted(found, key=found.__getitem__)
 

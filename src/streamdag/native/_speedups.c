@@ -723,39 +723,46 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         }
         if (collect_record((Record *)rec, write, &found) < 0) goto done;
     }
-    /* after the look-ups: an op never depends on itself */
+    /* after the look-ups: an op never depends on itself. One entry (node, order) serves all of the
+     * node's accesses: its first order (deps are sorted by order, and a link's orders come after
+     * every earlier link's, so the sort is the same as with an order per access) */
     long long order = self->order;
+    PyObject *entry = NULL;
+    if (used) {
+        PyObject *order_obj = PyLong_FromLongLong(order + 1);
+        if (order_obj == NULL) goto done;
+        entry = PyTuple_Pack(2, node, order_obj);
+        Py_DECREF(order_obj);
+        if (entry == NULL) goto done;
+    }
     for (Py_ssize_t i = 0; i < used; i++) {
         Record *rec = touched[i].rec;
         Space *sp = touched[i].space;
         order++;
         rec->last = order;
-        PyObject *order_obj = PyLong_FromLongLong(order);
-        if (order_obj == NULL) goto done;
-        PyObject *entry = PyTuple_Pack(2, node, order_obj);
-        Py_DECREF(order_obj);
-        if (entry == NULL) goto done;
         if (touched[i].write) {
-            PyObject *fresh = PyList_New(0);
-            if (fresh == NULL) { Py_DECREF(entry); goto done; }
-            Py_ssize_t had = (rec->readers ? PyList_GET_SIZE(rec->readers) : 0)
-                             + (rec->writer != NULL && rec->writer != Py_None);
-            sp->count += 1 - had;
-            Py_XSETREF(rec->writer, entry);
-            Py_XSETREF(rec->readers, fresh);
-        } else {
-            if (rec->readers == NULL) {
-                rec->readers = PyList_New(0);
-                if (rec->readers == NULL) { Py_DECREF(entry); goto done; }
+            Py_ssize_t readers = rec->readers ? PyList_GET_SIZE(rec->readers) : 0;
+            sp->count += 1 - readers - (rec->writer != NULL && rec->writer != Py_None);
+            Py_XSETREF(rec->writer, Py_NewRef(entry));
+            if (rec->readers != NULL && Py_REFCNT(rec->readers) == 1) {  /* only the record holds it */
+                if (readers && PyList_SetSlice(rec->readers, 0, readers, NULL) < 0) goto done_entry;
+            } else {
+                PyObject *fresh = PyList_New(0);
+                if (fresh == NULL) goto done_entry;
+                Py_XSETREF(rec->readers, fresh);
             }
-            int failed = PyList_Append(rec->readers, entry);
-            Py_DECREF(entry);
-            if (failed) goto done;
+        } else {
+            if (rec->readers == NULL && (rec->readers = PyList_New(0)) == NULL) goto done_entry;
+            if (PyList_Append(rec->readers, entry) < 0) goto done_entry;
             sp->count += 1;
         }
         self->order = order;
     }
+    Py_XDECREF(entry);
     result = in_order(&found);
+    goto done;
+done_entry:
+    Py_DECREF(entry);
 done:
     for (Py_ssize_t i = 0; i < used; i++) {
         Py_DECREF(touched[i].rec);
