@@ -153,7 +153,7 @@ class _Completions:
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
-        self._seq = 0
+        self._token = 0  # the last entry's token (see ``put``)
         self._wake = threading.Event()
         self._hurry = threading.Event()
         self._hurried_at = -1.0
@@ -167,16 +167,21 @@ class _Completions:
     def put(self, stream: int, event: CudaEvent, callback: Callable[..., None]) -> int:
         """Queue ``callback`` for when ``event`` completes; returns the entry's token (see ``want``).
 
-        The runtime calls it under its lock, so entries are numbered in the order they are
-        queued (``_position`` bisects on that)."""
-        seq = self._seq = self._seq + 1
-        self._queues[stream].append((seq, event, callback))
+        The token is the entry's number times the number of queues, plus its
+        queue: one int that numbers the entry, names its queue and counts the
+        entries (``_token``). The runtime calls it under its lock, so a
+        queue's entries are in the order of their tokens (``_position``
+        bisects on that). One int: a token that held the entry (and so the
+        callback, the op, its future) would make a cycle through the future
+        that holds it, freed only by the cycle collector; and an int is no
+        object for that collector to count at all.
+        """
+        n = len(self._queues)
+        token = self._token = (self._token // n + 1) * n + stream
+        self._queues[stream].append((token, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
             self._wake.set()
-        # one int: a token that held the entry (and so the callback, the op, its future) would make
-        # a cycle through the future that holds it, freed only by the cycle collector; and an int
-        # is no object for that collector to count at all
-        return seq * len(self._queues) + stream
+        return token
 
     def _finish_one(self, token: int) -> bool | None:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
@@ -188,9 +193,8 @@ class _Completions:
         if it finished the entry now, False if the entry stays queued, None
         if it had left the queue already (finished).
         """
-        seq, stream = divmod(token, len(self._queues))
-        q = self._queues[stream]
-        index = _position(q, seq)  # only passes remove entries: it stays put while we hold the lock
+        q = self._queues[token % len(self._queues)]
+        index = _position(q, token)  # only passes remove entries: it stays put while we hold the lock
         if index < 0:
             return None  # finished already
         owner = self._owner
@@ -404,10 +408,10 @@ def _idle_poll(interval: float, idle_for: float) -> float:
     return min(max(min(2 * interval, IDLE_POLL_SECONDS), idle_for / 25), LONG_IDLE_POLL_SECONDS)
 
 
-def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], seq: int) -> int:
-    """Where the entry numbered ``seq`` is in ``queue``, or -1 if it has left it (finished)."""
-    i = bisect_left(queue, seq, key=itemgetter(0))  # entries are queued in the order of their numbers
-    return i if i < len(queue) and queue[i][0] == seq else -1
+def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], token: int) -> int:
+    """Where the entry ``token`` is in ``queue``, or -1 if it has left it (finished)."""
+    i = bisect_left(queue, token, key=itemgetter(0))  # entries are queued in the order of their tokens
+    return i if i < len(queue) and queue[i][0] == token else -1
 
 
 class CudaBackend:

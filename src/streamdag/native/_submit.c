@@ -46,7 +46,7 @@ static struct {
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
-                *s_tail, *s_place, *s_seq_attr, *s_peak, *s_profiler, *s_check_spaces, *s_take_slot,
+                *s_tail, *s_place, *s_seq_attr, *s_token_attr, *s_peak, *s_profiler, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
                 *s_notify, *s_completed, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
@@ -602,40 +602,39 @@ done:
 /* ``CudaBackend.when_done`` -> ``_Completions.put``: queue (number, event, callback) on the stream's
  * queue, wake the completion thread if it sleeps; the entry's token */
 static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, PyObject *callback) {
-    Py_ssize_t index, seq, n = PyList_GET_SIZE(self->queues);
+    Py_ssize_t index, last_token, n = PyList_GET_SIZE(self->queues);
     if (get_int(s, s_index, &index) < 0) return NULL;
-    PyObject *last = PyDict_GetItemWithError(self->completions_dict, s_seq_attr);
+    PyObject *last = PyDict_GetItemWithError(self->completions_dict, s_token_attr);
     if (last == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, s_seq_attr);
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, s_token_attr);
         return NULL;
     }
-    if ((seq = PyLong_AsSsize_t(last)) == -1 && PyErr_Occurred()) return NULL;
+    if ((last_token = PyLong_AsSsize_t(last)) == -1 && PyErr_Occurred()) return NULL;
     if (index < 0 || index >= n) {
         PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
         return NULL;
     }
-    seq += 1;
-    PyObject *number = PyLong_FromSsize_t(seq);
-    if (number == NULL) return NULL;
-    PyObject *entry = PyTuple_Pack(3, number, event, callback);
-    int bad = entry == NULL || PyDict_SetItem(self->completions_dict, s_seq_attr, number) < 0;
-    Py_DECREF(number);
+    /* one int numbers the entry, names its queue, and is the token returned (see put()) */
+    PyObject *token = PyLong_FromSsize_t((last_token / n + 1) * n + index);
+    if (token == NULL) return NULL;
+    PyObject *entry = PyTuple_Pack(3, token, event, callback);
+    int bad = entry == NULL || PyDict_SetItem(self->completions_dict, s_token_attr, token) < 0;
     if (!bad) {
         PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(self->queues, index), s_append, entry);
         bad = r == NULL;
         Py_XDECREF(r);
     }
     Py_XDECREF(entry);
-    if (bad) return NULL;
+    if (bad) { Py_DECREF(token); return NULL; }
     PyObject *flag = PyDict_GetItemWithError(self->wake_dict, s_flag);  /* threading.Event.is_set() reads it */
-    if (flag == NULL && PyErr_Occurred()) return NULL;
+    if (flag == NULL && PyErr_Occurred()) { Py_DECREF(token); return NULL; }
     if (flag != Py_True) {  /* the completion thread sleeps: wake it */
         PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
         bad = wake == NULL || call_method0(wake, s_set) < 0;
         Py_XDECREF(wake);
-        if (bad) return NULL;
+        if (bad) { Py_DECREF(token); return NULL; }
     }
-    return PyLong_FromSsize_t(seq * n + index);
+    return token;
 }
 
 /* ``op.error = op.root_error = the raised exception; op.root_name = op.name`` and
@@ -1284,7 +1283,7 @@ static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_acquire, "acquire") S(s_release, "release") S(s_closed, "_closed") S(s_submit_py, "_submit")
     S(s_tracker, "_tracker") S(s_clocks, "_clocks") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_seq_attr, "_seq") S(s_peak, "_peak") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
+    S(s_seq_attr, "_seq") S(s_token_attr, "_token") S(s_peak, "_peak") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done") S(s_finish_ready, "_finish_ready")
