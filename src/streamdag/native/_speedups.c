@@ -1033,9 +1033,25 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
     long long *known;  /* n rows of n: row s is what stream s has waited for */
+    /* the clock tuple of the last stamp placed on each stream, and its values: the next stamp on
+     * that stream reuses the int objects of the entries that did not change (most of them) */
+    PyObject **last;
+    long long *last_values;
 } Clocks;
 
 static PyTypeObject *stamp_type;  /* schedule.waits.Stamp, from setup_clocks() */
+
+/* free the rows and the last clocks (init again, or dealloc) */
+static void clocks_forget(Clocks *self) {
+    if (self->last != NULL)
+        for (Py_ssize_t s = 0; s < self->n; s++) Py_CLEAR(self->last[s]);
+    PyMem_Free(self->last);
+    PyMem_Free(self->last_values);
+    PyMem_Free(self->known);
+    self->last = NULL;
+    self->last_values = NULL;
+    self->known = NULL;
+}
 
 static int clocks_init(Clocks *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"num_streams", NULL};
@@ -1046,16 +1062,26 @@ static int clocks_init(Clocks *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     long long *known = PyMem_Calloc((size_t)(n * n), sizeof(long long));
-    if (known == NULL) { PyErr_NoMemory(); return -1; }
-    PyMem_Free(self->known);
+    long long *last_values = PyMem_Calloc((size_t)(n * n), sizeof(long long));
+    PyObject **last = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+    if (known == NULL || last_values == NULL || last == NULL) {
+        PyMem_Free(known);
+        PyMem_Free(last_values);
+        PyMem_Free(last);
+        PyErr_NoMemory();
+        return -1;
+    }
+    clocks_forget(self);
     self->known = known;
+    self->last = last;
+    self->last_values = last_values;
     self->n = n;
     return 0;
 }
 
 static void clocks_dealloc(Clocks *self) {
     PyTypeObject *tp = Py_TYPE(self);
-    PyMem_Free(self->known);
+    clocks_forget(self);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -1181,15 +1207,20 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
     memcpy(base, known, n * sizeof(long long));
     clock = PyTuple_New(n);
     if (clock == NULL) goto done;
+    PyObject *prev = self->last[s];
+    long long *prev_values = self->last_values + s * n;
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *v = PyLong_FromLongLong(known[k]);
+        PyObject *v = prev != NULL && prev_values[k] == known[k] ? Py_NewRef(PyTuple_GET_ITEM(prev, k))
+                                                                 : PyLong_FromLongLong(known[k]);
         if (v == NULL) goto done;
         PyTuple_SET_ITEM(clock, k, v);
     }
-    PyObject *stream_obj = PyLong_FromSsize_t(s), *pos = PyLong_FromLongLong(known[s]);
-    PyObject *stamp = (stream_obj && pos) ? new_tuple_of(stamp_type, stream_obj, pos, clock) : NULL;
+    Py_XSETREF(self->last[s], Py_NewRef(clock));
+    memcpy(prev_values, known, n * sizeof(long long));
+    PyObject *stream_obj = PyLong_FromSsize_t(s), *pos = Py_NewRef(PyTuple_GET_ITEM(clock, s));
+    PyObject *stamp = stream_obj ? new_tuple_of(stamp_type, stream_obj, pos, clock) : NULL;
     Py_XDECREF(stream_obj);
-    Py_XDECREF(pos);
+    Py_DECREF(pos);
     if (stamp != NULL) {
         result = PyTuple_Pack(2, stamp, waits);
         Py_DECREF(stamp);
