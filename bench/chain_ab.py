@@ -67,6 +67,10 @@ def main() -> None:
         print(f"{label} ({roots[label]}): median over turns, added µs per op: chain "
               f"{statistics.median(r['chain']['added'] for r in rs):.2f}, independent "
               f"{statistics.median(r['independent']['added'] for r in rs):.2f}")
+    for kind in ("chain", "independent"):  # each turn's two processes ran back to back: pair them
+        diffs = [n[kind]["added"] - o[kind]["added"] for o, n in zip(results["old"], results["new"])]
+        print(f"new minus old, {kind}: median over turns {statistics.median(diffs):+.2f} µs per op "
+              f"(turns: {', '.join(f'{d:+.2f}' for d in diffs)})")
 
 
 if __name__ == "__main__":
