@@ -164,3 +164,25 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
                 assert 0 <= big.result() < 1
         finally:
             core.COMPILED_SUBMIT = True
+
+
+@compiled
+@pytest.mark.parametrize("which", ["Op", "Future"])
+def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
+    """An op or future made in C has only the slots the C sets: one added in Python alone would be
+    missing from every op (an AttributeError far from its cause). The setup names it instead."""
+    from streamdag.runtime import ops
+
+    def with_extra(cls):
+        return type(cls.__name__, cls.__bases__, {"__slots__": (*cls.__slots__, "added_later")})
+
+    op_type = with_extra(ops.Op) if which == "Op" else ops.Op
+    future_type = with_extra(ops.Future) if which == "Future" else ops.Future
+    speedups = native.load()
+    try:
+        with pytest.raises(TypeError, match=f"{which} has a slot added_later .* native/_submit.c"):
+            speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
+                                  core._finished_ok)
+    finally:  # the module's state is global: the runtime's own classes again
+        speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
+                              core._finished_ok)

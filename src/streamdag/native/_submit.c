@@ -168,10 +168,42 @@ static void restore_exception(PyObject *exc) {
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 }
 
+/* 0 if every slot ``tp`` declares (a member descriptor in its own dict) is one of ``known`` or
+ * ``unset``; else -1 with a TypeError that names it: a slot added in Python that the compiled
+ * submit does not set would be missing from every op (or future) it makes */
+static int all_slots_known(PyTypeObject *tp, const char *what, const char *const *known, int n_known,
+                           const char *const *unset, int n_unset) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(tp->tp_dict, &pos, &key, &value)) {
+        if (!PyObject_TypeCheck(value, &PyMemberDescr_Type) || !PyUnicode_Check(key)) continue;
+        const char *name = PyUnicode_AsUTF8(key);
+        if (name == NULL) return -1;
+        int found = 0;
+        for (int i = 0; i < n_known && !found; i++) found = strcmp(name, known[i]) == 0;
+        for (int i = 0; i < n_unset && !found; i++) found = strcmp(name, unset[i]) == 0;
+        if (!found) {
+            PyErr_Format(PyExc_TypeError,
+                         "setup_submit: %s has a slot %s that the compiled submit does not set: set it in "
+                         "native/_submit.c too (%s)", what, name,
+                         what[0] == 'O' ? "op_field_names and new_op" : "future_field_names and new_future");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* a Future's slots that stay unset until first asked for (its ``__getattr__`` makes them) */
+static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
+
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
     PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn;
     if (!PyArg_ParseTuple(args, "O!O!O!OOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
                           &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn))
+        return NULL;
+    if (all_slots_known((PyTypeObject *)op_type, "Op", op_field_names, OP_FIELDS, NULL, 0) < 0
+            || all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
+                               future_lazy_names, 3) < 0)
         return NULL;
     for (int f = 0; f < OP_FIELDS; f++) {
         if ((sub.op_offset[f] = type_slot_offset((PyTypeObject *)op_type, op_field_names[f])) < 0) {

@@ -386,7 +386,7 @@ class Op:
 
     The compiled submit (``native/_submit.c``) makes ops without calling ``__init__``: it fills
     the slots itself, at the offsets of their descriptors. A slot added here must be set there too
-    (its setup refuses an Op that lacks one it knows).
+    (its setup refuses an Op that lacks one it knows, or has one it does not).
     """
 
     __slots__ = (
