@@ -103,8 +103,8 @@ def load_torch() -> ModuleType | None:
     same calls through PyTorch's Python bindings.
 
     Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s
-    on the lent H100), then cached per torch and Python version. None (with one warning) where it cannot
-    be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
+    on the lent H100), then cached per torch version, Python version and source. None (with one
+    warning) where it cannot be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
     ``STREAMDAG_NATIVE=0`` skips it; ``STREAMDAG_NATIVE=1`` makes a failed build an error.
     """
     global _torch_loaded, _torch_tried, _torch_why_not
