@@ -384,3 +384,71 @@ def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():
     status = native.torch_status()
     assert status.startswith("through PyTorch's Python bindings: ")
     assert ("no CUDA here" in status) or ("no compiled hot path" in status), status
+
+
+@compiled
+def test_the_compiled_lock_behaves_as_threading_lock():
+    """``native.Lock`` stands in for ``threading.Lock`` (the runtime's done lock, the futures'
+    ``_LAZY``): the same answers to every call, mutual exclusion under contention, and
+    ``threading.Condition`` on it."""
+    import threading
+    import time
+
+    from streamdag.runtime import ops
+
+    assert ops._LAZY.__class__ is native.load().Lock  # the runtime uses it where it is built
+    for make in (threading.Lock, native.load().Lock):
+        lock = make()
+        answers = [lock.locked(), lock.acquire(), lock.locked(), lock.acquire(False),
+                   lock.acquire(blocking=False), lock.acquire(timeout=0.01)]
+        lock.release()
+        answers.append(lock.locked())
+        with pytest.raises(RuntimeError):
+            lock.release()
+        with lock:
+            answers.append(lock.locked())
+        answers.append(lock.locked())
+        with pytest.raises(ValueError):
+            lock.acquire(False, 1.0)
+        assert answers == [False, True, True, False, False, False, False, True, False], make
+
+    lock, count = native.load().Lock(), [0]
+
+    def add(n):
+        for _ in range(n):
+            with lock:
+                seen = count[0]
+                if seen % 97 == 0:
+                    time.sleep(0)  # hand over mid-section now and then
+                count[0] = seen + 1
+
+    threads = [threading.Thread(target=add, args=(5000,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert count[0] == 20000
+
+    cond, box = threading.Condition(native.load().Lock()), []
+
+    def produce():
+        time.sleep(0.02)
+        with cond:
+            box.append(1)
+            cond.notify()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    with cond:
+        assert cond.wait_for(lambda: box, timeout=5)
+    producer.join()
+    held = native.load().Lock()
+    held.acquire()  # another thread waits on it, with a timeout, and gets it once let go
+    got = []
+    waiter = threading.Thread(
+        target=lambda: got.append((held.acquire(timeout=0.01), held.acquire(timeout=5))))
+    waiter.start()
+    time.sleep(0.1)
+    held.release()
+    waiter.join()
+    assert got == [(False, True)]

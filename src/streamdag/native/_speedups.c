@@ -1278,6 +1278,7 @@ static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+#include "_lock.c"
 #include "_submit.c"
 
 static PyMethodDef module_methods[] = {
@@ -1326,7 +1327,7 @@ PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
             || PyModule_AddObjectRef(m, "Record", (PyObject *)state.record_type) < 0
             || PyModule_AddObjectRef(m, "SpaceFields", (PyObject *)state.space_type) < 0
             || PyModule_AddObjectRef(m, "TrackerFields", (PyObject *)state.tracker_type) < 0
-            || submit_init(m) < 0) {
+            || fast_lock_init_type(m) < 0 || submit_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

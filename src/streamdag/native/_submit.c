@@ -457,7 +457,7 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
 
 /* a slot under max_inflight: ``_Slots.acquire(False)`` written out, else the runtime's ``_take_slot`` */
 static int take_slot(Submitter *self) {
-    if (call0_(self->done_acquire) < 0) return -1;
+    if (lock_take(self->done_lock, self->done_acquire) < 0) return -1;
     Py_ssize_t free_slots;
     int r = slot_int(self->slots, self->free_offset, s_free, &free_slots);
     int got = 0;
@@ -465,7 +465,7 @@ static int take_slot(Submitter *self) {
         r = slot_set_int(self->slots, self->free_offset, s_free, free_slots - 1);
         got = 1;
     }
-    if (call0_(self->done_release) < 0 || r < 0) return -1;
+    if (lock_give(self->done_lock, self->done_release) < 0 || r < 0) return -1;
     if (got) return 0;
     PyObject *taken = PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True);
     if (taken == NULL) return -1;
@@ -884,12 +884,12 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     }
     op_set(op, OP_STAMP, PyTuple_GET_ITEM(placed, 0));
     /* counted pending */
-    if (call0_(self->done_acquire) < 0) goto done;
+    if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
     Py_ssize_t peak;
     int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0
               || rt_int(self, s_peak, &peak) < 0
               || (PyDict_GET_SIZE(self->pending) > peak && rt_set_int(self, s_peak, PyDict_GET_SIZE(self->pending)) < 0);
-    if (call0_(self->done_release) < 0 || bad) goto done;
+    if (lock_give(self->done_lock, self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
     if (launch(self, op, deps, stream, live, PyTuple_GET_ITEM(placed, 1),
                on_host && !self->deferred) < 0)
@@ -1014,7 +1014,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
         return PyObject_VectorcallMethod(s_finish_py, (PyObject *[]){self->rt, op, nargs == 2 ? args[1] : Py_None},
                                          3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     op_set(op, OP_DONE, Py_True);
-    if (call0_(self->done_acquire) < 0) return NULL;
+    if (lock_take(self->done_lock, self->done_acquire) < 0) return NULL;
     Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting, completed;
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0 || slot_int(self->slots, self->free_offset, s_free, &free_slots) < 0
@@ -1026,7 +1026,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
         Py_XDECREF(freed);
     }
     bad = bad || rt_int(self, s_completed, &completed) < 0 || rt_set_int(self, s_completed, completed + 1) < 0;
-    if (call0_(self->done_release) < 0 || bad) return NULL;
+    if (lock_give(self->done_lock, self->done_release) < 0 || bad) return NULL;
     PyObject *value = Py_NewRef(OPF(op, OP_VALUE));
     PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
     op_set(op, OP_FN, Py_None); op_set(op, OP_ARGS, Py_None); op_set(op, OP_KWARGS, Py_None);
@@ -1034,7 +1034,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     /* Future._settle_unobserved */
     PyObject *result = NULL;
     int settled = 0;
-    if (call0_(self->lazy_acquire) < 0) goto done;
+    if (lock_take(sub.lazy, self->lazy_acquire) < 0) goto done;
     if (Py_TYPE(future) != sub.future_type || FUTF(future, F_WATCHED) == NULL || FUTF(future, F_STATE) == NULL) {
         settled = -1;  /* not one new_future made: the Python code settles it */
     } else if (FUTF(future, F_WATCHED) == Py_False && FUTF(future, F_STATE) == sub.pending) {
@@ -1047,7 +1047,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     }
     {
         PyObject *exc = PyErr_Occurred() ? take_exception() : NULL;
-        if (call0_(self->lazy_release) < 0) { Py_XDECREF(exc); goto done; }
+        if (lock_give(sub.lazy, self->lazy_release) < 0) { Py_XDECREF(exc); goto done; }
         if (exc != NULL) { restore_exception(exc); goto done; }
     }
     if (settled == 1) {

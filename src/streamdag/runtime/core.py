@@ -131,7 +131,7 @@ class Runtime:
             self._stream_device += [m.device] * len(added)
         n = len(self._streams)
         self._lock = threading.RLock()
-        self._done_lock = threading.Lock()
+        self._done_lock = ops.new_lock()
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
         #: the in-flight bound; its count shares ``_done_lock``, so finishing an op takes one lock

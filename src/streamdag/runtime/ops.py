@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, region_of
 from ..graph.buffers import accesses as accesses_of
+from ..native import load as load_native
 from ..schedule.waits import Stamp
 
 __all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "in_done_callback",
@@ -24,7 +25,10 @@ _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
-_LAZY = threading.Lock()  # orders making a future's condition against setting its result
+#: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
+#: call (``native/_lock.c``: the compiled finish takes this one and the runtime's done lock per op)
+new_lock: Callable[[], Any] = getattr(load_native(), "Lock", threading.Lock)
+_LAZY = new_lock()  # orders making a future's condition against setting its result
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 
 #: how long an ``await`` polls for its op before it waits to be woken

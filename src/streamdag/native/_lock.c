@@ -1,0 +1,175 @@
+/* A plain lock, as ``threading.Lock``, that the compiled submit takes and lets go of with C calls.
+ *
+ * ``threading.Lock().acquire`` parses its arguments on every call (a few hundred instructions);
+ * the compiled submit and finish take two such locks per op (the runtime's done lock and the
+ * futures' ``_LAZY``). The runtime makes those two of this type where the module is built; Python
+ * code uses them as it uses ``threading.Lock`` (``acquire(blocking, timeout)``, ``release``,
+ * ``locked``, ``with``), and ``threading.Condition`` works on them as on a ``threading.Lock``.
+ * A blocking acquire lets go of the GIL while it waits. Unlike ``threading.Lock``, a wait is not
+ * cut short by a signal: these locks guard a few lines each.
+ *
+ * Included by _speedups.c (one module). Plain CPython API.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    char locked;
+} FastLock;
+
+static PyTypeObject *fast_lock_type;
+
+static PyObject *fast_lock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Lock() takes no arguments");
+        return NULL;
+    }
+    FastLock *self = (FastLock *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    if ((self->lock = PyThread_allocate_lock()) == NULL) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_RuntimeError, "cannot allocate a lock");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void fast_lock_dealloc(FastLock *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->lock != NULL) {
+        if (self->locked) PyThread_release_lock(self->lock);
+        PyThread_free_lock(self->lock);
+    }
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* 1 acquired, 0 not (not blocking, or the timeout passed); ``timeout`` in seconds, < 0: none */
+static int fast_lock_take(FastLock *self, int blocking, double timeout) {
+    if (PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        self->locked = 1;
+        return 1;
+    }
+    if (!blocking) return 0;
+    PY_TIMEOUT_T us = -1;
+    if (timeout >= 0) us = timeout * 1e6 >= (double)PY_TIMEOUT_MAX ? -1 : (PY_TIMEOUT_T)(timeout * 1e6);
+    PyLockStatus got;
+    Py_BEGIN_ALLOW_THREADS
+    got = PyThread_acquire_lock_timed(self->lock, us, 0);
+    Py_END_ALLOW_THREADS
+    if (got != PY_LOCK_ACQUIRED) return 0;
+    self->locked = 1;
+    return 1;
+}
+
+static int fast_lock_give(FastLock *self) {
+    if (!self->locked) {
+        PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+        return -1;
+    }
+    self->locked = 0;
+    PyThread_release_lock(self->lock);
+    return 0;
+}
+
+static PyObject *fast_lock_acquire(FastLock *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *blocking_obj = nargs > 0 ? args[0] : NULL, *timeout_obj = nargs > 1 ? args[1] : NULL;
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "acquire(blocking=True, timeout=-1)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(key, "blocking") == 0 && blocking_obj == NULL) {
+            blocking_obj = args[nargs + i];
+        } else if (PyUnicode_CompareWithASCIIString(key, "timeout") == 0 && timeout_obj == NULL) {
+            timeout_obj = args[nargs + i];
+        } else {
+            PyErr_Format(PyExc_TypeError, "acquire() got an unexpected or repeated keyword %R", key);
+            return NULL;
+        }
+    }
+    int blocking = blocking_obj == NULL ? 1 : PyObject_IsTrue(blocking_obj);
+    if (blocking < 0) return NULL;
+    double timeout = -1;
+    if (timeout_obj != NULL && timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (timeout == -1 && PyErr_Occurred()) return NULL;
+        if (!blocking && timeout != -1) {
+            PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+            return NULL;
+        }
+        if (timeout < 0 && timeout != -1) {
+            PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
+            return NULL;
+        }
+    }
+    return PyBool_FromLong(fast_lock_take(self, blocking, timeout));
+}
+
+static PyObject *fast_lock_enter(FastLock *self, PyObject *unused) {
+    fast_lock_take(self, 1, -1);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *fast_lock_release(FastLock *self, PyObject *unused) {
+    if (fast_lock_give(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_lock_exit(FastLock *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (fast_lock_give(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_lock_locked(FastLock *self, PyObject *unused) {
+    return PyBool_FromLong(self->locked);
+}
+
+static PyMethodDef fast_lock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))fast_lock_acquire, METH_FASTCALL | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool, as threading.Lock's"},
+    {"release", (PyCFunction)fast_lock_release, METH_NOARGS, "Let go of the lock (held: else RuntimeError)."},
+    {"locked", (PyCFunction)fast_lock_locked, METH_NOARGS, "Whether the lock is held."},
+    {"__enter__", (PyCFunction)fast_lock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))fast_lock_exit, METH_FASTCALL, NULL},
+    {NULL}
+};
+
+static PyType_Slot fast_lock_slots[] = {
+    {Py_tp_new, fast_lock_new},
+    {Py_tp_dealloc, fast_lock_dealloc},
+    {Py_tp_methods, fast_lock_methods},
+    {Py_tp_doc, "A plain lock (as threading.Lock) that compiled code takes without a Python call."},
+    {0, NULL}
+};
+
+static PyType_Spec fast_lock_spec = {
+    "streamdag.native.Lock", sizeof(FastLock), 0, Py_TPFLAGS_DEFAULT, fast_lock_slots
+};
+
+/* take (1) or let go of (0) ``lock``: in C if it is a FastLock, else through its bound ``method`` */
+static int lock_take(PyObject *lock, PyObject *acquire) {
+    if (lock != NULL && Py_TYPE(lock) == fast_lock_type) {
+        fast_lock_take((FastLock *)lock, 1, -1);
+        return 0;
+    }
+    PyObject *r = PyObject_CallNoArgs(acquire);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int lock_give(PyObject *lock, PyObject *release) {
+    if (lock != NULL && Py_TYPE(lock) == fast_lock_type) return fast_lock_give((FastLock *)lock);
+    PyObject *r = PyObject_CallNoArgs(release);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int fast_lock_init_type(PyObject *m) {
+    fast_lock_type = (PyTypeObject *)PyType_FromSpec(&fast_lock_spec);
+    if (fast_lock_type == NULL) return -1;
+    return PyModule_AddObjectRef(m, "Lock", (PyObject *)fast_lock_type);
+}
