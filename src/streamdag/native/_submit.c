@@ -1149,15 +1149,21 @@ static int event_query(PyObject *event, PyObject *event_type) {
     return done;
 }
 
-/* the event of queue entry ``q[index]`` (a new reference), or NULL with an exception */
-static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
-    PyObject *entry = PySequence_GetItem(q, index);
-    if (entry == NULL) return NULL;
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+/* ``entry`` (a new reference, or NULL with an exception) if it is a completion entry (number,
+ * event, callback); else NULL with a TypeError, its reference dropped */
+static PyObject *checked_entry(PyObject *entry) {
+    if (entry != NULL && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3)) {
         Py_DECREF(entry);
         PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
         return NULL;
     }
+    return entry;
+}
+
+/* the event of queue entry ``q[index]`` (a new reference), or NULL with an exception */
+static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
+    PyObject *entry = checked_entry(PySequence_GetItem(q, index));
+    if (entry == NULL) return NULL;
     PyObject *event = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
     Py_DECREF(entry);
     return event;
@@ -1166,13 +1172,8 @@ static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
 /* pop the head entry of ``q``, call its callback with None, give its event to ``free`` unless it
  * times: _Completions._settle for an entry that completed */
 static int finish_head(PyObject *q, PyObject *free_events) {
-    PyObject *entry = PyObject_CallMethodNoArgs(q, s_popleft);
+    PyObject *entry = checked_entry(PyObject_CallMethodNoArgs(q, s_popleft));
     if (entry == NULL) return -1;
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
-        Py_DECREF(entry);
-        PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
-        return -1;
-    }
     PyObject *event = PyTuple_GET_ITEM(entry, 1);
     PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
     int bad = r == NULL;
@@ -1265,10 +1266,8 @@ static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ss
                 if (finish_head(q, free_events) < 0) return NULL;
                 continue;
             }
-            PyObject *entry = PyObject_CallMethodNoArgs(q, s_popleft);
-            if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
-                if (entry != NULL) PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
-                Py_XDECREF(entry);
+            PyObject *entry = checked_entry(PyObject_CallMethodNoArgs(q, s_popleft));
+            if (entry == NULL) {
                 Py_DECREF(error);
                 return NULL;
             }

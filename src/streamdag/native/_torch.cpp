@@ -4,6 +4,7 @@
 // the first GPU runtime (torch.utils.cpp_extension, with CUDA), cached; _speedups.c takes the
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
 #include <torch/csrc/cuda/Event.h>
@@ -24,8 +25,10 @@
 
 namespace {
 
-int fail(const std::exception& e) {
-  PyErr_SetString(PyExc_RuntimeError, e.what());
+// The caught C++ exception as PyTorch raises it in Python (torch.AcceleratorError for a CUDA
+// error, torch.OutOfMemoryError, ...; a message without the C++ backtrace); call inside a catch
+int fail() {
+  torch::translate_exception_to_python(std::current_exception());
   return -1;
 }
 
@@ -77,8 +80,8 @@ int region(PyObject* obj, long long* device, long long* start, long long* end) {
     *start = static_cast<long long>(reinterpret_cast<intptr_t>(t.data_ptr()));
     *end = *start + static_cast<long long>(t.nbytes());
     return 1;
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
@@ -97,8 +100,8 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
     block_on(fence, target, target.device_index());
     c10::cuda::setCurrentCUDAStream(target);
     return 0;
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
@@ -110,8 +113,8 @@ int leave(const StreamdagSaved* saved) {
     if (c10::cuda::current_device() != saved->device)  // (the op may have switched devices too)
       c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
     return 0;
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
@@ -119,8 +122,8 @@ int record(PyObject* event, PyObject* stream, long long device) {
   try {
     record_on(event_of(event), stream_of(stream), device);
     return 0;
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
@@ -128,16 +131,16 @@ int wait(PyObject* event, PyObject* stream, long long device) {
   try {
     block_on(event_of(event), stream_of(stream), device);
     return 0;
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
 int query(PyObject* event) {
   try {
     return event_of(event).query() ? 1 : 0;  // PyTorch's own: clears a not-ready status, raises others
-  } catch (const std::exception& e) {
-    return fail(e);
+  } catch (...) {
+    return fail();
   }
 }
 
