@@ -6,6 +6,10 @@ with PyTorch's own launch loop in the same process. A process per tree, so that 
 loads its own compiled code; turns, so that the lent host's drift falls on both. Prints each
 process's medians and the median over turns.
 
+Its resolution is coarse: on the lent hosts two processes of the same code differ by up to ±2 µs
+per op even pinned (``taskset``), so a change worth less than that needs a toggle inside one
+process, timed in alternating rounds against the old path, as ``overhead.py`` times its variants.
+
 Run on a GPU machine: python bench/chain_ab.py OLD_SRC NEW_SRC [TURNS]
 (e.g. a copy of an earlier commit's ``src`` against ``src``).
 """
