@@ -8,8 +8,9 @@ overlap: the last chunk's compute and copy out come after all copies in (and
 the first chunk's copy in before all copies out). The link model adds that
 the link is shared: while both directions run, each gets less than alone
 (see ``link_model_ms``). It is an estimate from rates measured apart, not a
-strict bound: the hand-made pipeline has come within -2% to +2% of it. Times are medians of wall time between
-torch.cuda.synchronize().
+strict bound: the hand-made pipeline has come within -3% to +2% of it. Times are medians of wall time between
+torch.cuda.synchronize(); the pipelines are timed in interleaved rounds (each round runs every
+variant once), so that the link's drift falls on all of them alike.
 
 Run on a GPU machine: PYTHONPATH=src python bench/overlap.py
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
-from streamdag.suite.cuda_timing import wall_ms
+from streamdag.suite.cuda_timing import interleaved_wall_ms, wall_ms
 from streamdag.suite.report import format_table, write_json
 
 CHUNKS, CHUNK_FLOATS, STEPS = 8, 16 << 20, 6
@@ -151,40 +152,44 @@ def main() -> None:
         for s in (s_in, s_c, s_out):
             main.wait_stream(s)
 
-    rows = {}
-    ok, peak = True, 0
-    rows["sequential, one stream"] = wall_ms(sequential)
-    rows["hand-made 3-stream pipeline"] = wall_ms(hand_pipeline)
-    for streams in (4, 1):
-        with sd.Runtime("cuda", streams=streams) as rt:
-            def streamdag_eager(rt=rt):
-                for i in range(CHUNKS):
-                    rt.copy(dev_in[i], host_in[i])
-                    rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
-                    rt.copy(host_out[i], dev_out[i])
-                rt.synchronize()
-
-            rows[f"streamdag eager, {streams} compute stream(s) + copy streams"] = wall_ms(streamdag_eager)
-            for h in host_out:
-                h.zero_()
-            streamdag_eager()
-            ok = ok and all(torch.equal(h, e) for h, e in zip(host_out, expect))
-            peak = max(peak, rt.statistics().peak_inflight_bytes)
-
-    # the same ops recorded once: captured into a CUDA graph, its stream count chosen by timing
-    with sd.Runtime("cuda", streams=4) as rt:
-        with rt.record() as graph:
+    def streamdag_eager_on(rt):
+        def streamdag_eager():
             for i in range(CHUNKS):
                 rt.copy(dev_in[i], host_in[i])
                 rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
                 rt.copy(host_out[i], dev_out[i])
-        graph.run().result()
-        rows["streamdag recorded graph, g.run().result()"] = wall_ms(lambda: graph.run().result())
-        for h in host_out:
-            h.zero_()
-        graph.run().result()
-        ok = ok and all(torch.equal(h, e) for h, e in zip(host_out, expect))
-        capture = {"statistics": str(graph.statistics()), "explain": graph.explain()}
+            rt.synchronize()
+        return streamdag_eager
+
+    runtimes = {streams: sd.Runtime("cuda", streams=streams) for streams in (4, 1)}
+    # the same ops recorded once: captured into a CUDA graph, its stream count chosen by timing
+    graph_rt = sd.Runtime("cuda", streams=4)
+    with graph_rt.record() as graph:
+        for i in range(CHUNKS):
+            graph_rt.copy(dev_in[i], host_in[i])
+            graph_rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
+            graph_rt.copy(host_out[i], dev_out[i])
+    graph.run().result()
+    variants = {
+        "sequential, one stream": sequential,
+        "hand-made 3-stream pipeline": hand_pipeline,
+        **{f"streamdag eager, {streams} compute stream(s) + copy streams": streamdag_eager_on(rt)
+           for streams, rt in runtimes.items()},
+        "streamdag recorded graph, g.run().result()": lambda: graph.run().result(),
+    }
+    rows = interleaved_wall_ms(variants)  # every round times each once: the link's drift falls on all
+    ok, peak = True, 0
+    for label, fn in variants.items():
+        if label.startswith("streamdag"):
+            for h in host_out:
+                h.zero_()
+            fn()
+            ok = ok and all(torch.equal(h, e) for h, e in zip(host_out, expect))
+    for rt in runtimes.values():
+        peak = max(peak, rt.statistics().peak_inflight_bytes)
+        rt.close()
+    capture = {"statistics": str(graph.statistics()), "explain": graph.explain()}
+    graph_rt.close()
 
     table = [["pinned H2D GB/s", CHUNKS * nbytes / t_in / 1e6, ""],
              ["pinned D2H GB/s", CHUNKS * nbytes / t_out / 1e6, ""],
@@ -209,7 +214,7 @@ def main() -> None:
     print(write_json(Path(__file__).parent / "results",
                      "overlap_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"chunks": CHUNKS, "chunk_mib": nbytes >> 20, "steps": STEPS,
-                                   "compute_streams": [4, 1]},
+                                   "compute_streams": [4, 1], "timing": "interleaved rounds"},
                       "ms": {"copies_in": t_in, "copies_out": t_out, "compute": t_compute,
                              "both_ways": t_both, "bound": bound, "pipeline_bound": pipeline_bound,
                              "link_model": link_model,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_of", "wall_ms"]
+__all__ = ["graph_of", "interleaved_wall_ms", "wall_ms"]
 
 
 def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
@@ -32,6 +32,30 @@ def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50,
+                        warmup: int = 3) -> dict[str, float]:
+    """:func:`wall_ms` of several variants, timed in rounds: each round runs every variant once, in
+    an order that rotates from round to round. The median per variant.
+
+    Timed one after another instead, variants compared across seconds of the host's and the
+    link's drift: on the lent H100 the same pipeline moved by several percent between them.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    items = list(fns.items())
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for r in range(rounds):
+        k = r % len(items)
+        for label, fn in items[k:] + items[:k]:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[label].append((time.perf_counter() - t0) * 1e3)
+    return {label: statistics.median(ts) for label, ts in times.items()}
 
 
 def graph_of(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
