@@ -3,7 +3,9 @@
 B branches of L layers ``h = relu(h @ W[b][l])`` from one shared input, joined
 by ``torch.stack(outs).sum(0)``; fp32 with TF32. Every variant is timed in
 the same run as the median wall time of one iteration between
-``torch.cuda.synchronize()`` calls, and checked against eager.
+``torch.cuda.synchronize()`` calls, and checked against eager. The eager
+variants and the hand-made graphs are timed in interleaved rounds
+(``interleaved_wall_ms``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 import streamdag as sd
 
-from .cuda_timing import graph_of, wall_ms
+from .cuda_timing import graph_of, interleaved_wall_ms, wall_ms
 from .report import format_table
 
 __all__ = ["CASES", "profile_case", "run_case", "table"]
@@ -88,13 +90,6 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     def check(label, got):
         checks[label] = float((got - ref).norm() / ref.norm())
 
-    results["eager 1 stream"] = wall_ms(eager, iters)
-    results["eager 8 streams, hand-made"] = wall_ms(eager_streams, iters)
-    results["CUDA graph 1 stream"] = wall_ms(g1.replay, iters)
-    results["CUDA graph 8 streams, hand-made"] = wall_ms(g8.replay, iters)
-    check("CUDA graph 1 stream", g1_out)
-    check("CUDA graph 8 streams, hand-made", g8_out)
-
     # streamdag: the same ops submitted with what they read and write
     hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
     y = torch.empty(rows, D, device=dev)
@@ -105,7 +100,16 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
         def sd_eager():
             submit_all()
 
-        results["streamdag eager, multi-stream"] = wall_ms(sd_eager, iters)
+        # in interleaved rounds (each round times every one once): the host's drift falls on all
+        results.update(interleaved_wall_ms({
+            "eager 1 stream": eager,
+            "eager 8 streams, hand-made": eager_streams,
+            "CUDA graph 1 stream": g1.replay,
+            "CUDA graph 8 streams, hand-made": g8.replay,
+            "streamdag eager, multi-stream": sd_eager,
+        }, iters))
+        check("CUDA graph 1 stream", g1_out)
+        check("CUDA graph 8 streams, hand-made", g8_out)
         rt.synchronize()
         check("streamdag eager, multi-stream", y)
 
