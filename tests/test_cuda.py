@@ -708,3 +708,34 @@ def test_the_torch_extension_builds_here_and_reads_tensors_as_the_python_code():
                 buffers.accesses([t], [t])
             continue
         assert buffers.accesses([t], [t]) == want, t
+
+
+def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
+    """PyTorch hands out its streams from a pool of 32 per device: made from it, three runtimes'
+    streams (12 each) and the user's would share CUDA streams, and so queues. A runtime's are its
+    own (made by the torch extension), none shared with another runtime's or PyTorch's pool, and
+    a closed runtime's are reused by the next. Each runtime still computes right on them."""
+    from streamdag import native
+
+    if getattr(native.load_torch(), "new_stream", None) is None:
+        pytest.skip("without the torch extension a runtime's streams come from PyTorch's pool")
+
+    def addresses(rt):
+        return [s.cuda_stream for s in [*rt._streams, rt.backend.peer_out]]
+
+    runtimes = [sd.Runtime("cuda", streams=8) for _ in range(3)]
+    try:
+        pool = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+        ours = [a for rt in runtimes for a in addresses(rt)]
+        assert len(ours) == 3 * 12 and len(set(ours)) == len(ours)
+        assert not set(ours) & pool
+        x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+        for k, rt in enumerate(runtimes):
+            ys = [rt.submit(torch.mul, x, k + i, reads=[x]) for i in range(16)]
+            assert all(torch.equal(y.result(), x * (k + i)) for i, y in enumerate(ys))
+    finally:
+        for rt in runtimes:
+            rt.close()
+    with sd.Runtime("cuda", streams=8) as again:
+        assert set(addresses(again)) <= set(ours)  # given back at close, taken again
+        assert again.submit(torch.add, x, 1, reads=[x]).result().sum().item() == x.sum().item() + x.numel()

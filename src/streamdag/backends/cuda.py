@@ -20,12 +20,13 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import DeviceLost
 from ..native import load as load_native
+from ..native import load_torch
 from ..runtime.ops import callbacks_later
 from .threads import report_escaped
 
@@ -63,15 +64,51 @@ _compiled_pass = getattr(load_native(), "completions_pass", None)
 
 
 class CudaStream(torch.cuda.Stream):
-    """One of the runtime's streams: a new PyTorch stream on the current device, which knows its
-    place among them (``index``, ``kind``). A PyTorch stream itself, so that events record on it
-    and wait for it in C, with no Python call in between: that runs for every op."""
+    """One of the runtime's streams on the current device, which knows its place among them
+    (``index``, ``kind``). A PyTorch stream itself, so that events record on it and wait for it in
+    C, with no Python call in between: that runs for every op.
 
-    def __new__(cls, index: int, kind: str) -> CudaStream:
-        self = super().__new__(cls)
+    ``address``: a CUDA stream of the runtime's own (see :class:`_OwnStreams`), wrapped as PyTorch
+    wraps an external one; None: one from PyTorch's pool.
+    """
+
+    def __new__(cls, index: int, kind: str, address: int | None = None) -> CudaStream:
+        self = super().__new__(cls) if address is None else super().__new__(cls, stream_ptr=address)
         self.index, self.kind = index, kind
         self.ids = (self.stream_id, self.device_index, self.device_type)
         return self
+
+
+class _OwnStreams:
+    """CUDA streams made for runtimes alone, reused from one closed runtime to the next.
+
+    PyTorch hands out its streams from a pool of 32 per device, round robin: every
+    ``torch.cuda.Stream()`` (a second runtime's, a CUDA graph capture's side streams, the user's
+    own) may be one of a runtime's twelve. Their work then runs in one queue, in turn, and a
+    CUDA call onto a stream from a thread other than the one capturing on it ends that capture
+    in an error. Made by the torch extension (``new_stream``); without it, PyTorch's pool.
+    """
+
+    _lock = threading.Lock()
+    _free: ClassVar[dict[int, list[int]]] = {}  # per device
+
+    @classmethod
+    def take(cls, device: int, n: int) -> list[int] | None:
+        """``n`` stream addresses on ``device``, free ones first; None without the torch extension."""
+        ext = load_torch()
+        make = getattr(ext, "new_stream", None)
+        if make is None:
+            return None
+        with cls._lock:
+            free = cls._free.setdefault(device, [])
+            taken = [free.pop() for _ in range(min(n, len(free)))]
+        return taken + [make(device) for _ in range(n - len(taken))]
+
+    @classmethod
+    def give_back(cls, device: int, addresses: list[int]) -> None:
+        """For the next runtime: the work queued on them stays ordered before its own."""
+        with cls._lock:
+            cls._free.setdefault(device, []).extend(addresses)
 
 
 class CudaEvent(_event_base if _event_base is not None else object):  # type: ignore[misc]
@@ -432,15 +469,18 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
         self.lost: DeviceLost | None = None
+        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close()
+        self._own = _OwnStreams.take(index, streams + 4)
+        own = iter(self._own or [])
         with torch.cuda.device(self.torch_device):
-            self._streams = [CudaStream(i, "compute") for i in range(streams)]
+            self._streams = [CudaStream(i, "compute", next(own, None)) for i in range(streams)]
             self._copy = {
-                "h2d": CudaStream(streams, "h2d"),
-                "d2h": CudaStream(streams + 1, "d2h"),
-                "p2p": CudaStream(streams + 2, "p2p"),
+                "h2d": CudaStream(streams, "h2d", next(own, None)),
+                "d2h": CudaStream(streams + 1, "d2h", next(own, None)),
+                "p2p": CudaStream(streams + 2, "p2p", next(own, None)),
             }
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
-            self.peer_out = CudaStream(-1, "peer_out")
+            self.peer_out = CudaStream(-1, "peer_out", next(own, None))
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -569,3 +609,6 @@ class CudaBackend:
 
     def close(self) -> None:
         self._completions.stop()
+        if self._own:
+            own, self._own = self._own, None
+            _OwnStreams.give_back(self._index, own)

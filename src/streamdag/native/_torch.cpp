@@ -10,6 +10,7 @@
 #include <torch/csrc/cuda/Event.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -146,8 +147,29 @@ int query(PyObject* event) {
 
 StreamdagTorchHooks hooks = {STREAMDAG_TORCH_HOOKS_VERSION, region, enter, leave, record, wait, query};
 
+// new_stream(device) -> the address of a new non-blocking CUDA stream on that GPU, for a runtime's
+// own use: PyTorch's streams come from a pool of 32 per device, shared with every other
+// torch.cuda.Stream() (another runtime's, a CUDA graph capture's, the user's own)
+PyObject* new_stream(PyObject*, PyObject* device_arg) {
+  long device = PyLong_AsLong(device_arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    cudaStream_t stream = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return PyLong_FromVoidPtr(stream);
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+}
+
+PyMethodDef module_methods[] = {
+    {"new_stream", new_stream, METH_O, "new_stream(device) -> address of a new non-blocking CUDA stream"},
+    {nullptr, nullptr, 0, nullptr}};
+
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, TORCH_EXTENSION_NAME_STR,
-                          "streamdag's CUDA calls in C++ (see _torch_hooks.h).", -1, nullptr};
+                          "streamdag's CUDA calls in C++ (see _torch_hooks.h).", -1, module_methods};
 
 }  // namespace
 
