@@ -739,3 +739,29 @@ def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
     with sd.Runtime("cuda", streams=8) as again:
         assert set(addresses(again)) <= set(ours)  # given back at close, taken again
         assert again.submit(torch.add, x, 1, reads=[x]).result().sum().item() == x.sum().item() + x.numel()
+
+
+def test_no_garbage_collection_runs_in_the_capturing_thread_while_a_graph_is_captured():
+    """A collection runs the finalizers of what it frees in the thread that triggers it; a PyTorch
+    object freed during a capture (a CUDA event, an earlier CUDA graph) would make CUDA calls that
+    the capture forbids. So the collector is paused while a graph is captured, and only then."""
+    import gc
+
+    seen = []
+    a = torch.ones(8, device="cuda")
+    out = torch.zeros(8, device="cuda")
+
+    def op(a, out):
+        seen.append((torch.cuda.is_current_stream_capturing(), gc.isenabled()))
+        torch.mul(a, 2, out=out)
+
+    assert gc.isenabled()
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(op, a, out, reads=[a], writes=[out])
+        for _ in range(4):
+            g.run().result()
+        assert g.statistics().captures >= 1
+    assert (True, False) in seen  # captured with the collector paused
+    assert all(enabled for capturing, enabled in seen if not capturing)
+    assert gc.isenabled() and torch.equal(out, torch.full((8,), 2.0, device="cuda"))
