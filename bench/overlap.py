@@ -152,12 +152,15 @@ def main() -> None:
         for s in (s_in, s_c, s_out):
             main.wait_stream(s)
 
+    def submit_pipeline(rt):
+        for i in range(CHUNKS):
+            rt.copy(dev_in[i], host_in[i])
+            rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
+            rt.copy(host_out[i], dev_out[i])
+
     def streamdag_eager_on(rt):
         def streamdag_eager():
-            for i in range(CHUNKS):
-                rt.copy(dev_in[i], host_in[i])
-                rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
-                rt.copy(host_out[i], dev_out[i])
+            submit_pipeline(rt)
             rt.synchronize()
         return streamdag_eager
 
@@ -165,10 +168,7 @@ def main() -> None:
     # the same ops recorded once: captured into a CUDA graph, its stream count chosen by timing
     graph_rt = sd.Runtime("cuda", streams=4)
     with graph_rt.record() as graph:
-        for i in range(CHUNKS):
-            graph_rt.copy(dev_in[i], host_in[i])
-            graph_rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
-            graph_rt.copy(host_out[i], dev_out[i])
+        submit_pipeline(graph_rt)
     graph.run().result()
     variants = {
         "sequential, one stream": sequential,

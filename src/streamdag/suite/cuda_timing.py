@@ -18,34 +18,25 @@ def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
 
     ``devices`` lists the GPUs to synchronize (default: the current one).
     """
-    def sync() -> None:
-        for d in devices if devices is not None else [None]:
-            torch.cuda.synchronize(d)
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return interleaved_wall_ms({"": fn}, iters, warmup, devices)[""]
 
 
-def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50,
-                        warmup: int = 3) -> dict[str, float]:
+def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, warmup: int = 3,
+                        devices: Sequence[int] | None = None) -> dict[str, float]:
     """:func:`wall_ms` of several variants, timed in rounds: each round runs every variant once, in
     an order that rotates from round to round. The median per variant.
 
     Timed one after another instead, variants compared across seconds of the host's and the
     link's drift: on the lent H100 the same pipeline moved by several percent between them.
     """
+    def sync() -> None:
+        for d in devices if devices is not None else [None]:
+            torch.cuda.synchronize(d)
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    torch.cuda.synchronize()
+    sync()
     items = list(fns.items())
     times: dict[str, list[float]] = {label: [] for label in fns}
     for r in range(rounds):
@@ -53,7 +44,7 @@ def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50,
         for label, fn in items[k:] + items[:k]:
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             times[label].append((time.perf_counter() - t0) * 1e3)
     return {label: statistics.median(ts) for label, ts in times.items()}
 
