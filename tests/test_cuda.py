@@ -741,6 +741,71 @@ def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
         assert again.submit(torch.add, x, 1, reads=[x]).result().sum().item() == x.sum().item() + x.numel()
 
 
+FREED_DURING_CAPTURE = textwrap.dedent(
+    """
+    import contextlib, gc, json, sys, warnings, torch, streamdag as sd
+    from streamdag.runtime import capture
+    if sys.argv[1] == "unpaused":  # the negative control: the collector may run during a capture
+        capture._collector_paused = contextlib.nullcontext
+    x, out = torch.ones(8, device="cuda"), torch.zeros(8, device="cuda")
+    earlier = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(earlier):
+        x.add_(0)
+    left = [earlier]
+    del earlier
+
+    class Cycle:
+        def __init__(self, graph):
+            self.graph, self.me = graph, self
+
+    def op(out):
+        if left and torch.cuda.is_current_stream_capturing():
+            Cycle(left.pop())  # the earlier graph becomes cyclic garbage during the capture,
+            threshold = gc.get_threshold()
+            gc.set_threshold(1)  # and the next allocations start a collection, if one may run
+            _ = [[] for _ in range(100)]
+            gc.set_threshold(*threshold)
+        torch.mul(x, 2, out=out)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sd.Runtime("cuda", streams=2) as rt:
+            with rt.record() as g:
+                rt.submit(op, out, writes=[out])
+            for _ in range(4):
+                g.run().result()
+    stats = g.statistics()
+    torch.manual_seed(0)
+    a = torch.rand(4, device="cuda")  # random numbers still work after a failed capture
+    torch.manual_seed(0)
+    print(json.dumps(dict(captures=stats.captures, fallbacks=stats.fallbacks,
+                          failed=any("cannot be captured" in str(w.message) for w in caught),
+                          doubled=bool((out == 2).all()),
+                          random_ok=bool(torch.equal(a, torch.rand(4, device="cuda"))))))
+    """
+)
+
+
+@pytest.mark.parametrize("paused", [True, False])
+def test_a_graph_the_collector_frees_during_a_capture_does_not_fail_it(paused):
+    """An earlier CUDA graph freed by a collection during a capture would invalidate it (its
+    ``reset`` makes a CUDA call a capture forbids): the collector is paused while a graph is
+    captured. The negative control drops the pause and sees the capture fail; either way the
+    results are right and PyTorch's random generator still works afterwards."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", FREED_DURING_CAPTURE, "paused" if paused else "unpaused"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if paused:
+        assert result["captures"] >= 1 and result["fallbacks"] == 0 and not result["failed"], result
+    else:
+        assert result["fallbacks"] == 1 and result["failed"], result
+    assert result["doubled"] and result["random_ok"], result
+
+
 def test_no_garbage_collection_runs_in_the_capturing_thread_while_a_graph_is_captured():
     """A collection runs the finalizers of what it frees in the thread that triggers it; a PyTorch
     object freed during a capture (a CUDA event, an earlier CUDA graph) would make CUDA calls that

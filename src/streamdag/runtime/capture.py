@@ -51,8 +51,8 @@ def probe_host_syncs(fn: Any, name: str, found: list[str]) -> Any:
     """Wrap ``fn`` to note (in ``found``) if it synchronizes with the host, as ``.item()`` does.
 
     Used on a graph's first, eager run: an op that synchronizes cannot be
-    captured, and a capture that fails leaves PyTorch's CUDA RNG unusable for
-    the rest of the process, so such graphs are never captured at all.
+    captured, so such graphs are never captured at all (a capture that fails
+    costs its time, and its CUDA state needs repair: ``_restore_random_generators``).
     """
 
     def probed(*args: Any, **kwargs: Any) -> Any:
@@ -374,6 +374,7 @@ class CudaGraphRunner:
             self._failed = str(exc)
             self.stats.fallbacks += 1
             torch.cuda.synchronize(self.device)
+            _restore_random_generators(self.devices)
             return False
         finally:
             if self.groups is not None:  # replays ran on the first device's stream: wait for all of them
@@ -422,8 +423,10 @@ def _collector_paused() -> Iterator[None]:
     """No automatic cyclic garbage collection while a capture runs (``torch.cuda.graph`` collects
     once as it starts). A collection runs, in the thread that triggers it, the finalizers of
     what it frees; a PyTorch object freed then (a CUDA event, an earlier CUDA graph) makes CUDA
-    calls that a capture forbids, and the capture fails. Not confirmed as the cause of the one
-    capture failure seen (see docs/status.md), but such a call would fail it that way."""
+    calls that a capture forbids: an earlier graph's ``reset`` fails with "operation not
+    permitted when stream is capturing" and the capture is invalidated. That was the rare
+    capture failure of docs/status.md; ``test_a_graph_the_collector_frees_during_a_capture_does_
+    not_fail_it`` reproduces it without the pause."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -431,6 +434,29 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _restore_random_generators(devices: list[torch.device]) -> None:
+    """Take each device's default CUDA generator out of capture state if a failed capture left it there.
+
+    A capture that CUDA invalidates ends without PyTorch's generator epilogue
+    (PyTorch 2.11 keeps one capture flag per generator), so every later random
+    op in the process fails with "Offset increment outside graph capture". A
+    one-element draw finds out (it raises before launching anything); a stuck
+    generator gets a fresh state with the same seed and offset, and a healthy
+    one gets its offset back, so the user's random numbers are as without the probe.
+    """
+    for device in devices:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        offset = generator.get_offset()
+        try:
+            torch.empty(1, device=device).uniform_()
+        except RuntimeError as exc:
+            if "outside graph capture" in str(exc):
+                generator.graphsafe_set_state(generator.clone_state())
+        else:
+            generator.set_offset(offset)
 
 
 def _allocations(device: torch.device) -> int:
