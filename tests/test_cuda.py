@@ -741,6 +741,46 @@ def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
         assert again.submit(torch.add, x, 1, reads=[x]).result().sum().item() == x.sum().item() + x.numel()
 
 
+def test_a_graph_is_captured_on_cuda_streams_of_its_own():
+    """Any ``torch.cuda.Stream()`` may hand out a stream of PyTorch's pool again: work another
+    thread put on it during a capture would be captured instead of run. A graph is captured on
+    streams that neither PyTorch's pool nor a runtime hands out, and they are given back once
+    the graph is gone."""
+    import gc
+
+    from streamdag import native
+    from streamdag.backends.cuda import _OwnStreams
+
+    if getattr(native.load_torch(), "new_stream", None) is None:
+        pytest.skip("without the torch extension a graph is captured on PyTorch's pooled streams")
+    seen = set()
+    a = torch.arange(1 << 10, device="cuda", dtype=torch.float32)
+    outs = [torch.zeros_like(a) for _ in range(4)]
+
+    def scaled(a, out, k):
+        if torch.cuda.is_current_stream_capturing():
+            seen.add(torch.cuda.current_stream().cuda_stream)
+        torch.mul(a, k, out=out)
+
+    with sd.Runtime("cuda", streams=4) as rt:
+        with rt.record() as g:
+            for k, o in enumerate(outs):
+                rt.submit(scaled, a, o, k, reads=[a], writes=[o])
+        for _ in range(3):
+            for o in outs:
+                o.zero_()
+            g.run().result()
+            assert all(torch.equal(o, a * k) for k, o in enumerate(outs))
+        stats = g.statistics()
+        assert stats.captures >= 1 and stats.fallbacks == 0 and stats.replays >= 1
+        runtime_streams = {s.cuda_stream for s in rt._streams}
+    pool = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    assert seen and not seen & pool and not seen & runtime_streams
+    del g
+    gc.collect()
+    assert seen <= set(_OwnStreams._free.get(torch.cuda.current_device(), []))
+
+
 FREED_DURING_CAPTURE = textwrap.dedent(
     """
     import contextlib, gc, json, sys, warnings, torch, streamdag as sd

@@ -89,7 +89,9 @@ class _OwnStreams:
     in an error. Made by the torch extension (``new_stream``); without it, PyTorch's pool.
     """
 
-    _lock = threading.Lock()
+    #: re-entrant: a gone graph runner gives its streams back from a finalizer, which the
+    #: collector may run in a thread that is in ``take``
+    _lock = threading.RLock()
     _free: ClassVar[dict[int, list[int]]] = {}  # per device
 
     @classmethod

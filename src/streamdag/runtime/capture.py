@@ -1,9 +1,15 @@
 """Recorded graphs on CUDA: captured once into a multi-stream CUDA graph, then replayed.
 
-Capture forks fresh side streams from a capture stream with an event, runs
-every op on its scheduled side stream after exactly the schedule's waits, and
-joins every side stream back. The runtime's own streams never take part in a
-capture, so a failed capture cannot leave them in capture mode.
+Capture forks side streams from a capture stream with an event, runs every
+op on its scheduled side stream after exactly the schedule's waits, and joins
+every side stream back. The runtime's own streams never take part in a
+capture, so a failed capture cannot leave them in capture mode. Nor do
+PyTorch's pooled streams, which any ``torch.cuda.Stream()`` may hand out
+again: work another thread put on such a stream during a capture would be
+captured into the graph instead of run, or would end the capture in an
+error. A runner captures on CUDA streams of its own (made by the torch
+extension, as a runtime's are), kept while it lives, so that its candidates
+and recaptures reuse them.
 
 The stream count is chosen by measurement: the schedule is captured for one
 stream, for more, and for the count the cost model (:mod:`..schedule.cost`,
@@ -30,6 +36,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..schedule.cost import simulate
 from ..schedule.plan import Schedule, build_schedule, pin_ops
@@ -149,8 +157,11 @@ class CudaGraphRunner:
         #: for a graph over several devices: the device (index into ``devices``) of each op
         self.groups = groups
         self.devices = devices or [device]
-        self._side: dict[tuple[int, int], torch.cuda.Stream] = {}
-        self._copy_side: dict[tuple[str, str], torch.cuda.Stream] = {}
+        #: the streams it captures on, by role; ``_own`` holds the addresses of those it made,
+        #: per device, given back for other runners and runtimes once it is gone
+        self._streams: dict[tuple[Any, ...], torch.cuda.Stream] = {}
+        self._own: dict[int, list[int]] = {}
+        weakref.finalize(self, _give_back, self._own)
         self.stats = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
@@ -188,26 +199,24 @@ class CudaGraphRunner:
         # the guard also fails for what does not matter here (dtype, requires_grad, inference mode)
         return [(t.shape, t.stride()) for t in tensors] == layouts
 
+    def _stream(self, device: torch.device, *role: Any) -> torch.cuda.Stream:
+        """The runner's stream for ``role`` on ``device``: made once, its own where it can be."""
+        key = (device, *role)
+        if key not in self._streams:
+            self._streams[key] = _private_stream(device, self._own)
+        return self._streams[key]
+
     def _side_streams(self, sched: Schedule, max_streams: int) -> list[torch.cuda.Stream]:
-        """Fresh side streams on one device; kept ones (warmed up) over several."""
+        """The schedule's streams; over several devices, ``max_streams`` per device in turn.
+        Candidates share them: they are captured one after another (and warmed up on them)."""
         if self.groups is None:
-            return [torch.cuda.Stream(self.device) for _ in range(sched.num_streams)]
-        out = []
-        for s in range(sched.num_streams):
-            key = (max_streams, s)
-            if key not in self._side:
-                self._side[key] = torch.cuda.Stream(self.devices[s // max_streams])
-            out.append(self._side[key])
-        return out
+            return [self._stream(self.device, "side", s) for s in range(sched.num_streams)]
+        return [self._stream(self.devices[s // max_streams], "side", s % max_streams)
+                for s in range(sched.num_streams)]
 
     def _copy_stream(self, device: str, kind: str) -> torch.cuda.Stream:
-        """A side stream for copies of one kind on one device: fresh on one device, kept over several."""
-        if self.groups is None:
-            return torch.cuda.Stream(torch.device(device))
-        key = (device, kind)
-        if key not in self._copy_side:
-            self._copy_side[key] = torch.cuda.Stream(torch.device(device))
-        return self._copy_side[key]
+        """The side stream for copies of one kind on one device."""
+        return self._stream(torch.device(device), "copy", kind)
 
     def _warm_up(self, stream_of: list[int], side: list[torch.cuda.Stream]) -> None:
         """Run every op once, in order, on its side stream: libraries set up per-stream state here."""
@@ -242,7 +251,7 @@ class CudaGraphRunner:
         stream_of, waits = sched.stream, sched.waits
         needs_event = {u for ws in waits for u in ws}
         graph = torch.cuda.CUDAGraph()
-        origin = torch.cuda.Stream(self.device)
+        origin = self._stream(self.device, "origin")
         others = [d for d in self.devices if d != self.device]
         if others:
             try:
@@ -298,7 +307,7 @@ class CudaGraphRunner:
         not the host's launch gaps.
         """
         ops = self.recorded._ops
-        stream = torch.cuda.Stream(self.device)
+        stream = self._stream(self.device, "timing")
         stream.wait_stream(torch.cuda.current_stream(self.device))
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(ops) + 1)]
         host_ms = getattr(self.recorded, "first_run_host_ms", None) or 1.0
@@ -457,6 +466,24 @@ def _restore_random_generators(devices: list[torch.device]) -> None:
                 generator.graphsafe_set_state(generator.clone_state())
         else:
             generator.set_offset(offset)
+
+
+def _private_stream(device: torch.device, own: dict[int, list[int]]) -> torch.cuda.Stream:
+    """A CUDA stream on ``device`` that no ``torch.cuda.Stream()`` hands out (its address noted in
+    ``own``); one from PyTorch's pool without the torch extension."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    taken = _OwnStreams.take(index, 1)
+    if taken is None:
+        return torch.cuda.Stream(device)
+    own.setdefault(index, []).extend(taken)
+    return torch.cuda.ExternalStream(taken[0], device=torch.device("cuda", index))
+
+
+def _give_back(own: dict[int, list[int]]) -> None:
+    """A gone runner's streams, for others. Its graph went with it, and a graph's replay runs on
+    the caller's stream, not on the streams it was captured on."""
+    for index, addresses in own.items():
+        _OwnStreams.give_back(index, addresses)
 
 
 def _allocations(device: torch.device) -> int:
