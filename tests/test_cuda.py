@@ -527,6 +527,24 @@ DEVICE_LOST = textwrap.dedent(
 )
 
 
+def test_a_cuda_error_that_is_not_sticky_fails_its_op_only():
+    """A CUDA error that leaves the context usable (here an invalid device ordinal) fails its op
+    and its dependents, as a Python exception does; it does not mark the device lost. PyTorch's
+    advice after every CUDA error mentions "device-side assertions", which made every CUDA error
+    count as sticky."""
+    bad_index = torch.cuda.device_count() + 3
+    x = torch.ones(4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        bad = rt.submit(torch.cuda.set_device, bad_index)
+        error = bad.exception(timeout=60)
+        assert error is not None and not isinstance(error, sd.DeviceLost), error
+        assert "device-side assert" in str(error)  # the advice that must not count
+        assert rt.backend.lost is None
+        assert torch.equal(rt.submit(torch.add, x, 1, reads=[x]).result(), x + 1)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()  # which reports the failed op
+
+
 def test_sticky_error_marks_the_device_lost_and_nothing_hangs():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", DEVICE_LOST], env=env, capture_output=True,
@@ -779,6 +797,37 @@ def test_a_graph_is_captured_on_cuda_streams_of_its_own():
     del g
     gc.collect()
     assert seen <= set(_OwnStreams._free.get(torch.cuda.current_device(), []))
+
+
+def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_device():
+    """PyTorch captures a CUDA graph in CUDA's global mode by default, in which CUDA refuses an
+    event query from any thread. The completion thread polls the events of pending ops all the
+    while: its queries must neither end the user's capture in an error nor be taken for a lost
+    device (they were: every pending and later op failed with DeviceLost)."""
+    import time
+
+    from streamdag import native
+
+    if native.load_torch() is None:
+        pytest.skip("without the torch extension the completion thread's queries are refused, and "
+                    "end such a capture (they are no longer taken for a lost device)")
+    x = torch.ones(1 << 10, device="cuda")
+    flag = torch.zeros(1, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        for _ in range(2):
+            # a long GPU op: its event stays pending, polled, through the capture
+            slow = rt.submit(lambda: (torch.cuda._sleep(int(2e9)), flag.add_(1)), writes=[flag])
+            time.sleep(0.02)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
+                y = x
+                for _ in range(20000):  # long enough to span many of the completion thread's polls
+                    y = y * 1.0
+            slow.result(timeout=60)
+            g.replay()
+            assert torch.equal(y, x)
+        assert flag.item() == 2 and rt.backend.lost is None
+        assert torch.equal(rt.submit(torch.add, x, 1, reads=[x]).result(), x + 1)
 
 
 FREED_DURING_CAPTURE = textwrap.dedent(

@@ -306,7 +306,7 @@ def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_on
 
 
 _ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "loses", "raises"]),
-                   st.booleans())
+                   st.sampled_from(["", "", "sticky", "refused"]))
 
 
 @compiled
@@ -315,9 +315,9 @@ _ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "l
 def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
     """``_Completions._pass``, compiled and in Python: the same callbacks with the same errors in the
     same order, the same events back in the pool, the same entries left, the same device loss (a
-    query raising marks it, as a sticky CUDA error does; or a callback marks it), the same
-    exception from a callback. Each entry: its event's query says done, the event times, what its
-    callback does, whether its query raises."""
+    query raising a sticky CUDA error marks it, or a callback does; a query refused during a CUDA
+    graph capture leaves its entry queued), the same exception from a callback. Each entry: its
+    event's query says done, the event times, what its callback does, what its query raises."""
     from collections import deque
 
     from streamdag.backends import cuda
@@ -327,7 +327,9 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
             self.lost = None
             self._free_events = []
 
-        def mark_lost(self, exc):
+        def mark_lost(self, exc):  # as CudaBackend's
+            if cuda.refused_during_capture(exc):
+                return None
             self.lost = self.lost or f"lost: {exc}"
             return self.lost
 
@@ -340,8 +342,10 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
             self.name, self.done, self.timing, self.raises = name, done, timing, raises
 
         def query(self):
-            if self.raises:
-                raise RuntimeError(f"sticky at {self.name}")
+            if self.raises == "sticky":
+                raise RuntimeError(f"an illegal memory access at {self.name}")
+            if self.raises == "refused":
+                raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
             return self.done
 
     def run(compiled):
@@ -375,6 +379,50 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
         return outcome, log, [e.name for e in owner._free_events], left, owner.lost
 
     assert run(compiled=True) == run(compiled=False)
+
+
+def test_a_query_refused_during_a_capture_is_no_device_loss():
+    """While a CUDA graph is captured in PyTorch's default (global) mode, CUDA refuses event
+    queries from every thread: the completion pass must query again later, not fail every op."""
+    import types
+
+    from streamdag.backends import cuda
+    from streamdag.errors import DeviceLost
+
+    owner = types.SimpleNamespace(lost=None, device="cuda:0")
+    refused = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    assert cuda.CudaBackend.mark_lost(owner, refused) is None and owner.lost is None
+    sticky = RuntimeError("CUDA error: an illegal memory access was encountered")
+    lost = cuda.CudaBackend.mark_lost(owner, sticky)
+    assert isinstance(lost, DeviceLost) and owner.lost is lost
+    assert cuda.CudaBackend.mark_lost(owner, refused) is None and owner.lost is lost
+
+
+#: what PyTorch appends to the message of every CUDA error it raises
+PYTORCH_ADVICE = (
+    "\nSearch for `cudaErrorX' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html"
+    " for more information.\nCUDA kernel errors might be asynchronously reported at some other API call,"
+    " so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1"
+    "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
+
+@pytest.mark.parametrize("words, sticky, refused", [
+    ("CUDA error: an illegal memory access was encountered", True, False),
+    ("CUDA error: device-side assert triggered", True, False),
+    ("CUDA error: unspecified launch failure", True, False),
+    ("CUDA error: invalid argument", False, False),
+    ("CUDA error: invalid configuration argument", False, False),
+    ("CUDA error: operation not permitted when stream is capturing", False, True),
+    ("CUDA error: operation failed due to a previous error during capture", False, False),
+])
+def test_cuda_errors_are_told_by_their_own_words_not_pytorchs_advice(words, sticky, refused):
+    """Only a sticky error loses the device; PyTorch's advice after every CUDA error mentions
+    "device-side assertions", which made every CUDA error count as sticky."""
+    from streamdag.backends import cuda
+
+    exc = RuntimeError(words + PYTORCH_ADVICE)
+    assert cuda.is_sticky(exc) == sticky
+    assert cuda.refused_during_capture(exc) == refused
 
 
 def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():

@@ -44,10 +44,30 @@ _STICKY = (
 )
 
 
+def _cuda_words(exc: BaseException) -> str:
+    """The error itself, in lower case: the first line of its message. PyTorch appends the same
+    advice to every CUDA error ("... to enable device-side assertions"), which must not count."""
+    return str(exc).split("\n", 1)[0].lower()
+
+
 def is_sticky(exc: BaseException) -> bool:
     """Whether ``exc`` is a CUDA error after which the context is unusable."""
-    text = str(exc).lower()
+    text = _cuda_words(exc)
     return not isinstance(exc, torch.cuda.OutOfMemoryError) and any(s in text for s in _STICKY)
+
+
+#: CUDA's words for a call refused because a CUDA graph is being captured
+#: (cudaErrorStreamCaptureUnsupported): gone when the capture ends, unlike the other capture errors
+_CAPTURE_REFUSALS = ("operation not permitted when stream is capturing",)
+
+
+def refused_during_capture(exc: BaseException) -> bool:
+    """Whether ``exc`` is CUDA refusing a call while a CUDA graph is captured: not a fault of the
+    device, and gone once the capture ends. PyTorch captures in CUDA's global mode by default,
+    in which an event query from any thread is refused (without the torch extension, which
+    queries in relaxed mode, the completion thread's queries are)."""
+    text = _cuda_words(exc)
+    return any(s in text for s in _CAPTURE_REFUSALS)
 
 
 # PyTorch's own C entry points for the calls made per op: its Python wrappers around them
@@ -245,7 +265,7 @@ class _Completions:
                 return False
             if _sanitizer_enabled():
                 event.synchronize()
-        except Exception as exc:  # a sticky error surfaces here
+        except Exception as exc:  # a sticky error surfaces here (or a refusal during a capture)
             owner.mark_lost(exc)
             return False
         del q[index]  # appends meanwhile go to the other end
@@ -315,7 +335,7 @@ class _Completions:
                 try:
                     if q[n - 1][1].query():
                         known_done = n
-                except Exception as exc:  # a sticky error surfaces here
+                except Exception as exc:  # a sticky error surfaces here (None: a refusal, see below)
                     owner.mark_lost(exc)
             while q:
                 _, event, callback = q[0]
@@ -328,6 +348,8 @@ class _Completions:
                             event.synchronize()
                     except Exception as exc:  # a sticky error surfaces here
                         error = owner.mark_lost(exc)
+                        if error is None:  # refused during a capture: queried again later
+                            break
                 known_done -= 1
                 q.popleft()
                 self._settle(event, callback, error)
@@ -601,7 +623,13 @@ class CudaBackend:
 
     is_sticky = staticmethod(is_sticky)
 
-    def mark_lost(self, exc: BaseException) -> DeviceLost:
+    def mark_lost(self, exc: BaseException) -> DeviceLost | None:
+        """The device is lost after ``exc``, a sticky error that an event query raised (or an op):
+        returns what every pending and later op fails with. None where ``exc`` is a query refused
+        during a CUDA graph capture (:func:`refused_during_capture`): nothing is lost, and the
+        completion passes query that event again later."""
+        if refused_during_capture(exc):
+            return None
         if self.lost is None:
             self.lost = DeviceLost(self.device, exc)
         return self.lost

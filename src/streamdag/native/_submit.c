@@ -1212,6 +1212,8 @@ static PyObject *mark_lost(PyObject *owner) {
  * until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
  * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
+ * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
+ * the rest of its queue stay queued.
  * A callback's exception propagates, as in the Python pass. */
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
@@ -1257,6 +1259,7 @@ static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ss
                 if (done < 0) {
                     Py_SETREF(error, mark_lost(owner));
                     if (error == NULL) return NULL;
+                    if (error == Py_None) { Py_DECREF(error); break; }  /* refused during a capture */
                 }
             }
             known--;

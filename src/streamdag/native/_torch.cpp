@@ -10,6 +10,7 @@
 #include <torch/csrc/cuda/Event.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -139,6 +140,10 @@ int wait(PyObject* event, PyObject* stream, long long device) {
 
 int query(PyObject* event) {
   try {
+    // relaxed: an event query is one of the calls that a CUDA graph capture in PyTorch's default
+    // (global) mode refuses, from every thread, ending that capture in an error too; ours only
+    // look at events recorded outside any capture, which is safe
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     return event_of(event).query() ? 1 : 0;  // PyTorch's own: clears a not-ready status, raises others
   } catch (...) {
     return fail();
