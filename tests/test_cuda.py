@@ -799,6 +799,46 @@ def test_a_graph_is_captured_on_cuda_streams_of_its_own():
     assert seen <= set(_OwnStreams._free.get(torch.cuda.current_device(), []))
 
 
+@pytest.mark.parametrize("path", ["C++ calls", "PyTorch's bindings", "submit in Python"])
+def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(path):
+    """A runtime's stream that waited on an event recorded in the caller's capture would join that
+    capture: the op's kernels would be captured, not run, its completion event could never be
+    queried, and the capture could not end (a stream not joined back). So the op fails at once,
+    saying what to do, and neither the caller's capture nor the runtime is disturbed."""
+    from streamdag import native
+    from streamdag.runtime import core
+
+    torch_ext = native.load_torch()
+    if path == "PyTorch's bindings":
+        if torch_ext is None:
+            pytest.skip("the torch extension is not built: the other cases take the bindings")
+        native.load().use_torch(None)
+    saved = core.COMPILED_SUBMIT
+    core.COMPILED_SUBMIT = path != "submit in Python"
+    try:
+        rt = sd.Runtime("cuda", streams=2)
+    finally:
+        core.COMPILED_SUBMIT = saved
+        if torch_ext is not None:
+            native.load().use_torch(torch_ext)
+    x = torch.ones(8, device="cuda")
+    with rt:
+        assert torch.equal(rt.submit(torch.mul, x, 2, reads=[x]).result(), x * 2)  # caller stream seen
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = x * 2
+            inside = rt.submit(torch.mul, x, 3, reads=[x])
+            y.add_(1)
+        error = inside.exception(timeout=60)
+        assert isinstance(error, RuntimeError) and "rt.record()" in str(error), error
+        g.replay()
+        assert torch.equal(y, x * 2 + 1)  # the caller's capture is whole
+        assert rt.backend.lost is None
+        assert torch.equal(rt.submit(torch.mul, x, 3, reads=[x]).result(), x * 3)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()  # which reports the failed op
+
+
 def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_device():
     """PyTorch captures a CUDA graph in CUDA's global mode by default, in which CUDA refuses an
     event query from any thread. The completion thread polls the events of pending ops all the

@@ -61,6 +61,27 @@ def is_sticky(exc: BaseException) -> bool:
 _CAPTURE_REFUSALS = ("operation not permitted when stream is capturing",)
 
 
+#: what an op submitted inside the caller's own CUDA graph capture fails with (the torch extension's
+#: ``enter`` says the same)
+SUBMITTED_IN_CAPTURE = (
+    "streamdag: an op was submitted while the caller's CUDA stream is being captured into a CUDA graph "
+    "(torch.cuda.graph, or torch.compile's CUDA graphs). A runtime's streams cannot join a capture it "
+    "did not begin: submit outside the capture. To have streamdag's ops in a CUDA graph, record them "
+    "(with rt.record() as g: ...) and let streamdag capture and replay them (g.run(), outside your capture).")
+
+
+def _refuse_in_capture(device_index: int) -> None:
+    """Raise if the caller's current stream on ``device_index`` is being captured into a CUDA graph:
+    waiting on an event recorded there would pull the runtime's stream into that capture."""
+    if _get_device() == device_index:
+        capturing = _is_capturing()
+    else:
+        with torch.cuda.device(device_index):
+            capturing = _is_capturing()
+    if capturing:
+        raise RuntimeError(SUBMITTED_IN_CAPTURE)
+
+
 def refused_during_capture(exc: BaseException) -> bool:
     """Whether ``exc`` is CUDA refusing a call while a CUDA graph is captured: not a fault of the
     device, and gone once the capture ends. PyTorch captures in CUDA's global mode by default,
@@ -76,6 +97,7 @@ _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _set_device = getattr(torch._C, "_cuda_setDevice", None)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _event_base = getattr(torch._C, "_CudaEventBase", None)  # a CPU-only build has it, without methods
 _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
@@ -542,6 +564,7 @@ class CudaBackend:
         caller_device = _get_device()
         prev = _get_stream(self._index)
         if after_caller:
+            _refuse_in_capture(self._index)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
             caller = self._callers.get(prev)
@@ -563,7 +586,7 @@ class CudaBackend:
         calls: PyTorch's C entry points, the caller event, the caller streams seen, the event pool, and
         the completion queues (``when_done``)."""
         return (_get_device, _get_stream, _set_stream, _set_device, _record, _wait, self._caller_event,
-                self._callers, self._free_events, self._index, self._completions)
+                self._callers, self._free_events, self._index, self._completions, _refuse_in_capture)
 
     def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.

@@ -241,7 +241,8 @@ typedef struct {
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
-             *callers, *free_events, *device_index, *queues, *completions, *completions_dict, *wake_dict;
+             *callers, *free_events, *device_index, *queues, *completions, *completions_dict, *wake_dict,
+             *refuse_in_capture;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
@@ -284,6 +285,7 @@ static int rt_set_int(Submitter *self, PyObject *name, Py_ssize_t value) {
     X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) X(rt_dict) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
+    X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
 
 static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
@@ -366,11 +368,12 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
             || (self->lazy_release = PyObject_GetAttr(sub.lazy, s_release)) == NULL)
         return -1;
     if (cuda != Py_None) {
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO", &self->get_device, &self->get_stream, &self->set_stream,
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OOO", &self->get_device, &self->get_stream, &self->set_stream,
                               &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
-                              &self->device_index, &self->completions))
+                              &self->device_index, &self->completions, &self->refuse_in_capture))
             return -1;
+        Py_INCREF(self->refuse_in_capture);
         Py_INCREF(self->completions);
         self->torch = state.torch;
         if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
@@ -589,6 +592,9 @@ static int cuda_launch(Submitter *self, PyObject *s, PyObject *op, PyObject *eve
         }
         return left < 0 ? -1 : 0;
     }
+    PyObject *refused = PyObject_CallOneArg(self->refuse_in_capture, self->device_index);  /* raises */
+    if (refused == NULL) return -1;
+    Py_DECREF(refused);
     PyObject *caller_device = PyObject_CallNoArgs(self->get_device);
     if (caller_device == NULL) return -1;
     PyObject *prev = PyObject_CallOneArg(self->get_stream, self->device_index);

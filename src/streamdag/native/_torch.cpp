@@ -87,12 +87,38 @@ int region(PyObject* obj, long long* device, long long* start, long long* end) {
   }
 }
 
+// what an op submitted inside the caller's own CUDA graph capture fails with (backends/cuda.py has
+// the same words for the launch through PyTorch's bindings)
+const char* kSubmittedInCapture =
+    "streamdag: an op was submitted while the caller's CUDA stream is being captured into a CUDA graph "
+    "(torch.cuda.graph, or torch.compile's CUDA graphs). A runtime's streams cannot join a capture it "
+    "did not begin: submit outside the capture. To have streamdag's ops in a CUDA graph, record them "
+    "(with rt.record() as g: ...) and let streamdag capture and replay them (g.run(), outside your capture).";
+
+// Whether ``stream`` is being captured (an implicit dependency on a capturing stream counts too)
+bool capturing(const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream.stream(), &status);
+  if (err == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  C10_CUDA_CHECK(err);
+  return status != cudaStreamCaptureStatusNone;
+}
+
 int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
   try {
     auto target = stream_of(stream);
     saved->device = c10::cuda::current_device();
     if (saved->device != target.device_index()) c10::cuda::set_device(target.device_index());
     auto caller = c10::cuda::getCurrentCUDAStream(target.device_index());
+    if (capturing(caller)) {  // before any call onto it: the caller's capture stays as it was
+      if (saved->device != target.device_index())
+        c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
+      PyErr_SetString(PyExc_RuntimeError, kSubmittedInCapture);
+      return -1;
+    }
     auto packed = caller.pack3();
     saved->stream_id = packed.stream_id;
     saved->device_index = packed.device_index;
