@@ -3,7 +3,9 @@
 Loops of tiny PyTorch launches (``x.add_(1)``) on a side stream, as a stream runtime makes them,
 with each of the calls it adds around a launch, alone or together: the completion event's record (a
 plain event, or a blocking-sync one whose host wait sleeps until an interrupt), the order after the
-caller's stream (an event recorded on it and waited on), or instead a query of the caller's stream.
+caller's stream (an event recorded on it and waited on), or instead a query of the caller's stream,
+and the check that the caller's stream is not being captured into a CUDA graph (``enter`` makes it
+before that order).
 The lent host's speed drifts by tens of percent within seconds, so the variants run in short
 rounds of 2,000 launches in alternating order, and each row is the median over rounds of the time
 added to the first variant's in the same round.
@@ -52,7 +54,12 @@ double loop(int v, int n) {
     cudaDeviceSynchronize();
     auto t = clk::now();
     for (int i = 0; i < n; i++) {
-      if (v == 3) {  // order after the caller's stream
+      if (v == 6) {  // is the caller's stream being captured? (then the order, as v == 3)
+        cudaStreamCaptureStatus status;
+        cudaError_t err = cudaStreamIsCapturing(caller.stream(), &status);
+        if (err != cudaSuccess || status != cudaStreamCaptureStatusNone) return -1.0;
+      }
+      if (v == 3 || v == 6) {  // order after the caller's stream
         cudaEventRecord(fence, caller.stream());
         cudaStreamWaitEvent(s.stream(), fence, 0);
       }
@@ -63,7 +70,7 @@ double loop(int v, int n) {
       c10::cuda::setCurrentCUDAStream(s);
       x->add_(1);
       c10::cuda::setCurrentCUDAStream(caller);
-      if (v == 1 || v == 3 || v == 4) cudaEventRecord(plain[i & 63], s.stream());
+      if (v == 1 || v == 3 || v == 4 || v == 6) cudaEventRecord(plain[i & 63], s.stream());
       if (v == 2) cudaEventRecord(blocking[i & 63], s.stream());
       if (v == 5 && (i & 7) == 7) cudaEventRecord(plain[i & 63], s.stream());
     }
@@ -81,6 +88,7 @@ LABELS = [
     "+ plain completion event + order after the caller's stream",
     "+ plain completion event + query the caller's stream (idle) instead",
     "+ plain completion event every 8th launch",
+    "+ plain completion event + order after the caller's stream + check it is not capturing",
 ]
 
 
