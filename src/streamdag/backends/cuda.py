@@ -70,14 +70,19 @@ SUBMITTED_IN_CAPTURE = (
     "(with rt.record() as g: ...) and let streamdag capture and replay them (g.run(), outside your capture).")
 
 
-def _refuse_in_capture(device_index: int) -> None:
+def _refuse_in_capture(device_index: int, current: int | None = None) -> None:
     """Raise if the caller's current stream on ``device_index`` is being captured into a CUDA graph:
-    waiting on an event recorded there would pull the runtime's stream into that capture."""
-    if _get_device() == device_index:
+    waiting on an event recorded there would pull the runtime's stream into that capture.
+    ``current``: the current device, where the caller knows it."""
+    current = _get_device() if current is None else current
+    if current == device_index:
         capturing = _is_capturing()
-    else:
-        with torch.cuda.device(device_index):
+    else:  # PyTorch asks about the current device's current stream
+        _set_device(device_index)
+        try:
             capturing = _is_capturing()
+        finally:
+            _set_device(current)
     if capturing:
         raise RuntimeError(SUBMITTED_IN_CAPTURE)
 
@@ -564,7 +569,7 @@ class CudaBackend:
         caller_device = _get_device()
         prev = _get_stream(self._index)
         if after_caller:
-            _refuse_in_capture(self._index)
+            _refuse_in_capture(self._index, caller_device)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
             caller = self._callers.get(prev)
