@@ -830,7 +830,7 @@ def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(pa
             inside = rt.submit(torch.mul, x, 3, reads=[x])
             y.add_(1)
         error = inside.exception(timeout=60)
-        assert isinstance(error, RuntimeError) and "rt.record()" in str(error), error
+        assert isinstance(error, sd.SubmittedInCapture) and "rt.record()" in str(error), error
         g.replay()
         assert torch.equal(y, x * 2 + 1)  # the caller's capture is whole
         assert rt.backend.lost is None

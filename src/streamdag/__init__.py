@@ -14,6 +14,7 @@ from .errors import (
     InvalidBuffer,
     RuntimeClosed,
     StreamdagError,
+    SubmittedInCapture,
     WouldBlock,
 )
 from .graph.buffers import read, write
@@ -51,6 +52,7 @@ __all__ = [
     "Schedule",
     "Span",
     "StreamdagError",
+    "SubmittedInCapture",
     "Summary",
     "Timeline",
     "WouldBlock",

@@ -22,6 +22,7 @@ __all__ = [
     "InvalidBuffer",
     "RuntimeClosed",
     "StreamdagError",
+    "SubmittedInCapture",
     "WouldBlock",
 ]
 
@@ -70,6 +71,23 @@ class DependencyFailed(StreamdagError):
             f"{type(root_error).__name__}: {root_error}"
         )
         self.__cause__ = root_error
+
+
+class SubmittedInCapture(StreamdagError, RuntimeError):
+    """An op was submitted while the caller's CUDA stream was being captured into a CUDA graph.
+
+    A runtime's stream that waited on the caller's stream there would join that capture: the op
+    would be captured instead of run, and the capture could not end. So the op fails at once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            "an op was submitted while the caller's CUDA stream is being captured into a CUDA graph "
+            "(torch.cuda.graph, or torch.compile's CUDA graphs), and a runtime's streams cannot join "
+            "a capture they did not begin: submit outside the capture. To have streamdag's ops in a "
+            "CUDA graph, record them (with rt.record() as g: ...) and let streamdag capture and "
+            "replay them (g.run(), outside your capture)"
+        )
 
 
 class DeviceLost(StreamdagError):

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import DeviceLost
+from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
 from ..runtime.ops import callbacks_later
@@ -61,15 +61,6 @@ def is_sticky(exc: BaseException) -> bool:
 _CAPTURE_REFUSALS = ("operation not permitted when stream is capturing",)
 
 
-#: what an op submitted inside the caller's own CUDA graph capture fails with (the torch extension's
-#: ``enter`` says the same)
-SUBMITTED_IN_CAPTURE = (
-    "streamdag: an op was submitted while the caller's CUDA stream is being captured into a CUDA graph "
-    "(torch.cuda.graph, or torch.compile's CUDA graphs). A runtime's streams cannot join a capture it "
-    "did not begin: submit outside the capture. To have streamdag's ops in a CUDA graph, record them "
-    "(with rt.record() as g: ...) and let streamdag capture and replay them (g.run(), outside your capture).")
-
-
 def _refuse_in_capture(device_index: int, current: int | None = None) -> None:
     """Raise if the caller's current stream on ``device_index`` is being captured into a CUDA graph:
     waiting on an event recorded there would pull the runtime's stream into that capture.
@@ -84,7 +75,7 @@ def _refuse_in_capture(device_index: int, current: int | None = None) -> None:
         finally:
             _set_device(current)
     if capturing:
-        raise RuntimeError(SUBMITTED_IN_CAPTURE)
+        raise SubmittedInCapture()
 
 
 def refused_during_capture(exc: BaseException) -> bool:

@@ -140,6 +140,9 @@ def load_torch() -> ModuleType | None:
                 name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=["-O2"],
                 extra_include_paths=[str(_SOURCE.parent)], with_cuda=True, build_directory=str(build),
                 verbose=False)
+        from ..errors import SubmittedInCapture
+
+        ext.set_submitted_in_capture(SubmittedInCapture)  # what its launch raises inside a capture
         module.use_torch(ext)
         _torch_loaded = ext
     except Exception as exc:

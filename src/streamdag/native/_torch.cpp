@@ -87,13 +87,9 @@ int region(PyObject* obj, long long* device, long long* start, long long* end) {
   }
 }
 
-// what an op submitted inside the caller's own CUDA graph capture fails with (backends/cuda.py has
-// the same words for the launch through PyTorch's bindings)
-const char* kSubmittedInCapture =
-    "streamdag: an op was submitted while the caller's CUDA stream is being captured into a CUDA graph "
-    "(torch.cuda.graph, or torch.compile's CUDA graphs). A runtime's streams cannot join a capture it "
-    "did not begin: submit outside the capture. To have streamdag's ops in a CUDA graph, record them "
-    "(with rt.record() as g: ...) and let streamdag capture and replay them (g.run(), outside your capture).";
+// what an op submitted inside the caller's own CUDA graph capture fails with: streamdag.errors'
+// SubmittedInCapture, handed over by set_submitted_in_capture() as the module is loaded
+PyObject* submitted_in_capture = nullptr;
 
 // Whether ``stream`` is being captured (an implicit dependency on a capturing stream counts too)
 bool capturing(const c10::cuda::CUDAStream& stream) {
@@ -116,7 +112,10 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
     if (capturing(caller)) {  // before any call onto it: the caller's capture stays as it was
       if (saved->device != target.device_index())
         c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
-      PyErr_SetString(PyExc_RuntimeError, kSubmittedInCapture);
+      if (submitted_in_capture != nullptr)
+        PyErr_SetNone(submitted_in_capture);
+      else
+        PyErr_SetString(PyExc_RuntimeError, "streamdag: an op was submitted inside a CUDA graph capture");
       return -1;
     }
     auto packed = caller.pack3();
@@ -195,8 +194,16 @@ PyObject* new_stream(PyObject*, PyObject* device_arg) {
   }
 }
 
+PyObject* set_submitted_in_capture(PyObject*, PyObject* cls) {
+  Py_INCREF(cls);
+  Py_XSETREF(submitted_in_capture, cls);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef module_methods[] = {
     {"new_stream", new_stream, METH_O, "new_stream(device) -> address of a new non-blocking CUDA stream"},
+    {"set_submitted_in_capture", set_submitted_in_capture, METH_O,
+     "set_submitted_in_capture(cls): the exception an op submitted inside a CUDA graph capture raises"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, TORCH_EXTENSION_NAME_STR,
