@@ -11,6 +11,7 @@ Run: bash bench/perf_chain.sh (on a GPU machine; see there)
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -29,24 +30,21 @@ def perf(command: str) -> None:
 def main() -> None:
     mode, n = sys.argv[1], int(sys.argv[2])
     bufs = [torch.zeros(256, device="cuda") for _ in range(64)]
-    if mode == "chain":
-        with sd.Runtime("cuda", streams=8, max_inflight=1_000_000) as rt:
-            def run(count):
-                for i in range(count):
-                    a, b = bufs[i % 64], bufs[(i + 1) % 64]
-                    rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
-                rt.synchronize()
-            run(3000)
-            perf("enable")
-            t0 = time.perf_counter()
-            run(n)
-            seconds = time.perf_counter() - t0
-            perf("disable")
-    else:
-        def run(count):
+    # the plain launches run with no runtime in the process
+    runtime = sd.Runtime("cuda", streams=8, max_inflight=1_000_000) if mode == "chain" else nullcontext()
+    with runtime as rt:
+        def chain(count: int) -> None:
+            for i in range(count):
+                a, b = bufs[i % 64], bufs[(i + 1) % 64]
+                rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
+            rt.synchronize()
+
+        def plain(count: int) -> None:
             for i in range(count):
                 torch.add(bufs[i % 64], 1, out=bufs[(i + 1) % 64])
             torch.cuda.synchronize()
+
+        run = chain if mode == "chain" else plain
         run(3000)
         perf("enable")
         t0 = time.perf_counter()

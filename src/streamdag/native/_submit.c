@@ -592,11 +592,12 @@ static int cuda_launch(Submitter *self, PyObject *s, PyObject *op, PyObject *eve
         }
         return left < 0 ? -1 : 0;
     }
-    PyObject *refused = PyObject_CallOneArg(self->refuse_in_capture, self->device_index);  /* raises */
-    if (refused == NULL) return -1;
-    Py_DECREF(refused);
     PyObject *caller_device = PyObject_CallNoArgs(self->get_device);
     if (caller_device == NULL) return -1;
+    PyObject *refused = PyObject_CallFunctionObjArgs(self->refuse_in_capture, self->device_index,
+                                                     caller_device, NULL);  /* raises inside a capture */
+    if (refused == NULL) { Py_DECREF(caller_device); return -1; }
+    Py_DECREF(refused);
     PyObject *prev = PyObject_CallOneArg(self->get_stream, self->device_index);
     if (prev == NULL) { Py_DECREF(caller_device); return -1; }
     int rc = -1;
