@@ -839,35 +839,62 @@ def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(pa
             rt.synchronize()  # which reports the failed op
 
 
-def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_device():
+@pytest.mark.parametrize("calls", ["C++", "PyTorch's bindings"])
+def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_device(calls):
     """PyTorch captures a CUDA graph in CUDA's global mode by default, in which CUDA refuses an
-    event query from any thread. The completion thread polls the events of pending ops all the
-    while: its queries must neither end the user's capture in an error nor be taken for a lost
-    device (they were: every pending and later op failed with DeviceLost)."""
+    event query from any thread in global mode, and the refusal ends the capture in an error.
+    The runtime queries events all the while: its completion thread polls those of pending ops, a
+    thread that submits passes between its submits, and a thread that waits on a future polls its
+    event. None of them may end the user's capture or be taken for a lost device (every pending
+    and later op failed with DeviceLost). Through PyTorch's bindings (no torch extension) the
+    submitting thread's passes and the waiter's polls did end it."""
     import time
 
     from streamdag import native
 
-    if native.load_torch() is None:
-        pytest.skip("without the torch extension the completion thread's queries are refused, and "
-                    "end such a capture (they are no longer taken for a lost device)")
+    speedups, ext = native.load(), native.load_torch()
+    if calls == "C++" and ext is None:
+        pytest.skip("the torch extension did not build here")
+    if calls != "C++" and speedups is not None:
+        speedups.use_torch(None)  # runtimes made from now on call through PyTorch's bindings
     x = torch.ones(1 << 10, device="cuda")
     flag = torch.zeros(1, device="cuda")
-    with sd.Runtime("cuda", streams=2) as rt:
-        for _ in range(2):
-            # a long GPU op: its event stays pending, polled, through the capture
-            slow = rt.submit(lambda: (torch.cuda._sleep(int(2e9)), flag.add_(1)), writes=[flag])
-            time.sleep(0.02)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
-                y = x
-                for _ in range(20000):  # long enough to span many of the completion thread's polls
-                    y = y * 1.0
-            slow.result(timeout=60)
-            g.replay()
-            assert torch.equal(y, x)
-        assert flag.item() == 2 and rt.backend.lost is None
-        assert torch.equal(rt.submit(torch.add, x, 1, reads=[x]).result(), x + 1)
+    other = torch.zeros(1 << 10, device="cuda")
+    try:
+        with sd.Runtime("cuda", streams=2) as rt:
+            for round_ in range(2):
+                # a long GPU op: its event stays pending, polled, through the capture
+                slow = rt.submit(lambda: (torch.cuda._sleep(int(2e9)), flag.add_(1)), writes=[flag])
+                time.sleep(0.02)
+                inside, waited = threading.Event(), []
+
+                def meanwhile(inside, waited):  # another thread submits, then waits, during the capture
+                    inside.wait()
+                    for _ in range(200):  # it passes over the completed ops every few submits
+                        rt.submit(other.add_, 1, writes=[other])
+                    last = rt.submit(lambda: torch.cuda._sleep(int(5e7)), writes=[other])
+                    waited.append(last.result(timeout=60))  # polls the event itself for a while
+
+                thread = threading.Thread(target=meanwhile, args=(inside, waited))
+                thread.start()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
+                    y = x
+                    for i in range(20000):  # long enough to span many of the completion thread's polls
+                        y = y * 1.0
+                        if i == 100:
+                            inside.set()
+                    thread.join(timeout=60)  # the other thread's queries all happen inside the capture
+                assert waited == [None]
+                slow.result(timeout=60)
+                g.replay()
+                assert torch.equal(y, x)
+                assert torch.equal(other, torch.full_like(other, 200.0 * (round_ + 1)))
+            assert flag.item() == 2 and rt.backend.lost is None
+            assert torch.equal(rt.submit(torch.add, x, 1, reads=[x]).result(), x + 1)
+    finally:
+        if calls != "C++" and speedups is not None and ext is not None:
+            speedups.use_torch(ext)
 
 
 FREED_DURING_CAPTURE = textwrap.dedent(

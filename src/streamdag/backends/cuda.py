@@ -19,6 +19,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from operator import itemgetter
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
 from ..runtime.ops import callbacks_later
+from . import capture_mode
 from .threads import report_escaped
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
@@ -81,8 +83,8 @@ def _refuse_in_capture(device_index: int, current: int | None = None) -> None:
 def refused_during_capture(exc: BaseException) -> bool:
     """Whether ``exc`` is CUDA refusing a call while a CUDA graph is captured: not a fault of the
     device, and gone once the capture ends. PyTorch captures in CUDA's global mode by default,
-    in which an event query from any thread is refused (without the torch extension, which
-    queries in relaxed mode, the completion thread's queries are)."""
+    in which an event query is refused from any thread in global mode (the runtime queries in
+    relaxed mode: see ``capture_mode``)."""
     text = _cuda_words(exc)
     return any(s in text for s in _CAPTURE_REFUSALS)
 
@@ -99,6 +101,14 @@ _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
 #: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
 _compiled_pass = getattr(load_native(), "completions_pass", None)
+_uses_torch = getattr(load_native(), "uses_torch", None)
+
+
+def _compiled_queries_relaxed() -> bool:
+    """Whether the completion pass runs compiled, querying through the torch extension, which
+    queries in relaxed capture mode itself (see ``_Completions._queries_relaxed``)."""
+    compiled = _compiled_pass is not None and _uses_torch is not None
+    return compiled and _uses_torch() and not _sanitizer_enabled()
 
 
 class CudaStream(torch.cuda.Stream):
@@ -301,9 +311,17 @@ class _Completions:
         if not self._passing.acquire(blocking=False):
             return False
         try:  # callers run it inside ``callbacks_later``: callbacks after the lock is let go
-            return self._finish_one(token)
+            with self._queries_relaxed():
+                return self._finish_one(token)
         finally:
             self._passing.release()
+
+    def _queries_relaxed(self, compiled_relaxed: bool = False) -> AbstractContextManager[Any]:
+        """The calling thread in relaxed capture mode while it queries events, so that a CUDA graph
+        capture in global mode (PyTorch's default) in another thread is neither refused nor ended
+        by the queries (see ``capture_mode``). Our own thread is relaxed for good (``_loop``);
+        ``compiled_relaxed``: the queries go through the torch extension, which relaxes each."""
+        return nullcontext() if compiled_relaxed else capture_mode.relaxed()
 
     def want(self, token: int) -> None:
         """Someone waits on this entry without helping (``concurrent.futures.wait``, ``await``):
@@ -376,6 +394,7 @@ class _Completions:
 
     def _loop(self) -> None:
         torch.cuda.set_device(self._owner.torch_device)
+        capture_mode.exchange(capture_mode.RELAXED)  # our own thread: for good
         while True:
             try:
                 return self._serve()
@@ -440,7 +459,8 @@ class _Completions:
                 if submitting:
                     self._passed_at = time.perf_counter()
                 try:
-                    self._pass()
+                    with self._queries_relaxed(_compiled_queries_relaxed()):
+                        self._pass()
                 finally:
                     self._passing.release()
 
@@ -456,7 +476,8 @@ class _Completions:
         token = getattr(waiter, "_done_token", None)
         started = time.perf_counter()
         deadline = started + seconds
-        with callbacks_later():  # the callbacks of what this thread finishes run as it stops helping
+        # the callbacks of what this thread finishes run as it stops helping
+        with callbacks_later(), self._queries_relaxed():
             while not waiter.done():
                 if token is None:
                     self.try_pass()

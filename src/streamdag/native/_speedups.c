@@ -1009,6 +1009,11 @@ static PyObject *use_torch(PyObject *module, PyObject *torch_module) {
     Py_RETURN_NONE;
 }
 
+/* whether the torch extension's hooks are in use (its event queries are made in relaxed capture mode) */
+static PyObject *uses_torch(PyObject *module, PyObject *unused) {
+    return PyBool_FromLong(state.torch != NULL);
+}
+
 static PyObject *setup(PyObject *module, PyObject *args) {
     PyObject *buffers, *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type;
     if (!PyArg_ParseTuple(args, "OO!OOO!O!O!", &buffers, &PyDict_Type, &handlers, &torch_region_fn,
@@ -1290,6 +1295,7 @@ static PyMethodDef module_methods[] = {
      "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them)."},
     SUBMIT_METHODS
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
+    {"uses_torch", uses_torch, METH_NOARGS, "Whether the torch extension's hooks are in use."},
     {NULL}
 };
 
