@@ -13,6 +13,11 @@
  * not use, and on the lent GPU hosts such clock reads were ~1.3% of a chain's samples
  * (perf). Elsewhere it is CPython's lock.
  *
+ * ``RLock`` is the re-entrant kind, as ``threading.RLock`` (with the methods ``threading.Condition``
+ * uses on one): the runtime's central lock, taken once per submit. A blocking acquire of it can be
+ * cut short by a signal, as ``threading.RLock``'s: a thread waiting for the runtime while an op's
+ * launch holds it still gets its KeyboardInterrupt.
+ *
  * Included by _speedups.c (one module). Plain CPython API.
  */
 
@@ -92,6 +97,28 @@ static int fast_lock_wait(FastLock *self, double timeout) {
     }
     Py_END_ALLOW_THREADS
     return rc == 0;
+}
+
+/* as fast_lock_wait, but a signal cuts it short: its Python handler runs (with the GIL), and if
+ * that raises (KeyboardInterrupt) the wait ends: -1 with the exception set */
+static int fast_lock_wait_interruptibly(FastLock *self, double timeout) {
+    struct timespec deadline;
+    if (timeout >= 0 && timeout <= 1e9) {
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        double whole = (double)deadline.tv_sec + timeout;
+        long nsec = deadline.tv_nsec + (long)((timeout - (double)(long long)timeout) * 1e9);
+        deadline.tv_sec = (time_t)(long long)whole + nsec / 1000000000L;
+        deadline.tv_nsec = nsec % 1000000000L;
+    }
+    for (;;) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = timeout < 0 || timeout > 1e9 ? sem_wait(&self->sem) : sem_timedwait(&self->sem, &deadline);
+        Py_END_ALLOW_THREADS
+        if (rc == 0) return 1;
+        if (errno != EINTR) return 0;
+        if (PyErr_CheckSignals() < 0) return -1;
+    }
 }
 #endif
 
@@ -210,12 +237,204 @@ static PyType_Spec fast_lock_spec = {
     "streamdag.native.Lock", sizeof(FastLock), 0, Py_TPFLAGS_DEFAULT, fast_lock_slots
 };
 
+/* ------------------------------------------------------------------ RLock */
+
+typedef struct {
+    PyObject_HEAD
+    FastLock *lock;        /* held while count > 0 */
+    unsigned long owner;   /* PyThread_get_thread_ident() of the holder */
+    unsigned long count;   /* how many times the holder took it */
+} FastRLock;
+
+static PyTypeObject *fast_rlock_type;
+
+static PyObject *fast_rlock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");
+        return NULL;
+    }
+    PyObject *lock = fast_lock_new(fast_lock_type, args, kwds);
+    if (lock == NULL) return NULL;
+    FastRLock *self = (FastRLock *)type->tp_alloc(type, 0);
+    if (self == NULL) { Py_DECREF(lock); return NULL; }
+    self->lock = (FastLock *)lock;
+    return (PyObject *)self;
+}
+
+static void fast_rlock_dealloc(FastRLock *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->lock != NULL && self->count) fast_lock_give(self->lock);
+    Py_CLEAR(self->lock);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* the inner lock, blocking (a signal's exception cuts it short: -1), as threading.RLock waits */
+static int fast_rlock_take_inner(FastRLock *self, int blocking, double timeout) {
+#ifdef FAST_LOCK_SEM
+    FastLock *lock = self->lock;
+    if (sem_trywait(&lock->sem) == 0) { lock->locked = 1; return 1; }
+    if (!blocking || timeout == 0) return 0;
+    int got = fast_lock_wait_interruptibly(lock, timeout);
+    if (got == 1) lock->locked = 1;
+    return got;
+#else
+    FastLock *lock = self->lock;
+    if (PyThread_acquire_lock(lock->lock, NOWAIT_LOCK)) { lock->locked = 1; return 1; }
+    if (!blocking || timeout == 0) return 0;
+    for (;;) {  /* CPython's own loop: a signal interrupts the wait, its handler runs, the wait goes on */
+        PY_TIMEOUT_T us = timeout < 0 || timeout * 1e6 >= (double)PY_TIMEOUT_MAX ? -1 : (PY_TIMEOUT_T)(timeout * 1e6);
+        PyLockStatus got;
+        Py_BEGIN_ALLOW_THREADS
+        got = PyThread_acquire_lock_timed(lock->lock, us, 1);
+        Py_END_ALLOW_THREADS
+        if (got == PY_LOCK_ACQUIRED) { lock->locked = 1; return 1; }
+        if (got == PY_LOCK_FAILURE) return 0;
+        if (PyErr_CheckSignals() < 0) return -1;  /* (the timeout restarts: good enough for a signal) */
+    }
+#endif
+}
+
+/* 1 acquired, 0 not, -1 a signal's handler raised */
+static int fast_rlock_take(FastRLock *self, int blocking, double timeout) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->count && self->owner == me) {
+        if (self->count == ULONG_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "internal lock count overflowed");
+            return -1;
+        }
+        self->count++;
+        return 1;
+    }
+    int got = fast_rlock_take_inner(self, blocking, timeout);
+    if (got == 1) {
+        self->owner = me;
+        self->count = 1;
+    }
+    return got;
+}
+
+static int fast_rlock_give(FastRLock *self) {
+    if (!self->count || self->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return -1;
+    }
+    if (--self->count == 0) {
+        self->owner = 0;
+        return fast_lock_give(self->lock);
+    }
+    return 0;
+}
+
+static PyObject *fast_rlock_acquire(FastRLock *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* the arguments as FastLock's acquire reads them (the same checks) */
+    PyObject *blocking_obj = nargs > 0 ? args[0] : NULL, *timeout_obj = nargs > 1 ? args[1] : NULL;
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "acquire(blocking=True, timeout=-1)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(key, "blocking") == 0 && blocking_obj == NULL) {
+            blocking_obj = args[nargs + i];
+        } else if (PyUnicode_CompareWithASCIIString(key, "timeout") == 0 && timeout_obj == NULL) {
+            timeout_obj = args[nargs + i];
+        } else {
+            PyErr_Format(PyExc_TypeError, "acquire() got an unexpected or repeated keyword %R", key);
+            return NULL;
+        }
+    }
+    int blocking = blocking_obj == NULL ? 1 : PyObject_IsTrue(blocking_obj);
+    if (blocking < 0) return NULL;
+    double timeout = -1;
+    if (timeout_obj != NULL && timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (timeout == -1 && PyErr_Occurred()) return NULL;
+        if (!blocking && timeout != -1) {
+            PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+            return NULL;
+        }
+        if (timeout < 0 && timeout != -1) {
+            PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
+            return NULL;
+        }
+    }
+    int got = fast_rlock_take(self, blocking, timeout);
+    return got < 0 ? NULL : PyBool_FromLong(got);
+}
+
+static PyObject *fast_rlock_enter(FastRLock *self, PyObject *unused) {
+    return fast_rlock_take(self, 1, -1) < 0 ? NULL : Py_NewRef(Py_True);
+}
+
+static PyObject *fast_rlock_release(FastRLock *self, PyObject *unused) {
+    if (fast_rlock_give(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_rlock_exit(FastRLock *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (fast_rlock_give(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_rlock_is_owned(FastRLock *self, PyObject *unused) {
+    return PyBool_FromLong(self->count && self->owner == PyThread_get_thread_ident());
+}
+
+/* what threading.Condition.wait calls: let go of the lock however often it is held, and say how
+ * to take it back (``_acquire_restore``) */
+static PyObject *fast_rlock_release_save(FastRLock *self, PyObject *unused) {
+    if (self->count == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return NULL;
+    }
+    unsigned long count = self->count, owner = self->owner;
+    self->count = 0;
+    self->owner = 0;
+    if (fast_lock_give(self->lock) < 0) return NULL;
+    return Py_BuildValue("(kk)", count, owner);
+}
+
+static PyObject *fast_rlock_acquire_restore(FastRLock *self, PyObject *state) {
+    unsigned long count, owner;
+    if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner)) return NULL;
+    fast_lock_take(self->lock, 1, -1);  /* as threading.RLock's: not cut short by a signal */
+    self->owner = owner;
+    self->count = count;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fast_rlock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))fast_rlock_acquire, METH_FASTCALL | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool, as threading.RLock's"},
+    {"release", (PyCFunction)fast_rlock_release, METH_NOARGS, "Let go once (held by this thread: else RuntimeError)."},
+    {"__enter__", (PyCFunction)fast_rlock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))fast_rlock_exit, METH_FASTCALL, NULL},
+    {"_is_owned", (PyCFunction)fast_rlock_is_owned, METH_NOARGS, "Whether this thread holds it."},
+    {"_release_save", (PyCFunction)fast_rlock_release_save, METH_NOARGS, NULL},
+    {"_acquire_restore", (PyCFunction)fast_rlock_acquire_restore, METH_O, NULL},
+    {NULL}
+};
+
+static PyType_Slot fast_rlock_slots[] = {
+    {Py_tp_new, fast_rlock_new},
+    {Py_tp_dealloc, fast_rlock_dealloc},
+    {Py_tp_methods, fast_rlock_methods},
+    {Py_tp_doc, "A re-entrant lock (as threading.RLock) that compiled code takes without a Python call."},
+    {0, NULL}
+};
+
+static PyType_Spec fast_rlock_spec = {
+    "streamdag.native.RLock", sizeof(FastRLock), 0, Py_TPFLAGS_DEFAULT, fast_rlock_slots
+};
+
 /* take (1) or let go of (0) ``lock``: in C if it is a FastLock, else through its bound ``method`` */
 static int lock_take(PyObject *lock, PyObject *acquire) {
     if (lock != NULL && Py_TYPE(lock) == fast_lock_type) {
         fast_lock_take((FastLock *)lock, 1, -1);
         return 0;
     }
+    if (lock != NULL && Py_TYPE(lock) == fast_rlock_type) return fast_rlock_take((FastRLock *)lock, 1, -1) < 0 ? -1 : 0;
     PyObject *r = PyObject_CallNoArgs(acquire);
     if (r == NULL) return -1;
     Py_DECREF(r);
@@ -224,6 +443,7 @@ static int lock_take(PyObject *lock, PyObject *acquire) {
 
 static int lock_give(PyObject *lock, PyObject *release) {
     if (lock != NULL && Py_TYPE(lock) == fast_lock_type) return fast_lock_give((FastLock *)lock);
+    if (lock != NULL && Py_TYPE(lock) == fast_rlock_type) return fast_rlock_give((FastRLock *)lock);
     PyObject *r = PyObject_CallNoArgs(release);
     if (r == NULL) return -1;
     Py_DECREF(r);
@@ -232,6 +452,8 @@ static int lock_give(PyObject *lock, PyObject *release) {
 
 static int fast_lock_init_type(PyObject *m) {
     fast_lock_type = (PyTypeObject *)PyType_FromSpec(&fast_lock_spec);
-    if (fast_lock_type == NULL) return -1;
-    return PyModule_AddObjectRef(m, "Lock", (PyObject *)fast_lock_type);
+    if (fast_lock_type == NULL || PyModule_AddObjectRef(m, "Lock", (PyObject *)fast_lock_type) < 0) return -1;
+    fast_rlock_type = (PyTypeObject *)PyType_FromSpec(&fast_rlock_spec);
+    if (fast_rlock_type == NULL) return -1;
+    return PyModule_AddObjectRef(m, "RLock", (PyObject *)fast_rlock_type);
 }

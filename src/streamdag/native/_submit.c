@@ -85,13 +85,6 @@ static int call_method0(PyObject *obj, PyObject *name) {
     return 0;
 }
 
-static int call0_(PyObject *fn) {
-    PyObject *r = PyObject_CallNoArgs(fn);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
 /* an int attribute of ``obj`` */
 static int get_int(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     PyObject *v = PyObject_GetAttr(obj, name);
@@ -975,11 +968,11 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
         on_host |= is_cpu_space(space);
     }
     if (take_slot(self) < 0) goto done;
-    if (call0_(self->lock_acquire) < 0) goto done;
+    if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, &seq);
     PyObject *exc = result == NULL ? take_exception() : NULL;
-    int released = call0_(self->lock_release);
+    int released = lock_give(self->lock, self->lock_release);
     if (exc != NULL) {
         if (released == 0) restore_exception(exc);
         else Py_DECREF(exc);

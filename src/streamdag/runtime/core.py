@@ -130,7 +130,7 @@ class Runtime:
             self._member += [m] * len(added)
             self._stream_device += [m.device] * len(added)
         n = len(self._streams)
-        self._lock = threading.RLock()
+        self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)

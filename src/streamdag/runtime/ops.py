@@ -28,6 +28,8 @@ _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__`
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
 #: call (``native/_lock.c``: the compiled finish takes this one and the runtime's done lock per op)
 new_lock: Callable[[], Any] = getattr(load_native(), "Lock", threading.Lock)
+#: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
+new_rlock: Callable[[], Any] = getattr(load_native(), "RLock", threading.RLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 
