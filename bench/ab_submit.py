@@ -1,0 +1,151 @@
+"""Per-op host cost of two versions of streamdag, side by side in one run: the A/B of a change.
+
+Two worker processes per version (its source folder on ``PYTHONPATH``),
+made in the order A B B A, each with its runtime and the dependent chain of
+``bench/overhead.py`` (tiny ``torch.add`` ops, each reading the tensor the
+one before wrote). The workers take turns, in short rounds whose order
+rotates; in each round a worker times its chain and PyTorch's plain
+launches of the same ops, so each round gives the µs a version adds over
+PyTorch's launch (the mean of its two workers), and the host's drift
+between rounds cancels. Two workers per version, because one process can
+run faster than another of the same code for reasons of its own (on a
+2-core machine an A/A run with one worker each put the second 0.1-0.4 µs
+behind). Reported: each version's median added cost, and the median over
+rounds of B minus A.
+
+On the CPU (``--device cpu``) the runtime has a backend that runs each op
+at once (``InlineBackend``), as ``bench/hot_path.py``: the bookkeeping alone.
+
+Run: python bench/ab_submit.py A_SRC B_SRC [--labels A B] [--device cuda] [--rounds 40]
+(e.g. A_SRC a ``git archive`` of the base revision's ``src``, B_SRC this tree's ``src``)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OPS_PER_ROUND = 1000
+
+
+def worker(device: str) -> None:
+    """Serve ``chain N`` and ``torch N`` on stdin: the µs per op of each, one line per command."""
+    import torch
+
+    import streamdag as sd
+
+    bufs = [torch.zeros(256, device=device) for _ in range(64)]
+    if device == "cpu":
+        from streamdag.backends.inline import InlineBackend
+
+        rt = sd.Runtime(backend=InlineBackend("cpu", 8), max_inflight=1_000_000)
+    else:
+        rt = sd.Runtime(device, streams=8, max_inflight=1_000_000)
+
+    def chain(n: int) -> None:
+        for i in range(n):
+            a, b = bufs[i % 64], bufs[(i + 1) % 64]
+            rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
+
+    def plain(n: int) -> None:
+        for i in range(n):
+            torch.add(bufs[i % 64], 1, out=bufs[(i + 1) % 64])
+
+    def settle() -> None:
+        rt.synchronize()
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    runs = {"chain": chain, "torch": plain}
+    for run in runs.values():
+        run(2000)
+    settle()
+    print(json.dumps({"ready": sd.__file__}), flush=True)
+    for line in sys.stdin:
+        what, n = line.split()
+        t0 = time.perf_counter()
+        runs[what](int(n))
+        seconds = time.perf_counter() - t0
+        settle()
+        print(json.dumps({"us": seconds / int(n) * 1e6}), flush=True)
+    rt.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("a_src")
+    parser.add_argument("b_src")
+    parser.add_argument("--labels", nargs=2, default=["A", "B"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here.parent / "src"))
+    from streamdag.suite.report import format_table, write_json
+
+    version_of = [0, 1, 1, 0]  # A B B A
+    sources = [(args.a_src, args.b_src)[v] for v in version_of]
+    workers = []
+    for src in sources:
+        env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", args.device], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        workers.append(proc)
+    for proc, src in zip(workers, sources):
+        ready = json.loads(proc.stdout.readline())
+        assert Path(ready["ready"]).resolve().is_relative_to(Path(src).resolve()), (ready, src)
+
+    def timed(proc: subprocess.Popen, what: str) -> float:
+        proc.stdin.write(f"{what} {OPS_PER_ROUND}\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())["us"]
+
+    added: list[list[float]] = [[], []]
+    torch_us: list[list[float]] = [[], []]
+    n = len(workers)
+    for r in range(args.rounds):
+        # rotated, not reversed: a worker that ran last and then first would run twice in a row,
+        # on caches still warm from itself (in an A/A run that put the ends 0.25 µs ahead)
+        order = [(r + i) % n for i in range(n)]
+        first, second = ("chain", "torch") if r % 2 else ("torch", "chain")
+        this_round: list[list[tuple[float, float]]] = [[], []]
+        for k in order:
+            t = {first: timed(workers[k], first), second: timed(workers[k], second)}
+            this_round[version_of[k]].append((t["chain"] - t["torch"], t["torch"]))
+        for v in (0, 1):
+            added[v].append(statistics.fmean(a for a, _ in this_round[v]))
+            torch_us[v].append(statistics.fmean(t for _, t in this_round[v]))
+    for proc in workers:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    diffs = [b - a for a, b in zip(*added)]
+    rows = [[label, statistics.median(torch_us[k]), statistics.median(added[k])]
+            for k, label in enumerate(args.labels)]
+    print(format_table(["version", "PyTorch's launch µs", "added per op µs (median round)"], rows))
+    print(f"{args.labels[1]} - {args.labels[0]}: {statistics.median(diffs):+.3f} µs per op (median over "
+          f"{len(diffs)} rounds; quartiles {statistics.quantiles(diffs, n=4)[0]:+.3f} / "
+          f"{statistics.quantiles(diffs, n=4)[2]:+.3f})")
+    if args.device == "cpu":
+        name = "cpu"
+    else:
+        import torch
+
+        name = torch.cuda.get_device_name().replace(" ", "_")
+    print(write_json(here / "results", f"ab_submit_{name}",
+                     {"settings": {"device": args.device, "ops_per_round": OPS_PER_ROUND,
+                                   "rounds": args.rounds, "labels": args.labels},
+                      "added_us": dict(zip(args.labels, map(statistics.median, added))),
+                      "b_minus_a_us": statistics.median(diffs),
+                      "rounds_added_us": dict(zip(args.labels, added)),
+                      "rounds_torch_us": dict(zip(args.labels, torch_us))}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+    else:
+        main()
