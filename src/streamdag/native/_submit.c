@@ -46,10 +46,10 @@ static struct {
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
-                *s_tail, *s_place, *s_seq_attr, *s_token_attr, *s_peak, *s_profiler, *s_check_spaces, *s_take_slot,
+                *s_tail, *s_place, *s_token_attr, *s_profiler, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
-                *s_notify, *s_completed, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
+                *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry;
 
@@ -224,13 +224,43 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ Counters */
+
+/* the runtime's counts (``rt._counts``): ops submitted (the last op's number), completed, and the
+ * most pending at once. Python code reads and writes them as attributes; the compiled submit and
+ * finish as C fields, with no dictionary and no int object per op. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t seq, completed, peak;
+} Counters;
+
+static PyTypeObject *counters_type;
+
+static PyMemberDef counters_members[] = {
+    {"seq", T_PYSSIZET, offsetof(Counters, seq), 0, "ops submitted: the last op's number"},
+    {"completed", T_PYSSIZET, offsetof(Counters, completed), 0, "ops finished without an error"},
+    {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
+    {NULL}
+};
+
+static PyType_Slot counters_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, counters_members},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak), read and written by the compiled submit in C."},
+    {0, NULL}
+};
+
+static PyType_Spec counters_spec = {
+    "streamdag.native.Counters", sizeof(Counters), 0, Py_TPFLAGS_DEFAULT, counters_slots
+};
+
 /* ------------------------------------------------------------------ Submitter */
 
 typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict;
+             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict, *counts;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
@@ -262,20 +292,9 @@ static int rt_int(Submitter *self, PyObject *name, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-static int rt_set(Submitter *self, PyObject *name, PyObject *value) {
-    return PyDict_SetItem(self->rt_dict, name, value);
-}
-
-static int rt_set_int(Submitter *self, PyObject *name, Py_ssize_t value) {
-    PyObject *v = PyLong_FromSsize_t(value);
-    if (v == NULL) return -1;
-    int r = rt_set(self, name, v);
-    Py_DECREF(v);
-    return r;
-}
-
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) X(rt_dict) \
+    X(counts) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
     X(refuse_in_capture) \
@@ -326,12 +345,14 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
         {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
         {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
+        {&self->counts, "_counts"},
     };
     for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
         if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
-            || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->next_stream)) {
+            || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->next_stream)
+            || Py_TYPE(self->counts) != counters_type) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
     }
@@ -810,10 +831,9 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
                                 Py_ssize_t *seq_out) {
     PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
              *live = NULL, *kept = NULL, *stamps = NULL, *placed = NULL, *future = NULL;
-    Py_ssize_t seq_n;
-    if (rt_int(self, s_seq_attr, &seq_n) < 0) goto done;
-    *seq_out = ++seq_n;
-    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL || rt_set(self, s_seq_attr, seq) < 0) goto done;
+    Counters *counts = (Counters *)self->counts;
+    Py_ssize_t seq_n = *seq_out = ++counts->seq;
+    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
     opname = named ? Py_NewRef(op_name) : numbered_name(op_name, seq_n);
@@ -885,10 +905,8 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     op_set(op, OP_STAMP, PyTuple_GET_ITEM(placed, 0));
     /* counted pending */
     if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
-    Py_ssize_t peak;
-    int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0
-              || rt_int(self, s_peak, &peak) < 0
-              || (PyDict_GET_SIZE(self->pending) > peak && rt_set_int(self, s_peak, PyDict_GET_SIZE(self->pending)) < 0);
+    int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0;
+    if (!bad && PyDict_GET_SIZE(self->pending) > counts->peak) counts->peak = PyDict_GET_SIZE(self->pending);
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
     if (launch(self, op, deps, stream, live, PyTuple_GET_ITEM(placed, 1),
@@ -1015,7 +1033,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
                                          3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     op_set(op, OP_DONE, Py_True);
     if (lock_take(self->done_lock, self->done_acquire) < 0) return NULL;
-    Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting, completed;
+    Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting;
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0 || slot_int(self->slots, self->free_offset, s_free, &free_slots) < 0
               || slot_set_int(self->slots, self->free_offset, s_free, free_slots + 1) < 0
@@ -1025,7 +1043,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
         bad = freed == NULL || call_method0(freed, s_notify) < 0;
         Py_XDECREF(freed);
     }
-    bad = bad || rt_int(self, s_completed, &completed) < 0 || rt_set_int(self, s_completed, completed + 1) < 0;
+    if (!bad) ((Counters *)self->counts)->completed++;
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) return NULL;
     PyObject *value = Py_NewRef(OPF(op, OP_VALUE));
     PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
@@ -1317,12 +1335,12 @@ static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_acquire, "acquire") S(s_release, "release") S(s_closed, "_closed") S(s_submit_py, "_submit")
     S(s_tracker, "_tracker") S(s_clocks, "_clocks") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_seq_attr, "_seq") S(s_token_attr, "_token") S(s_peak, "_peak") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
+    S(s_token_attr, "_token") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done") S(s_finish_ready, "_finish_ready")
     S(s_finish_every, "_finish_every") S(s_free, "_free") S(s_waiting, "_waiting") S(s_freed, "_freed")
-    S(s_notify, "notify") S(s_completed, "_completed") S(s_finish_py, "_finish") S(s_settle, "_settle")
+    S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
@@ -1332,6 +1350,8 @@ static int submit_init(PyObject *m) {
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
         return -1;
+    counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
+    if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
     if (submitter_type == NULL) return -1;
     finish_call_type = (PyTypeObject *)PyType_FromSpec(&finish_call_spec);

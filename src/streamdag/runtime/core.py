@@ -149,12 +149,10 @@ class Runtime:
         self._next_stream = {d: 0 for d in self.devices}
         self._pending: dict[int, Op] = {}
         self._failures: list[BaseException] = []
-        self._seq = 0
-        self._completed = 0
+        self._counts = ops.new_counters()  # seq (the last op's number), completed, peak
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
         self._in_callbacks = 0  # finished ops whose done-callbacks are running now
-        self._peak = 0
         self._closed = False
         #: the graph each thread records into, inside its ``with rt.record()`` block
         self._recordings: dict[int, Any] = {}
@@ -286,9 +284,9 @@ class Runtime:
         with self._done_lock:
             return RuntimeStatistics(
                 inflight=len(self._pending),
-                peak_inflight=self._peak,
-                submitted=self._seq,
-                completed=self._completed,
+                peak_inflight=self._counts.peak,
+                submitted=self._counts.seq,
+                completed=self._counts.completed,
                 failed=self._failed,
                 streams=self.num_streams,
                 max_inflight=self.max_inflight,
@@ -450,7 +448,8 @@ class Runtime:
                 "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
             )
         with self._lock:
-            seq = self._seq = self._seq + 1
+            self._counts.seq += 1
+            seq = self._counts.seq
             op = Op(seq, op_name if name else f"{op_name}#{seq}", fn, args, kwargs, accesses)
             deps = self._tracker.link(op, accesses)
             self._launch(op, deps, stream, device,
@@ -550,8 +549,8 @@ class Runtime:
         with self._done_lock:
             pending[op.seq] = op
             self._busy[stream] += 1
-            if len(pending) > self._peak:
-                self._peak = len(pending)
+            if len(pending) > self._counts.peak:
+                self._counts.peak = len(pending)
         return stream, live, waits
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None,
@@ -668,7 +667,7 @@ class Runtime:
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
             slots.release_locked()
             if error is None:
-                self._completed += 1
+                self._counts.completed += 1
             else:
                 self._failed += 1
                 # an interrupt in the submitting thread was raised to the caller already; one in a

@@ -31,6 +31,19 @@ new_lock: Callable[[], Any] = getattr(load_native(), "Lock", threading.Lock)
 #: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
 new_rlock: Callable[[], Any] = getattr(load_native(), "RLock", threading.RLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
+
+
+class _Counters:
+    """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once."""
+
+    __slots__ = ("completed", "peak", "seq")
+
+    def __init__(self) -> None:
+        self.seq = self.completed = self.peak = 0
+
+
+#: a runtime's counts; where the compiled hot path is built, fields it reads and writes in C
+new_counters: Callable[[], Any] = getattr(load_native(), "Counters", _Counters)
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 
 #: how long an ``await`` polls for its op before it waits to be woken

@@ -210,9 +210,9 @@ class RecordedGraph:
         """Launch every op of one eager run, in order; caller holds the runtime's lock."""
         for v, rec in enumerate(self._ops):
             rt._take_slot()
-            rt._seq += 1
+            rt._counts.seq += 1
             fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
-            op = Op(rt._seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
+            op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]

@@ -59,8 +59,8 @@ class HostReplay:
         rt._check_open()
         rt._take_slot()
         with rt._lock:
-            rt._seq += 1
-            op = Op(rt._seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
+            rt._counts.seq += 1
+            op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
             failed_dep = next((d for d in op.deps if d.error is not None), None)
             if failed_dep is not None:
