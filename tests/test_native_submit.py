@@ -186,3 +186,32 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     finally:  # the module's state is global: the runtime's own classes again
         speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
                               core._finished_ok)
+
+
+@compiled
+def test_ops_are_named_after_their_functions_builtins_included():
+    """The compiled submit keeps the last builtin's name (a builtin makes its ``__name__`` anew at
+    each call): ops of builtins, bound builtin methods, Python functions and given names, in turns,
+    are each named as the Python submit names them."""
+    import math
+
+    def names(compiled_submit: bool) -> list[str]:
+        core.COMPILED_SUBMIT = compiled_submit
+        try:
+            rt = sd.Runtime(backend=HeldBackend(2))
+        finally:
+            core.COMPILED_SUBMIT = True
+        assert isinstance(rt.submit.__self__, native.load().Submitter) == compiled_submit
+        x = np.zeros(4)
+        fns = [math.sqrt, math.floor, x.sum, x.mean, abs, lambda v: v, math.sqrt, abs]
+        futures = [rt.submit(fn, 1.0) for fn in fns * 2]
+        futures.append(rt.submit(math.sqrt, 4.0, name="root"))
+        futures.append(rt.submit(math.sqrt, 9.0))
+        rt.backend.release([0] * len(futures))
+        assert all(f.done() for f in futures)
+        return [f.op_name for f in futures]
+
+    compiled_names = names(True)
+    assert compiled_names == names(False)
+    assert compiled_names[:6] == ["sqrt#1", "floor#2", "sum#3", "mean#4", "abs#5", "<lambda>#6"]
+    assert compiled_names[-2:] == ["root", "sqrt#18"]

@@ -43,6 +43,8 @@ static struct {
     PyObject *empty_str;
     PyObject *empty_list;  /* never added to */
     PyObject *empty_dict;  /* never added to */
+    PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
+    PyObject *deque_append, *deque_popleft;
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
@@ -55,6 +57,17 @@ static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
+
+/* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
+static PyObject *queue_append(PyObject *q, PyObject *item) {
+    if (Py_TYPE(q) == sub.deque_type) return PyObject_Vectorcall(sub.deque_append, (PyObject *[]){q, item}, 2, NULL);
+    return PyObject_CallMethodOneArg(q, s_append, item);
+}
+
+static PyObject *queue_popleft(PyObject *q) {
+    if (Py_TYPE(q) == sub.deque_type) return PyObject_Vectorcall(sub.deque_popleft, &q, 1, NULL);
+    return PyObject_CallMethodNoArgs(q, s_popleft);
+}
 
 /* set a Future's slot (its type checked by the caller: sub.future_type exactly) */
 static void future_set(PyObject *future, int f, PyObject *value) {
@@ -260,7 +273,9 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict, *counts;
+             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict, *counts, *backend_dict;
+    const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
+    PyObject *builtin_name;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
@@ -271,6 +286,7 @@ typedef struct {
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
+    int streams_indexed;  /* each stream's ``index`` (its completion queue) is its place in ``streams`` */
     Py_ssize_t free_offset, waiting_offset;  /* of _Slots' _free and _waiting, or -1 */
 } Submitter;
 
@@ -294,7 +310,7 @@ static int rt_int(Submitter *self, PyObject *name, Py_ssize_t *out) {
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) X(rt_dict) \
-    X(counts) \
+    X(counts) X(backend_dict) X(builtin_name) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
     X(refuse_in_capture) \
@@ -373,6 +389,8 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     if (v == NULL) return -1;
     self->can_be_lost = PyObject_IsTrue(v);
     Py_DECREF(v);
+    if (self->can_be_lost && (self->backend_dict = PyObject_GenericGetDict(self->backend, NULL)) == NULL)
+        PyErr_Clear();  /* no __dict__: ``lost`` is looked up the generic way, per op */
     if ((self->finish = PyObject_GetAttrString((PyObject *)self, "finish")) == NULL
             || (self->lock_acquire = PyObject_GetAttr(self->lock, s_acquire)) == NULL
             || (self->lock_release = PyObject_GetAttr(self->lock, s_release)) == NULL
@@ -403,6 +421,12 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
             PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
             return -1;
         }
+        self->streams_indexed = 1;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->streams); i++) {
+            Py_ssize_t index;
+            if (get_int(PyList_GET_ITEM(self->streams, i), s_index, &index) < 0) return -1;
+            self->streams_indexed &= index == i;
+        }
         Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
         Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
         Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
@@ -415,20 +439,31 @@ static int is_cpu_space(PyObject *space) {
     return PyUnicode_CheckExact(space) && same_str(space, state.cpu);
 }
 
-/* ``fn``'s name for the op: ``name or fn.__name__ or type(fn).__name__`` */
-static PyObject *op_name_of(PyObject *fn, PyObject *name) {
+/* ``fn``'s name for the op: ``name or fn.__name__ or type(fn).__name__``. A builtin's ``__name__``
+ * is a new str made from its C name each time: the last one is kept, for the C name it was made of
+ * (PyTorch's functions and tensor methods are builtins) */
+static PyObject *op_name_of(Submitter *self, PyObject *fn, PyObject *name) {
     if (name != Py_None) {
         int truth = PyObject_IsTrue(name);
         if (truth < 0) return NULL;
         if (truth) return Py_NewRef(name);
     }
+    const char *c_name = PyCFunction_Check(fn) ? ((PyCFunctionObject *)fn)->m_ml->ml_name : NULL;
+    if (c_name != NULL && c_name == self->builtin_c_name && self->builtin_name != NULL)
+        return Py_NewRef(self->builtin_name);
     PyObject *n = PyObject_GetAttr(fn, s_name_attr);
     if (n == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
         PyErr_Clear();
     } else {
         int truth = PyObject_IsTrue(n);
-        if (truth > 0) return n;
+        if (truth > 0) {
+            if (c_name != NULL) {
+                self->builtin_c_name = c_name;
+                Py_XSETREF(self->builtin_name, Py_NewRef(n));
+            }
+            return n;
+        }
         Py_DECREF(n);
         if (truth < 0) return NULL;
     }
@@ -654,9 +689,10 @@ done:
 
 /* ``CudaBackend.when_done`` -> ``_Completions.put``: queue (number, event, callback) on the stream's
  * queue, wake the completion thread if it sleeps; the entry's token */
-static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, PyObject *callback) {
-    Py_ssize_t index, last_token, n = PyList_GET_SIZE(self->queues);
-    if (get_int(s, s_index, &index) < 0) return NULL;
+static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream, PyObject *event,
+                                 PyObject *callback) {
+    Py_ssize_t index = stream, last_token, n = PyList_GET_SIZE(self->queues);
+    if (!self->streams_indexed && get_int(s, s_index, &index) < 0) return NULL;
     PyObject *last = PyDict_GetItemWithError(self->completions_dict, s_token_attr);
     if (last == NULL) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, s_token_attr);
@@ -673,7 +709,7 @@ static PyObject *completions_put(Submitter *self, PyObject *s, PyObject *event, 
     PyObject *entry = PyTuple_Pack(3, token, event, callback);
     int bad = entry == NULL || PyDict_SetItem(self->completions_dict, s_token_attr, token) < 0;
     if (!bad) {
-        PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(self->queues, index), s_append, entry);
+        PyObject *r = queue_append(PyList_GET_ITEM(self->queues, index), entry);
         bad = r == NULL;
         Py_XDECREF(r);
     }
@@ -713,8 +749,12 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     int rc = -1;
     PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
     if (self->can_be_lost) {
-        PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
-        if (lost == NULL) goto done;
+        PyObject *lost = self->backend_dict != NULL ? PyDict_GetItemWithError(self->backend_dict, s_lost) : NULL;
+        if (lost != NULL) {
+            Py_INCREF(lost);
+        } else if (PyErr_Occurred() || (lost = PyObject_GetAttr(self->backend, s_lost)) == NULL) {
+            goto done;
+        }
         Py_DECREF(lost);
         if (lost != Py_None) {
             r = PyObject_CallMethodObjArgs(self->rt, s_fail_lost, op, self->backend, NULL);
@@ -795,7 +835,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     future_set(future, F_FENCE, event);
     if ((callback = new_finish_call(self, op)) == NULL) goto done;
     if (self->completions != NULL) {
-        if ((token = completions_put(self, s, event, callback)) == NULL) goto done;
+        if ((token = completions_put(self, s, stream, event, callback)) == NULL) goto done;
     } else if ((token = PyObject_CallMethodObjArgs(self->backend, s_when_done, s, event, callback, NULL)) == NULL) {
         goto done;
     }
@@ -971,7 +1011,7 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
         ? accesses_of(NULL, both, 2)  /* this module's own */
         : PyObject_Vectorcall(self->accesses_fn, both, 2, NULL);
     if (accesses == NULL) goto done;
-    if ((op_name = op_name_of(fn, name)) == NULL) goto done;
+    if ((op_name = op_name_of(self, fn, name)) == NULL) goto done;
     int on_host = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
         PyObject *space = PyTuple_GET_ITEM(PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, i), 0), 0);
@@ -1190,7 +1230,7 @@ static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
 /* pop the head entry of ``q``, call its callback with None, give its event to ``free`` unless it
  * times: _Completions._settle for an entry that completed */
 static int finish_head(PyObject *q, PyObject *free_events) {
-    PyObject *entry = checked_entry(PyObject_CallMethodNoArgs(q, s_popleft));
+    PyObject *entry = checked_entry(queue_popleft(q));
     if (entry == NULL) return -1;
     PyObject *event = PyTuple_GET_ITEM(entry, 1);
     PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
@@ -1206,9 +1246,12 @@ static int finish_head(PyObject *q, PyObject *free_events) {
     return bad ? -1 : 0;
 }
 
-/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error */
-static PyObject *owner_lost(PyObject *owner) {
-    PyObject *lost = PyObject_GetAttr(owner, s_lost);
+/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; from ``owner_dict`` (its __dict__,
+ * or NULL) where it is there */
+static PyObject *owner_lost(PyObject *owner, PyObject *owner_dict) {
+    PyObject *lost = owner_dict != NULL ? PyDict_GetItemWithError(owner_dict, s_lost) : NULL;
+    if (lost != NULL || PyErr_Occurred()) return lost;
+    lost = PyObject_GetAttr(owner, s_lost);
     Py_XDECREF(lost);
     return lost;
 }
@@ -1233,6 +1276,9 @@ static PyObject *mark_lost(PyObject *owner) {
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
  * the rest of its queue stay queued.
  * A callback's exception propagates, as in the Python pass. */
+static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
+                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type);
+
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError, "completions_pass(completions, queues: list, owner, free: list, event_type)");
@@ -1240,13 +1286,22 @@ static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ss
     }
     PyObject *completions = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
     PyObject *event_type = args[4];
+    PyObject *owner_dict = PyObject_GenericGetDict(owner, NULL);  /* read once per entry: no look-up */
+    if (owner_dict == NULL) PyErr_Clear();  /* (none: the generic look-up) */
+    PyObject *progressed = completions_pass_dict(completions, queues, owner, owner_dict, free_events, event_type);
+    Py_XDECREF(owner_dict);
+    return progressed;
+}
+
+static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
+                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type) {
     int progressed = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(queues); i++) {
         PyObject *q = PyList_GET_ITEM(queues, i);
         Py_ssize_t known = 0, n = PyObject_Size(q);  /* appended meanwhile: not covered */
         if (n < 0) return NULL;
         if (n == 0) continue;
-        PyObject *lost = owner_lost(owner);
+        PyObject *lost = owner_lost(owner, owner_dict);
         if (lost == NULL) return NULL;
         if (lost == Py_None) {
             PyObject *event = entry_event(q, n - 1);
@@ -1265,7 +1320,7 @@ static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ss
             Py_ssize_t left = PyObject_Size(q);
             if (left < 0) return NULL;
             if (left == 0) break;
-            PyObject *error = owner_lost(owner);  /* a callback may have marked it */
+            PyObject *error = owner_lost(owner, owner_dict);  /* a callback may have marked it */
             if (error == NULL) return NULL;
             Py_INCREF(error);
             if (error == Py_None && known <= 0) {
@@ -1287,7 +1342,7 @@ static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ss
                 if (finish_head(q, free_events) < 0) return NULL;
                 continue;
             }
-            PyObject *entry = checked_entry(PyObject_CallMethodNoArgs(q, s_popleft));
+            PyObject *entry = checked_entry(queue_popleft(q));
             if (entry == NULL) {
                 Py_DECREF(error);
                 return NULL;
@@ -1349,6 +1404,14 @@ static int submit_init(PyObject *m) {
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
+        return -1;
+    PyObject *collections = PyImport_ImportModule("collections");
+    if (collections == NULL) return -1;
+    sub.deque_type = (PyTypeObject *)PyObject_GetAttrString(collections, "deque");
+    Py_DECREF(collections);
+    if (sub.deque_type == NULL || !PyType_Check(sub.deque_type)
+            || (sub.deque_append = PyObject_GetAttr((PyObject *)sub.deque_type, s_append)) == NULL
+            || (sub.deque_popleft = PyObject_GetAttr((PyObject *)sub.deque_type, s_popleft)) == NULL)
         return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
