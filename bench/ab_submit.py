@@ -23,6 +23,7 @@ Run: python bench/ab_submit.py A_SRC B_SRC [--labels A B] [--device cuda] [--rou
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 OPS_PER_ROUND = 1000
+BOOTSTRAP = 2000
 
 
 def worker(device: str) -> None:
@@ -82,6 +84,8 @@ def main() -> None:
     parser.add_argument("--labels", nargs=2, default=["A", "B"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
+                        help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here.parent / "src"))
@@ -100,7 +104,7 @@ def main() -> None:
         assert Path(ready["ready"]).resolve().is_relative_to(Path(src).resolve()), (ready, src)
 
     def timed(proc: subprocess.Popen, what: str) -> float:
-        proc.stdin.write(f"{what} {OPS_PER_ROUND}\n")
+        proc.stdin.write(f"{what} {args.ops}\n")
         proc.stdin.flush()
         return json.loads(proc.stdout.readline())["us"]
 
@@ -123,12 +127,15 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(timeout=60)
     diffs = [b - a for a, b in zip(*added)]
+    rng = random.Random(0)  # a bootstrap of the median difference: how sure the sign is
+    boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(BOOTSTRAP))
+    low, high = boots[int(0.025 * BOOTSTRAP)], boots[int(0.975 * BOOTSTRAP) - 1]
     rows = [[label, statistics.median(torch_us[k]), statistics.median(added[k])]
             for k, label in enumerate(args.labels)]
     print(format_table(["version", "PyTorch's launch µs", "added per op µs (median round)"], rows))
     print(f"{args.labels[1]} - {args.labels[0]}: {statistics.median(diffs):+.3f} µs per op (median over "
           f"{len(diffs)} rounds; quartiles {statistics.quantiles(diffs, n=4)[0]:+.3f} / "
-          f"{statistics.quantiles(diffs, n=4)[2]:+.3f})")
+          f"{statistics.quantiles(diffs, n=4)[2]:+.3f}; 95% bootstrap interval {low:+.3f} / {high:+.3f})")
     if args.device == "cpu":
         name = "cpu"
     else:
@@ -136,10 +143,11 @@ def main() -> None:
 
         name = torch.cuda.get_device_name().replace(" ", "_")
     print(write_json(here / "results", f"ab_submit_{name}",
-                     {"settings": {"device": args.device, "ops_per_round": OPS_PER_ROUND,
+                     {"settings": {"device": args.device, "ops_per_round": args.ops,
                                    "rounds": args.rounds, "labels": args.labels},
                       "added_us": dict(zip(args.labels, map(statistics.median, added))),
                       "b_minus_a_us": statistics.median(diffs),
+                      "b_minus_a_95_interval_us": [low, high],
                       "rounds_added_us": dict(zip(args.labels, added)),
                       "rounds_torch_us": dict(zip(args.labels, torch_us))}))
 
