@@ -1,17 +1,19 @@
 """Per-op host cost of two versions of streamdag, side by side in one run: the A/B of a change.
 
-Two worker processes per version (its source folder on ``PYTHONPATH``),
-made in the order A B B A, each with its runtime and the dependent chain of
+Several worker processes per version (its source folder on ``PYTHONPATH``),
+made in the order A B B A (A B B A ...), each with its runtime and the dependent chain of
 ``bench/overhead.py`` (tiny ``torch.add`` ops, each reading the tensor the
 one before wrote). The workers take turns, in short rounds whose order
 rotates; in each round a worker times its chain and PyTorch's plain
 launches of the same ops, so each round gives the µs a version adds over
-PyTorch's launch (the mean of its two workers), and the host's drift
-between rounds cancels. Two workers per version, because one process can
-run faster than another of the same code for reasons of its own (on a
-2-core machine an A/A run with one worker each put the second 0.1-0.4 µs
-behind). Reported: each version's median added cost, and the median over
-rounds of B minus A.
+PyTorch's launch (the mean of its workers), and the host's drift between
+rounds cancels. Several workers per version, because one process can run
+faster than another of the same code for reasons of its own (its memory
+layout: on a 2-core machine an A/A run with one worker each put the second
+0.1-0.4 µs behind; on the H100 host, with two each, 0.4). All get the same
+hash seed. Reported: each version's median added cost, and the median over
+rounds of B minus A with a bootstrap interval; run an A/A (the same folder
+twice) beside it to see the harness's own spread.
 
 On the CPU (``--device cpu``) the runtime has a backend that runs each op
 at once (``InlineBackend``), as ``bench/hot_path.py``: the bookkeeping alone.
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--labels", nargs=2, default=["A", "B"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per version")
     parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
                         help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
@@ -91,11 +94,11 @@ def main() -> None:
     sys.path.insert(0, str(here.parent / "src"))
     from streamdag.suite.report import format_table, write_json
 
-    version_of = [0, 1, 1, 0]  # A B B A
+    version_of = [0, 1, 1, 0] * (args.workers // 2) + [0, 1] * (args.workers % 2)  # A B B A ...
     sources = [(args.a_src, args.b_src)[v] for v in version_of]
     workers = []
     for src in sources:
-        env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+        env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), PYTHONHASHSEED="0")
         proc = subprocess.Popen([sys.executable, __file__, "--worker", args.device], env=env, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         workers.append(proc)
@@ -143,7 +146,7 @@ def main() -> None:
 
         name = torch.cuda.get_device_name().replace(" ", "_")
     print(write_json(here / "results", f"ab_submit_{name}",
-                     {"settings": {"device": args.device, "ops_per_round": args.ops,
+                     {"settings": {"device": args.device, "ops_per_round": args.ops, "workers": args.workers,
                                    "rounds": args.rounds, "labels": args.labels},
                       "added_us": dict(zip(args.labels, map(statistics.median, added))),
                       "b_minus_a_us": statistics.median(diffs),
