@@ -1,9 +1,13 @@
 """Per-op host cost of two versions of streamdag, side by side in one run: the A/B of a change.
 
+(It replaces ``chain_ab.py``, which ran a whole process per version in turns: two processes of the
+same code differed by up to ±2 µs per op there, and its turns were seconds apart.)
+
 Several worker processes per version (its source folder on ``PYTHONPATH``),
 made in the order A B B A (A B B A ...), each with its runtime and the dependent chain of
 ``bench/overhead.py`` (tiny ``torch.add`` ops, each reading the tensor the
-one before wrote). The workers take turns, in short rounds whose order
+one before wrote; ``--workload independent``: ops that each write their own
+tensor). The workers take turns, in short rounds whose order
 rotates; in each round a worker times its chain and PyTorch's plain
 launches of the same ops, so each round gives the µs a version adds over
 PyTorch's launch (the mean of its workers), and the host's drift between
@@ -55,6 +59,11 @@ def worker(device: str) -> None:
             a, b = bufs[i % 64], bufs[(i + 1) % 64]
             rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
 
+    def independent(n: int) -> None:
+        for i in range(n):
+            b = bufs[i % 64]
+            rt.submit(b.add_, 1, writes=[b])
+
     def plain(n: int) -> None:
         for i in range(n):
             torch.add(bufs[i % 64], 1, out=bufs[(i + 1) % 64])
@@ -64,7 +73,7 @@ def worker(device: str) -> None:
         if device != "cpu":
             torch.cuda.synchronize()
 
-    runs = {"chain": chain, "torch": plain}
+    runs = {"chain": chain, "independent": independent, "torch": plain}
     for run in runs.values():
         run(2000)
     settle()
@@ -87,6 +96,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per version")
+    parser.add_argument("--workload", choices=["chain", "independent"], default="chain")
     parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
                         help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
@@ -118,11 +128,11 @@ def main() -> None:
         # rotated, not reversed: a worker that ran last and then first would run twice in a row,
         # on caches still warm from itself (in an A/A run that put the ends 0.25 µs ahead)
         order = [(r + i) % n for i in range(n)]
-        first, second = ("chain", "torch") if r % 2 else ("torch", "chain")
+        first, second = (args.workload, "torch") if r % 2 else ("torch", args.workload)
         this_round: list[list[tuple[float, float]]] = [[], []]
         for k in order:
             t = {first: timed(workers[k], first), second: timed(workers[k], second)}
-            this_round[version_of[k]].append((t["chain"] - t["torch"], t["torch"]))
+            this_round[version_of[k]].append((t[args.workload] - t["torch"], t["torch"]))
         for v in (0, 1):
             added[v].append(statistics.fmean(a for a, _ in this_round[v]))
             torch_us[v].append(statistics.fmean(t for _, t in this_round[v]))
@@ -147,6 +157,7 @@ def main() -> None:
         name = torch.cuda.get_device_name().replace(" ", "_")
     print(write_json(here / "results", f"ab_submit_{name}",
                      {"settings": {"device": args.device, "ops_per_round": args.ops, "workers": args.workers,
+                                   "workload": args.workload,
                                    "rounds": args.rounds, "labels": args.labels},
                       "added_us": dict(zip(args.labels, map(statistics.median, added))),
                       "b_minus_a_us": statistics.median(diffs),
