@@ -434,6 +434,54 @@ def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():
     assert ("no CUDA here" in status) or ("no compiled hot path" in status), status
 
 
+def _excludes_under_contention(lock, depth: int = 1) -> None:
+    """Four threads count to 20,000 under ``lock`` (taken ``depth`` times), handing over mid-section."""
+    import threading
+    import time
+    from contextlib import ExitStack
+
+    count = [0]
+
+    def add(n):
+        for _ in range(n):
+            with ExitStack() as held:
+                for _ in range(depth):
+                    held.enter_context(lock)
+                seen = count[0]
+                if seen % 97 == 0:
+                    time.sleep(0)  # hand over mid-section now and then
+                count[0] = seen + 1
+
+    threads = [threading.Thread(target=add, args=(5000,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert count[0] == 20000
+
+
+def _condition_waits_on(lock, outer=None) -> None:
+    """``threading.Condition(lock)`` waits for another thread's notify (``outer``: held around it too)."""
+    import threading
+    import time
+    from contextlib import nullcontext
+
+    cond, box = threading.Condition(lock), []
+
+    def produce():
+        time.sleep(0.02)
+        with cond:
+            box.append(1)
+            cond.notify()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    with outer if outer is not None else nullcontext(), cond:
+        assert cond.wait_for(lambda: box, timeout=5)
+        assert not hasattr(lock, "_is_owned") or lock._is_owned()  # taken back, as often as it was held
+    producer.join()
+
+
 @compiled
 def test_the_compiled_lock_behaves_as_threading_lock():
     """``native.Lock`` stands in for ``threading.Lock`` (the runtime's done lock, the futures'
@@ -460,36 +508,8 @@ def test_the_compiled_lock_behaves_as_threading_lock():
             lock.acquire(False, 1.0)
         assert answers == [False, True, True, False, False, False, False, True, False], make
 
-    lock, count = native.load().Lock(), [0]
-
-    def add(n):
-        for _ in range(n):
-            with lock:
-                seen = count[0]
-                if seen % 97 == 0:
-                    time.sleep(0)  # hand over mid-section now and then
-                count[0] = seen + 1
-
-    threads = [threading.Thread(target=add, args=(5000,)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert count[0] == 20000
-
-    cond, box = threading.Condition(native.load().Lock()), []
-
-    def produce():
-        time.sleep(0.02)
-        with cond:
-            box.append(1)
-            cond.notify()
-
-    producer = threading.Thread(target=produce)
-    producer.start()
-    with cond:
-        assert cond.wait_for(lambda: box, timeout=5)
-    producer.join()
+    _excludes_under_contention(native.load().Lock())
+    _condition_waits_on(native.load().Lock())
     held = native.load().Lock()
     held.acquire()  # another thread waits on it, with a timeout, and gets it once let go
     got = []
@@ -508,7 +528,6 @@ def test_the_compiled_rlock_behaves_as_threading_rlock():
     answers to every call (re-entry, release by a thread that does not hold it), mutual exclusion
     under contention, and ``threading.Condition`` on it while it is held twice."""
     import threading
-    import time
 
     import streamdag as sd
 
@@ -533,39 +552,10 @@ def test_the_compiled_rlock_behaves_as_threading_rlock():
             lock.acquire(False, 1.0)
         assert answers == [True, True, True, True, (False, False, False), False, True, False], make
 
-    lock, count = native.load().RLock(), [0]
-
-    def add(n):
-        for _ in range(n):
-            with lock, lock:
-                seen = count[0]
-                if seen % 97 == 0:
-                    time.sleep(0)  # hand over mid-section now and then
-                count[0] = seen + 1
-
-    threads = [threading.Thread(target=add, args=(5000,)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert count[0] == 20000
-
+    _excludes_under_contention(native.load().RLock(), depth=2)
     rlock = native.load().RLock()
-    cond, box = threading.Condition(rlock), []
-
-    def produce():
-        time.sleep(0.02)
-        with cond:
-            box.append(1)
-            cond.notify()
-
-    producer = threading.Thread(target=produce)
-    producer.start()
-    with rlock, cond:  # held twice: the wait lets go of both, and takes both back
-        assert cond.wait_for(lambda: box, timeout=5)
-        assert rlock._is_owned()
+    _condition_waits_on(rlock, outer=rlock)  # held twice: the wait lets go of both, takes both back
     assert not rlock._is_owned()
-    producer.join()
 
 
 @compiled

@@ -80,19 +80,27 @@ static void fast_lock_dealloc(FastLock *self) {
 }
 
 #ifdef FAST_LOCK_SEM
+/* whether ``timeout`` (seconds, < 0: none) is a limit at all (threading.Lock takes up to ~292 years:
+ * as good as none); if so, ``deadline`` is when it ends, on the realtime clock sem_timedwait takes */
+static int deadline_after(double timeout, struct timespec *deadline) {
+    if (timeout < 0 || timeout > 1e9) return 0;
+    clock_gettime(CLOCK_REALTIME, deadline);
+    double whole = (double)deadline->tv_sec + timeout;
+    long nsec = deadline->tv_nsec + (long)((timeout - (double)(long long)timeout) * 1e9);
+    deadline->tv_sec = (time_t)(long long)whole + nsec / 1000000000L;
+    deadline->tv_nsec = nsec % 1000000000L;
+    return 1;
+}
+
 /* the semaphore, waited for without the GIL: 1 taken, 0 the timeout (seconds, < 0: none) passed */
 static int fast_lock_wait(FastLock *self, double timeout) {
     int rc;
+    struct timespec deadline;
+    int limited = deadline_after(timeout, &deadline);
     Py_BEGIN_ALLOW_THREADS
-    if (timeout < 0 || timeout > 1e9) {  /* (threading.Lock takes up to ~292 years: as good as none) */
+    if (!limited) {
         while ((rc = sem_wait(&self->sem)) != 0 && errno == EINTR) {}
     } else {
-        struct timespec deadline;  /* sem_timedwait takes the realtime clock */
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        double whole = (double)deadline.tv_sec + timeout;
-        long nsec = deadline.tv_nsec + (long)((timeout - (double)(long long)timeout) * 1e9);
-        deadline.tv_sec = (time_t)(long long)whole + nsec / 1000000000L;
-        deadline.tv_nsec = nsec % 1000000000L;
         while ((rc = sem_timedwait(&self->sem, &deadline)) != 0 && errno == EINTR) {}
     }
     Py_END_ALLOW_THREADS
@@ -103,17 +111,11 @@ static int fast_lock_wait(FastLock *self, double timeout) {
  * that raises (KeyboardInterrupt) the wait ends: -1 with the exception set */
 static int fast_lock_wait_interruptibly(FastLock *self, double timeout) {
     struct timespec deadline;
-    if (timeout >= 0 && timeout <= 1e9) {
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        double whole = (double)deadline.tv_sec + timeout;
-        long nsec = deadline.tv_nsec + (long)((timeout - (double)(long long)timeout) * 1e9);
-        deadline.tv_sec = (time_t)(long long)whole + nsec / 1000000000L;
-        deadline.tv_nsec = nsec % 1000000000L;
-    }
+    int limited = deadline_after(timeout, &deadline);
     for (;;) {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = timeout < 0 || timeout > 1e9 ? sem_wait(&self->sem) : sem_timedwait(&self->sem, &deadline);
+        rc = limited ? sem_timedwait(&self->sem, &deadline) : sem_wait(&self->sem);
         Py_END_ALLOW_THREADS
         if (rc == 0) return 1;
         if (errno != EINTR) return 0;
@@ -161,11 +163,13 @@ static int fast_lock_give(FastLock *self) {
     return 0;
 }
 
-static PyObject *fast_lock_acquire(FastLock *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+/* ``acquire(blocking=True, timeout=-1)``'s arguments, checked as threading.Lock checks them: 0, or -1 */
+static int acquire_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int *blocking,
+                        double *timeout) {
     PyObject *blocking_obj = nargs > 0 ? args[0] : NULL, *timeout_obj = nargs > 1 ? args[1] : NULL;
     if (nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "acquire(blocking=True, timeout=-1)");
-        return NULL;
+        return -1;
     }
     for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, i);
@@ -175,24 +179,31 @@ static PyObject *fast_lock_acquire(FastLock *self, PyObject *const *args, Py_ssi
             timeout_obj = args[nargs + i];
         } else {
             PyErr_Format(PyExc_TypeError, "acquire() got an unexpected or repeated keyword %R", key);
-            return NULL;
+            return -1;
         }
     }
-    int blocking = blocking_obj == NULL ? 1 : PyObject_IsTrue(blocking_obj);
-    if (blocking < 0) return NULL;
-    double timeout = -1;
+    *blocking = blocking_obj == NULL ? 1 : PyObject_IsTrue(blocking_obj);
+    if (*blocking < 0) return -1;
+    *timeout = -1;
     if (timeout_obj != NULL && timeout_obj != Py_None) {
-        timeout = PyFloat_AsDouble(timeout_obj);
-        if (timeout == -1 && PyErr_Occurred()) return NULL;
-        if (!blocking && timeout != -1) {
+        *timeout = PyFloat_AsDouble(timeout_obj);
+        if (*timeout == -1 && PyErr_Occurred()) return -1;
+        if (!*blocking && *timeout != -1) {
             PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
-            return NULL;
+            return -1;
         }
-        if (timeout < 0 && timeout != -1) {
+        if (*timeout < 0 && *timeout != -1) {
             PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
-            return NULL;
+            return -1;
         }
     }
+    return 0;
+}
+
+static PyObject *fast_lock_acquire(FastLock *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    int blocking;
+    double timeout;
+    if (acquire_args(args, nargs, kwnames, &blocking, &timeout) < 0) return NULL;
     return PyBool_FromLong(fast_lock_take(self, blocking, timeout));
 }
 
@@ -327,38 +338,9 @@ static int fast_rlock_give(FastRLock *self) {
 }
 
 static PyObject *fast_rlock_acquire(FastRLock *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    /* the arguments as FastLock's acquire reads them (the same checks) */
-    PyObject *blocking_obj = nargs > 0 ? args[0] : NULL, *timeout_obj = nargs > 1 ? args[1] : NULL;
-    if (nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "acquire(blocking=True, timeout=-1)");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
-        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
-        if (PyUnicode_CompareWithASCIIString(key, "blocking") == 0 && blocking_obj == NULL) {
-            blocking_obj = args[nargs + i];
-        } else if (PyUnicode_CompareWithASCIIString(key, "timeout") == 0 && timeout_obj == NULL) {
-            timeout_obj = args[nargs + i];
-        } else {
-            PyErr_Format(PyExc_TypeError, "acquire() got an unexpected or repeated keyword %R", key);
-            return NULL;
-        }
-    }
-    int blocking = blocking_obj == NULL ? 1 : PyObject_IsTrue(blocking_obj);
-    if (blocking < 0) return NULL;
-    double timeout = -1;
-    if (timeout_obj != NULL && timeout_obj != Py_None) {
-        timeout = PyFloat_AsDouble(timeout_obj);
-        if (timeout == -1 && PyErr_Occurred()) return NULL;
-        if (!blocking && timeout != -1) {
-            PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
-            return NULL;
-        }
-        if (timeout < 0 && timeout != -1) {
-            PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
-            return NULL;
-        }
-    }
+    int blocking;
+    double timeout;
+    if (acquire_args(args, nargs, kwnames, &blocking, &timeout) < 0) return NULL;
     int got = fast_rlock_take(self, blocking, timeout);
     return got < 0 ? NULL : PyBool_FromLong(got);
 }
