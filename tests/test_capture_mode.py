@@ -61,3 +61,17 @@ def test_a_driver_error_is_raised_with_its_number(monkeypatch):
     monkeypatch.setattr(capture_mode, "_exchange_fn", lambda pointer: 3)
     with pytest.raises(RuntimeError, match="driver error 3"):
         capture_mode.exchange(capture_mode.RELAXED)
+
+
+def test_without_the_driver_function_it_warns_once_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(capture_mode, "_exchange_fn", None)
+    monkeypatch.setattr(capture_mode, "_thread", threading.local())
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(capture_mode.ctypes, "CDLL", no_driver)
+    with pytest.warns(RuntimeWarning, match="capture_error_mode='relaxed'"):
+        assert capture_mode.exchange(capture_mode.RELAXED) is None
+    with capture_mode.relaxed():  # no second warning, no error
+        pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -394,7 +395,11 @@ class _Completions:
 
     def _loop(self) -> None:
         torch.cuda.set_device(self._owner.torch_device)
-        capture_mode.exchange(capture_mode.RELAXED)  # our own thread: for good
+        try:
+            capture_mode.exchange(capture_mode.RELAXED)  # our own thread: for good
+        except RuntimeError as exc:  # a driver error: the queries stay in the default mode
+            warnings.warn(f"streamdag's completion thread keeps CUDA's global capture mode: {exc}",
+                          RuntimeWarning, stacklevel=1)
         while True:
             try:
                 return self._serve()
