@@ -389,6 +389,24 @@ def test_recapture_when_an_argument_changes_strides_only():
         assert g.statistics().recaptures == 1
 
 
+def test_recapture_when_an_argument_changes_shape_only():
+    """An in-place ``unsqueeze_`` keeps address and strides of the existing dimensions, and adds one."""
+    x = torch.ones(4, 4, device="cuda")
+    y = torch.empty(4, 4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda a, o: o.copy_(a.reshape(o.shape) * 2), x, y, reads=[x], writes=[y])
+        for _ in range(3):
+            g.run().result()
+        assert g.statistics().recaptures == 0
+        x.unsqueeze_(0)
+        x.fill_(5)
+        g.run().result()
+        rt.synchronize()
+        assert torch.equal(y, torch.full((4, 4), 10.0, device="cuda"))
+        assert g.statistics().recaptures == 1
+
+
 def test_a_replay_in_inference_mode_neither_recaptures_nor_misses_a_change():
     """Replays check their arguments with PyTorch's C++ tensor guard, which also fails for what
     does not matter here (inference mode changes dispatch keys): then the exact check decides."""
