@@ -141,9 +141,10 @@ class _Captured:
         # results that are the op's own declared outputs are returned as they are
         self.copy_out = [isinstance(v, torch.Tensor) and not _declared(acc, v)
                          for v, acc in zip(values, accesses)]
+        self.any_copy_out = any(self.copy_out)
 
     def results(self, copy_out: bool) -> list[Any]:
-        if not copy_out:
+        if not (copy_out and self.any_copy_out):  # (a loop over every op's value per replay otherwise)
             return list(self.values)
         return [v.clone() if c else v for v, c in zip(self.values, self.copy_out)]
 
@@ -191,7 +192,7 @@ class CudaGraphRunner:
         with. Runs before every replay: one loop of the torch extension's, else PyTorch's own C++
         checks of all the tensors at once (a Python call per tensor costs more still). For the 258
         tensors of the tiny wide graph on the H100: 3.8 µs against 60 µs, and g.run()'s host time
-        74 µs against 135 (`bench/results/replay_layout_check_…txt`)."""
+        74 µs against 135 (`bench/replay_check.py`)."""
         if isinstance(self._snapshot, bytes):
             return load_torch().same_layouts(self._tensors, self._snapshot)
         ptrs, layouts, indices, guard = self._snapshot
