@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
-from streamdag.suite.gpu_wide import CASES, submit_wide
+from streamdag.suite.gpu_wide import submit_wide, wide_tensors
 from streamdag.suite.report import format_table, write_json
 
 #: (FINISH_EVERY, whether gc.freeze() is on), each a label of the table
@@ -52,13 +52,8 @@ class CollectorClock:
 
 
 def main() -> None:
-    B, L, rows, D = CASES["tiny"]
-    dev = torch.device("cuda")
-    x = torch.randn(rows, D, device=dev)
-    W = [[torch.randn(D, D, device=dev) / D**0.5 for _ in range(L)] for _ in range(B)]
-    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
-    y = torch.empty(rows, D, device=dev)
-    bufs = [torch.zeros(256, device=dev) for _ in range(64)]
+    x, W, hs, y = wide_tensors("tiny")
+    bufs = [torch.zeros(256, device="cuda") for _ in range(64)]
     runtimes = {}
     for setting in SETTINGS:
         rt = sd.Runtime("cuda", streams=8, max_inflight=1024)

@@ -20,19 +20,14 @@ import torch
 
 import streamdag as sd
 from streamdag.runtime import capture
-from streamdag.suite.gpu_wide import CASES, submit_wide
+from streamdag.suite.gpu_wide import submit_wide, wide_tensors
 from streamdag.suite.report import format_table, write_json
 
 ROUNDS, CHECKS, RUNS = 20, 200, 20
 
 
 def main() -> None:
-    B, L, rows, D = CASES["tiny"]
-    dev = torch.device("cuda")
-    x = torch.randn(rows, D, device=dev)
-    W = [[torch.randn(D, D, device=dev) / D**0.5 for _ in range(L)] for _ in range(B)]
-    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
-    y = torch.empty(rows, D, device=dev)
+    x, W, hs, y = wide_tensors("tiny")
     with sd.Runtime("cuda", streams=8, max_inflight=1024) as rt:
         with rt.record() as g:
             submit_wide(rt, x, W, hs, y)

@@ -38,6 +38,17 @@ def join(outs, y):
     return torch.sum(torch.stack(outs), 0, out=y)
 
 
+def wide_tensors(name: str, generator: torch.Generator | None = None):
+    """The case's input ``x``, weights ``W[b][l]``, layer outputs ``hs[b][l]`` and result ``y`` (GPU)."""
+    B, L, rows, D = CASES[name]
+    dev = torch.device("cuda")
+    x = torch.randn(rows, D, device=dev, generator=generator)
+    W = [[torch.randn(D, D, device=dev, generator=generator) / D**0.5 for _ in range(L)] for _ in range(B)]
+    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
+    y = torch.empty(rows, D, device=dev)
+    return x, W, hs, y
+
+
 def submit_wide(rt: sd.Runtime, x, W, hs, y):
     """The wide graph's ops, each with the buffers it reads and writes."""
     for b, (ws, hb) in enumerate(zip(W, hs)):
@@ -52,9 +63,7 @@ def submit_wide(rt: sd.Runtime, x, W, hs, y):
 def run_case(name: str, use_compile: bool, streams: int) -> dict:
     B, L, rows, D = CASES[name]
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(rows, D, device=dev, generator=g)
-    W = [[torch.randn(D, D, device=dev, generator=g) / D**0.5 for _ in range(L)] for _ in range(B)]
+    x, W, hs, y = wide_tensors(name, torch.Generator(device=dev).manual_seed(0))
     iters = 20 if name == "large" else 100
 
     def eager_branch(b):
@@ -90,9 +99,7 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     def check(label, got):
         checks[label] = float((got - ref).norm() / ref.norm())
 
-    # streamdag: the same ops submitted with what they read and write
-    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
-    y = torch.empty(rows, D, device=dev)
+    # streamdag: the same ops submitted with what they read and write (into hs and y)
     with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt:
         def submit_all():
             return submit_wide(rt, x, W, hs, y)
@@ -195,12 +202,7 @@ def table(cases: list[dict]) -> str:
 
 def profile_case(name: str, streams: int = 8):
     """A timeline of one op-by-op run of the case's graph (for the trace and the PNG)."""
-    B, L, rows, D = CASES[name]
-    dev = torch.device("cuda")
-    x = torch.randn(rows, D, device=dev)
-    W = [[torch.randn(D, D, device=dev) / D**0.5 for _ in range(L)] for _ in range(B)]
-    hs = [[torch.empty(rows, D, device=dev) for _ in range(L)] for _ in range(B)]
-    y = torch.empty(rows, D, device=dev)
+    x, W, hs, y = wide_tensors(name)
     with sd.Runtime("cuda", streams=streams) as rt:
         with rt.record() as graph:
             submit_wide(rt, x, W, hs, y)
