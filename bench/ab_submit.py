@@ -41,7 +41,7 @@ BOOTSTRAP = 2000
 
 
 def worker(device: str) -> None:
-    """Serve ``chain N`` and ``torch N`` on stdin: the µs per op of each, one line per command."""
+    """Serve ``chain N``, ``independent N`` and ``torch N`` on stdin: the µs per op, a line each."""
     import torch
 
     import streamdag as sd
