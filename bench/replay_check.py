@@ -12,6 +12,7 @@ Run on a GPU machine: PYTHONPATH=src python bench/replay_check.py
 (writes bench/results/replay_check_<gpu>.json)
 """
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -34,18 +35,16 @@ def main() -> None:
         for _ in range(3):  # an eager run, the capture, a replay
             g.run().result()
         runner = g._runner
-        native = runner._snapshot
-        if not isinstance(native, bytes):
-            raise SystemExit("the torch extension is not loaded: nothing to compare")
         t = runner._tensors
-        before = ([v.data_ptr() for v in t], [(v.shape, v.stride()) for v in t], list(range(len(t))),
-                  capture._layout_guard(t))
-        snapshots = {"the torch extension's loop": native, "PyTorch's checks (before)": before}
-        check_us = {k: [] for k in snapshots}
-        run_us = {k: [] for k in snapshots}
+        if not isinstance(runner._layouts_unchanged, functools.partial):
+            raise SystemExit("the torch extension is not loaded: nothing to compare")
+        checks = {"the torch extension's loop": capture._layout_check(t),
+                  "PyTorch's checks (before)": capture._checked_by_pytorch(t)}
+        check_us = {k: [] for k in checks}
+        run_us = {k: [] for k in checks}
         for r in range(ROUNDS):
-            for label, snap in (list(snapshots.items())[:: 1 if r % 2 else -1]):
-                runner._snapshot = snap
+            for label, check in (list(checks.items())[:: 1 if r % 2 else -1]):
+                runner._layouts_unchanged = check
                 assert runner._still_valid()
                 t0 = time.perf_counter()
                 for _ in range(CHECKS):
@@ -59,7 +58,7 @@ def main() -> None:
                     f.result()
         recaptures = g.statistics().recaptures
     rows_out = [[label, statistics.median(check_us[label]), statistics.median(run_us[label])]
-                for label in snapshots]
+                for label in checks]
     print(f"{len(t)} tensor arguments; recaptures while timing: {recaptures}")
     print(format_table(["check", "check alone µs", "g.run() host µs"], rows_out))
     name = "replay_check_" + torch.cuda.get_device_name().replace(" ", "_")

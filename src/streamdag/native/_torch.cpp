@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <vector>
 
 #include "_torch_hooks.h"
@@ -197,30 +198,33 @@ PyObject* new_stream(PyObject*, PyObject* device_arg) {
 }
 
 // Each tensor's address, number of dimensions, sizes and strides, appended to ``out``: what a
-// captured CUDA graph has baked in of its arguments. 0, or -1 with a TypeError for a non-tensor.
-int append_layout(PyObject* obj, std::vector<int64_t>& out) {
-  if (!THPVariable_Check(obj)) {
-    PyErr_SetString(PyExc_TypeError, "layouts() takes a list of tensors");
+// captured CUDA graph has baked in of its arguments. 0, or -1 with a TypeError for anything but a
+// list of tensors.
+int append_layouts(PyObject* list, std::vector<int64_t>& out) {
+  if (!PyList_Check(list)) {
+    PyErr_SetString(PyExc_TypeError, "layouts() and same_layouts() take a list of tensors");
     return -1;
   }
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  out.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
-  out.push_back(t.dim());
-  for (int64_t size : t.sizes()) out.push_back(size);
-  for (int64_t stride : t.strides()) out.push_back(stride);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+    PyObject* obj = PyList_GET_ITEM(list, i);
+    if (!THPVariable_Check(obj)) {
+      PyErr_SetString(PyExc_TypeError, "layouts() and same_layouts() take a list of tensors");
+      return -1;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    out.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+    out.push_back(t.dim());
+    for (int64_t size : t.sizes()) out.push_back(size);
+    for (int64_t stride : t.strides()) out.push_back(stride);
+  }
   return 0;
 }
 
-// layouts(tensors: list) -> bytes: the layouts of append_layout, for same_layouts() to compare
+// layouts(tensors: list) -> bytes: the layouts of append_layouts, for same_layouts() to compare
 PyObject* layouts(PyObject*, PyObject* list) {
-  if (!PyList_Check(list)) {
-    PyErr_SetString(PyExc_TypeError, "layouts() takes a list of tensors");
-    return nullptr;
-  }
   try {
     std::vector<int64_t> out;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
-      if (append_layout(PyList_GET_ITEM(list, i), out) < 0) return nullptr;
+    if (append_layouts(list, out) < 0) return nullptr;
     return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
                                      static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
   } catch (...) {
@@ -235,28 +239,14 @@ PyObject* layouts(PyObject*, PyObject* list) {
 // than its replay; this loop 3.8 µs.
 PyObject* same_layouts(PyObject*, PyObject* args) {
   PyObject *list, *snapshot;
-  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &list, &PyBytes_Type, &snapshot)) return nullptr;
-  const auto* saved = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(snapshot));
-  size_t n = static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) / sizeof(int64_t), at = 0;
+  if (!PyArg_ParseTuple(args, "OO!", &list, &PyBytes_Type, &snapshot)) return nullptr;
   try {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-      PyObject* obj = PyList_GET_ITEM(list, i);
-      if (!THPVariable_Check(obj)) {
-        PyErr_SetString(PyExc_TypeError, "same_layouts() takes a list of tensors");
-        return nullptr;
-      }
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      int64_t dim = t.dim();
-      if (at + 2 + 2 * static_cast<size_t>(dim) > n
-          || saved[at] != static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())) || saved[at + 1] != dim)
-        Py_RETURN_FALSE;
-      at += 2;
-      for (int64_t size : t.sizes())
-        if (saved[at++] != size) Py_RETURN_FALSE;
-      for (int64_t stride : t.strides())
-        if (saved[at++] != stride) Py_RETURN_FALSE;
-    }
-    return PyBool_FromLong(at == n);
+    std::vector<int64_t> now;
+    now.reserve(static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) / sizeof(int64_t));
+    if (append_layouts(list, now) < 0) return nullptr;
+    size_t bytes = now.size() * sizeof(int64_t);
+    return PyBool_FromLong(bytes == static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) &&
+                           std::memcmp(now.data(), PyBytes_AS_STRING(snapshot), bytes) == 0);
   } catch (...) {
     fail();
     return nullptr;

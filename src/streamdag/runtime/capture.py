@@ -33,11 +33,12 @@ during the capture rejects it, and the graph runs as a host replay instead.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -167,7 +168,7 @@ class CudaGraphRunner:
         self.stats = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
-        self._snapshot: Any = None
+        self._layouts_unchanged: Callable[[], bool] = _never_captured
         self._failed: str | None = None
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -175,39 +176,11 @@ class CudaGraphRunner:
     def fallback_reason(self) -> str | None:
         return self._failed
 
-    def _take_snapshot(self) -> Any:
-        """Address, shape and strides of every tensor argument: what in-place ``set_``,
-        ``resize_``, ``t_`` or ``as_strided_`` change (a square ``t_()`` changes the strides only).
-        In one C++ loop where the torch extension is loaded (see ``_still_valid``).
-        """
-        tensors = self._tensors
-        ext = load_torch()
-        if ext is not None and hasattr(ext, "same_layouts"):
-            return ext.layouts(tensors)
-        return ([t.data_ptr() for t in tensors], [(t.shape, t.stride()) for t in tensors],
-                list(range(len(tensors))), _layout_guard(tensors))
-
     def _still_valid(self) -> bool:
         """Whether every tensor argument still has the address, shape and strides it was captured
-        with. Runs before every replay: one loop of the torch extension's, else PyTorch's own C++
-        checks of all the tensors at once (a Python call per tensor costs more still). For the 258
-        tensors of the tiny wide graph on the H100: 3.8 µs against 60 µs, and g.run()'s host time
-        74 µs against 135 (`bench/replay_check.py`)."""
-        if isinstance(self._snapshot, bytes):
-            return load_torch().same_layouts(self._tensors, self._snapshot)
-        ptrs, layouts, indices, guard = self._snapshot
-        check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-        tensors = self._tensors
-        if check is None:
-            same_ptrs = [t.data_ptr() for t in tensors] == ptrs
-        else:  # one C++ loop instead of a Python call per tensor
-            same_ptrs = check(tensors, ptrs, indices)
-        if not same_ptrs:
-            return False
-        if guard is not None and guard.check(*tensors):  # sizes and strides unchanged (and more)
-            return True
-        # the guard also fails for what does not matter here (dtype, requires_grad, inference mode)
-        return [(t.shape, t.stride()) for t in tensors] == layouts
+        with: what in-place ``set_``, ``resize_``, ``t_`` or ``as_strided_`` change (a square
+        ``t_()`` changes the strides only). Runs before every replay (see ``_layout_check``)."""
+        return self._layouts_unchanged()
 
     def _stream(self, device: torch.device, *role: Any) -> torch.cuda.Stream:
         """The runner's stream for ``role`` on ``device``: made once, its own where it can be."""
@@ -409,7 +382,7 @@ class CudaGraphRunner:
             for t in _tensors_in((op.args, op.kwargs)):
                 seen.setdefault(id(t), t)
         self._tensors = list(seen.values())
-        self._snapshot = self._take_snapshot()
+        self._layouts_unchanged = _layout_check(self._tensors)
         self.stats.capture_seconds = time.perf_counter() - t0
         return True
 
@@ -420,6 +393,45 @@ class CudaGraphRunner:
         cap.graph.replay()
         self.stats.replays += 1
         return cap.results(self.recorded.copy_out)
+
+
+def _never_captured() -> bool:
+    return False
+
+
+def _layout_check(tensors: list[torch.Tensor]) -> Callable[[], bool]:
+    """A check that each of ``tensors`` still has its address, shape and strides of now.
+
+    One loop of the torch extension's over a snapshot in bytes where it is
+    loaded, else PyTorch's own C++ checks of all the tensors at once (a Python
+    call per tensor costs more still). For the 258 tensors of the tiny wide
+    graph on the H100: 3.8 µs against 60 µs, and g.run()'s host time 74 µs
+    against 135 (``bench/replay_check.py``).
+    """
+    ext = load_torch()
+    if ext is not None:
+        return functools.partial(ext.same_layouts, tensors, ext.layouts(tensors))
+    return _checked_by_pytorch(tensors)
+
+
+def _checked_by_pytorch(tensors: list[torch.Tensor]) -> Callable[[], bool]:
+    """The layout check of ``_layout_check`` through PyTorch's own C++ checks."""
+    ptrs, layouts = [t.data_ptr() for t in tensors], [(t.shape, t.stride()) for t in tensors]
+    indices, guard = list(range(len(tensors))), _layout_guard(tensors)
+    same_ptrs = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+    def unchanged() -> bool:
+        if same_ptrs is None:
+            if [t.data_ptr() for t in tensors] != ptrs:
+                return False
+        elif not same_ptrs(tensors, ptrs, indices):  # one C++ loop instead of a Python call per tensor
+            return False
+        if guard is not None and guard.check(*tensors):  # sizes and strides unchanged (and more)
+            return True
+        # the guard also fails for what does not matter here (dtype, requires_grad, inference mode)
+        return [(t.shape, t.stride()) for t in tensors] == layouts
+
+    return unchanged
 
 
 def _layout_guard(tensors: list[torch.Tensor]) -> Any:
