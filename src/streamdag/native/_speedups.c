@@ -1146,15 +1146,16 @@ static int by_sum(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t s, n = self->n;
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "place(stream, deps)"); return NULL; }
-    if (stream_arg(self, args[0], &s) < 0) return NULL;
-    if (stamp_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "setup_clocks() was not called"); return NULL; }
-    PyObject *seq = PySequence_Fast(args[1], "place() needs a list of stamps");
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject *result = NULL, *waits = PyList_New(0), *clock = NULL;
+/* place() on stream ``s`` (in range): the op's stamp and the indices of the deps to wait on, new
+ * references in ``*stamp_out`` and ``*waits_out``; 0, or -1 with an exception. ``no_waits``: a list
+ * to hand out (shared, never added to) where there is no wait, instead of a new one. */
+static int clocks_place_into(Clocks *self, Py_ssize_t s, PyObject *const *stamps, Py_ssize_t m,
+                             PyObject *no_waits, PyObject **stamp_out, PyObject **waits_out) {
+    Py_ssize_t n = self->n;
+    *stamp_out = *waits_out = NULL;
+    if (stamp_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "setup_clocks() was not called"); return -1; }
+    int rc = -1;
+    PyObject *waits = NULL, *clock = NULL;
     /* on the stack for the usual few deps and streams */
     Dep local_deps[8], *local_order[8];
     Py_ssize_t local_chosen[8];
@@ -1167,12 +1168,12 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
     long long *others = known == NULL ? NULL : known + n;
     long long *base = self->known + s * n;
     Py_ssize_t nw = 0;
-    if (waits == NULL || deps == NULL || order == NULL || chosen == NULL || known == NULL) {
+    if (deps == NULL || order == NULL || chosen == NULL || known == NULL) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (read_stamp(self, PySequence_Fast_GET_ITEM(seq, i), &deps[i]) < 0) goto done;
+        if (read_stamp(self, stamps[i], &deps[i]) < 0) goto done;
         order[i] = &deps[i];
     }
     memcpy(known, base, n * sizeof(long long));
@@ -1203,10 +1204,11 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
         }
         PyMem_Free(snapshot);
     }
+    if ((waits = nw == 0 && no_waits != NULL ? Py_NewRef(no_waits) : PyList_New(nw)) == NULL) goto done;
     for (Py_ssize_t k = 0; k < nw; k++) {
         PyObject *index = PyLong_FromSsize_t(chosen[k]);
-        if (index == NULL || PyList_Append(waits, index) < 0) { Py_XDECREF(index); goto done; }
-        Py_DECREF(index);
+        if (index == NULL) goto done;
+        PyList_SET_ITEM(waits, k, index);
     }
     known[s] += 1;
     memcpy(base, known, n * sizeof(long long));
@@ -1227,8 +1229,9 @@ static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t na
     Py_XDECREF(stream_obj);
     Py_DECREF(pos);
     if (stamp != NULL) {
-        result = PyTuple_Pack(2, stamp, waits);
-        Py_DECREF(stamp);
+        *stamp_out = stamp;
+        *waits_out = Py_NewRef(waits);
+        rc = 0;
     }
 done:
     Py_XDECREF(clock);
@@ -1239,7 +1242,22 @@ done:
         PyMem_Free(chosen);
     }
     if (!few) PyMem_Free(known);
+    return rc;
+}
+
+static PyObject *clocks_place(Clocks *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t s;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "place(stream, deps)"); return NULL; }
+    if (stream_arg(self, args[0], &s) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "place() needs a list of stamps"), *stamp, *waits;
+    if (seq == NULL) return NULL;
+    int rc = clocks_place_into(self, s, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), NULL,
+                               &stamp, &waits);
     Py_DECREF(seq);
+    if (rc < 0) return NULL;
+    PyObject *result = PyTuple_Pack(2, stamp, waits);
+    Py_DECREF(stamp);
+    Py_DECREF(waits);
     return result;
 }
 

@@ -50,7 +50,7 @@ static struct {
 static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
                 *s_tail, *s_place, *s_token_attr, *s_profiler, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_free, *s_waiting, *s_freed,
+                *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry;
@@ -107,14 +107,6 @@ static int get_int(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-static int set_int(PyObject *obj, PyObject *name, Py_ssize_t value) {
-    PyObject *v = PyLong_FromSsize_t(value);
-    if (v == NULL) return -1;
-    int r = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* where ``tp`` keeps the slot ``name`` (a member descriptor of its own), or -1 */
 static Py_ssize_t type_slot_offset(PyTypeObject *tp, const char *name) {
     PyObject *d = PyDict_GetItemString(tp->tp_dict, name);
@@ -122,32 +114,6 @@ static Py_ssize_t type_slot_offset(PyTypeObject *tp, const char *name) {
             || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
         return -1;
     return ((PyMemberDescrObject *)d)->d_member->offset;
-}
-
-static Py_ssize_t slot_offset(PyObject *obj, const char *name) {
-    return type_slot_offset(Py_TYPE(obj), name);
-}
-
-/* an int in a slot at ``offset`` (see slot_offset), else the attribute ``name`` */
-static int slot_int(PyObject *obj, Py_ssize_t offset, PyObject *name, Py_ssize_t *out) {
-    if (offset < 0) return get_int(obj, name, out);
-    PyObject *v = *(PyObject **)((char *)obj + offset);
-    if (v == NULL) {
-        PyErr_SetObject(PyExc_AttributeError, name);
-        return -1;
-    }
-    *out = PyLong_AsSsize_t(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int slot_set_int(PyObject *obj, Py_ssize_t offset, PyObject *name, Py_ssize_t value) {
-    if (offset < 0) return set_int(obj, name, value);
-    PyObject *v = PyLong_FromSsize_t(value);
-    if (v == NULL) return -1;
-    PyObject **at = (PyObject **)((char *)obj + offset), *old = *at;
-    *at = v;
-    Py_XDECREF(old);
-    return 0;
 }
 
 /* whether two str are equal: by identity where both are interned (keywords and names are) */
@@ -245,6 +211,7 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
+    Py_ssize_t free, waiting;  /* the in-flight bound's (``_Slots``): slots free, submitters waiting */
 } Counters;
 
 static PyTypeObject *counters_type;
@@ -253,13 +220,16 @@ static PyMemberDef counters_members[] = {
     {"seq", T_PYSSIZET, offsetof(Counters, seq), 0, "ops submitted: the last op's number"},
     {"completed", T_PYSSIZET, offsetof(Counters, completed), 0, "ops finished without an error"},
     {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
+    {"free", T_PYSSIZET, offsetof(Counters, free), 0, "slots free under max_inflight"},
+    {"waiting", T_PYSSIZET, offsetof(Counters, waiting), 0, "submitters waiting for a slot"},
     {NULL}
 };
 
 static PyType_Slot counters_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_members, counters_members},
-    {Py_tp_doc, "A runtime's counts (seq, completed, peak), read and written by the compiled submit in C."},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting), read "
+                "and written by the compiled submit in C."},
     {0, NULL}
 };
 
@@ -287,7 +257,6 @@ typedef struct {
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
     int streams_indexed;  /* each stream's ``index`` (its completion queue) is its place in ``streams`` */
-    Py_ssize_t free_offset, waiting_offset;  /* of _Slots' _free and _waiting, or -1 */
 } Submitter;
 
 static PyTypeObject *submitter_type;
@@ -372,8 +341,13 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
     }
-    self->free_offset = slot_offset(self->slots, "_free");
-    self->waiting_offset = slot_offset(self->slots, "_waiting");
+    PyObject *slot_counts = PyObject_GetAttrString(self->slots, "counts");
+    if (slot_counts == NULL) return -1;
+    Py_DECREF(slot_counts);
+    if (slot_counts != self->counts) {  /* take_slot and finish count slots in ``counts`` */
+        PyErr_SetString(PyExc_TypeError, "Submitter: the in-flight bound must count in the runtime's _counts");
+        return -1;
+    }
     Py_ssize_t compute;
     PyObject *count = PyObject_GetAttrString(rt, "_compute");
     if (count == NULL) return -1;
@@ -510,14 +484,10 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
 /* a slot under max_inflight: ``_Slots.acquire(False)`` written out, else the runtime's ``_take_slot`` */
 static int take_slot(Submitter *self) {
     if (lock_take(self->done_lock, self->done_acquire) < 0) return -1;
-    Py_ssize_t free_slots;
-    int r = slot_int(self->slots, self->free_offset, s_free, &free_slots);
-    int got = 0;
-    if (r == 0 && free_slots > 0) {
-        r = slot_set_int(self->slots, self->free_offset, s_free, free_slots - 1);
-        got = 1;
-    }
-    if (lock_give(self->done_lock, self->done_release) < 0 || r < 0) return -1;
+    Counters *counts = (Counters *)self->counts;
+    int got = counts->free > 0;
+    if (got) counts->free--;
+    if (lock_give(self->done_lock, self->done_release) < 0) return -1;
     if (got) return 0;
     PyObject *taken = PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True);
     if (taken == NULL) return -1;
@@ -870,7 +840,9 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
                                 PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
                                 Py_ssize_t *seq_out) {
     PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
-             *live = NULL, *kept = NULL, *stamps = NULL, *placed = NULL, *future = NULL;
+             *live = NULL, *kept = NULL, *stamp = NULL, *waits = NULL, *future = NULL;
+    PyObject *local_stamps[8], **stamp_items = local_stamps;
+    Py_ssize_t local_live_at[8], *live_at = local_live_at, n_stamps = 0;
     Counters *counts = (Counters *)self->counts;
     Py_ssize_t seq_n = *seq_out = ++counts->seq;
     if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
@@ -888,29 +860,43 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     PyObject *dep_list = PySequence_Fast(deps, "the tracker's link returns a list");
     if (dep_list == NULL) goto done;
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(dep_list);
-    if (!nd) {  /* no dependency: nothing is added to these, so one empty list serves every op */
+    /* the live deps' stamps, borrowed: an op's stamp is set once, as it is placed, and the op is
+     * held by ``live`` */
+    if (nd > 8) {
+        stamp_items = PyMem_Malloc(nd * sizeof(PyObject *));
+        live_at = PyMem_Malloc(nd * sizeof(Py_ssize_t));
+        if (stamp_items == NULL || live_at == NULL) { PyErr_NoMemory(); Py_DECREF(dep_list); goto done; }
+    }
+    if (!nd) {  /* no dependency: nothing is added to it, so one empty list serves every op */
         live = Py_NewRef(sub.empty_list);
-        stamps = Py_NewRef(sub.empty_list);
     } else {  /* Runtime._admit: op.deps keeps the unfinished deps and the failed ones */
-        if ((live = PyList_New(0)) == NULL || (stamps = PyList_New(0)) == NULL) {
-            Py_DECREF(dep_list);
-            goto done;
-        }
-        int failed_deps = 0;
+        int failed_deps = 0, finished_deps = 0;
         for (Py_ssize_t i = 0; i < nd; i++) {
             PyObject *d = PySequence_Fast_GET_ITEM(dep_list, i);
             PyObject *done = field(d, OP_DONE), *error = done == NULL ? NULL : field(d, OP_ERROR);
             int ok = error != NULL;
             if (ok && done != Py_True) {
                 PyObject *stamp = field(d, OP_STAMP);
-                ok = stamp != NULL && PyList_Append(live, d) == 0 && PyList_Append(stamps, stamp) == 0;
+                ok = stamp != NULL;
+                if (ok) {
+                    live_at[n_stamps] = i;
+                    stamp_items[n_stamps++] = stamp;
+                }
                 Py_XDECREF(stamp);
-            } else if (ok && error != Py_None) {
-                failed_deps = 1;
+            } else if (ok) {
+                finished_deps = 1;
+                failed_deps |= error != Py_None;
             }
             Py_XDECREF(done);
             Py_XDECREF(error);
             if (!ok) { Py_DECREF(dep_list); goto done; }
+        }
+        if (!finished_deps && deps == dep_list && PyObject_TypeCheck(tracker, state.tracker_type)) {
+            live = Py_NewRef(dep_list);  /* the list our tracker made for this op: all live */
+        } else {
+            if ((live = PyList_New(n_stamps)) == NULL) { Py_DECREF(dep_list); goto done; }
+            for (Py_ssize_t k = 0; k < n_stamps; k++)
+                PyList_SET_ITEM(live, k, Py_NewRef(PySequence_Fast_GET_ITEM(dep_list, live_at[k])));
         }
         if (!failed_deps) {  /* then the deps kept are the live ones: one list serves both */
             kept = Py_NewRef(live);
@@ -930,31 +916,42 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     Py_DECREF(dep_list);
     Py_ssize_t stream = choose_stream(self, clocks, live);
     if (stream < 0) goto done;
-    PyObject *stream_obj = PyLong_FromSsize_t(stream);
-    if (stream_obj == NULL) goto done;
-    PyObject *pcall[] = {clocks, stream_obj, stamps};
-    placed = PyObject_TypeCheck(clocks, state.clocks_type)
-        ? clocks_place((Clocks *)clocks, pcall + 1, 2)
-        : PyObject_VectorcallMethod(s_place, pcall, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(stream_obj);
-    if (placed == NULL) goto done;
-    if (!PyTuple_Check(placed) || PyTuple_GET_SIZE(placed) != 2 || !PyList_Check(PyTuple_GET_ITEM(placed, 1))) {
-        PyErr_SetString(PyExc_TypeError, "clocks.place returns (stamp, waits)");
-        goto done;
+    if (PyObject_TypeCheck(clocks, state.clocks_type) && stream < ((Clocks *)clocks)->n) {
+        /* this module's own: no (stamp, waits) tuple, and one shared list for no wait */
+        if (clocks_place_into((Clocks *)clocks, stream, stamp_items, n_stamps, sub.empty_list, &stamp, &waits) < 0)
+            goto done;
+    } else {
+        PyObject *stream_obj = PyLong_FromSsize_t(stream), *stamps = PyList_New(n_stamps);
+        if (stream_obj == NULL || stamps == NULL) { Py_XDECREF(stream_obj); Py_XDECREF(stamps); goto done; }
+        for (Py_ssize_t k = 0; k < n_stamps; k++) PyList_SET_ITEM(stamps, k, Py_NewRef(stamp_items[k]));
+        PyObject *pcall[] = {clocks, stream_obj, stamps};
+        PyObject *placed = PyObject_VectorcallMethod(s_place, pcall, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(stream_obj);
+        Py_DECREF(stamps);
+        if (placed == NULL) goto done;
+        if (!PyTuple_Check(placed) || PyTuple_GET_SIZE(placed) != 2 || !PyList_Check(PyTuple_GET_ITEM(placed, 1))) {
+            PyErr_SetString(PyExc_TypeError, "clocks.place returns (stamp, waits)");
+            Py_DECREF(placed);
+            goto done;
+        }
+        stamp = Py_NewRef(PyTuple_GET_ITEM(placed, 0));
+        waits = Py_NewRef(PyTuple_GET_ITEM(placed, 1));
+        Py_DECREF(placed);
     }
-    op_set(op, OP_STAMP, PyTuple_GET_ITEM(placed, 0));
+    op_set(op, OP_STAMP, stamp);
     /* counted pending */
     if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
     int bad = PyDict_SetItem(self->pending, seq, op) < 0 || list_add(self->busy, stream, 1) < 0;
     if (!bad && PyDict_GET_SIZE(self->pending) > counts->peak) counts->peak = PyDict_GET_SIZE(self->pending);
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
-    if (launch(self, op, deps, stream, live, PyTuple_GET_ITEM(placed, 1),
-               on_host && !self->deferred) < 0)
+    if (launch(self, op, deps, stream, live, waits, on_host && !self->deferred) < 0)
         Py_CLEAR(future);
 done:
     Py_XDECREF(op); Py_XDECREF(opname); Py_XDECREF(seq); Py_XDECREF(tracker); Py_XDECREF(clocks);
-    Py_XDECREF(deps); Py_XDECREF(live); Py_XDECREF(kept); Py_XDECREF(stamps); Py_XDECREF(placed);
+    Py_XDECREF(deps); Py_XDECREF(live); Py_XDECREF(kept); Py_XDECREF(stamp); Py_XDECREF(waits);
+    if (stamp_items != local_stamps) PyMem_Free(stamp_items);
+    if (live_at != local_live_at) PyMem_Free(live_at);
     return future;
 }
 
@@ -1073,17 +1070,17 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
                                          3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     op_set(op, OP_DONE, Py_True);
     if (lock_take(self->done_lock, self->done_acquire) < 0) return NULL;
-    Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0)), free_slots, waiting;
+    Counters *counts = (Counters *)self->counts;
+    Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0));
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
-              || list_add(self->busy, stream, -1) < 0 || slot_int(self->slots, self->free_offset, s_free, &free_slots) < 0
-              || slot_set_int(self->slots, self->free_offset, s_free, free_slots + 1) < 0
-              || slot_int(self->slots, self->waiting_offset, s_waiting, &waiting) < 0;
-    if (!bad && waiting) {
+              || list_add(self->busy, stream, -1) < 0;
+    if (!bad) counts->free++;
+    if (!bad && counts->waiting) {
         PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
         bad = freed == NULL || call_method0(freed, s_notify) < 0;
         Py_XDECREF(freed);
     }
-    if (!bad) ((Counters *)self->counts)->completed++;
+    if (!bad) counts->completed++;
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) return NULL;
     PyObject *value = Py_NewRef(OPF(op, OP_VALUE));
     PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
@@ -1394,7 +1391,7 @@ static int submit_init(PyObject *m) {
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done") S(s_finish_ready, "_finish_ready")
-    S(s_finish_every, "_finish_every") S(s_free, "_free") S(s_waiting, "_waiting") S(s_freed, "_freed")
+    S(s_finish_every, "_finish_every") S(s_freed, "_freed")
     S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")

@@ -134,8 +134,10 @@ class Runtime:
         self._done_lock = ops.new_lock()
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
+        #: seq (the last op's number), completed, peak; the in-flight bound's free and waiting
+        self._counts = ops.new_counters()
         #: the in-flight bound; its count shares ``_done_lock``, so finishing an op takes one lock
-        self._slots = _Slots(max_inflight, self._done_lock)
+        self._slots = _Slots(max_inflight, self._done_lock, self._counts)
         #: per stream: asks its backend to finish completed ops now, for one who waits (or None)
         hurries = {id(m): _Hurry(self, m) for m in members if hasattr(m, "hurry")}
         self._hurry_of = [hurries.get(id(m)) for m in self._member]
@@ -149,7 +151,6 @@ class Runtime:
         self._next_stream = {d: 0 for d in self.devices}
         self._pending: dict[int, Op] = {}
         self._failures: list[BaseException] = []
-        self._counts = ops.new_counters()  # seq (the last op's number), completed, peak
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
         self._in_callbacks = 0  # finished ops whose done-callbacks are running now
@@ -739,38 +740,42 @@ class _Slots:
     own: it runs under the lock the runtime takes to finish an op anyway
     (``threading.Semaphore`` goes through a Python-level ``Condition`` every
     time, which costs more than the rest of the bookkeeping of a small op).
+    Its counts are fields of ``counts`` (the runtime's), which the compiled
+    submit and finish read and write in C, with no int object per op.
     """
 
-    __slots__ = ("_free", "_freed", "_lock", "_waiting")
+    __slots__ = ("_freed", "_lock", "counts")
 
-    def __init__(self, count: int, lock: Any) -> None:
-        self._free = count
+    def __init__(self, count: int, lock: Any, counts: Any) -> None:
+        self.counts = counts
+        counts.free, counts.waiting = count, 0
         self._lock = lock
         self._freed = threading.Condition(self._lock)
-        self._waiting = 0
 
     def acquire(self, blocking: bool = True) -> bool:
+        counts = self.counts
         with self._lock:
-            while self._free <= 0:
+            while counts.free <= 0:
                 if not blocking:
                     return False
-                self._waiting += 1
+                counts.waiting += 1
                 try:
                     self._freed.wait()
                 finally:
-                    self._waiting -= 1
-            self._free -= 1
+                    counts.waiting -= 1
+            counts.free -= 1
             return True
 
     def take_over(self) -> None:
         """Take a slot past the bound, without waiting (later acquires wait until it is back)."""
         with self._lock:
-            self._free -= 1
+            self.counts.free -= 1
 
     def release_locked(self) -> None:
         """Give a slot back; the caller holds the lock."""
-        self._free += 1
-        if self._waiting:
+        counts = self.counts
+        counts.free += 1
+        if counts.waiting:
             self._freed.notify()
 
 

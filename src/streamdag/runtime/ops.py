@@ -34,12 +34,13 @@ _LAZY = new_lock()  # orders making a future's condition against setting its res
 
 
 class _Counters:
-    """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once."""
+    """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
+    and its in-flight bound's slots free and submitters waiting for one (``core._Slots``)."""
 
-    __slots__ = ("completed", "peak", "seq")
+    __slots__ = ("completed", "free", "peak", "seq", "waiting")
 
     def __init__(self) -> None:
-        self.seq = self.completed = self.peak = 0
+        self.seq = self.completed = self.peak = self.free = self.waiting = 0
 
 
 #: a runtime's counts; where the compiled hot path is built, fields it reads and writes in C
