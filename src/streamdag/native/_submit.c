@@ -47,10 +47,10 @@ static struct {
     PyObject *deque_append, *deque_popleft;
 } sub;
 
-static PyObject *s_acquire, *s_release, *s_closed, *s_submit_py, *s_tracker, *s_clocks, *s_link,
-                *s_tail, *s_place, *s_token_attr, *s_profiler, *s_check_spaces, *s_take_slot,
+static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
+                *s_tail, *s_place, *s_token_attr, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_finish_ready, *s_finish_every, *s_freed,
+                *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry;
@@ -237,13 +237,76 @@ static PyType_Spec counters_spec = {
     "streamdag.native.Counters", sizeof(Counters), 0, Py_TPFLAGS_DEFAULT, counters_slots
 };
 
+/* A runtime's parts that every submit reads: its dependency tracker, stream clocks, profiler, the
+ * backends' finish_ready and how often to call them, whether it is closed. The runtime's attributes
+ * of those names are properties over these fields (core.py), so the compiled submit reads them in C,
+ * not from the runtime's __dict__ (a look-up each). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *tracker, *clocks, *profiler, *finish_ready;
+    Py_ssize_t finish_every;
+    char closed;
+} Parts;
+
+static PyTypeObject *parts_type;
+
+static PyMemberDef parts_members[] = {
+    {"tracker", T_OBJECT_EX, offsetof(Parts, tracker), 0, "the dependency tracker"},
+    {"clocks", T_OBJECT_EX, offsetof(Parts, clocks), 0, "the stream clocks"},
+    {"profiler", T_OBJECT_EX, offsetof(Parts, profiler), 0, "the profiler, or None"},
+    {"finish_ready", T_OBJECT_EX, offsetof(Parts, finish_ready), 0, "the backends' finish_ready"},
+    {"finish_every", T_PYSSIZET, offsetof(Parts, finish_every), 0, "call them every so many submits"},
+    {"closed", T_BOOL, offsetof(Parts, closed), 0, "whether the runtime is closed"},
+    {NULL}
+};
+
+static int parts_traverse(Parts *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->tracker);
+    Py_VISIT(self->clocks);
+    Py_VISIT(self->profiler);
+    Py_VISIT(self->finish_ready);
+    return 0;
+}
+
+static int parts_clear(Parts *self) {
+    Py_CLEAR(self->tracker);
+    Py_CLEAR(self->clocks);
+    Py_CLEAR(self->profiler);
+    Py_CLEAR(self->finish_ready);
+    return 0;
+}
+
+static void parts_dealloc(Parts *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    parts_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot parts_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, parts_members},
+    {Py_tp_traverse, parts_traverse},
+    {Py_tp_clear, parts_clear},
+    {Py_tp_dealloc, parts_dealloc},
+    {Py_tp_doc, "A runtime's parts that every submit reads (tracker, clocks, profiler, finish_ready, "
+                "finish_every, closed), fields the compiled submit reads in C."},
+    {0, NULL}
+};
+
+static PyType_Spec parts_spec = {
+    "streamdag.native.Parts", sizeof(Parts), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, parts_slots
+};
+
 /* ------------------------------------------------------------------ Submitter */
 
 typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *slots, *accesses_fn, *device, *next_stream, *finish, *rt_dict, *counts, *backend_dict;
+             *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
@@ -262,24 +325,9 @@ typedef struct {
 static PyTypeObject *submitter_type;
 static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 
-/* ``rt.<name>``: from the runtime's __dict__, else (a class attribute) the generic look-up */
-static PyObject *rt_attr(Submitter *self, PyObject *name) {
-    PyObject *v = PyDict_GetItemWithError(self->rt_dict, name);
-    if (v != NULL) return Py_NewRef(v);
-    return PyErr_Occurred() ? NULL : PyObject_GetAttr(self->rt, name);
-}
-
-static int rt_int(Submitter *self, PyObject *name, Py_ssize_t *out) {
-    PyObject *v = rt_attr(self, name);
-    if (v == NULL) return -1;
-    *out = PyLong_AsSsize_t(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
-    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) X(rt_dict) \
-    X(counts) X(backend_dict) X(builtin_name) \
+    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
+    X(counts) X(backend_dict) X(builtin_name) X(parts) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
     X(refuse_in_capture) \
@@ -320,9 +368,6 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     }
     submitter_clear(self);
     self->rt = Py_NewRef(rt);
-    /* the runtime's own __dict__: its counters and parts are read and written there (a look-up in it
-     * costs a fraction of a generic attribute access, and what Python code sets lands there too) */
-    if ((self->rt_dict = PyObject_GenericGetDict(rt, NULL)) == NULL) return -1;
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
     struct { PyObject **slot; const char *name; } attrs[] = {
@@ -330,14 +375,14 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
         {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
         {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
-        {&self->counts, "_counts"},
+        {&self->counts, "_counts"}, {&self->parts, "_parts"},
     };
     for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
         if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
             || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->next_stream)
-            || Py_TYPE(self->counts) != counters_type) {
+            || Py_TYPE(self->counts) != counters_type || Py_TYPE(self->parts) != parts_type) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
     }
@@ -734,10 +779,8 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         }
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
-    PyObject *profiler = rt_attr(self, s_profiler);
-    if (profiler == NULL) goto done;
-    Py_DECREF(profiler);
-    int python = profiler != Py_None || (host_inputs && PyList_GET_SIZE(live));
+    Parts *parts = (Parts *)self->parts;
+    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
     if (nwaits && (events = PyList_New(0)) == NULL) goto done;
     for (Py_ssize_t k = 0; k < nwaits && !python; k++) {  /* a dep still launching has no event yet */
@@ -850,8 +893,13 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if (named < 0) goto done;
     opname = named ? Py_NewRef(op_name) : numbered_name(op_name, seq_n);
     if (opname == NULL || (op = new_op(seq, opname, fn, args, kwargs, accesses)) == NULL) goto done;
-    if ((tracker = rt_attr(self, s_tracker)) == NULL || (clocks = rt_attr(self, s_clocks)) == NULL)
+    Parts *parts = (Parts *)self->parts;
+    if (parts->tracker == NULL || parts->clocks == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker or clocks");
         goto done;
+    }
+    tracker = Py_NewRef(parts->tracker);  /* (held: the tracker's work may run code) */
+    clocks = Py_NewRef(parts->clocks);
     PyObject *call[] = {tracker, op, accesses};
     deps = PyObject_TypeCheck(tracker, state.tracker_type)
         ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
@@ -989,10 +1037,8 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
             markers |= Py_TYPE(value) == sub.marker_type;
         }
     }
-    PyObject *closed = rt_attr(self, s_closed);
-    if (closed == NULL) goto done;
-    Py_DECREF(closed);
-    if (closed != Py_False || !PyCallable_Check(fn) || run_on != Py_None || markers
+    Parts *parts = (Parts *)self->parts;
+    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || markers
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings)) {
@@ -1035,11 +1081,14 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
     }
     if (released < 0) { Py_CLEAR(result); goto done; }
     /* outside the lock: finish what has completed, every so many submits (callbacks may submit) */
-    PyObject *ready = rt_attr(self, s_finish_ready);
-    if (ready == NULL) { Py_CLEAR(result); goto done; }
-    Py_ssize_t every = 1;
-    if (PyList_Check(ready) && PyList_GET_SIZE(ready) && rt_int(self, s_finish_every, &every) == 0
-            && every > 0 && seq % every == 0) {
+    PyObject *ready = Py_XNewRef(parts->finish_ready);
+    if (ready == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the runtime has no finish_ready");
+        Py_CLEAR(result);
+        goto done;
+    }
+    Py_ssize_t every = parts->finish_every;
+    if (PyList_Check(ready) && PyList_GET_SIZE(ready) && every > 0 && seq % every == 0) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ready); i++) {
             PyObject *r = PyObject_CallNoArgs(PyList_GET_ITEM(ready, i));
             if (r == NULL) break;
@@ -1385,13 +1434,13 @@ static PyType_Spec submitter_spec = {
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    S(s_acquire, "acquire") S(s_release, "release") S(s_closed, "_closed") S(s_submit_py, "_submit")
-    S(s_tracker, "_tracker") S(s_clocks, "_clocks") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_token_attr, "_token") S(s_profiler, "_profiler") S(s_check_spaces, "_check_spaces")
+    S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
+    S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
+    S(s_token_attr, "_token") S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
-    S(s_wait, "wait") S(s_when_done, "when_done") S(s_finish_ready, "_finish_ready")
-    S(s_finish_every, "_finish_every") S(s_freed, "_freed")
+    S(s_wait, "wait") S(s_when_done, "when_done")
+    S(s_freed, "_freed")
     S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
@@ -1412,6 +1461,8 @@ static int submit_init(PyObject *m) {
         return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
+    parts_type = (PyTypeObject *)PyType_FromSpec(&parts_spec);
+    if (parts_type == NULL || PyModule_AddObjectRef(m, "Parts", (PyObject *)parts_type) < 0) return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
     if (submitter_type == NULL) return -1;
     finish_call_type = (PyTypeObject *)PyType_FromSpec(&finish_call_spec);

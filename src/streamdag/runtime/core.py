@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import operator
 import os
 import threading
 import time
@@ -69,6 +70,16 @@ class RuntimeStatistics:
     peak_inflight_bytes: int
 
 
+def _part(name: str) -> property:
+    """A runtime attribute kept in its ``_parts``: a field the compiled submit reads in C, with no
+    look-up in the runtime's ``__dict__`` per submit."""
+
+    def put(rt: Runtime, value: Any) -> None:
+        setattr(rt._parts, name, value)
+
+    return property(operator.attrgetter(f"_parts.{name}"), put)
+
+
 class Runtime:
     """Runs ops asynchronously and concurrently on the streams of one device, or of several.
 
@@ -81,6 +92,13 @@ class Runtime:
     submitted but not finished: :meth:`submit` blocks at the bound,
     :meth:`submit_nowait` raises :class:`WouldBlock`.
     """
+
+    _tracker = _part("tracker")
+    _clocks = _part("clocks")
+    _profiler = _part("profiler")
+    _finish_ready = _part("finish_ready")
+    _finish_every = _part("finish_every")
+    _closed = _part("closed")
 
     def __init__(
         self,
@@ -136,6 +154,7 @@ class Runtime:
         self._callbacks_done = threading.Condition(self._done_lock)
         #: seq (the last op's number), completed, peak; the in-flight bound's free and waiting
         self._counts = ops.new_counters()
+        self._parts = ops.new_parts()  # (the properties above: set before any of them)
         #: the in-flight bound; its count shares ``_done_lock``, so finishing an op takes one lock
         self._slots = _Slots(max_inflight, self._done_lock, self._counts)
         #: per stream: asks its backend to finish completed ops now, for one who waits (or None)

@@ -45,6 +45,17 @@ class _Counters:
 
 #: a runtime's counts; where the compiled hot path is built, fields it reads and writes in C
 new_counters: Callable[[], Any] = getattr(load_native(), "Counters", _Counters)
+
+
+class _Parts:
+    """A runtime's parts that every submit reads: tracker, clocks, profiler, finish_ready,
+    finish_every, closed (``core.Runtime``'s properties of those names are over these)."""
+
+    __slots__ = ("clocks", "closed", "finish_every", "finish_ready", "profiler", "tracker")
+
+
+#: a runtime's parts; where the compiled hot path is built, fields it reads in C
+new_parts: Callable[[], Any] = getattr(load_native(), "Parts", _Parts)
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 
 #: how long an ``await`` polls for its op before it waits to be woken
