@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import pytest
@@ -611,6 +612,30 @@ def test_profiling_on_cuda_with_nvtx_times_every_op_on_its_stream():
     assert copy.start >= first.end - 1e-3  # the copy of outs[0] waited for its matmul
     trace = tl.to_chrome_trace()
     assert any(e["ph"] == "s" for e in trace["traceEvents"])
+
+
+def test_a_finished_event_goes_back_to_the_pool_unless_it_times():
+    from streamdag.backends.cuda import CudaEvent
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        backend = rt.backend
+        stream = backend.streams[0]
+        finished = []
+        plain, timing = CudaEvent(False), CudaEvent(True)
+        assert type(plain) is CudaEvent and not plain.timing
+        assert type(timing) is not CudaEvent and timing.timing  # the pass tells them apart by type
+        for ev in (plain, timing):
+            ev.record(stream)
+            backend.when_done(stream, ev, lambda error=None, ev=ev: finished.append((ev, error)))
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + 10
+        while len(finished) < 2 and time.monotonic() < deadline:  # our pass, or the completion thread's
+            backend.finish_ready()
+            time.sleep(1e-3)
+        assert [f[0] for f in finished] == [plain, timing] and all(f[1] is None for f in finished)
+        pool = backend._free_events
+        assert any(e is plain for e in pool)
+        assert not any(e is timing for e in pool)
 
 
 def test_explain_shows_the_cost_model_and_the_measured_choice():

@@ -29,7 +29,7 @@ import torch
 from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
-from ..runtime.ops import callbacks_later
+from ..runtime.ops import callbacks_later, new_counters
 from . import capture_mode
 from .threads import report_escaped
 
@@ -102,6 +102,9 @@ _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
 #: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
 _compiled_pass = getattr(load_native(), "completions_pass", None)
+#: tells the compiled submit and pass that a device was lost: until then they take a
+#: ``CudaBackend``'s ``lost`` to be None without looking it up (see ``CudaBackend.lost``)
+_note_loss = getattr(load_native(), "note_loss", None)
 _uses_torch = getattr(load_native(), "uses_torch", None)
 
 
@@ -173,6 +176,8 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
     """
 
     def __new__(cls, timing: bool = False, device: torch.device | None = None) -> CudaEvent:
+        if timing and cls is CudaEvent:  # so that an event of this exact type never times (see below)
+            cls = _TimingCudaEvent
         self = super().__new__(cls, enable_timing=timing, blocking=False)  # type: ignore[call-arg]
         self.timing, self.home = timing, device  # (PyTorch's ``device`` is where it was recorded)
         return self
@@ -183,6 +188,12 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
 
     def elapsed_ms(self, end: CudaEvent) -> float:
         return self.elapsed_time(end)  # type: ignore[attr-defined]
+
+
+class _TimingCudaEvent(CudaEvent):
+    """A CUDA event that times (``CudaEvent(timing=True)``): never back in the event pool. Its own
+    type, so the compiled completion pass tells a pool event by its type, without an attribute
+    look-up per op (``native/_submit.c``: ``finish_head``)."""
 
 
 def _sanitizer_enabled() -> bool:
@@ -241,7 +252,9 @@ class _Completions:
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
-        self._token = 0  # the last entry's token (see ``put``)
+        #: ``seq``: the last entry's token (see ``put``), a C field the compiled submit reads and
+        #: writes (``native/_submit.c``: ``completions_put``)
+        self._counts = new_counters()
         self._wake = threading.Event()
         self._hurry = threading.Event()
         self._hurried_at = -1.0
@@ -257,7 +270,7 @@ class _Completions:
 
         The token is the entry's number times the number of queues, plus its
         queue: one int that numbers the entry, names its queue and counts the
-        entries (``_token``). The runtime calls it under its lock, so a
+        entries (``_counts.seq``). The runtime calls it under its lock, so a
         queue's entries are in the order of their tokens (``_position``
         bisects on that). One int: a token that held the entry (and so the
         callback, the op, its future) would make a cycle through the future
@@ -265,7 +278,8 @@ class _Completions:
         object for that collector to count at all.
         """
         n = len(self._queues)
-        token = self._token = (self._token // n + 1) * n + stream
+        counts = self._counts
+        token = counts.seq = (counts.seq // n + 1) * n + stream
         self._queues[stream].append((token, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
             self._wake.set()
@@ -536,7 +550,7 @@ class CudaBackend:
             raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
-        self.lost: DeviceLost | None = None
+        self._lost: DeviceLost | None = None
         #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close()
         self._own = _OwnStreams.take(index, streams + 4)
         own = iter(self._own or [])
@@ -668,6 +682,17 @@ class CudaBackend:
 
     is_sticky = staticmethod(is_sticky)
 
+    @property
+    def lost(self) -> DeviceLost | None:
+        """What every pending and later op on this device fails with once it is lost, else None."""
+        return self._lost
+
+    @lost.setter
+    def lost(self, error: DeviceLost | None) -> None:
+        self._lost = error
+        if error is not None and _note_loss is not None:
+            _note_loss()
+
     def mark_lost(self, exc: BaseException) -> DeviceLost | None:
         """The device is lost after ``exc``, a sticky error that an event query raised (or an op):
         returns what every pending and later op fails with. None where ``exc`` is a query refused
@@ -687,3 +712,7 @@ class CudaBackend:
         if self._own:
             own, self._own = self._own, None
             _OwnStreams.give_back(self._index, own)
+
+
+if load_native() is not None:  # its ``lost`` notes each loss (see the property)
+    load_native().note_losses_of(CudaBackend)

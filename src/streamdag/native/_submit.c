@@ -17,16 +17,18 @@
 /* Op's slots, read and written at the offsets of its member descriptors */
 enum {
     OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
-    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FIELDS
+    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FINISH, OP_NUMBERED,
+    OP_FIELDS
 };
 /* the slots of a Future the compiled code sets and reads (ops.Future.__slots__) */
-enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_FIELDS };
+enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_OP_NUMBER,
+       F_FIELDS };
 static const char *future_field_names[F_FIELDS] = {
-    "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "op_name"
+    "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "_op_name", "_op_number"
 };
 static const char *op_field_names[OP_FIELDS] = {
-    "seq", "name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
-    "done", "error", "root_name", "root_error", "value", "keep", "run_id"
+    "seq", "_name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
+    "done", "error", "root_name", "root_error", "value", "keep", "run_id", "finish", "_numbered"
 };
 
 static struct {
@@ -42,13 +44,17 @@ static struct {
     PyObject *empty_tuple;
     PyObject *empty_str;
     PyObject *empty_list;  /* never added to */
+    /* devices lost so far (note_loss), and the backend type whose ``lost`` notes each (note_losses_of):
+     * until one is lost, ``lost`` of a backend of that type is None without a look-up */
+    Py_ssize_t losses;
+    PyTypeObject *loss_noting_type;
     PyObject *empty_dict;  /* never added to */
     PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
     PyObject *deque_append, *deque_popleft;
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
-                *s_tail, *s_place, *s_token_attr, *s_check_spaces, *s_take_slot,
+                *s_tail, *s_place, *s_check_spaces, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
@@ -312,7 +318,7 @@ typedef struct {
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
-             *callers, *free_events, *device_index, *queues, *completions, *completions_dict, *wake_dict,
+             *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake_dict,
              *refuse_in_capture;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
@@ -329,7 +335,7 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
     X(counts) X(backend_dict) X(builtin_name) X(parts) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
-    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completions_dict) X(wake_dict) \
+    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
     X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
 
@@ -428,9 +434,13 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         Py_INCREF(self->completions);
         self->torch = state.torch;
         if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
-        /* their counter and their wake-up event's flag are read and set in their __dict__ (the event
-         * is made once, with them) */
-        if ((self->completions_dict = PyObject_GenericGetDict(self->completions, NULL)) == NULL) return -1;
+        /* their token counter is a C field; their wake-up event's flag is read in its __dict__ (the
+         * event is made once, with them) */
+        if ((self->completion_counts = PyObject_GetAttrString(self->completions, "_counts")) == NULL) return -1;
+        if (Py_TYPE(self->completion_counts) != counters_type) {
+            PyErr_SetString(PyExc_TypeError, "Submitter: the completions must count in a native Counters");
+            return -1;
+        }
         PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
         if (wake == NULL) return -1;
         self->wake_dict = PyObject_GenericGetDict(wake, NULL);
@@ -489,24 +499,26 @@ static PyObject *op_name_of(Submitter *self, PyObject *fn, PyObject *name) {
     return PyObject_GetAttr((PyObject *)Py_TYPE(fn), s_name_attr);
 }
 
-/* a new Future, its state set as Future.__init__ sets it (without the Python call) */
-static PyObject *new_future(PyObject *op_name) {
+/* a new Future, its state set as Future.__init__ sets it (without the Python call); its op's name,
+ * and the number that follows it (None: none) */
+static PyObject *new_future(PyObject *op_name, PyObject *op_number) {
     PyTypeObject *tp = sub.future_type;
     PyObject *f = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (f == NULL) return NULL;
     future_set(f, F_STATE, sub.pending); future_set(f, F_RESULT, Py_None); future_set(f, F_EXCEPTION, Py_None);
     future_set(f, F_WATCHED, Py_False); future_set(f, F_HURRY, Py_None); future_set(f, F_DONE_TOKEN, Py_None);
-    future_set(f, F_FENCE, Py_None); future_set(f, F_OP_NAME, op_name);
+    future_set(f, F_FENCE, Py_None); future_set(f, F_OP_NAME, op_name); future_set(f, F_OP_NUMBER, op_number);
     return f;
 }
 
-/* a new Op, its slots as Op.__init__ sets them, and its future */
-static PyObject *new_op(PyObject *seq, PyObject *name, PyObject *fn, PyObject *args, PyObject *kwargs,
-                        PyObject *accesses) {
+/* a new Op, its slots as Op.__init__ sets them, and its future. ``numbered``: its name is ``name#seq``,
+ * made when first asked for (Op.name): most ops' names are never read */
+static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *fn, PyObject *args,
+                        PyObject *kwargs, PyObject *accesses) {
     PyTypeObject *tp = sub.op_type;
     PyObject *op = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (op == NULL) return NULL;
-    PyObject *future = new_future(name);
+    PyObject *future = new_future(name, numbered ? seq : Py_None);
     if (future == NULL) { Py_DECREF(op); return NULL; }
     PyObject *zero = PyLong_FromLong(0);
     op_set(op, OP_SEQ, seq); op_set(op, OP_NAME, name); op_set(op, OP_FN, fn); op_set(op, OP_ARGS, args);
@@ -514,6 +526,7 @@ static PyObject *new_op(PyObject *seq, PyObject *name, PyObject *fn, PyObject *a
     op_set(op, OP_STAMP, Py_None); op_set(op, OP_EVENT, Py_None); op_set(op, OP_DONE, Py_False);
     op_set(op, OP_ERROR, Py_None); op_set(op, OP_ROOT_NAME, sub.empty_str); op_set(op, OP_ROOT_ERROR, Py_None);
     op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None); op_set(op, OP_RUN_ID, zero);
+    op_set(op, OP_FINISH, Py_None); op_set(op, OP_NUMBERED, numbered ? Py_True : Py_False);
     OPF(op, OP_FUTURE) = future;  /* the reference made above */
     Py_DECREF(zero);
     return op;
@@ -600,6 +613,25 @@ static int list_add(PyObject *list, Py_ssize_t i, long delta) {
 
 /* ``Op.execute`` for an op whose deps did not fail: 0, or -1 with an interrupt raised (no Exception:
  * an Exception is the op's failure, kept in its error). A failed dep: the Python method. */
+static PyObject *numbered_name(PyObject *name, Py_ssize_t seq);
+
+/* ``op.name`` (borrowed: the op keeps it), made and kept if the op is numbered (see new_op). Called
+ * with an op's exception taken: where the name cannot be made (no memory), its base serves. */
+static PyObject *op_full_name(PyObject *op) {
+    if (OPF(op, OP_NUMBERED) == Py_True) {
+        Py_ssize_t seq = PyLong_AsSsize_t(OPF(op, OP_SEQ));
+        PyObject *full = seq == -1 && PyErr_Occurred() ? NULL : numbered_name(OPF(op, OP_NAME), seq);
+        if (full == NULL) {
+            PyErr_Clear();
+            return OPF(op, OP_NAME);
+        }
+        op_set(op, OP_NAME, full);
+        Py_DECREF(full);
+        op_set(op, OP_NUMBERED, Py_False);
+    }
+    return OPF(op, OP_NAME);
+}
+
 static int execute(PyObject *op) {
     PyObject *deps = OPF(op, OP_DEPS);
     Py_ssize_t n = PyTuple_Check(deps) ? PyTuple_GET_SIZE(deps) : PyList_Check(deps) ? PyList_GET_SIZE(deps) : -1;
@@ -616,8 +648,9 @@ static int execute(PyObject *op) {
                                     PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
     if (value == NULL) {
         PyObject *exc = take_exception();
+        PyObject *name = op_full_name(op);
         op_set(op, OP_ERROR, exc);
-        op_set(op, OP_ROOT_NAME, OPF(op, OP_NAME));
+        op_set(op, OP_ROOT_NAME, name);
         op_set(op, OP_ROOT_ERROR, exc);
         int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);
         if (interrupt) {
@@ -706,24 +739,21 @@ done:
  * queue, wake the completion thread if it sleeps; the entry's token */
 static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream, PyObject *event,
                                  PyObject *callback) {
-    Py_ssize_t index = stream, last_token, n = PyList_GET_SIZE(self->queues);
+    Py_ssize_t index = stream, n = PyList_GET_SIZE(self->queues);
+    Counters *tokens = (Counters *)self->completion_counts;  /* seq: the last entry's token */
     if (!self->streams_indexed && get_int(s, s_index, &index) < 0) return NULL;
-    PyObject *last = PyDict_GetItemWithError(self->completions_dict, s_token_attr);
-    if (last == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, s_token_attr);
-        return NULL;
-    }
-    if ((last_token = PyLong_AsSsize_t(last)) == -1 && PyErr_Occurred()) return NULL;
     if (index < 0 || index >= n) {
         PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
         return NULL;
     }
     /* one int numbers the entry, names its queue, and is the token returned (see put()) */
-    PyObject *token = PyLong_FromSsize_t((last_token / n + 1) * n + index);
+    Py_ssize_t token_n = (tokens->seq / n + 1) * n + index;
+    PyObject *token = PyLong_FromSsize_t(token_n);
     if (token == NULL) return NULL;
     PyObject *entry = PyTuple_Pack(3, token, event, callback);
-    int bad = entry == NULL || PyDict_SetItem(self->completions_dict, s_token_attr, token) < 0;
+    int bad = entry == NULL;
     if (!bad) {
+        tokens->seq = token_n;
         PyObject *r = queue_append(PyList_GET_ITEM(self->queues, index), entry);
         bad = r == NULL;
         Py_XDECREF(r);
@@ -745,8 +775,9 @@ static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream
  * ``Runtime._finish_launch(op, stream, failed=True)`` (which raises it again unless an Exception) */
 static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
     PyObject *exc = take_exception();
+    PyObject *name = op_full_name(op);
     op_set(op, OP_ERROR, exc);
-    op_set(op, OP_ROOT_NAME, OPF(op, OP_NAME));
+    op_set(op, OP_ROOT_NAME, name);
     op_set(op, OP_ROOT_ERROR, exc);
     Py_DECREF(exc);
     PyObject *call[] = {self->rt, op, stream, Py_True};
@@ -763,7 +794,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     if (stream_obj == NULL) return -1;
     int rc = -1;
     PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
-    if (self->can_be_lost) {
+    if (self->can_be_lost && (sub.losses != 0 || Py_TYPE(self->backend) != sub.loss_noting_type)) {
         PyObject *lost = self->backend_dict != NULL ? PyDict_GetItemWithError(self->backend_dict, s_lost) : NULL;
         if (lost != NULL) {
             Py_INCREF(lost);
@@ -846,7 +877,14 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     PyObject *future = OPF(op, OP_FUTURE);  /* made by new_future: of the Future type exactly */
     future_set(future, F_HURRY, PyList_GET_ITEM(self->hurry_of, stream));
     future_set(future, F_FENCE, event);
-    if ((callback = new_finish_call(self, op)) == NULL) goto done;
+    if (self->completions != NULL) {
+        /* the op is its CUDA completion entry's callback: the compiled pass calls submitter_finish
+         * at once (see finish_head), and op(error) calls op.finish(op, error) */
+        op_set(op, OP_FINISH, self->finish);
+        callback = Py_NewRef(op);
+    } else if ((callback = new_finish_call(self, op)) == NULL) {  /* another backend calls it */
+        goto done;
+    }
     if (self->completions != NULL) {
         if ((token = completions_put(self, s, stream, event, callback)) == NULL) goto done;
     } else if ((token = PyObject_CallMethodObjArgs(self->backend, s_when_done, s, event, callback, NULL)) == NULL) {
@@ -891,8 +929,8 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
-    opname = named ? Py_NewRef(op_name) : numbered_name(op_name, seq_n);
-    if (opname == NULL || (op = new_op(seq, opname, fn, args, kwargs, accesses)) == NULL) goto done;
+    opname = Py_NewRef(op_name);
+    if ((op = new_op(seq, opname, !named, fn, args, kwargs, accesses)) == NULL) goto done;
     Parts *parts = (Parts *)self->parts;
     if (parts->tracker == NULL || parts->clocks == NULL) {
         PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker or clocks");
@@ -1114,9 +1152,11 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     }
     PyObject *op = args[0];
     if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(op) != sub.op_type || OPF(op, OP_ERROR) != Py_None
-            || OPF(op, OP_STAMP) == NULL || OPF(op, OP_STAMP) == Py_None)
+            || OPF(op, OP_STAMP) == NULL || OPF(op, OP_STAMP) == Py_None) {
+        if (Py_TYPE(op) == sub.op_type) op_set(op, OP_FINISH, Py_None);  /* no reference to the runtime */
         return PyObject_VectorcallMethod(s_finish_py, (PyObject *[]){self->rt, op, nargs == 2 ? args[1] : Py_None},
                                          3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
     op_set(op, OP_DONE, Py_True);
     if (lock_take(self->done_lock, self->done_acquire) < 0) return NULL;
     Counters *counts = (Counters *)self->counts;
@@ -1135,6 +1175,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     PyObject *future = Py_NewRef(OPF(op, OP_FUTURE));
     op_set(op, OP_FN, Py_None); op_set(op, OP_ARGS, Py_None); op_set(op, OP_KWARGS, Py_None);
     op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None);  /* no reference to user data is kept */
+    op_set(op, OP_FINISH, Py_None);  /* nor to the runtime */
     /* Future._settle_unobserved */
     PyObject *result = NULL;
     int settled = 0;
@@ -1166,6 +1207,9 @@ done:
     return result;
 }
 
+
+/* whether ``event`` has completed: 1, 0, or -1 with an exception; in C++ for a ``event_type`` (our
+ * CudaEvent) where the torch extension is loaded, else its ``query()`` through PyTorch's bindings */
 /* ``partial(submitter.finish, op)``, what an op's completion entry calls (with the device error or
  * None, or with nothing), made without partial's argument tuple and keyword dict */
 typedef struct {
@@ -1241,8 +1285,6 @@ static PyType_Spec finish_call_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, finish_call_slots
 };
 
-/* whether ``event`` has completed: 1, 0, or -1 with an exception; in C++ for a ``event_type`` (our
- * CudaEvent) where the torch extension is loaded, else its ``query()`` through PyTorch's bindings */
 static int event_query(PyObject *event, PyObject *event_type) {
     if (state.torch != NULL && PyObject_TypeCheck(event, (PyTypeObject *)event_type))
         return state.torch->query(event);
@@ -1275,14 +1317,25 @@ static PyObject *entry_event(PyObject *q, Py_ssize_t index) {
 
 /* pop the head entry of ``q``, call its callback with None, give its event to ``free`` unless it
  * times: _Completions._settle for an entry that completed */
-static int finish_head(PyObject *q, PyObject *free_events) {
+static int finish_head(PyObject *q, PyObject *free_events, PyObject *event_type) {
     PyObject *entry = checked_entry(queue_popleft(q));
     if (entry == NULL) return -1;
-    PyObject *event = PyTuple_GET_ITEM(entry, 1);
-    PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 2), Py_None);
+    PyObject *event = PyTuple_GET_ITEM(entry, 1), *callback = PyTuple_GET_ITEM(entry, 2), *r;
+    PyObject *finish = Py_TYPE(callback) == sub.op_type ? OPF(callback, OP_FINISH) : NULL;
+    if (finish != NULL && PyCFunction_Check(finish) && PyCFunction_GET_SELF(finish) != NULL
+            && Py_TYPE(PyCFunction_GET_SELF(finish)) == submitter_type
+            && PyCFunction_GET_FUNCTION(finish) == (PyCFunction)(void (*)(void))submitter_finish) {
+        /* op(None), without the call */
+        PyObject *call[] = {callback, Py_None};
+        r = submitter_finish((Submitter *)PyCFunction_GET_SELF(finish), call, 2);
+    } else {
+        r = PyObject_CallOneArg(callback, Py_None);
+    }
     int bad = r == NULL;
     Py_XDECREF(r);
-    if (!bad) {
+    if (!bad && Py_TYPE(event) == (PyTypeObject *)event_type) {  /* exactly CudaEvent: never one that times */
+        bad = PyList_Append(free_events, event) < 0;
+    } else if (!bad) {
         PyObject *timing = PyObject_GetAttr(event, s_timing);
         int times = timing == NULL ? -1 : PyObject_IsTrue(timing);
         Py_XDECREF(timing);
@@ -1295,6 +1348,7 @@ static int finish_head(PyObject *q, PyObject *free_events) {
 /* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; from ``owner_dict`` (its __dict__,
  * or NULL) where it is there */
 static PyObject *owner_lost(PyObject *owner, PyObject *owner_dict) {
+    if (sub.losses == 0 && Py_TYPE(owner) == sub.loss_noting_type) return Py_None;
     PyObject *lost = owner_dict != NULL ? PyDict_GetItemWithError(owner_dict, s_lost) : NULL;
     if (lost != NULL || PyErr_Occurred()) return lost;
     lost = PyObject_GetAttr(owner, s_lost);
@@ -1324,6 +1378,20 @@ static PyObject *mark_lost(PyObject *owner) {
  * A callback's exception propagates, as in the Python pass. */
 static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
                                        PyObject *owner_dict, PyObject *free_events, PyObject *event_type);
+
+static PyObject *note_loss(PyObject *module, PyObject *unused) {
+    sub.losses++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *note_losses_of(PyObject *module, PyObject *type) {
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "note_losses_of(backend_type)");
+        return NULL;
+    }
+    Py_XSETREF(sub.loss_noting_type, (PyTypeObject *)Py_NewRef(type));
+    Py_RETURN_NONE;
+}
 
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
@@ -1385,7 +1453,7 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
             progressed = 1;
             if (error == Py_None) {
                 Py_DECREF(error);
-                if (finish_head(q, free_events) < 0) return NULL;
+                if (finish_head(q, free_events, event_type) < 0) return NULL;
                 continue;
             }
             PyObject *entry = checked_entry(queue_popleft(q));
@@ -1430,13 +1498,16 @@ static PyType_Spec submitter_spec = {
 #define SUBMIT_METHODS \
     {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
-     "_Completions._pass, compiled for its common case (backends/cuda.py)."},
+     "_Completions._pass, compiled for its common case (backends/cuda.py)."}, \
+    {"note_loss", note_loss, METH_NOARGS, "A device was lost (CudaBackend.lost was set)."}, \
+    {"note_losses_of", note_losses_of, METH_O, \
+     "note_losses_of(backend_type): its lost notes each loss; until one, it is None without a look-up."},
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
     S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_token_attr, "_token") S(s_check_spaces, "_check_spaces")
+    S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done")

@@ -146,11 +146,12 @@ class Future(concurrent.futures.Future):
         "_exception",
         "_fence",
         "_hurry",
+        "_op_name",
+        "_op_number",
         "_result",
         "_state",
         "_waiters",
         "_watched",
-        "op_name",
     )
 
     def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
@@ -160,7 +161,18 @@ class Future(concurrent.futures.Future):
         self._exception = None
         self._watched = False
         self._hurry = self._done_token = self._fence = None
-        self.op_name = ""
+        self._op_name, self._op_number = "", None
+
+    @property
+    def op_name(self) -> str:
+        """The name of the op whose result this is (``name#number`` where the submit named none)."""
+        if self._op_number is not None:  # the compiled submit leaves the number on until asked
+            self._op_name, self._op_number = f"{self._op_name}#{self._op_number}", None
+        return self._op_name
+
+    @op_name.setter
+    def op_name(self, name: str) -> None:
+        self._op_name, self._op_number = name, None
 
     def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
         if name in _LAZY_LISTS:  # the base class's waiters or done-callbacks, asked for the first time
@@ -421,17 +433,19 @@ class Op:
     """
 
     __slots__ = (
+        "_name",
+        "_numbered",
         "accesses",
         "args",
         "deps",
         "done",
         "error",
         "event",
+        "finish",
         "fn",
         "future",
         "keep",
         "kwargs",
-        "name",
         "root_error",
         "root_name",
         "run_id",
@@ -450,7 +464,7 @@ class Op:
         accesses: list[Access],
     ) -> None:
         self.seq = seq
-        self.name = name
+        self._name, self._numbered = name, False
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -467,9 +481,30 @@ class Op:
         self.value: Any = None
         self.keep: Any = None
         self.run_id = 0
+        #: what finishes it once its completion event has been observed, called as
+        #: ``finish(op, device_error)`` (see ``__call__``); set by the compiled submit, else None
+        self.finish: Callable[[Op, BaseException | None], Any] | None = None
+
+    @property
+    def name(self) -> str:
+        """The op's name: the one given to submit, else its function's followed by ``#seq`` (made
+        when first asked for: the compiled submit keeps the function's name and ``_numbered``)."""
+        if self._numbered:
+            self._name, self._numbered = f"{self._name}#{self.seq}", False
+        return self._name
+
+    @name.setter
+    def name(self, name: str) -> None:
+        self._name, self._numbered = name, False
 
     def __repr__(self) -> str:
         return f"<op {self.name!r} #{self.seq}>"
+
+    def __call__(self, device_error: BaseException | None = None) -> Any:
+        """Finish the op: the callback of its completion entry, where the compiled submit made it
+        (one object less per op than a ``partial``; the compiled pass calls ``finish`` directly)."""
+        assert self.finish is not None, "an op the compiled submit did not make is no callback"
+        return self.finish(self, device_error)
 
     def execute(self) -> None:
         """Run the op unless a dependency failed; raises only what is no ``Exception`` (Ctrl-C)."""
