@@ -1104,7 +1104,9 @@ static int stream_arg(Clocks *self, PyObject *obj, Py_ssize_t *out) {
 
 typedef struct { Py_ssize_t stream; long long pos; long long sum; PyObject *clock; } Dep;
 
-static int read_stamp(Clocks *self, PyObject *stamp, Dep *d) {
+/* ``d`` from ``stamp``; ``with_sum``: also the sum of its clock (only a sort of several deps needs it:
+ * an op that follows one producer, as in a chain, reads one int of its stamp, not every stream's) */
+static int read_stamp(Clocks *self, PyObject *stamp, Dep *d, int with_sum) {
     if (!PyTuple_Check(stamp) || PyTuple_GET_SIZE(stamp) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(stamp, 2))
             || PyTuple_GET_SIZE(PyTuple_GET_ITEM(stamp, 2)) != self->n) {
         PyErr_SetString(PyExc_TypeError, "a stamp is (stream, pos, clock) with one entry per stream");
@@ -1114,13 +1116,13 @@ static int read_stamp(Clocks *self, PyObject *stamp, Dep *d) {
     d->pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
     d->clock = PyTuple_GET_ITEM(stamp, 2);
     d->sum = 0;
-    for (Py_ssize_t k = 0; k < self->n; k++) d->sum += PyLong_AsLongLong(PyTuple_GET_ITEM(d->clock, k));
+    for (Py_ssize_t k = 0; with_sum && k < self->n; k++) d->sum += PyLong_AsLongLong(PyTuple_GET_ITEM(d->clock, k));
     return PyErr_Occurred() ? -1 : 0;
 }
 
 static void max_into(long long *into, PyObject *clock, Py_ssize_t n) {
     for (Py_ssize_t k = 0; k < n; k++) {
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(clock, k));  /* checked by read_stamp */
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(clock, k));  /* an error: the caller checks */
         if (v > into[k]) into[k] = v;
     }
 }
@@ -1135,7 +1137,7 @@ static PyObject *clocks_implied(Clocks *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t s;
     Dep d;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "implied(stream, dep)"); return NULL; }
-    if (stream_arg(self, args[0], &s) < 0 || read_stamp(self, args[1], &d) < 0) return NULL;
+    if (stream_arg(self, args[0], &s) < 0 || read_stamp(self, args[1], &d, 1) < 0) return NULL;
     return PyBool_FromLong(self->known[s * self->n + d.stream] >= d.pos);
 }
 
@@ -1173,7 +1175,7 @@ static int clocks_place_into(Clocks *self, Py_ssize_t s, PyObject *const *stamps
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (read_stamp(self, stamps[i], &deps[i]) < 0) goto done;
+        if (read_stamp(self, stamps[i], &deps[i], m > 1) < 0) goto done;
         order[i] = &deps[i];
     }
     memcpy(known, base, n * sizeof(long long));
@@ -1204,6 +1206,7 @@ static int clocks_place_into(Clocks *self, Py_ssize_t s, PyObject *const *stamps
         }
         PyMem_Free(snapshot);
     }
+    if (PyErr_Occurred()) goto done;  /* a clock entry that is no int (max_into) */
     if ((waits = nw == 0 && no_waits != NULL ? Py_NewRef(no_waits) : PyList_New(nw)) == NULL) goto done;
     for (Py_ssize_t k = 0; k < nw; k++) {
         PyObject *index = PyLong_FromSsize_t(chosen[k]);
