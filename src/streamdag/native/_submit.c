@@ -213,7 +213,8 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
 
 /* the runtime's counts (``rt._counts``): ops submitted (the last op's number), completed, and the
  * most pending at once. Python code reads and writes them as attributes; the compiled submit and
- * finish as C fields, with no dictionary and no int object per op. */
+ * finish as C fields, with no dictionary and no int object per op. A CUDA backend's completion
+ * queues count in one too (``_Completions._counts``: ``seq`` is their last entry's token). */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
