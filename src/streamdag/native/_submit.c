@@ -563,10 +563,15 @@ static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *liv
         if (stamp != Py_None) {
             Py_ssize_t st = PyLong_AsSsize_t(PyTuple_GET_ITEM(stamp, 0));
             if (st == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
-            if (st >= 0 && st < n) {
-                PyObject *tail = PyObject_TypeCheck(clocks, state.clocks_type)
-                    ? clocks_tail((Clocks *)clocks, PyTuple_GET_ITEM(stamp, 0))
-                    : PyObject_CallMethodOneArg(clocks, s_tail, PyTuple_GET_ITEM(stamp, 0));
+            if (st >= 0 && st < n && PyObject_TypeCheck(clocks, state.clocks_type)
+                    && st < ((Clocks *)clocks)->n && ((Clocks *)clocks)->known != NULL) {
+                /* this module's clocks: the stream's tail read in C, no int made for it */
+                Clocks *c = (Clocks *)clocks;
+                long long pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
+                if (pos == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
+                if (c->known[st * c->n + st] == pos) { Py_DECREF(stamp); return st; }
+            } else if (st >= 0 && st < n) {
+                PyObject *tail = PyObject_CallMethodOneArg(clocks, s_tail, PyTuple_GET_ITEM(stamp, 0));
                 if (tail == NULL) { Py_DECREF(stamp); return -1; }
                 int same = PyObject_RichCompareBool(tail, PyTuple_GET_ITEM(stamp, 1), Py_EQ);
                 Py_DECREF(tail);
