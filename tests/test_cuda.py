@@ -295,6 +295,23 @@ def test_exception_fails_only_dependents_on_cuda():
         assert torch.equal(fi.result(), torch.ones(8, device="cuda"))
 
 
+def test_an_unnamed_op_that_fails_is_named_after_its_function_in_its_dependents_error():
+    a = torch.zeros(8, device="cuda")
+
+    def broken():
+        raise ValueError("broken on purpose")
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        fa = rt.submit(broken, writes=[a])
+        fd = rt.submit(torch.add, a, 1, reads=[a])
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        err = fd.exception()
+        assert isinstance(err, sd.DependencyFailed)
+        assert fa.op_name.startswith("broken#") and repr(fa.op_name) in str(err)
+        assert fd.op_name.startswith("add#") and fd.op_name != fa.op_name
+
+
 def test_out_of_memory_fails_only_that_op_and_its_dependents():
     a = torch.zeros(8, device="cuda")
     b = torch.zeros(8, device="cuda")
