@@ -1127,10 +1127,15 @@ static void max_into(long long *into, PyObject *clock, Py_ssize_t n) {
     }
 }
 
+/* the position of the last op placed on stream ``s`` (in range) */
+static long long clock_tail(const Clocks *self, Py_ssize_t s) {
+    return self->known[s * self->n + s];
+}
+
 static PyObject *clocks_tail(Clocks *self, PyObject *arg) {
     Py_ssize_t s;
     if (stream_arg(self, arg, &s) < 0) return NULL;
-    return PyLong_FromLongLong(self->known[s * self->n + s]);
+    return PyLong_FromLongLong(clock_tail(self, s));
 }
 
 static PyObject *clocks_implied(Clocks *self, PyObject *const *args, Py_ssize_t nargs) {

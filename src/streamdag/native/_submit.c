@@ -569,7 +569,7 @@ static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *liv
                 Clocks *c = (Clocks *)clocks;
                 long long pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
                 if (pos == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
-                if (c->known[st * c->n + st] == pos) { Py_DECREF(stamp); return st; }
+                if (clock_tail(c, st) == pos) { Py_DECREF(stamp); return st; }
             } else if (st >= 0 && st < n) {
                 PyObject *tail = PyObject_CallMethodOneArg(clocks, s_tail, PyTuple_GET_ITEM(stamp, 0));
                 if (tail == NULL) { Py_DECREF(stamp); return -1; }

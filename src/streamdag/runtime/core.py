@@ -470,7 +470,7 @@ class Runtime:
         with self._lock:
             self._counts.seq += 1
             seq = self._counts.seq
-            op = Op(seq, op_name if name else f"{op_name}#{seq}", fn, args, kwargs, accesses)
+            op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
             deps = self._tracker.link(op, accesses)
             self._launch(op, deps, stream, device,
                          host_inputs=on_host and not (device_ordered or self.backend.deferred))

@@ -118,6 +118,12 @@ class callbacks_later:  # lower case: used like a function, ``with callbacks_lat
             raise raised
 
 
+def _numbered_name(name: str, number: int) -> str:
+    """An unnamed op's name: its function's and its number (``native/_submit.c``'s numbered_name
+    writes the same)."""
+    return f"{name}#{number}"
+
+
 class Future(concurrent.futures.Future):
     """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
 
@@ -166,8 +172,8 @@ class Future(concurrent.futures.Future):
     @property
     def op_name(self) -> str:
         """The name of the op whose result this is (``name#number`` where the submit named none)."""
-        if self._op_number is not None:  # the compiled submit leaves the number on until asked
-            self._op_name, self._op_number = f"{self._op_name}#{self._op_number}", None
+        if self._op_number is not None:  # the submit leaves the number on until asked
+            self._op_name, self._op_number = _numbered_name(self._op_name, self._op_number), None
         return self._op_name
 
     @op_name.setter
@@ -462,9 +468,10 @@ class Op:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         accesses: list[Access],
+        numbered: bool = False,
     ) -> None:
         self.seq = seq
-        self._name, self._numbered = name, False
+        self._name, self._numbered = name, numbered  # numbered: ``name#seq``, made when first read
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -473,7 +480,7 @@ class Op:
         self.stamp: Stamp | None = None
         self.event: Any = None
         self.future = Future()
-        self.future.op_name = name
+        self.future._op_name, self.future._op_number = name, seq if numbered else None
         self.done = False
         self.error: BaseException | None = None
         self.root_name = ""
@@ -488,9 +495,9 @@ class Op:
     @property
     def name(self) -> str:
         """The op's name: the one given to submit, else its function's followed by ``#seq`` (made
-        when first asked for: the compiled submit keeps the function's name and ``_numbered``)."""
+        when first asked for: the submit keeps the function's name and ``_numbered``)."""
         if self._numbered:
-            self._name, self._numbered = f"{self._name}#{self.seq}", False
+            self._name, self._numbered = _numbered_name(self._name, self.seq), False
         return self._name
 
     @name.setter
