@@ -5,7 +5,8 @@ with each of the calls it adds around a launch, alone or together: the completio
 plain event, or a blocking-sync one whose host wait sleeps until an interrupt), the order after the
 caller's stream (an event recorded on it and waited on), or instead a query of the caller's stream,
 and the check that the caller's stream is not being captured into a CUDA graph (``enter`` makes it
-before that order).
+before that order); and the launch on a blocking stream instead, which CUDA itself orders after
+the legacy default stream, the caller's (a runtime's compute streams with ``default_stream_sync``).
 The lent host's speed drifts by tens of percent within seconds, so the variants run in short
 rounds of 2,000 launches in alternating order, and each row is the median over rounds of the time
 added to the first variant's in the same round.
@@ -38,7 +39,13 @@ double loop(int v, int n) {
   static bool made = false;
   static cudaEvent_t fence;
   static std::vector<cudaEvent_t> plain(64), blocking(64);
-  static c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(false);
+  static c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false);
+  static cudaStream_t blocking_handle = nullptr;
+  if (blocking_handle == nullptr) cudaStreamCreateWithFlags(&blocking_handle, cudaStreamDefault);
+  static c10::cuda::CUDAStream blocking_side =
+      c10::cuda::getStreamFromExternal(blocking_handle, c10::cuda::current_device());
+  // v == 7: a blocking stream, which CUDA orders after the legacy default stream (the caller's)
+  c10::cuda::CUDAStream s = v == 7 ? blocking_side : side;
   static torch::Tensor *x = nullptr;  // never freed: no teardown after CUDA's at exit
   if (!made) {
     cudaEventCreateWithFlags(&fence, cudaEventDisableTiming);
@@ -70,7 +77,7 @@ double loop(int v, int n) {
       c10::cuda::setCurrentCUDAStream(s);
       x->add_(1);
       c10::cuda::setCurrentCUDAStream(caller);
-      if (v == 1 || v == 3 || v == 4 || v == 6) cudaEventRecord(plain[i & 63], s.stream());
+      if (v == 1 || v == 3 || v == 4 || v == 6 || v == 7) cudaEventRecord(plain[i & 63], s.stream());
       if (v == 2) cudaEventRecord(blocking[i & 63], s.stream());
       if (v == 5 && (i & 7) == 7) cudaEventRecord(plain[i & 63], s.stream());
     }
@@ -89,6 +96,7 @@ LABELS = [
     "+ plain completion event + query the caller's stream (idle) instead",
     "+ plain completion event every 8th launch",
     "+ plain completion event + order after the caller's stream + check it is not capturing",
+    "+ plain completion event, on a blocking stream (CUDA orders it after the default stream)",
 ]
 
 

@@ -20,9 +20,9 @@ for mode in chain torch; do
   PERF_CTL=$work/ctl PERF_ACK=$work/ack "$perf_bin" record -e cpu-clock -F 5000 -D -1 \
     --control "fifo:$work/ctl,$work/ack" -o "$work/$mode.data" -- python3 bench/perf_chain.py "$mode" "$ops" \
     | tee "$out/$mode.wall.txt"
-  for sort in dso dso,sym; do
+  for sort in dso dso,sym pid,dso pid,dso,sym; do
     "$perf_bin" report -i "$work/$mode.data" --no-children --sort "$sort" --stdio 2>/dev/null \
-      > "$out/$mode.${sort/,/_}.txt"
+      > "$out/$mode.${sort//,/_}.txt"
   done
   rm -f "$work/ctl" "$work/ack"
 done

@@ -266,12 +266,15 @@ def test_transfers_round_trip_exactly_under_load():
             assert torch.equal(back.result(), host)
 
 
+@pytest.mark.parametrize("default_stream_sync", [True, False])
 @pytest.mark.parametrize("caller", ["default", "side"])
 @pytest.mark.parametrize("caller_busy", [False, True])
-def test_ops_follow_work_the_caller_enqueued_on_its_stream(caller, caller_busy):
-    """Inputs made on the caller's stream are ready when the op runs, busy caller stream or idle."""
+def test_ops_follow_work_the_caller_enqueued_on_its_stream(caller, caller_busy, default_stream_sync):
+    """Inputs made on the caller's stream are ready when the op runs, busy caller stream or idle:
+    ordered by CUDA itself (a blocking stream after the default stream) or by an event."""
     stream = torch.cuda.current_stream() if caller == "default" else torch.cuda.Stream()
-    with sd.Runtime("cuda", streams=2) as rt, torch.cuda.stream(stream):
+    rt = sd.Runtime("cuda", streams=2, default_stream_sync=default_stream_sync)
+    with rt, torch.cuda.stream(stream):
         for i in range(20):
             x = torch.zeros(1 << 16, device="cuda")
             if caller_busy:
@@ -279,6 +282,28 @@ def test_ops_follow_work_the_caller_enqueued_on_its_stream(caller, caller_busy):
             x.fill_(i)  # on the caller's stream, after the sleep
             y = rt.submit(torch.add, x, 1, reads=[x], name="after_caller").result()
             assert torch.equal(y, torch.full_like(y, i + 1)), i
+
+
+def test_default_stream_work_after_a_submit_follows_the_op_on_blocking_streams():
+    """With ``default_stream_sync`` the compute streams are CUDA blocking streams: what the caller
+    then puts on the default stream runs after the ops submitted before it, with no wait asked for.
+    The runtime's streams are still neither PyTorch's pooled ones nor each other's order."""
+    from streamdag import native
+
+    if getattr(native.load_torch(), "new_stream", None) is None:
+        pytest.skip("without the torch extension the compute streams are PyTorch's non-blocking ones")
+    out = torch.zeros(1 << 20, device="cuda")
+    side = torch.zeros(1 << 10, device="cuda")
+    with sd.Runtime("cuda", streams=4) as rt:
+        for i in range(3):
+            torch.cuda.synchronize()
+            # ~0.2 s of GPU time, then the write
+            slow = rt.submit(lambda i=i: (torch.cuda._sleep(400_000_000), out.fill_(i + 7)), writes=[out])
+            quick = rt.submit(side.add_, 1, writes=[side])  # another stream: not behind the slow one
+            assert quick.result() is side and not slow.done()
+            seen = out.clone()  # plain PyTorch on the default stream, after the submit
+            assert seen.min().item() == i + 7
+            slow.result()
 
 
 def test_exception_fails_only_dependents_on_cuda():
@@ -856,7 +881,7 @@ def test_a_graph_is_captured_on_cuda_streams_of_its_own():
     assert seen and not seen & pool and not seen & runtime_streams
     del g
     gc.collect()
-    assert seen <= set(_OwnStreams._free.get(torch.cuda.current_device(), []))
+    assert seen <= set(_OwnStreams._free.get((torch.cuda.current_device(), False), []))  # non-blocking
 
 
 @pytest.mark.parametrize("path", ["C++ calls", "PyTorch's bindings", "submit in Python"])

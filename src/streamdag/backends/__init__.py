@@ -7,10 +7,12 @@ from .base import Backend, Event, Stream
 __all__ = ["Backend", "Event", "Stream", "make_backend", "make_backends"]
 
 
-def make_backend(device: str, streams: int | None, seed: int = 0) -> Backend:
+def make_backend(device: str, streams: int | None, seed: int = 0,
+                 default_stream_sync: bool = True) -> Backend:
     """The backend for a device string: ``"cpu"``, ``"sim"``, ``"cuda"`` or ``"cuda:N"``.
 
-    ``streams`` (or None for the backend's default) is checked by the runtime.
+    ``streams`` (or None for the backend's default) is checked by the runtime;
+    ``default_stream_sync`` is the runtime's (GPUs only).
     """
     if not isinstance(device, str):
         device = str(device)
@@ -25,14 +27,15 @@ def make_backend(device: str, streams: int | None, seed: int = 0) -> Backend:
     if device == "cuda" or device.startswith("cuda:"):
         from .cuda import CudaBackend
 
-        return CudaBackend(device, streams or 8)
+        return CudaBackend(device, streams or 8, default_stream_sync)
     raise ValueError(
         f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' (a GPU), or 'sim' (a simulated "
         "device for tests)"
     )
 
 
-def make_backends(devices: list[str], streams: int | None, seed: int = 0) -> list[Backend]:
+def make_backends(devices: list[str], streams: int | None, seed: int = 0,
+                  default_stream_sync: bool = True) -> list[Backend]:
     """One backend per device of a runtime that spans several: GPUs, or simulated devices ``"sim:N"``."""
     names = [str(d) for d in devices]
     if not names:
@@ -48,7 +51,7 @@ def make_backends(devices: list[str], streams: int | None, seed: int = 0) -> lis
             executor = executor or SimExecutor(seed)
             backends.append(SimBackend(streams or 4, device=name, copy_kinds=("p2p",), executor=executor))
         elif name.startswith("cuda:") and name[5:].isdigit():
-            backends.append(make_backend(name, streams, seed))
+            backends.append(make_backend(name, streams, seed, default_stream_sync))
         else:
             for b in backends:
                 b.close()

@@ -144,25 +144,31 @@ class _OwnStreams:
     #: re-entrant: a gone graph runner gives its streams back from a finalizer, which the
     #: collector may run in a thread that is in ``take``
     _lock = threading.RLock()
-    _free: ClassVar[dict[int, list[int]]] = {}  # per device
+    _free: ClassVar[dict[tuple[int, bool], list[int]]] = {}  # per device, non-blocking or blocking
 
     @classmethod
-    def take(cls, device: int, n: int) -> list[int] | None:
-        """``n`` stream addresses on ``device``, free ones first; None without the torch extension."""
+    def take(cls, device: int, n: int, blocking: bool = False) -> list[int] | None:
+        """``n`` stream addresses on ``device``, free ones first; None without the torch extension.
+
+        ``blocking``: streams that CUDA orders after the legacy default stream's work (and that
+        stream's later work after theirs): a runtime's compute streams, which then need no event
+        to follow a caller on the default stream. Never for a capture: any use of the default
+        stream during it would end it in an error.
+        """
         ext = load_torch()
         make = getattr(ext, "new_stream", None)
         if make is None:
             return None
         with cls._lock:
-            free = cls._free.setdefault(device, [])
+            free = cls._free.setdefault((device, blocking), [])
             taken = [free.pop() for _ in range(min(n, len(free)))]
-        return taken + [make(device) for _ in range(n - len(taken))]
+        return taken + [make(device, blocking) for _ in range(n - len(taken))]
 
     @classmethod
-    def give_back(cls, device: int, addresses: list[int]) -> None:
+    def give_back(cls, device: int, addresses: list[int], blocking: bool = False) -> None:
         """For the next runtime: the work queued on them stays ordered before its own."""
         with cls._lock:
-            cls._free.setdefault(device, []).extend(addresses)
+            cls._free.setdefault((device, blocking), []).extend(addresses)
 
 
 class CudaEvent(_event_base if _event_base is not None else object):  # type: ignore[misc]
@@ -542,7 +548,7 @@ class CudaBackend:
 
     deferred = False
 
-    def __init__(self, device: str, streams: int) -> None:
+    def __init__(self, device: str, streams: int, default_stream_sync: bool = True) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 f"device={device!r} needs PyTorch with CUDA and a GPU, and torch.cuda.is_available() "
@@ -555,11 +561,14 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
         self._lost: DeviceLost | None = None
-        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close()
-        self._own = _OwnStreams.take(index, streams + 4)
-        own = iter(self._own or [])
+        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): the
+        #: compute streams blocking where ``default_stream_sync`` (see ``Runtime``), the others not
+        self._blocking = default_stream_sync
+        self._own_compute = _OwnStreams.take(index, streams, blocking=default_stream_sync)
+        self._own = _OwnStreams.take(index, 4)
+        compute, own = iter(self._own_compute or []), iter(self._own or [])
         with torch.cuda.device(self.torch_device):
-            self._streams = [CudaStream(i, "compute", next(own, None)) for i in range(streams)]
+            self._streams = [CudaStream(i, "compute", next(compute, None)) for i in range(streams)]
             self._copy = {
                 "h2d": CudaStream(streams, "h2d", next(own, None)),
                 "d2h": CudaStream(streams + 1, "d2h", next(own, None)),
@@ -713,6 +722,9 @@ class CudaBackend:
 
     def close(self) -> None:
         self._completions.stop()
+        if self._own_compute:
+            own, self._own_compute = self._own_compute, None
+            _OwnStreams.give_back(self._index, own, blocking=self._blocking)
         if self._own:
             own, self._own = self._own, None
             _OwnStreams.give_back(self._index, own)

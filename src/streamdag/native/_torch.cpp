@@ -106,6 +106,23 @@ bool capturing(const c10::cuda::CUDAStream& stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// The runtime's streams made blocking (new_stream(device, True)): CUDA orders work on one after all
+// earlier work on the legacy default stream of its device (and that stream's later work after it)
+std::vector<cudaStream_t> blocking_streams;
+
+// Whether CUDA itself orders work on ``target`` after the caller's earlier work on ``caller``: the
+// caller's is the legacy default stream (PyTorch's default stream, handle 0) and ``target`` is
+// blocking. Not while a stream sanitizer traces: it sees the order of events alone.
+bool ordered_by_cuda(const c10::cuda::CUDAStream& caller, const c10::cuda::CUDAStream& target) {
+  cudaStream_t handle = caller.stream();
+  if (handle != nullptr && handle != cudaStreamLegacy) return false;
+  if (c10::impl::GPUTrace::get_trace() != nullptr) return false;
+  cudaStream_t own = target.stream();
+  for (cudaStream_t s : blocking_streams)
+    if (s == own) return true;
+  return false;
+}
+
 int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
   try {
     auto target = stream_of(stream);
@@ -125,9 +142,11 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
     saved->stream_id = packed.stream_id;
     saved->device_index = packed.device_index;
     saved->device_type = static_cast<long long>(packed.device_type);
-    auto& fence = event_of(caller_event);
-    record_on(fence, caller, target.device_index());  // work the caller enqueued on its stream first
-    block_on(fence, target, target.device_index());
+    if (!ordered_by_cuda(caller, target)) {  // work the caller enqueued on its stream first
+      auto& fence = event_of(caller_event);
+      record_on(fence, caller, target.device_index());
+      block_on(fence, target, target.device_index());
+    }
     c10::cuda::setCurrentCUDAStream(target);
     return 0;
   } catch (...) {
@@ -180,16 +199,19 @@ int query(PyObject* event) {
 
 StreamdagTorchHooks hooks = {STREAMDAG_TORCH_HOOKS_VERSION, region, enter, leave, record, wait, query};
 
-// new_stream(device) -> the address of a new non-blocking CUDA stream on that GPU, for a runtime's
-// own use: PyTorch's streams come from a pool of 32 per device, shared with every other
-// torch.cuda.Stream() (another runtime's, a CUDA graph capture's, the user's own)
-PyObject* new_stream(PyObject*, PyObject* device_arg) {
-  long device = PyLong_AsLong(device_arg);
-  if (device == -1 && PyErr_Occurred()) return nullptr;
+// new_stream(device, blocking=False) -> the address of a new CUDA stream on that GPU, for a
+// runtime's own use: PyTorch's streams come from a pool of 32 per device, shared with every other
+// torch.cuda.Stream() (another runtime's, a CUDA graph capture's, the user's own). Non-blocking, or
+// blocking: ordered after the legacy default stream by CUDA (see ordered_by_cuda), never captured
+PyObject* new_stream(PyObject*, PyObject* args) {
+  long device = 0;
+  int blocking = 0;
+  if (!PyArg_ParseTuple(args, "l|p", &device, &blocking)) return nullptr;
   try {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     cudaStream_t stream = nullptr;
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, blocking ? cudaStreamDefault : cudaStreamNonBlocking));
+    if (blocking) blocking_streams.push_back(stream);
     return PyLong_FromVoidPtr(stream);
   } catch (...) {
     fail();
@@ -260,7 +282,8 @@ PyObject* set_submitted_in_capture(PyObject*, PyObject* cls) {
 }
 
 PyMethodDef module_methods[] = {
-    {"new_stream", new_stream, METH_O, "new_stream(device) -> address of a new non-blocking CUDA stream"},
+    {"new_stream", new_stream, METH_VARARGS,
+     "new_stream(device, blocking=False) -> address of a new CUDA stream, non-blocking unless asked"},
     {"layouts", layouts, METH_O, "layouts(tensors) -> bytes: their addresses, sizes and strides"},
     {"same_layouts", same_layouts, METH_VARARGS,
      "same_layouts(tensors, layouts) -> bool: whether each still has the address, sizes and strides"},

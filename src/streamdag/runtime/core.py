@@ -91,6 +91,14 @@ class Runtime:
     of another device inserts a peer copy. ``max_inflight`` bounds the ops
     submitted but not finished: :meth:`submit` blocks at the bound,
     :meth:`submit_nowait` raises :class:`WouldBlock`.
+
+    ``default_stream_sync`` (GPUs): the compute streams are CUDA blocking streams, which CUDA
+    orders after the work on PyTorch's default stream, so an op submitted while that stream is
+    current follows the caller's earlier work there without an event per submit; in turn, work
+    the caller then puts on the default stream waits for the ops submitted before it. ``False``:
+    non-blocking streams, each submit orders its op after the caller's stream with an event, and
+    the caller's default-stream work runs beside the ops. A caller on a stream of its own
+    (``torch.cuda.stream(s)``) gets the event either way.
     """
 
     _tracker = _part("tracker")
@@ -111,6 +119,7 @@ class Runtime:
         seed: int = 0,
         backend: Backend | None = None,
         devices: Sequence[str] | None = None,
+        default_stream_sync: bool = True,
     ) -> None:
         if streams is not None and backend is None:  # a backend given brings its own streams
             _check_count("streams", streams, 1, "or None for the default")
@@ -120,9 +129,10 @@ class Runtime:
         if devices is not None:
             if backend is not None:
                 raise ValueError("pass devices= or backend=, not both")
-            members = make_backends(list(devices), streams, seed)
+            members = make_backends(list(devices), streams, seed, default_stream_sync)
         else:
-            members = [backend if backend is not None else make_backend(device, streams, seed)]
+            members = [backend if backend is not None
+                       else make_backend(device, streams, seed, default_stream_sync)]
         #: one backend per device; ``backend`` is the first (the only one on one device)
         self.backends: list[Backend] = members
         self.backend: Backend = members[0]
