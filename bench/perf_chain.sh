@@ -5,6 +5,8 @@
 #
 # The lent GPU machines have no perf; one copied there with its libraries runs (user space, with
 # perf_event_paranoid 2): PERF=path/to/perf, PERF_LIBS=folder of its shared libraries.
+# PERF_CALLGRAPH=1: also frame-pointer call graphs, and per symbol the time spent in it and what it
+# calls (children.txt; build the hot path with STREAMDAG_CFLAGS=-fno-omit-frame-pointer for that).
 # Usage: PERF=... PERF_LIBS=... PYTHONPATH=src bash bench/perf_chain.sh [ops] [out folder]
 set -euo pipefail
 ops=${1:-150000}
@@ -18,12 +20,17 @@ work=$(mktemp -d)
 for mode in chain torch; do
   mkfifo "$work/ctl" "$work/ack"
   PERF_CTL=$work/ctl PERF_ACK=$work/ack "$perf_bin" record -e cpu-clock -F 5000 -D -1 \
+    ${PERF_CALLGRAPH:+--call-graph fp} \
     --control "fifo:$work/ctl,$work/ack" -o "$work/$mode.data" -- python3 bench/perf_chain.py "$mode" "$ops" \
     | tee "$out/$mode.wall.txt"
   for sort in dso dso,sym pid,dso pid,dso,sym; do
     "$perf_bin" report -i "$work/$mode.data" --no-children --sort "$sort" --stdio 2>/dev/null \
       > "$out/$mode.${sort//,/_}.txt"
   done
+  if [ -n "${PERF_CALLGRAPH:-}" ]; then
+    "$perf_bin" report -i "$work/$mode.data" --children --sort sym -g none --stdio 2>/dev/null \
+      > "$out/$mode.children.txt"
+  fi
   rm -f "$work/ctl" "$work/ack"
 done
 python3 bench/perf_diff.py "$out" "$ops" | tee "$out/diff.txt"
