@@ -6,7 +6,9 @@ plain event, or a blocking-sync one whose host wait sleeps until an interrupt), 
 caller's stream (an event recorded on it and waited on), or instead a query of the caller's stream,
 and the check that the caller's stream is not being captured into a CUDA graph (``enter`` makes it
 before that order); and the launch on a blocking stream instead, which CUDA itself orders after
-the legacy default stream, the caller's (a runtime's compute streams with ``default_stream_sync``).
+the legacy default stream, the caller's (a runtime's compute streams with ``default_stream_sync``);
+and the current device asked before and after the launch, through the runtime API or the driver's
+current context.
 The lent host's speed drifts by tens of percent within seconds, so the variants run in short
 rounds of 2,000 launches in alternating order, and each row is the median over rounds of the time
 added to the first variant's in the same round.
@@ -31,6 +33,7 @@ SOURCE = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <chrono>
+#include <dlfcn.h>
 
 using clk = std::chrono::steady_clock;
 
@@ -44,6 +47,11 @@ double loop(int v, int n) {
   if (blocking_handle == nullptr) cudaStreamCreateWithFlags(&blocking_handle, cudaStreamDefault);
   static c10::cuda::CUDAStream blocking_side =
       c10::cuda::getStreamFromExternal(blocking_handle, c10::cuda::current_device());
+  // v == 9: the driver's cuCtxGetCurrent, from the libcuda the process has loaded
+  typedef int (*ctx_get_current_t)(void**);
+  static ctx_get_current_t ctx_get_current = reinterpret_cast<ctx_get_current_t>(
+      dlsym(dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD), "cuCtxGetCurrent"));
+  if (v == 9 && ctx_get_current == nullptr) return -1.0;
   // v == 7: a blocking stream, which CUDA orders after the legacy default stream (the caller's)
   c10::cuda::CUDAStream s = v == 7 ? blocking_side : side;
   static torch::Tensor *x = nullptr;  // never freed: no teardown after CUDA's at exit
@@ -74,10 +82,16 @@ double loop(int v, int n) {
         cudaEventRecord(fence, caller.stream());
         cudaStreamWaitEvent(s.stream(), fence, 0);
       }
+      int device = 0;
+      void* ctx = nullptr;
+      if (v == 8) cudaGetDevice(&device);  // the caller's device, before the launch and after
+      if (v == 9) ctx_get_current(&ctx);
       c10::cuda::setCurrentCUDAStream(s);
       x->add_(1);
       c10::cuda::setCurrentCUDAStream(caller);
-      if (v == 1 || v == 3 || v == 4 || v == 6 || v == 7) cudaEventRecord(plain[i & 63], s.stream());
+      if (v == 8) cudaGetDevice(&device);
+      if (v == 9) ctx_get_current(&ctx);
+      if (v == 1 || v == 3 || v == 4 || v == 6 || v >= 7) cudaEventRecord(plain[i & 63], s.stream());
       if (v == 2) cudaEventRecord(blocking[i & 63], s.stream());
       if (v == 5 && (i & 7) == 7) cudaEventRecord(plain[i & 63], s.stream());
     }
@@ -97,6 +111,8 @@ LABELS = [
     "+ plain completion event every 8th launch",
     "+ plain completion event + order after the caller's stream + check it is not capturing",
     "+ plain completion event, on a blocking stream (CUDA orders it after the default stream)",
+    "+ plain completion event + the current device asked twice (cudaGetDevice)",
+    "+ plain completion event + the current context asked twice (the driver's cuCtxGetCurrent)",
 ]
 
 

@@ -933,6 +933,7 @@ def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_de
     event. None of them may end the user's capture or be taken for a lost device (every pending
     and later op failed with DeviceLost). Through PyTorch's bindings (no torch extension) the
     submitting thread's passes and the waiter's polls did end it."""
+    import gc
     import time
 
     from streamdag import native
@@ -963,13 +964,21 @@ def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_de
                 thread = threading.Thread(target=meanwhile, args=(inside, waited))
                 thread.start()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
-                    y = x
-                    for i in range(20000):  # long enough to span many of the completion thread's polls
-                        y = y * 1.0
-                        if i == 100:
-                            inside.set()
-                    thread.join(timeout=60)  # the other thread's queries all happen inside the capture
+                # no automatic collection inside the capture (as streamdag's own captures do): it could
+                # free an earlier CUDA graph there, which CUDA refuses, ending the capture. In a
+                # selection of 13 cuda tests it did: the graph of the test before last, kept alive
+                # by the traceback of an op's error until then, cyclic garbage from then on
+                gc.disable()
+                try:
+                    with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
+                        y = x
+                        for i in range(20000):  # long enough to span many of the completion thread's polls
+                            y = y * 1.0
+                            if i == 100:
+                                inside.set()
+                        thread.join(timeout=60)  # the other thread's queries all happen inside the capture
+                finally:
+                    gc.enable()
                 assert waited == [None]
                 slow.result(timeout=60)
                 g.replay()

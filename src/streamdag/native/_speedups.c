@@ -39,9 +39,22 @@ typedef struct {
      * (_TrackerMethods._space/_compact, _Space.keep), done here without those calls */
     PyTypeObject *compact_tracker, *compact_space;
     PyObject *max_horizon;
+    /* the last subclass that passed each check of is_kind(): hazards.py's and waits.py's classes
+     * derive from this module's types, and PyObject_TypeCheck walks a subclass's MRO every time */
+    PyTypeObject *seen_space, *seen_tracker, *seen_clocks;
 } State;
 
 static State state;  /* one interpreter: the module is not meant for subinterpreters */
+
+/* PyObject_TypeCheck(obj, base), with the last subclass that passed kept in ``*seen`` */
+static inline int is_kind(PyObject *obj, PyTypeObject *base, PyTypeObject **seen) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp == base || tp == *seen) return 1;
+    if (base == NULL || !PyType_IsSubtype(tp, base)) return 0;
+    Py_INCREF(tp);
+    Py_XSETREF(*seen, tp);
+    return 1;
+}
 
 static PyObject *s_space, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
                 *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_STRIDED;
@@ -661,7 +674,7 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         if (start == end) continue;
         PyObject *space = PyDict_GetItemWithError(self->spaces, name);  /* borrowed */
         if (space == NULL && PyErr_Occurred()) goto done;
-        if (space != NULL && !PyObject_TypeCheck(space, state.space_type)) {
+        if (space != NULL && !is_kind(space, state.space_type, &state.seen_space)) {
             PyErr_SetString(PyExc_TypeError, "a tracker's spaces must be its own");
             goto done;
         }
@@ -672,7 +685,7 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         } else if (space == NULL || due) {
             space = PyObject_CallMethodOneArg((PyObject *)self, s_space, name);  /* made or compacted */
             if (space == NULL) goto done;
-            if (!PyObject_TypeCheck(space, state.space_type)) {
+            if (!is_kind(space, state.space_type, &state.seen_space)) {
                 Py_DECREF(space);
                 PyErr_SetString(PyExc_TypeError, "_space() must return a space of this module's type");
                 goto done;

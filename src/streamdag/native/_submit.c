@@ -563,7 +563,7 @@ static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *liv
         if (stamp != Py_None) {
             Py_ssize_t st = PyLong_AsSsize_t(PyTuple_GET_ITEM(stamp, 0));
             if (st == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
-            if (st >= 0 && st < n && PyObject_TypeCheck(clocks, state.clocks_type)
+            if (st >= 0 && st < n && is_kind(clocks, state.clocks_type, &state.seen_clocks)
                     && st < ((Clocks *)clocks)->n && ((Clocks *)clocks)->known != NULL) {
                 /* this module's clocks: the stream's tail read in C, no int made for it */
                 Clocks *c = (Clocks *)clocks;
@@ -945,7 +945,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     tracker = Py_NewRef(parts->tracker);  /* (held: the tracker's work may run code) */
     clocks = Py_NewRef(parts->clocks);
     PyObject *call[] = {tracker, op, accesses};
-    deps = PyObject_TypeCheck(tracker, state.tracker_type)
+    deps = is_kind(tracker, state.tracker_type, &state.seen_tracker)
         ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
         : PyObject_VectorcallMethod(s_link, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (deps == NULL) goto done;
@@ -983,7 +983,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
             Py_XDECREF(error);
             if (!ok) { Py_DECREF(dep_list); goto done; }
         }
-        if (!finished_deps && deps == dep_list && PyObject_TypeCheck(tracker, state.tracker_type)) {
+        if (!finished_deps && deps == dep_list && is_kind(tracker, state.tracker_type, &state.seen_tracker)) {
             live = Py_NewRef(dep_list);  /* the list our tracker made for this op: all live */
         } else {
             if ((live = PyList_New(n_stamps)) == NULL) { Py_DECREF(dep_list); goto done; }
@@ -1008,7 +1008,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     Py_DECREF(dep_list);
     Py_ssize_t stream = choose_stream(self, clocks, live);
     if (stream < 0) goto done;
-    if (PyObject_TypeCheck(clocks, state.clocks_type) && stream < ((Clocks *)clocks)->n) {
+    if (is_kind(clocks, state.clocks_type, &state.seen_clocks) && stream < ((Clocks *)clocks)->n) {
         /* this module's own: no (stamp, waits) tuple, and one shared list for no wait */
         if (clocks_place_into((Clocks *)clocks, stream, stamp_items, n_stamps, sub.empty_list, &stamp, &waits) < 0)
             goto done;

@@ -129,7 +129,11 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
     saved->device = c10::cuda::current_device();
     if (saved->device != target.device_index()) c10::cuda::set_device(target.device_index());
     auto caller = c10::cuda::getCurrentCUDAStream(target.device_index());
-    if (capturing(caller)) {  // before any call onto it: the caller's capture stays as it was
+    // ordered by CUDA: no call onto the caller's stream, which is the legacy default stream (never
+    // captured itself), so none that could touch a capture; else, before any call onto it, the
+    // caller's capture must stay as it was
+    bool implicit = ordered_by_cuda(caller, target);
+    if (!implicit && capturing(caller)) {
       if (saved->device != target.device_index())
         c10::cuda::set_device(static_cast<c10::DeviceIndex>(saved->device));
       if (submitted_in_capture != nullptr)
@@ -142,7 +146,7 @@ int enter(PyObject* stream, PyObject* caller_event, StreamdagSaved* saved) {
     saved->stream_id = packed.stream_id;
     saved->device_index = packed.device_index;
     saved->device_type = static_cast<long long>(packed.device_type);
-    if (!ordered_by_cuda(caller, target)) {  // work the caller enqueued on its stream first
+    if (!implicit) {  // work the caller enqueued on its stream first
       auto& fence = event_of(caller_event);
       record_on(fence, caller, target.device_index());
       block_on(fence, target, target.device_index());
