@@ -36,6 +36,25 @@ def test_ops_follow_their_data_and_remote_reads_get_peer_copies():
     torch.testing.assert_close(out, (a @ b.to("cuda:0")).to("cuda:1"))
 
 
+@pytest.mark.parametrize("runtime_device", ["cuda:0", "cuda:1"])
+def test_an_op_that_switches_devices_leaves_the_callers_device_as_it_was(runtime_device):
+    """The submit puts back the caller's device whatever the op did: here it switches to the other
+    GPU and launches there, on that device's current stream."""
+    other = 1 - int(runtime_device[-1])
+    x = torch.zeros(16, device=f"cuda:{other}")
+    with sd.Runtime(runtime_device, streams=2) as rt:
+        for caller in (0, 1):
+            torch.cuda.set_device(caller)
+            # (x is not the runtime's device's memory: no access declared, synchronized below)
+            f = rt.submit(lambda: (torch.cuda.set_device(other), x.add_(1)))
+            assert torch.cuda.current_device() == caller
+            f.result()
+            torch.cuda.synchronize(other)
+            assert torch.cuda.current_device() == caller
+    assert x.tolist() == [2.0] * 16
+    torch.cuda.set_device(0)
+
+
 def test_many_peer_copies_in_flight_round_trip_exactly():
     srcs = [torch.randint(0, 1 << 30, (1 << 18,), device="cuda:0") for _ in range(32)]
     with sd.Runtime(devices=DEVICES, max_inflight=1000) as rt:

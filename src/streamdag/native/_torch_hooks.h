@@ -5,11 +5,11 @@
 #ifndef STREAMDAG_TORCH_HOOKS_H
 #define STREAMDAG_TORCH_HOOKS_H
 
-#define STREAMDAG_TORCH_HOOKS_VERSION 3
+#define STREAMDAG_TORCH_HOOKS_VERSION 4
 #define STREAMDAG_TORCH_HOOKS_CAPSULE "streamdag.native._torch.hooks"
 
-/* the caller's stream and device, kept across a launch */
-typedef struct { long long stream_id, device_index, device_type, device; } StreamdagSaved;
+/* the caller's stream and device, kept across a launch, and the CUDA context the op began in */
+typedef struct { long long stream_id, device_index, device_type, device; void *context; } StreamdagSaved;
 
 typedef struct {
     int version;
