@@ -121,12 +121,14 @@ class CudaStream(torch.cuda.Stream):
     C, with no Python call in between: that runs for every op.
 
     ``address``: a CUDA stream of the runtime's own (see :class:`_OwnStreams`), wrapped as PyTorch
-    wraps an external one; None: one from PyTorch's pool.
+    wraps an external one; None: one from PyTorch's pool. ``blocking``: that stream is a CUDA
+    blocking stream, which CUDA orders after the legacy default stream's work.
     """
 
-    def __new__(cls, index: int, kind: str, address: int | None = None) -> CudaStream:
+    def __new__(cls, index: int, kind: str, address: int | None = None, blocking: bool = False) -> CudaStream:
         self = super().__new__(cls) if address is None else super().__new__(cls, stream_ptr=address)
         self.index, self.kind = index, kind
+        self.blocking = blocking and address is not None
         self.ids = (self.stream_id, self.device_index, self.device_type)
         return self
 
@@ -561,21 +563,22 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
         self._lost: DeviceLost | None = None
-        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): the
-        #: compute streams blocking where ``default_stream_sync`` (see ``Runtime``), the others not
+        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): all
+        #: blocking where ``default_stream_sync`` (see ``Runtime``). All: an order after the caller's
+        #: default stream made with an event there would wait for every blocking stream's work
         self._blocking = default_stream_sync
-        self._own_compute = _OwnStreams.take(index, streams, blocking=default_stream_sync)
-        self._own = _OwnStreams.take(index, 4)
-        compute, own = iter(self._own_compute or []), iter(self._own or [])
+        self._own = _OwnStreams.take(index, streams + 4, blocking=default_stream_sync)
+        own = iter(self._own or [])
+
+        def stream(i: int, kind: str) -> CudaStream:
+            return CudaStream(i, kind, next(own, None), blocking=default_stream_sync)
+
         with torch.cuda.device(self.torch_device):
-            self._streams = [CudaStream(i, "compute", next(compute, None)) for i in range(streams)]
-            self._copy = {
-                "h2d": CudaStream(streams, "h2d", next(own, None)),
-                "d2h": CudaStream(streams + 1, "d2h", next(own, None)),
-                "p2p": CudaStream(streams + 2, "p2p", next(own, None)),
-            }
+            self._streams = [stream(i, "compute") for i in range(streams)]
+            self._copy = {"h2d": stream(streams, "h2d"), "d2h": stream(streams + 1, "d2h"),
+                          "p2p": stream(streams + 2, "p2p")}
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
-            self.peer_out = CudaStream(-1, "peer_out", next(own, None))
+            self.peer_out = stream(-1, "peer_out")
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -612,7 +615,9 @@ class CudaBackend:
         """
         caller_device = _get_device()
         prev = _get_stream(self._index)
-        if after_caller:
+        if after_caller and prev[0] == 0 and stream.blocking and not _sanitizer_enabled():
+            pass  # CUDA orders a blocking stream after the caller's, the legacy default stream
+        elif after_caller:
             _refuse_in_capture(self._index, caller_device)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
@@ -722,12 +727,9 @@ class CudaBackend:
 
     def close(self) -> None:
         self._completions.stop()
-        if self._own_compute:
-            own, self._own_compute = self._own_compute, None
-            _OwnStreams.give_back(self._index, own, blocking=self._blocking)
         if self._own:
             own, self._own = self._own, None
-            _OwnStreams.give_back(self._index, own)
+            _OwnStreams.give_back(self._index, own, blocking=self._blocking)
 
 
 if load_native() is not None:  # its ``lost`` notes each loss (see the property)
