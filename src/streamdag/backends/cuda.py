@@ -563,11 +563,13 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
         self._lost: DeviceLost | None = None
-        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): all
-        #: blocking where ``default_stream_sync`` (see ``Runtime``). All: an order after the caller's
-        #: default stream made with an event there would wait for every blocking stream's work
+        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): those ops
+        #: launch onto blocking where ``default_stream_sync`` (see ``Runtime``). All of them: an
+        #: order after the caller's default stream made with an event there would wait for every
+        #: blocking stream's work. ``peer_out`` not: it joins captures (see :meth:`peer_copy`)
         self._blocking = default_stream_sync
-        self._own = _OwnStreams.take(index, streams + 4, blocking=default_stream_sync)
+        self._own = _OwnStreams.take(index, streams + 3, blocking=default_stream_sync)
+        self._own_peer = _OwnStreams.take(index, 1)
         own = iter(self._own or [])
 
         def stream(i: int, kind: str) -> CudaStream:
@@ -577,8 +579,10 @@ class CudaBackend:
             self._streams = [stream(i, "compute") for i in range(streams)]
             self._copy = {"h2d": stream(streams, "h2d"), "d2h": stream(streams + 1, "d2h"),
                           "p2p": stream(streams + 2, "p2p")}
-            #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`)
-            self.peer_out = stream(-1, "peer_out")
+            #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`);
+            #: during a capture its fences pull it in, and a capturing blocking stream would make
+            #: any use of the default stream an error
+            self.peer_out = CudaStream(-1, "peer_out", (self._own_peer or [None])[0])
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -730,6 +734,9 @@ class CudaBackend:
         if self._own:
             own, self._own = self._own, None
             _OwnStreams.give_back(self._index, own, blocking=self._blocking)
+        if self._own_peer:
+            own, self._own_peer = self._own_peer, None
+            _OwnStreams.give_back(self._index, own)
 
 
 if load_native() is not None:  # its ``lost`` notes each loss (see the property)
