@@ -285,9 +285,9 @@ def test_ops_follow_work_the_caller_enqueued_on_its_stream(caller, caller_busy, 
 
 
 def test_default_stream_work_after_a_submit_follows_the_op_on_blocking_streams():
-    """With ``default_stream_sync`` the compute streams are CUDA blocking streams: what the caller
-    then puts on the default stream runs after the ops submitted before it, with no wait asked for.
-    The runtime's streams are still neither PyTorch's pooled ones nor each other's order."""
+    """With ``default_stream_sync`` the runtime's streams are CUDA blocking streams: what the caller
+    then puts on the default stream runs after the ops submitted before it, with no wait asked for,
+    while the runtime's streams still run beside each other."""
     from streamdag import native
 
     if getattr(native.load_torch(), "new_stream", None) is None:

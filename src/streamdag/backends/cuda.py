@@ -563,10 +563,10 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         self.device = f"cuda:{index}"
         self._lost: DeviceLost | None = None
-        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(): those ops
-        #: launch onto blocking where ``default_stream_sync`` (see ``Runtime``). All of them: an
-        #: order after the caller's default stream made with an event there would wait for every
-        #: blocking stream's work. ``peer_out`` not: it joins captures (see :meth:`peer_copy`)
+        #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(). Every one
+        #: that ops are launched onto is blocking where ``default_stream_sync`` (see ``Runtime``):
+        #: an event recorded on the caller's default stream to order one of them would wait for
+        #: every blocking stream's work. ``peer_out`` is not: captures pull it in
         self._blocking = default_stream_sync
         self._own = _OwnStreams.take(index, streams + 3, blocking=default_stream_sync)
         self._own_peer = _OwnStreams.take(index, 1)
@@ -619,9 +619,9 @@ class CudaBackend:
         """
         caller_device = _get_device()
         prev = _get_stream(self._index)
-        if after_caller and prev[0] == 0 and stream.blocking and not _sanitizer_enabled():
-            pass  # CUDA orders a blocking stream after the caller's, the legacy default stream
-        elif after_caller:
+        # CUDA itself orders a blocking stream after the caller's legacy default stream (stream
+        # id 0); a stream sanitizer models events only, so under one the event stays
+        if after_caller and not (prev[0] == 0 and stream.blocking and not _sanitizer_enabled()):
             _refuse_in_capture(self._index, caller_device)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
