@@ -605,12 +605,12 @@ static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *liv
     return chosen;
 }
 
+/* ``list[i] += delta`` for a list of ints (a count of a few ops: a cached small int, no number call) */
 static int list_add(PyObject *list, Py_ssize_t i, long delta) {
     PyObject *v = PyList_GET_ITEM(list, i);
-    PyObject *d = PyLong_FromLong(delta);
-    if (d == NULL) return -1;
-    PyObject *sum = PyNumber_Add(v, d);
-    Py_DECREF(d);
+    Py_ssize_t now = PyLong_AsSsize_t(v);
+    if (now == -1 && PyErr_Occurred()) return -1;
+    PyObject *sum = PyLong_FromSsize_t(now + delta);
     if (sum == NULL) return -1;
     PyList_SET_ITEM(list, i, sum);
     Py_DECREF(v);
