@@ -97,7 +97,8 @@ class Runtime:
     current follows the caller's earlier work there without an event per submit; in turn, work
     the caller then puts on the default stream waits for the ops submitted before it. ``False``:
     non-blocking streams, each submit orders its op after the caller's stream with an event, and
-    the caller's default-stream work runs beside the ops. A caller on a stream of its own
+    the caller's default-stream work runs beside the ops (choose it where that extra order could
+    tie collectives of several NCCL communicators together). A caller on a stream of its own
     (``torch.cuda.stream(s)``) gets the event either way.
     """
 
