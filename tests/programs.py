@@ -17,6 +17,26 @@ def wide_fn(ws):
     return wide
 
 
+def closed_runtime_freed_at_once(make_runtime, use) -> bool:
+    """Whether a runtime, used (``use(rt)``), closed and dropped, is freed by reference counting
+    alone, with the cycle collector off: not left for a later collector pass, which may come at
+    any point (inside someone's CUDA graph capture, say)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        rt = make_runtime()
+        use(rt)
+        rt.close()
+        gone = weakref.ref(rt)
+        del rt
+        return gone() is None
+    finally:
+        gc.enable()
+
+
 def ops_left_to_the_cycle_collector(work) -> int:
     """How many finished ops running ``work()`` leaves alive only in reference cycles.
 

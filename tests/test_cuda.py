@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import streamdag as sd
-from programs import ops_left_to_the_cycle_collector, wide_fn
+from programs import closed_runtime_freed_at_once, ops_left_to_the_cycle_collector, wide_fn
 from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
@@ -304,6 +304,21 @@ def test_default_stream_work_after_a_submit_follows_the_op_on_blocking_streams()
             seen = out.clone()  # plain PyTorch on the default stream, after the submit
             assert seen.min().item() == i + 7
             slow.result()
+
+
+def test_a_closed_runtime_is_freed_once_dropped_with_its_events():
+    """Not at a later pass of the cycle collector: inside someone's CUDA graph capture, freeing
+    CUDA objects can end it."""
+    x = torch.zeros(1 << 10, device="cuda")
+
+    def use(rt):
+        for _ in range(50):
+            rt.submit(x.add_, 1, writes=[x])
+        rt.to_host(x).result()
+        rt.synchronize()
+
+    assert closed_runtime_freed_at_once(lambda: sd.Runtime("cuda", streams=4), use)
+    assert x[0].item() == 50
 
 
 def test_exception_fails_only_dependents_on_cuda():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
-from programs import ops_left_to_the_cycle_collector
+from programs import closed_runtime_freed_at_once, ops_left_to_the_cycle_collector
 from streamdag.backends.inline import InlineBackend
 
 DEVICES = ["cpu", "sim"]
@@ -627,3 +627,16 @@ def test_await_finishes_its_op_itself_for_a_while_then_waits_to_be_woken():
 
 async def _await(f):
     return await f
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_closed_runtime_is_freed_once_dropped_without_the_cycle_collector(device):
+    x = np.zeros(4)
+
+    def use(rt):
+        for _ in range(10):
+            rt.submit(np.add, x, 1, out=x, reads=[x], writes=[x])
+        rt.synchronize()
+
+    assert closed_runtime_freed_at_once(lambda: sd.Runtime(device, streams=2), use)
+    assert x.tolist() == [10.0] * 4

@@ -883,7 +883,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     PyObject *future = OPF(op, OP_FUTURE);  /* made by new_future: of the Future type exactly */
     future_set(future, F_HURRY, PyList_GET_ITEM(self->hurry_of, stream));
     future_set(future, F_FENCE, event);
-    if (self->completions != NULL) {
+    if (self->completions != NULL && self->finish != NULL) {
         /* the op is its CUDA completion entry's callback: the compiled pass calls submitter_finish
          * at once (see finish_head), and op(error) calls op.finish(op, error) */
         op_set(op, OP_FINISH, self->finish);
@@ -1478,7 +1478,16 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
     return PyBool_FromLong(progressed);
 }
 
+/* let_go(): drop this object's own bound ``finish`` (a reference cycle through itself), once its
+ * runtime is closed: the submitter, and the runtime it holds, are then freed by reference counting */
+static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
+    Py_CLEAR(self->finish);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef submitter_methods[] = {
+    {"let_go", (PyCFunction)submitter_let_go, METH_NOARGS,
+     "Drop the submitter's reference to its own finish, once its runtime is closed."},
     {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
      "Runtime.submit, compiled: see streamdag.Runtime.submit."},
     {"finish", (PyCFunction)(void (*)(void))submitter_finish, METH_FASTCALL,
