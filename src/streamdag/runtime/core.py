@@ -408,12 +408,14 @@ class Runtime:
 
     def _let_go(self) -> None:
         """Drop the runtime's references to itself (bound methods it keeps, the compiled submit,
-        the per-stream hurries): a closed runtime is then freed as soon as nothing else holds it,
-        with its events, not at some later pass of the cycle collector, which may come while
-        someone captures a CUDA graph (freeing a CUDA graph there ends that capture)."""
+        the per-stream hurries, the last ops its hazard records keep, whose futures lead back to
+        it): a closed runtime is then freed as soon as nothing else holds it, with its events, not
+        at some later pass of the cycle collector, which may come while someone captures a CUDA
+        graph (freeing a CUDA graph there ends that capture)."""
         submit = self.__dict__.pop("submit", None)  # the compiled one: the class's raises RuntimeClosed
         if submit is not None:
             submit.__self__.let_go()
+        self._tracker.clear()
         self._finish_bound = None
         self._hurry_of = [None] * len(self._hurry_of)
         self._bytes._on_wait = self._staging._on_wait = None
