@@ -629,14 +629,25 @@ async def _await(f):
     return await f
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+class _HurryingInline(InlineBackend):
+    """A backend with ``hurry``, as CUDA's: each future then holds a hurry that holds the runtime."""
+
+    def hurry(self, waiter=None, seconds=None, wanted=None) -> None: ...
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim", "hurrying"])
 def test_a_closed_runtime_is_freed_once_dropped_without_the_cycle_collector(device):
     x = np.zeros(4)
+
+    def make():
+        if device == "hurrying":
+            return sd.Runtime(backend=_HurryingInline("cpu", 2))
+        return sd.Runtime(device, streams=2)
 
     def use(rt):
         for _ in range(10):
             rt.submit(np.add, x, 1, out=x, reads=[x], writes=[x])
         rt.synchronize()
 
-    assert closed_runtime_freed_at_once(lambda: sd.Runtime(device, streams=2), use)
+    assert closed_runtime_freed_at_once(make, use)
     assert x.tolist() == [10.0] * 4
