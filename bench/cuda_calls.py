@@ -6,7 +6,7 @@ plain event, or a blocking-sync one whose host wait sleeps until an interrupt), 
 caller's stream (an event recorded on it and waited on), or instead a query of the caller's stream,
 and the check that the caller's stream is not being captured into a CUDA graph (``enter`` makes it
 before that order); and the launch on a blocking stream instead, which CUDA itself orders after
-the legacy default stream, the caller's (a runtime's compute streams with ``default_stream_sync``);
+the legacy default stream, the caller's (a runtime's streams with ``default_stream_sync``);
 and the current device asked before and after the launch, through the runtime API or the driver's
 current context.
 The lent host's speed drifts by tens of percent within seconds, so the variants run in short

@@ -153,9 +153,9 @@ class _OwnStreams:
         """``n`` stream addresses on ``device``, free ones first; None without the torch extension.
 
         ``blocking``: streams that CUDA orders after the legacy default stream's work (and that
-        stream's later work after theirs): a runtime's compute streams, which then need no event
-        to follow a caller on the default stream. Never for a capture: any use of the default
-        stream during it would end it in an error.
+        stream's later work after theirs): the streams a runtime launches ops onto, which then need
+        no event to follow a caller on the default stream. Never for a capture: any use of the
+        default stream during it would end it in an error.
         """
         ext = load_torch()
         make = getattr(ext, "new_stream", None)

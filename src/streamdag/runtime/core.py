@@ -92,10 +92,11 @@ class Runtime:
     submitted but not finished: :meth:`submit` blocks at the bound,
     :meth:`submit_nowait` raises :class:`WouldBlock`.
 
-    ``default_stream_sync`` (GPUs): the compute streams are CUDA blocking streams, which CUDA
-    orders after the work on PyTorch's default stream, so an op submitted while that stream is
-    current follows the caller's earlier work there without an event per submit; in turn, work
-    the caller then puts on the default stream waits for the ops submitted before it. ``False``:
+    ``default_stream_sync`` (GPUs): the streams ops run on (compute and copy) are CUDA blocking
+    streams where streamdag's torch extension builds. CUDA orders them after the work on
+    PyTorch's default stream, so an op submitted while that stream is current follows the
+    caller's earlier work there without an event per submit; in turn, work the caller then puts
+    on the default stream waits for the ops submitted before it. ``False``:
     non-blocking streams, each submit orders its op after the caller's stream with an event, and
     the caller's default-stream work runs beside the ops (choose it where that extra order could
     tie collectives of several NCCL communicators together). A caller on a stream of its own
