@@ -46,6 +46,17 @@ typedef struct {
 
 static State state;  /* one interpreter: the module is not meant for subinterpreters */
 
+/* ``PyLong_AsLongLong``, through ``PyLong_AsLong`` where a long is as wide (LP64): for an int past
+ * 2**30 (an address, a byte offset) CPython's long long conversion goes through a byte array, while
+ * its long conversion reads the digits; same result, same errors */
+static inline long long as_long_long(PyObject *obj) {
+#if LONG_MAX == LLONG_MAX
+    return PyLong_AsLong(obj);
+#else
+    return PyLong_AsLongLong(obj);
+#endif
+}
+
 /* PyObject_TypeCheck(obj, base), with the last subclass that passed kept in ``*seen`` */
 static inline int is_kind(PyObject *obj, PyTypeObject *base, PyTypeObject **seen) {
     PyTypeObject *tp = Py_TYPE(obj);
@@ -236,7 +247,7 @@ static PyObject *space_keep(Space *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *gone = args[0];
-    long long now = PyLong_AsLongLong(args[1]), max_horizon = PyLong_AsLongLong(args[2]);
+    long long now = as_long_long(args[1]), max_horizon = as_long_long(args[2]);
     if (PyErr_Occurred()) return NULL;
     if (self->records == NULL || !PyList_Check(self->records) || self->by_range == NULL
             || self->dropped == NULL) {
@@ -339,7 +350,7 @@ static Py_ssize_t bisect_ints(PyObject *list, long long x, int right) {
     Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, mid));
+        long long v = as_long_long(PyList_GET_ITEM(list, mid));
         if (v == -1 && PyErr_Occurred()) return -1;
         if (right ? x < v : !(v < x)) hi = mid;
         else lo = mid + 1;
@@ -376,7 +387,7 @@ static PyObject *space_overlapping(Space *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "overlapping(start, end)");
         return NULL;
     }
-    long long start = PyLong_AsLongLong(args[0]), end = PyLong_AsLongLong(args[1]);
+    long long start = as_long_long(args[0]), end = as_long_long(args[1]);
     if (PyErr_Occurred()) return NULL;
     return overlapping(self, start, end);
 }
@@ -475,7 +486,7 @@ static int found_to_dict(FoundSet *f) {
 /* found[node] = min(found.get(node), order) */
 static int note(FoundSet *f, PyObject *node, PyObject *order_obj) {
     if (f->dict == NULL && Py_TYPE(node) == finished_ok.op_type) {
-        long long order = PyLong_AsLongLong(order_obj);
+        long long order = as_long_long(order_obj);
         if (order == -1 && PyErr_Occurred()) return -1;
         for (Py_ssize_t i = 0; i < f->n; i++)
             if (f->items[i].node == node) {
@@ -495,7 +506,7 @@ static int note(FoundSet *f, PyObject *node, PyObject *order_obj) {
         if (PyErr_Occurred()) return -1;
         return PyDict_SetItem(f->dict, node, order_obj);
     }
-    long long order = PyLong_AsLongLong(order_obj), old = PyLong_AsLongLong(had);
+    long long order = as_long_long(order_obj), old = as_long_long(had);
     if ((order == -1 || old == -1) && PyErr_Occurred()) return -1;
     return order < old ? PyDict_SetItem(f->dict, node, order_obj) : 0;
 }
@@ -545,7 +556,7 @@ static PyObject *in_order(FoundSet *f) {
         PyObject *key, *value;
         while (PyDict_Next(f->dict, &pos, &key, &value)) {
             items[i].node = key;
-            items[i].order = PyLong_AsLongLong(value);
+            items[i].order = as_long_long(value);
             i++;
         }
         PyObject *out = NULL;
@@ -669,7 +680,7 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
         if (write < 0) goto done;
         PyObject *name = PyTuple_GET_ITEM(region, 0);
         PyObject *start_o = PyTuple_GET_ITEM(region, 1), *end_o = PyTuple_GET_ITEM(region, 2);
-        long long start = PyLong_AsLongLong(start_o), end = PyLong_AsLongLong(end_o);
+        long long start = as_long_long(start_o), end = as_long_long(end_o);
         if ((start == -1 || end == -1) && PyErr_Occurred()) goto done;
         if (start == end) continue;
         PyObject *space = PyDict_GetItemWithError(self->spaces, name);  /* borrowed */
@@ -933,7 +944,7 @@ static PyObject *torch_access(PyObject *t, int write) {
     if ((start = call0(t, s_data_ptr)) == NULL || (nbytes = PyObject_GetAttr(t, s_nbytes)) == NULL
             || (end = PyNumber_Add(start, nbytes)) == NULL)
         goto done;
-    long long lo = PyLong_AsLongLong(start), hi = PyLong_AsLongLong(end);
+    long long lo = as_long_long(start), hi = as_long_long(end);
     if ((lo == -1 || hi == -1) && PyErr_Occurred()) {
         PyErr_Clear();  /* out of range for the cache: made as it is */
         PyObject *region = new_tuple_of(state.region_type, space, start, end);
@@ -1126,16 +1137,16 @@ static int read_stamp(Clocks *self, PyObject *stamp, Dep *d, int with_sum) {
         return -1;
     }
     if (stream_arg(self, PyTuple_GET_ITEM(stamp, 0), &d->stream) < 0) return -1;
-    d->pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
+    d->pos = as_long_long(PyTuple_GET_ITEM(stamp, 1));
     d->clock = PyTuple_GET_ITEM(stamp, 2);
     d->sum = 0;
-    for (Py_ssize_t k = 0; with_sum && k < self->n; k++) d->sum += PyLong_AsLongLong(PyTuple_GET_ITEM(d->clock, k));
+    for (Py_ssize_t k = 0; with_sum && k < self->n; k++) d->sum += as_long_long(PyTuple_GET_ITEM(d->clock, k));
     return PyErr_Occurred() ? -1 : 0;
 }
 
 static void max_into(long long *into, PyObject *clock, Py_ssize_t n) {
     for (Py_ssize_t k = 0; k < n; k++) {
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(clock, k));  /* an error: the caller checks */
+        long long v = as_long_long(PyTuple_GET_ITEM(clock, k));  /* an error: the caller checks */
         if (v > into[k]) into[k] = v;
     }
 }
