@@ -419,7 +419,7 @@ class Runtime:
         self._tracker.clear()
         self._finish_bound = None
         self._hurry_of = [None] * len(self._hurry_of)
-        self._bytes._on_wait = self._staging._on_wait = None
+        self._bytes.on_wait = self._staging.on_wait = None
 
     def __enter__(self) -> Runtime:
         return self

@@ -41,14 +41,15 @@ class ByteBudget:
         self.used = 0
         self.peak = 0
         self._cond = threading.Condition()
-        self._on_wait = on_wait  # before blocking: bytes come back when ops are seen finished
+        #: called before blocking (bytes come back when ops are seen finished); None: nothing
+        self.on_wait = on_wait
 
     def acquire(self, n: int) -> None:
         with self._cond:
             # a done-callback's thread may be the one that brings bytes back: it goes over the limit
             while self.used and self.used + n > self.limit and not in_done_callback():
-                if self._on_wait is not None:
-                    self._on_wait()
+                if self.on_wait is not None:
+                    self.on_wait()
                 self._cond.wait()
             self.used += n
             self.peak = max(self.peak, self.used)
@@ -67,7 +68,8 @@ class PinnedPool:
         self._free: dict[int, list[Any]] = {}
         self._held = 0
         self._cond = threading.Condition()
-        self._on_wait = on_wait
+        #: called before blocking (buffers come back when ops are seen finished); None: nothing
+        self.on_wait = on_wait
 
     def take(self, nbytes: int) -> Any:
         import torch
@@ -82,8 +84,8 @@ class PinnedPool:
                     self._held += size
                     break
                 if not self._drop_one_free():
-                    if self._on_wait is not None:
-                        self._on_wait()
+                    if self.on_wait is not None:
+                        self.on_wait()
                     self._cond.wait()
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
