@@ -106,8 +106,9 @@ def concurrent(program, device, streams, seed, failing=frozenset(), roots=frozen
     bases = initial_bases()
     # "inline": each op runs inside its submit, as on CUDA (the runtime's non-deferred path)
     backend = InlineBackend("cpu", streams) if device == "inline" else None
-    with sd.Runtime(device if backend is None else "cpu", streams=None if backend else streams, seed=seed,
-                    max_inflight=8, backend=backend) as rt:
+    made = ({"backend": backend} if backend is not None
+            else {"device": device, "streams": streams, "seed": seed})
+    with sd.Runtime(max_inflight=8, **made) as rt:
         futures = []
         for i, op in enumerate(program):
             reads = [make_view(bases, r) for r in op["reads"]]

@@ -275,6 +275,19 @@ def test_bad_settings_are_refused_with_what_is_expected(settings, error, message
         sd.Runtime("cpu", **settings)
 
 
+@pytest.mark.parametrize("settings", [
+    {"device": "cuda"}, {"streams": 4}, {"seed": 3}, {"default_stream_sync": False},
+])
+def test_settings_a_given_backend_would_ignore_are_refused(settings):
+    from streamdag.backends.inline import InlineBackend
+
+    backend = InlineBackend("cpu", 2)
+    with pytest.raises(ValueError, match=f"{next(iter(settings))}=.*would be ignored.*make the backend"):
+        sd.Runtime(backend=backend, **settings)
+    with sd.Runtime(backend=backend) as rt:  # the same backend, left to bring its own settings
+        assert rt.submit(lambda: 7).result() == 7
+
+
 def test_statistics_count_failures(rt):
     a = np.zeros(1)
     rt.submit(lambda: 1 / 0, writes=[a])

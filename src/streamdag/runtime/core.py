@@ -80,6 +80,17 @@ def _part(name: str) -> property:
     return property(operator.attrgetter(f"_parts.{name}"), put)
 
 
+def _check_own_backend(device: str, streams: int | None, seed: int, default_stream_sync: bool | None) -> None:
+    """A runtime given ``backend=`` takes the device, streams and stream kind that backend was made with."""
+    given = [f"{name}={value!r}" for name, value, default in
+             (("device", device, "cpu"), ("streams", streams, None), ("seed", seed, 0),
+              ("default_stream_sync", default_stream_sync, None)) if value != default]
+    if given:
+        raise ValueError(f"{', '.join(given)} would be ignored: with backend= the runtime runs on the "
+                         "backend's own device and streams; make the backend with them instead, or "
+                         "leave backend= out")
+
+
 class Runtime:
     """Runs ops asynchronously and concurrently on the streams of one device, or of several.
 
@@ -100,7 +111,10 @@ class Runtime:
     non-blocking streams, each submit orders its op after the caller's stream with an event, and
     the caller's default-stream work runs beside the ops (choose it where that extra order could
     tie collectives of several NCCL communicators together). A caller on a stream of its own
-    (``torch.cuda.stream(s)``) gets the event either way.
+    (``torch.cuda.stream(s)``) gets the event either way. Default ``None``: ``True``.
+
+    ``backend=`` runs the runtime on a backend made by the caller (its device and streams):
+    ``device``, ``streams``, ``seed`` and ``default_stream_sync`` must then be left out.
     """
 
     _tracker = _part("tracker")
@@ -121,10 +135,14 @@ class Runtime:
         seed: int = 0,
         backend: Backend | None = None,
         devices: Sequence[str] | None = None,
-        default_stream_sync: bool = True,
+        default_stream_sync: bool | None = None,
     ) -> None:
-        if streams is not None and backend is None:  # a backend given brings its own streams
+        if backend is not None:  # it brings its own device and streams: nothing here may configure them
+            _check_own_backend(device, streams, seed, default_stream_sync)
+        elif streams is not None:
             _check_count("streams", streams, 1, "or None for the default")
+        if default_stream_sync is None:
+            default_stream_sync = True
         _check_count("max_inflight", max_inflight, 1)
         _check_count("max_inflight_bytes", max_inflight_bytes, 0, "0 lets one transfer run at a time")
         _check_count("staging_bytes", staging_bytes, 0, "0 stages one transfer at a time")
