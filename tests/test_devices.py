@@ -79,6 +79,21 @@ def test_remote_writes_and_unknown_devices_are_refused_with_the_fix():
         one.submit(lambda: None, run_on="cuda:1")
 
 
+def test_an_op_placed_on_a_copy_stream_runs_there_after_what_it_reads():
+    """The transfers' path (``Runtime._submit_on``, compiled where the module builds): the given
+    stream, ordered after the op that wrote its input."""
+    with sd.Runtime(devices=["sim:0"], streams=2, seed=5) as rt, rt.profile() as prof:
+        a, b = np.zeros(4), np.zeros(4)
+        rt.submit(np.add, a, 1.0, out=a, writes=[a], name="fill")
+        stream = rt._copy_index[("p2p", "sim:0")]
+        assert rt._submit_on(stream, np.copyto, b, a, reads=[a], writes=[b], name="move").result() is None
+        with pytest.raises(IndexError, match="out of range"):
+            rt._submit_on(len(rt._streams), np.copyto, b, a, reads=[a], writes=[b])
+    spans = {s.name: s for s in prof.timeline.spans}
+    assert spans["move"].kind == "p2p" and spans["move"].deps == (spans["fill"].seq,)
+    np.testing.assert_array_equal(b, np.ones(4))
+
+
 def test_many_peer_copies_in_flight_without_waiting_on_the_host():
     with sd.Runtime(devices=["sim:0", "sim:1"], max_inflight=1000) as rt:
         srcs = [arr(np.full(8, i), "sim:0") for i in range(64)]

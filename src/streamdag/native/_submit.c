@@ -533,11 +533,18 @@ static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *f
     return op;
 }
 
-/* Python's ``_submit`` for whatever the compiled path does not cover */
+/* Python's ``_submit`` for whatever the compiled path does not cover; ``placed`` (>= 0): onto that
+ * stream, ordered on the device only (``submit_on``) */
 static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
-                                  PyObject *reads, PyObject *writes, PyObject *name, PyObject *run_on) {
-    PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, Py_True, Py_None, Py_False, run_on};
-    return PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+                                  PyObject *reads, PyObject *writes, PyObject *name, PyObject *run_on,
+                                  Py_ssize_t placed) {
+    PyObject *stream = placed >= 0 ? PyLong_FromSsize_t(placed) : Py_NewRef(Py_None);
+    if (stream == NULL) return NULL;
+    PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, Py_True, stream,
+                        placed >= 0 ? Py_True : Py_False, run_on};
+    PyObject *r = PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(stream);
+    return r;
 }
 
 /* a slot under max_inflight: ``_Slots.acquire(False)`` written out, else the runtime's ``_take_slot`` */
@@ -567,7 +574,7 @@ static Py_ssize_t choose_stream(Submitter *self, PyObject *clocks, PyObject *liv
                     && st < ((Clocks *)clocks)->n && ((Clocks *)clocks)->known != NULL) {
                 /* this module's clocks: the stream's tail read in C, no int made for it */
                 Clocks *c = (Clocks *)clocks;
-                long long pos = PyLong_AsLongLong(PyTuple_GET_ITEM(stamp, 1));
+                long long pos = as_long_long(PyTuple_GET_ITEM(stamp, 1));
                 if (pos == -1 && PyErr_Occurred()) { Py_DECREF(stamp); return -1; }
                 if (clock_tail(c, st) == pos) { Py_DECREF(stamp); return st; }
             } else if (st >= 0 && st < n) {
@@ -922,10 +929,11 @@ static PyObject *numbered_name(PyObject *name, Py_ssize_t seq) {
     return PyUnicode_FromStringAndSize(buf, n);
 }
 
-/* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken */
+/* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken;
+ * ``placed`` (>= 0): onto that stream, ordered on the device only (no host wait for host memory) */
 static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
                                 PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
-                                Py_ssize_t *seq_out) {
+                                Py_ssize_t placed, Py_ssize_t *seq_out) {
     PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
              *live = NULL, *kept = NULL, *stamp = NULL, *waits = NULL, *future = NULL;
     PyObject *local_stamps[8], **stamp_items = local_stamps;
@@ -1006,7 +1014,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
         op_set(op, OP_DEPS, kept);
     }
     Py_DECREF(dep_list);
-    Py_ssize_t stream = choose_stream(self, clocks, live);
+    Py_ssize_t stream = placed >= 0 ? placed : choose_stream(self, clocks, live);
     if (stream < 0) goto done;
     if (is_kind(clocks, state.clocks_type, &state.seen_clocks) && stream < ((Clocks *)clocks)->n) {
         /* this module's own: no (stamp, waits) tuple, and one shared list for no wait */
@@ -1037,7 +1045,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if (!bad && PyDict_GET_SIZE(self->pending) > counts->peak) counts->peak = PyDict_GET_SIZE(self->pending);
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
-    if (launch(self, op, deps, stream, live, waits, on_host && !self->deferred) < 0)
+    if (launch(self, op, deps, stream, live, waits, on_host && !self->deferred && placed < 0) < 0)
         Py_CLEAR(future);
 done:
     Py_XDECREF(op); Py_XDECREF(opname); Py_XDECREF(seq); Py_XDECREF(tracker); Py_XDECREF(clocks);
@@ -1047,13 +1055,10 @@ done:
     return future;
 }
 
-/* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs) */
-static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "submit() needs the function to run first: rt.submit(fn, *args)");
-        return NULL;
-    }
+/* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs); ``placed``
+ * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...) */
+static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames,
+                             Py_ssize_t placed) {
     PyObject *fn = argv[0];
     PyObject *reads = sub.empty_tuple, *writes = sub.empty_tuple, *name = Py_None, *run_on = Py_None;
     /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
@@ -1090,7 +1095,7 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
             Py_DECREF(kwargs);
             if ((kwargs = PyDict_New()) == NULL) goto done;
         }
-        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on);
+        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed);
         goto done;
     }
     PyObject *both[] = {reads, writes};
@@ -1115,7 +1120,7 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
     if (take_slot(self) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
     Py_ssize_t seq = 0;
-    result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, &seq);
+    result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
     PyObject *exc = result == NULL ? take_exception() : NULL;
     int released = lock_give(self->lock, self->lock_release);
     if (exc != NULL) {
@@ -1147,6 +1152,33 @@ done:
     Py_XDECREF(accesses);
     Py_XDECREF(op_name);
     return result;
+}
+
+static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "submit() needs the function to run first: rt.submit(fn, *args)");
+        return NULL;
+    }
+    return submit_with(self, argv, nargs, kwnames, -1);
+}
+
+/* Runtime._submit_on(stream, fn, /, *args, reads=(), writes=(), name=None, **kwargs): an op onto
+ * that stream (a copy stream), ordered on the device only: the transfers' path */
+static PyObject *submitter_submit_on(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 2 || !PyLong_Check(argv[0])) {
+        PyErr_SetString(PyExc_TypeError, "_submit_on(stream: int, fn, *args, reads=..., writes=...)");
+        return NULL;
+    }
+    Py_ssize_t stream = PyLong_AsSsize_t(argv[0]);
+    if (stream == -1 && PyErr_Occurred()) return NULL;
+    if (stream < 0 || stream >= PyList_GET_SIZE(self->streams)) {
+        PyErr_Format(PyExc_IndexError, "_submit_on: stream %zd out of range (the runtime has %zd)", stream,
+                     PyList_GET_SIZE(self->streams));
+        return NULL;
+    }
+    return submit_with(self, argv + 1, nargs - 1, kwnames, stream);
 }
 
 /* Runtime._finish(op, device_error=None): a successful op whose future nobody watches is finished
@@ -1490,6 +1522,8 @@ static PyMethodDef submitter_methods[] = {
      "Drop the submitter's reference to its own finish, once its runtime is closed."},
     {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
      "Runtime.submit, compiled: see streamdag.Runtime.submit."},
+    {"submit_on", (PyCFunction)(void (*)(void))submitter_submit_on, METH_FASTCALL | METH_KEYWORDS,
+     "Runtime._submit_on, compiled: an op onto a given stream, ordered on the device only."},
     {"finish", (PyCFunction)(void (*)(void))submitter_finish, METH_FASTCALL,
      "Runtime._finish, compiled for a successful op nobody watches."},
     {NULL}

@@ -220,6 +220,7 @@ class Runtime:
             submitter = _speedups.Submitter(self, ops.accesses_of, _DROP_WAITS,
                                             launch_parts() if launch_parts is not None else None)
             self.submit = submitter.submit  # type: ignore[method-assign]
+            self._submit_on = submitter.submit_on  # type: ignore[method-assign]
             self._finish_bound = submitter.finish
 
     # ------------------------------------------------------------------ API
@@ -432,6 +433,7 @@ class Runtime:
         at some later pass of the cycle collector, which may come while someone captures a CUDA
         graph (freeing a CUDA graph there ends that capture)."""
         submit = self.__dict__.pop("submit", None)  # the compiled one: the class's raises RuntimeClosed
+        self.__dict__.pop("_submit_on", None)
         if submit is not None:
             submit.__self__.let_go()
         self._tracker.clear()
@@ -452,6 +454,17 @@ class Runtime:
             self.close()
 
     # ------------------------------------------------------------- internals
+    def _submit_on(self, stream: int | None, fn: Callable[..., Any], /, *args: Any, reads: Sequence[Any] = (),
+                   writes: Sequence[Any] = (), name: str | None = None, **kwargs: Any) -> Any:
+        """Submit ``fn`` onto ``stream`` (a copy stream), ordered after its dependencies on the device
+        only: its host memory is read or written by the device in stream order, so the host does not
+        wait for earlier ops that touch it. The transfers' path; compiled where the module builds.
+        ``None`` (a backend without copy streams): a compute stream, chosen as for any op."""
+        if stream is not None and not 0 <= stream < len(self._streams):
+            raise IndexError(f"_submit_on: stream {stream} out of range "
+                             f"(the runtime has {len(self._streams)})")
+        return self._submit(fn, args, kwargs, reads, writes, name, True, stream, device_ordered=True)
+
     def _recording_here(self) -> Any:
         """The graph this thread records into, or None."""
         return self._recordings.get(threading.get_ident()) if self._recordings else None
