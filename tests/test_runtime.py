@@ -396,6 +396,34 @@ def test_byte_budget_blocks_until_earlier_transfers_complete():
     assert budget.used == 500 and budget.peak == 500
 
 
+def test_byte_budget_takes_back_a_held_copys_bytes_once_its_future_is_done_or_dropped():
+    from streamdag.runtime.ops import Future
+    from streamdag.runtime.transfers import ByteBudget
+
+    budget = ByteBudget(100)
+    first = Future()
+    budget.acquire(60)
+    budget.hold(first, 60, stream=0)
+    got = threading.Event()
+
+    def second():
+        budget.acquire(60)  # waits on the oldest copy held
+        got.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not got.wait(0.2)
+    first.set_result(None)
+    assert got.wait(5)
+    t.join()
+    assert budget.reclaim() == 60 and budget.peak == 60  # the first came back; the second counts
+    later = Future()
+    budget.hold(later, 60, stream=1)
+    assert budget.reclaim() == 60
+    del later  # nobody holds its future: its op has finished (a pending op keeps its future)
+    assert budget.reclaim() == 0
+
+
 def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending():
     """Ctrl-C while an op's host code runs (on CUDA it runs in the submitting thread)."""
     a = np.zeros(3)

@@ -332,6 +332,7 @@ class Runtime:
             f.exception()
 
     def statistics(self) -> RuntimeStatistics:
+        self._bytes.reclaim()  # the copies seen done give their bytes back
         with self._done_lock:
             return RuntimeStatistics(
                 inflight=len(self._pending),

@@ -17,7 +17,10 @@
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,30 +37,80 @@ CHUNK_BYTES = 8 << 20
 
 
 class ByteBudget:
-    """Blocks while ``limit`` bytes are in flight; one transfer larger than the limit runs alone."""
+    """Blocks while ``limit`` bytes are in flight; one transfer larger than the limit runs alone.
+
+    A copy's bytes come back once its future is seen done. The budget keeps the
+    copies it counts (:meth:`hold`), per stream, and looks at the oldest of each
+    stream (a stream finishes its copies in order) whenever it decides: no
+    done-callback per copy, which cost more than the copy's submit. A submitter
+    that must wait helps finish the oldest copy. A copy's future is held weakly:
+    once nobody holds it, its op has finished (a pending op keeps its future),
+    and the tensor it resolves to is not kept alive here.
+    """
 
     def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
         self._cond = threading.Condition()
+        self._held: dict[Any, deque[tuple[weakref.ref[Future], int]]] = {}  # per stream, oldest first
         #: called before blocking (bytes come back when ops are seen finished); None: nothing
         self.on_wait = on_wait
 
     def acquire(self, n: int) -> None:
+        """Count ``n`` bytes, once they fit; then :meth:`hold` them with their copy, or :meth:`release`."""
+        while True:
+            with self._cond:
+                self._reclaim()
+                # a done-callback's thread may be the one that brings bytes back: it goes over the limit
+                if not self.used or self.used + n <= self.limit or in_done_callback():
+                    self.used += n
+                    self.peak = max(self.peak, self.used)
+                    return
+                oldest = self._oldest()
+                if oldest is None:  # counted by a submit that holds them in a moment, or releases them
+                    self._cond.wait()
+                    continue
+            if self.on_wait is not None:
+                self.on_wait()
+            oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
+
+    def hold(self, future: Future, n: int, stream: Any) -> None:
+        """The ``n`` bytes acquired for a copy on ``stream`` come back once ``future`` is done."""
         with self._cond:
-            # a done-callback's thread may be the one that brings bytes back: it goes over the limit
-            while self.used and self.used + n > self.limit and not in_done_callback():
-                if self.on_wait is not None:
-                    self.on_wait()
-                self._cond.wait()
-            self.used += n
-            self.peak = max(self.peak, self.used)
+            held = self._held.get(stream)
+            if held is None:
+                held = self._held[stream] = deque()
+            held.append((weakref.ref(future), n))
+            self._cond.notify_all()
 
     def release(self, n: int) -> None:
+        """Give back ``n`` bytes acquired for a copy that was not made (or is known to be done)."""
         with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+    def reclaim(self) -> int:
+        """Give back the bytes of the copies seen done; returns the bytes still in flight."""
+        with self._cond:
+            self._reclaim()
+            return self.used
+
+    def _reclaim(self) -> None:
+        for held in self._held.values():
+            while held:
+                future = held[0][0]()
+                if future is not None and not future.done():
+                    break
+                self.used -= held.popleft()[1]
+
+    def _oldest(self) -> Future | None:
+        for held in self._held.values():
+            if held:
+                future = held[0][0]()
+                if future is not None:
+                    return future
+        return None
 
 
 class PinnedPool:
@@ -126,34 +179,44 @@ def _as_tensor(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
+def _copy_async(dst: Any, src: Any, keep: Any = None) -> Any:
+    """A copy op's function; ``keep`` (a staging buffer) lives as long as the op, which holds it."""
+    return dst.copy_(src, non_blocking=True)
+
+
 def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
-                 keep: Any = None, copier: Any = None) -> Future:
-    """One copy op, its bytes counted against the budget until it completes."""
-    nbytes = region_of(src).nbytes
-    rt._bytes.acquire(nbytes)
+                 keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future:
+    """One copy op on ``stream``, its bytes counted against the budget until it completes.
 
-    def run() -> Any:
-        if copier is not None:  # a peer copy, done the source device's way
-            return copier(dst, src)
-        out = dst.copy_(src, non_blocking=True)
-        _ = keep  # the staging buffer lives as long as the op
-        return out
-
+    ``copier``: a peer copy, done the source device's way. ``nbytes``: the source's, where known.
+    """
+    if nbytes is None:
+        nbytes = region_of(src).nbytes
+    budget = rt._bytes
+    budget.acquire(nbytes)
+    # (no copy stream, on a backend without them: the Python path places it on a compute stream)
+    submit_on = rt._submit_on if stream is not None else partial(type(rt)._submit_on, rt)
     try:
-        future = rt._submit(run, (), {}, [src], [dst], name, True, stream, device_ordered=True)
+        if copier is not None:
+            future = submit_on(stream, copier, dst, src, reads=[src], writes=[dst], name=name)
+        elif keep is None:
+            future = submit_on(stream, _copy_async, dst, src, reads=[src], writes=[dst], name=name)
+        else:
+            future = submit_on(stream, _copy_async, dst, src, keep, reads=[src], writes=[dst], name=name)
     except BaseException:
-        rt._bytes.release(nbytes)
+        budget.release(nbytes)
         raise
     if isinstance(future, Future):
-        future._on_done(lambda _f: rt._bytes.release(nbytes))
+        budget.hold(future, nbytes, stream)
     else:  # recorded: counted when the graph runs, not now
-        rt._bytes.release(nbytes)
+        budget.release(nbytes)
     return future
 
 
 def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
-    src_space, dst_space = region_of(src).space, region_of(dst).space
+    src_region = region_of(src)
+    src_space, dst_space = src_region.space, region_of(dst).space
     kind = _direction(src_space, dst_space)
     if kind is None:
         return rt.submit(_copy_into, dst, src, reads=[src], writes=[dst], name=name or "copy")
@@ -164,7 +227,7 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
     host = src_t if kind == "h2d" else dst_t
     if host.is_pinned() or rt._recording_here() is not None:
-        return _device_copy(rt, dst_t, src_t, stream, name)
+        return _device_copy(rt, dst_t, src_t, stream, name, nbytes=src_region.nbytes)
     if kind == "h2d":
         return _staged_h2d(rt, dst_t, src_t, stream, name)
     return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
