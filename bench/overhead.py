@@ -7,7 +7,9 @@ in Python, and all in Python (where no C compiler is); the runtime's bookkeeping
 that runs the op and makes no CUDA call of its own); the CUDA calls alone (what
 any runtime on PyTorch's streams calls per op, with no bookkeeping: the floor
 of this design through PyTorch's Python API); and for comparison the same
-chain recorded once and replayed as a captured CUDA graph. The lent host's
+chain recorded once and replayed as a captured CUDA graph; and a transfer,
+``rt.copy`` of 1 KiB from pinned host memory, against PyTorch's own
+``copy_(non_blocking=True)`` (its baseline, not the launch). The lent host's
 speed drifts by tens of percent within a minute, so the variants are timed in
 turns, in short rounds whose order alternates, and each reports its median
 round and its median over rounds of the time added to PyTorch's launch in
@@ -38,6 +40,7 @@ from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
+COPY_BASELINE = "PyTorch copy_, pinned 1 KiB host to device"
 #: short rounds, many of them, in alternating order: the lent host switches between a fast and a slow
 #: state every few seconds, and variants timed within tens of ms of each other compare fairly
 OPS_PER_ROUND = 1000
@@ -135,6 +138,21 @@ def main():
                 rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
         return chain
 
+    # host-to-device copies of 1 KiB from pinned memory: the host cost of a transfer (its baseline is
+    # PyTorch's own copy_, not the kernel launch)
+    pinned = [torch.randn(256).pin_memory() for _ in range(64)]
+    copy_bufs = [torch.zeros(256, device="cuda") for _ in range(64)]
+
+    def torch_copies(n):
+        for i in range(n):
+            copy_bufs[i % 64].copy_(pinned[i % 64], non_blocking=True)
+
+    def copies_on(rt):
+        def copies(n):
+            for i in range(n):
+                rt.copy(copy_bufs[i % 64], pinned[i % 64])
+        return copies
+
     def independent_on(rt):
         def independent(n):
             for i in range(n):
@@ -208,6 +226,8 @@ def main():
         **({"streamdag submit, dependent chain, all in Python (no compiler)":
             with_python_accesses(chain_on(python_path))} if native.load() is not None else {}),
         "streamdag submit, independent ops": independent_on(rt),
+        COPY_BASELINE: torch_copies,
+        "streamdag rt.copy, pinned 1 KiB host to device": copies_on(rt),
         "streamdag bookkeeping alone, dependent chain": chain_on(bare),
         f"streamdag recorded chain of {GRAPH_OPS}, g.run() per op": graph_runs,
     }
@@ -240,11 +260,13 @@ def main():
     bare.close()
     medians = {label: statistics.median(ts) for label, ts in rounds.items()}
     t_torch = medians["PyTorch launch, one stream"]
-    torch_rounds = rounds["PyTorch launch, one stream"]
+    # each row against its PyTorch baseline: the launch, or for copies PyTorch's copy_
+    base = {label: COPY_BASELINE if "copy" in label else "PyTorch launch, one stream" for label in rounds}
     # added over PyTorch within each round, then the median: the host's drift between rounds cancels
-    paired = {label: statistics.median(t - b for t, b in zip(ts, torch_rounds))
+    paired = {label: statistics.median(t - b for t, b in zip(ts, rounds[base[label]]))
               for label, ts in rounds.items()}
-    rows = [[label, us, us - t_torch, paired[label], f"{min(rounds[label]):.1f}-{max(rounds[label]):.1f}"]
+    rows = [[label, us, us - medians[base[label]], paired[label],
+             f"{min(rounds[label]):.1f}-{max(rounds[label]):.1f}"]
             for label, us in medians.items()]
     print(format_table(["per op (host)", "µs (median round)", "added over PyTorch µs",
                         "added, paired by round", "rounds µs"], rows))
