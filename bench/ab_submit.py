@@ -7,7 +7,9 @@ Several worker processes per version (its source folder on ``PYTHONPATH``),
 made in the order A B B A (A B B A ...), each with its runtime and the dependent chain of
 ``bench/overhead.py`` (tiny ``torch.add`` ops, each reading the tensor the
 one before wrote; ``--workload independent``: ops that each write their own
-tensor). The workers take turns, in short rounds whose order
+tensor; ``--workload copy``: copies of 1 KiB, on a GPU ``rt.copy`` from pinned
+memory against PyTorch's ``copy_``, on the CPU the copy op's bookkeeping on a
+simulated device's copy stream). The workers take turns, in short rounds whose order
 rotates; in each round a worker times its chain and PyTorch's plain
 launches of the same ops, so each round gives the µs a version adds over
 PyTorch's launch (the mean of its workers), and the host's drift between
@@ -41,7 +43,9 @@ BOOTSTRAP = 2000
 
 
 def worker(device: str) -> None:
-    """Serve ``chain N``, ``independent N`` and ``torch N`` on stdin: the µs per op, a line each."""
+    """Serve ``chain N``, ``independent N``, ``copy N`` and their baselines ``torch N`` and
+    ``torch_copy N`` on stdin: the µs per op, a line each."""
+    import numpy as np
     import torch
 
     import streamdag as sd
@@ -68,12 +72,49 @@ def worker(device: str) -> None:
         for i in range(n):
             torch.add(bufs[i % 64], 1, out=bufs[(i + 1) % 64])
 
+    # copies of 1 KiB: on a GPU rt.copy from pinned memory against PyTorch's copy_; on the CPU a copy
+    # op on a simulated device's copy stream (the transfers' bookkeeping, streamdag's private
+    # _device_copy, the same in both versions) against the copy alone
+    if device == "cpu":
+        from streamdag.backends.sim import SimArray
+        from streamdag.runtime import transfers
+
+        copy_rt = sd.Runtime(devices=["sim:0"], streams=2, max_inflight=1_000_000)
+        stream = copy_rt._copy_index[("p2p", "sim:0")]
+        srcs = [SimArray(np.zeros(256, np.float32), "sim:0") for _ in range(64)]
+        dsts = [SimArray(np.zeros(256, np.float32), "sim:0") for _ in range(64)]
+
+        def sim_copy(dst, src):
+            np.copyto(dst.data, src.data)
+            return dst
+
+        def copies(n: int) -> None:
+            for i in range(n):
+                transfers._device_copy(copy_rt, dsts[i % 64], srcs[i % 64], stream, "copy", copier=sim_copy)
+
+        def plain_copies(n: int) -> None:
+            for i in range(n):
+                sim_copy(dsts[i % 64], srcs[i % 64])
+    else:
+        copy_rt = rt
+        pinned = [torch.zeros(256).pin_memory() for _ in range(64)]
+
+        def copies(n: int) -> None:
+            for i in range(n):
+                rt.copy(bufs[i % 64], pinned[i % 64])
+
+        def plain_copies(n: int) -> None:
+            for i in range(n):
+                bufs[i % 64].copy_(pinned[i % 64], non_blocking=True)
+
     def settle() -> None:
         rt.synchronize()
+        copy_rt.synchronize()
         if device != "cpu":
             torch.cuda.synchronize()
 
-    runs = {"chain": chain, "independent": independent, "torch": plain}
+    runs = {"chain": chain, "independent": independent, "torch": plain, "copy": copies,
+            "torch_copy": plain_copies}
     for run in runs.values():
         run(2000)
     settle()
@@ -86,6 +127,7 @@ def worker(device: str) -> None:
         settle()
         print(json.dumps({"us": seconds / int(n) * 1e6}), flush=True)
     rt.close()
+    copy_rt.close()
 
 
 def main() -> None:
@@ -96,7 +138,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per version")
-    parser.add_argument("--workload", choices=["chain", "independent"], default="chain")
+    parser.add_argument("--workload", choices=["chain", "independent", "copy"], default="chain")
     parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
                         help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
@@ -121,6 +163,7 @@ def main() -> None:
         proc.stdin.flush()
         return json.loads(proc.stdout.readline())["us"]
 
+    baseline = "torch_copy" if args.workload == "copy" else "torch"  # PyTorch's own launch or copy
     added: list[list[float]] = [[], []]
     torch_us: list[list[float]] = [[], []]
     n = len(workers)
@@ -128,11 +171,11 @@ def main() -> None:
         # rotated, not reversed: a worker that ran last and then first would run twice in a row,
         # on caches still warm from itself (in an A/A run that put the ends 0.25 µs ahead)
         order = [(r + i) % n for i in range(n)]
-        first, second = (args.workload, "torch") if r % 2 else ("torch", args.workload)
+        first, second = (args.workload, baseline) if r % 2 else (baseline, args.workload)
         this_round: list[list[tuple[float, float]]] = [[], []]
         for k in order:
             t = {first: timed(workers[k], first), second: timed(workers[k], second)}
-            this_round[version_of[k]].append((t[args.workload] - t["torch"], t["torch"]))
+            this_round[version_of[k]].append((t[args.workload] - t[baseline], t[baseline]))
         for v in (0, 1):
             added[v].append(statistics.fmean(a for a, _ in this_round[v]))
             torch_us[v].append(statistics.fmean(t for _, t in this_round[v]))
@@ -145,7 +188,8 @@ def main() -> None:
     low, high = boots[int(0.025 * BOOTSTRAP)], boots[int(0.975 * BOOTSTRAP) - 1]
     rows = [[label, statistics.median(torch_us[k]), statistics.median(added[k])]
             for k, label in enumerate(args.labels)]
-    print(format_table(["version", "PyTorch's launch µs", "added per op µs (median round)"], rows))
+    print(format_table(["version", "PyTorch's copy µs" if baseline == "torch_copy" else "PyTorch's launch µs",
+                        "added per op µs (median round)"], rows))
     print(f"{args.labels[1]} - {args.labels[0]}: {statistics.median(diffs):+.3f} µs per op (median over "
           f"{len(diffs)} rounds; quartiles {statistics.quantiles(diffs, n=4)[0]:+.3f} / "
           f"{statistics.quantiles(diffs, n=4)[2]:+.3f}; 95% bootstrap interval {low:+.3f} / {high:+.3f})")
