@@ -573,6 +573,28 @@ def test_pageable_transfers_are_staged_in_chunks_and_round_trip():
     assert np.array_equal(back, host * 2)
 
 
+def test_a_copy_runs_on_its_copy_stream_beside_compute_and_after_its_producer():
+    """The transfers' compiled path (``submit_on``): a copy of other data finishes while a slow op
+    still runs (it is on a copy stream, not behind the op), and a copy of the op's output waits."""
+    with sd.Runtime("cuda", streams=2) as rt:
+        out = torch.zeros(1 << 16, device="cuda")
+        host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+        dev = torch.empty(1 << 16, device="cuda")
+        torch.cuda.synchronize()
+
+        def slow_fill(t):
+            torch.cuda._sleep(600_000_000)  # about 0.3 s of GPU time, then the write
+            t.fill_(7.0)
+
+        slow = rt.submit(slow_fill, out, writes=[out], name="slow")
+        assert rt.copy(dev, host).result(timeout=60) is dev
+        assert not slow.done()  # the copy did not queue behind the slow op
+        back = rt.to_host(out)  # reads what the slow op writes: after it
+        assert torch.equal(back.result(timeout=60), torch.full((1 << 16,), 7.0))
+        assert slow.done()
+        assert torch.equal(dev.cpu(), host)
+
+
 def test_transfer_bytes_in_flight_stay_bounded():
     limit = 4 << 20
     with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:
