@@ -595,6 +595,23 @@ def test_a_copy_runs_on_its_copy_stream_beside_compute_and_after_its_producer():
         assert torch.equal(dev.cpu(), host)
 
 
+def test_a_copy_between_dtypes_is_refused_whether_pinned_or_pageable():
+    """Staged through pinned buffers, a pageable copy moves bytes: float64 into float32 would be
+    reinterpreted. Neither path converts; both say what to do instead."""
+    import numpy as np
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        dev = torch.zeros(64, device="cuda")
+        for host in (torch.ones(64, dtype=torch.float64), torch.ones(64, dtype=torch.float64).pin_memory(),
+                     np.ones(64)):
+            with pytest.raises(ValueError, match="one dtype and shape"):
+                rt.copy(dev, host)
+            with pytest.raises(ValueError, match="one dtype and shape"):
+                rt.copy(host, dev)
+        assert rt.statistics().submitted == 0
+        assert torch.equal(dev, torch.zeros(64, device="cuda"))
+
+
 def test_transfer_bytes_in_flight_stay_bounded():
     limit = 4 << 20
     with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:

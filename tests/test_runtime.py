@@ -424,6 +424,20 @@ def test_byte_budget_takes_back_a_held_copys_bytes_once_its_future_is_done_or_dr
     assert budget.reclaim() == 0
 
 
+def test_a_host_device_copy_needs_one_dtype_and_shape():
+    """Through staging buffers a pageable copy moves bytes: no copy converts, so none silently
+    reinterprets them."""
+    import torch
+
+    from streamdag.runtime.transfers import _check_layouts
+
+    _check_layouts("h2d", torch.zeros(4), torch.ones(4))  # the same layout: nothing to say
+    with pytest.raises(ValueError, match=r"from torch.float32 \(2, 2\) into torch.float32 \(4,\).*to_device"):
+        _check_layouts("h2d", torch.zeros(4), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"from torch.float64 \(4,\) into torch.float32 \(4,\).*Convert"):
+        _check_layouts("d2h", torch.zeros(4), torch.zeros(4, dtype=torch.float64))
+
+
 def test_an_interrupt_inside_an_op_reaches_the_caller_and_leaves_nothing_pending():
     """Ctrl-C while an op's host code runs (on CUDA it runs in the submitting thread)."""
     a = np.zeros(3)

@@ -1,5 +1,7 @@
 """Copies between host and device as ops on the copy streams (one per direction).
 
+- Both sides of a host<->device copy have one dtype and shape (a copy moves
+  bytes; it converts nothing).
 - Pinned host memory is copied directly; the runtime keeps it referenced until
   the copy has completed.
 - Pageable host memory is staged through pinned buffers from a pool of
@@ -229,12 +231,25 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
         return _peer_copy(rt, dst, src, src_space, dst_space, name)
     stream = rt._copy_index.get((kind, dst_space if kind == "h2d" else src_space))
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
+    _check_layouts(kind, dst_t, src_t)
     host = src_t if kind == "h2d" else dst_t
     if host.is_pinned() or rt._recording_here() is not None:
         return _device_copy(rt, dst_t, src_t, stream, name, nbytes=src_region.nbytes)
     if kind == "h2d":
         return _staged_h2d(rt, dst_t, src_t, stream, name)
     return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
+
+
+def _check_layouts(kind: str, dst: Any, src: Any) -> None:
+    """A host<->device copy moves bytes: through staging buffers a pageable copy cannot convert a
+    dtype or broadcast a shape, so no copy between the two may (else the same call would convert
+    from pinned memory and reinterpret bytes from pageable memory)."""
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        raise ValueError(
+            f"copy ({kind}) from {src.dtype} {tuple(src.shape)} into {dst.dtype} {tuple(dst.shape)}: a "
+            "copy between host and device needs one dtype and shape on both sides. Convert or reshape "
+            "on one side first (e.g. src.to(dst.dtype) on its own device), or use rt.to_device / "
+            "rt.to_host, which make the destination")
 
 
 def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, name: str) -> Future:
