@@ -14,7 +14,10 @@ device.
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from ..errors import InvalidBuffer
 from ..native import load as load_native
@@ -135,8 +138,7 @@ def _torch_region(t: Any) -> Region:
 def _interface_region(iface: dict, space: str) -> Region:
     ptr = iface["data"][0]
     shape = tuple(iface["shape"])
-    typestr = iface["typestr"]
-    itemsize = int(typestr[2:])
+    itemsize = _itemsize(iface["typestr"])
     strides = iface.get("strides")
     if strides is None:  # C-contiguous
         count = 1
@@ -145,6 +147,13 @@ def _interface_region(iface: dict, space: str) -> Region:
         return Region(space, ptr, ptr + count * itemsize)
     start, end = _extent(ptr, shape, tuple(strides), itemsize)
     return Region(space, start, end)
+
+
+@lru_cache(maxsize=256)
+def _itemsize(typestr: str) -> int:
+    """The bytes of one element of an array interface's ``typestr``: numpy reads it (the digits
+    after the kind are not always bytes: ``<U3`` is 12, ``<M8[s]`` 8, ``|O`` a pointer)."""
+    return np.dtype(typestr).itemsize
 
 
 def _numpy_like_region(value: Any) -> Region:
