@@ -254,6 +254,48 @@ def test_accesses_stay_equal_to_the_python_ones_as_memory_is_reused(program):
         assert buffers.accesses(order, order[:700]) == buffers._py_accesses(order, order[:700])
 
 
+def _numpy_arrays():
+    """Arrays whose byte range the compiled code reads through the buffer protocol (or, where numpy
+    exports none, hands to the Python code): views of every kind, dtypes that export no buffer."""
+    dtypes = st.sampled_from(["f8", "f4", "i2", "u1", ">i4", "c16", "?", "O", "M8[s]", "U3",
+                              [("a", "i4"), ("b", "f8")]])
+    shapes = st.lists(st.integers(0, 5), max_size=3)
+
+    @st.composite
+    def array(draw):
+        shape = draw(shapes)
+        base = np.zeros(shape, dtype=draw(dtypes))
+        kind = draw(st.sampled_from(["plain", "step", "reversed", "transposed", "broadcast",
+                                     "readonly", "scalar", "subclass"]))
+        if kind == "step" and base.ndim:
+            return base[:: draw(st.integers(1, 3))]
+        if kind == "reversed" and base.ndim:
+            return base[::-1]
+        if kind == "transposed":
+            return base.T
+        if kind == "broadcast" and base.ndim:
+            return np.broadcast_to(base[:1], (4, *base.shape[1:]))
+        if kind == "readonly":
+            base.flags.writeable = False
+        if kind == "scalar":
+            return np.zeros((), dtype=base.dtype)
+        if kind == "subclass":
+            return base.view(np.ma.MaskedArray) if base.dtype != object else base
+        return base
+
+    return array()
+
+
+@compiled
+@settings(max_examples=300 if os.environ.get("CI") else 80, deadline=None)
+@given(st.lists(_numpy_arrays(), min_size=1, max_size=4), st.integers(0, 4))
+def test_accesses_of_numpy_arrays_equal_the_python_ones(arrays, split):
+    """The compiled code reads a numpy array through the buffer protocol, not its
+    ``__array_interface__``: the same byte range for every view and dtype, or the Python code's."""
+    reads, writes = arrays[:split], arrays[split:]
+    assert buffers.accesses(reads, writes) == buffers._py_accesses(reads, writes)
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(4).to_sparse(), [1, 2], "text"])
 def test_accesses_of_what_is_not_memory_raise_the_same_clear_error(bad):
     with pytest.raises(sd_invalid()) as compiled_error:

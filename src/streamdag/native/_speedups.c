@@ -26,6 +26,8 @@ typedef struct {
     /* set by setup(): what the Python side owns */
     PyObject *handlers;      /* buffers._HANDLERS: type -> region function */
     PyObject *torch_region;  /* buffers._torch_region */
+    PyObject *numpy_region;  /* buffers._numpy_like_region */
+    PyTypeObject *ndarray;   /* numpy.ndarray, whose memory is read through the buffer protocol */
     PyObject *region_of;     /* buffers.region_of */
     PyObject *cuda_spaces;   /* buffers._CUDA_SPACES: device index -> "cuda:N" */
     PyObject *buffers;       /* the module, for _STRIDED once torch is seen */
@@ -961,12 +963,42 @@ done:
     return access;
 }
 
+/* buffers._numpy_like_region for a numpy array, as its Access (``write``), read through the buffer
+ * protocol: the same pointer, shape and strides as its ``__array_interface__``, without the dict
+ * that makes (~2 µs a buffer). NULL with no error set where the array exports no buffer (an
+ * object or datetime dtype, say): the Python function reads those. */
+static PyObject *ndarray_access(PyObject *a, int write) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(a, &view, PyBUF_STRIDES) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    /* buffers._extent (the reference): the lowest and one-past-highest byte touched */
+    long long lo = (long long)(uintptr_t)view.buf, hi = lo;
+    int empty = 0;
+    for (int i = 0; i < view.ndim; i++) empty |= view.shape[i] == 0;
+    if (!empty) {
+        for (int i = 0; i < view.ndim; i++) {
+            long long span = (long long)(view.shape[i] - 1) * (long long)view.strides[i];
+            if (span < 0) lo += span;
+            else hi += span;
+        }
+        hi += view.itemsize;
+    }
+    PyBuffer_Release(&view);
+    return cached_access(state.cpu, lo, hi, NULL, NULL, write);
+}
+
 /* Access(region_of(value), write), the way buffers._py_accesses makes it */
 static PyObject *access_of(PyObject *value, int write) {
     PyObject *handler = PyDict_GetItemWithError(state.handlers, (PyObject *)Py_TYPE(value));
     if (handler == NULL && PyErr_Occurred()) return NULL;
     if (handler == state.torch_region) {
         PyObject *access = torch_access(value, write);
+        if (access != NULL || PyErr_Occurred()) return access;
+    } else if (handler != NULL && handler == state.numpy_region && state.ndarray != NULL
+               && PyObject_TypeCheck(value, state.ndarray)) {
+        PyObject *access = ndarray_access(value, write);
         if (access != NULL || PyErr_Occurred()) return access;
     }
     PyObject *region = PyObject_CallOneArg(handler == state.torch_region ? state.torch_region : state.region_of,
@@ -1051,6 +1083,16 @@ static PyObject *setup(PyObject *module, PyObject *args) {
     Py_XSETREF(state.cuda_spaces, Py_NewRef(cuda_spaces));
     Py_XSETREF(state.region_type, (PyTypeObject *)Py_NewRef(region_type));
     Py_XSETREF(state.access_type, (PyTypeObject *)Py_NewRef(access_type));
+    /* numpy arrays read through the buffer protocol, where numpy is there (buffers.py imports it) */
+    Py_CLEAR(state.numpy_region);
+    Py_CLEAR(state.ndarray);
+    if ((state.numpy_region = PyObject_GetAttrString(buffers, "_numpy_like_region")) == NULL) PyErr_Clear();
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    PyObject *ndarray = numpy != NULL ? PyObject_GetAttrString(numpy, "ndarray") : NULL;
+    Py_XDECREF(numpy);
+    if (ndarray != NULL && PyType_Check(ndarray)) state.ndarray = (PyTypeObject *)ndarray;
+    else Py_XDECREF(ndarray);
+    PyErr_Clear();  /* no numpy: its arrays (none then) would go through the Python function */
     Py_RETURN_NONE;
 }
 
