@@ -9,7 +9,8 @@ made in the order A B B A (A B B A ...), each with its runtime and the dependent
 one before wrote; ``--workload independent``: ops that each write their own
 tensor; ``--workload copy``: copies of 1 KiB, on a GPU ``rt.copy`` from pinned
 memory against PyTorch's ``copy_``, on the CPU the copy op's bookkeeping on a
-simulated device's copy stream). The workers take turns, in short rounds whose order
+simulated device's copy stream; ``--workload numpy``: the chain over numpy
+arrays, ``np.add`` against numpy's own call). The workers take turns, in short rounds whose order
 rotates; in each round a worker times its chain and PyTorch's plain
 launches of the same ops, so each round gives the µs a version adds over
 PyTorch's launch (the mean of its workers), and the host's drift between
@@ -113,8 +114,20 @@ def worker(device: str) -> None:
         if device != "cpu":
             torch.cuda.synchronize()
 
+    # the chain over numpy arrays (the CPU runtime's common case), against numpy's own call
+    arrays = [np.zeros(256) for _ in range(64)]
+
+    def numpy_chain(n: int) -> None:
+        for i in range(n):
+            a, b = arrays[i % 64], arrays[(i + 1) % 64]
+            rt.submit(np.add, a, 1, out=b, reads=[a], writes=[b])
+
+    def numpy_plain(n: int) -> None:
+        for i in range(n):
+            np.add(arrays[i % 64], 1, out=arrays[(i + 1) % 64])
+
     runs = {"chain": chain, "independent": independent, "torch": plain, "copy": copies,
-            "torch_copy": plain_copies}
+            "torch_copy": plain_copies, "numpy": numpy_chain, "numpy_plain": numpy_plain}
     for run in runs.values():
         run(2000)
     settle()
@@ -138,7 +151,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per version")
-    parser.add_argument("--workload", choices=["chain", "independent", "copy"], default="chain")
+    parser.add_argument("--workload", choices=["chain", "independent", "copy", "numpy"], default="chain")
     parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
                         help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
@@ -163,7 +176,8 @@ def main() -> None:
         proc.stdin.flush()
         return json.loads(proc.stdout.readline())["us"]
 
-    baseline = "torch_copy" if args.workload == "copy" else "torch"  # PyTorch's own launch or copy
+    # PyTorch's own launch or copy, or numpy's own call
+    baseline = {"copy": "torch_copy", "numpy": "numpy_plain"}.get(args.workload, "torch")
     added: list[list[float]] = [[], []]
     torch_us: list[list[float]] = [[], []]
     n = len(workers)
@@ -188,8 +202,8 @@ def main() -> None:
     low, high = boots[int(0.025 * BOOTSTRAP)], boots[int(0.975 * BOOTSTRAP) - 1]
     rows = [[label, statistics.median(torch_us[k]), statistics.median(added[k])]
             for k, label in enumerate(args.labels)]
-    print(format_table(["version", "PyTorch's copy µs" if baseline == "torch_copy" else "PyTorch's launch µs",
-                        "added per op µs (median round)"], rows))
+    print(format_table([{"torch_copy": "PyTorch's copy µs", "numpy_plain": "numpy's call µs"}.get(
+                            baseline, "PyTorch's launch µs"), "added per op µs (median round)"], rows))
     print(f"{args.labels[1]} - {args.labels[0]}: {statistics.median(diffs):+.3f} µs per op (median over "
           f"{len(diffs)} rounds; quartiles {statistics.quantiles(diffs, n=4)[0]:+.3f} / "
           f"{statistics.quantiles(diffs, n=4)[2]:+.3f}; 95% bootstrap interval {low:+.3f} / {high:+.3f})")
