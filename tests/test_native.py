@@ -273,7 +273,7 @@ def _numpy_arrays():
             return base[::-1]
         if kind == "transposed":
             return base.T
-        if kind == "broadcast" and base.ndim:
+        if kind == "broadcast" and base.ndim and base.shape[0]:
             return np.broadcast_to(base[:1], (4, *base.shape[1:]))
         if kind == "readonly":
             base.flags.writeable = False
