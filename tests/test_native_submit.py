@@ -3,7 +3,7 @@
 A backend that holds every op until the test releases it (in any order) logs
 each call the runtime makes: which stream each op launches on, which events
 it waits on, what it records. The same random program (submits, some
-failing, with releases in between) runs on a runtime with the compiled
+failing, some with inline markers, with releases in between) runs on a runtime with the compiled
 submit and on one with the Python methods; the logs, the ops' stamps and the
 outcomes must be equal.
 """
@@ -100,7 +100,12 @@ def _run(program, streams: int, compiled_submit: bool):
         fn = _fails if fail else np.add
         args = (out,) if fail else (out, i, )
         kwargs = {} if fail else {"out": out}
-        futures.append(rt.submit(fn, *args, reads=ins, writes=[out], name=None if i % 3 else f"op{i}",
+        writes = [out]
+        if i % 4 == 1:  # the inline form: the write marked among the arguments, or the keywords
+            args, writes = (sd.write(out), *args[1:]), []
+        elif i % 4 == 2 and not fail:
+            kwargs, writes = {"out": sd.write(out)}, []
+        futures.append(rt.submit(fn, *args, reads=ins, writes=writes, name=None if i % 3 else f"op{i}",
                                  **kwargs))
         stamps.append(sorted((op.name, op.stamp) for op in rt._pending.values()))
         backend.release(releases)

@@ -59,7 +59,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
-                *s_timing, *s_query, *s_mark_lost, *s_settle_entry;
+                *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -1055,6 +1055,47 @@ done:
     return future;
 }
 
+/* ``ops._unwrap`` for an inline marker (``sd.read(a)``, ``sd.write(b)``): its access appended to
+ * ``accesses``, and its value (a new reference), which the op receives in its place */
+static PyObject *unwrap_marker(PyObject *marker, PyObject *accesses) {
+    PyObject *value = PyObject_GetAttr(marker, s_marker_value);
+    if (value == NULL) return NULL;
+    PyObject *flag = PyObject_GetAttr(marker, s_marker_write);
+    int write = flag == NULL ? -1 : PyObject_IsTrue(flag);
+    Py_XDECREF(flag);
+    PyObject *access = write < 0 ? NULL : access_of(value, write);
+    if (access == NULL || PyList_Append(accesses, access) < 0) {
+        Py_XDECREF(access);
+        Py_DECREF(value);
+        return NULL;
+    }
+    Py_DECREF(access);
+    return value;
+}
+
+/* ``ops.collect_accesses`` for the markers among an op's arguments: unwrapped in place (``args`` and
+ * ``kwargs`` are this submit's own), their accesses after the declared ones, args first */
+static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        PyObject *marker = PyTuple_GET_ITEM(args, i);
+        if (Py_TYPE(marker) != sub.marker_type) continue;
+        PyObject *value = unwrap_marker(marker, accesses);
+        if (value == NULL) return -1;
+        PyTuple_SET_ITEM(args, i, value);
+        Py_DECREF(marker);
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key, *marker;
+    while (PyDict_Next(kwargs, &pos, &key, &marker)) {  /* values replaced, keys unchanged: allowed */
+        if (Py_TYPE(marker) != sub.marker_type) continue;
+        PyObject *value = unwrap_marker(marker, accesses);
+        int bad = value == NULL || PyDict_SetItem(kwargs, key, value) < 0;
+        Py_XDECREF(value);
+        if (bad) return -1;
+    }
+    return 0;
+}
+
 /* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs); ``placed``
  * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...) */
 static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames,
@@ -1087,7 +1128,10 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         }
     }
     Parts *parts = (Parts *)self->parts;
-    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || markers
+    int own_accesses = PyCFunction_Check(self->accesses_fn)
+        && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
+    /* markers are unwrapped here where the accesses are this module's (else by the Python code) */
+    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings)) {
@@ -1099,10 +1143,11 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         goto done;
     }
     PyObject *both[] = {reads, writes};
-    accesses = PyCFunction_Check(self->accesses_fn) && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of
+    accesses = own_accesses
         ? accesses_of(NULL, both, 2)  /* this module's own */
         : PyObject_Vectorcall(self->accesses_fn, both, 2, NULL);
     if (accesses == NULL) goto done;
+    if (markers && unwrap_markers(args, kwargs, accesses) < 0) goto done;
     if ((op_name = op_name_of(self, fn, name)) == NULL) goto done;
     int on_host = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
@@ -1567,6 +1612,7 @@ static int submit_init(PyObject *m) {
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
+    S(s_marker_value, "value") S(s_marker_write, "write")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
