@@ -6,7 +6,9 @@ same code differed by up to ±2 µs per op there, and its turns were seconds apa
 Several worker processes per version (its source folder on ``PYTHONPATH``),
 made in the order A B B A (A B B A ...), each with its runtime and the dependent chain of
 ``bench/overhead.py`` (tiny ``torch.add`` ops, each reading the tensor the
-one before wrote; ``--workload independent``: ops that each write their own
+one before wrote; ``--workload inline``: the same chain in the inline form,
+``sd.read(a)`` and ``sd.write(b)`` among the arguments;
+``--workload independent``: ops that each write their own
 tensor; ``--workload copy``: copies of 1 KiB, on a GPU ``rt.copy`` from pinned
 memory against PyTorch's ``copy_``, on the CPU the copy op's bookkeeping on a
 simulated device's copy stream; ``--workload numpy``: the chain over numpy
@@ -63,6 +65,10 @@ def worker(device: str) -> None:
         for i in range(n):
             a, b = bufs[i % 64], bufs[(i + 1) % 64]
             rt.submit(torch.add, a, 1, out=b, reads=[a], writes=[b])
+
+    def inline(n: int) -> None:  # the chain in the inline form: its accesses marked in the arguments
+        for i in range(n):
+            rt.submit(torch.add, sd.read(bufs[i % 64]), 1, out=sd.write(bufs[(i + 1) % 64]))
 
     def independent(n: int) -> None:
         for i in range(n):
@@ -127,7 +133,7 @@ def worker(device: str) -> None:
             np.add(arrays[i % 64], 1, out=arrays[(i + 1) % 64])
 
     runs = {"chain": chain, "independent": independent, "torch": plain, "copy": copies,
-            "torch_copy": plain_copies, "numpy": numpy_chain, "numpy_plain": numpy_plain}
+            "torch_copy": plain_copies, "numpy": numpy_chain, "numpy_plain": numpy_plain, "inline": inline}
     for run in runs.values():
         run(2000)
     settle()
@@ -151,7 +157,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2, help="worker processes per version")
-    parser.add_argument("--workload", choices=["chain", "independent", "copy", "numpy"], default="chain")
+    parser.add_argument("--workload", choices=["chain", "inline", "independent", "copy", "numpy"],
+                        default="chain")
     parser.add_argument("--ops", type=int, default=OPS_PER_ROUND,
                         help="ops per round and kind: fewer make rounds shorter than a noisy host's swings")
     args = parser.parse_args()
