@@ -120,6 +120,7 @@ def _run(program, streams: int, compiled_submit: bool):
 def test_the_runtime_submits_through_the_compiled_code_where_it_built():
     with sd.Runtime("cpu") as rt:
         assert type(rt.submit).__name__ == "builtin_function_or_method"
+        assert type(rt.submit_nowait).__name__ == "builtin_function_or_method"
         assert rt.submit(np.add, 1, 2).result() == 3
     core.COMPILED_SUBMIT = False
     try:
@@ -157,6 +158,7 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
             with sd.Runtime("cpu") as rt:
                 assert rt.submit(f, a, scale=2, reads=[a]).result() == 0.0
                 assert rt.submit(f, sd.read(a), scale=3).result() == 0.0
+                assert rt.submit_nowait(f, sd.read(a), scale=4).result() == 0.0
                 assert rt.submit(np.add, a, 1, out=a, writes=iter([a]), name="named").result() is a
                 assert rt.submit(f, a, run_on="cpu").result() == 3.0
                 with pytest.raises(TypeError, match="reads= takes a list"):

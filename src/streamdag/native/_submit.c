@@ -59,7 +59,8 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
-                *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write;
+                *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
+                *s_would_block;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -537,11 +538,11 @@ static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *f
  * stream, ordered on the device only (``submit_on``) */
 static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
                                   PyObject *reads, PyObject *writes, PyObject *name, PyObject *run_on,
-                                  Py_ssize_t placed) {
+                                  Py_ssize_t placed, int blocking) {
     PyObject *stream = placed >= 0 ? PyLong_FromSsize_t(placed) : Py_NewRef(Py_None);
     if (stream == NULL) return NULL;
-    PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, Py_True, stream,
-                        placed >= 0 ? Py_True : Py_False, run_on};
+    PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, blocking ? Py_True : Py_False,
+                        stream, placed >= 0 ? Py_True : Py_False, run_on};
     PyObject *r = PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     Py_DECREF(stream);
     return r;
@@ -558,6 +559,21 @@ static int take_slot(Submitter *self) {
     PyObject *taken = PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True);
     if (taken == NULL) return -1;
     Py_DECREF(taken);
+    return 0;
+}
+
+/* a slot under max_inflight without waiting: 1, or 0 with ``Runtime._would_block`` raised (what
+ * ``submit_nowait`` raises at the bound), or -1 on another error */
+static int try_take_slot(Submitter *self) {
+    if (lock_take(self->done_lock, self->done_acquire) < 0) return -1;
+    Counters *counts = (Counters *)self->counts;
+    int got = counts->free > 0;
+    if (got) counts->free--;
+    if (lock_give(self->done_lock, self->done_release) < 0) return -1;
+    if (got) return 1;
+    PyObject *r = PyObject_CallMethodNoArgs(self->rt, s_would_block);
+    Py_XDECREF(r);
+    if (r != NULL) PyErr_SetString(PyExc_RuntimeError, "streamdag: _would_block returned");
     return 0;
 }
 
@@ -1099,7 +1115,7 @@ static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) 
 /* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs); ``placed``
  * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...) */
 static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames,
-                             Py_ssize_t placed) {
+                             Py_ssize_t placed, int blocking) {
     PyObject *fn = argv[0];
     PyObject *reads = sub.empty_tuple, *writes = sub.empty_tuple, *name = Py_None, *run_on = Py_None;
     /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
@@ -1139,7 +1155,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
             Py_DECREF(kwargs);
             if ((kwargs = PyDict_New()) == NULL) goto done;
         }
-        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed);
+        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed, blocking);
         goto done;
     }
     PyObject *both[] = {reads, writes};
@@ -1162,7 +1178,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         }
         on_host |= is_cpu_space(space);
     }
-    if (take_slot(self) < 0) goto done;
+    if (blocking ? take_slot(self) < 0 : try_take_slot(self) <= 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
@@ -1205,7 +1221,19 @@ static PyObject *submitter_submit(Submitter *self, PyObject *const *argv, Py_ssi
         PyErr_SetString(PyExc_TypeError, "submit() needs the function to run first: rt.submit(fn, *args)");
         return NULL;
     }
-    return submit_with(self, argv, nargs, kwnames, -1);
+    return submit_with(self, argv, nargs, kwnames, -1, 1);
+}
+
+/* Runtime.submit_nowait: as submit, but WouldBlock at the bound instead of waiting */
+static PyObject *submitter_submit_nowait(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf,
+                                         PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "submit_nowait() needs the function to run first: rt.submit_nowait(fn, *args)");
+        return NULL;
+    }
+    return submit_with(self, argv, nargs, kwnames, -1, 0);
 }
 
 /* Runtime._submit_on(stream, fn, /, *args, reads=(), writes=(), name=None, **kwargs): an op onto
@@ -1223,7 +1251,7 @@ static PyObject *submitter_submit_on(Submitter *self, PyObject *const *argv, Py_
                      PyList_GET_SIZE(self->streams));
         return NULL;
     }
-    return submit_with(self, argv + 1, nargs - 1, kwnames, stream);
+    return submit_with(self, argv + 1, nargs - 1, kwnames, stream, 1);
 }
 
 /* Runtime._finish(op, device_error=None): a successful op whose future nobody watches is finished
@@ -1567,6 +1595,8 @@ static PyMethodDef submitter_methods[] = {
      "Drop the submitter's reference to its own finish, once its runtime is closed."},
     {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
      "Runtime.submit, compiled: see streamdag.Runtime.submit."},
+    {"submit_nowait", (PyCFunction)(void (*)(void))submitter_submit_nowait, METH_FASTCALL | METH_KEYWORDS,
+     "Runtime.submit_nowait, compiled: see streamdag.Runtime.submit_nowait."},
     {"submit_on", (PyCFunction)(void (*)(void))submitter_submit_on, METH_FASTCALL | METH_KEYWORDS,
      "Runtime._submit_on, compiled: an op onto a given stream, ordered on the device only."},
     {"finish", (PyCFunction)(void (*)(void))submitter_finish, METH_FASTCALL,
@@ -1612,7 +1642,7 @@ static int submit_init(PyObject *m) {
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
-    S(s_marker_value, "value") S(s_marker_write, "write")
+    S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)

@@ -221,6 +221,7 @@ class Runtime:
                                             launch_parts() if launch_parts is not None else None)
             self.submit = submitter.submit  # type: ignore[method-assign]
             self._submit_on = submitter.submit_on  # type: ignore[method-assign]
+            self.submit_nowait = submitter.submit_nowait  # type: ignore[method-assign]
             self._finish_bound = submitter.finish
 
     # ------------------------------------------------------------------ API
@@ -435,6 +436,7 @@ class Runtime:
         graph (freeing a CUDA graph there ends that capture)."""
         submit = self.__dict__.pop("submit", None)  # the compiled one: the class's raises RuntimeClosed
         self.__dict__.pop("_submit_on", None)
+        self.__dict__.pop("submit_nowait", None)
         if submit is not None:
             submit.__self__.let_go()
         self._tracker.clear()
@@ -522,10 +524,7 @@ class Runtime:
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
                  device_ordered: bool = False, device: str | None = None, on_host: bool = True):
         if not self._slots.acquire(False) and not self._take_slot(blocking):
-            raise WouldBlock(
-                f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
-                "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
-            )
+            self._would_block()
         with self._lock:
             self._counts.seq += 1
             seq = self._counts.seq
@@ -537,6 +536,13 @@ class Runtime:
             for finish_ready in self._finish_ready:
                 finish_ready()
         return op.future
+
+    def _would_block(self) -> None:
+        """What ``submit_nowait`` raises at the in-flight bound (the compiled one calls it too)."""
+        raise WouldBlock(
+            f"{self.max_inflight} ops are in flight (max_inflight={self.max_inflight}): "
+            "use submit() to wait for a slot, or create the runtime with a larger max_inflight"
+        )
 
     def _take_slot(self, blocking: bool = True) -> bool:
         """A slot under ``max_inflight``; at the bound, finishing is hurried before waiting."""
