@@ -548,33 +548,23 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
     return r;
 }
 
-/* a slot under max_inflight: ``_Slots.acquire(False)`` written out, else the runtime's ``_take_slot`` */
-static int take_slot(Submitter *self) {
+/* a free slot under max_inflight, taken if there is one (``_Slots.acquire(False)`` written out):
+ * ``blocking``: else the runtime's ``_take_slot``, which waits; else ``Runtime._would_block``, which
+ * raises what ``submit_nowait`` raises at the bound. 0, or -1 with an exception. */
+static int take_slot(Submitter *self, int blocking) {
     if (lock_take(self->done_lock, self->done_acquire) < 0) return -1;
     Counters *counts = (Counters *)self->counts;
     int got = counts->free > 0;
     if (got) counts->free--;
     if (lock_give(self->done_lock, self->done_release) < 0) return -1;
     if (got) return 0;
-    PyObject *taken = PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True);
-    if (taken == NULL) return -1;
-    Py_DECREF(taken);
-    return 0;
-}
-
-/* a slot under max_inflight without waiting: 1, or 0 with ``Runtime._would_block`` raised (what
- * ``submit_nowait`` raises at the bound), or -1 on another error */
-static int try_take_slot(Submitter *self) {
-    if (lock_take(self->done_lock, self->done_acquire) < 0) return -1;
-    Counters *counts = (Counters *)self->counts;
-    int got = counts->free > 0;
-    if (got) counts->free--;
-    if (lock_give(self->done_lock, self->done_release) < 0) return -1;
-    if (got) return 1;
-    PyObject *r = PyObject_CallMethodNoArgs(self->rt, s_would_block);
-    Py_XDECREF(r);
-    if (r != NULL) PyErr_SetString(PyExc_RuntimeError, "streamdag: _would_block returned");
-    return 0;
+    PyObject *r = blocking ? PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True)
+                           : PyObject_CallMethodNoArgs(self->rt, s_would_block);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (blocking) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "streamdag: _would_block returned");
+    return -1;
 }
 
 /* ``Runtime._choose_stream`` on a runtime of one device: the stream index, or -1 */
@@ -1113,7 +1103,8 @@ static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) 
 }
 
 /* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs); ``placed``
- * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...) */
+ * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...); not ``blocking``:
+ * Runtime.submit_nowait (WouldBlock at the in-flight bound) */
 static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames,
                              Py_ssize_t placed, int blocking) {
     PyObject *fn = argv[0];
@@ -1178,7 +1169,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         }
         on_host |= is_cpu_space(space);
     }
-    if (blocking ? take_slot(self) < 0 : try_take_slot(self) <= 0) goto done;
+    if (take_slot(self, blocking) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
