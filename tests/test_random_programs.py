@@ -4,7 +4,8 @@ Each program is a list of ops; every op reads a few views and updates one
 view in place with a function of what it read. Run concurrently on 1 to 4
 streams (CPU lanes, and the simulated device's random interleavings), the
 buffers and return values must equal a serial run bit for bit. With errors
-injected, exactly the transitive dependents of the failing ops must fail.
+injected, exactly the ops that use memory a failed op wrote (or was to write)
+must fail, transitively: not those that only overwrite what a failed op read.
 """
 
 import os
@@ -57,6 +58,16 @@ def conflicts(op_a, op_b):
     return False
 
 
+def writes_into(op_a, op_b):
+    """Whether ``op_a`` writes memory ``op_b`` reads or writes: a failure of ``op_a`` passes to ``op_b``
+    (an op that only overwrites what a failed op read runs: the failed reader changed nothing)."""
+    ba, la, ha = elements(op_a["write"])
+    for bb, lb, hb in [elements(v) for v in op_b["reads"]] + [elements(op_b["write"])]:
+        if ba == bb and la <= hb and lb <= ha:
+            return True
+    return False
+
+
 def run_op(op, bases, fail=False):
     if fail:
         raise RuntimeError(f"injected failure in {op['name']}")
@@ -90,7 +101,7 @@ def serial(program, failing=frozenset()):
     failed, roots = set(), set()
     for i, op in enumerate(program):
         op["name"] = f"op{i}"
-        if any(j in failed and conflicts(program[j], op) for j in range(i)):
+        if any(j in failed and writes_into(program[j], op) for j in range(i)):
             failed.add(i)  # a dependency failed: the op does not run, even if it would fail itself
             results.append(None)
         elif i in failing:

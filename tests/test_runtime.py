@@ -298,6 +298,30 @@ def test_statistics_count_failures(rt):
     assert (s.submitted, s.completed, s.failed) == (2, 0, 2)
 
 
+def test_a_failed_reader_does_not_fail_the_next_writer_of_its_input():
+    """The rule a reused buffer relies on (stream_map's ring, double buffering): a failure passes
+    to ops that use what the failed op wrote (reads, or writes that may read), not to an op that
+    overwrites what it only read."""
+    buf, out, other = np.zeros(4), np.zeros(4), np.zeros(4)
+
+    def fail(_a, _b):
+        raise KeyError("x")
+
+    with sd.Runtime("sim", streams=2, seed=3) as rt:
+        failed = rt.submit(fail, buf, out, reads=[buf], writes=[out])
+        refill = rt.submit(np.copyto, buf, 5.0, writes=[buf])  # overwrites what the failed op read
+        reader = rt.submit(np.sum, out, reads=[out])  # reads what it was to write
+        rewrite = rt.submit(np.copyto, out, 1.0, writes=[out])  # may read it first (in place)
+        unrelated = rt.submit(np.copyto, other, 2.0, writes=[other])
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+    assert isinstance(failed.exception(), KeyError)
+    assert refill.exception() is None and np.all(buf == 5.0)
+    assert isinstance(reader.exception(), sd.DependencyFailed)
+    assert isinstance(rewrite.exception(), sd.DependencyFailed)
+    assert unrelated.exception() is None
+
+
 def test_recorded_graph_runs_many_times_and_explains_itself(rt):
     x = np.ones((8, 8))
     outs = [np.zeros((8, 8)) for _ in range(4)]
@@ -319,6 +343,13 @@ def test_recorded_graph_runs_many_times_and_explains_itself(rt):
     assert "levels" in text and "critical path" in text and "waits" in text and "join" in text
     assert g.schedule.width == 4
     assert "digraph" in g.to_dot()
+
+
+def test_an_empty_recording_is_a_graph_that_runs_nothing(rt):
+    with rt.record() as g:
+        pass
+    assert list(g.run().result()) == []
+    assert g.schedule.width == 0 and "0 ops" in g.explain()
 
 
 def test_recorded_graph_orders_after_earlier_eager_work(rt):

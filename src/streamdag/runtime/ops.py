@@ -378,6 +378,25 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     return out
 
 
+def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
+    """The first failed dep whose failure passes to an op with ``accesses``, or None.
+
+    It passes where the failed op wrote (or was to write) memory the op reads
+    or writes: a write may read first (an in-place update declared as a write),
+    so only what a failed op merely read may be overwritten by the next op, as
+    a reused buffer is. A failed reader changed nothing.
+    """
+    for dep in deps:
+        if dep.error is None:
+            continue
+        for (space, start, end), write in dep.accesses:
+            if write:
+                for (s, lo, hi), _ in accesses:
+                    if lo < end and start < hi and s == space:
+                        return dep
+    return None
+
+
 def _unwrap(value: Any, accesses: list[Access]) -> Any:
     if isinstance(value, Marker):
         accesses.append(_new(Access, (region_of(value.value), value.write)))
@@ -515,11 +534,10 @@ class Op:
 
     def execute(self) -> None:
         """Run the op unless a dependency failed; raises only what is no ``Exception`` (Ctrl-C)."""
-        for dep in self.deps:
-            if dep.error is not None:
-                self.error = DependencyFailed(self.name, dep.root_name, dep.root_error)
-                self.root_name, self.root_error = dep.root_name, dep.root_error
-                break
+        dep = failed_input(self.accesses, self.deps) if self.deps else None
+        if dep is not None:
+            self.error = DependencyFailed(self.name, dep.root_name, dep.root_error)
+            self.root_name, self.root_error = dep.root_name, dep.root_error
         else:
             try:
                 self.value = self.fn(*self.args, **self.kwargs)

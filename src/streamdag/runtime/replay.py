@@ -23,7 +23,7 @@ from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access
 from ..schedule.waits import plan_waits
 from .core import _DROP_WAITS
-from .ops import Op
+from .ops import Op, failed_input
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -62,7 +62,7 @@ class HostReplay:
             rt._counts.seq += 1
             op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
-            failed_dep = next((d for d in op.deps if d.error is not None), None)
+            failed_dep = failed_input(op.accesses, op.deps)
             if failed_dep is not None:
                 op.error = DependencyFailed(op.name, failed_dep.root_name, failed_dep.root_error)
                 op.root_name, op.root_error = failed_dep.root_name, failed_dep.root_error

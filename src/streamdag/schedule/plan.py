@@ -125,7 +125,7 @@ def build_schedule(
     order: list[list[int]] = [[] for _ in range(num_streams)]
     for v in range(n):
         order[stream[v]].append(v)
-    clocks = StreamClocks(num_streams)
+    clocks = StreamClocks(max(num_streams, 1))  # (no ops: no streams, and clocks for one)
     stamps: list[Stamp] = []
     waits: list[tuple[int, ...]] = []
     for v in range(n):
