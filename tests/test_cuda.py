@@ -409,6 +409,16 @@ def test_captured_equals_eager_over_many_replays_with_new_inputs():
         assert stats.replays >= 298 and stats.fallbacks == 0
 
 
+def test_an_empty_recording_runs_nothing_on_the_gpu_too():
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            pass
+        for _ in range(3):
+            assert list(g.run().result()) == []
+        x = torch.ones(4, device="cuda")
+        assert torch.equal(rt.submit(torch.mul, x, 2, reads=[x]).result(timeout=30), x * 2)
+
+
 def doubling_graph(rt, x, y):
     """A recorded graph writing 2 * x into y, run three times: captured and replayed."""
     with rt.record() as g:
@@ -593,6 +603,39 @@ def test_a_copy_runs_on_its_copy_stream_beside_compute_and_after_its_producer():
         assert torch.equal(back.result(timeout=60), torch.full((1 << 16,), 7.0))
         assert slow.done()
         assert torch.equal(dev.cpu(), host)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_copy_streams(capture):
+    """Pieces through the ring of device buffers, copies on the copy streams; outputs exact (the
+    function is elementwise, so cutting the input into pieces cannot change a bit). Captured, a
+    second call replays the first one's CUDA graphs on new data."""
+    def fn(a):
+        return torch.cat([a * 3, a.sin()], dim=1)
+
+    g = torch.Generator().manual_seed(0)
+    pinned = [torch.randn(n, 96, generator=g).pin_memory() for n in (1000, 37, 0, 2500)]
+    pageable = [torch.randn(n, 96, generator=g) for n in (700, 1300)]
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.profile() as prof:
+            made = rt.stream_map(fn, pinned, piece_bytes=96 * 4 * 64, buffers=3,  # outputs made, pinned
+                                 capture=capture)
+            given = [torch.full((x.shape[0], 192), -1.0) for x in pageable]
+            into = rt.stream_map(fn, pageable, given, piece_bytes=96 * 4 * 100, capture=capture)
+            results = [f.result(timeout=60) for f in made + into]
+        for x, got in zip(pinned + pageable, results):
+            assert torch.equal(got, fn(x.cuda()).cpu())
+        assert all(r.is_pinned() for r in results[:4] if r.numel())
+        assert all(r is o for r, o in zip(results[4:], given))
+        again = [x * 2 for x in pinned]
+        for x, f in zip(again, rt.stream_map(fn, again, piece_bytes=96 * 4 * 64, buffers=3, capture=capture)):
+            assert torch.equal(f.result(timeout=60), fn(x.cuda()).cpu())
+        if capture:  # replayed as CUDA graphs, none fell back to running eagerly
+            graphs = [g for ring in rt._stream_maps[fn].values() for g in ring._graphs.values()]
+            stats = [g.statistics() for g in graphs if g.statistics() is not None]  # (run twice or more)
+            assert stats and sum(s.replays for s in stats) > 0 and not any(s.fallbacks for s in stats)
+    kinds = {(s.name.split("#")[0], s.kind) for s in prof.timeline.spans}
+    assert {("stream_map_in", "h2d"), ("stream_map", "compute"), ("stream_map_out", "d2h")} <= kinds
 
 
 def test_a_copy_between_dtypes_is_refused_whether_pinned_or_pageable():

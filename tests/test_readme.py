@@ -35,3 +35,16 @@ def test_the_copy_example_overlaps_and_returns_the_results():
         want = torch.tanh(hi.cuda() @ hi.cuda().T).cpu()
         torch.testing.assert_close(ho, want, rtol=1e-4, atol=1e-4)
     assert ns["t"].is_pinned() and torch.equal(ns["t"], ns["host_out"][0])
+
+
+@pytest.mark.cuda
+def test_the_stream_map_example_returns_fn_of_each_input():
+    import torch
+
+    (block,) = [b for b in python_blocks() if "rt.stream_map(" in b]
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(block, str(README), "exec"), ns)
+    w = ns["w"]
+    for x, out in zip(ns["host_in"], ns["outs"]):
+        assert out.is_pinned()
+        torch.testing.assert_close(out, torch.tanh(x.cuda() @ w).cpu(), rtol=1e-3, atol=1e-3)

@@ -18,6 +18,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -210,6 +211,8 @@ class Runtime:
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
+        #: stream_map's captured pieces, by function (see ``streaming``); dropped with the function
+        self._stream_maps: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}
         if _speedups is not None and COMPILED_SUBMIT and not self._multi:
             # submit and finish in C (``native/_submit.c``); the methods below stay the reference
@@ -283,6 +286,34 @@ class Runtime:
         from . import transfers
 
         return transfers.to_host(self, t, name)
+
+    def stream_map(self, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
+                   piece_bytes: int | None = None, buffers: int = 4, reads: Iterable[Any] = (),
+                   capture: bool = False, name: str = "stream_map") -> Any:
+        """Apply ``fn``, which maps rows one to one, to host tensors on the device: copies overlap compute.
+
+        ``inputs``: a host tensor (or numpy array), or a sequence of them;
+        returns a Future (or a list, one per input) of the host output, which
+        is ``out`` where given (one host tensor per input, same dim 0), else a
+        pinned tensor of ``fn``'s shape and dtype. Each input is cut along dim 0
+        into pieces of about ``piece_bytes`` (default 32 MiB, 16 MiB with
+        ``capture``, smaller for small inputs); each piece is copied in, ``fn``
+        runs on it, and its result is copied out, through ``buffers`` reused
+        device buffers. ``fn(x)[i]`` must depend on ``x[i]`` only; ``reads``:
+        device tensors ``fn`` also reads.
+
+        ``capture=True`` runs ``fn`` on a full piece as a recorded graph per
+        buffer, replayed as a CUDA graph from its second run: the host then
+        launches one graph per piece instead of ``fn``'s kernels, so smaller
+        pieces pay. ``fn`` must then be capturable (no host syncs; its Python
+        runs only at recording), and the graphs and their buffers are kept for
+        the next call with the same ``fn`` and shapes, until ``fn`` is dropped
+        or the runtime closes.
+        """
+        from . import streaming
+
+        return streaming.stream_map(self, fn, inputs, out, piece_bytes=piece_bytes, buffers=buffers,
+                                    reads=reads, capture=capture, name=name)
 
     def synchronize(self) -> None:
         """Wait for every op submitted so far.
@@ -443,6 +474,7 @@ class Runtime:
         self._finish_bound = None
         self._hurry_of = [None] * len(self._hurry_of)
         self._bytes.on_wait = self._staging.on_wait = None
+        self._stream_maps.clear()  # their graphs hold the runtime
 
     def __enter__(self) -> Runtime:
         return self

@@ -1,0 +1,254 @@
+"""Stream host data through a device function in pieces, so copies in, compute and copies out overlap.
+
+A program that copies a batch in, computes on it and copies it out cannot
+finish sooner than its first batch in and its last batch out, which no other
+work can overlap: with eight batches of 64 MiB that is two batches' copies on
+top of the link's time (about 1.15x of it on an H100). When the function maps
+rows one to one (``fn(x)[i]`` depends on ``x[i]`` only), the runtime may cut
+every batch into pieces of a few MiB: the unoverlapped head and tail shrink
+with the piece, while the host still submits far ahead of the device.
+
+The pieces are copied into a ring of ``buffers`` device buffers, reused: the
+runtime orders a piece's copy into a buffer after the compute that read the
+buffer's previous piece, by an event (a dependency inferred from the buffer, as
+for any op). Each compute writes a new device tensor, which the runtime keeps
+until its copy out completes; the submitter waits before it has more than
+``2 * buffers`` of them. So device memory stays at ``3 * buffers`` pieces
+whatever the input's size, and a piece that fails fails only its own input:
+a later piece reuses the buffer it read (a failed reader changed nothing), not
+one it wrote.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..graph.buffers import region_of
+from .ops import Future
+
+if TYPE_CHECKING:
+    from .core import Runtime
+
+__all__ = ["stream_map"]
+
+# A piece's copies must take longer than the host's submit of the piece, or the host sets the pace:
+# on an H100 host, the 14 kernels of bench/overlap.py's compute took 0.45 ms of host time per piece,
+# the link 0.17 ms per 8 MiB. Captured, the compute is one graph launch: 16 MiB pieces (0.33 ms).
+PIECE_BYTES = 32 << 20
+CAPTURED_PIECE_BYTES = 16 << 20
+WINDOW = 2  # the submitter waits before more than WINDOW * buffers pieces await their copy out
+MIN_PIECES = 16  # a small input is still cut into this many pieces, down to
+MIN_PIECE_BYTES = 256 << 10  # pieces this small, below which per-copy costs dominate
+
+
+def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
+               piece_bytes: int | None = None, buffers: int = 4, reads: Iterable[Any] = (),
+               capture: bool = False, name: str = "stream_map") -> Any:
+    """Futures of ``fn`` applied to host tensors on the runtime's device, piece by piece.
+
+    See :meth:`Runtime.stream_map`.
+    """
+    import torch
+
+    single = isinstance(inputs, torch.Tensor) or _is_array(inputs)
+    batches = [_host_tensor(x, "input") for x in ([inputs] if single else inputs)]
+    if out is None:
+        outs: list[Any] | None = None
+    else:
+        outs = [_host_tensor(o, "out") for o in ([out] if single else out)]
+        _check_outs(batches, outs)
+    if buffers < 2:
+        raise ValueError(f"buffers must be at least 2 (a piece computes while the next copies in), "
+                         f"got {buffers}")
+    extra_reads = list(reads)
+    device = rt.device if rt.device not in ("cpu", "sim") else "cpu"
+    if rt._recording_here() is not None:
+        raise RuntimeError("stream_map runs eagerly (its first piece may tell the output's shape): call it "
+                           "outside `with rt.record()`, or record the pieces' copies and ops yourself")
+    rows = _rows_per_piece(batches, piece_bytes, CAPTURED_PIECE_BYTES if capture else PIECE_BYTES)
+    ring = _ring_for(rt, fn, device, buffers, extra_reads) if capture else _Ring(device, buffers)
+    copies_of: list[list[Future]] = []
+    unfinished: deque[Future] = deque()
+    for b, x in enumerate(batches):
+        copies: list[Future] = []
+        copies_of.append(copies)
+        for lo in range(0, x.shape[0], rows):
+            n = min(rows, x.shape[0] - lo)
+            slot = ring.next_slot()
+            dev_in = ring.buffer(slot, "in", (rows, *x.shape[1:]), x.dtype)
+            rt.copy(dev_in[:n], x[lo : lo + n], name=f"{name}_in")
+            if outs is None:  # the first piece tells the output's shape and dtype
+                y = rt.submit(_apply, fn, dev_in[:n], reads=[dev_in[:n], *extra_reads], name=name).result()
+                _check_rows(y, n)
+                outs = [torch.empty((xb.shape[0], *y.shape[1:]), dtype=y.dtype, pin_memory=device != "cpu")
+                        for xb in batches]
+                copies.append(rt.copy(outs[b][lo : lo + n], y, name=f"{name}_out"))
+                continue
+            o = outs[b]
+            while len(unfinished) >= WINDOW * buffers:  # bound the pieces awaiting their copy out
+                unfinished.popleft().exception()
+            if capture and n == rows:  # one graph per buffer, on fixed input and output buffers
+                dev_out = ring.buffer(slot, "out", (rows, *o.shape[1:]), o.dtype)
+                ring.graph(rt, slot, fn, dev_in, dev_out, extra_reads, name).run()
+            else:  # a new output tensor: a failed piece leaves no buffer that a later one writes
+                dev_out = torch.empty((n, *o.shape[1:]), dtype=o.dtype, device=device)
+                rt.submit(_apply_into, fn, dev_in[:n], dev_out, reads=[dev_in[:n], *extra_reads],
+                          writes=[dev_out], name=name)
+            copies.append(rt.copy(o[lo : lo + n], dev_out, name=f"{name}_out"))
+            unfinished.append(copies[-1])
+    # (outs is None only where every input is empty: fn never ran, nothing tells its shape)
+    results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
+               for b, copies in enumerate(copies_of)]
+    return results[0] if single else results
+
+
+def _apply(fn: Callable[[Any], Any], x: Any) -> Any:
+    return fn(x)
+
+
+def _apply_into(fn: Callable[[Any], Any], x: Any, out: Any) -> None:
+    y = fn(x)
+    if getattr(y, "shape", None) != out.shape:
+        raise ValueError(
+            f"stream_map: fn returned {_describe(y)} for a piece of shape {tuple(x.shape)}, where the output "
+            f"piece is {tuple(out.shape)}: fn must map rows one to one (keep dim 0) and return the trailing "
+            "shape of `out`; pass out=None to take fn's own shape and dtype")
+    out.copy_(y)
+
+
+def _check_rows(y: Any, n: int) -> None:
+    shape = getattr(y, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] != n:
+        raise ValueError(
+            f"stream_map: fn returned {_describe(y)} for a piece of {n} rows: fn must map rows one to one "
+            "(its result has the piece's dim 0), since the input is cut into pieces along dim 0")
+
+
+def _describe(y: Any) -> str:
+    shape = getattr(y, "shape", None)
+    return f"shape {tuple(shape)}" if shape is not None else f"a {type(y).__name__}"
+
+
+def _is_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "__array_interface__")
+
+
+def _host_tensor(x: Any, what: str) -> Any:
+    import torch
+
+    if _is_array(x):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"stream_map: each {what} must be a host tensor or numpy array, "
+                        f"not {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise ValueError(f"stream_map: {what} is on {x.device}; it streams host data: pass a CPU tensor "
+                         "(pinned for the fastest copies), or call fn directly on device data")
+    if x.dim() == 0:
+        raise ValueError(f"stream_map: {what} has no dims; pieces are cut along dim 0: reshape it to (1,)")
+    return x
+
+
+def _check_outs(batches: Sequence[Any], outs: Sequence[Any]) -> None:
+    if len(outs) != len(batches):
+        raise ValueError(f"stream_map: {len(outs)} outputs for {len(batches)} inputs: give one out per input")
+    for i, (x, o) in enumerate(zip(batches, outs)):
+        if o.shape[0] != x.shape[0]:
+            raise ValueError(f"stream_map: out[{i}] has {o.shape[0]} rows, input {i} has {x.shape[0]}: fn "
+                             "maps rows one to one, so both need the same dim 0")
+
+
+def _rows_per_piece(batches: Sequence[Any], piece_bytes: int | None, default: int) -> int:
+    """Rows in a piece: ``piece_bytes`` of the widest input's rows (default: see the module's constants)."""
+    row_bytes = max(max(1, math.prod(x.shape[1:]) * x.element_size()) for x in batches)
+    if piece_bytes is None:
+        total = sum(x.numel() * x.element_size() for x in batches)
+        piece_bytes = max(MIN_PIECE_BYTES, min(default, total // MIN_PIECES))
+    elif piece_bytes < 1:
+        raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
+    return max(1, piece_bytes // row_bytes)
+
+
+class _Ring:
+    """``count`` slots of device buffers, each made on first use for a role, shape and dtype; and
+    with ``capture``, a recorded graph per slot and its buffers."""
+
+    def __init__(self, device: str, count: int) -> None:
+        self.device, self.count = device, count
+        self._at = -1
+        self._buffers: dict[tuple[Any, ...], Any] = {}
+        self._graphs: dict[tuple[Any, ...], Any] = {}
+
+    def next_slot(self) -> int:
+        self._at = (self._at + 1) % self.count
+        return self._at
+
+    def buffer(self, slot: int, role: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        key = (slot, role, shape, dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
+
+    def graph(self, rt: Runtime, slot: int, fn: Callable[[Any], Any], dev_in: Any, dev_out: Any,
+              extra_reads: list[Any], name: str) -> Any:
+        key = (slot, dev_in.shape, dev_in.dtype, dev_out.shape, dev_out.dtype)
+        graph = self._graphs.get(key)
+        if graph is None:
+            with rt.record() as graph:
+                rt.submit(_apply_into, fn, dev_in, dev_out, reads=[dev_in, *extra_reads], writes=[dev_out],
+                          name=name)
+            self._graphs[key] = graph
+        return graph
+
+
+def _ring_for(rt: Runtime, fn: Callable[[Any], Any], device: str, buffers: int,
+              extra_reads: list[Any]) -> _Ring:
+    """The ring of an earlier call with the same function, buffers and extra reads: its graphs are
+    captured already (their buffers are the ring's). Dropped with the function or the runtime."""
+    try:
+        rings = rt._stream_maps.setdefault(fn, {})
+    except TypeError:  # a function that takes no weak reference: nothing kept
+        return _Ring(device, buffers)
+    key = (device, buffers, tuple(region_of(t) for t in extra_reads))  # the graphs' declared reads
+    ring = rings.get(key)
+    if ring is None:
+        ring = rings[key] = _Ring(device, buffers)
+    ring._at = -1  # the same slots in the same order each call
+    return ring
+
+
+def _all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
+    """A Future of ``value`` once all ``futures`` are done; the first exception among them, if any.
+
+    Waiting on it is waiting on the last (the copies out of one input run in order on one stream).
+    """
+    out = Future()
+    out.op_name = op_name
+    if not futures:
+        out.set_result(value)
+        return out
+    out._hurry = getattr(futures[-1], "_hurry", None)
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_f: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(value)
+
+    for f in futures:
+        f._on_done(done)
+    return out

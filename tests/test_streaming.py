@@ -1,0 +1,122 @@
+"""``Runtime.stream_map`` on the CPU lanes and the simulated device's random interleavings.
+
+Inputs of random sizes are cut into pieces through a small ring of reused
+buffers; the outputs must equal ``fn`` on each whole input exactly, whatever
+the interleaving (a piece copied into a buffer before the compute of the
+buffer's previous piece read it would show). A piece that fails must fail its
+own input's future only: later pieces reuse the buffer it read.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+EXAMPLES = settings(max_examples=200 if os.environ.get("CI") else 40, deadline=None)
+
+
+def widen(a):
+    """Row-wise, elementwise (so exact whatever the pieces): k columns in, 2k out."""
+    return torch.cat([a * 3, a - 1], dim=1)
+
+
+batch_shapes = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=4)
+
+
+@EXAMPLES
+@given(batch_shapes, st.sampled_from([torch.float32, torch.float64, torch.int32]),
+       st.integers(1, 200), st.integers(2, 5), st.sampled_from(["cpu", "sim"]), st.integers(1, 4),
+       st.integers(0, 2**16), st.booleans(), st.booleans())
+def test_stream_map_equals_fn_on_each_whole_input(shapes, dtype, piece_bytes, buffers, device, streams,
+                                                  seed, give_out, capture):
+    g = torch.Generator().manual_seed(seed)
+    k = shapes[0][1]  # one row width for all, so the inputs share the ring's buffers
+    inputs = [(torch.randn(rows, k, generator=g) * 100).to(dtype) for rows, _ in shapes]
+    expect = [widen(x) for x in inputs]
+    out = [torch.full_like(e, -7) for e in expect] if give_out else None
+    made = {"seed": seed} if device == "sim" else {}
+    with sd.Runtime(device, streams=streams, **made) as rt:
+        futures = rt.stream_map(widen, inputs, out, piece_bytes=piece_bytes, buffers=buffers,
+                                capture=capture)
+        results = [f.result(timeout=60) for f in futures]
+        if capture:  # again, with new data, through the recorded graphs of the first call
+            again = [x + 1 for x in inputs]
+            for x, f in zip(again, rt.stream_map(widen, again, piece_bytes=piece_bytes, buffers=buffers,
+                                                 capture=True)):
+                assert torch.equal(f.result(timeout=60), widen(x)) or x.numel() == 0
+    for i, (got, want) in enumerate(zip(results, expect)):
+        if give_out:
+            assert got is out[i]
+        if want.numel():
+            assert torch.equal(got, want)
+        else:
+            assert got.shape[0] == 0
+
+
+@EXAMPLES
+@given(st.lists(st.integers(1, 30), min_size=2, max_size=5), st.data(), st.integers(1, 64),
+       st.integers(2, 4), st.integers(1, 3), st.integers(0, 2**16))
+def test_a_failing_piece_fails_its_own_input_only(rows, data, piece_bytes, buffers, streams, seed):
+    inputs = [torch.arange(n, dtype=torch.float32).reshape(n, 1) + 1000 * b for b, n in enumerate(rows)]
+    bad = data.draw(st.sets(st.integers(0, len(rows) - 1), max_size=len(rows) - 1))
+    poison = {1000.0 * b + data.draw(st.integers(0, n - 1)) for b, n in enumerate(rows) if b in bad}
+
+    def fn(a):
+        if any(float(v) in poison for v in a.flatten()):
+            raise KeyError("bad row")
+        return a * 2
+
+    with sd.Runtime("sim", streams=streams, seed=seed) as rt:
+        futures = rt.stream_map(fn, inputs, [torch.zeros(n, 1) for n in rows], piece_bytes=piece_bytes,
+                                buffers=buffers)
+        if bad:
+            with pytest.raises(sd.ExceptionGroup):
+                rt.synchronize()
+    for b, f in enumerate(futures):
+        if b in bad:
+            err = f.exception()
+            assert isinstance(err, sd.DependencyFailed) and isinstance(err.root_error, KeyError)
+        else:
+            assert torch.equal(f.result(), inputs[b] * 2)
+
+
+def test_one_input_gives_one_future_and_numpy_inputs_are_read_in_place():
+    x = np.arange(60, dtype=np.float64).reshape(20, 3)
+    with sd.Runtime("cpu", streams=2) as rt:
+        f = rt.stream_map(lambda a: a.sum(dim=1, keepdim=True), x, piece_bytes=48)
+        assert isinstance(f, sd.Future)
+        assert torch.equal(f.result(), torch.from_numpy(x).sum(dim=1, keepdim=True))
+
+
+def test_stream_map_refuses_bad_input_and_says_what_to_do():
+    x = torch.ones(8, 2)
+    with sd.Runtime("cpu", streams=2) as rt:
+        with pytest.raises(ValueError, match="reshape it to"):
+            rt.stream_map(widen, torch.tensor(1.0))
+        with pytest.raises(ValueError, match="one out per input"):
+            rt.stream_map(widen, [x, x], [torch.zeros(8, 4)])
+        with pytest.raises(ValueError, match="same dim 0"):
+            rt.stream_map(widen, x, torch.zeros(7, 4))
+        with pytest.raises(ValueError, match="buffers must be at least 2"):
+            rt.stream_map(widen, x, buffers=1)
+        with pytest.raises(ValueError, match="piece_bytes must be positive"):
+            rt.stream_map(widen, x, piece_bytes=0)
+        with pytest.raises(TypeError, match="host tensor or numpy array"):
+            rt.stream_map(widen, [[1.0, 2.0]])
+        # fn must keep the rows: told at once when stream_map learns the output from the first piece,
+        with pytest.raises(ValueError, match="map rows one to one"):
+            rt.stream_map(lambda a: a[:1], x, piece_bytes=16)
+        # and by the piece's future where `out` fixes the shape
+        f = rt.stream_map(lambda a: a[:, :1], x, torch.zeros(8, 2), piece_bytes=16)
+        with pytest.raises(sd.DependencyFailed) as failed:
+            f.result(timeout=10)
+        assert "return the trailing shape of `out`" in str(failed.value.root_error)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        with rt.record(), pytest.raises(RuntimeError, match="outside `with rt"):
+            rt.stream_map(widen, x)
