@@ -28,6 +28,6 @@ if [ $# -ge 1 ]; then
     tail -3 "$out/ab_copy.txt"
 fi
 
-timeout 150 python3 bench/overlap.py > "$out/overlap.txt" 2>&1 \
+timeout 200 python3 bench/overlap.py > "$out/overlap.txt" 2>&1 \
     && cp "$(newest overlap)" "$out/overlap.json"
 grep -v "^CaptureStatistics" "$out/overlap.txt" | tail -24
