@@ -91,6 +91,7 @@ def test_one_input_gives_one_future_and_numpy_inputs_are_read_in_place():
         f = rt.stream_map(lambda a: a.sum(dim=1, keepdim=True), x, piece_bytes=48)
         assert isinstance(f, sd.Future)
         assert torch.equal(f.result(), torch.from_numpy(x).sum(dim=1, keepdim=True))
+        assert rt.stream_map(widen, []) == []
 
 
 def test_stream_map_refuses_bad_input_and_says_what_to_do():

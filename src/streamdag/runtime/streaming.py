@@ -61,6 +61,8 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
     else:
         outs = [_host_tensor(o, "out") for o in ([out] if single else out)]
         _check_outs(batches, outs)
+    if not batches:
+        return []
     if buffers < 2:
         raise ValueError(f"buffers must be at least 2 (a piece computes while the next copies in), "
                          f"got {buffers}")
