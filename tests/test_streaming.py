@@ -121,3 +121,24 @@ def test_stream_map_refuses_bad_input_and_says_what_to_do():
             rt.synchronize()
         with rt.record(), pytest.raises(RuntimeError, match="outside `with rt"):
             rt.stream_map(widen, x)
+
+
+def test_captured_calls_from_two_threads_at_once_each_get_their_own_results():
+    """Captured calls keep their ring of buffers for the next call with the same function; two
+    calls at once must not share one (their pieces' copies into it would interleave)."""
+    import concurrent.futures
+
+    inputs = [[torch.arange(400.0).reshape(100, 4) * (t + 1) + 1000 * k for k in range(3)] for t in range(2)]
+
+    def run(t):
+        got = []
+        for k in range(3):
+            got.append(rt.stream_map(widen, inputs[t][k], piece_bytes=64, buffers=2, capture=True))
+        return [f.result(timeout=60) for f in got]
+
+    with sd.Runtime("cpu", streams=3) as rt, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(5):
+            results = list(pool.map(run, range(2)))
+            for t in range(2):
+                for k in range(3):
+                    assert torch.equal(results[t][k], widen(inputs[t][k]))

@@ -16,7 +16,10 @@ until its copy out completes; the submitter waits before it has more than
 ``2 * buffers`` of them. So device memory stays at ``3 * buffers`` pieces
 whatever the input's size, and a piece that fails fails only its own input:
 a later piece reuses the buffer it read (a failed reader changed nothing), not
-one it wrote.
+one it wrote. Captured (``capture=True``), a full piece's compute is a
+recorded graph per buffer, writing a ring of output buffers too; the ring and
+its graphs are kept for the next call with the same function, which has them
+to itself (a concurrent call makes its own).
 """
 
 from __future__ import annotations
@@ -72,7 +75,28 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
         raise RuntimeError("stream_map runs eagerly (its first piece may tell the output's shape): call it "
                            "outside `with rt.record()`, or record the pieces' copies and ops yourself")
     rows = _rows_per_piece(batches, piece_bytes, CAPTURED_PIECE_BYTES if capture else PIECE_BYTES)
-    ring = _ring_for(rt, fn, device, buffers, extra_reads) if capture else _Ring(device, buffers)
+    if not capture:
+        return _submit_pieces(rt, fn, batches, outs, rows, _Ring(device, buffers), extra_reads, name, single)
+    kept, key = _kept_rings(rt, fn, device, buffers, extra_reads)
+    # a call has its ring to itself: two calls sharing buffers would interleave their pieces' copies
+    ring = kept.pop(key, None) if kept is not None else None
+    ring = ring or _Ring(device, buffers)
+    try:
+        return _submit_pieces(rt, fn, batches, outs, rows, ring, extra_reads, name, single, capture=True)
+    finally:
+        if kept is not None:
+            kept[key] = ring
+
+
+def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], outs: list[Any] | None,
+                   rows: int, ring: _Ring, extra_reads: list[Any], name: str, single: bool,
+                   capture: bool = False) -> Any:
+    """stream_map's submits, through ``ring``'s buffers: a Future per input (one if ``single``)."""
+    import torch
+
+    device = ring.device
+    buffers = ring.count
+    ring.restart()
     copies_of: list[list[Future]] = []
     unfinished: deque[Future] = deque()
     for b, x in enumerate(batches):
@@ -185,6 +209,10 @@ class _Ring:
         self._buffers: dict[tuple[Any, ...], Any] = {}
         self._graphs: dict[tuple[Any, ...], Any] = {}
 
+    def restart(self) -> None:
+        """The first slot next: a call's pieces take the slots in the same order each time."""
+        self._at = -1
+
     def next_slot(self) -> int:
         self._at = (self._at + 1) % self.count
         return self._at
@@ -210,20 +238,17 @@ class _Ring:
         return graph
 
 
-def _ring_for(rt: Runtime, fn: Callable[[Any], Any], device: str, buffers: int,
-              extra_reads: list[Any]) -> _Ring:
-    """The ring of an earlier call with the same function, buffers and extra reads: its graphs are
-    captured already (their buffers are the ring's). Dropped with the function or the runtime."""
+def _kept_rings(rt: Runtime, fn: Callable[[Any], Any], device: str, buffers: int,
+                extra_reads: list[Any]) -> tuple[dict[Any, _Ring] | None, Any]:
+    """Where the rings of earlier captured calls with ``fn`` are kept, and the key of this call's
+    (the same device, buffers and extra reads): their graphs are captured already, on the ring's
+    buffers. Dropped with the function or the runtime; None for a function that takes no weak
+    reference."""
     try:
-        rings = rt._stream_maps.setdefault(fn, {})
-    except TypeError:  # a function that takes no weak reference: nothing kept
-        return _Ring(device, buffers)
-    key = (device, buffers, tuple(region_of(t) for t in extra_reads))  # the graphs' declared reads
-    ring = rings.get(key)
-    if ring is None:
-        ring = rings[key] = _Ring(device, buffers)
-    ring._at = -1  # the same slots in the same order each call
-    return ring
+        kept = rt._stream_maps.setdefault(fn, {})
+    except TypeError:
+        return None, None
+    return kept, (device, buffers, tuple(region_of(t) for t in extra_reads))  # the graphs' declared reads
 
 
 def _all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
