@@ -170,8 +170,13 @@ def _cuda_interface_region(value: Any) -> Region:
     return _interface_region(value.__cuda_array_interface__, f"cuda:{device_id}")
 
 
-#: How to read the memory of each type seen so far: looked up once per type.
-_HANDLERS: dict[type, Any] = {}
+def _region_itself(value: Region) -> Region:
+    return value
+
+
+#: How to read the memory of each type seen so far: looked up once per type. A Region is its own
+#: memory (a recorded graph's replay declares its coalesced accesses that way).
+_HANDLERS: dict[type, Any] = {Region: _region_itself}
 
 
 def _handler_for(cls: type) -> Any:

@@ -89,6 +89,7 @@ class RecordedGraph:
         self.time_ops = False
         self._runner: Any = None
         self._replay_accesses: list[Access] | None = None
+        self._replay_split: tuple[list[Any], list[Any]] | bool | None = None  # see _replay_regions
         self._host_replay: Any = None
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
@@ -288,9 +289,25 @@ class RecordedGraph:
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
+        stream = rt._compute_of[device][0]
+        split = self._replay_regions()
+        if split is not None:  # the compiled submit, each coalesced range its own buffer
+            return rt._submit_on(stream, lambda: GraphResult(runner.replay()), reads=split[0],
+                                 writes=split[1], name="graph_replay")
         return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._graph_accesses(),
-                           "graph_replay", "graph_replay", True, rt._compute_of[device][0],
-                           device_ordered=True, device=device)
+                           "graph_replay", "graph_replay", True, stream, device_ordered=True, device=device)
+
+    def _replay_regions(self) -> tuple[list[Any], list[Any]] | None:
+        """The graph's coalesced accesses as read and written regions, for ``Runtime._submit_on``;
+        None where a symbolic space is among them (no submit takes those but ``_enqueue``)."""
+        if self._replay_split is None:
+            accesses = self._graph_accesses()
+            if any(a.region.space.startswith("sym:") for a in accesses):
+                self._replay_split = False
+            else:
+                self._replay_split = ([a.region for a in accesses if not a.write],
+                                      [a.region for a in accesses if a.write])
+        return self._replay_split or None
 
     @property
     def captured(self) -> bool:
