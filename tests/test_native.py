@@ -632,3 +632,17 @@ def test_a_wait_for_the_compiled_rlock_is_cut_short_by_ctrl_c():
         timer.cancel()
     assert lock.acquire(timeout=5)  # and the lock still works
     lock.release()
+
+
+def test_a_lock_left_by_a_killed_extension_build_is_dropped_not_waited_on_forever(tmp_path):
+    """PyTorch's extension build waits while its ``lock`` file exists; a build killed midway leaves
+    one, and every later import hung on the GPU machine. Under streamdag's own (flock) lock such a
+    file is a dead build's, and goes; another process's build is waited for through the flock."""
+    fcntl = pytest.importorskip("fcntl")
+    (tmp_path / "lock").write_text("")
+    with native._exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "streamdag.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another process would wait
+    with open(tmp_path / "streamdag.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go after the build

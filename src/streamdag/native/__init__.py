@@ -30,6 +30,8 @@ import sys
 import sysconfig
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -135,7 +137,7 @@ def load_torch() -> ModuleType | None:
         if not any(build.glob("*.so")):
             print(f"streamdag: building its CUDA calls against torch {torch.__version__} "
                   f"(once, cached in {build}; ~20 s)", file=sys.stderr, flush=True)
-        with warnings.catch_warnings():
+        with _exclusive_build(build), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
             ext = cpp_extension.load(
                 name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=["-O2"],
@@ -154,6 +156,34 @@ def load_torch() -> ModuleType | None:
                 f"did not build ({_torch_why_not}). That costs a few µs per op; a C++ compiler, ninja "
                 "and the CUDA headers make it build.")
     return _torch_loaded
+
+
+@contextmanager
+def _exclusive_build(build: Path) -> Iterator[None]:
+    """Hold the build folder against other processes, dropping a lock a dead build left.
+
+    PyTorch's extension build waits, forever, while its ``lock`` file exists,
+    and a build killed midway (a timeout, Ctrl-C) leaves it behind: every later
+    import then hangs. Our lock is an ``flock``, which the kernel lets go of
+    when its process dies; while we hold it no other streamdag process builds
+    here, so a ``lock`` file found then is a dead build's.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's own lock only
+        yield
+        return
+    with open(build / "streamdag.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process's build or load: wait for it
+        stale = build / "lock"
+        if stale.exists():
+            print(f"streamdag: removing {stale}, left by a build that did not finish", file=sys.stderr,
+                  flush=True)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _cache_dir() -> Path:
