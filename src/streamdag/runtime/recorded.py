@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["GraphResult", "OpNode", "RecordedGraph"]
 
 _run_ids = itertools.count(1)
+_COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
 
 
 @dataclass(frozen=True)
@@ -299,10 +300,12 @@ class RecordedGraph:
 
     def _replay_regions(self) -> tuple[list[Any], list[Any]] | None:
         """The graph's coalesced accesses as read and written regions, for ``Runtime._submit_on``;
-        None where a symbolic space is among them (no submit takes those but ``_enqueue``)."""
+        None where a symbolic space is among them (no submit takes those but ``_enqueue``), or
+        where there are many (the compiled submit reads each region with a Python call)."""
         if self._replay_split is None:
             accesses = self._graph_accesses()
-            if any(a.region.space.startswith("sym:") for a in accesses):
+            if len(accesses) > _COMPILED_REPLAY_RANGES or any(a.region.space.startswith("sym:")
+                                                             for a in accesses):
                 self._replay_split = False
             else:
                 self._replay_split = ([a.region for a in accesses if not a.write],
