@@ -142,3 +142,15 @@ def test_captured_calls_from_two_threads_at_once_each_get_their_own_results():
             for t in range(2):
                 for k in range(3):
                     assert torch.equal(results[t][k], widen(inputs[t][k]))
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_pieces_in_flight_stay_bounded_however_long_the_input(capture):
+    """The submitter waits before more than 2 x buffers pieces await their copy out, so the device
+    memory held (a new output per eager piece) does not grow with the input: 300 pieces here."""
+    x = torch.arange(600.0).reshape(300, 2)
+    with sd.Runtime("sim", streams=2, seed=1) as rt:
+        f = rt.stream_map(widen, x, piece_bytes=8, buffers=2, capture=capture)
+        assert torch.equal(f.result(timeout=60), widen(x))
+        # 3 ops a piece (copy in, compute, copy out), 2 x 2 pieces awaiting copy out, and the next
+        assert rt.statistics().peak_inflight <= 3 * (2 * 2 + 1)
