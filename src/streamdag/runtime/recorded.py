@@ -291,7 +291,7 @@ class RecordedGraph:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
         stream = rt._compute_of[device][0]
-        split = self._replay_regions()
+        split = None if rt._multi else self._replay_regions()  # (several devices: untried there)
         if split is not None:  # the compiled submit, each coalesced range its own buffer
             return rt._submit_on(stream, lambda: GraphResult(runner.replay()), reads=split[0],
                                  writes=split[1], name="graph_replay")
