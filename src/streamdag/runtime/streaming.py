@@ -109,7 +109,7 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             piece = dev_in if n == rows else dev_in[:n]  # (a slice costs microseconds on a GPU host)
             rt.copy(piece, x[lo : lo + n], name=f"{name}_in")
             if outs is None:  # the first piece tells the output's shape and dtype
-                y = rt.submit(_apply, fn, piece, reads=[piece, *extra_reads], name=name).result()
+                y = rt.submit(fn, piece, reads=[piece, *extra_reads], name=name).result()
                 _check_rows(y, n)
                 outs = [torch.empty((xb.shape[0], *y.shape[1:]), dtype=y.dtype, pin_memory=device != "cpu")
                         for xb in batches]
@@ -131,10 +131,6 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
                for b, copies in enumerate(copies_of)]
     return results[0] if single else results
-
-
-def _apply(fn: Callable[[Any], Any], x: Any) -> Any:
-    return fn(x)
 
 
 def _apply_into(fn: Callable[[Any], Any], x: Any, out: Any) -> None:
@@ -271,7 +267,7 @@ def _all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
             left[0] -= 1
             if left[0]:
                 return
-        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
         if error is not None:
             out.set_exception(error)
         else:
