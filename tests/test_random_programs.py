@@ -89,6 +89,9 @@ ops = st.builds(
     st.integers(0, 100),
 )
 programs = st.lists(ops, min_size=1, max_size=30)
+# some ops on the host lanes beside the device (run_on="host")
+host_programs = st.lists(st.builds(lambda op, host: {**op, "host": host}, ops, st.booleans()),
+                         min_size=1, max_size=30)
 
 
 def initial_bases():
@@ -115,8 +118,11 @@ def serial(program, failing=frozenset()):
 
 def concurrent(program, device, streams, seed, failing=frozenset(), roots=frozenset()):
     bases = initial_bases()
-    # "inline": each op runs inside its submit, as on CUDA (the runtime's non-deferred path)
-    backend = InlineBackend("cpu", streams) if device == "inline" else None
+    # "inline": each op runs inside its submit, as on CUDA (the runtime's non-deferred path);
+    # "inline+host": the same beside a device, which has host lanes for run_on="host"
+    backend = None
+    if device.startswith("inline"):
+        backend = InlineBackend("cpu" if device == "inline" else "sim", streams)
     made = ({"backend": backend} if backend is not None
             else {"device": device, "streams": streams, "seed": seed})
     with sd.Runtime(max_inflight=8, **made) as rt:
@@ -124,9 +130,8 @@ def concurrent(program, device, streams, seed, failing=frozenset(), roots=frozen
         for i, op in enumerate(program):
             reads = [make_view(bases, r) for r in op["reads"]]
             write = make_view(bases, op["write"])
-            futures.append(
-                rt.submit(run_op, op, bases, i in failing, reads=reads, writes=[write], name=f"op{i}")
-            )
+            futures.append(rt.submit(run_op, op, bases, i in failing, reads=reads, writes=[write],
+                                     name=f"op{i}", run_on="host" if op.get("host") else None))
         try:
             rt.synchronize()
         except sd.ExceptionGroup as group:
@@ -146,8 +151,29 @@ def test_concurrent_run_equals_serial_bit_for_bit(program, device, streams, seed
 
 
 @EXAMPLES
+@given(host_programs, st.sampled_from(["sim", "inline+host"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_host_lane_ops_mixed_in_equal_serial(program, device, streams, seed):
+    expect_bases, expect_results, _, _ = serial(program)
+    bases, futures = concurrent(program, device, streams, seed)
+    assert [f.result() for f in futures] == expect_results
+    for got, want in zip(bases, expect_bases):
+        assert np.array_equal(got, want)
+
+
+@EXAMPLES
+@given(host_programs, st.data(), st.sampled_from(["sim", "inline+host"]), st.integers(1, 4),
+       st.integers(0, 2**16))
+def test_injected_errors_with_host_lane_ops_fail_exactly_the_dependents(program, data, device, streams, seed):
+    check_injected_errors(program, data, device, streams, seed)
+
+
+@EXAMPLES
 @given(programs, st.data(), st.sampled_from(["sim", "inline"]), st.integers(1, 4), st.integers(0, 2**16))
 def test_injected_errors_fail_exactly_the_dependents(program, data, device, streams, seed):
+    check_injected_errors(program, data, device, streams, seed)
+
+
+def check_injected_errors(program, data, device, streams, seed):
     failing = frozenset(data.draw(st.sets(st.integers(0, len(program) - 1), max_size=3)))
     _, expect_results, expect_failed, roots = serial(program, failing)
     _, futures = concurrent(program, device, streams, seed, failing, roots)

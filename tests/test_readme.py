@@ -38,6 +38,22 @@ def test_the_copy_example_overlaps_and_returns_the_results():
 
 
 @pytest.mark.cuda
+def test_the_host_lane_example_summarizes_the_copied_result():
+    import textwrap
+
+    import torch
+
+    (block,) = [textwrap.dedent(b) for b in python_blocks() if 'run_on="host"' in b]
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(block, str(README), "exec"), ns)
+    mean, std = ns["stats"].result()
+    want = ns["y"].cpu()
+    assert mean == pytest.approx(want.mean().item(), rel=1e-4, abs=1e-4)
+    assert std == pytest.approx(want.std().item(), rel=1e-4)
+    torch.testing.assert_close(ns["z"].result(), torch.tanh(ns["y"]))
+
+
+@pytest.mark.cuda
 def test_the_stream_map_example_returns_fn_of_each_input():
     import torch
 

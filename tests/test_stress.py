@@ -1,7 +1,8 @@
 """Several threads use one runtime at once, in every way the API allows, with failures injected.
 
 Each thread submits ops (some failing, some with done-callbacks that submit
-more), cancels, waits with and without timeouts, synchronizes, records and
+more, some on the host lanes beside the device, ``run_on="host"``, over host
+buffers that other ops read), cancels, waits with and without timeouts, synchronizes, records and
 runs small graphs, orders its stream after futures, and tries non-blocking
 submits, under a small in-flight bound. Nothing may hang (pytest-timeout
 turns a hang into a failure), no call may raise what the API does not
@@ -21,20 +22,32 @@ import streamdag as sd
 SEEDS = range(20 if os.environ.get("CI") else 5)
 
 
-def _worker(rt, bufs, seed, futures, unexpected):
+def _worker(rt, bufs, hbufs, seed, futures, unexpected):
     rng = random.Random(seed)
 
-    def op(i, fail):
+    def op(i, fail, host_input=None):
         def run():
             if fail:
                 raise ValueError("injected")
-            bufs[i] += 1
+            bufs[i] += 1 if host_input is None else 1 + 0 * float(hbufs[host_input][0])
+        return run
+
+    def host_op(i, j, fail):
+        def run():
+            if fail:
+                raise ValueError("injected")
+            hbufs[i] += hbufs[j][0] % 3
         return run
 
     for _ in range(200):
         i, j, action = rng.randrange(len(bufs)), rng.randrange(len(bufs)), rng.random()
         try:
-            if action < 0.5:
+            if action < 0.15:  # on a host lane, after the ops that wrote what it reads
+                futures.append(rt.submit(host_op(i, j, rng.random() < 0.1), reads=[hbufs[j]],
+                                         writes=[hbufs[i]], run_on="host"))
+            elif action < 0.3:  # a device op reading a host buffer: after the host-lane ops writing it
+                futures.append(rt.submit(op(i, rng.random() < 0.1, j), reads=[hbufs[j]], writes=[bufs[i]]))
+            elif action < 0.5:
                 f = rt.submit(op(i, rng.random() < 0.1), reads=[bufs[j]], writes=[bufs[i]])
                 futures.append(f)
                 if rng.random() < 0.2:  # a continuation, submitted by the thread that finishes ``f``
@@ -71,9 +84,11 @@ def test_threads_using_every_api_at_once_never_hang_and_every_op_ends(device, se
         bufs = [torch.zeros(16, device="cuda") for _ in range(6)]
     else:
         bufs = [np.zeros(16) for _ in range(6)]
+    hbufs = [np.zeros(16) for _ in range(6)]
     futures, unexpected = [], []
     with sd.Runtime(device, streams=3, max_inflight=8, seed=seed) as rt:
-        threads = [threading.Thread(target=_worker, args=(rt, bufs, seed * 10 + k, futures, unexpected))
+        threads = [threading.Thread(target=_worker,
+                                    args=(rt, bufs, hbufs, seed * 10 + k, futures, unexpected))
                    for k in range(4)]
         for t in threads:
             t.start()

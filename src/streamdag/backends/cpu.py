@@ -1,7 +1,9 @@
 """CPU backend: each stream is a worker lane, a thread that runs its queue in order.
 
 Work that releases the GIL (numpy, torch CPU kernels) runs truly in parallel
-across lanes. Lanes order each other only through events.
+across lanes. Lanes order each other only through events. A GPU runtime has
+host lanes too (:class:`HostLanes`), for the ops submitted with
+``run_on="host"``.
 """
 
 from __future__ import annotations
@@ -9,23 +11,41 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from .host import Command, HostEvent
 from .threads import report_escaped
 
-__all__ = ["CpuBackend"]
+__all__ = ["CpuBackend", "HostLanes"]
 
 
 class _Lane:
-    def __init__(self, index: int, kind: str, name: str) -> None:
+    """A worker thread and its queue; ``lazy``: the thread starts at the first command."""
+
+    def __init__(self, index: int, kind: str, name: str, lazy: bool = False) -> None:
         self.index = index
         self.kind = kind
         self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._start_lock = threading.Lock()
+        self._started = not lazy
+        if not lazy:
+            self._thread.start()
 
     def enqueue(self, command: Command) -> None:
+        if not self._started:
+            self._start()
         self._queue.put(command)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if not self._started:
+                self._thread.start()
+                self._started = True
+
+    def runs_here(self) -> bool:
+        """Whether the calling thread is this lane's (an op running on it calls)."""
+        return threading.current_thread() is self._thread
 
     def _loop(self) -> None:
         while True:
@@ -42,6 +62,9 @@ class _Lane:
                 report_escaped(self._thread.name)
 
     def stop(self) -> None:
+        with self._start_lock:
+            if not self._started:  # never started: nothing to stop
+                return
         self._queue.put(None)
         self._thread.join()
 
@@ -80,3 +103,39 @@ class CpuBackend:
     def close(self) -> None:
         for lane in self._lanes:
             lane.stop()
+
+
+class _FinishedOp:
+    """A lane's wait for an op of another backend (a GPU's): until its future is done, so that a
+    failure it had on the device is known before the waiting op checks its inputs."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        try:
+            self._future.exception()  # returns the op's failure, if any; raises nothing of it
+        except BaseException:  # (it raises nothing an op did) the lane must go on: the waiting op
+            report_escaped(threading.current_thread().name)  # then checks its inputs itself
+
+
+class HostLanes(CpuBackend):
+    """Worker lanes on the host beside a GPU (or simulated device): where ``run_on="host"`` ops run.
+
+    On a GPU an op's function runs inside its submit, so a host function that
+    needs unfinished device work would block the submitting thread; on a lane
+    it waits there instead. The lanes' threads start at their first op.
+    """
+
+    lost = None  # the host is never lost with a device
+
+    def __init__(self, streams: int, first_index: int) -> None:
+        self.device = "host"
+        self._lanes = [_Lane(first_index + i, "host", f"streamdag-host-{i}", lazy=True)
+                       for i in range(streams)]
+
+    def wait_for_op(self, stream: _Lane, op: Any) -> None:
+        """Run what ``stream`` gets next only once ``op``, of another backend, has finished."""
+        stream.enqueue(("wait", _FinishedOp(op.future)))

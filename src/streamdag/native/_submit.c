@@ -314,7 +314,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts;
+             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
@@ -334,7 +334,7 @@ static PyTypeObject *submitter_type;
 static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
-    X(hurry_of) X(spaces) X(recordings) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
+    X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
     X(counts) X(backend_dict) X(builtin_name) X(parts) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
@@ -382,14 +382,15 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         {&self->lock, "_lock"}, {&self->done_lock, "_done_lock"}, {&self->busy, "_busy"},
         {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
         {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
-        {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
+        {&self->host_ops, "_host_ops"}, {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
         {&self->counts, "_counts"}, {&self->parts, "_parts"},
     };
     for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
         if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
-            || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->next_stream)
+            || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->host_ops)
+            || !PyDict_CheckExact(self->next_stream)
             || Py_TYPE(self->counts) != counters_type || Py_TYPE(self->parts) != parts_type) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
@@ -1141,7 +1142,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
-            || PyDict_GET_SIZE(self->recordings)) {
+            || PyDict_GET_SIZE(self->recordings) || PyDict_GET_SIZE(self->host_ops)) {
         if (kwargs == sub.empty_dict) {  /* the Python path gets a dict of its own, as **kwargs makes */
             Py_DECREF(kwargs);
             if ((kwargs = PyDict_New()) == NULL) goto done;
@@ -1171,6 +1172,18 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     if (take_slot(self, blocking) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
+    if (PyDict_GET_SIZE(self->host_ops)) {  /* a host-lane op came meanwhile: the Python path waits */
+        if (lock_give(self->lock, self->lock_release) < 0) goto done;
+        PyObject *r = PyObject_CallMethodNoArgs(self->slots, s_release);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        if (kwargs == sub.empty_dict) {
+            Py_DECREF(kwargs);
+            if ((kwargs = PyDict_New()) == NULL) goto done;
+        }
+        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed, blocking);
+        goto done;
+    }
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
     PyObject *exc = result == NULL ? take_exception() : NULL;

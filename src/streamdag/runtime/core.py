@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from ..backends import Backend, make_backend, make_backends
+from ..backends.cpu import HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access, Marker
 from ..graph.hazards import DepsTracker
@@ -44,6 +45,8 @@ __all__ = ["Runtime", "RuntimeStatistics"]
 #: which brings its full passes (``bench/finish_every.py``: 32 against 64 halved its time in the
 #: tiny wide graph, submitted op by op; 16 gained no more).
 FINISH_EVERY = 32
+#: worker lanes on the host beside a device, for the ops submitted with ``run_on="host"``
+HOST_LANES = 2
 
 #: Test-only: drop every cross-stream event wait, to show that the race checks can fail.
 _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
@@ -178,6 +181,18 @@ class Runtime:
             self._streams += added
             self._member += [m] * len(added)
             self._stream_device += [m.device] * len(added)
+        #: host lanes beside a device (streams after its own): where ``run_on="host"`` ops run, so
+        #: that a host function waiting for device work does not block the submitting thread
+        self._host: HostLanes | None = None
+        if not self._multi and self.device != "cpu":
+            self._host = HostLanes(HOST_LANES, len(self._streams))
+            self._compute_of["host"] = range(len(self._streams), len(self._streams) + HOST_LANES)
+            self._streams += self._host.streams
+            self._member += [self._host] * HOST_LANES
+            self._stream_device += ["host"] * HOST_LANES
+        #: the host-lane ops not finished yet, by number: while there are any, a device op first
+        #: waits (outside the runtime's lock) for those it depends on (see ``_enqueue``)
+        self._host_ops: dict[int, Op] = {}
         n = len(self._streams)
         self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
@@ -198,7 +213,7 @@ class Runtime:
         self._tracker = DepsTracker(retired=_finished_ok)
         self._clocks = StreamClocks(n)
         self._busy = [0] * n
-        self._next_stream = {d: 0 for d in self.devices}
+        self._next_stream = {d: 0 for d in self._compute_of}
         self._pending: dict[int, Op] = {}
         self._failures: list[BaseException] = []
         self._failed = 0
@@ -457,6 +472,8 @@ class Runtime:
         self._closed = True
         for m in self.backends:
             m.close()
+        if self._host is not None:
+            self._host.close()
         self._let_go()
 
     def _let_go(self) -> None:
@@ -544,11 +561,17 @@ class Runtime:
             if stream is None:  # copies read remote memory by design; other ops get local copies
                 args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
                 on_host = any(a.region.space == "cpu" for a in accesses)
+        elif run_on == "host":
+            if self._host is not None and stream is None:
+                device = "host"
         elif run_on is not None and run_on != device:
             raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "
                              f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording_here()
         if recording is not None:
+            if device == "host":
+                raise ValueError(f"op {op_name!r}: a recorded graph cannot hold run_on='host' ops yet; "
+                                 "submit it after the `with rt.record()` block, or without run_on")
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
                              device, on_host)
@@ -557,17 +580,55 @@ class Runtime:
                  device_ordered: bool = False, device: str | None = None, on_host: bool = True):
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
-        with self._lock:
-            self._counts.seq += 1
-            seq = self._counts.seq
-            op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
-            deps = self._tracker.link(op, accesses)
-            self._launch(op, deps, stream, device,
-                         host_inputs=on_host and not (device_ordered or self.backend.deferred))
+        while True:
+            with self._lock:
+                host_deps = self._host_deps(accesses, op_name) if self._host_ops and device != "host" else ()
+                if not host_deps:
+                    self._counts.seq += 1
+                    seq = self._counts.seq
+                    op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
+                    deps = self._tracker.link(op, accesses)
+                    if device == "host":
+                        self._host_ops[seq] = op
+                    self._launch(op, deps, stream, device, host_inputs=(
+                        on_host and device != "host" and not (device_ordered or self.backend.deferred)))
+                    break
+            for dep in host_deps:  # outside the lock: a host op may submit, or finish ops that do
+                dep.future.exception()
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
             for finish_ready in self._finish_ready:
                 finish_ready()
         return op.future
+
+    def _await_host_ops(self, accesses: list[Access], op_name: str) -> None:
+        """Wait, not holding the lock, for the unfinished host-lane ops that ``accesses`` follow.
+
+        On a GPU a device op runs inside its submit, and a device stream cannot
+        wait for a host lane's event: the submitter waits for those ops first.
+        """
+        while self._host_ops:
+            with self._lock:
+                found = self._host_deps(accesses, op_name)
+            if not found:
+                return
+            for dep in found:
+                dep.future.exception()
+
+    def _host_deps(self, accesses: list[Access], op_name: str) -> list[Op]:
+        """The unfinished host-lane ops that an op with ``accesses`` must follow (caller holds ``_lock``).
+
+        A device op runs inside its submit, so it can start only once they have
+        finished; the submitter waits for them before it takes its place.
+        """
+        found = [d for d in self._tracker.depends_on(accesses) if not d.done and d.seq in self._host_ops]
+        for dep in found:
+            if self._streams[dep.stamp.stream].runs_here():
+                raise RuntimeError(
+                    f"op {op_name!r} touches the memory of host op {dep.name!r} and would wait for it, "
+                    "but was submitted on the host lane that runs it (from inside it, or from a "
+                    "done-callback run there before it): do that work in the host op's function "
+                    "itself, or submit the op from another thread")
+        return found
 
     def _would_block(self) -> None:
         """What ``submit_nowait`` raises at the in-flight bound (the compiled one calls it too)."""
@@ -697,7 +758,17 @@ class Runtime:
                 _wait_for_host_inputs(op.accesses, live, op)
             if waits and not _DROP_WAITS:
                 for i in waits:
-                    _event_of(live[i], op).wait(s)
+                    dep = live[i]
+                    if self._member[dep.stamp.stream] is backend:
+                        _event_of(dep, op).wait(s)
+                    elif backend is self._host:
+                        backend.wait_for_op(s, dep)  # a device's op, waited for on the lane
+                    elif self._member[dep.stamp.stream] is self._host:
+                        # a device op after a host-lane op, on the host: only where it could not
+                        # wait before taking the lock (see ``_await_host_ops``)
+                        dep.future.exception()
+                    else:
+                        _event_of(dep, op).wait(s)
             if profiler is not None:
                 started = profiler.start(op, stream, deps)
             backend.launch(s, op.execute)  # execute raises only an interrupt (no Exception)
@@ -731,10 +802,21 @@ class Runtime:
                 op.error = op.root_error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
             op.deps = ()
             self._finish(op)
+            self._host_ops.pop(op.seq, None)
             if not isinstance(op.error, Exception):  # the op failed with it; the caller gets it too
                 raise op.error  # type: ignore[misc]
             return
-        self._watch(op, stream, event, partial(self._finish_bound, op))
+        if backend is self._host:
+            self._watch(op, stream, event, partial(self._finish_host_op, op))
+        else:
+            self._watch(op, stream, event, partial(self._finish_bound, op))
+
+    def _finish_host_op(self, op: Op) -> None:
+        """Finish a host-lane op; only then may device ops stop waiting for it (see ``_enqueue``)."""
+        try:
+            self._finish_bound(op)
+        finally:
+            self._host_ops.pop(op.seq, None)
 
     def _fail_lost(self, op: Op, backend: Any) -> None:
         """Fail ``op`` at once: its device is lost and takes no more calls."""
@@ -886,6 +968,11 @@ class _Slots:
         """Take a slot past the bound, without waiting (later acquires wait until it is back)."""
         with self._lock:
             self.counts.free -= 1
+
+    def release(self) -> None:
+        """Give a slot back (the compiled submit, when it hands an op to the Python path)."""
+        with self._lock:
+            self.release_locked()
 
     def release_locked(self) -> None:
         """Give a slot back; the caller holds the lock."""

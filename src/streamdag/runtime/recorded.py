@@ -198,6 +198,8 @@ class RecordedGraph:
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
+        if rt._host_ops:  # host-lane ops it follows finish first (see Runtime._await_host_ops)
+            rt._await_host_ops(self._graph_accesses(), "graph")
         t0 = time.perf_counter()
         with rt._lock:
             self._launch_ops(rt, sched, run_id, probe, launched)

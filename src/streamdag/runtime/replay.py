@@ -57,6 +57,7 @@ class HostReplay:
         """Launch one run; returns its runtime op (its future gets the list of values). Takes the lock."""
         rt = self.rt
         rt._check_open()
+        rt._await_host_ops(self.accesses, "graph_run")
         rt._take_slot()
         with rt._lock:
             rt._counts.seq += 1
@@ -102,9 +103,13 @@ class HostReplay:
                     exc.add_note(f"raised by streamdag op {names[v]!r} of a graph run")
                 errors.append(exc)
 
+        on_host = [d for d in live if member[d.stamp.stream] is rt._host]
+        for d in on_host:  # a host-lane op, waited for on the host (see Runtime._await_host_ops)
+            d.future.exception()
         for s in self.used:  # the run starts after the earlier ops it conflicts with
             for d in live:
-                d.event.wait(raw[s])
+                if d not in on_host:
+                    d.event.wait(raw[s])
         events, streams = self.events, self.streams
         waits = [()] * n if _DROP_WAITS else self.waits
         for v in range(n):

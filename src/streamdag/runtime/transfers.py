@@ -310,8 +310,10 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | No
             rt._staging.give(stage)
         return user_dst
 
-    # a host op: it waits (on the host) for the copies into the staging buffers
-    return rt.submit(unstage, reads=[v for _, v, _ in pieces], writes=[dst], name=f"{name}_unstage")
+    # a host op, on a host lane where the runtime has them: it waits there for the copies into
+    # the staging buffers, not in the submitting thread
+    return rt.submit(unstage, reads=[v for _, v, _ in pieces], writes=[dst], name=f"{name}_unstage",
+                     run_on="host" if rt._host is not None else None)
 
 
 def _resolve_to(last: Future | None, value: Any) -> Future:

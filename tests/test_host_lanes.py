@@ -1,0 +1,189 @@
+"""Host lanes beside a device: ops submitted with ``run_on="host"``.
+
+A host function that needs unfinished device work runs on a host lane once
+that work has finished, and its submit returns at once; a device op that
+needs a host-lane op waits for it in its submit. On the simulated device and
+on a backend that runs each op inside its submit (as CUDA does), and on the
+GPU (marked ``cuda``).
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import streamdag as sd
+from streamdag.backends.inline import InlineBackend
+
+
+def make(kind: str, streams: int = 2) -> sd.Runtime:
+    if kind == "inline":  # each device op runs inside its submit, as on CUDA
+        return sd.Runtime(backend=InlineBackend("sim", streams))
+    return sd.Runtime(kind, streams=streams)
+
+
+KINDS = ["sim", "inline"]
+
+
+def host_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("streamdag-host")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_op_waits_on_its_lane_not_in_the_submitter(kind):
+    a, b = np.zeros(4), np.zeros(4)
+    gate = threading.Event()
+    with make(kind) as rt:
+        blocker = rt.submit(lambda: (gate.wait(), a.fill(3)), writes=[a], run_on="host")
+        started = time.perf_counter()
+        # a second host op after the first (its input): queued on the host, not waited for here
+        doubled = rt.submit(lambda: b.__setitem__(slice(None), a * 2) or float(b.sum()),
+                            reads=[a], writes=[b], run_on="host")
+        assert time.perf_counter() - started < 0.5
+        assert not doubled.done()
+        gate.set()
+        assert doubled.result(timeout=10) == 24.0
+        assert blocker.exception() is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_op_runs_after_the_device_ops_it_reads(kind):
+    x, y = np.zeros(8), np.zeros(8)
+    with make(kind) as rt:
+        rt.submit(lambda: (time.sleep(0.05), x.fill(2)), writes=[x])
+        total = rt.submit(lambda: float(x.sum()), reads=[x], run_on="host")
+        rt.submit(lambda: y.fill(1), writes=[y])  # independent: not held up
+        assert total.result(timeout=10) == 16.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_device_op_after_a_host_op_waits_for_it_in_its_submit(kind):
+    x, y = np.zeros(4), np.zeros(4)
+    with make(kind) as rt:
+        rt.submit(lambda: (time.sleep(0.1), x.fill(5)), writes=[x], run_on="host")
+        after = rt.submit(lambda: y.__setitem__(slice(None), x + 1) or float(y.sum()), reads=[x], writes=[y])
+        assert after.result(timeout=10) == 24.0
+        assert rt._host_ops == {}  # every host-lane op is forgotten once finished
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_failures_pass_between_host_lanes_and_the_device(kind):
+    x, y, z, free = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    ran = []
+
+    def boom():
+        raise ValueError("host op failed")
+
+    def device_boom():
+        raise KeyError("device op failed")
+
+    with make(kind) as rt:
+        bad_host = rt.submit(boom, writes=[x], run_on="host", name="bad_host")
+        after_host = rt.submit(lambda: ran.append("after_host"), reads=[x], writes=[y], name="after_host")
+        bad_device = rt.submit(device_boom, writes=[z], name="bad_device")
+        after_device = rt.submit(lambda: ran.append("after_device"), reads=[z], run_on="host",
+                                 name="after_device")
+        independent = rt.submit(lambda: free.fill(1) or "ok", writes=[free], run_on="host")
+        assert independent.result(timeout=10) == "ok"
+        assert isinstance(bad_host.exception(timeout=10), ValueError)
+        assert isinstance(bad_device.exception(timeout=10), KeyError)
+        for f, root in ((after_host, "bad_host"), (after_device, "bad_device")):
+            err = f.exception(timeout=10)
+            assert isinstance(err, sd.DependencyFailed) and err.root_name == root
+        assert ran == []
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_op_submitted_from_a_host_op_that_needs_it_fails_with_what_to_do(kind):
+    x, y = np.zeros(4), np.zeros(4)
+    with make(kind) as rt:
+        def outer():
+            x.fill(1)
+            inner = rt.submit(lambda: y.fill(2), writes=[y])  # its own memory: fine, on the device
+            inner.result(timeout=10)
+            rt.submit(lambda: x.sum(), reads=[x])  # would wait for this very op
+
+        f = rt.submit(outer, writes=[x], run_on="host", name="outer")
+        err = f.exception(timeout=10)
+        assert isinstance(err, RuntimeError)
+        assert "host op 'outer'" in str(err) and "submit the op from another thread" in str(err)
+        assert y.tolist() == [2.0] * 4
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+
+
+def test_host_lanes_start_with_their_first_op_and_stop_with_the_runtime():
+    before = len(host_threads())
+    rt = sd.Runtime("sim", streams=2)
+    assert len(host_threads()) == before  # nothing started for a runtime that never uses them
+    rt.submit(lambda: None, run_on="host").result(timeout=10)
+    assert len(host_threads()) == before + 1
+    rt.close()
+    assert len(host_threads()) == before
+
+
+def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():
+    x = np.zeros(4)
+    with sd.Runtime("cpu", streams=2) as rt:
+        assert rt.submit(lambda: x.fill(1) or x.sum(), writes=[x], run_on="host").result(timeout=10) == 4.0
+
+
+def test_run_on_host_is_refused_where_it_is_not_supported():
+    x = np.zeros(4)
+    with make("sim") as rt, rt.record(), pytest.raises(ValueError, match="cannot hold run_on='host' ops"):
+        rt.submit(lambda: None, reads=[x], run_on="host")
+    with sd.Runtime(devices=["sim:0", "sim:1"]) as rt, pytest.raises(ValueError, match="one device"):
+        rt.submit(lambda: None, reads=[x], run_on="host")
+
+
+def test_a_graph_run_after_a_host_op_waits_for_it():
+    x, y = np.zeros(4), np.zeros(4)
+    with make("inline") as rt:
+        with rt.record() as g:
+            rt.submit(lambda: y.__setitem__(slice(None), x * 3), reads=[x], writes=[y])
+        rt.submit(lambda: (time.sleep(0.05), x.fill(2)), writes=[x], run_on="host")
+        g.run().result(timeout=10)
+        assert y.tolist() == [6.0] * 4
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_host_op_after_a_long_kernel_returns_at_once():
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        dev = torch.zeros(1 << 20, device="cuda")
+        host = torch.empty(1 << 20).pin_memory()
+        rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), dev.fill_(3)), writes=[dev])  # ~0.5 s
+        rt.copy(host, dev)
+        started = time.perf_counter()
+        total = rt.submit(lambda: float(host.sum()), reads=[host], run_on="host")
+        # the device op reading what the host op wrote: waits for it, then runs on the GPU
+        out = torch.empty(4, device="cuda")
+        scratch = np.zeros(4, dtype=np.float32)
+        rt.submit(lambda: scratch.fill(host[0].item()), reads=[host], writes=[scratch], run_on="host")
+        submitted = time.perf_counter() - started
+        assert submitted < 0.1, submitted  # neither submit waited for the kernel
+        assert not total.done()
+        assert total.result(timeout=30) == 3.0 * (1 << 20)
+        back = rt.submit(lambda: out.copy_(torch.from_numpy(scratch)), reads=[scratch], writes=[out])
+        back.result(timeout=30)
+        assert out.tolist() == [3.0] * 4
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_copy_into_pageable_memory_returns_at_once():
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        dev = torch.zeros(1 << 22, device="cuda")
+        pageable = torch.empty(1 << 22)
+        rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), dev.fill_(7)), writes=[dev])
+        started = time.perf_counter()
+        f = rt.copy(pageable, dev)
+        assert time.perf_counter() - started < 0.1
+        assert not f.done()
+        f.result(timeout=30)
+        assert bool((pageable == 7).all())
