@@ -125,6 +125,18 @@ def test_host_lanes_start_with_their_first_op_and_stop_with_the_runtime():
     assert len(host_threads()) == before
 
 
+def test_a_profile_shows_host_lane_ops_after_the_device_ops_they_wait_for():
+    a, b = np.zeros(4), np.zeros(4)
+    with make("sim") as rt:
+        with rt.profile() as prof:
+            rt.submit(lambda: (time.sleep(0.01), a.fill(1)), writes=[a], name="device_op")
+            rt.submit(lambda: b.__setitem__(slice(None), a + 1), reads=[a], writes=[b], run_on="host",
+                      name="host_op")
+        spans = {s.name: s for s in prof.timeline.spans}
+    assert spans["host_op"].device == "host" and spans["device_op"].device == "sim"
+    assert spans["host_op"].start >= spans["device_op"].end
+
+
 def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():
     x = np.zeros(4)
     with sd.Runtime("cpu", streams=2) as rt:

@@ -136,6 +136,10 @@ class HostLanes(CpuBackend):
         self._lanes = [_Lane(first_index + i, "host", f"streamdag-host-{i}", lazy=True)
                        for i in range(streams)]
 
+    def clock_base(self) -> HostEvent:
+        """The profiler's base for these lanes: the host's clock now (a lane may start later)."""
+        return HostEvent.now()
+
     def wait_for_op(self, stream: _Lane, op: Any) -> None:
         """Run what ``stream`` gets next only once ``op``, of another backend, has finished."""
         stream.enqueue(("wait", _FinishedOp(op.future)))

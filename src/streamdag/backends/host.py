@@ -51,6 +51,14 @@ class HostEvent:
         self._marker = marker
         stream.enqueue(("run", marker.set))
 
+    @classmethod
+    def now(cls) -> HostEvent:
+        """An event completed at this moment (its time is the host's clock now)."""
+        event = cls()
+        event._marker = Marker()
+        event._marker.set()
+        return event
+
     def wait(self, stream: Any) -> None:
         if self._marker is not None:
             stream.enqueue(("wait", self._marker))

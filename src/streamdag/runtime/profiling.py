@@ -5,6 +5,8 @@ On the CPU the events are timestamps taken by the lanes; on CUDA they are
 CUDA timing events, read once profiling ends. On several devices each device
 has its own base event, recorded at the same moment on the host: times of
 different devices line up within the few microseconds between those records.
+Host lanes beside a device take their base as the host's clock at that moment
+(``HostLanes.clock_base``), not when a lane thread gets to it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ class Profiler:
         self.bases: dict[int, Any] = {}  # per backend, on its first stream
         for i, m in enumerate(members):
             if id(m) not in self.bases:
-                self.bases[id(m)] = m.event(timing=True)
-                self.bases[id(m)].record(streams[i])
+                clock_base = getattr(m, "clock_base", None)
+                if clock_base is not None:
+                    self.bases[id(m)] = clock_base()
+                else:
+                    self.bases[id(m)] = m.event(timing=True)
+                    self.bases[id(m)].record(streams[i])
         self.timeline: Timeline | None = None
 
     def start(self, op: Op, stream: int, deps: list[Op]) -> tuple[Any, Any]:
