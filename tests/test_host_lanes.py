@@ -137,6 +137,15 @@ def test_a_profile_shows_host_lane_ops_after_the_device_ops_they_wait_for():
     assert spans["host_op"].start >= spans["device_op"].end
 
 
+def test_host_lanes_run_host_ops_side_by_side():
+    gate = threading.Barrier(3, timeout=10)  # three host ops that can only finish together
+    with sd.Runtime("sim", streams=2, host_lanes=3) as rt:
+        fs = [rt.submit(gate.wait, run_on="host") for _ in range(3)]
+        assert sorted(f.result(timeout=20) for f in fs) == [0, 1, 2]
+    with pytest.raises(ValueError, match="host_lanes must be at least 1"):
+        sd.Runtime("sim", host_lanes=0)
+
+
 def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():
     x = np.zeros(4)
     with sd.Runtime("cpu", streams=2) as rt:

@@ -117,6 +117,10 @@ class Runtime:
     tie collectives of several NCCL communicators together). A caller on a stream of its own
     (``torch.cuda.stream(s)``) gets the event either way. Default ``None``: ``True``.
 
+    ``host_lanes``: worker threads on the host beside a device, started at first use, for the
+    ops submitted with ``run_on="host"`` (host functions that must not block the submitter
+    while they wait for device work); a CPU runtime's lanes are the host's already.
+
     ``backend=`` runs the runtime on a backend made by the caller (its device and streams):
     ``device``, ``streams``, ``seed`` and ``default_stream_sync`` must then be left out.
     """
@@ -140,6 +144,7 @@ class Runtime:
         backend: Backend | None = None,
         devices: Sequence[str] | None = None,
         default_stream_sync: bool | None = None,
+        host_lanes: int = HOST_LANES,
     ) -> None:
         if backend is not None:  # it brings its own device and streams: nothing here may configure them
             _check_own_backend(device, streams, seed, default_stream_sync)
@@ -150,6 +155,7 @@ class Runtime:
         _check_count("max_inflight", max_inflight, 1)
         _check_count("max_inflight_bytes", max_inflight_bytes, 0, "0 lets one transfer run at a time")
         _check_count("staging_bytes", staging_bytes, 0, "0 stages one transfer at a time")
+        _check_count("host_lanes", host_lanes, 1)
         if devices is not None:
             if backend is not None:
                 raise ValueError("pass devices= or backend=, not both")
@@ -185,11 +191,11 @@ class Runtime:
         #: that a host function waiting for device work does not block the submitting thread
         self._host: HostLanes | None = None
         if not self._multi and self.device != "cpu":
-            self._host = HostLanes(HOST_LANES, len(self._streams))
-            self._compute_of["host"] = range(len(self._streams), len(self._streams) + HOST_LANES)
+            self._host = HostLanes(host_lanes, len(self._streams))
+            self._compute_of["host"] = range(len(self._streams), len(self._streams) + host_lanes)
             self._streams += self._host.streams
-            self._member += [self._host] * HOST_LANES
-            self._stream_device += ["host"] * HOST_LANES
+            self._member += [self._host] * host_lanes
+            self._stream_device += ["host"] * host_lanes
         #: the host-lane ops not finished yet, by number: while there are any, a device op first
         #: waits (outside the runtime's lock) for those it depends on (see ``_enqueue``)
         self._host_ops: dict[int, Op] = {}
