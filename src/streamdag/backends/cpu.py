@@ -105,22 +105,6 @@ class CpuBackend:
             lane.stop()
 
 
-class _FinishedOp:
-    """A lane's wait for an op of another backend (a GPU's): until its future is done, so that a
-    failure it had on the device is known before the waiting op checks its inputs."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Any) -> None:
-        self._future = future
-
-    def wait(self) -> None:
-        try:
-            self._future.exception()  # returns the op's failure, if any; raises nothing of it
-        except BaseException:  # (it raises nothing an op did) the lane must go on: the waiting op
-            report_escaped(threading.current_thread().name)  # then checks its inputs itself
-
-
 class HostLanes(CpuBackend):
     """Worker lanes on the host beside a GPU (or simulated device): where ``run_on="host"`` ops run.
 
@@ -141,5 +125,13 @@ class HostLanes(CpuBackend):
         return HostEvent.now()
 
     def wait_for_op(self, stream: _Lane, op: Any) -> None:
-        """Run what ``stream`` gets next only once ``op``, of another backend, has finished."""
-        stream.enqueue(("wait", _FinishedOp(op.future)))
+        """Run what ``stream`` gets next only once ``op``, of another backend, has finished.
+
+        Finished, not just complete on the device: a failure it had there is then known when
+        the waiting op checks its inputs. The lane waits for a flag set by the thread that
+        finishes ``op``; it does not help finish ops itself, which would run other ops'
+        done-callbacks on the lane, ahead of the host ops queued there.
+        """
+        finished = threading.Event()
+        op.future._on_done(lambda _f: finished.set())
+        stream.enqueue(("wait", finished))
