@@ -17,10 +17,10 @@ import streamdag as sd
 from streamdag.backends.inline import InlineBackend
 
 
-def make(kind: str, streams: int = 2) -> sd.Runtime:
+def make(kind: str, streams: int = 2, max_inflight: int = 256) -> sd.Runtime:
     if kind == "inline":  # each device op runs inside its submit, as on CUDA
-        return sd.Runtime(backend=InlineBackend("sim", streams))
-    return sd.Runtime(kind, streams=streams)
+        return sd.Runtime(backend=InlineBackend("sim", streams), max_inflight=max_inflight)
+    return sd.Runtime(kind, streams=streams, max_inflight=max_inflight)
 
 
 KINDS = ["sim", "inline"]
@@ -99,7 +99,7 @@ def test_failures_pass_between_host_lanes_and_the_device(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_op_submitted_from_a_host_op_that_needs_it_fails_with_what_to_do(kind):
     x, y = np.zeros(4), np.zeros(4)
-    with make(kind) as rt:
+    with make(kind, max_inflight=2) as rt:
         def outer():
             x.fill(1)
             inner = rt.submit(lambda: y.fill(2), writes=[y])  # its own memory: fine, on the device
@@ -113,6 +113,13 @@ def test_an_op_submitted_from_a_host_op_that_needs_it_fails_with_what_to_do(kind
         assert y.tolist() == [2.0] * 4
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
+        # the refused submit gave its in-flight slot back: both slots are free again
+        gate = threading.Event()
+        try:
+            held = [rt.submit_nowait(gate.wait, run_on="host") for _ in range(2)]
+        finally:
+            gate.set()
+        assert [f.result(timeout=10) for f in held] == [True, True]
 
 
 def test_host_lanes_start_with_their_first_op_and_stop_with_the_runtime():

@@ -588,7 +588,12 @@ class Runtime:
             self._would_block()
         while True:
             with self._lock:
-                host_deps = self._host_deps(accesses, op_name) if self._host_ops and device != "host" else ()
+                try:
+                    host_deps = (self._host_deps(accesses, op_name)
+                                 if self._host_ops and device != "host" else ())
+                except BaseException:
+                    self._slots.release()  # the op is not submitted
+                    raise
                 if not host_deps:
                     self._counts.seq += 1
                     seq = self._counts.seq
@@ -599,8 +604,12 @@ class Runtime:
                     self._launch(op, deps, stream, device, host_inputs=(
                         on_host and device != "host" and not (device_ordered or self.backend.deferred)))
                     break
-            for dep in host_deps:  # outside the lock: a host op may submit, or finish ops that do
-                dep.future.exception()
+            try:
+                for dep in host_deps:  # outside the lock: a host op may submit, or finish ops that do
+                    dep.future.exception()
+            except BaseException:  # an interrupt while waiting: the op is not submitted
+                self._slots.release()
+                raise
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
             for finish_ready in self._finish_ready:
                 finish_ready()
