@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
+from programs import closed_runtime_freed_at_once
 from streamdag.backends.inline import InlineBackend
 
 
@@ -151,6 +152,21 @@ def test_host_lanes_run_host_ops_side_by_side():
         assert sorted(f.result(timeout=20) for f in fs) == [0, 1, 2]
     with pytest.raises(ValueError, match="host_lanes must be at least 1"):
         sd.Runtime("sim", host_lanes=0)
+
+
+@pytest.mark.parametrize("used", [True, False])
+def test_a_closed_runtime_with_host_lanes_is_freed_without_the_cycle_collector(used):
+    x = np.zeros(4)
+
+    def use(rt):
+        for _ in range(5):
+            if used:
+                rt.submit(np.add, x, 1, out=x, reads=[x], writes=[x], run_on="host")
+            rt.submit(np.add, x, 1, out=x, reads=[x], writes=[x])
+        rt.synchronize()
+
+    assert closed_runtime_freed_at_once(lambda: make("sim"), use)
+    assert x.tolist() == [10.0 if used else 5.0] * 4
 
 
 def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():

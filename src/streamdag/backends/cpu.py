@@ -26,11 +26,12 @@ class _Lane:
         self.index = index
         self.kind = kind
         self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None  # made at the start: no cycle with it before
         self._start_lock = threading.Lock()
-        self._started = not lazy
+        self._started = False
         if not lazy:
-            self._thread.start()
+            self._start()
 
     def enqueue(self, command: Command) -> None:
         if not self._started:
@@ -40,6 +41,7 @@ class _Lane:
     def _start(self) -> None:
         with self._start_lock:
             if not self._started:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
                 self._started = True
 
@@ -59,14 +61,14 @@ class _Lane:
             try:
                 payload()  # type: ignore[operator]
             except BaseException:  # a user's SystemExit, say: the ops queued after it still run
-                report_escaped(self._thread.name)
+                report_escaped(self._name)
 
     def stop(self) -> None:
         with self._start_lock:
             if not self._started:  # never started: nothing to stop
                 return
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join()  # type: ignore[union-attr]
 
 
 class CpuBackend:
