@@ -774,11 +774,10 @@ class Runtime:
             if waits and not _DROP_WAITS:
                 for i in waits:
                     dep = live[i]
-                    if self._member[dep.stamp.stream] is backend:
-                        _event_of(dep, op).wait(s)
-                    elif backend is self._host:
+                    on_lane = self._member[dep.stamp.stream] is self._host
+                    if backend is self._host and not on_lane:
                         backend.wait_for_op(s, dep)  # a device's op, waited for on the lane
-                    elif self._member[dep.stamp.stream] is self._host:
+                    elif on_lane and backend is not self._host:
                         # a device op after a host-lane op, on the host: only where it could not
                         # wait before taking the lock (see ``_await_host_ops``)
                         dep.future.exception()

@@ -352,6 +352,22 @@ def _slot(future: Future, name: str) -> Any:
         return None
 
 
+def after_all(count: int, then_call: Callable[[], None]) -> Callable[[Any], None]:
+    """A done-callback that calls ``then_call()`` once it has itself been called ``count`` times,
+    from whichever threads finish the futures it is added to."""
+    left = [count]
+    lock = threading.Lock()
+
+    def done(_f: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        then_call()
+
+    return done
+
+
 def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
     """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
     out = Future()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
-from .ops import Future, Op, then
+from .ops import Future, Op, after_all, then
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -179,14 +178,7 @@ class RecordedGraph:
             return result
         run_id = next(_run_ids)
         launched: list[Op] = []
-        remaining = [n]
-        lock = threading.Lock()
-
-        def one_done(_f: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
+        def settle() -> None:
             ops = launched[:]
             launched.clear()  # each op's future holds this function: no cycle left to the collector
             failed = [op for op in ops if op.error is not None]
@@ -206,6 +198,7 @@ class RecordedGraph:
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        one_done = after_all(n, settle)
         for op in launched:
             op.future._on_done(one_done)
         return result

@@ -25,13 +25,12 @@ to itself (a concurrent call makes its own).
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..graph.buffers import region_of
-from .ops import Future
+from .ops import Future, after_all
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -259,20 +258,15 @@ def _all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
         out.set_result(value)
         return out
     out._hurry = getattr(futures[-1], "_hurry", None)
-    left = [len(futures)]
-    lock = threading.Lock()
 
-    def done(_f: Any) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    def settle() -> None:
         error = next((e for e in (f.exception() for f in futures) if e is not None), None)
         if error is not None:
             out.set_exception(error)
         else:
             out.set_result(value)
 
+    done = after_all(len(futures), settle)
     for f in futures:
         f._on_done(done)
     return out
