@@ -1142,14 +1142,8 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
-            || PyDict_GET_SIZE(self->recordings) || PyDict_GET_SIZE(self->host_ops)) {
-        if (kwargs == sub.empty_dict) {  /* the Python path gets a dict of its own, as **kwargs makes */
-            Py_DECREF(kwargs);
-            if ((kwargs = PyDict_New()) == NULL) goto done;
-        }
-        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed, blocking);
-        goto done;
-    }
+            || PyDict_GET_SIZE(self->recordings) || PyDict_GET_SIZE(self->host_ops))
+        goto in_python;
     PyObject *both[] = {reads, writes};
     accesses = own_accesses
         ? accesses_of(NULL, both, 2)  /* this module's own */
@@ -1177,12 +1171,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         PyObject *r = PyObject_CallMethodNoArgs(self->slots, s_release);
         if (r == NULL) goto done;
         Py_DECREF(r);
-        if (kwargs == sub.empty_dict) {
-            Py_DECREF(kwargs);
-            if ((kwargs = PyDict_New()) == NULL) goto done;
-        }
-        result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed, blocking);
-        goto done;
+        goto in_python;
     }
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
@@ -1211,6 +1200,13 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     Py_DECREF(ready);
     if (PyErr_Occurred()) Py_CLEAR(result);
+    goto done;
+in_python:  /* every case but the common one: the Python methods */
+    if (kwargs == sub.empty_dict) {  /* the Python path gets a dict of its own, as **kwargs makes */
+        Py_DECREF(kwargs);
+        if ((kwargs = PyDict_New()) == NULL) goto done;
+    }
+    result = submit_in_python(self, fn, args, kwargs, reads, writes, name, run_on, placed, blocking);
 done:
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
