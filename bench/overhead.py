@@ -8,8 +8,10 @@ that runs the op and makes no CUDA call of its own); the CUDA calls alone (what
 any runtime on PyTorch's streams calls per op, with no bookkeeping: the floor
 of this design through PyTorch's Python API); and for comparison the same
 chain recorded once and replayed as a captured CUDA graph; and a transfer,
-``rt.copy`` of 1 KiB from pinned host memory, against PyTorch's own
-``copy_(non_blocking=True)`` (its baseline, not the launch). The lent host's
+``rt.copy`` of 1 KiB from pinned host memory, and the same through the copy
+function ``stream_map`` makes once per input (``transfers.copier``: ``rt.copy``'s
+checks decided once), against PyTorch's own ``copy_(non_blocking=True)`` (their
+baseline, not the launch). The lent host's
 speed drifts by tens of percent within a minute, so the variants are timed in
 turns, in short rounds whose order alternates, and each reports its median
 round and its median over rounds of the time added to PyTorch's launch in
@@ -153,6 +155,16 @@ def main():
                 rt.copy(copy_bufs[i % 64], pinned[i % 64])
         return copies
 
+    def copier_copies_on(rt):  # stream_map's: rt.copy's checks made once, for every piece
+        from streamdag.runtime.transfers import copier
+
+        copy = copier(rt, copy_bufs[0], pinned[0])
+
+        def copies(n):
+            for i in range(n):
+                copy(copy_bufs[i % 64], pinned[i % 64])
+        return copies
+
     def independent_on(rt):
         def independent(n):
             for i in range(n):
@@ -228,6 +240,7 @@ def main():
         "streamdag submit, independent ops": independent_on(rt),
         COPY_BASELINE: torch_copies,
         "streamdag rt.copy, pinned 1 KiB host to device": copies_on(rt),
+        "streamdag stream_map's copier, pinned 1 KiB host to device": copier_copies_on(rt),
         "streamdag bookkeeping alone, dependent chain": chain_on(bare),
         f"streamdag recorded chain of {GRAPH_OPS}, g.run() per op": graph_runs,
     }

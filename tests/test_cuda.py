@@ -638,6 +638,35 @@ def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_
     assert {("stream_map_in", "h2d"), ("stream_map", "compute"), ("stream_map_out", "d2h")} <= kinds
 
 
+def test_a_copier_made_once_copies_pieces_as_rt_copy_does():
+    """stream_map's copy function, decided once per input: pinned pieces go straight onto the copy
+    stream of their direction, pageable ones through rt.copy's staging; every piece lands exactly."""
+    from streamdag.runtime.transfers import copier
+
+    n = 1 << 12
+    with sd.Runtime("cuda", streams=2) as rt:
+        for pinned in (True, False):
+            src = torch.randn(4 * n)
+            src = src.pin_memory() if pinned else src
+            back = torch.zeros(4 * n).pin_memory() if pinned else torch.zeros(4 * n)
+            dev = torch.zeros(4 * n, device="cuda")
+            copy_in, copy_out = copier(rt, dev[:n], src[:n]), copier(rt, back[:n], dev[:n])
+            with rt.profile() as prof:
+                for i in range(4):
+                    piece = slice(i * n, (i + 1) * n)
+                    d = dev[piece]
+                    copy_in(d, src[piece], "in")
+                    rt.submit(torch.mul, d, 2, out=d, reads=[d], writes=[d])
+                    copy_out(back[piece], d, "out")
+                rt.synchronize()
+            assert torch.equal(back, src * 2)
+            kinds = {(s.name.split("#")[0], s.kind) for s in prof.timeline.spans}
+            if pinned:
+                assert kinds == {("in", "h2d"), ("mul", "compute"), ("out", "d2h")}
+            else:  # staged through pinned buffers: the copies' names and streams are rt.copy's
+                assert ("in", "h2d") in kinds and ("mul", "compute") in kinds
+
+
 def test_a_copy_between_dtypes_is_refused_whether_pinned_or_pageable():
     """Staged through pinned buffers, a pageable copy moves bytes: float64 into float32 would be
     reinterpreted. Neither path converts; both say what to do instead."""

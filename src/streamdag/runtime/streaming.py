@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..graph.buffers import region_of
 from .ops import Future, after_all
+from .transfers import copier
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -98,21 +99,25 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     ring.restart()
     copies_of: list[list[Future]] = []
     unfinished: deque[Future] = deque()
+    name_in, name_out = f"{name}_in", f"{name}_out"
     for b, x in enumerate(batches):
         copies: list[Future] = []
         copies_of.append(copies)
+        copy_in = copy_out = None  # rt.copy's decisions, made once per input and output
         for lo in range(0, x.shape[0], rows):
             n = min(rows, x.shape[0] - lo)
             slot = ring.next_slot()
             dev_in = ring.buffer(slot, "in", (rows, *x.shape[1:]), x.dtype)
             piece = dev_in if n == rows else dev_in[:n]  # (a slice costs microseconds on a GPU host)
-            rt.copy(piece, x[lo : lo + n], name=f"{name}_in")
+            host_piece = x[lo : lo + n]
+            copy_in = copy_in or copier(rt, piece, host_piece)
+            copy_in(piece, host_piece, name_in)
             if outs is None:  # the first piece tells the output's shape and dtype
                 y = rt.submit(fn, piece, reads=[piece, *extra_reads], name=name).result()
                 _check_rows(y, n)
                 outs = [torch.empty((xb.shape[0], *y.shape[1:]), dtype=y.dtype, pin_memory=device != "cpu")
                         for xb in batches]
-                copies.append(rt.copy(outs[b][lo : lo + n], y, name=f"{name}_out"))
+                copies.append(rt.copy(outs[b][lo : lo + n], y, name=name_out))
                 continue
             o = outs[b]
             while len(unfinished) >= WINDOW * buffers:  # bound the pieces awaiting their copy out
@@ -124,7 +129,9 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
                 dev_out = torch.empty((n, *o.shape[1:]), dtype=o.dtype, device=device)
                 rt.submit(_apply_into, fn, piece, dev_out, reads=[piece, *extra_reads],
                           writes=[dev_out], name=name)
-            copies.append(rt.copy(o[lo : lo + n], dev_out, name=f"{name}_out"))
+            host_piece = o[lo : lo + n]
+            copy_out = copy_out or copier(rt, host_piece, dev_out)
+            copies.append(copy_out(host_piece, dev_out, name_out))
             unfinished.append(copies[-1])
     # (outs is None only where every input is empty: fn never ran, nothing tells its shape)
     results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
