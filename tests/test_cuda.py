@@ -638,6 +638,28 @@ def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_
     assert {("stream_map_in", "h2d"), ("stream_map", "compute"), ("stream_map_out", "d2h")} <= kinds
 
 
+def test_stream_map_without_out_returns_before_the_device_has_run_the_first_piece():
+    """Without ``out``, the first piece's shape makes the outputs: on CUDA its op makes them as fn's
+    kernels are launched, so the call does not wait for the device (it did, 0.3-0.5 ms a call)."""
+    calls = []
+
+    def fn(a):
+        if not calls:  # the first piece: about 1 s of GPU time before its result is written
+            torch.cuda._sleep(2_000_000_000)
+        calls.append(1)
+        return torch.cat([a * 2, a + 1], dim=1)
+
+    x = torch.randn(256, 8).pin_memory()
+    with sd.Runtime("cuda", streams=2) as rt:
+        t0 = time.perf_counter()
+        f = rt.stream_map(fn, x, piece_bytes=8 * 4 * 32)  # 8 pieces
+        returned_after = time.perf_counter() - t0
+        assert not f.done()
+        got = f.result(timeout=60)
+    assert returned_after < 0.5, f"stream_map waited {returned_after:.2f} s for the first piece"
+    assert torch.equal(got, torch.cat([x * 2, x + 1], dim=1)) and got.is_pinned()
+
+
 def test_a_copier_made_once_copies_pieces_as_rt_copy_does():
     """stream_map's copy function, decided once per input: pinned pieces go straight onto the copy
     stream of their direction, pageable ones through rt.copy's staging; every piece lands exactly."""

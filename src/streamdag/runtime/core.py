@@ -316,7 +316,9 @@ class Runtime:
         ``inputs``: a host tensor (or numpy array), or a sequence of them;
         returns a Future (or a list, one per input) of the host output, which
         is ``out`` where given (one host tensor per input, same dim 0), else a
-        pinned tensor of ``fn``'s shape and dtype. Each input is cut along dim 0
+        pinned tensor of ``fn``'s shape and dtype, made from the first piece's
+        result (on CUDA as ``fn``'s kernels are launched; a runtime whose ops
+        run later, on its lanes, waits for that piece). Each input is cut along dim 0
         into pieces of about ``piece_bytes`` (default 32 MiB, 16 MiB with
         ``capture``, smaller for small inputs); each piece is copied in, ``fn``
         runs on it, and its result is copied out, through ``buffers`` reused

@@ -113,10 +113,17 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             copy_in = copy_in or copier(rt, piece, host_piece)
             copy_in(piece, host_piece, name_in)
             if outs is None:  # the first piece tells the output's shape and dtype
+                if not rt.backend.deferred:  # fn runs inside its submit (CUDA): no wait for the device
+                    made: list[Any] = []
+                    first = rt.submit(_first_piece, fn, piece, n, batches, b, lo, device != "cpu", made,
+                                      reads=[piece, *extra_reads], name=name)
+                    if not made:  # fn failed (this raises it), or did not run yet
+                        first.result()
+                    outs = made[0]
+                    copies.append(first)
+                    continue
                 y = rt.submit(fn, piece, reads=[piece, *extra_reads], name=name).result()
-                _check_rows(y, n)
-                outs = [torch.empty((xb.shape[0], *y.shape[1:]), dtype=y.dtype, pin_memory=device != "cpu")
-                        for xb in batches]
+                outs = _new_outs(y, n, batches, device != "cpu")
                 copies.append(rt.copy(outs[b][lo : lo + n], y, name=name_out))
                 continue
             o = outs[b]
@@ -137,6 +144,27 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
                for b, copies in enumerate(copies_of)]
     return results[0] if single else results
+
+
+def _new_outs(y: Any, n: int, batches: list[Any], pinned: bool) -> list[Any]:
+    """A host output per input, of the shape and dtype that ``fn`` gave the first piece (``y``)."""
+    import torch
+
+    _check_rows(y, n)
+    return [torch.empty((x.shape[0], *y.shape[1:]), dtype=y.dtype, pin_memory=pinned) for x in batches]
+
+
+def _first_piece(fn: Callable[[Any], Any], x: Any, n: int, batches: list[Any], b: int, lo: int,
+                 pinned: bool, made: list[Any]) -> Any:
+    """The first piece's op where it runs inside its submit: ``fn``, then the outputs made from its
+    result (handed back through ``made`` before the device has run a kernel of it) and its copy
+    out on the op's own stream, after ``fn``'s kernels. Returns ``fn``'s result, which the runtime
+    keeps until the op completes."""
+    y = fn(x)
+    outs = _new_outs(y, n, batches, pinned)
+    outs[b][lo : lo + n].copy_(y, non_blocking=pinned)
+    made.append(outs)
+    return y
 
 
 def _apply_into(fn: Callable[[Any], Any], x: Any, out: Any) -> None:
