@@ -641,16 +641,19 @@ def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_
 def test_stream_map_without_out_returns_before_the_device_has_run_the_first_piece():
     """Without ``out``, the first piece's shape makes the outputs: on CUDA its op makes them as fn's
     kernels are launched, so the call does not wait for the device (it did, 0.3-0.5 ms a call)."""
-    calls = []
+    sleepy = []
 
     def fn(a):
-        if not calls:  # the first piece: about 1 s of GPU time before its result is written
+        if sleepy and sleepy.pop():  # about 1 s of GPU time before the first piece's result
             torch.cuda._sleep(2_000_000_000)
-        calls.append(1)
         return torch.cat([a * 2, a + 1], dim=1)
 
     x = torch.randn(256, 8).pin_memory()
     with sd.Runtime("cuda", streams=2) as rt:
+        # warm: a first call's device allocations (cudaMalloc) may wait for running kernels
+        for f in [rt.stream_map(fn, x, piece_bytes=8 * 4 * 32) for _ in range(3)]:
+            f.result(timeout=60)
+        sleepy.append(True)
         t0 = time.perf_counter()
         f = rt.stream_map(fn, x, piece_bytes=8 * 4 * 32)  # 8 pieces
         returned_after = time.perf_counter() - t0

@@ -51,13 +51,14 @@ def test_stream_map_equals_fn_on_each_whole_input(shapes, dtype, piece_bytes, bu
         if capture:  # again, with new data, through the recorded graphs of the first call
             again = [x + 1 for x in inputs]
             for x, f in zip(again, rt.stream_map(widen, again, piece_bytes=piece_bytes, buffers=buffers,
-                                                 capture=True)):
-                assert torch.equal(f.result(timeout=60), widen(x)) or x.numel() == 0
+                                                 capture=True)):  # (without out: made as last time)
+                got = f.result(timeout=60)
+                assert (torch.equal(got, widen(x)) and got.dtype == x.dtype) or x.numel() == 0
     for i, (got, want) in enumerate(zip(results, expect)):
         if give_out:
             assert got is out[i]
         if want.numel():
-            assert torch.equal(got, want)
+            assert torch.equal(got, want) and got.dtype == want.dtype
         else:
             assert got.shape[0] == 0
 
