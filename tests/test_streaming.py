@@ -8,7 +8,6 @@ own input's future only: later pieces reuse the buffer it read.
 """
 
 import os
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 
 import streamdag as sd
 from streamdag.backends.inline import InlineBackend
-from streamdag.runtime import streaming
 
 torch = pytest.importorskip("torch")
 EXAMPLES = settings(max_examples=200 if os.environ.get("CI") else 40, deadline=None)
@@ -34,15 +32,9 @@ batch_shapes = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5)), min_si
 @EXAMPLES
 @given(batch_shapes, st.sampled_from([torch.float32, torch.float64, torch.int32]),
        st.integers(1, 200), st.integers(2, 5), st.sampled_from(["cpu", "sim", "inline"]), st.integers(1, 4),
-       st.integers(0, 2**16), st.booleans(), st.booleans(), st.booleans())
+       st.integers(0, 2**16), st.booleans(), st.booleans())
 def test_stream_map_equals_fn_on_each_whole_input(shapes, dtype, piece_bytes, buffers, device, streams,
-                                                  seed, give_out, capture, taper):
-    # taper: the ramps of shorter pieces at the call's start and end, here at any size
-    with mock.patch.object(streaming, "MIN_TAPERED_BYTES", 0 if taper else 1 << 62):
-        _stream_map_equals_fn(shapes, dtype, piece_bytes, buffers, device, streams, seed, give_out, capture)
-
-
-def _stream_map_equals_fn(shapes, dtype, piece_bytes, buffers, device, streams, seed, give_out, capture):
+                                                  seed, give_out, capture):
     g = torch.Generator().manual_seed(seed)
     k = shapes[0][1]  # one row width for all, so the inputs share the ring's buffers
     inputs = [(torch.randn(rows, k, generator=g) * 100).to(dtype) for rows, _ in shapes]
@@ -69,30 +61,6 @@ def _stream_map_equals_fn(shapes, dtype, piece_bytes, buffers, device, streams, 
             assert torch.equal(got, want) and got.dtype == want.dtype
         else:
             assert got.shape[0] == 0
-
-
-@EXAMPLES
-@given(st.lists(st.integers(0, 60), min_size=1, max_size=5), st.integers(1, 24), st.booleans())
-def test_the_pieces_cover_each_input_in_order_and_ramp_at_the_call_s_ends(sizes, rows, taper):
-    """Every row in exactly one piece, in order, none longer than its buffer; with the ramps, the
-    call's first piece has ``rows // TAPER`` rows, else every buffer is ``rows``."""
-    batches = [torch.empty(n, 3) for n in sizes]
-    with mock.patch.object(streaming, "MIN_TAPERED_BYTES", 0 if taper else 1 << 62):
-        cuts = streaming._cut(batches, rows)
-    for x, pieces in zip(batches, cuts):
-        at = 0
-        for lo, n, planned in pieces:
-            assert lo == at and 0 < n <= planned
-            at += n
-        assert at == x.shape[0]
-    every = [p for pieces in cuts for p in pieces]
-    small = rows // streaming.TAPER
-    first = next((n for n in sizes if n), 0)  # the ramp stays within the first input
-    ramped = taper and small and first >= small * streaming.TAPER
-    if ramped:
-        assert every[0] == (0, small, small)
-    if not taper or not small:
-        assert all(planned == rows for _, _, planned in every)
 
 
 @EXAMPLES

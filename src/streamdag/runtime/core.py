@@ -320,8 +320,7 @@ class Runtime:
         result (on CUDA as ``fn``'s kernels are launched; a runtime whose ops
         run later, on its lanes, waits for that piece). Each input is cut along dim 0
         into pieces of about ``piece_bytes`` (default 32 MiB, 16 MiB with
-        ``capture``, smaller for small inputs; the call's first and last pieces
-        ramp down to a quarter of that, where that is 1 MiB or more); each piece is copied in, ``fn``
+        ``capture``, smaller for small inputs); each piece is copied in, ``fn``
         runs on it, and its result is copied out, through ``buffers`` reused
         device buffers. ``fn(x)[i]`` must depend on ``x[i]`` only; ``reads``:
         device tensors ``fn`` also reads.

@@ -6,9 +6,7 @@ work can overlap: with eight batches of 64 MiB that is two batches' copies on
 top of the link's time (about 1.15x of it on an H100). When the function maps
 rows one to one (``fn(x)[i]`` depends on ``x[i]`` only), the runtime may cut
 every batch into pieces of a few MiB: the unoverlapped head and tail shrink
-with the piece, while the host still submits far ahead of the device. The
-call's first and last pieces are shorter still, in a ramp (see ``_cut``): a
-few more launches, at the two ends only.
+with the piece, while the host still submits far ahead of the device.
 
 The pieces are copied into a ring of ``buffers`` device buffers, reused: the
 runtime orders a piece's copy into a buffer after the compute that read the
@@ -55,8 +53,6 @@ CAPTURED_PIECE_BYTES = 16 << 20
 WINDOW = 2  # the submitter waits before more than WINDOW * buffers pieces await their copy out
 MIN_PIECES = 16  # a small input is still cut into this many pieces, down to
 MIN_PIECE_BYTES = 256 << 10  # pieces this small, below which per-copy costs dominate
-TAPER = 4  # the call's first and last piece are this many times shorter than the others (a power
-MIN_TAPERED_BYTES = 1 << 20  # of 2), where that leaves them this long at least (see _cut)
 
 
 def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
@@ -117,14 +113,15 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     copies_of: list[list[Future]] = []
     unfinished: deque[Future] = deque()
     name_in, name_out = f"{name}_in", f"{name}_out"
-    for b, (x, cuts) in enumerate(zip(batches, _cut(batches, rows))):
+    for b, x in enumerate(batches):
         copies: list[Future] = []
         copies_of.append(copies)
         copy_in = copy_out = None  # rt.copy's decisions, made once per input and output
-        for lo, n, planned in cuts:
+        for lo in range(0, x.shape[0], rows):
+            n = min(rows, x.shape[0] - lo)
             slot = ring.next_slot()
-            dev_in = ring.buffer(slot, "in", (planned, *x.shape[1:]), x.dtype)
-            piece = dev_in if n == planned else dev_in[:n]  # (a slice costs microseconds on a GPU host)
+            dev_in = ring.buffer(slot, "in", (rows, *x.shape[1:]), x.dtype)
+            piece = dev_in if n == rows else dev_in[:n]  # (a slice costs microseconds on a GPU host)
             host_piece = x[lo : lo + n]
             copy_in = copy_in or copier(rt, piece, host_piece)
             copy_in(piece, host_piece, name_in)
@@ -145,8 +142,8 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             o = outs[b]
             while len(unfinished) >= WINDOW * buffers:  # bound the pieces awaiting their copy out
                 unfinished.popleft().exception()
-            if capture and n == planned:  # one graph per buffer, on fixed input and output buffers
-                dev_out = ring.buffer(slot, "out", (planned, *o.shape[1:]), o.dtype)
+            if capture and n == rows:  # one graph per buffer, on fixed input and output buffers
+                dev_out = ring.buffer(slot, "out", (rows, *o.shape[1:]), o.dtype)
                 ring.graph(rt, slot, fn, dev_in, dev_out, extra_reads, name).run()
             else:  # a new output tensor: a failed piece leaves no buffer that a later one writes
                 dev_out = torch.empty((n, *o.shape[1:]), dtype=o.dtype, device=device)
@@ -162,33 +159,6 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
                for b, copies in enumerate(copies_of)]
     return results[0] if single else results
-
-
-def _cut(batches: Sequence[Any], rows: int) -> list[list[tuple[int, int, int]]]:
-    """Each input's pieces, as (first row, rows, rows of its buffer): pieces of ``rows``, except at
-    the call's start and end. Nothing overlaps the first piece's copy in, nor the last one's
-    compute and copy out, so the call begins and ends with a ramp of shorter pieces where the
-    shortest is ``MIN_TAPERED_BYTES`` at least: ``rows // TAPER``, again that, then doubling up
-    to ``rows`` (rows 1, 1, 2 for ``rows`` 4), and the reverse at the end. A piece that ends an
-    input early is shorter too; it has a buffer of ``rows``."""
-    row_bytes = max(max(1, math.prod(x.shape[1:]) * x.element_size()) for x in batches)
-    small = rows // TAPER if (rows // TAPER) * row_bytes >= MIN_TAPERED_BYTES else 0
-    ramp = [small] + [small << k for k in range(TAPER.bit_length() - 1)] if small else []
-    length = sum(ramp)
-    used = [b for b, x in enumerate(batches) if x.shape[0]] or [-1]
-    cuts = []
-    for b, x in enumerate(batches):
-        start, end, head, tail = 0, x.shape[0], [], []
-        if ramp and b == used[0] and end >= length:
-            for n in ramp:
-                head.append((start, n, n))
-                start += n
-        if ramp and b == used[-1] and end - start >= length:
-            for n in ramp:  # the last piece the shortest
-                tail.insert(0, (end - n, n, n))
-                end -= n
-        cuts.append(head + [(lo, min(rows, end - lo), rows) for lo in range(start, end, rows)] + tail)
-    return cuts
 
 
 def _new_outs(y: Any, n: int, batches: list[Any], pinned: bool) -> list[Any]:
