@@ -90,6 +90,25 @@ def test_a_failing_piece_fails_its_own_input_only(rows, data, piece_bytes, buffe
             assert torch.equal(f.result(), inputs[b] * 2)
 
 
+@pytest.mark.parametrize("device", ["cpu", "inline"])
+def test_without_out_a_failing_first_piece_raises_from_the_call_and_the_runtime_goes_on(device):
+    """The first piece makes the outputs (inside its op where ops run at submit): when fn fails there,
+    nothing can be made, so the call raises fn's error; later calls run as usual."""
+    def fn(a):
+        if float(a[0, 0]) < 0:
+            raise KeyError("negative first row")
+        return a * 2
+
+    inline = device == "inline"
+    with sd.Runtime(backend=InlineBackend("cpu", 2)) if inline else sd.Runtime("cpu", streams=2) as rt:
+        with pytest.raises(KeyError, match="negative first row"):
+            rt.stream_map(fn, -torch.ones(10, 2), piece_bytes=16)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()  # the failure is the runtime's to report too, once
+        x = torch.arange(20.0).reshape(10, 2)
+        assert torch.equal(rt.stream_map(fn, x, piece_bytes=16).result(timeout=60), x * 2)
+
+
 def test_one_input_gives_one_future_and_numpy_inputs_are_read_in_place():
     x = np.arange(60, dtype=np.float64).reshape(20, 3)
     with sd.Runtime("cpu", streams=2) as rt:
