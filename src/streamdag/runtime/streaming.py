@@ -102,13 +102,13 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     import torch
 
     device = ring.device
+    pinned = device != "cpu"  # outputs made here: pinned where they are copied from a device
     buffers = ring.count
     ring.restart()
-    kinds = tuple((tuple(x.shape[1:]), x.dtype) for x in batches)
-    made_here = outs is None
-    if made_here and capture and kinds in ring.out_kinds:  # a captured fn keeps its shapes: as last time
+    # the kinds of the inputs, where a captured call makes its outputs (see ``_Ring.out_kinds``)
+    kinds = tuple((tuple(x.shape[1:]), x.dtype) for x in batches) if outs is None and capture else None
+    if kinds is not None and kinds in ring.out_kinds:  # a captured fn keeps its shapes: as last time
         trailing, dtype = ring.out_kinds[kinds]
-        pinned = device != "cpu"
         outs = [torch.empty((x.shape[0], *trailing), dtype=dtype, pin_memory=pinned) for x in batches]
     copies_of: list[list[Future]] = []
     unfinished: deque[Future] = deque()
@@ -128,7 +128,7 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             if outs is None:  # the first piece tells the output's shape and dtype
                 if not rt.backend.deferred:  # fn runs inside its submit (CUDA): no wait for the device
                     made: list[Any] = []
-                    first = rt.submit(_first_piece, fn, piece, n, batches, b, lo, device != "cpu", made,
+                    first = rt.submit(_first_piece, fn, piece, n, batches, b, lo, pinned, made,
                                       reads=[piece, *extra_reads], name=name)
                     if not made:  # fn failed (this raises it), or did not run yet
                         first.result()
@@ -136,7 +136,7 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
                     copies.append(first)
                     continue
                 y = rt.submit(fn, piece, reads=[piece, *extra_reads], name=name).result()
-                outs = _new_outs(y, n, batches, device != "cpu")
+                outs = _new_outs(y, n, batches, pinned)
                 copies.append(rt.copy(outs[b][lo : lo + n], y, name=name_out))
                 continue
             o = outs[b]
@@ -154,7 +154,7 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             copies.append(copy_out(host_piece, dev_out, name_out))
             unfinished.append(copies[-1])
     # (outs is None only where every input is empty: fn never ran, nothing tells its shape)
-    if made_here and capture and outs is not None:
+    if kinds is not None and outs is not None:
         ring.out_kinds[kinds] = (tuple(outs[0].shape[1:]), outs[0].dtype)
     results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
                for b, copies in enumerate(copies_of)]
