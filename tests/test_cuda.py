@@ -374,6 +374,36 @@ def test_out_of_memory_fails_only_that_op_and_its_dependents():
         assert torch.equal(later.result(), torch.full((8,), 2.0, device="cuda"))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_an_op_that_runs_out_of_memory_frees_what_it_had_made_while_its_future_is_held(native):
+    """The usual OOM: a function makes one large buffer, then fails to make the next. Its error is
+    kept as long as its future (or a dependent's) is referenced; the buffer it made must be freed, or
+    the memory stays taken and the user's retry with a smaller batch runs out too."""
+    from streamdag.runtime import core
+
+    a = torch.zeros(8, device="cuda")
+    big = 256 << 20
+    too_big = torch.cuda.get_device_properties(0).total_memory * 4
+
+    def make_then_fail(out):
+        scratch = torch.empty(big // 4, device="cuda")
+        out.add_(scratch[:8] * 0 + torch.empty(too_big // 4, device="cuda").sum())
+
+    compiled, core.COMPILED_SUBMIT = core.COMPILED_SUBMIT, native
+    try:
+        rt = sd.Runtime("cuda", streams=2)
+    finally:
+        core.COMPILED_SUBMIT = compiled
+    with pytest.raises(sd.ExceptionGroup), rt:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        failed = rt.submit(make_then_fail, a, writes=[a])
+        dependent = rt.submit(torch.add, a, 1, reads=[a])
+        assert isinstance(failed.exception(), torch.cuda.OutOfMemoryError)
+        assert isinstance(dependent.exception(), sd.DependencyFailed)
+        assert torch.cuda.memory_allocated() - before < big, "the failed op's frames hold its buffer"
+
+
 def wide_graph(rt, x, ws, hs, y):
     with rt.record() as g:
         for b in range(len(ws)):

@@ -189,10 +189,10 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     try:
         with pytest.raises(TypeError, match=f"{which} has a slot added_later .* native/_submit.c"):
             speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                                  core._finished_ok)
+                                  core._finished_ok, ops.release_frames)
     finally:  # the module's state is global: the runtime's own classes again
         speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                              core._finished_ok)
+                              core._finished_ok, ops.release_frames)
 
 
 @compiled

@@ -1,8 +1,11 @@
 """The runtime API on the CPU lanes and the simulated device."""
 
 import asyncio
+import gc
 import threading
 import time
+import traceback
+import weakref
 
 import numpy as np
 import pytest
@@ -230,6 +233,35 @@ def test_failure_fails_dependents_names_the_root_and_spares_independent_ops(rt):
     # the runtime stays usable, and the failed buffer is clean again
     assert rt.submit(np.sum, a, reads=[a]).result() == 0.0
     rt.synchronize()
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "inline"])
+def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
+    """A failed op's error is kept while its future, or a dependent's, is referenced: what its
+    function made before it raised (a large buffer, say) must not live on in the traceback's frames."""
+
+    class Scratch:
+        pass
+
+    made = []
+    a = np.zeros(4)
+
+    def fails():
+        scratch = Scratch()
+        made.append(weakref.ref(scratch))
+        raise ValueError("too big")
+
+    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    with pytest.raises(sd.ExceptionGroup), rt:  # (leaving it reports the failure)
+        failed = rt.submit(fails, writes=[a])
+        dependent = rt.submit(np.sum, a, reads=[a])
+        assert isinstance(failed.exception(), ValueError)
+        assert isinstance(dependent.exception(), sd.DependencyFailed)
+        gc.collect()
+        assert made[0]() is None, "the failed op's traceback still holds its function's locals"
+        error = failed.exception()
+        assert "in fails" in "".join(traceback.format_exception(error))  # it still says where
+        assert error.__traceback__.tb_frame.f_code.co_name == "fails"  # beginning in the op's function
 
 
 def test_submit_after_close_says_what_to_do():

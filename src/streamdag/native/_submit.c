@@ -51,6 +51,7 @@ static struct {
     PyObject *empty_dict;  /* never added to */
     PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
     PyObject *deque_append, *deque_popleft;
+    PyObject *release_frames;  /* ops.release_frames */
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
@@ -176,9 +177,10 @@ static int all_slots_known(PyTypeObject *tp, const char *what, const char *const
 static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
 
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
-    PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn;
-    if (!PyArg_ParseTuple(args, "O!O!O!OOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
-                          &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn))
+    PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn, *release_frames;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
+                          &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn,
+                          &release_frames))
         return NULL;
     if (all_slots_known((PyTypeObject *)op_type, "Op", op_field_names, OP_FIELDS, NULL, 0) < 0
             || all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
@@ -207,6 +209,7 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
     Py_XSETREF(sub.pending, Py_NewRef(pending));
     Py_XSETREF(sub.finished, Py_NewRef(finished));
+    Py_XSETREF(sub.release_frames, Py_NewRef(release_frames));
     Py_RETURN_NONE;
 }
 
@@ -668,11 +671,18 @@ static int execute(PyObject *op) {
                                     PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
     if (value == NULL) {
         PyObject *exc = take_exception();
+        int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);
+        if (!interrupt) {  /* kept as long as the future: without the locals of fn's frames */
+            PyObject *r = PyObject_CallOneArg(sub.release_frames, exc);
+            if (r == NULL) {  /* (no memory: the op's own error is the one to report) */
+                PyErr_Clear();
+            }
+            Py_XDECREF(r);
+        }
         PyObject *name = op_full_name(op);
         op_set(op, OP_ERROR, exc);
         op_set(op, OP_ROOT_NAME, name);
         op_set(op, OP_ROOT_ERROR, exc);
-        int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);
         if (interrupt) {
             op_set(op, OP_DEPS, sub.empty_tuple);
             restore_exception(exc);

@@ -34,7 +34,7 @@ from ..native import load as load_native
 from ..native import load_torch
 from ..schedule.waits import StreamClocks
 from . import ops
-from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback
+from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback, release_frames
 from .transfers import ByteBudget, PinnedPool
 
 __all__ = ["Runtime", "RuntimeStatistics"]
@@ -791,7 +791,8 @@ class Runtime:
             if profiler is not None:
                 profiler.end(op, stream, started)
         except BaseException as exc:  # the backend's own calls failed, or an interrupt (Ctrl-C) came
-            op.error, op.root_name, op.root_error = exc, op.name, exc
+            error = release_frames(exc, caught_here=True) if isinstance(exc, Exception) else exc
+            op.error, op.root_name, op.root_error = error, op.name, error
             self._finish_launch(op, stream, failed=True)
             return
         self._finish_launch(op, stream)
@@ -811,7 +812,8 @@ class Runtime:
                 op.event = event = backend.event()
                 event.record(self._streams[stream])
         except BaseException as exc:  # the backend's own calls failed, or an interrupt (Ctrl-C) came
-            op.error, op.root_name, op.root_error = exc, op.name, exc
+            error = release_frames(exc, caught_here=True) if isinstance(exc, Exception) else exc
+            op.error, op.root_name, op.root_error = error, op.name, error
             stop = True
         if stop:
             if _is_sticky(backend, op.error):
@@ -1045,7 +1047,8 @@ def _finished_ok(op: Op) -> bool:
 
 
 if _speedups is not None:
-    _speedups.setup_submit(Op, Future, Marker, ops._LAZY, ops._PENDING, ops._FINISHED, _finished_ok)
+    _speedups.setup_submit(Op, Future, Marker, ops._LAZY, ops._PENDING, ops._FINISHED, _finished_ok,
+                             ops.release_frames)
 
 
 def _annotate(error: BaseException, op_name: str) -> None:

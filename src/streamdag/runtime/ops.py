@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+import traceback
 from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
@@ -394,6 +395,25 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     return out
 
 
+def release_frames(exc: BaseException, caught_here: bool = False) -> BaseException:
+    """``exc`` with the local variables of the frames its traceback passed through cleared (those of
+    its causes and contexts too); each frame's file and line stay. A failed op's error lives as long
+    as its future, or a dependent's, is referenced, and those locals would keep alive whatever the
+    op's function had made before it raised (GPU tensors too). ``caught_here``: the traceback's first
+    frame is the caller's own, still running: it is left out of the traceback."""
+    if caught_here and exc.__traceback__ is not None:
+        exc.__traceback__ = exc.__traceback__.tb_next
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]
+    return exc
+
+
 def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     """The first failed dep whose failure passes to an op with ``accesses``, or None.
 
@@ -558,9 +578,10 @@ class Op:
             try:
                 self.value = self.fn(*self.args, **self.kwargs)
             except BaseException as exc:  # the op's failure is its future's, not ours
-                self.error = exc
-                self.root_name, self.root_error = self.name, exc
                 if not isinstance(exc, Exception):  # an interrupt or SystemExit goes on up too (to
-                    self.deps = ()                  # the caller, or to a lane that reports it)
+                    self.error = self.root_error = exc  # the caller, or to a lane that reports it)
+                    self.root_name, self.deps = self.name, ()
                     raise
+                self.error = self.root_error = release_frames(exc, caught_here=True)
+                self.root_name = self.name
         self.deps = ()

@@ -23,7 +23,7 @@ from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access
 from ..schedule.waits import plan_waits
 from .core import _DROP_WAITS
-from .ops import Op, failed_input
+from .ops import Op, failed_input, release_frames
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -73,7 +73,7 @@ class HostReplay:
             try:
                 self._launch_ops(op, live)
             except Exception as exc:  # the backend's own calls failed
-                op.error = op.root_error = exc
+                op.error = op.root_error = release_frames(exc, caught_here=True)
                 op.root_name = op.name
                 op.deps = ()
                 rt._finish(op)
@@ -101,7 +101,7 @@ class HostReplay:
                 failed[v] = True
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"raised by streamdag op {names[v]!r} of a graph run")
-                errors.append(exc)
+                errors.append(release_frames(exc, caught_here=True))
 
         on_host = [d for d in live if member[d.stamp.stream] is rt._host]
         for d in on_host:  # a host-lane op, waited for on the host (see Runtime._await_host_ops)
