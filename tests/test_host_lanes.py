@@ -193,6 +193,35 @@ def test_a_graph_run_after_a_host_op_waits_for_it():
         assert y.tolist() == [6.0] * 4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_graph_run_that_a_submitting_host_op_slips_ahead_of_waits_for_it_without_the_lock(kind):
+    """Another thread submits a host op on the graph's memory after the run has checked for such
+    ops, before it has the runtime's lock. The run must wait for it with the lock released: the
+    host op submits too, and that takes the lock."""
+    x, y, z = np.zeros(4), np.zeros(4), np.zeros(4)
+    rt = make(kind)
+    with rt.record() as g:
+        rt.submit(lambda: y.__setitem__(slice(None), x * 3), reads=[x], writes=[y])
+    g.run().result(timeout=10)
+
+    def host_fn():
+        x.fill(2)
+        rt.submit(np.add, z, 1, out=z, writes=[z])  # from its lane: takes the runtime's lock
+
+    outcome = []
+    run = threading.Thread(target=lambda: outcome.append(g.run().result(timeout=30)), daemon=True)
+    with rt._lock:  # the run checks now and waits here for the lock, meanwhile ...
+        run.start()
+        time.sleep(0.2)
+        rt.submit(host_fn, writes=[x], run_on="host")  # ... the host op comes first
+    run.join(timeout=30)
+    assert not run.is_alive(), "the graph run waited for the host op holding the runtime's lock"
+    assert outcome and y.tolist() == [6.0] * 4
+    rt.synchronize()
+    assert z.tolist() == [1.0] * 4
+    rt.close()
+
+
 @pytest.mark.cuda
 def test_on_the_gpu_a_host_op_after_a_long_kernel_returns_at_once():
     import torch

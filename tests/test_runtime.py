@@ -238,7 +238,8 @@ def test_failure_fails_dependents_names_the_root_and_spares_independent_ops(rt):
 @pytest.mark.parametrize("device", [*DEVICES, "inline"])
 def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
     """A failed op's error is kept while its future, or a dependent's, is referenced: what its
-    function made before it raised (a large buffer, say) must not live on in the traceback's frames."""
+    function made before it raised (a large buffer, say), and the variables of the code that
+    submitted it (through the frames' callers), must not live on in the traceback's frames."""
 
     class Scratch:
         pass
@@ -251,17 +252,45 @@ def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
         made.append(weakref.ref(scratch))
         raise ValueError("too big")
 
+    def submit_from_a_function():
+        submitters_buffer = Scratch()
+        made.append(weakref.ref(submitters_buffer))
+        return rt.submit(fails, writes=[a])
+
     rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
     with pytest.raises(sd.ExceptionGroup), rt:  # (leaving it reports the failure)
-        failed = rt.submit(fails, writes=[a])
+        failed = submit_from_a_function()
         dependent = rt.submit(np.sum, a, reads=[a])
         assert isinstance(failed.exception(), ValueError)
         assert isinstance(dependent.exception(), sd.DependencyFailed)
         gc.collect()
-        assert made[0]() is None, "the failed op's traceback still holds its function's locals"
-        error = failed.exception()
-        assert "in fails" in "".join(traceback.format_exception(error))  # it still says where
-        assert error.__traceback__.tb_frame.f_code.co_name == "fails"  # beginning in the op's function
+        assert [m() for m in made] == [None, None], "the failed op's error still holds frames' locals"
+        assert "in fails" in "".join(traceback.format_exception(failed.exception()))  # it still says where
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "inline"])
+def test_memory_a_failed_op_wrote_is_not_handed_to_a_new_buffer_until_the_failure_is_reported(device):
+    """Ops on memory a failed op wrote fail until synchronize() reports it. That memory must not be
+    freed and given to a new buffer meanwhile (allocators hand a freed block to the next buffer of
+    its size): the new buffer's ops would fail for an op that never touched it."""
+    torch = pytest.importorskip("torch")
+
+    def fails(x):
+        raise ValueError("bad")
+
+    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    with rt:
+        x = torch.zeros(256)
+        failed = rt.submit(fails, x, writes=[x])
+        assert isinstance(failed.exception(), ValueError)
+        freed = weakref.ref(x)
+        del x
+        fresh = [torch.zeros(256) for _ in range(64)]
+        futures = [rt.submit(y.add_, 1, writes=[y]) for y in fresh]
+        assert [f.exception() for f in futures] == [None] * 64
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert freed() is None, "the failed op's buffer is kept after its failure was reported"
 
 
 def test_submit_after_close_says_what_to_do():

@@ -588,46 +588,46 @@ class Runtime:
                  device_ordered: bool = False, device: str | None = None, on_host: bool = True):
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
-        while True:
-            with self._lock:
-                try:
-                    host_deps = (self._host_deps(accesses, op_name)
-                                 if self._host_ops and device != "host" else ())
-                except BaseException:
-                    self._slots.release()  # the op is not submitted
-                    raise
-                if not host_deps:
-                    self._counts.seq += 1
-                    seq = self._counts.seq
-                    op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
-                    deps = self._tracker.link(op, accesses)
-                    if device == "host":
-                        self._host_ops[seq] = op
-                    self._launch(op, deps, stream, device, host_inputs=(
-                        on_host and device != "host" and not (device_ordered or self.backend.deferred)))
-                    break
-            try:
-                for dep in host_deps:  # outside the lock: a host op may submit, or finish ops that do
-                    dep.future.exception()
-            except BaseException:  # an interrupt while waiting: the op is not submitted
-                self._slots.release()
-                raise
+        try:
+            self._lock_after_host_ops(accesses if device != "host" else (), op_name)
+        except BaseException:  # refused, or an interrupt while waiting: the op is not submitted
+            self._slots.release()
+            raise
+        try:
+            self._counts.seq += 1
+            seq = self._counts.seq
+            op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
+            deps = self._tracker.link(op, accesses)
+            if device == "host":
+                self._host_ops[seq] = op
+            self._launch(op, deps, stream, device, host_inputs=(
+                on_host and device != "host" and not (device_ordered or self.backend.deferred)))
+        finally:
+            self._lock.release()
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
             for finish_ready in self._finish_ready:
                 finish_ready()
         return op.future
 
-    def _await_host_ops(self, accesses: list[Access], op_name: str) -> None:
-        """Wait, not holding the lock, for the unfinished host-lane ops that ``accesses`` follow.
+    def _lock_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> None:
+        """Take the runtime's lock once no unfinished host-lane op that ``accesses`` follow is left;
+        the caller releases it.
 
         On a GPU a device op runs inside its submit, and a device stream cannot
-        wait for a host lane's event: the submitter waits for those ops first.
+        wait for a host lane's event: the submitter waits for those ops first,
+        with the lock released (a host op may submit, or finish ops that do),
+        and checks again under the lock (another thread may have submitted one).
         """
-        while self._host_ops:
-            with self._lock:
-                found = self._host_deps(accesses, op_name)
+        while True:
+            self._lock.acquire()
+            try:
+                found = self._host_deps(accesses, op_name) if self._host_ops and accesses else ()
+            except BaseException:
+                self._lock.release()
+                raise
             if not found:
                 return
+            self._lock.release()
             for dep in found:
                 dep.future.exception()
 
@@ -780,8 +780,8 @@ class Runtime:
                     if backend is self._host and not on_lane:
                         backend.wait_for_op(s, dep)  # a device's op, waited for on the lane
                     elif on_lane and backend is not self._host:
-                        # a device op after a host-lane op, on the host: only where it could not
-                        # wait before taking the lock (see ``_await_host_ops``)
+                        # a device op after a host-lane op, on the host (not reached: submitters wait
+                        # for those before they take the lock, see ``_lock_after_host_ops``)
                         dep.future.exception()
                     else:
                         _event_of(dep, op).wait(s)
@@ -893,7 +893,11 @@ class Runtime:
                     _annotate(error, op.name)
                     self._failures.append(error)
         value = op.value
-        op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
+        if error is None:
+            op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
+        else:  # what it wrote fails later ops until synchronize() (the tracker's record): what it was
+            op.value = op.keep = None  # given stays referenced as long, so that memory is not freed and
+            # handed to a new buffer, whose ops would fail for an op that never touched it
         future = op.future
         if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
             self._settle(future, value, error)

@@ -396,20 +396,28 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
 
 
 def release_frames(exc: BaseException, caught_here: bool = False) -> BaseException:
-    """``exc`` with the local variables of the frames its traceback passed through cleared (those of
-    its causes and contexts too); each frame's file and line stay. A failed op's error lives as long
-    as its future, or a dependent's, is referenced, and those locals would keep alive whatever the
-    op's function had made before it raised (GPU tensors too). ``caught_here``: the traceback's first
-    frame is the caller's own, still running: it is left out of the traceback."""
-    if caught_here and exc.__traceback__ is not None:
-        exc.__traceback__ = exc.__traceback__.tb_next
+    """``exc`` without the frames of its traceback (nor those of its causes and contexts), where it
+    was raised kept as text in a note. A failed op's error lives as long as its future, or a
+    dependent's, is referenced; a traceback's frames would keep alive the locals of every function it
+    passed through and, through each frame's caller, of the whole stack that ran the op (the op
+    itself, its arguments, the submitting code's variables), GPU tensors too. ``caught_here``: the
+    traceback's first entry is the caller's own frame, which the note leaves out."""
     pending, seen = [exc], set()
     while pending:
         error = pending.pop()
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
+        tb = error.__traceback__
+        if error is exc and caught_here and tb is not None:
+            tb = tb.tb_next
+        if not hasattr(error, "add_note"):  # Python 3.10: no notes; at least the locals go
+            traceback.clear_frames(tb)
+        elif error.__traceback__ is not None:
+            lines = "".join(traceback.format_list(traceback.extract_tb(tb))).rstrip()
+            if lines:
+                error.add_note(f"raised at (the traceback's frames are not kept):\n{lines}")
+            error.__traceback__ = None
         pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]
     return exc
 

@@ -190,11 +190,12 @@ class RecordedGraph:
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
-        if rt._host_ops:  # host-lane ops it follows finish first (see Runtime._await_host_ops)
-            rt._await_host_ops(self._graph_accesses(), "graph")
         t0 = time.perf_counter()
-        with rt._lock:
+        rt._lock_after_host_ops(self._graph_accesses(), "graph")  # host-lane ops it follows finish first
+        try:
             self._launch_ops(rt, sched, run_id, probe, launched)
+        finally:
+            rt._lock.release()
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops

@@ -57,9 +57,13 @@ class HostReplay:
         """Launch one run; returns its runtime op (its future gets the list of values). Takes the lock."""
         rt = self.rt
         rt._check_open()
-        rt._await_host_ops(self.accesses, "graph_run")
         rt._take_slot()
-        with rt._lock:
+        try:
+            rt._lock_after_host_ops(self.accesses, "graph_run")
+        except BaseException:  # an interrupt while waiting: the run is not launched
+            rt._slots.release()
+            raise
+        try:
             rt._counts.seq += 1
             op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
@@ -78,6 +82,8 @@ class HostReplay:
                 op.deps = ()
                 rt._finish(op)
                 return op
+        finally:
+            rt._lock.release()
         return op
 
     def _launch_ops(self, op: Op, live: list[Op]) -> None:
@@ -103,13 +109,9 @@ class HostReplay:
                     exc.add_note(f"raised by streamdag op {names[v]!r} of a graph run")
                 errors.append(release_frames(exc, caught_here=True))
 
-        on_host = [d for d in live if member[d.stamp.stream] is rt._host]
-        for d in on_host:  # a host-lane op, waited for on the host (see Runtime._await_host_ops)
-            d.future.exception()
-        for s in self.used:  # the run starts after the earlier ops it conflicts with
-            for d in live:
-                if d not in on_host:
-                    d.event.wait(raw[s])
+        for s in self.used:  # the run starts after the earlier ops it conflicts with (none on a host
+            for d in live:   # lane: those were waited for before the lock, see _lock_after_host_ops)
+                d.event.wait(raw[s])
         events, streams = self.events, self.streams
         waits = [()] * n if _DROP_WAITS else self.waits
         for v in range(n):
