@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..graph.buffers import region_of
+from ..graph.buffers import Region, region_of
 from . import ops
 from .ops import Future, in_done_callback, then
 
@@ -216,20 +216,26 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
     return future
 
 
+def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Region, Region]:
+    """A copy's direction ("h2d", "d2h", "p2p"; None within one memory), the copy stream it runs
+    on (None: the runtime has none for it) and the regions of ``src`` and ``dst``. Both regions come
+    from one call of the submit's own (compiled) look-up, whose cache the copy's submit then hits:
+    region_of in Python costs microseconds per tensor on a GPU host."""
+    read, written = ops.accesses_of((src,), (dst,))
+    src_space, dst_space = read.region.space, written.region.space
+    kind = _direction(src_space, dst_space)
+    stream = rt._copy_index.get((kind, src_space if kind == "d2h" else dst_space))
+    return kind, stream, read.region, written.region
+
+
 def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
-    # both regions in one call of the submit's own (compiled) look-up, whose cache the copy's
-    # submit then hits: region_of in Python costs microseconds per tensor on a GPU host
-    read, written = ops.accesses_of((src,), (dst,))
-    src_region = read.region
-    src_space, dst_space = src_region.space, written.region.space
-    kind = _direction(src_space, dst_space)
+    kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
         return rt.submit(_copy_into, dst, src, reads=[src], writes=[dst], name=name or "copy")
     name = name or f"copy_{kind}"
     if kind == "p2p":
-        return _peer_copy(rt, dst, src, src_space, dst_space, name)
-    stream = rt._copy_index.get((kind, dst_space if kind == "h2d" else src_space))
+        return _peer_copy(rt, dst, src, src_region.space, dst_region.space, stream, name)
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
     _check_layouts(kind, dst_t, src_t)
     host = src_t if kind == "h2d" else dst_t
@@ -247,12 +253,11 @@ def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     ``stream_map``'s pieces: on the H100 the checks took 4 of the 11 µs that ``rt.copy`` adds to
     PyTorch's own ``copy_`` (``bench/overhead.py``).
     """
-    read, written = ops.accesses_of((src,), (dst,))
-    kind = _direction(read.region.space, written.region.space)
-    stream = rt._copy_index.get((kind, written.region.space if kind == "h2d" else read.region.space))
+    kind, stream, _, _ = _route(rt, dst, src)
+    if kind not in ("h2d", "d2h") or stream is None:
+        return partial(copy, rt)
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
-    host = src_t if kind == "h2d" else dst_t
-    if kind not in ("h2d", "d2h") or stream is None or not host.is_pinned():
+    if not (src_t if kind == "h2d" else dst_t).is_pinned():
         return partial(copy, rt)
     _check_layouts(kind, dst_t, src_t)
 
@@ -274,8 +279,8 @@ def _check_layouts(kind: str, dst: Any, src: Any) -> None:
             "rt.to_host, which make the destination")
 
 
-def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, name: str) -> Future:
-    stream = rt._copy_index.get(("p2p", dst_space))
+def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
+               name: str) -> Future:
     if stream is None or src_space not in rt._compute_of:
         raise ValueError(
             f"copy from {src_space} to {dst_space}: both must be devices of this runtime "
