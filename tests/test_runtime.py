@@ -247,10 +247,16 @@ def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
     made = []
     a = np.zeros(4)
 
-    def fails():
+    def look_up():
         scratch = Scratch()
         made.append(weakref.ref(scratch))
-        raise ValueError("too big")
+        raise LookupError("no such row")
+
+    def fails():
+        try:
+            look_up()
+        except LookupError as cause:
+            raise ValueError("too big") from cause
 
     def submit_from_a_function():
         submitters_buffer = Scratch()
@@ -265,7 +271,28 @@ def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
         assert isinstance(dependent.exception(), sd.DependencyFailed)
         gc.collect()
         assert [m() for m in made] == [None, None], "the failed op's error still holds frames' locals"
-        assert "in fails" in "".join(traceback.format_exception(failed.exception()))  # it still says where
+        printed = "".join(traceback.format_exception(failed.exception()))
+        assert "in fails" in printed and "in look_up" in printed  # it still says where
+
+
+@pytest.mark.parametrize("device", ["inline", "sim"])
+def test_a_failed_op_leaves_the_exception_the_submitting_code_handles_as_it_was(device):
+    """An op submitted inside an ``except`` block, whose function then raises there (where ops run
+    at submit): its error chains the exception being handled, which is the user's and keeps its
+    traceback."""
+    a = np.zeros(4)
+
+    def fails():
+        raise ValueError("bad")
+
+    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    with pytest.raises(sd.ExceptionGroup), rt:
+        try:
+            raise KeyError("the caller's own")
+        except KeyError as handled:
+            failed = rt.submit(fails, writes=[a])
+            assert isinstance(failed.exception(), ValueError)
+            assert handled.__traceback__ is not None and not getattr(handled, "__notes__", None)
 
 
 @pytest.mark.parametrize("device", [*DEVICES, "inline"])
