@@ -44,18 +44,22 @@ class ByteBudget:
 
     A copy's bytes come back once its future is seen done. The budget keeps the
     copies it counts (:meth:`hold`), per stream, and looks at the oldest of each
-    stream (a stream finishes its copies in order) whenever it decides: no
-    done-callback per copy, which cost more than the copy's submit. A submitter
-    that must wait helps finish the oldest copy. A copy's future is held weakly:
-    once nobody holds it, its op has finished (a pending op keeps its future),
-    and the tensor it resolves to is not kept alive here.
+    stream (a stream finishes its copies in order): a hold gives back the bytes
+    of up to two done copies at its stream's head, and an acquire that does not
+    fit looks at every stream. No done-callback per copy, which cost more than
+    the copy's submit. A submitter that must wait helps finish the oldest copy.
+    A copy's future is held weakly: once nobody holds it, its op has finished
+    (a pending op keeps its future), and the tensor it resolves to is not kept
+    alive here.
     """
 
     def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly where nobody waits: a Condition's is slower
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # acquirers asleep on _cond
         self._held: dict[Any, deque[tuple[weakref.ref[Future], int]]] = {}  # per stream, oldest first
         #: called before blocking (bytes come back when ops are seen finished); None: nothing
         self.on_wait = on_wait
@@ -63,16 +67,22 @@ class ByteBudget:
     def acquire(self, n: int) -> None:
         """Count ``n`` bytes, once they fit; then :meth:`hold` them with their copy, or :meth:`release`."""
         while True:
-            with self._cond:
-                self._reclaim()
+            with self._lock:
+                if self.used and self.used + n > self.limit:
+                    self._reclaim()
                 # a done-callback's thread may be the one that brings bytes back: it goes over the limit
                 if not self.used or self.used + n <= self.limit or in_done_callback():
                     self.used += n
-                    self.peak = max(self.peak, self.used)
+                    if self.used > self.peak:
+                        self.peak = self.used
                     return
                 oldest = self._oldest()
                 if oldest is None:  # counted by a submit that holds them in a moment, or releases them
-                    self._cond.wait()
+                    self._waiting += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._waiting -= 1
                     continue
             if self.on_wait is not None:
                 self.on_wait()
@@ -80,22 +90,31 @@ class ByteBudget:
 
     def hold(self, future: Future, n: int, stream: Any) -> None:
         """The ``n`` bytes acquired for a copy on ``stream`` come back once ``future`` is done."""
-        with self._cond:
+        with self._lock:
             held = self._held.get(stream)
             if held is None:
                 held = self._held[stream] = deque()
+            for _ in range(2):  # a little reclaimed per copy: no long pass at a later one
+                if not held:
+                    break
+                done = held[0][0]()
+                if done is not None and not done.done():
+                    break
+                self.used -= held.popleft()[1]
             held.append((weakref.ref(future), n))
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def release(self, n: int) -> None:
         """Give back ``n`` bytes acquired for a copy that was not made (or is known to be done)."""
-        with self._cond:
+        with self._lock:
             self.used -= n
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def reclaim(self) -> int:
         """Give back the bytes of the copies seen done; returns the bytes still in flight."""
-        with self._cond:
+        with self._lock:
             self._reclaim()
             return self.used
 
