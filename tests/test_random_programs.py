@@ -6,10 +6,13 @@ streams (CPU lanes, and the simulated device's random interleavings), the
 buffers and return values must equal a serial run bit for bit; so they must
 with some ops on the host lanes beside the device (``run_on="host"``). With
 errors injected, exactly the ops that use memory a failed op wrote (or was to write)
-must fail, transitively: not those that only overwrite what a failed op read.
+must fail, transitively: not those that only overwrite what a failed op read. Several
+threads submitting to one runtime at once, each over its own buffers, must each get
+what their own program run serially gives.
 """
 
 import os
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -228,6 +231,69 @@ def test_graph_runs_and_eager_ops_interleaved_equal_serial(graph_program, eager_
     assert got == expect_results
     for g_base, want in zip(bases, expect_bases):
         assert np.array_equal(g_base, want)
+
+
+def submit_op(rt, op, bases, name, host=False):
+    return rt.submit(run_op, op, bases, reads=[make_view(bases, r) for r in op["reads"]],
+                     writes=[make_view(bases, op["write"])], name=name, run_on="host" if host else None)
+
+
+# per thread: its program (some ops on the host lanes), the ops of the graph it records, and how
+# many of its ops come between two runs of that graph
+threads_programs = st.lists(st.tuples(host_programs, programs.map(lambda p: p[:3]), st.integers(2, 6)),
+                            min_size=2, max_size=3)
+
+
+@EXAMPLES
+@given(threads_programs, st.sampled_from(["cpu", "sim", "inline+host"]), st.integers(1, 4),
+       st.integers(0, 2**16))
+def test_threads_submitting_at_once_each_get_their_serial_result(threads, device, streams, seed):
+    """Threads submit to one runtime at once, each over its own buffers: eager ops, host-lane ops
+    and runs of a graph it recorded, contending for a small in-flight bound and the runtime's
+    locks. Each thread's buffers must end as its own program run serially leaves them."""
+    expected = []
+    for program, graph_ops, every in threads:
+        bases = initial_bases()
+        for i, op in enumerate(program):
+            run_op(op, bases)
+            if (i + 1) % every == 0:
+                for graph_op in graph_ops:
+                    run_op(graph_op, bases)
+        expected.append(bases)
+    made = ({"backend": InlineBackend("sim", streams)} if device == "inline+host"
+            else {"device": device, "streams": streams, "seed": seed})
+    got, errors = [None] * len(threads), []
+    start = threading.Barrier(len(threads))
+    with sd.Runtime(max_inflight=6, **made) as rt:
+
+        def run_thread(t, program, graph_ops, every):
+            try:
+                bases = got[t] = initial_bases()
+                with rt.record() as graph:
+                    for j, op in enumerate(graph_ops):
+                        submit_op(rt, op, bases, f"t{t}g{j}")
+                start.wait(timeout=30)
+                futures = []
+                for i, op in enumerate(program):
+                    futures.append(submit_op(rt, op, bases, f"t{t}op{i}", host=op.get("host", False)))
+                    if (i + 1) % every == 0:
+                        futures.append(graph.run())
+                for f in futures:
+                    f.result(timeout=60)
+            except BaseException as exc:  # reported by the test's thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=run_thread, args=(t, *spec), daemon=True)
+                   for t, spec in enumerate(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+        assert not any(w.is_alive() for w in workers), "a submitting thread is stuck"
+        assert not errors, errors
+    for bases, want in zip(got, expected):
+        for g_base, w_base in zip(bases, want):
+            assert np.array_equal(g_base, w_base)
 
 
 @contextmanager
