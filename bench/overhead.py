@@ -27,6 +27,7 @@ Run on a GPU machine: PYTHONPATH=src python bench/overhead.py [--native]
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,6 +174,11 @@ def main():
         return independent
 
     rt = sd.Runtime("cuda", streams=8, max_inflight=100000)
+    # the same chain while a host-lane op that no op of it follows is pending: each submit asks which
+    # pending host ops it follows (before, every submit took the Python path while any was pending)
+    host_pending = sd.Runtime("cuda", streams=8, max_inflight=100000)
+    release_lane = threading.Event()
+    held_op = host_pending.submit(release_lane.wait, run_on="host", name="pending_host_op")
     # the same, but every op finished by the completion thread (the submitting thread never passes)
     thread_only = sd.Runtime("cuda", streams=8, max_inflight=100000)
     thread_only._finish_ready = []
@@ -237,6 +243,7 @@ def main():
            if native.load() is not None else {}),
         **({"streamdag submit, dependent chain, all in Python (no compiler)":
             with_python_accesses(chain_on(python_path))} if native.load() is not None else {}),
+        "streamdag submit, dependent chain, a host-lane op pending": chain_on(host_pending),
         "streamdag submit, independent ops": independent_on(rt),
         COPY_BASELINE: torch_copies,
         "streamdag rt.copy, pinned 1 KiB host to device": copies_on(rt),
@@ -256,6 +263,9 @@ def main():
             fn(OPS_PER_ROUND)
             rounds[label].append((time.perf_counter() - t0) / OPS_PER_ROUND * 1e6)
             rt.synchronize()
+            for d in list(host_pending._pending.values()):  # (synchronize() would wait for the host op)
+                if d.future is not held_op:
+                    d.future.exception()
             graph_rt.synchronize()
             thread_only.synchronize()
             python_path.synchronize()
@@ -264,6 +274,8 @@ def main():
                 bindings.synchronize()
             torch.cuda.synchronize()
     rt.close()
+    release_lane.set()
+    host_pending.close()
     graph_rt.close()
     thread_only.close()
     python_path.close()

@@ -194,6 +194,25 @@ def test_a_graph_run_after_a_host_op_waits_for_it():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_while_a_host_op_is_pending_device_ops_in_either_form_wait_for_it_only_where_they_follow_it(kind):
+    """With a host-lane op pending, a device op that does not touch its memory is submitted as ever
+    (the compiled path asks which pending host ops it follows); one that does waits for it, whether
+    it declares its buffers in lists or marks them among its arguments (the marks must reach the
+    path that waits)."""
+    x, y, z = np.zeros(4), np.zeros(4), np.zeros(4)
+    gate = threading.Event()
+    with make(kind) as rt:
+        rt.submit(lambda: (gate.wait(10), x.fill(2)), writes=[x], run_on="host")
+        independent = rt.submit(np.add, z, 1, out=z, writes=[z])
+        assert independent.result(timeout=5) is z and not gate.is_set()
+        threading.Timer(0.2, gate.set).start()
+        marked = rt.submit(np.multiply, sd.read(x), 3, out=sd.write(y))
+        listed = rt.submit(np.add, x, y, out=z, reads=[x, y], writes=[z])
+        assert marked.result(timeout=10) is y and listed.result(timeout=10) is z
+        assert y.tolist() == [6.0] * 4 and z.tolist() == [8.0] * 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_graph_run_that_a_submitting_host_op_slips_ahead_of_waits_for_it_without_the_lock(kind):
     """Another thread submits a host op on the graph's memory after the run has checked for such
     ops, before it has the runtime's lock. The run must wait for it with the lock released: the

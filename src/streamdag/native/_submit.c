@@ -61,7 +61,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block;
+                *s_would_block, *s_host_deps;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -1113,6 +1113,24 @@ static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) 
     return 0;
 }
 
+/* undo unwrap_markers: the caller's markers back in ``args`` and ``kwargs`` (made from ``argv``, as
+ * given to submit), for the Python path, which reads the accesses from them again */
+static int rewrap_markers(PyObject *args, PyObject *kwargs, PyObject *const *argv, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        if (Py_TYPE(argv[i]) != sub.marker_type) continue;
+        PyObject *old = PyTuple_GET_ITEM(args, i - 1);
+        PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
+        Py_DECREF(old);
+    }
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *value = argv[nargs + i];
+        if (Py_TYPE(value) == sub.marker_type && PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), value) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* Runtime.submit(fn, /, *args, reads=(), writes=(), name=None, run_on=None, **kwargs); ``placed``
  * (>= 0, a stream of the runtime): Runtime._submit_on(placed, fn, ...); not ``blocking``:
  * Runtime.submit_nowait (WouldBlock at the in-flight bound) */
@@ -1123,8 +1141,8 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
     PyObject *args = PyTuple_New(nargs - 1), *kwargs = Py_NewRef(sub.empty_dict), *result = NULL,
              *accesses = NULL, *op_name = NULL;
+    int markers = 0, unwrapped = 0;
     if (args == NULL) goto done;
-    int markers = 0;
     for (Py_ssize_t i = 1; i < nargs; i++) {
         PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
         markers |= Py_TYPE(argv[i]) == sub.marker_type;
@@ -1152,13 +1170,14 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
-            || PyDict_GET_SIZE(self->recordings) || PyDict_GET_SIZE(self->host_ops))
+            || PyDict_GET_SIZE(self->recordings))
         goto in_python;
     PyObject *both[] = {reads, writes};
     accesses = own_accesses
         ? accesses_of(NULL, both, 2)  /* this module's own */
         : PyObject_Vectorcall(self->accesses_fn, both, 2, NULL);
     if (accesses == NULL) goto done;
+    unwrapped = markers;  /* (the Python path, should the op go there, gets them back: rewrap_markers) */
     if (markers && unwrap_markers(args, kwargs, accesses) < 0) goto done;
     if ((op_name = op_name_of(self, fn, name)) == NULL) goto done;
     int on_host = 0;
@@ -1176,12 +1195,23 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     if (take_slot(self, blocking) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
-    if (PyDict_GET_SIZE(self->host_ops)) {  /* a host-lane op came meanwhile: the Python path waits */
-        if (lock_give(self->lock, self->lock_release) < 0) goto done;
-        PyObject *r = PyObject_CallMethodNoArgs(self->slots, s_release);
-        if (r == NULL) goto done;
-        Py_DECREF(r);
-        goto in_python;
+    if (PyDict_GET_SIZE(self->host_ops)) {  /* host-lane ops pending: does this op follow any? */
+        PyObject *found = PyObject_CallMethodObjArgs(self->rt, s_host_deps, accesses, op_name, NULL);
+        Py_ssize_t n = found == NULL ? -1 : PyObject_Length(found);
+        Py_XDECREF(found);
+        if (n != 0) {  /* it does (the Python path waits for them, outside the lock), or refused */
+            PyObject *exc = n < 0 ? take_exception() : NULL;
+            int bad = lock_give(self->lock, self->lock_release) < 0;
+            PyObject *r = bad ? NULL : PyObject_CallMethodNoArgs(self->slots, s_release);
+            Py_XDECREF(r);
+            if (exc != NULL) {
+                if (r != NULL) restore_exception(exc);
+                else Py_DECREF(exc);
+                goto done;
+            }
+            if (r == NULL) goto done;
+            goto in_python;
+        }
     }
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
@@ -1212,6 +1242,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if (PyErr_Occurred()) Py_CLEAR(result);
     goto done;
 in_python:  /* every case but the common one: the Python methods */
+    if (unwrapped && rewrap_markers(args, kwargs, argv, nargs, kwnames) < 0) goto done;
     if (kwargs == sub.empty_dict) {  /* the Python path gets a dict of its own, as **kwargs makes */
         Py_DECREF(kwargs);
         if ((kwargs = PyDict_New()) == NULL) goto done;
@@ -1652,7 +1683,7 @@ static int submit_init(PyObject *m) {
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
-    S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
+    S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block") S(s_host_deps, "_host_deps")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
