@@ -174,8 +174,8 @@ def main():
         return independent
 
     rt = sd.Runtime("cuda", streams=8, max_inflight=100000)
-    # the same chain while a host-lane op that no op of it follows is pending: each submit asks which
-    # pending host ops it follows (before, every submit took the Python path while any was pending)
+    # the same chain while a host-lane op that no op of it follows is pending: each submit checks its
+    # accesses against the pending host ops' (before, every submit took the Python path then)
     host_pending = sd.Runtime("cuda", streams=8, max_inflight=100000)
     release_lane = threading.Event()
     held_op = host_pending.submit(release_lane.wait, run_on="host", name="pending_host_op")
