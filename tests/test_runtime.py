@@ -23,6 +23,11 @@ def rt(request):
         yield runtime
 
 
+def runtime_on(device: str) -> sd.Runtime:
+    """A runtime on ``device``; ``"inline"``: a backend that runs each op inside its submit, as CUDA."""
+    return sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+
+
 def test_submit_returns_a_future_of_the_functions_value(rt):
     a = np.arange(4.0)
     f = rt.submit(np.sum, a, reads=[a])
@@ -263,7 +268,7 @@ def test_a_failed_op_keeps_no_local_of_its_function_alive(device):
         made.append(weakref.ref(submitters_buffer))
         return rt.submit(fails, writes=[a])
 
-    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    rt = runtime_on(device)
     with pytest.raises(sd.ExceptionGroup), rt:  # (leaving it reports the failure)
         failed = submit_from_a_function()
         dependent = rt.submit(np.sum, a, reads=[a])
@@ -285,7 +290,7 @@ def test_a_failed_op_leaves_the_exception_the_submitting_code_handles_as_it_was(
     def fails():
         raise ValueError("bad")
 
-    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    rt = runtime_on(device)
     with pytest.raises(sd.ExceptionGroup), rt:
         try:
             raise KeyError("the caller's own")
@@ -305,7 +310,7 @@ def test_memory_a_failed_op_wrote_is_not_handed_to_a_new_buffer_until_the_failur
     def fails(x):
         raise ValueError("bad")
 
-    rt = sd.Runtime(backend=InlineBackend()) if device == "inline" else sd.Runtime(device, streams=2)
+    rt = runtime_on(device)
     with rt:
         x = torch.zeros(256)
         failed = rt.submit(fails, x, writes=[x])

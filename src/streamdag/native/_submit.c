@@ -1119,13 +1119,17 @@ static int is_access(PyObject *x) {
            && PyTuple_GET_SIZE(PyTuple_GET_ITEM(x, 0)) == 3;
 }
 
+/* whether a list holds Accesses only */
+static int all_accesses(PyObject *list) {
+    if (!PyList_CheckExact(list)) return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
+        if (!is_access(PyList_GET_ITEM(list, i))) return 0;
+    return 1;
+}
+
 /* whether an access of ``a`` and one of ``b`` (lists of Access) touch the same bytes, one of them
- * writing: 1 (or where one is no Access: the Python path looks), 0, or -1 with an exception */
+ * writing: 1, 0, or -1 with an exception */
 static int accesses_conflict(PyObject *a, PyObject *b) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a); i++)
-        if (!is_access(PyList_GET_ITEM(a, i))) return 1;
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(b); j++)
-        if (!is_access(PyList_GET_ITEM(b, j))) return 1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a); i++) {
         PyObject *x = PyList_GET_ITEM(a, i), *rx = PyTuple_GET_ITEM(x, 0);
         int wx = PyTuple_GET_ITEM(x, 1) == Py_True;
@@ -1151,11 +1155,12 @@ static int accesses_conflict(PyObject *a, PyObject *b) {
 static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     Py_ssize_t pos = 0;
     PyObject *key, *op;
+    if (!all_accesses(accesses)) return 1;  /* (where any is not an Access, the Python path looks) */
     while (PyDict_Next(host_ops, &pos, &key, &op)) {  /* (no Python code runs here: it cannot change) */
-        if (Py_TYPE(op) != sub.op_type) return 1;  /* not ours: the Python path looks */
+        if (Py_TYPE(op) != sub.op_type) return 1;
         PyObject *theirs = OPF(op, OP_ACCESSES);
         if (OPF(op, OP_DONE) == Py_True) continue;
-        if (!PyList_CheckExact(theirs) || !PyList_CheckExact(accesses)) return 1;
+        if (!all_accesses(theirs)) return 1;
         int c = accesses_conflict(accesses, theirs);
         if (c != 0) return c;
     }

@@ -197,7 +197,7 @@ class Runtime:
             self._member += [self._host] * host_lanes
             self._stream_device += ["host"] * host_lanes
         #: the host-lane ops not finished yet, by number: while there are any, a device op first
-        #: waits (outside the runtime's lock) for those it depends on (see ``_enqueue``)
+        #: waits (outside the runtime's lock) for those it depends on (see ``_lock_after_host_ops``)
         self._host_ops: dict[int, Op] = {}
         n = len(self._streams)
         self._lock = ops.new_rlock()

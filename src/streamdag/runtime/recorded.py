@@ -178,6 +178,7 @@ class RecordedGraph:
             return result
         run_id = next(_run_ids)
         launched: list[Op] = []
+
         def settle() -> None:
             ops = launched[:]
             launched.clear()  # each op's future holds this function: no cycle left to the collector
@@ -190,8 +191,8 @@ class RecordedGraph:
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
-        t0 = time.perf_counter()
         rt._lock_after_host_ops(self._graph_accesses(), "graph")  # host-lane ops it follows finish first
+        t0 = time.perf_counter()
         try:
             self._launch_ops(rt, sched, run_id, probe, launched)
         finally:

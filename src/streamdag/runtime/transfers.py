@@ -94,13 +94,7 @@ class ByteBudget:
             held = self._held.get(stream)
             if held is None:
                 held = self._held[stream] = deque()
-            for _ in range(2):  # a little reclaimed per copy: no long pass at a later one
-                if not held:
-                    break
-                done = held[0][0]()
-                if done is not None and not done.done():
-                    break
-                self.used -= held.popleft()[1]
+            self._give_back_done(held, most=2)  # a little per copy: no long pass at a later one
             held.append((weakref.ref(future), n))
             if self._waiting:
                 self._cond.notify_all()
@@ -120,11 +114,17 @@ class ByteBudget:
 
     def _reclaim(self) -> None:
         for held in self._held.values():
-            while held:
-                future = held[0][0]()
-                if future is not None and not future.done():
-                    break
-                self.used -= held.popleft()[1]
+            self._give_back_done(held)
+
+    def _give_back_done(self, held: deque[tuple[weakref.ref[Future], int]], most: int | None = None) -> None:
+        """Give back the bytes of the done copies at the head of one stream's ``held`` (at most ``most``)."""
+        while held and (most is None or most > 0):
+            future = held[0][0]()
+            if future is not None and not future.done():
+                break
+            self.used -= held.popleft()[1]
+            if most is not None:
+                most -= 1
 
     def _oldest(self) -> Future | None:
         for held in self._held.values():
