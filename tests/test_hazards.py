@@ -1,8 +1,10 @@
 """Dependency inference, one test per hazard."""
 
+import os
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamdag.graph import Access, DepsTracker, region_of
@@ -226,3 +228,34 @@ def test_a_wide_range_over_many_idle_small_ones_stops_scanning_them():
         assert set(deps) <= done  # what it follows is finished (the owner skips it) or the last run
     space = t._spaces["cuda:0"]
     assert len(space.overlapping(whole.start, whole.end)) <= 2
+
+
+@pytest.mark.parametrize("tracker_type", ["compiled", "python"])
+@settings(max_examples=120 if os.environ.get("CI") else 40, deadline=None,
+          suppress_health_check=[HealthCheck.large_base_example, HealthCheck.data_too_large])
+@given(ops=st.lists(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 40), st.booleans()),
+                             min_size=1, max_size=3), min_size=120, max_size=200),
+       data=st.data())
+def test_ops_of_several_accesses_follow_every_unfinished_conflicting_op_while_ops_retire(tracker_type, ops,
+                                                                                         data):
+    """The runtime's path: one ``link`` per op of several ranges, while earlier ops finish and the
+    records compact (within a link too). Every earlier op that touched an overlapping range (one of
+    the two writing) and has not finished must be reached through the deps."""
+    from streamdag.graph import Region
+    from streamdag.graph.hazards import PyDepsTracker
+
+    finished: set[int] = set()
+    t = (DepsTracker if tracker_type == "compiled" else PyDepsTracker)(retired=finished.__contains__)
+    accesses, ancestors = [], []
+    for i, spec in enumerate(ops):
+        mine = [Access(Region("cpu", s, s + n), w) for s, n, w in spec]
+        deps = t.link(i, mine)
+        ancestors.append(set(deps).union(*(ancestors[d] for d in deps)))
+        for j, theirs in enumerate(accesses):
+            conflict = any(a.region.start < b.region.end and b.region.start < a.region.end
+                           and (a.write or b.write) for a in mine for b in theirs)
+            assert not conflict or j in finished or j in ancestors[i], (i, j)
+        accesses.append(mine)
+        for j in range(i + 1):  # ops finish once what they follow has (as on a device), some now
+            if j not in finished and ancestors[j] <= finished and data.draw(st.booleans()):
+                finished.add(j)

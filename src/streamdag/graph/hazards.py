@@ -270,6 +270,9 @@ class _PyTrackerFields:
             if space is None or space.count + space.scanned >= space.compact_at:
                 space = self._space(space_name)
             rec = space.by_range.get((start, end)) or space.record(start, end)
+            # used now: a compaction later in this link (at another access) must not drop it as
+            # idle, which left this op's entry in a record no look-up finds
+            rec.last = self._order + 1
             touched.append((space, rec, write))
             if rec.shared:
                 near = space.overlapping(start, end)

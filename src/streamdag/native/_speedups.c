@@ -726,6 +726,9 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
             PyErr_SetString(PyExc_TypeError, "records must be of this module's type");
             goto done;
         }
+        /* used now: a compaction later in this link (at another access) must not drop it as idle,
+         * which left this op's entry in a record no look-up finds */
+        ((Record *)rec)->last = self->order + 1;
         touched[used].space = sp;  /* the references are the entry's now */
         touched[used].rec = (Record *)rec;
         touched[used].write = write;
