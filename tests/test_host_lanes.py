@@ -2,9 +2,9 @@
 
 A host function that needs unfinished device work runs on a host lane once
 that work has finished, and its submit returns at once; a device op that
-needs a host-lane op waits for it in its submit. On the simulated device and
-on a backend that runs each op inside its submit (as CUDA does), and on the
-GPU (marked ``cuda``).
+needs a host-lane op is held until that has finished, and its submit returns
+at once too. On the simulated device and on a backend that runs each op
+inside its submit (as CUDA does), and on the GPU (marked ``cuda``).
 """
 
 import threading
@@ -59,13 +59,86 @@ def test_a_host_op_runs_after_the_device_ops_it_reads(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_device_op_after_a_host_op_waits_for_it_in_its_submit(kind):
-    x, y = np.zeros(4), np.zeros(4)
+def test_a_device_op_after_a_host_op_is_held_and_its_submit_returns_at_once(kind):
+    """It runs once the host op has finished; so do the ops after it (device or host), held on it
+    in turn, while ops that touch other memory run at once."""
+    x, y, z, free = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    gate = threading.Event()
     with make(kind) as rt:
-        rt.submit(lambda: (time.sleep(0.1), x.fill(5)), writes=[x], run_on="host")
+        rt.submit(lambda: (gate.wait(10), x.fill(5)), writes=[x], run_on="host")
+        started = time.perf_counter()
         after = rt.submit(lambda: y.__setitem__(slice(None), x + 1) or float(y.sum()), reads=[x], writes=[y])
+        chained = rt.submit(np.multiply, y, 2, out=z, reads=[y], writes=[z])
+        host_after = rt.submit(lambda: float(z.sum()), reads=[z], run_on="host")
+        independent = rt.submit(np.add, free, 1, out=free, writes=[free])
+        assert time.perf_counter() - started < 0.5
+        assert independent.result(timeout=5) is free and not gate.is_set()
+        assert not (after.done() or chained.done() or host_after.done())
+        assert rt.statistics().inflight == 4  # the held ops count as in flight
+        gate.set()
         assert after.result(timeout=10) == 24.0
-        assert rt._host_ops == {}  # every host-lane op is forgotten once finished
+        assert chained.result(timeout=10) is z and host_after.result(timeout=10) == 48.0
+        rt.synchronize()
+        # every host-lane op and held op is forgotten once finished
+        assert rt._host_ops == {} and rt._held == {} and rt._held_on == {}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_chain_held_on_a_host_op_runs_in_order(kind):
+    """Each op of the chain holds the next; they are launched in a loop, not by recursion."""
+    x = np.zeros(1)
+    gate = threading.Event()
+    with make(kind, max_inflight=4000) as rt:
+        rt.submit(lambda: (gate.wait(10), x.fill(1)), writes=[x], run_on="host")
+        for _ in range(3000):
+            rt.submit(np.multiply, x, 1.0001, out=x, reads=[x], writes=[x])
+        last = rt.submit(lambda: float(x[0]), reads=[x])
+        assert not last.done()
+        gate.set()
+        rt.synchronize()  # waits for held ops too
+        assert last.done() and last.result() == pytest.approx(1.0001**3000)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_op_after_a_held_host_op_waits_until_that_has_finished_not_launched(kind):
+    """A host-lane op held behind a held device op launches onto its lane; the device op after it
+    must wait for it to finish. The host op submits (it takes the runtime's lock, from its lane)
+    while that device op would wait for it: launched at the host op's launch, under the lock, it
+    would hang both."""
+    x, y, z, w = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    gate = threading.Event()
+    rt = make(kind)
+    rt.submit(lambda: (gate.wait(10), x.fill(1)), writes=[x], run_on="host")
+    rt.submit(np.add, x, 1, out=y, reads=[x], writes=[y])  # held on the host op
+
+    def host_fn():
+        time.sleep(0.05)
+        z[:] = y * 2
+        rt.submit(np.add, w, 1, out=w, writes=[w])
+
+    rt.submit(host_fn, reads=[y], writes=[z], run_on="host")  # held on the device op
+    after = rt.submit(lambda: float(z.sum()), reads=[z])  # held on the host op above
+    gate.set()
+    assert after.result(timeout=10) == 16.0  # (a hang: TimeoutError; the runtime is left as is)
+    rt.synchronize()
+    assert w.tolist() == [1.0] * 4
+    rt.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_held_ops_keep_their_slots_and_the_caller_can_wait_for_them(kind):
+    """A held op holds its in-flight slot (the bound holds); ``current_stream_wait()`` with no
+    futures covers held ops too."""
+    x, y = np.zeros(4), np.zeros(4)
+    gate = threading.Event()
+    with make(kind, max_inflight=2) as rt:
+        rt.submit(lambda: (gate.wait(10), x.fill(2)), writes=[x], run_on="host")
+        held = rt.submit(np.multiply, x, 3, out=y, reads=[x], writes=[y])
+        with pytest.raises(sd.WouldBlock):
+            rt.submit_nowait(np.add, y, 1, out=y, writes=[y])
+        threading.Timer(0.1, gate.set).start()
+        rt.current_stream_wait()
+        assert held.done() and y.tolist() == [6.0] * 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -279,3 +352,48 @@ def test_on_the_gpu_a_copy_into_pageable_memory_returns_at_once():
         assert not f.done()
         f.result(timeout=30)
         assert bool((pageable == 7).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("callers_stream", ["default", "own"])
+def test_on_the_gpu_a_held_op_follows_its_submitters_stream(callers_stream):
+    """A held op launches later, from another thread; it still runs after the work its submitter
+    enqueued on its current stream before the submit: on the default stream CUDA orders the
+    runtime's blocking streams after it, on a stream of the caller's own an event marks it."""
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        made = torch.zeros(1 << 20, device="cuda")
+        scale = torch.zeros(1, pin_memory=True)
+        out = torch.empty_like(made)
+        gate = threading.Event()
+        rt.submit(lambda: (gate.wait(10), scale.fill_(3)), writes=[scale], run_on="host")
+        side = torch.cuda.Stream() if callers_stream == "own" else torch.cuda.default_stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s: the gate opens long before this ends
+            made.fill_(2)  # not declared to the runtime: ordered by the caller's stream alone
+            started = time.perf_counter()
+            f = rt.submit(lambda: torch.mul(made, scale.item(), out=out), reads=[scale], writes=[out])
+            assert time.perf_counter() - started < 0.05
+        assert not f.done()
+        gate.set()
+        assert f.result(timeout=30) is out
+        torch.cuda.synchronize()
+        assert bool((out == 6).all())
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_copy_of_what_a_host_op_writes_is_held_and_returns_at_once():
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        host = torch.zeros(1 << 20, pin_memory=True)
+        gate = threading.Event()
+        rt.submit(lambda: (gate.wait(10), host.fill_(4)), writes=[host], run_on="host")
+        dev = torch.empty(1 << 20, device="cuda")
+        started = time.perf_counter()
+        copied = rt.copy(dev, host)
+        doubled = rt.submit(torch.mul, dev, 2, reads=[dev])  # after the held copy: held too
+        assert time.perf_counter() - started < 0.05 and not copied.done()
+        gate.set()
+        assert bool((doubled.result(timeout=30) == 8).all())

@@ -625,11 +625,7 @@ class CudaBackend:
             _refuse_in_capture(self._index, caller_device)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
-            caller = self._callers.get(prev)
-            if caller is None:
-                caller = self._callers[prev] = torch.cuda.Stream(
-                    stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-            _record(self._caller_event, caller)
+            _record(self._caller_event, self._caller_stream(prev))
             _wait(self._caller_event, stream)
         _set_stream(*stream.ids)
         try:
@@ -638,6 +634,25 @@ class CudaBackend:
             _set_stream(*prev)
             if caller_device != self._index:
                 _set_device(caller_device)
+
+    def _caller_stream(self, ids: tuple[int, int, int]) -> torch.cuda.Stream:
+        caller = self._callers.get(ids)
+        if caller is None:
+            caller = self._callers[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],
+                                                            device_type=ids[2])
+        return caller
+
+    def caller_fence(self) -> CudaEvent | None:
+        """An event recorded now on the caller's current stream, for an op that launches later from
+        another thread (a held op, see ``Runtime._hold``); None where CUDA orders the op after that
+        work anyway: the caller's stream is the legacy default stream, the runtime's are blocking."""
+        prev = _get_stream(self._index)
+        if prev[0] == 0 and self._streams[0].blocking and not _sanitizer_enabled():
+            return None
+        _refuse_in_capture(self._index, _get_device())
+        fence = self.event()
+        _record(fence, self._caller_stream(prev))
+        return fence
 
     def launch_parts(self) -> tuple[Any, ...]:
         """What :meth:`launch` calls, for the compiled submit (``native/_submit.c``) to make the same

@@ -34,6 +34,7 @@ from ..native import load as load_native
 from ..native import load_torch
 from ..schedule.waits import StreamClocks
 from . import ops
+from .held import Held, Launcher
 from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback, release_frames
 from .transfers import ByteBudget, PinnedPool
 
@@ -196,9 +197,18 @@ class Runtime:
             self._streams += self._host.streams
             self._member += [self._host] * host_lanes
             self._stream_device += ["host"] * host_lanes
-        #: the host-lane ops not finished yet, by number: while there are any, a device op first
-        #: waits (outside the runtime's lock) for those it depends on (see ``_lock_after_host_ops``)
+        #: the ops that a device stream cannot wait for by an event, by number: host-lane ops not
+        #: finished yet, and device ops held until those finish (see ``_hold``). A device op that
+        #: depends on one is held too; a graph's run waits for them, outside the runtime's lock
+        #: (see ``_lock_after_host_ops``). The compiled submit leaves every op that may follow one of
+        #: them to the Python path.
         self._host_ops: dict[int, Op] = {}
+        #: the held device ops, by number, and those held on each op (by its number; changed under
+        #: ``_held_lock``, which orders a hold on a host-lane op with that op's finish)
+        self._held: dict[int, Held] = {}
+        self._held_on: dict[int, list[Held]] = {}
+        self._held_lock = threading.Lock()
+        self._launcher = Launcher(self._release_held_locking)
         n = len(self._streams)
         self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
@@ -363,7 +373,8 @@ class Runtime:
         caller runs next on that stream sees what the ops wrote. On the CPU
         lanes and the simulated device the caller's stream is the host, so
         this waits for the ops; so it does for a future without a device
-        event (a graph's first run, op by op). Failures are not raised here:
+        event (a graph's first run, op by op; an op held behind a host-lane
+        op). Failures are not raised here:
         they stay with the futures and :meth:`synchronize`.
         """
         for f in futures:
@@ -377,6 +388,7 @@ class Runtime:
                 with self._done_lock:
                     last = {op.stamp.stream: op for op in self._pending.values() if op.event is not None}
                 targets = [(op.event, op.future) for op in last.values()]
+                targets += [(None, held.op.future) for held in self._held.values()]  # no event yet
             for fence, f in targets:
                 caller_waits = getattr(fence, "caller_waits", None)  # a device event: the stream waits
                 if caller_waits is not None:
@@ -478,6 +490,7 @@ class Runtime:
         with suppress(Exception):
             self._wait_all()
         self._closed = True
+        self._launcher.stop()
         for m in self.backends:
             m.close()
         if self._host is not None:
@@ -589,8 +602,15 @@ class Runtime:
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
         try:
-            self._lock_after_host_ops(accesses if device != "host" else (), op_name)
-        except BaseException:  # refused, or an interrupt while waiting: the op is not submitted
+            self._lock.acquire()
+        except BaseException:  # an interrupt while waiting: the op is not submitted
+            self._slots.release()
+            raise
+        try:
+            holders = self._holders(accesses, op_name, device) if self._host_ops else ()
+            fence = self._caller_fence() if holders and device != "host" else None
+        except BaseException:  # refused: the op is not submitted
+            self._lock.release()
             self._slots.release()
             raise
         try:
@@ -598,10 +618,13 @@ class Runtime:
             seq = self._counts.seq
             op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
             deps = self._tracker.link(op, accesses)
+            host_inputs = on_host and device != "host" and not (device_ordered or self.backend.deferred)
             if device == "host":
                 self._host_ops[seq] = op
-            self._launch(op, deps, stream, device, host_inputs=(
-                on_host and device != "host" and not (device_ordered or self.backend.deferred)))
+            if holders:
+                self._launch_or_hold(op, deps, stream, device, host_inputs, fence)
+            else:
+                self._launch(op, deps, stream, device, host_inputs=host_inputs)
         finally:
             self._lock.release()
         if self._finish_ready and not seq % self._finish_every:  # outside the lock: callbacks may submit
@@ -610,13 +633,14 @@ class Runtime:
         return op.future
 
     def _lock_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> None:
-        """Take the runtime's lock once no unfinished host-lane op that ``accesses`` follow is left;
-        the caller releases it.
+        """Take the runtime's lock once no op of ``_host_ops`` that ``accesses`` follow is left
+        (unfinished host-lane ops, held ops); the caller releases it.
 
-        On a GPU a device op runs inside its submit, and a device stream cannot
-        wait for a host lane's event: the submitter waits for those ops first,
-        with the lock released (a host op may submit, or finish ops that do),
-        and checks again under the lock (another thread may have submitted one).
+        For what must start now, with the lock held: a graph's run, the host
+        copy of a staged transfer. The caller waits for those ops first, with
+        the lock released (a host op may submit, or finish ops that do; a held
+        op is launched under it), and checks again under the lock (another
+        thread may have submitted one).
         """
         while True:
             self._lock.acquire()
@@ -631,21 +655,112 @@ class Runtime:
             for dep in found:
                 dep.future.exception()
 
-    def _host_deps(self, accesses: list[Access], op_name: str) -> list[Op]:
-        """The unfinished host-lane ops that an op with ``accesses`` must follow (caller holds ``_lock``).
+    def _holders(self, accesses: list[Access], op_name: str, device: str | None) -> list[Op]:
+        """The ops that hold an op with ``accesses`` on ``device`` (see ``_hold``): for a device op,
+        those of :meth:`_host_deps`; for a host-lane op, the held ops among them (a lane waits
+        for a device op's future, but it is placed after it: it needs the op launched)."""
+        if device != "host":
+            return self._host_deps(accesses, op_name)
+        return [d for d in self._tracker.depends_on(accesses) if not d.done and d.seq in self._held]
 
-        A device op runs inside its submit, so it can start only once they have
-        finished; the submitter waits for them before it takes its place.
+    def _host_deps(self, accesses: Sequence[Access], op_name: str) -> list[Op]:
+        """The ops of ``_host_ops`` (host-lane ops not finished, held device ops) that an op with
+        ``accesses`` must follow (caller holds ``_lock``).
+
+        A device op can start only once the host-lane ones have finished and the
+        held ones have launched: a device stream cannot wait for a host lane.
         """
+        if not accesses:
+            return []
         found = [d for d in self._tracker.depends_on(accesses) if not d.done and d.seq in self._host_ops]
         for dep in found:
-            if self._streams[dep.stamp.stream].runs_here():
+            if dep.stamp is not None and self._streams[dep.stamp.stream].runs_here():
                 raise RuntimeError(
                     f"op {op_name!r} touches the memory of host op {dep.name!r} and would wait for it, "
                     "but was submitted on the host lane that runs it (from inside it, or from a "
                     "done-callback run there before it): do that work in the host op's function "
                     "itself, or submit the op from another thread")
         return found
+
+    def _caller_fence(self) -> Any:
+        """An event marking what the caller has enqueued on its current stream so far, for an op
+        that launches later, from another thread (None: nothing to mark, or CUDA orders it; see
+        ``CudaBackend.caller_fence``). Raises inside the caller's own CUDA graph capture."""
+        fence_of = getattr(self.backend, "caller_fence", None)
+        return fence_of() if fence_of is not None else None
+
+    def _launch_or_hold(self, op: Op, deps: list[Op], stream: int | None, device: str | None,
+                        host_inputs: bool, fence: Any) -> None:
+        """:meth:`_launch` ``op``, or hold it (see :meth:`_hold`) where ``deps`` include ops of
+        ``_host_ops`` that hold it (see :meth:`_holders`). ``fence``: from :meth:`_caller_fence`,
+        taken before ``op`` was linked (it raises inside the caller's capture), or None."""
+        holders = [d for d in deps if not d.done and d.seq in self._host_ops] if self._host_ops else ()
+        if device == "host":
+            holders = [d for d in holders if d.seq in self._held]
+        if holders and self._hold(op, deps, holders, stream, device, host_inputs, fence):
+            return
+        if fence is not None:
+            self.backend.recycle(fence)  # type: ignore[attr-defined]
+        self._launch(op, deps, stream, device, host_inputs=host_inputs)
+
+    def _hold(self, op: Op, deps: list[Op], holders: list[Op], stream: int | None, device: str | None,
+              host_inputs: bool, fence: Any) -> bool:
+        """Keep ``op`` (a device op; a host-lane op after a held one) until ``holders`` (ops of
+        ``_host_ops`` it depends on, see :meth:`_holders`) have finished or launched, and launch
+        it then (see ``_release_held``); its submit returns at once. False where they all
+        finished meanwhile: launch it now. Caller holds ``_lock`` and a slot.
+
+        ``fence`` (see ``_caller_fence``): what the op's stream waits for first, since the caller's
+        stream is not current where it launches.
+        """
+        with self._held_lock:  # (a host-lane op finishes without the runtime's lock)
+            holders = [h for h in holders if not h.done]
+            if not holders:
+                return False
+            held = Held(op, deps, stream, device, host_inputs, fence, len(holders))
+            for h in holders:
+                self._held_on.setdefault(h.seq, []).append(held)
+        self._held[op.seq] = held
+        self._host_ops[op.seq] = op  # an op after it is held too
+        with self._done_lock:  # pending from now on: synchronize() waits for it
+            self._pending[op.seq] = op
+            if len(self._pending) > self._counts.peak:
+                self._counts.peak = len(self._pending)
+        return True
+
+    def _release_held(self, seq: int) -> None:
+        """Launch the held ops that op ``seq`` (finished, or launched on a device) held last, then
+        those that these held last, and so on (a loop: a chain of held ops may be long). Caller
+        holds ``_lock``."""
+        ready = [seq]
+        interrupt: BaseException | None = None
+        while ready:
+            with self._held_lock:
+                released = self._held_on.pop(ready.pop(), ())
+            for held in released:
+                held.waiting -= 1
+                if held.waiting:
+                    continue
+                op = held.op
+                del self._held[op.seq]
+                try:  # a holder that failed fails it as a dependent, in its launch
+                    self._launch(op, held.deps, held.stream, held.device, held.host_inputs, held.fence)
+                except BaseException as exc:  # an interrupt (the op failed with it): launch the rest
+                    interrupt = exc
+                finally:
+                    if held.fence is not None:
+                        self.backend.recycle(held.fence)  # its wait is issued: the event may be reused
+                if held.device != "host":  # launched: what it holds may follow by events now
+                    self._host_ops.pop(op.seq, None)
+                    ready.append(op.seq)
+                # (a host-lane op holds what it holds until it has finished, see _finish_host_op)
+        if interrupt is not None:
+            raise interrupt
+
+    def _release_held_locking(self, seq: int) -> None:
+        """:meth:`_release_held` from the launcher thread."""
+        with self._lock:
+            self._release_held(seq)
 
     def _would_block(self) -> None:
         """What ``submit_nowait`` raises at the in-flight bound (the compiled one calls it too)."""
@@ -749,21 +864,22 @@ class Runtime:
         return stream, live, waits
 
     def _launch(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None,
-                host_inputs: bool = False) -> None:
+                host_inputs: bool = False, fence: Any = None) -> None:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot.
 
         ``host_inputs``: the op's function runs now, in this thread, so the host memory it
-        touches must first be final (see ``_wait_for_host_inputs``).
+        touches must first be final (see ``_wait_for_host_inputs``). ``fence``: an event its
+        stream waits for first (a held op's submitter's stream, see ``_hold``).
         """
         stream, live, waits = self._admit(op, deps, stream, device)
         backend = self._member[stream]
         if self._can_be_lost and backend.lost is not None:  # the device takes no more calls: fail at once
             self._fail_lost(op, backend)
             return
-        self._launch_placed(op, deps, stream, live, waits, host_inputs)
+        self._launch_placed(op, deps, stream, live, waits, host_inputs, fence)
 
     def _launch_placed(self, op: Op, deps: list[Op], stream: int, live: list[Op], waits: list[int],
-                       host_inputs: bool) -> None:
+                       host_inputs: bool, fence: Any = None) -> None:
         """:meth:`_launch` once ``op`` is placed on ``stream`` (see :meth:`_admit`) and its device is
         not lost. (The compiled submit calls it for what it leaves to Python: a profiler, host
         inputs to wait for, a dependency still launching.)"""
@@ -771,6 +887,8 @@ class Runtime:
         s = self._streams[stream]
         profiler = self._profiler
         try:
+            if fence is not None:
+                fence.wait(s)
             if host_inputs and live:
                 _wait_for_host_inputs(op.accesses, live, op)
             if waits and not _DROP_WAITS:
@@ -780,8 +898,8 @@ class Runtime:
                     if backend is self._host and not on_lane:
                         backend.wait_for_op(s, dep)  # a device's op, waited for on the lane
                     elif on_lane and backend is not self._host:
-                        # a device op after a host-lane op, on the host (not reached: submitters wait
-                        # for those before they take the lock, see ``_lock_after_host_ops``)
+                        # a device op after a host-lane op, on the host (not reached: such an op is
+                        # held until that one has finished, see ``_hold``)
                         dep.future.exception()
                     else:
                         _event_of(dep, op).wait(s)
@@ -820,7 +938,8 @@ class Runtime:
                 op.error = op.root_error = backend.mark_lost(op.error)  # type: ignore[attr-defined]
             op.deps = ()
             self._finish(op)
-            self._host_ops.pop(op.seq, None)
+            if self._host_ops.pop(op.seq, None) is not None and op.seq in self._held_on:
+                self._release_held(op.seq)
             if not isinstance(op.error, Exception):  # the op failed with it; the caller gets it too
                 raise op.error  # type: ignore[misc]
             return
@@ -830,11 +949,15 @@ class Runtime:
             self._watch(op, stream, event, partial(self._finish_bound, op))
 
     def _finish_host_op(self, op: Op) -> None:
-        """Finish a host-lane op; only then may device ops stop waiting for it (see ``_enqueue``)."""
+        """Finish a host-lane op; then launch the device ops held on it (see ``_hold``)."""
         try:
             self._finish_bound(op)
         finally:
             self._host_ops.pop(op.seq, None)
+            with self._held_lock:  # after it is done: a later hold sees that and holds no more on it
+                holds = op.seq in self._held_on
+            if holds:  # launched by the launcher thread: this lane must not wait for the runtime's lock
+                self._launcher.put(op.seq)
 
     def _fail_lost(self, op: Op, backend: Any) -> None:
         """Fail ``op`` at once: its device is lost and takes no more calls."""

@@ -208,16 +208,22 @@ class RecordedGraph:
     def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:
         """Launch every op of one eager run, in order; caller holds the runtime's lock."""
         for v, rec in enumerate(self._ops):
-            rt._take_slot()
+            rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
+            try:  # (before the op is linked: it raises inside the caller's capture)
+                fence = rt._caller_fence() if rt._host_ops else None
+            except BaseException:
+                rt._slots.release()
+                raise
             rt._counts.seq += 1
             fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
             op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]
-            # host code runs now: its host inputs must be final
-            rt._launch(op, deps, self._runtime_stream(v),
-                       host_inputs=rec.stream is None and not rt.backend.deferred)
+            # host code runs now: its host inputs must be final. Held behind an op a submit slipped
+            # in with, while this thread waited for a slot (a host-lane op, say)
+            rt._launch_or_hold(op, deps, self._runtime_stream(v), None,
+                               rec.stream is None and not rt.backend.deferred, fence)
             launched.append(op)
 
     def _host_replay_allowed(self, per_op: bool) -> bool:

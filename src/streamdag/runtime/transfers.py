@@ -329,8 +329,13 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
     from .core import _wait_for_host_inputs
 
     reading = [Access(region_of(src), False)]
-    with rt._lock:  # the host data must be final before we read it
+    # the host data must be final before we read it: host-lane ops (and ops held behind them) that
+    # write it are waited for without the runtime's lock (they may submit), then device ops
+    rt._lock_after_host_ops(reading, name)
+    try:
         _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
+    finally:
+        rt._lock.release()
     last = None
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())

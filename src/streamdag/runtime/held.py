@@ -1,0 +1,71 @@
+"""Device ops held until the host-lane ops they depend on have finished.
+
+A device stream cannot wait for a host lane: a device op after an unfinished
+host-lane op (or after a held op) is kept here, and its submit returns at once.
+When the last op holding it has finished (or launched), the launcher thread
+launches it. Not the host lane itself: the lane would wait for the runtime's
+lock, which a thread may hold while it waits for the lane's next op.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..backends.threads import report_escaped
+
+__all__ = ["Held", "Launcher"]
+
+
+class Held:
+    """A device op waiting for ``waiting`` ops, and how to launch it once they are done."""
+
+    __slots__ = ("deps", "device", "fence", "host_inputs", "op", "stream", "waiting")
+
+    def __init__(self, op: Any, deps: list[Any], stream: int | None, device: str | None,
+                 host_inputs: bool, fence: Any, waiting: int) -> None:
+        self.op, self.deps, self.stream, self.device = op, deps, stream, device
+        self.host_inputs = host_inputs
+        #: an event marking what its submitter had enqueued on its own stream (or None)
+        self.fence = fence
+        self.waiting = waiting
+
+
+class Launcher:
+    """A thread, started at its first use, that calls ``release(seq)`` for each number it is given:
+    the launch of the ops that op ``seq`` held last."""
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self._release: Callable[[int], None] | None = release
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def put(self, seq: int) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="streamdag-launcher", daemon=True)
+                    self._thread.start()
+        self._queue.put(seq)
+
+    def _loop(self) -> None:
+        while True:
+            seq = self._queue.get()
+            if seq is None:
+                return
+            try:
+                self._release(seq)  # type: ignore[misc]
+            except BaseException:  # an interrupt a held op's function raised: its op failed with it
+                report_escaped("streamdag-launcher")
+
+    def stop(self) -> None:
+        """Stop the thread once it has launched what it was given; drop the runtime."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        self._release = None
