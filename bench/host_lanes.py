@@ -22,12 +22,12 @@ Run on a GPU machine: PYTHONPATH=src python bench/host_lanes.py
 """
 
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import streamdag as sd
+from streamdag.suite.cuda_timing import interleaved_rounds_ms, loops_table
 from streamdag.suite.report import format_table, write_json
 
 STEPS = 16
@@ -90,23 +90,11 @@ def main() -> None:
         got = fn()
         assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for g, e in zip(got, expected)
                    for a, b in zip(g, e)), label
-    rounds: dict[str, list[float]] = {label: [] for label in [*variants, *parts]}
-    order = list({**variants, **parts}.items())
-    for _ in range(ROUNDS):
-        order.reverse()
-        for label, fn in order:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            rounds[label].append((time.perf_counter() - t0) * 1e3)
+    rounds = interleaved_rounds_ms({**variants, **parts}, ROUNDS, warmup=0)
     rt.close()
     ms = {label: statistics.median(ts) for label, ts in rounds.items()}
-    bound = max(ms[label] for label in parts)
-    base = ms["PyTorch eager, one stream, summary after each step"]
-    rows = [[label, ms[label], ms[label] / bound, base / ms[label]] for label in variants]
-    rows += [[label, ms[label], "", ""] for label in parts]
-    headers = ["ms per loop (median)", "ms", "x the longer part alone", "x faster than PyTorch eager"]
+    base = "PyTorch eager, one stream, summary after each step"
+    headers, rows = loops_table(ms, list(variants), list(parts), base)
     print(format_table(headers, rows))
     gpu = torch.cuda.get_device_name()
     print(write_json(Path(__file__).parent / "results", "host_lanes_" + gpu.replace(" ", "_"),

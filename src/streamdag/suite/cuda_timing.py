@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_of", "interleaved_wall_ms", "wall_ms"]
+__all__ = ["graph_of", "interleaved_rounds_ms", "interleaved_wall_ms", "loops_table", "wall_ms"]
 
 
 def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
@@ -29,6 +29,13 @@ def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, war
     Timed one after another instead, variants compared across seconds of the host's and the
     link's drift: on the lent H100 the same pipeline moved by several percent between them.
     """
+    times = interleaved_rounds_ms(fns, rounds, warmup, devices)
+    return {label: statistics.median(ts) for label, ts in times.items()}
+
+
+def interleaved_rounds_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, warmup: int = 3,
+                          devices: Sequence[int] | None = None) -> dict[str, list[float]]:
+    """Every round's time of each variant, in ms, timed as :func:`interleaved_wall_ms` times them."""
     def sync() -> None:
         for d in devices if devices is not None else [None]:
             torch.cuda.synchronize(d)
@@ -46,7 +53,18 @@ def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, war
             fn()
             sync()
             times[label].append((time.perf_counter() - t0) * 1e3)
-    return {label: statistics.median(ts) for label, ts in times.items()}
+    return times
+
+
+def loops_table(ms: dict[str, float], variants: Sequence[str], parts: Sequence[str], base: str,
+                base_name: str = "PyTorch eager") -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows for loops whose ``parts`` were also timed alone: each variant's time, as a
+    multiple of the longest part (the bound of a loop that overlaps them) and against ``base``
+    (a variant, called ``base_name`` in the header)."""
+    bound = max(ms[label] for label in parts)
+    rows = [[label, ms[label], ms[label] / bound, ms[base] / ms[label]] for label in variants]
+    rows += [[label, ms[label], "", ""] for label in parts]
+    return ["ms per loop (median)", "ms", "x the longer part alone", f"x faster than {base_name}"], rows
 
 
 def graph_of(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
