@@ -256,14 +256,25 @@ def test_run_on_host_is_refused_where_it_is_not_supported():
         rt.submit(lambda: None, reads=[x], run_on="host")
 
 
-def test_a_graph_run_after_a_host_op_waits_for_it():
-    x, y = np.zeros(4), np.zeros(4)
-    with make("inline") as rt:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_graph_run_after_a_host_op_is_held_behind_it_and_returns_at_once(kind):
+    x, y, z, free = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    with make(kind) as rt:
         with rt.record() as g:
             rt.submit(lambda: y.__setitem__(slice(None), x * 3), reads=[x], writes=[y])
-        rt.submit(lambda: (time.sleep(0.05), x.fill(2)), writes=[x], run_on="host")
-        g.run().result(timeout=10)
-        assert y.tolist() == [6.0] * 4
+            rt.submit(np.add, y, 1, out=z, reads=[y], writes=[z])
+            rt.submit(np.add, free, 1, out=free, writes=[free])  # follows no host op
+        for run in range(2):
+            gate = threading.Event()
+            rt.submit(lambda gate=gate, value=2 + run: (gate.wait(10), x.fill(value)), writes=[x],
+                      run_on="host")
+            started = time.perf_counter()
+            result = g.run()
+            assert time.perf_counter() - started < 0.5 and not result.done()
+            gate.set()
+            result.result(timeout=10)
+            assert y.tolist() == [6.0 + 3 * run] * 4 and z.tolist() == [7.0 + 3 * run] * 4
+        assert free.tolist() == [2.0] * 4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -286,9 +297,9 @@ def test_while_a_host_op_is_pending_device_ops_in_either_form_wait_for_it_only_w
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_graph_run_that_a_submitting_host_op_slips_ahead_of_waits_for_it_without_the_lock(kind):
-    """Another thread submits a host op on the graph's memory after the run has checked for such
-    ops, before it has the runtime's lock. The run must wait for it with the lock released: the
+def test_a_graph_run_that_a_submitting_host_op_slips_ahead_of_is_held_behind_it(kind):
+    """Another thread submits a host op on the graph's memory just before the run has the runtime's
+    lock. The run's ops are held behind it: waiting for it under the lock would hang, since the
     host op submits too, and that takes the lock."""
     x, y, z = np.zeros(4), np.zeros(4), np.zeros(4)
     rt = make(kind)
@@ -397,3 +408,28 @@ def test_on_the_gpu_a_copy_of_what_a_host_op_writes_is_held_and_returns_at_once(
         assert time.perf_counter() - started < 0.05 and not copied.done()
         gate.set()
         assert bool((doubled.result(timeout=30) == 8).all())
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_graph_run_after_a_host_op_is_held_eager_and_captured():
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        host = torch.zeros(1 << 16, pin_memory=True)
+        dev = torch.empty(1 << 16, device="cuda")
+        out = torch.empty_like(dev)
+        with rt.record() as g:
+            rt.copy(dev, host)
+            rt.submit(torch.mul, dev, 2, out=out, reads=[dev], writes=[out])
+        for run in range(3):  # the first run op by op, the later ones replay a CUDA graph
+            gate = threading.Event()
+            rt.submit(lambda gate=gate, value=run + 1: (gate.wait(10), host.fill_(value)), writes=[host],
+                      run_on="host")
+            started = time.perf_counter()
+            result = g.run()
+            assert time.perf_counter() - started < 0.05 or run == 1  # (run 1 captures the graph first)
+            assert not result.done()
+            gate.set()
+            result.result(timeout=30)
+            assert bool((out == 2 * (run + 1)).all()), run
+        assert g.captured and g.last_run_captured

@@ -204,6 +204,13 @@ class _TimingCudaEvent(CudaEvent):
     look-up per op (``native/_submit.c``: ``finish_head``)."""
 
 
+def _ordered_by_cuda(caller: tuple[int, int, int], stream: CudaStream) -> bool:
+    """Whether CUDA itself orders work on ``stream`` after the caller's earlier work: the caller's
+    stream (its ids) is the legacy default stream (id 0) and ``stream`` is blocking. Not under a
+    stream sanitizer, which models events only. (The same rule in C++: ``ordered_by_cuda``.)"""
+    return caller[0] == 0 and stream.blocking and not _sanitizer_enabled()
+
+
 def _sanitizer_enabled() -> bool:
     """Whether PyTorch's CUDA stream sanitizer is on (it must see the host observe each event)."""
     sanitizer = getattr(torch.cuda, "_sanitizer", None)
@@ -619,9 +626,7 @@ class CudaBackend:
         """
         caller_device = _get_device()
         prev = _get_stream(self._index)
-        # CUDA itself orders a blocking stream after the caller's legacy default stream (stream
-        # id 0); a stream sanitizer models events only, so under one the event stays
-        if after_caller and not (prev[0] == 0 and stream.blocking and not _sanitizer_enabled()):
+        if after_caller and not _ordered_by_cuda(prev, stream):
             _refuse_in_capture(self._index, caller_device)
             # work the caller enqueued on its own stream (creating inputs, say) comes first;
             # a wait takes the event's state when it is issued, so one event object serves all
@@ -647,7 +652,7 @@ class CudaBackend:
         another thread (a held op, see ``Runtime._hold``); None where CUDA orders the op after that
         work anyway: the caller's stream is the legacy default stream, the runtime's are blocking."""
         prev = _get_stream(self._index)
-        if prev[0] == 0 and self._streams[0].blocking and not _sanitizer_enabled():
+        if _ordered_by_cuda(prev, self._streams[0]):  # (all of the runtime's are made alike)
             return None
         _refuse_in_capture(self._index, _get_device())
         fence = self.event()

@@ -898,9 +898,12 @@ class Runtime:
                     if backend is self._host and not on_lane:
                         backend.wait_for_op(s, dep)  # a device's op, waited for on the lane
                     elif on_lane and backend is not self._host:
-                        # a device op after a host-lane op, on the host (not reached: such an op is
-                        # held until that one has finished, see ``_hold``)
-                        dep.future.exception()
+                        # a device op after an unfinished host-lane op: such an op is held until
+                        # that one has finished (see ``_hold``); waiting here, under the lock,
+                        # could hang, so a path that skipped the hold fails the op instead
+                        raise RuntimeError(
+                            f"streamdag internal error: op {op.name!r} was launched before host-lane "
+                            f"op {dep.name!r} it follows had finished; please report it")
                     else:
                         _event_of(dep, op).wait(s)
             if profiler is not None:

@@ -191,7 +191,13 @@ class RecordedGraph:
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
-        rt._lock_after_host_ops(self._graph_accesses(), "graph")  # host-lane ops it follows finish first
+        rt._lock.acquire()  # ops after unfinished host-lane ops are held (see Runtime._hold)
+        try:
+            if rt._host_ops:  # refuses a run from the host lane of an op it follows
+                rt._host_deps(self._graph_accesses(), "graph")
+        except BaseException:
+            rt._lock.release()
+            raise
         t0 = time.perf_counter()
         try:
             self._launch_ops(rt, sched, run_id, probe, launched)
