@@ -252,8 +252,42 @@ def test_run_on_host_is_refused_where_it_is_not_supported():
     x = np.zeros(4)
     with make("sim") as rt, rt.record(), pytest.raises(ValueError, match="cannot hold run_on='host' ops"):
         rt.submit(lambda: None, reads=[x], run_on="host")
-    with sd.Runtime(devices=["sim:0", "sim:1"]) as rt, pytest.raises(ValueError, match="one device"):
-        rt.submit(lambda: None, reads=[x], run_on="host")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_lanes_on_a_runtime_of_several_devices(seed):
+    """A host op reads both devices' results where they are (no peer copy for it), after them;
+    device ops on either device that read what it writes are held behind it, and a later op on
+    one device reading the other's result gets its peer copy as ever."""
+    from streamdag.backends.sim import SimArray
+
+    def on(device, values):
+        return SimArray(np.asarray(values, dtype=np.float64), device)
+
+    a, b = on("sim:0", [1.0, 2.0]), on("sim:1", [3.0, 4.0])
+    total = np.zeros(1)
+    out0, out1 = on("sim:0", [0.0, 0.0]), on("sim:1", [0.0, 0.0])
+    gate = threading.Event()
+    with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=seed) as rt:
+        rt.submit(lambda: np.multiply(a.data, 10, out=a.data), writes=[a])
+        rt.submit(lambda: np.multiply(b.data, 10, out=b.data), writes=[b])
+
+        def summed():
+            gate.wait(10)
+            total[0] = a.data.sum() + b.data.sum()
+            return type(a), type(b)
+
+        kinds = rt.submit(summed, reads=[a, b], writes=[total], run_on="host")
+        started = time.perf_counter()
+        f0 = rt.submit(lambda: np.add(a.data, total[0], out=out0.data), reads=[a, total], writes=[out0])
+        f1 = rt.submit(lambda: np.add(b.data, total[0], out=out1.data), reads=[b, total], writes=[out1])
+        assert time.perf_counter() - started < 0.5 and not (f0.done() or f1.done())
+        gate.set()
+        assert kinds.result(timeout=10) == (SimArray, SimArray)
+        rt.synchronize()
+    assert total.tolist() == [100.0]
+    np.testing.assert_array_equal(out0.data, [110.0, 120.0])
+    np.testing.assert_array_equal(out1.data, [130.0, 140.0])
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -206,3 +206,33 @@ def test_an_op_waiting_on_another_gpu_while_its_done_callback_submits_does_not_h
         rt.synchronize()
     assert a.tolist() == b.tolist() == c.tolist() == [1.0] * 8 and len(follow_ups) == 1
     assert d.tolist() == [float(waits_on == "graph")] * 8
+
+
+def test_host_lanes_beside_two_gpus():
+    """A host-lane op reads both GPUs' results after their ops, where they are; the device ops on
+    each GPU that read what it writes are held behind it, then run on their own GPU."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    with sd.Runtime(devices=DEVICES, streams=2) as rt:
+        a = torch.ones(1 << 20, device="cuda:0")
+        b = torch.ones(1 << 20, device="cuda:1")
+        scale = torch.zeros(1, pin_memory=True)
+        rt.submit(lambda: (torch.cuda._sleep(100_000_000), a.mul_(2)), writes=[a])
+        rt.submit(lambda: b.mul_(3), writes=[b])
+
+        def summed():
+            gate.wait(10)
+            scale[0] = float(a.sum().item() + b.sum().item())
+
+        rt.submit(summed, reads=[a, b], writes=[scale], run_on="host")
+        started = time.perf_counter()
+        outs = [rt.submit(lambda t=t: t * scale.item(), reads=[t, scale]) for t in (a, b)]
+        assert time.perf_counter() - started < 0.05 and not any(f.done() for f in outs)
+        gate.set()
+        total = 5.0 * (1 << 20)
+        for f, t, factor in zip(outs, (a, b), (2, 3)):
+            got = f.result(timeout=30)
+            assert got.device == t.device
+            assert bool((got == factor * total).all())

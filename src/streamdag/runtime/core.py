@@ -191,7 +191,7 @@ class Runtime:
         #: host lanes beside a device (streams after its own): where ``run_on="host"`` ops run, so
         #: that a host function waiting for device work does not block the submitting thread
         self._host: HostLanes | None = None
-        if not self._multi and self.device != "cpu":
+        if self.device != "cpu":
             self._host = HostLanes(host_lanes, len(self._streams))
             self._compute_of["host"] = range(len(self._streams), len(self._streams) + host_lanes)
             self._streams += self._host.streams
@@ -279,7 +279,8 @@ class Runtime:
 
         Inside ``with rt.record() as g`` the op is recorded instead and an
         :class:`OpNode` is returned; ``g.run()`` runs it. ``run_on`` picks the
-        device on a runtime of several (default: where its memory lives).
+        device on a runtime of several (default: where its memory lives);
+        ``run_on="host"`` runs ``fn`` on a host lane (see ``host_lanes``).
         Every other keyword goes to ``fn``; to pass ``fn`` a keyword named
         ``reads``, ``writes``, ``name`` or ``run_on``, bind it first with
         ``functools.partial``.
@@ -579,7 +580,9 @@ class Runtime:
             from .peers import bring_inputs, place
 
             device = place(self, accesses, run_on, stream, op_name)
-            if stream is None:  # copies read remote memory by design; other ops get local copies
+            # copies read remote memory by design, host functions read any device's on the host;
+            # other ops get local copies
+            if stream is None and device != "host":
                 args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
                 on_host = any(a.region.space == "cpu" for a in accesses)
         elif run_on == "host":
@@ -608,7 +611,7 @@ class Runtime:
             raise
         try:
             holders = self._holders(accesses, op_name, device) if self._host_ops else ()
-            fence = self._caller_fence() if holders and device != "host" else None
+            fence = self._caller_fence(device) if holders and device != "host" else None
         except BaseException:  # refused: the op is not submitted
             self._lock.release()
             self._slots.release()
@@ -682,12 +685,17 @@ class Runtime:
                     "itself, or submit the op from another thread")
         return found
 
-    def _caller_fence(self) -> Any:
-        """An event marking what the caller has enqueued on its current stream so far, for an op
-        that launches later, from another thread (None: nothing to mark, or CUDA orders it; see
-        ``CudaBackend.caller_fence``). Raises inside the caller's own CUDA graph capture."""
-        fence_of = getattr(self.backend, "caller_fence", None)
+    def _caller_fence(self, device: str | None) -> Any:
+        """An event marking what the caller has enqueued on its current stream of ``device`` (None:
+        the first) so far, for an op that launches later, from another thread (None: nothing to
+        mark, or CUDA orders it; see ``CudaBackend.caller_fence``). Raises inside the caller's own
+        CUDA graph capture."""
+        fence_of = getattr(self._backend_of(device), "caller_fence", None)
         return fence_of() if fence_of is not None else None
+
+    def _backend_of(self, device: str | None) -> Any:
+        """The backend of ``device`` (None: the first)."""
+        return self.backends[self.devices.index(device)] if device in self.devices else self.backend
 
     def _launch_or_hold(self, op: Op, deps: list[Op], stream: int | None, device: str | None,
                         host_inputs: bool, fence: Any) -> None:
@@ -700,7 +708,7 @@ class Runtime:
         if holders and self._hold(op, deps, holders, stream, device, host_inputs, fence):
             return
         if fence is not None:
-            self.backend.recycle(fence)  # type: ignore[attr-defined]
+            self._backend_of(device).recycle(fence)
         self._launch(op, deps, stream, device, host_inputs=host_inputs)
 
     def _hold(self, op: Op, deps: list[Op], holders: list[Op], stream: int | None, device: str | None,
@@ -748,8 +756,8 @@ class Runtime:
                 except BaseException as exc:  # an interrupt (the op failed with it): launch the rest
                     interrupt = exc
                 finally:
-                    if held.fence is not None:
-                        self.backend.recycle(held.fence)  # its wait is issued: the event may be reused
+                    if held.fence is not None:  # its wait is issued: the event may be reused
+                        self._backend_of(held.device).recycle(held.fence)
                 if held.device != "host":  # launched: what it holds may follow by events now
                     self._host_ops.pop(op.seq, None)
                     ready.append(op.seq)

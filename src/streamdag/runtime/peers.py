@@ -26,9 +26,8 @@ def place(rt: Runtime, accesses: list[Access], run_on: str | None, stream: int |
     """The device an op runs on."""
     if stream is not None:
         return rt._stream_device[stream]
-    if run_on == "host":
-        raise ValueError(f"op {name!r}: run_on='host' needs a runtime of one device for now; "
-                         "submit host functions without it here (they run inside their submit)")
+    if run_on == "host":  # on a host lane (a runtime of devices has them)
+        return "host"
     if run_on is not None:
         run_on = _normalize(run_on)
         if run_on not in rt._compute_of:

@@ -215,8 +215,10 @@ class RecordedGraph:
         """Launch every op of one eager run, in order; caller holds the runtime's lock."""
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
+            stream = self._runtime_stream(v)
+            device = rt._stream_device[stream]
             try:  # (before the op is linked: it raises inside the caller's capture)
-                fence = rt._caller_fence() if rt._host_ops else None
+                fence = rt._caller_fence(device) if rt._host_ops else None
             except BaseException:
                 rt._slots.release()
                 raise
@@ -228,8 +230,8 @@ class RecordedGraph:
             deps = outside + [launched[u] for u in sched.preds[v]]
             # host code runs now: its host inputs must be final. Held behind an op a submit slipped
             # in with, while this thread waited for a slot (a host-lane op, say)
-            rt._launch_or_hold(op, deps, self._runtime_stream(v), None,
-                               rec.stream is None and not rt.backend.deferred, fence)
+            rt._launch_or_hold(op, deps, stream, device, rec.stream is None and not rt.backend.deferred,
+                               fence)
             launched.append(op)
 
     def _host_replay_allowed(self, per_op: bool) -> bool:
