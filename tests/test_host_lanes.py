@@ -467,3 +467,28 @@ def test_on_the_gpu_a_graph_run_after_a_host_op_is_held_eager_and_captured():
             result.result(timeout=30)
             assert bool((out == 2 * (run + 1)).all()), run
         assert g.captured and g.last_run_captured
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_pageable_copy_of_what_a_host_op_writes_is_staged_on_a_lane_and_returns_at_once():
+    import torch
+
+    from streamdag.runtime.transfers import CHUNK_BYTES
+
+    n = CHUNK_BYTES // 4 * 2 + 100  # three chunks of float32
+    expected = torch.arange(n, dtype=torch.float32)
+    with sd.Runtime("cuda", streams=2) as rt:
+        src = torch.zeros(n)  # pageable
+        dev = torch.empty(n, device="cuda")
+        gate = threading.Event()
+        rt.submit(lambda: (gate.wait(10), src.copy_(expected)), writes=[src], run_on="host")
+        started = time.perf_counter()
+        copied = rt.copy(dev, src)
+        doubled = rt.submit(torch.mul, dev, 2, reads=[dev])
+        assert time.perf_counter() - started < 0.05 and not copied.done()
+        gate.set()
+        assert copied.result(timeout=30) is dev
+        assert torch.equal(doubled.result(timeout=30).cpu(), expected * 2)
+        rt.synchronize()
+        pool = rt._staging  # every staging buffer given back
+        assert sum(size * len(bufs) for size, bufs in pool._free.items()) == pool._held > 0

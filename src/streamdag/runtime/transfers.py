@@ -329,8 +329,13 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
     from .core import _wait_for_host_inputs
 
     reading = [Access(region_of(src), False)]
-    # the host data must be final before we read it: host-lane ops (and ops held behind them) that
-    # write it are waited for without the runtime's lock (they may submit), then device ops
+    if rt._host is not None:
+        with rt._lock:
+            behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
+        if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
+            return _staged_h2d_on_lanes(rt, dst, src, stream, name)
+    # the host data must be final before we read it: host-lane ops that write it are waited for
+    # without the runtime's lock (they may submit; one may have come in since), then device ops
     rt._lock_after_host_ops(reading, name)
     try:
         _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
@@ -341,6 +346,20 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
         stage = rt._staging.take(s.numel())
         view = stage[: s.numel()]
         view.copy_(s)
+        last = _device_copy(rt, d, view, stream, name, keep=stage)
+        last._on_done(lambda _f, stage=stage: rt._staging.give(stage))
+    return _resolve_to(last, dst)
+
+
+def _staged_h2d_on_lanes(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
+    """:func:`_staged_h2d` after unfinished host-lane ops that write ``src``: each chunk is staged by
+    a host-lane op, which runs after them, and copied by a device op, held behind it (see
+    ``Runtime._hold``). The submit returns at once, but for the staging buffers' bound."""
+    last = None
+    for d, s in _chunks(dst, src):
+        stage = rt._staging.take(s.numel())
+        view = stage[: s.numel()]
+        rt.submit(_copy_into, view, s, reads=[s], writes=[view], name=f"{name}_stage", run_on="host")
         last = _device_copy(rt, d, view, stream, name, keep=stage)
         last._on_done(lambda _f, stage=stage: rt._staging.give(stage))
     return _resolve_to(last, dst)
