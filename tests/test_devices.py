@@ -159,6 +159,31 @@ def test_random_programs_over_three_devices_equal_serial_execution(program, seed
         np.testing.assert_array_equal(got.data, want)
 
 
+@given(program_strategy(3).flatmap(lambda p: st.tuples(st.just(p), st.lists(st.booleans(), min_size=len(p),
+                                                                        max_size=len(p)))),
+       st.integers(0, 10_000))
+@EXAMPLES
+def test_random_programs_with_host_lane_ops_over_three_devices_equal_serial_execution(program_hosts, seed):
+    """Some ops run on the host lanes (``run_on="host"``), reading and writing the devices' arrays
+    where they are: the device ops after them are held until they finish, and ops after those
+    are held behind them in turn."""
+    program, on_host = program_hosts
+    devices = ["sim:0", "sim:1", "sim:2"]
+    initial = [np.arange(4, dtype=np.float64) * (i + 1) for i in range(6)]
+    expected = serial_result(program, initial)
+    arrays = [SimArray(initial[i].copy(), devices[i % 3]) for i in range(6)]
+
+    def body(kind, out, *ins):
+        out.data[:] = apply(kind, out.data, [x.data for x in ins])
+
+    with sd.Runtime(devices=devices, streams=2, seed=seed) as rt:
+        for (w, rs, kind, _), host in zip(program, on_host):
+            out, ins = arrays[w], [arrays[r] for r in rs]
+            rt.submit(body, kind, out, *ins, reads=ins, writes=[out], run_on="host" if host else None)
+    for got, want in zip(arrays, expected):
+        np.testing.assert_array_equal(got.data, want)
+
+
 def test_a_recorded_graph_over_devices_replays_many_times_and_orders_with_eager_work():
     with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=1) as rt:
         a, b = arr([1.0, 1.0], "sim:0"), arr([0.0, 0.0], "sim:1")
