@@ -228,8 +228,8 @@ class RecordedGraph:
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]
-            # host code runs now: its host inputs must be final. Held behind an op a submit slipped
-            # in with, while this thread waited for a slot (a host-lane op, say)
+            # host code runs now: its host inputs must be final. Held behind the unfinished host-lane
+            # ops it follows (one may also have come in while this thread waited for a slot)
             rt._launch_or_hold(op, deps, stream, device, rec.stream is None and not rt.backend.deferred,
                                fence)
             launched.append(op)
