@@ -641,6 +641,7 @@ class CudaBackend:
                 _set_device(caller_device)
 
     def _caller_stream(self, ids: tuple[int, int, int]) -> torch.cuda.Stream:
+        """The caller's stream of these ids, made once (an event records on a Stream object)."""
         caller = self._callers.get(ids)
         if caller is None:
             caller = self._callers[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1],

@@ -1148,7 +1148,7 @@ static int accesses_conflict(PyObject *a, PyObject *b) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* whether an unfinished op of ``host_ops`` (the runtime's host-lane ops, by number) touches memory
+/* whether an unfinished op of ``host_ops`` (the runtime's host-lane and held ops, by number) touches memory
  * that ``accesses`` touch, one of them writing: a superset of the host-lane ops the tracker would
  * find this op depends on (each such dep conflicts with it), found without the tracker's Python
  * look-up (~5 µs on the H100 host). 1, 0, or -1 with an exception. */
@@ -1251,7 +1251,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
     if (PyDict_GET_SIZE(self->host_ops)) {  /* host-lane ops pending: may this op follow one? */
         int conflict = host_conflict(self->host_ops, accesses);
-        if (conflict != 0) {  /* it may (the Python path waits for those it follows, outside the lock) */
+        if (conflict != 0) {  /* it may (the Python path holds it behind those it follows) */
             PyObject *exc = conflict < 0 ? take_exception() : NULL;
             int bad = lock_give(self->lock, self->lock_release) < 0;
             PyObject *r = bad ? NULL : PyObject_CallMethodNoArgs(self->slots, s_release);

@@ -199,7 +199,7 @@ class Runtime:
             self._stream_device += ["host"] * host_lanes
         #: the ops that a device stream cannot wait for by an event, by number: host-lane ops not
         #: finished yet, and device ops held until those finish (see ``_hold``). A device op that
-        #: depends on one is held too; a graph's run waits for them, outside the runtime's lock
+        #: depends on one is held too; a graph's host replay waits for them, outside the lock
         #: (see ``_lock_after_host_ops``). The compiled submit leaves every op that may follow one of
         #: them to the Python path.
         self._host_ops: dict[int, Op] = {}
@@ -624,8 +624,8 @@ class Runtime:
             host_inputs = on_host and device != "host" and not (device_ordered or self.backend.deferred)
             if device == "host":
                 self._host_ops[seq] = op
-            if holders:
-                self._launch_or_hold(op, deps, stream, device, host_inputs, fence)
+            if holders:  # (found before the op was linked: its deps hold no others)
+                self._launch_or_hold(op, deps, stream, device, host_inputs, fence, holders)
             else:
                 self._launch(op, deps, stream, device, host_inputs=host_inputs)
         finally:
@@ -639,8 +639,8 @@ class Runtime:
         """Take the runtime's lock once no op of ``_host_ops`` that ``accesses`` follow is left
         (unfinished host-lane ops, held ops); the caller releases it.
 
-        For what must start now, with the lock held: a graph's run, the host
-        copy of a staged transfer. The caller waits for those ops first, with
+        For what must start now, with the lock held: a graph's host replay
+        over several devices. The caller waits for those ops first, with
         the lock released (a host op may submit, or finish ops that do; a held
         op is launched under it), and checks again under the lock (another
         thread may have submitted one).
@@ -667,7 +667,7 @@ class Runtime:
         return [d for d in self._tracker.depends_on(accesses) if not d.done and d.seq in self._held]
 
     def _host_deps(self, accesses: Sequence[Access], op_name: str) -> list[Op]:
-        """The ops of ``_host_ops`` (host-lane ops not finished, held device ops) that an op with
+        """The ops of ``_host_ops`` (host-lane ops not finished, held ops) that an op with
         ``accesses`` must follow (caller holds ``_lock``).
 
         A device op can start only once the host-lane ones have finished and the
@@ -698,13 +698,15 @@ class Runtime:
         return self.backends[self.devices.index(device)] if device in self.devices else self.backend
 
     def _launch_or_hold(self, op: Op, deps: list[Op], stream: int | None, device: str | None,
-                        host_inputs: bool, fence: Any) -> None:
+                        host_inputs: bool, fence: Any, holders: list[Op] | None = None) -> None:
         """:meth:`_launch` ``op``, or hold it (see :meth:`_hold`) where ``deps`` include ops of
-        ``_host_ops`` that hold it (see :meth:`_holders`). ``fence``: from :meth:`_caller_fence`,
-        taken before ``op`` was linked (it raises inside the caller's capture), or None."""
-        holders = [d for d in deps if not d.done and d.seq in self._host_ops] if self._host_ops else ()
-        if device == "host":
-            holders = [d for d in holders if d.seq in self._held]
+        ``_host_ops`` that hold it (see :meth:`_holders`; ``holders``: those, where the caller
+        found them already). ``fence``: from :meth:`_caller_fence`, taken before ``op`` was
+        linked (it raises inside the caller's capture), or None."""
+        if holders is None:
+            holders = [d for d in deps if not d.done and d.seq in self._host_ops] if self._host_ops else []
+            if device == "host":
+                holders = [d for d in holders if d.seq in self._held]
         if holders and self._hold(op, deps, holders, stream, device, host_inputs, fence):
             return
         if fence is not None:

@@ -1,4 +1,5 @@
-"""Device ops held until the host-lane ops they depend on have finished.
+"""Ops held until the host-lane ops they depend on have finished (device ops; host-lane ops
+after held ones, until those launch).
 
 A device stream cannot wait for a host lane: a device op after an unfinished
 host-lane op (or after a held op) is kept here, and its submit returns at once.
@@ -20,7 +21,7 @@ __all__ = ["Held", "Launcher"]
 
 
 class Held:
-    """A device op waiting for ``waiting`` ops, and how to launch it once they are done."""
+    """A held op waiting for ``waiting`` ops, and how to launch it once they are done."""
 
     __slots__ = ("deps", "device", "fence", "host_inputs", "op", "stream", "waiting")
 

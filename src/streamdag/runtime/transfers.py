@@ -329,18 +329,12 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
     from .core import _wait_for_host_inputs
 
     reading = [Access(region_of(src), False)]
-    if rt._host is not None:
-        with rt._lock:
-            behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
-        if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
-            return _staged_h2d_on_lanes(rt, dst, src, stream, name)
-    # the host data must be final before we read it: host-lane ops that write it are waited for
-    # without the runtime's lock (they may submit; one may have come in since), then device ops
-    rt._lock_after_host_ops(reading, name)
-    try:
-        _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
-    finally:
-        rt._lock.release()
+    with rt._lock:  # the host data must be final before we read it
+        behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
+        if not behind:  # (device ops that write it: waited for on their events)
+            _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
+    if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
+        return _staged_h2d_on_lanes(rt, dst, src, stream, name)
     last = None
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
