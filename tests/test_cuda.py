@@ -861,6 +861,88 @@ def test_a_finished_event_goes_back_to_the_pool_unless_it_times():
         assert not any(e is timing for e in pool)
 
 
+def _queued(rt):
+    """The op names of the completion entries queued per stream (None: an event that only covers
+    the entries before it)."""
+    queues = rt.backend._completions._queues
+    return [[getattr(callback, "name", None) for _, _, callback in q] for q in queues]
+
+
+def test_tiny_ops_share_an_event_and_finish_with_it_while_a_larger_op_records_before_it_runs():
+    """A run of tiny ops on a stream records one completion event, not one each (up to 7 share the
+    next); each still finishes, with its result, once an event after it has completed. Before an op
+    over ``shared_event_bytes`` the tiny ones get an event of their own, so that a waiter on them
+    does not wait for the larger op too; and one that waits on a tiny op mid-run (from another
+    stream, or from the host) sees everything it wrote."""
+    from streamdag.backends.cuda import NEXT_EVENT, CudaBackend
+
+    gate = torch.zeros(1, device="cuda")
+    x = torch.zeros(256, device="cuda")
+    big = torch.zeros(1 << 20, device="cuda")  # 4 MiB: over the 1 MiB default
+    with sd.Runtime("cuda", streams=2) as rt:
+        assert CudaBackend.shared_event_bytes == 1 << 20
+        hold = rt.submit(lambda: (torch.cuda._sleep(int(3e8)), gate.add_(1)), writes=[gate], name="hold")
+        tiny = [rt.submit(x.add_, 1, reads=[gate], writes=[x], name=f"tiny{i}") for i in range(12)]
+        large = rt.submit(big.add_, 1, reads=[x], writes=[big], name="large")
+        more = [rt.submit(x.add_, 1, writes=[x], name=f"more{i}") for i in range(3)]  # after "large" read x
+        chain = [hold, *tiny, large, *more]  # one stream: each follows the one before
+        shares = [f._fence is NEXT_EVENT for f in chain]
+        # 7 share the eighth's event (hold, tiny0-5 with tiny6's), then a run of 5 with an event
+        # recorded before "large", which records its own; then a new run
+        assert shares == [True] * 7 + [False] + [True] * 5 + [False] + [True] * 3
+        names = [name for q in _queued(rt) for name in q]
+        at_large = names.index("large")
+        assert names[at_large - 1] is None and names[at_large - 2] == "tiny11"
+        # a consumer on another stream of a tiny op mid-run, and the host, see what it wrote
+        y = torch.zeros(256, device="cuda")
+        copied = rt.submit(y.copy_, x, reads=[x], writes=[y], name="reader")
+        for f in [*chain, copied]:
+            f.result(timeout=60)
+        assert torch.equal(y.cpu(), torch.full((256,), 15.0))
+        assert torch.equal(big.cpu(), torch.full((1 << 20,), 1.0))
+        rt.synchronize()
+        assert not any(_queued(rt))  # every entry finished, the covering ones too
+
+
+def test_a_tiny_op_whose_run_has_no_event_yet_is_waited_on_without_hanging():
+    """Nothing else submitted after a tiny op that shares the next event: ``result()``, a wait
+    without helping, ``current_stream_wait`` and a dependent on another stream each get an event
+    after it (recorded then, if no pass has yet), and see what it wrote."""
+    from streamdag.backends.cuda import NEXT_EVENT
+
+    x = torch.zeros(16, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        for i, how in enumerate(("result", "wait", "current_stream_wait", "dependent")):
+            f = rt.submit(x.add_, 1, writes=[x])
+            assert f._fence is NEXT_EVENT
+            if how == "result":
+                f.result(timeout=30)
+            elif how == "wait":
+                done, _ = concurrent.futures.wait([f], timeout=30)
+                assert done == {f}
+            elif how == "current_stream_wait":
+                rt.current_stream_wait(f)
+                assert x.sum().item() == 16 * (i + 1)  # on the caller's stream, after the op
+            else:
+                y = torch.zeros(16, device="cuda")
+                rt.submit(y.copy_, x, reads=[x], writes=[y]).result(timeout=30)
+                assert torch.equal(y.cpu(), torch.full((16,), float(i + 1)))
+        assert torch.equal(x.cpu(), torch.full((16,), 4.0))
+
+
+def test_with_shared_events_off_every_op_records_its_own(monkeypatch):
+    from streamdag.backends.cuda import NEXT_EVENT, CudaBackend
+
+    monkeypatch.setattr(CudaBackend, "shared_event_bytes", 0)
+    x = torch.zeros(16, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        futures = [rt.submit(x.add_, 1, writes=[x]) for _ in range(10)]
+        assert not any(f._fence is NEXT_EVENT for f in futures)
+        for f in futures:
+            f.result(timeout=30)
+        assert torch.equal(x.cpu(), torch.full((16,), 10.0))
+
+
 def test_explain_shows_the_cost_model_and_the_measured_choice():
     x = torch.randn(64, 64, device="cuda")
     outs = [torch.empty_like(x) for _ in range(8)]
