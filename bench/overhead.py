@@ -174,12 +174,6 @@ def main():
         return independent
 
     rt = sd.Runtime("cuda", streams=8, max_inflight=100000)
-    # the same chain with every op recording its own completion event (no shared events)
-    from streamdag.backends.cuda import CudaBackend
-
-    CudaBackend.shared_event_bytes, shared_bytes = 0, CudaBackend.shared_event_bytes
-    own_events = sd.Runtime("cuda", streams=8, max_inflight=100000)
-    CudaBackend.shared_event_bytes = shared_bytes
     # the same chain while a host-lane op that no op of it follows is pending: each submit checks its
     # accesses against the pending host ops' (before, every submit took the Python path then)
     host_pending = sd.Runtime("cuda", streams=8, max_inflight=100000)
@@ -242,7 +236,6 @@ def main():
         "the CUDA calls of a stream runtime, no bookkeeping": cuda_calls_only,
         **({"the same CUDA calls made from C++ (native launch)": native_calls_only} if native_launch else {}),
         "streamdag submit, dependent chain": chain_on(rt),
-        "streamdag submit, dependent chain, each op its own event": chain_on(own_events),
         "streamdag submit, dependent chain, completion thread finishes all": chain_on(thread_only),
         **({"streamdag submit, dependent chain, CUDA calls via PyTorch's bindings": chain_on(bindings)}
            if torch_ext is not None else {}),
@@ -274,7 +267,6 @@ def main():
                 if d.future is not held_op:
                     d.future.exception()
             graph_rt.synchronize()
-            own_events.synchronize()
             thread_only.synchronize()
             python_path.synchronize()
             python_glue.synchronize()
@@ -285,7 +277,6 @@ def main():
     release_lane.set()
     host_pending.close()
     graph_rt.close()
-    own_events.close()
     thread_only.close()
     python_path.close()
     python_glue.close()

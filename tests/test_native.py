@@ -348,23 +348,18 @@ def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_on
 
 
 _ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "loses", "raises"]),
-                   st.sampled_from(["", "", "sticky", "refused"]), st.sampled_from([False, False, True]))
-#: a queue's entries, and what an event recorded on its stream now says: done, or its record raises
-_QUEUE = st.tuples(st.lists(_ENTRY, max_size=6), st.sampled_from(["done", "pending", "pending", "sticky"]))
+                   st.sampled_from(["", "", "sticky", "refused"]))
 
 
 @compiled
-@settings(max_examples=400, deadline=None)
-@given(st.lists(_QUEUE, min_size=1, max_size=4), st.booleans())
-def test_the_compiled_completion_pass_finishes_as_the_python_one(queues, close):
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_ENTRY, max_size=6), min_size=1, max_size=4))
+def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
     """``_Completions._pass``, compiled and in Python: the same callbacks with the same errors in the
     same order, the same events back in the pool, the same entries left, the same device loss (a
     query raising a sticky CUDA error marks it, or a callback does; a query refused during a CUDA
     graph capture leaves its entry queued), the same exception from a callback. Each entry: its
-    event's query says done, the event times, what its callback does, what its query raises, and
-    whether it shares the next event (no event of its own: it finishes with the first entry after
-    it that has one). ``close``: a queue whose newest entries share an event gets one recorded now
-    (whose query then says what the queue's stream says)."""
+    event's query says done, the event times, what its callback does, what its query raises."""
     from collections import deque
 
     from streamdag.backends import cuda
@@ -395,15 +390,6 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues, close):
                 raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
             return self.done
 
-        def record(self, stream):
-            if stream.now == "sticky":
-                raise RuntimeError(f"an illegal memory access recording on {stream.name}")
-            self.done, self.raises = stream.now == "done", ""
-
-    class Stream:
-        def __init__(self, name, now):
-            self.name, self.now = name, now
-
     def run(compiled):
         owner, log = Owner(), []
         completions = object.__new__(cuda._Completions)
@@ -419,17 +405,10 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues, close):
             return callback
 
         completions._queues = [
-            deque((j, cuda.NEXT_EVENT if shares else Event((i, j), done, timing, raises),
-                   callback_for((i, j), does))
-                  for j, (done, timing, does, raises, shares) in enumerate(entries))
-            for i, (entries, _) in enumerate(queues)
+            deque((j, Event((i, j), done, timing, raises), callback_for((i, j), does))
+                  for j, (done, timing, does, raises) in enumerate(entries))
+            for i, entries in enumerate(queues)
         ]
-        made = iter(range(1000))
-        counts = native.load().Counters()
-        counts.seq = 100 * len(queues)  # past every token above
-        completions._closing = (completions._queues, [Stream(i, now) for i, (_, now) in enumerate(queues)],
-                                owner._free_events, lambda: Event(("made", next(made)), False, False, ""),
-                                counts, None) if close else None
         saved = cuda._compiled_pass
         cuda._compiled_pass = native.load().completions_pass if compiled else None
         try:
@@ -438,122 +417,10 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues, close):
             outcome = str(exc)
         finally:
             cuda._compiled_pass = saved
-        left = [[(entry[0], entry[2] is None) for entry in q] for q in completions._queues]
+        left = [[entry[0] for entry in q] for q in completions._queues]
         return outcome, log, [e.name for e in owner._free_events], left, owner.lost
 
     assert run(compiled=True) == run(compiled=False)
-
-
-@compiled
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.booleans(), max_size=12), st.integers(0, 12)), min_size=1, max_size=3),
-       st.booleans(), st.booleans())
-def test_an_op_sharing_the_next_event_finishes_once_an_event_after_it_has_completed(streams, close, compiled):
-    """A stream of ops in launch order, the first ``done`` of them complete on the device. Each op
-    records its own event (done once the op is) or shares the next one. A pass finishes an op
-    exactly when the first event queued after it has completed: never earlier (its memory would go
-    back to the allocator while a kernel may still use it), and not later. With ``close``, ops with
-    no event after them get one recorded now, done once every op of the stream is."""
-    from collections import deque
-
-    from streamdag.backends import cuda
-
-    class Event:
-        timing = True  # (never back in a pool)
-
-        def __init__(self, position):
-            self.position = position  # the ops before it on its stream: it completes after them
-
-        def query(self):
-            return self.position <= done_of[self.stream]
-
-        def record(self, stream):
-            self.stream, self.position = stream, len(streams[stream][0])
-
-    class Owner:
-        lost = None
-
-        def __init__(self):
-            self._free_events = []
-
-        def recycle(self, event):
-            pass
-
-    done_of = [min(done, len(shares)) for shares, done in streams]
-    finished = []
-    completions = object.__new__(cuda._Completions)
-    completions._owner = Owner()
-    queues = []
-    for i, (shares, _) in enumerate(streams):
-        q = deque()
-        for j, shared in enumerate(shares):
-            event = cuda.NEXT_EVENT
-            if not shared:
-                event = Event(j + 1)
-                event.stream = i
-            q.append((j, event, lambda error, op=(i, j): finished.append(op)))
-        queues.append(q)
-    completions._queues = queues
-    counts = native.load().Counters()
-    counts.seq = 100 * len(streams)
-    completions._closing = (queues, list(range(len(streams))), [], lambda: Event(-1), counts, None)
-    saved = cuda._compiled_pass
-    cuda._compiled_pass = native.load().completions_pass if compiled else None
-    try:
-        completions._pass(close=close)
-    finally:
-        cuda._compiled_pass = saved
-    expected = []
-    for i, (shares, _) in enumerate(streams):
-        for j in range(len(shares)):
-            own_after = [k for k in range(j, len(shares)) if not shares[k]]
-            covered_at = own_after[0] + 1 if own_after else (len(shares) if close else None)
-            if covered_at is not None and covered_at <= done_of[i]:
-                expected.append((i, j))
-    assert sorted(finished) == expected
-
-
-@compiled
-def test_a_waiter_on_an_op_sharing_the_next_event_gets_the_first_event_after_it():
-    """``covering_event``: for an op without an event of its own, the first event queued after its
-    entry; where none is yet, one recorded on its stream now and queued (with no callback, after
-    every entry, in token order); None once its entry has left the queue (it has finished)."""
-    from collections import deque
-
-    from streamdag.backends import cuda
-
-    class Event:
-        def __init__(self, name):
-            self.name, self.recorded_on = name, None
-
-        def record(self, stream):
-            self.recorded_on = stream
-
-    lib = native.load()
-    shared = cuda.NEXT_EVENT
-    own, later = Event("own"), Event("later")
-    q0 = deque([(0, own, "op0"), (2, shared, "op1"), (4, shared, "op2"), (6, later, "op3"),
-                (8, shared, "op4")])
-    q1 = deque([(1, shared, "other")])
-    counts = lib.Counters()
-    counts.seq = 9
-    made = []
-    closing = ([q0, q1], ["stream0", "stream1"], [],
-               lambda: made.append(Event(f"made{len(made)}")) or made[-1], counts, None)
-    assert lib.covering_event(closing, 0) is own
-    assert lib.covering_event(closing, 2) is later and lib.covering_event(closing, 4) is later
-    assert lib.covering_event(closing, 6) is later
-    assert lib.covering_event(closing, 10) is None  # no such entry (finished)
-    assert not made
-    recorded = lib.covering_event(closing, 8)  # none after it: recorded now on its stream, queued
-    assert recorded is made[0] and recorded.recorded_on == "stream0"
-    assert q0[-1] == (10, recorded, None) and counts.seq == 10
-    assert lib.covering_event(closing, 8) is recorded  # the same one next time
-    assert lib.close_run(closing, 0) is None  # its newest entry has an event now
-    other = lib.close_run(closing, 1)
-    assert other.recorded_on == "stream1" and q1[-1] == (13, other, None)
-    token = lib.put_entry(closing, 0, own, "op5")
-    assert token == 14 and q0[-1] == (14, own, "op5")
 
 
 def test_a_query_refused_during_a_capture_is_no_device_loss():

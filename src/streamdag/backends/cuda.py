@@ -106,11 +106,6 @@ _compiled_pass = getattr(load_native(), "completions_pass", None)
 #: ``CudaBackend``'s ``lost`` to be None without looking it up (see ``CudaBackend.lost``)
 _note_loss = getattr(load_native(), "note_loss", None)
 _uses_torch = getattr(load_native(), "uses_torch", None)
-#: the compiled completion queues' calls for ops that share an event (see ``_Completions``)
-NEXT_EVENT: Any = getattr(load_native(), "NEXT_EVENT", object())
-_covering_event = getattr(load_native(), "covering_event", None)
-_close_run = getattr(load_native(), "close_run", None)
-_put_entry = getattr(load_native(), "put_entry", None)
 
 
 def _compiled_queries_relaxed() -> bool:
@@ -240,13 +235,6 @@ class _Completions:
     replay with polling, 0.37 ms sleeping in a blocking event).
     Events go back to the backend's pool once their op has been finished.
 
-    A tiny op may have no event of its own (``NEXT_EVENT``, see
-    ``CudaBackend.shared_event_bytes``): its entry completes with the first
-    entry after it in its queue that has an event. An entry is queued after
-    its op's launch, so any event recorded after that covers the op. A pass
-    (but a submitting thread's) and a waiter record one where none follows
-    yet: an entry with no callback, which only covers those before it.
-
     A thread that submits finishes completed ops between its submits
     (:meth:`try_pass`); while it does, this thread holds off its own passes
     for ``BACKOFF_SECONDS``, unless someone waits or has waited within
@@ -289,9 +277,6 @@ class _Completions:
         self._stopping = False
         self._passing = threading.Lock()  # one pass over the queues at a time
         self._wanted: list[int] = []  # tokens of entries someone waits on (see ``want``)
-        #: what recording an event onto a queue takes, for the compiled calls (``native/_submit.c``:
-        #: ``Closing``), set by the backend once its streams are made; None: no op shares an event
-        self._closing: tuple[Any, ...] | None = None
         self._thread = threading.Thread(target=self._loop, name="streamdag-completions", daemon=True)
         self._thread.start()
 
@@ -307,13 +292,10 @@ class _Completions:
         that holds it, freed only by the cycle collector; and an int is no
         object for that collector to count at all.
         """
-        if _put_entry is not None and self._closing is not None:  # token and entry with nothing in between
-            token = _put_entry(self._closing, stream, event, callback)
-        else:
-            n = len(self._queues)
-            counts = self._counts
-            token = counts.seq = (counts.seq // n + 1) * n + stream
-            self._queues[stream].append((token, event, callback))
+        n = len(self._queues)
+        counts = self._counts
+        token = counts.seq = (counts.seq // n + 1) * n + stream
+        self._queues[stream].append((token, event, callback))
         if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
             self._wake.set()
         return token
@@ -337,11 +319,10 @@ class _Completions:
             return False
         _, event, callback = q[index]
         try:
-            probe = self.covering_event(token) if event is NEXT_EVENT else event
-            if not probe.query():
+            if not event.query():
                 return False
             if _sanitizer_enabled():
-                probe.synchronize()
+                event.synchronize()
         except Exception as exc:  # a sticky error surfaces here (or a refusal during a capture)
             owner.mark_lost(exc)
             return False
@@ -349,20 +330,10 @@ class _Completions:
         self._settle(event, callback, None)
         return True
 
-    def covering_event(self, token: int) -> Any:
-        """The event that tells when the op of entry ``token`` completes: its own, or for one that
-        shares the next event, the first queued after it, recorded now if none is yet. None once
-        the entry has left its queue (finished)."""
-        if self._closing is None or _covering_event is None:
-            raise RuntimeError("streamdag: an op shares an event on a backend whose ops share none")
-        return _covering_event(self._closing, token)
-
-    def _settle(self, event: Any, callback: Callable[..., None] | None, error: Any) -> None:
-        """Finish a dequeued entry; its event goes back to the pool (unless the device was lost, or
-        the op shared the next event and had none). An entry with no callback only covers others."""
-        if callback is not None:
-            callback(error)
-        if error is None and event is not NEXT_EVENT:
+    def _settle(self, event: CudaEvent, callback: Callable[..., None], error: Any) -> None:
+        """Finish a dequeued entry; its event goes back to the pool (unless the device was lost)."""
+        callback(error)
+        if error is None:
             self._owner.recycle(event)
 
     def _try_finish_one(self, token: int) -> bool | None:
@@ -410,36 +381,26 @@ class _Completions:
         with callbacks_later(), self._passing:
             return self._pass()
 
-    def _pass(self, close: bool = True) -> bool:
+    def _pass(self) -> bool:
         """Finish what has completed; True if anything did. Caller holds ``_passing``.
 
         A stream runs in order: once its newest queued event has completed, so
-        have all before it, and one query covers the whole queue. An entry
-        that shares the next event completes with the first after it that has
-        one; ``close``: where the newest entries share one, record it now
-        (a submitting thread's pass does not: its next ops record one).
-        Compiled (``completions_pass`` in ``native/_submit.c``) but under the
-        stream sanitizer; this code is its reference.
+        have all before it, and one query covers the whole queue. Compiled
+        (``completions_pass`` in ``native/_submit.c``) but under the stream
+        sanitizer; this code is its reference.
         """
         owner = self._owner
         sanitized = _sanitizer_enabled()
-        closing = self._closing if close else None
         if _compiled_pass is not None and not sanitized:
-            return _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent, closing)
+            return _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent)
         progressed = False
-        for i, q in enumerate(self._queues):
+        for q in self._queues:
             known_done = 0  # entries at the head of ``q`` known to have completed
-            if q and owner.lost is None and closing is not None and _close_run is not None:
-                try:
-                    _close_run(closing, i)
-                except Exception as exc:  # a sticky error surfaces here too
-                    owner.mark_lost(exc)
             n = len(q)  # the submitting thread may append meanwhile: those are not covered
-            newest = _last_recorded(q, n)
-            if newest >= 0 and owner.lost is None:
+            if n and owner.lost is None:
                 try:
-                    if q[newest][1].query():
-                        known_done = newest + 1
+                    if q[n - 1][1].query():
+                        known_done = n
                 except Exception as exc:  # a sticky error surfaces here (None: a refusal, see below)
                     owner.mark_lost(exc)
             while q:
@@ -447,15 +408,10 @@ class _Completions:
                 error = owner.lost
                 if error is None and (known_done <= 0 or sanitized):
                     try:
-                        if known_done <= 0:
-                            covering = 0 if event is not NEXT_EVENT else _next_recorded(q, 1)
-                            if covering < 0:  # none after it yet: not covered
-                                break
-                            if not q[covering][1].query():
-                                break
-                            known_done = covering + 1
-                        if sanitized and event is not NEXT_EVENT:
-                            event.synchronize()  # returns at once; tells the sanitizer the host saw it
+                        if known_done <= 0 and not event.query():
+                            break
+                        if sanitized:  # returns at once; tells the stream sanitizer that the host saw it
+                            event.synchronize()
                     except Exception as exc:  # a sticky error surfaces here
                         error = owner.mark_lost(exc)
                         if error is None:  # refused during a capture: queried again later
@@ -537,13 +493,12 @@ class _Completions:
                 if submitting:
                     self._passed_at = time.perf_counter()
                 try:
-                    closing = None if submitting else self._closing
                     if _compiled_queries_relaxed():  # the compiled pass of ``_pass``, called at once:
                         owner = self._owner           # a submitting thread runs this every 32 submits
-                        _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent, closing)
+                        _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent)
                     else:
                         with self._queries_relaxed():
-                            self._pass(close=not submitting)
+                            self._pass()
                 finally:
                     self._passing.release()
 
@@ -591,22 +546,6 @@ def _idle_poll(interval: float, idle_for: float) -> float:
     return min(max(min(2 * interval, IDLE_POLL_SECONDS), idle_for / 25), LONG_IDLE_POLL_SECONDS)
 
 
-def _next_recorded(queue: deque[tuple[int, Any, Any]], start: int) -> int:
-    """Where the first entry of ``queue`` from ``start`` on with an event of its own is, or -1."""
-    for j in range(start, len(queue)):
-        if queue[j][1] is not NEXT_EVENT:
-            return j
-    return -1
-
-
-def _last_recorded(queue: deque[tuple[int, Any, Any]], n: int) -> int:
-    """Where the last of the first ``n`` entries of ``queue`` with an event of its own is, or -1."""
-    for j in range(n - 1, -1, -1):
-        if queue[j][1] is not NEXT_EVENT:
-            return j
-    return -1
-
-
 def _position(queue: deque[tuple[int, CudaEvent, Callable[..., None]]], token: int) -> int:
     """Where the entry ``token`` is in ``queue``, or -1 if it has left it (finished)."""
     i = bisect_left(queue, token, key=itemgetter(0))  # entries are queued in the order of their tokens
@@ -617,14 +556,6 @@ class CudaBackend:
     """``streams`` compute streams plus copy streams on one GPU: host-to-device, device-to-host, peer-in."""
 
     deferred = False
-    #: an op that touches at most this many bytes (the tensors it reads and writes) records no
-    #: completion event of its own, up to 7 in a row on a stream: the next event recorded there tells
-    #: its completion (``NEXT_EVENT`` in ``native/_submit.c``). The event's record cost the host about
-    #: 0.5 µs per op, a tenth of a tiny op's launch; a waiter on such an op also waits for the few
-    #: tiny ops after it on its stream, and before any larger op there an event is recorded for the
-    #: ones sharing. 0: every op records its own. Read as a runtime is made; not under PyTorch's
-    #: stream sanitizer, which must see each op's event.
-    shared_event_bytes: ClassVar[int] = 1 << 20
 
     def __init__(self, device: str, streams: int, default_stream_sync: bool = True) -> None:
         if not torch.cuda.is_available():
@@ -662,9 +593,6 @@ class CudaBackend:
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
-        self._completions._closing = (self._completions._queues, self._all, self._free_events, self.event,
-                                      self._completions._counts, CudaEvent)
-        self._shared_bytes = 0 if _sanitizer_enabled() else max(0, int(self.shared_event_bytes))
         self._caller_event = torch.cuda.Event()
         self._index = index
         self._callers: dict[tuple[int, int, int], torch.cuda.Stream] = {}  # caller streams seen
@@ -734,17 +662,10 @@ class CudaBackend:
 
     def launch_parts(self) -> tuple[Any, ...]:
         """What :meth:`launch` calls, for the compiled submit (``native/_submit.c``) to make the same
-        calls: PyTorch's C entry points, the caller event, the caller streams seen, the event pool, the
-        completion queues (``when_done``), what recording onto them takes, and how large an op may
-        be that shares the next event on its stream (see ``shared_event_bytes``)."""
+        calls: PyTorch's C entry points, the caller event, the caller streams seen, the event pool, and
+        the completion queues (``when_done``)."""
         return (_get_device, _get_stream, _set_stream, _set_device, _record, _wait, self._caller_event,
-                self._callers, self._free_events, self._index, self._completions, _refuse_in_capture,
-                self._completions._closing, self._shared_bytes)
-
-    def covering_event(self, token: int) -> Any:
-        """The event that tells when the op of completion entry ``token`` (its future's
-        ``_done_token``) completes, or None once it has finished: see :meth:`_Completions.covering_event`."""
-        return self._completions.covering_event(token)
+                self._callers, self._free_events, self._index, self._completions, _refuse_in_capture)
 
     def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.

@@ -52,7 +52,6 @@ static struct {
     PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
     PyObject *deque_append, *deque_popleft;
     PyObject *release_frames;  /* ops.release_frames */
-    PyObject *next_event;  /* NEXT_EVENT (above) */
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
@@ -77,28 +76,6 @@ static PyObject *queue_popleft(PyObject *q) {
     if (Py_TYPE(q) == sub.deque_type) return PyObject_Vectorcall(sub.deque_popleft, &q, 1, NULL);
     return PyObject_CallMethodNoArgs(q, s_popleft);
 }
-
-/* What an op that records no completion event of its own has for one (``NEXT_EVENT``): it is
- * complete once the next event recorded on its stream after it is. A tiny op's own event costs the
- * host ~0.5 µs (cudaEventRecord, bench/cuda_calls.py), as much as a tenth of PyTorch's launch; a run
- * of such ops on one stream shares the event recorded after its last one (see ``launch``). Its
- * completion entry (token, NEXT_EVENT, callback) is finished with the first entry after it in its
- * queue that has an event: entries are queued in launch order, each after its op's launch, so an
- * event recorded after an entry is queued covers that entry's op. */
-static PyObject *next_event_repr(PyObject *self) {
-    return PyUnicode_FromString("<streamdag: the next event recorded on the op's stream>");
-}
-
-static PyType_Slot next_event_slots[] = {
-    {Py_tp_new, PyType_GenericNew},
-    {Py_tp_repr, next_event_repr},
-    {Py_tp_doc, "NEXT_EVENT: an op without a completion event of its own (see native/_submit.c)."},
-    {0, NULL}
-};
-
-static PyType_Spec next_event_spec = {
-    "streamdag.native.NextEvent", sizeof(PyObject), 0, Py_TPFLAGS_DEFAULT, next_event_slots
-};
 
 /* set a Future's slot (its type checked by the caller: sub.future_type exactly) */
 static void future_set(PyObject *future, int f, PyObject *value) {
@@ -334,221 +311,6 @@ static PyType_Spec parts_spec = {
     "streamdag.native.Parts", sizeof(Parts), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, parts_slots
 };
 
-/* ------------------------------------------------------------------ shared completion events */
-
-/* A CUDA backend's completion queues and what recording an event onto one takes:
- * ``_Completions._closing`` = (queues, streams, free events, make_event, counts, event_type), index
- * i of the first two for the same stream (``stream.index``); an event of ``event_type`` (a type, or
- * None) is recorded through the torch extension. Borrowed, checked. */
-typedef struct { PyObject *queues, *streams, *free_events, *make_event, *event_type; Counters *tokens; } Closing;
-
-static int closing_parts(PyObject *closing, Closing *out) {
-    if (!PyTuple_Check(closing) || PyTuple_GET_SIZE(closing) != 6 || !PyList_Check(PyTuple_GET_ITEM(closing, 0))
-            || !PyList_Check(PyTuple_GET_ITEM(closing, 1)) || !PyList_Check(PyTuple_GET_ITEM(closing, 2))
-            || Py_TYPE(PyTuple_GET_ITEM(closing, 4)) != counters_type
-            || PyList_GET_SIZE(PyTuple_GET_ITEM(closing, 0)) != PyList_GET_SIZE(PyTuple_GET_ITEM(closing, 1))) {
-        PyErr_SetString(PyExc_TypeError, "closing: (queues, streams, free events, make_event, counts, event_type)");
-        return -1;
-    }
-    out->queues = PyTuple_GET_ITEM(closing, 0);
-    out->streams = PyTuple_GET_ITEM(closing, 1);
-    out->free_events = PyTuple_GET_ITEM(closing, 2);
-    out->make_event = PyTuple_GET_ITEM(closing, 3);
-    out->tokens = (Counters *)PyTuple_GET_ITEM(closing, 4);
-    out->event_type = PyTuple_GET_ITEM(closing, 5);
-    return 0;
-}
-
-/* Queue ``callback`` (or None) for ``event`` on queue ``index``; the entry's token (a new reference).
- * ``record``: record ``event`` on the queue's stream first. Between taking the token (and the
- * record) and the append nothing runs Python code, so no other thread queues an entry in between:
- * the queue stays in token order, and an event recorded here covers every entry queued before it.
- * (The entry is made first: making a tuple may run the cycle collector, and so finalizers.) */
-static PyObject *queue_entry(PyObject *q, Py_ssize_t index, Py_ssize_t n, Counters *tokens, PyObject *event,
-                             PyObject *callback, PyObject *stream, PyObject *event_type) {
-    PyObject *entry = PyTuple_New(3);
-    if (entry == NULL) return NULL;
-    Py_ssize_t token_n = (tokens->seq / n + 1) * n + index;
-    PyObject *token = PyLong_FromSsize_t(token_n);  /* an int: not tracked by the cycle collector */
-    if (token == NULL) { Py_DECREF(entry); return NULL; }
-    if (stream != NULL) {
-        int bad;
-        if (state.torch != NULL && PyType_Check(event_type) && PyObject_TypeCheck(event, (PyTypeObject *)event_type)) {
-            bad = state.torch->record(event, stream, -1) < 0;  /* C++: nothing runs Python code */
-        } else {  /* no torch extension: no op shares an event (see launch), so nothing can slip in */
-            PyObject *r = PyObject_CallMethodOneArg(event, s_record, stream);
-            bad = r == NULL;
-            Py_XDECREF(r);
-        }
-        if (bad) { Py_DECREF(entry); Py_DECREF(token); return NULL; }
-    }
-    tokens->seq = token_n;
-    PyTuple_SET_ITEM(entry, 0, Py_NewRef(token));
-    PyTuple_SET_ITEM(entry, 1, Py_NewRef(event));
-    PyTuple_SET_ITEM(entry, 2, Py_NewRef(callback));
-    PyObject *r = queue_append(q, entry);
-    Py_DECREF(entry);
-    if (r == NULL) { Py_DECREF(token); return NULL; }
-    Py_DECREF(r);
-    return token;
-}
-
-/* An event recorded now on stream ``index``, queued with no callback: it completes every entry
- * queued before it that shares the next event. A new reference, or NULL with an exception. */
-static PyObject *cover_now(const Closing *c, Py_ssize_t index) {
-    Py_ssize_t n = PyList_GET_SIZE(c->queues);
-    if (index < 0 || index >= n) {
-        PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
-        return NULL;
-    }
-    PyObject *event;
-    Py_ssize_t pooled = PyList_GET_SIZE(c->free_events);
-    if (pooled) {
-        event = Py_NewRef(PyList_GET_ITEM(c->free_events, pooled - 1));
-        if (PyList_SetSlice(c->free_events, pooled - 1, pooled, NULL) < 0) { Py_DECREF(event); return NULL; }
-    } else if ((event = PyObject_CallNoArgs(c->make_event)) == NULL) {
-        return NULL;
-    }
-    PyObject *token = queue_entry(PyList_GET_ITEM(c->queues, index), index, n, c->tokens, event, Py_None,
-                                  PyList_GET_ITEM(c->streams, index), c->event_type);
-    if (token == NULL) { Py_DECREF(event); return NULL; }
-    Py_DECREF(token);
-    return event;
-}
-
-/* the entry of ``q`` at ``i`` (borrowed from the tuple it returns as a new reference in ``*hold``) */
-static PyObject *entry_at(PyObject *q, Py_ssize_t i, PyObject **hold) {
-    PyObject *entry = PySequence_GetItem(q, i);
-    if (entry != NULL && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3)) {
-        Py_DECREF(entry);
-        PyErr_SetString(PyExc_TypeError, "a completion entry is (number, event, callback)");
-        entry = NULL;
-    }
-    *hold = entry;
-    return entry;
-}
-
-/* the place of the first entry of ``q`` from ``start`` on with an event of its own, or -1 (none), or
- * -2 with an exception */
-static Py_ssize_t next_recorded(PyObject *q, Py_ssize_t start) {
-    Py_ssize_t n = PyObject_Size(q);
-    if (n < 0) return -2;
-    for (Py_ssize_t j = start; j < n; j++) {
-        PyObject *hold;
-        if (entry_at(q, j, &hold) == NULL) return -2;
-        int shares = PyTuple_GET_ITEM(hold, 1) == sub.next_event;
-        Py_DECREF(hold);
-        if (!shares) return j;
-    }
-    return -1;
-}
-
-/* where the entry ``token`` is in ``q`` (entries are in token order), or -1 (gone: finished); -2 on error */
-static Py_ssize_t entry_position(PyObject *q, Py_ssize_t token) {
-    Py_ssize_t lo = 0, hi = PyObject_Size(q);
-    if (hi < 0) return -2;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2, t;
-        PyObject *hold;
-        if (entry_at(q, mid, &hold) == NULL) return -2;
-        t = PyLong_AsSsize_t(PyTuple_GET_ITEM(hold, 0));
-        Py_DECREF(hold);
-        if (t == -1 && PyErr_Occurred()) return -2;
-        if (t < token) lo = mid + 1; else hi = mid;
-    }
-    if (lo < PyObject_Size(q)) {
-        PyObject *hold;
-        if (entry_at(q, lo, &hold) == NULL) return -2;
-        Py_ssize_t t = PyLong_AsSsize_t(PyTuple_GET_ITEM(hold, 0));
-        Py_DECREF(hold);
-        if (t == -1 && PyErr_Occurred()) return -2;
-        if (t == token) return lo;
-    }
-    return -1;
-}
-
-/* The event that tells the completion of the op whose entry is ``token``: the first event queued
- * after it (the op's own, if it has one), recorded now if none is yet. None once the entry has left
- * its queue (the op has finished). A new reference, or NULL with an exception. */
-static PyObject *covering_event_of(const Closing *c, Py_ssize_t token) {
-    Py_ssize_t n = PyList_GET_SIZE(c->queues);
-    if (n == 0 || token < 0) {
-        PyErr_SetString(PyExc_ValueError, "no completion entry of that token");
-        return NULL;
-    }
-    Py_ssize_t index = token % n;
-    PyObject *q = PyList_GET_ITEM(c->queues, index);
-    Py_ssize_t at = entry_position(q, token);
-    if (at == -2) return NULL;
-    if (at == -1) Py_RETURN_NONE;
-    Py_ssize_t j = next_recorded(q, at);
-    if (j == -2) return NULL;
-    if (j == -1) return cover_now(c, index);
-    PyObject *hold;
-    if (entry_at(q, j, &hold) == NULL) return NULL;
-    PyObject *event = Py_NewRef(PyTuple_GET_ITEM(hold, 1));
-    Py_DECREF(hold);
-    return event;
-}
-
-/* covering_event(closing, token) -> event or None: see covering_event_of */
-static PyObject *covering_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Closing c;
-    if (nargs != 2 || closing_parts(args[0], &c) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "covering_event(closing, token)");
-        return NULL;
-    }
-    Py_ssize_t token = PyLong_AsSsize_t(args[1]);
-    if (token == -1 && PyErr_Occurred()) return NULL;
-    return covering_event_of(&c, token);
-}
-
-/* put_entry(closing, index, event, callback) -> token: ``_Completions.put``, its token taken and its
- * entry queued with nothing run in between (see queue_entry) */
-static PyObject *put_entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Closing c;
-    if (nargs != 4 || closing_parts(args[0], &c) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "put_entry(closing, index, event, callback)");
-        return NULL;
-    }
-    Py_ssize_t index = PyLong_AsSsize_t(args[1]), n = PyList_GET_SIZE(c.queues);
-    if (index == -1 && PyErr_Occurred()) return NULL;
-    if (index < 0 || index >= n) {
-        PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
-        return NULL;
-    }
-    return queue_entry(PyList_GET_ITEM(c.queues, index), index, n, c.tokens, args[2], args[3], NULL, NULL);
-}
-
-/* close_run(closing, index) -> event or None: where the newest entry of queue ``index`` shares the
- * next event, record one now (cover_now) */
-static PyObject *close_run_of(const Closing *c, Py_ssize_t index) {
-    PyObject *q = PyList_GET_ITEM(c->queues, index), *hold;
-    Py_ssize_t n = PyObject_Size(q);
-    if (n < 0) return NULL;
-    if (n == 0) Py_RETURN_NONE;
-    if (entry_at(q, n - 1, &hold) == NULL) return NULL;
-    int open = PyTuple_GET_ITEM(hold, 1) == sub.next_event;
-    Py_DECREF(hold);
-    if (!open) Py_RETURN_NONE;
-    return cover_now(c, index);
-}
-
-static PyObject *close_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Closing c;
-    if (nargs != 2 || closing_parts(args[0], &c) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "close_run(closing, index)");
-        return NULL;
-    }
-    Py_ssize_t index = PyLong_AsSsize_t(args[1]);
-    if (index == -1 && PyErr_Occurred()) return NULL;
-    if (index < 0 || index >= PyList_GET_SIZE(c.queues)) {
-        PyErr_SetString(PyExc_IndexError, "a stream of no completion queue");
-        return NULL;
-    }
-    return close_run_of(&c, index);
-}
-
 /* ------------------------------------------------------------------ Submitter */
 
 typedef struct {
@@ -563,11 +325,6 @@ typedef struct {
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
              *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake_dict,
              *refuse_in_capture;
-    /* ``_Completions._closing`` (see Closing), where ops may share an event: the torch extension is
-     * loaded and ``lazy_bytes`` > 0; else NULL. ``runs[i]``: ops launched onto queue i's stream since
-     * this submitter last recorded an event there (at most SHARED_RUN - 1 share one) */
-    PyObject *closing;
-    Py_ssize_t lazy_bytes, *runs, n_runs;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
@@ -584,7 +341,7 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(counts) X(backend_dict) X(builtin_name) X(parts) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
-    X(refuse_in_capture) X(closing) \
+    X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
 
 static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
@@ -606,7 +363,6 @@ static void submitter_dealloc(Submitter *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     submitter_clear(self);
-    PyMem_Free(self->runs);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -622,9 +378,6 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     submitter_clear(self);
-    PyMem_Free(self->runs);
-    self->runs = NULL;
-    self->n_runs = self->lazy_bytes = 0;
     self->rt = Py_NewRef(rt);
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
@@ -678,23 +431,11 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
             || (self->lazy_release = PyObject_GetAttr(sub.lazy, s_release)) == NULL)
         return -1;
     if (cuda != Py_None) {
-        PyObject *closing;
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OOOO!n", &self->get_device, &self->get_stream, &self->set_stream,
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OOO", &self->get_device, &self->get_stream, &self->set_stream,
                               &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
-                              &self->device_index, &self->completions, &self->refuse_in_capture,
-                              &PyTuple_Type, &closing, &self->lazy_bytes))
+                              &self->device_index, &self->completions, &self->refuse_in_capture))
             return -1;
-        Closing c;
-        if (closing_parts(closing, &c) < 0) return -1;
-        if (state.torch != NULL && self->lazy_bytes > 0) {  /* (events recorded in C++ only: see queue_entry) */
-            self->n_runs = PyList_GET_SIZE(c.queues);
-            if ((self->runs = PyMem_Calloc(self->n_runs ? self->n_runs : 1, sizeof(Py_ssize_t))) == NULL) {
-                PyErr_NoMemory();
-                return -1;
-            }
-            self->closing = Py_NewRef(closing);
-        }
         Py_INCREF(self->refuse_in_capture);
         Py_INCREF(self->completions);
         self->torch = state.torch;
@@ -1036,10 +777,19 @@ static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream
         return NULL;
     }
     /* one int numbers the entry, names its queue, and is the token returned (see put()) */
-    PyObject *token = queue_entry(PyList_GET_ITEM(self->queues, index), index, n, tokens, event, callback,
-                                  NULL, NULL);
+    Py_ssize_t token_n = (tokens->seq / n + 1) * n + index;
+    PyObject *token = PyLong_FromSsize_t(token_n);
     if (token == NULL) return NULL;
-    int bad;
+    PyObject *entry = PyTuple_Pack(3, token, event, callback);
+    int bad = entry == NULL;
+    if (!bad) {
+        tokens->seq = token_n;
+        PyObject *r = queue_append(PyList_GET_ITEM(self->queues, index), entry);
+        bad = r == NULL;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(entry);
+    if (bad) { Py_DECREF(token); return NULL; }
     PyObject *flag = PyDict_GetItemWithError(self->wake_dict, s_flag);  /* threading.Event.is_set() reads it */
     if (flag == NULL && PyErr_Occurred()) { Py_DECREF(token); return NULL; }
     if (flag != Py_True) {  /* the completion thread sleeps: wake it */
@@ -1065,51 +815,6 @@ static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
-}
-
-/* at most this many ops in a row on one stream share an event (see NEXT_EVENT); a waiter on the
- * first of them waits for the others too, tiny ops by choice (``lazy_bytes``) */
-#define SHARED_RUN 8
-
-/* the bytes ``op`` touches, or -1 where it declares no access (its size is unknown) */
-static long long op_bytes(PyObject *op) {
-    PyObject *accesses = OPF(op, OP_ACCESSES);
-    if (accesses == NULL || !PyList_Check(accesses) || PyList_GET_SIZE(accesses) == 0) return -1;
-    long long total = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
-        PyObject *a = PyList_GET_ITEM(accesses, i), *r;
-        if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 2 || !PyTuple_Check(r = PyTuple_GET_ITEM(a, 0))
-                || PyTuple_GET_SIZE(r) != 3)
-            return -1;
-        long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 1)), end = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 2));
-        if ((start == -1 || end == -1) && PyErr_Occurred()) { PyErr_Clear(); return -1; }
-        total += end - start;
-    }
-    return total;
-}
-
-/* the event a dependent of ``dep`` (which shares the next event) waits on: the first queued after
- * dep's entry, recorded now if none is (covering_event_of); None where dep has finished. It becomes
- * dep's event, for its next dependents. A new reference, or NULL with an exception. */
-static PyObject *shared_event_of(Submitter *self, PyObject *dep) {
-    if (self->closing == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "streamdag: an op shares an event on a runtime that shares none");
-        return NULL;
-    }
-    PyObject *future = field(dep, OP_FUTURE);
-    if (future == NULL) return NULL;
-    PyObject *token = PyObject_GetAttrString(future, "_done_token");
-    Py_DECREF(future);
-    if (token == NULL) return NULL;
-    Py_ssize_t t = PyLong_AsSsize_t(token);
-    Py_DECREF(token);
-    if (t == -1 && PyErr_Occurred()) return NULL;
-    Closing c;
-    if (closing_parts(self->closing, &c) < 0) return NULL;
-    PyObject *event = covering_event_of(&c, t);
-    if (event != NULL && event != Py_None && PyObject_SetAttr(dep, sub.op_names[OP_EVENT], event) < 0)
-        Py_CLEAR(event);
-    return event;
 }
 
 /* ``Runtime._launch`` after ``_admit``, for the common case; the rest goes to ``_launch_placed`` */
@@ -1142,13 +847,8 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     for (Py_ssize_t k = 0; k < nwaits && !python; k++) {  /* a dep still launching has no event yet */
         Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(waits, k));
         if (i == -1 && PyErr_Occurred()) goto done;
-        PyObject *dep = PyList_GET_ITEM(live, i), *ev = field(dep, OP_EVENT);
+        PyObject *ev = field(PyList_GET_ITEM(live, i), OP_EVENT);
         if (ev == NULL) goto done;
-        if (ev == sub.next_event) {  /* it shares the next event on its stream: the one after it */
-            Py_SETREF(ev, shared_event_of(self, dep));
-            if (ev == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
-            if (ev == Py_None) { Py_DECREF(ev); continue; }  /* it has finished meanwhile */
-        }
         python = ev == Py_None;
         int bad = PyList_Append(events, ev) < 0;
         Py_DECREF(ev);
@@ -1168,27 +868,6 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         if (r == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
         Py_DECREF(r);
     }
-    /* share the next event on the stream (see NEXT_EVENT): a tiny op, while fewer than SHARED_RUN in
-     * a row do; before any other op, the ones sharing get an event of their own, so that a waiter on
-     * them does not wait for that op too */
-    Py_ssize_t run_at = -1;  /* the stream's completion queue, where ops may share its events */
-    int share = 0;
-    if (self->closing != NULL) {
-        run_at = stream;
-        if (!self->streams_indexed && get_int(s, s_index, &run_at) < 0) goto done;
-        if (run_at < 0 || run_at >= self->n_runs) {
-            run_at = -1;
-        } else {
-            long long bytes = op_bytes(op);
-            share = bytes >= 0 && bytes <= self->lazy_bytes && self->runs[run_at] < SHARED_RUN - 1;
-            if (!share && (bytes < 0 || bytes > self->lazy_bytes)) {
-                Closing c;
-                PyObject *closed = closing_parts(self->closing, &c) < 0 ? NULL : close_run_of(&c, run_at);
-                if (closed == NULL) { rc = launch_failed(self, op, stream_obj); goto done; }
-                Py_DECREF(closed);
-            }
-        }
-    }
     long long device = -1;  /* the current device, where known */
     int launched = self->get_device != NULL ? cuda_launch(self, s, op, events, &device) : 1;
     if (launched == 1) {  /* the backend's own launch */
@@ -1207,10 +886,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         rc = r == NULL ? -1 : 0;
         goto done;
     }
-    if (share) {
-        event = Py_NewRef(sub.next_event);
-        self->runs[run_at]++;
-    } else if (self->free_events != NULL && PyList_GET_SIZE(self->free_events)) {
+    if (self->free_events != NULL && PyList_GET_SIZE(self->free_events)) {
         Py_ssize_t last = PyList_GET_SIZE(self->free_events) - 1;
         event = Py_NewRef(PyList_GET_ITEM(self->free_events, last));
         if (PyList_SetSlice(self->free_events, last, last + 1, NULL) < 0) goto done;
@@ -1218,11 +894,8 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         rc = launch_failed(self, op, stream_obj);
         goto done;
     }
-    if (share) {
-        /* no record: the next event on the stream tells this op's completion */
-    } else if (self->torch != NULL) {
+    if (self->torch != NULL) {
         if (self->torch->record(event, s, device) < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
-        if (run_at >= 0) self->runs[run_at] = 0;
     } else {
         r = self->record != NULL ? PyObject_CallFunctionObjArgs(self->record, event, s, NULL)
                                  : PyObject_CallMethodOneArg(event, s_record, s);
@@ -1853,9 +1526,7 @@ static int finish_head(PyObject *q, PyObject *free_events, PyObject *event_type)
     if (entry == NULL) return -1;
     PyObject *event = PyTuple_GET_ITEM(entry, 1), *callback = PyTuple_GET_ITEM(entry, 2), *r;
     PyObject *finish = Py_TYPE(callback) == sub.op_type ? OPF(callback, OP_FINISH) : NULL;
-    if (callback == Py_None) {  /* an event that covers the entries before it, no op's own */
-        r = Py_NewRef(Py_None);
-    } else if (finish != NULL && PyCFunction_Check(finish) && PyCFunction_GET_SELF(finish) != NULL
+    if (finish != NULL && PyCFunction_Check(finish) && PyCFunction_GET_SELF(finish) != NULL
             && Py_TYPE(PyCFunction_GET_SELF(finish)) == submitter_type
             && PyCFunction_GET_FUNCTION(finish) == (PyCFunction)(void (*)(void))submitter_finish) {
         /* op(None), without the call */
@@ -1866,9 +1537,7 @@ static int finish_head(PyObject *q, PyObject *free_events, PyObject *event_type)
     }
     int bad = r == NULL;
     Py_XDECREF(r);
-    if (event == sub.next_event) {
-        /* shared: no event of its own to give back */
-    } else if (!bad && Py_TYPE(event) == (PyTypeObject *)event_type) {  /* exactly CudaEvent: never one that times */
+    if (!bad && Py_TYPE(event) == (PyTypeObject *)event_type) {  /* exactly CudaEvent: never one that times */
         bad = PyList_Append(free_events, event) < 0;
     } else if (!bad) {
         PyObject *timing = PyObject_GetAttr(event, s_timing);
@@ -1902,22 +1571,17 @@ static PyObject *mark_lost(PyObject *owner) {
     return error;
 }
 
-/* completions_pass(completions, queues, owner, free, event_type, closing=None) -> progressed:
- * ``_Completions._pass`` (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one
- * query of its newest event covers the whole queue (a stream runs in order); else its entries are
- * queried from the head until one has not completed. An entry that shares the next event (NEXT_EVENT)
- * has completed once the first entry after it with an event has; with ``closing`` (see Closing), a
- * queue whose newest entries share one first gets an event recorded now, so that they finish without
- * waiting for more ops. A finished entry's callback is called with None (none: an event that only
- * covers those before it) and its event given to ``free`` unless it times (``CudaBackend.recycle``)
- * or is shared. A query (or a record) that raises marks the device lost (``owner.mark_lost``); from
- * then on every entry is settled with that error (``completions._settle``). Unless ``mark_lost``
- * returns None (a query refused during a CUDA graph capture): that entry and the rest of its queue
- * stay queued.
+/* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
+ * (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one query of its newest
+ * event covers the whole queue (a stream runs in order); else its entries are queried from the head
+ * until one has not completed. A finished entry's callback is called with None and its event given
+ * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
+ * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
+ * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
+ * the rest of its queue stay queued.
  * A callback's exception propagates, as in the Python pass. */
 static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type,
-                                       const Closing *closing);
+                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type);
 
 static PyObject *note_loss(PyObject *module, PyObject *unused) {
     sub.losses++;
@@ -1934,45 +1598,21 @@ static PyObject *note_losses_of(PyObject *module, PyObject *type) {
 }
 
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 5 || nargs > 6 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "completions_pass(completions, queues: list, owner, free: list, event_type, closing=None)");
+    if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "completions_pass(completions, queues: list, owner, free: list, event_type)");
         return NULL;
     }
     PyObject *completions = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
     PyObject *event_type = args[4];
-    Closing closing, *close = NULL;
-    if (nargs == 6 && args[5] != Py_None) {
-        if (closing_parts(args[5], &closing) < 0) return NULL;
-        if (closing.queues != queues) {
-            PyErr_SetString(PyExc_ValueError, "completions_pass: closing is of other queues");
-            return NULL;
-        }
-        close = &closing;
-    }
     PyObject *owner_dict = PyObject_GenericGetDict(owner, NULL);  /* read once per entry: no look-up */
     if (owner_dict == NULL) PyErr_Clear();  /* (none: the generic look-up) */
-    PyObject *progressed = completions_pass_dict(completions, queues, owner, owner_dict, free_events, event_type,
-                                                 close);
+    PyObject *progressed = completions_pass_dict(completions, queues, owner, owner_dict, free_events, event_type);
     Py_XDECREF(owner_dict);
     return progressed;
 }
 
-/* the place of the last entry of ``q``'s first ``n`` with an event of its own, -1 if none, -2 on error */
-static Py_ssize_t last_recorded(PyObject *q, Py_ssize_t n) {
-    for (Py_ssize_t j = n - 1; j >= 0; j--) {
-        PyObject *hold;
-        if (entry_at(q, j, &hold) == NULL) return -2;
-        int shares = PyTuple_GET_ITEM(hold, 1) == sub.next_event;
-        Py_DECREF(hold);
-        if (!shares) return j;
-    }
-    return -1;
-}
-
 static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type,
-                                       const Closing *closing) {
+                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type) {
     int progressed = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(queues); i++) {
         PyObject *q = PyList_GET_ITEM(queues, i);
@@ -1981,22 +1621,8 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
         if (n == 0) continue;
         PyObject *lost = owner_lost(owner, owner_dict);
         if (lost == NULL) return NULL;
-        if (lost == Py_None && closing != NULL) {  /* the newest entries share an event: record it now */
-            PyObject *closed = close_run_of(closing, i);
-            if (closed == NULL) {  /* a sticky error surfaces here too */
-                PyObject *error = mark_lost(owner);
-                if (error == NULL) return NULL;
-                Py_DECREF(error);
-            } else {
-                Py_DECREF(closed);
-                if ((n = PyObject_Size(q)) < 0) return NULL;
-            }
-            if ((lost = owner_lost(owner, owner_dict)) == NULL) return NULL;
-        }
-        Py_ssize_t newest = lost == Py_None ? last_recorded(q, n) : -1;
-        if (newest == -2) return NULL;
-        if (newest >= 0) {
-            PyObject *event = entry_event(q, newest);
+        if (lost == Py_None) {
+            PyObject *event = entry_event(q, n - 1);
             if (event == NULL) return NULL;
             int done = event_query(event, event_type);
             Py_DECREF(event);
@@ -2005,7 +1631,7 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
                 if (error == NULL) return NULL;
                 Py_DECREF(error);
             } else if (done) {
-                known = newest + 1;
+                known = n;
             }
         }
         for (;;) {
@@ -2018,18 +1644,9 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
             if (error == Py_None && known <= 0) {
                 PyObject *event = entry_event(q, 0);
                 if (event == NULL) { Py_DECREF(error); return NULL; }
-                Py_ssize_t covering = 0;
-                if (event == sub.next_event) {  /* told by the first entry after it with an event */
-                    Py_DECREF(event);
-                    covering = next_recorded(q, 1);
-                    if (covering == -2) { Py_DECREF(error); return NULL; }
-                    if (covering == -1) { Py_DECREF(error); break; }  /* none yet: not covered */
-                    if ((event = entry_event(q, covering)) == NULL) { Py_DECREF(error); return NULL; }
-                }
                 int done = event_query(event, event_type);
                 Py_DECREF(event);
                 if (done == 0) { Py_DECREF(error); break; }
-                if (done > 0) known = covering + 1;  /* (0 more for an entry with its own event) */
                 if (done < 0) {
                     Py_SETREF(error, mark_lost(owner));
                     if (error == NULL) return NULL;
@@ -2100,12 +1717,6 @@ static PyType_Spec submitter_spec = {
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
      "_Completions._pass, compiled for its common case (backends/cuda.py)."}, \
     {"note_loss", note_loss, METH_NOARGS, "A device was lost (CudaBackend.lost was set)."}, \
-    {"covering_event", (PyCFunction)(void (*)(void))covering_event, METH_FASTCALL, \
-     "covering_event(closing, token): the event that tells the completion of that entry's op, or None."}, \
-    {"put_entry", (PyCFunction)(void (*)(void))put_entry, METH_FASTCALL, \
-     "put_entry(closing, index, event, callback) -> token: _Completions.put, compiled."}, \
-    {"close_run", (PyCFunction)(void (*)(void))close_run, METH_FASTCALL, \
-     "close_run(closing, index): record an event now where the queue's newest entries share one."}, \
     {"note_losses_of", note_losses_of, METH_O, \
      "note_losses_of(backend_type): its lost notes each loss; until one, it is None without a look-up."},
 
@@ -2141,11 +1752,6 @@ static int submit_init(PyObject *m) {
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
     parts_type = (PyTypeObject *)PyType_FromSpec(&parts_spec);
     if (parts_type == NULL || PyModule_AddObjectRef(m, "Parts", (PyObject *)parts_type) < 0) return -1;
-    PyObject *next_event_type = PyType_FromSpec(&next_event_spec);
-    if (next_event_type == NULL) return -1;
-    sub.next_event = PyObject_CallNoArgs(next_event_type);
-    Py_DECREF(next_event_type);
-    if (sub.next_event == NULL || PyModule_AddObjectRef(m, "NEXT_EVENT", sub.next_event) < 0) return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);
     if (submitter_type == NULL) return -1;
     finish_call_type = (PyTypeObject *)PyType_FromSpec(&finish_call_spec);

@@ -58,9 +58,6 @@ _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
 COMPILED_SUBMIT = True
 
 _speedups = load_native()
-#: what an op that shares the next completion event on its stream has for its own (``native/_submit.c``;
-#: never without the compiled submit)
-NEXT_EVENT: Any = getattr(_speedups, "NEXT_EVENT", object())
 
 
 @dataclass(frozen=True)
@@ -394,10 +391,6 @@ class Runtime:
                 targets = [(op.event, op.future) for op in last.values()]
                 targets += [(None, held.op.future) for held in self._held.values()]  # no event yet
             for fence, f in targets:
-                if fence is NEXT_EVENT:  # it shares the next event on its stream: the one after it
-                    fence = self.backend.covering_event(f._done_token)
-                    if fence is None:  # finished meanwhile
-                        continue
                 caller_waits = getattr(fence, "caller_waits", None)  # a device event: the stream waits
                 if caller_waits is not None:
                     caller_waits()
@@ -907,7 +900,7 @@ class Runtime:
             if fence is not None:
                 fence.wait(s)
             if host_inputs and live:
-                _wait_for_host_inputs(op.accesses, live, self, op)
+                _wait_for_host_inputs(op.accesses, live, op)
             if waits and not _DROP_WAITS:
                 for i in waits:
                     dep = live[i]
@@ -922,9 +915,7 @@ class Runtime:
                             f"streamdag internal error: op {op.name!r} was launched before host-lane "
                             f"op {dep.name!r} it follows had finished; please report it")
                     else:
-                        event = _event_of(dep, op, self)
-                        if event is not None:  # (None: it shared an event and has finished)
-                            event.wait(s)
+                        _event_of(dep, op).wait(s)
             if profiler is not None:
                 started = profiler.start(op, stream, deps)
             backend.launch(s, op.execute)  # execute raises only an interrupt (no Exception)
@@ -1156,7 +1147,7 @@ def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be at least {minimum}, got {value}" + (f" ({hint})" if hint else ""))
 
 
-def _wait_for_host_inputs(accesses: list[Access], deps: list[Op], rt: Runtime, op: Any = None) -> None:
+def _wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:
     """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
 
     Device work (kernels, copies) is ordered by events; host code reading or
@@ -1171,17 +1162,12 @@ def _wait_for_host_inputs(accesses: list[Access], deps: list[Op], rt: Runtime, o
         return
     for dep in deps:
         if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
-            event = _event_of(dep, op, rt)
-            if event is not None:
-                event.synchronize()
+            _event_of(dep, op).synchronize()
 
 
-def _event_of(dep: Op, op: Any, rt: Runtime) -> Any:
-    """``dep``'s completion event, or None where it shared the next event on its stream and has
-    finished since; it has none while it launches, so ``op`` was submitted inside it."""
+def _event_of(dep: Op, op: Any) -> Any:
+    """``dep``'s completion event; it has none while it launches, so ``op`` was submitted inside it."""
     event = dep.event
-    if event is NEXT_EVENT:  # the first event queued after it (recorded now if none is)
-        return rt._member[dep.stamp.stream].covering_event(dep.future._done_token)
     if event is None:
         name = f"op {op.name!r}" if op is not None else "this copy"
         raise RuntimeError(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access
 from ..schedule.waits import plan_waits
-from .core import _DROP_WAITS, _event_of
+from .core import _DROP_WAITS
 from .ops import Op, failed_input, release_frames
 
 if TYPE_CHECKING:
@@ -111,9 +111,7 @@ class HostReplay:
 
         for s in self.used:  # the run starts after the earlier ops it conflicts with (none on a host
             for d in live:   # lane: those were waited for before the lock, see _lock_after_host_ops)
-                event = _event_of(d, op, rt)
-                if event is not None:  # (None: it shared an event and has finished)
-                    event.wait(raw[s])
+                d.event.wait(raw[s])
         events, streams = self.events, self.streams
         waits = [()] * n if _DROP_WAITS else self.waits
         for v in range(n):

@@ -332,7 +332,7 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
     with rt._lock:  # the host data must be final before we read it
         behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
         if not behind:  # (device ops that write it: waited for on their events)
-            _wait_for_host_inputs(reading, rt._tracker.depends_on(reading), rt)
+            _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
     if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
         return _staged_h2d_on_lanes(rt, dst, src, stream, name)
     last = None

@@ -99,16 +99,8 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     def check(label, got):
         checks[label] = float((got - ref).norm() / ref.norm())
 
-    # streamdag: the same ops submitted with what they read and write (into hs and y); and in a
-    # runtime whose every op records its own completion event (no tiny ops sharing one)
-    from ..backends.cuda import CudaBackend
-
-    CudaBackend.shared_event_bytes, shared_bytes = 0, CudaBackend.shared_event_bytes
-    try:
-        own_events = sd.Runtime("cuda", streams=streams, max_inflight=1024)
-    finally:
-        CudaBackend.shared_event_bytes = shared_bytes
-    with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt, own_events:
+    # streamdag: the same ops submitted with what they read and write (into hs and y)
+    with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt:
         def submit_all():
             return submit_wide(rt, x, W, hs, y)
 
@@ -122,7 +114,6 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
             "CUDA graph 1 stream": g1.replay,
             "CUDA graph 8 streams, hand-made": g8.replay,
             "streamdag eager, multi-stream": sd_eager,
-            "streamdag eager, each op its own event": lambda: submit_wide(own_events, x, W, hs, y),
         }, iters))
         check("CUDA graph 1 stream", g1_out)
         check("CUDA graph 8 streams, hand-made", g8_out)
