@@ -248,10 +248,41 @@ def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():
         assert rt.submit(lambda: x.fill(1) or x.sum(), writes=[x], run_on="host").result(timeout=10) == 4.0
 
 
-def test_run_on_host_is_refused_where_it_is_not_supported():
-    x = np.zeros(4)
-    with make("sim") as rt, rt.record(), pytest.raises(ValueError, match="cannot hold run_on='host' ops"):
-        rt.submit(lambda: None, reads=[x], run_on="host")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind):
+    """A host-lane op recorded in a graph runs on a host lane in every run, after the device ops it
+    reads; the graph's ops after it are held until it has finished, ops of the graph that do not
+    follow it run meanwhile, and ``g.run()`` returns at once. Run after run, with new inputs."""
+    x, y, z, w, free = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    gates = []
+
+    def on_host():
+        assert threading.current_thread().name.startswith("streamdag-host")
+        gates[-1].wait(10)
+        np.add(y, 1, out=z)
+        return float(z.sum())
+
+    with make(kind) as rt:
+        with rt.record() as g:
+            rt.submit(np.multiply, x, 3, out=y, reads=[x], writes=[y])
+            host = rt.submit(on_host, reads=[y], writes=[z], run_on="host", name="on_host")
+            rt.submit(np.multiply, z, 2, out=w, reads=[z], writes=[w])
+            rt.submit(np.add, free, 1, out=free, writes=[free])  # follows nothing of the host op
+        for run in range(3):
+            gates.append(threading.Event())
+            x.fill(run + 1)
+            started = time.perf_counter()
+            result = g.run()
+            assert time.perf_counter() - started < 0.5 and not result.done()
+            deadline = time.monotonic() + 10
+            while free[0] < run + 1 and time.monotonic() < deadline:  # not behind the host op
+                time.sleep(0.005)
+            assert free.tolist() == [run + 1.0] * 4 and not result.done()
+            gates[-1].set()
+            assert result.result(timeout=10)[host] == 4 * (3 * (run + 1) + 1)
+            assert z.tolist() == [3.0 * (run + 1) + 1] * 4 and w.tolist() == [6.0 * (run + 1) + 2] * 4
+        rt.synchronize()
+        assert rt._host_ops == {} and rt._held == {} and rt._held_on == {}
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -492,3 +523,29 @@ def test_on_the_gpu_a_pageable_copy_of_what_a_host_op_writes_is_staged_on_a_lane
         rt.synchronize()
         pool = rt._staging  # every staging buffer given back
         assert sum(size * len(bufs) for size, bufs in pool._free.items()) == pool._held > 0
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_recorded_graph_with_a_host_op_runs_op_by_op_and_returns_at_once():
+    """A graph holding a host-lane op is never captured (a CUDA graph cannot hold host code): every
+    run is op by op, the host op on a lane after the kernel it reads, the op after it held, and
+    ``g.run()`` returns while the GPU still sleeps; ``explain()`` says why."""
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+    d, e = torch.empty_like(x), torch.empty_like(x)
+    h = np.zeros(1024, dtype=np.float32)
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: (torch.cuda._sleep(300_000_000), torch.mul(x, 2, out=d)), reads=[x], writes=[d])
+            rt.submit(lambda: np.copyto(h, d.cpu().numpy() + 1), reads=[d], writes=[h], run_on="host")
+            rt.submit(lambda: e.copy_(torch.from_numpy(h)), reads=[h], writes=[e])
+        for run in range(3):
+            x.fill_(run + 1)  # on the caller's stream: the graph's first op follows it
+            started = time.perf_counter()
+            result = g.run()
+            assert time.perf_counter() - started < 0.1 and not result.done()
+            result.result(timeout=30)
+            assert not g.last_run_captured
+            assert bool((e == 2 * (run + 1) + 1).all())
+        assert "host lane" in g.explain()

@@ -211,6 +211,24 @@ def test_recorded_graph_runs_equal_serial(program, streams, seed):
 
 
 @EXAMPLES
+@given(host_programs, st.sampled_from(["sim", "inline+host"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_recorded_graphs_with_host_lane_ops_equal_serial(program, device, streams, seed):
+    """A recorded graph with some ops on the host lanes, run twice without a wait in between."""
+    expect_bases, expect_results, _, _ = serial([dict(op) for op in program + program])
+    bases = initial_bases()
+    made = ({"backend": InlineBackend("sim", streams)} if device == "inline+host"
+            else {"device": device, "streams": streams, "seed": seed})
+    with sd.Runtime(max_inflight=8, **made) as rt:
+        with rt.record() as g:
+            for i, op in enumerate(program):
+                submit_op(rt, op, bases, f"op{i}", host=op["host"])
+        first, second = g.run(), g.run()
+        assert list(first.result(timeout=60)) + list(second.result(timeout=60)) == expect_results
+    for got, want in zip(bases, expect_bases):
+        assert np.array_equal(got, want)
+
+
+@EXAMPLES
 @given(programs, programs, st.integers(1, 4), st.integers(0, 2**16))
 def test_graph_runs_and_eager_ops_interleaved_equal_serial(graph_program, eager_program, streams, seed):
     """g.run(); eager ops; g.run(), with nothing waited for in between: ordered as if serial."""
@@ -240,7 +258,7 @@ def submit_op(rt, op, bases, name, host=False):
 
 # per thread: its program (some ops on the host lanes), the ops of the graph it records, and how
 # many of its ops come between two runs of that graph
-threads_programs = st.lists(st.tuples(host_programs, programs.map(lambda p: p[:3]), st.integers(2, 6)),
+threads_programs = st.lists(st.tuples(host_programs, host_programs.map(lambda p: p[:3]), st.integers(2, 6)),
                             min_size=2, max_size=3)
 
 
@@ -249,8 +267,9 @@ threads_programs = st.lists(st.tuples(host_programs, programs.map(lambda p: p[:3
        st.integers(0, 2**16))
 def test_threads_submitting_at_once_each_get_their_serial_result(threads, device, streams, seed):
     """Threads submit to one runtime at once, each over its own buffers: eager ops, host-lane ops
-    and runs of a graph it recorded, contending for a small in-flight bound and the runtime's
-    locks. Each thread's buffers must end as its own program run serially leaves them."""
+    and runs of a graph it recorded (some of its ops on the host lanes too), contending for a
+    small in-flight bound and the runtime's locks. Each thread's buffers must end as its own
+    program run serially leaves them."""
     expected = []
     for program, graph_ops, every in threads:
         bases = initial_bases()
@@ -271,7 +290,7 @@ def test_threads_submitting_at_once_each_get_their_serial_result(threads, device
                 bases = got[t] = initial_bases()
                 with rt.record() as graph:
                     for j, op in enumerate(graph_ops):
-                        submit_op(rt, op, bases, f"t{t}g{j}")
+                        submit_op(rt, op, bases, f"t{t}g{j}", host=op["host"])
                 start.wait(timeout=30)
                 futures = []
                 for i, op in enumerate(program):

@@ -593,9 +593,6 @@ class Runtime:
                              f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording_here()
         if recording is not None:
-            if device == "host":
-                raise ValueError(f"op {op_name!r}: a recorded graph cannot hold run_on='host' ops yet; "
-                                 "submit it after the `with rt.record()` block, or without run_on")
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
                              device, on_host)

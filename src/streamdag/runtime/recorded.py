@@ -94,6 +94,7 @@ class RecordedGraph:
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
+        self._has_host_ops = False  # a run_on="host" op among its ops: it runs op by op, never captured
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -120,17 +121,24 @@ class RecordedGraph:
 
     def finish(self) -> None:
         rt = self._rt
-        self._groups = [rt.devices.index(op.device) for op in self._ops]
+        # a host-lane op (run_on="host") is scheduled with the first device's ops, onto a host lane
+        self._groups = [rt.devices.index(op.device) if op.device != "host" else 0 for op in self._ops]
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
-        self.devices = sorted({op.device for op in self._ops}, key=rt.devices.index)
-        device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt._compute_of)
+        self.devices = sorted({op.device for op in self._ops} - {"host"}, key=rt.devices.index)
+        device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt.devices)
         #: every device whose memory or streams the graph uses
         self.touched_devices = sorted(device_spaces | set(self.devices), key=rt.devices.index)
         self._spans_devices = len(self.touched_devices) > 1
         # one CUDA graph holds the work of every GPU it touches (see capture.py); else host replays
         self.capture = bool(self.devices) and all(d.startswith("cuda") for d in self.touched_devices)
+        host_ops = [op.name for op in self._ops if op.device == "host"]
+        self._has_host_ops = bool(host_ops)
+        if host_ops and self.capture:  # host code between the kernels: no CUDA graph holds it
+            self.capture = False
+            self.capture_fallback = (f"op {host_ops[0]!r} runs on a host lane (run_on='host'), which a "
+                                     "CUDA graph cannot hold")
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
@@ -140,6 +148,9 @@ class RecordedGraph:
         rt = self._rt
         k = self.schedule.stream[v]
         per_device = rt.num_streams
+        if rec.device == "host":  # the host lane of the same number (the schedule's order holds)
+            lanes = rt._compute_of["host"]
+            return lanes[k % len(lanes)]
         return rt._compute_of[rt.devices[k // per_device]][k % per_device]
 
     @property
@@ -217,8 +228,9 @@ class RecordedGraph:
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
             device = rt._stream_device[stream]
+            on_lane = device == "host"
             try:  # (before the op is linked: it raises inside the caller's capture)
-                fence = rt._caller_fence(device) if rt._host_ops else None
+                fence = rt._caller_fence(device) if rt._host_ops and not on_lane else None
             except BaseException:
                 rt._slots.release()
                 raise
@@ -228,10 +240,13 @@ class RecordedGraph:
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in sched.preds[v]]
-            # host code runs now: its host inputs must be final. Held behind the unfinished host-lane
-            # ops it follows (one may also have come in while this thread waited for a slot)
-            rt._launch_or_hold(op, deps, stream, device, rec.stream is None and not rt.backend.deferred,
-                               fence)
+            if on_lane:  # a host-lane op of the graph: what follows it is held until it has finished
+                rt._host_ops[op.seq] = op
+            # host code runs now: its host inputs must be final (but on a lane, which waits for them
+            # itself). Held behind the unfinished host-lane ops it follows (of this run, or one that
+            # came in while this thread waited for a slot)
+            host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
+            rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
             launched.append(op)
 
     def _host_replay_allowed(self, per_op: bool) -> bool:
@@ -240,7 +255,7 @@ class RecordedGraph:
         On GPUs, host code that touches host memory must run op by op, since it
         runs at launch and must wait on the host for its inputs.
         """
-        if not self._spans_devices or per_op:
+        if not self._spans_devices or per_op or self._has_host_ops:
             return False
         if self._rt.backend.deferred:
             return True
