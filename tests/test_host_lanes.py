@@ -321,6 +321,38 @@ def test_host_lanes_on_a_runtime_of_several_devices(seed):
     np.testing.assert_array_equal(out1.data, [130.0, 140.0])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_graph_over_several_devices_after_a_host_op_is_held_and_returns_at_once(seed):
+    """A graph over two devices runs as a host replay, which would wait for a host-lane op it
+    follows in the submitting thread; behind one, that run goes op by op, held, and returns at
+    once. With nothing to follow, the next run replays as before."""
+    from streamdag.backends.sim import SimArray
+
+    def on(device):
+        return SimArray(np.zeros(4), device)
+
+    x = np.zeros(4)
+    a, b = on("sim:0"), on("sim:1")
+    with sd.Runtime(devices=["sim:0", "sim:1"], streams=2, seed=seed) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: np.add(a.data, x, out=a.data), reads=[x], writes=[a])
+            rt.submit(lambda: np.add(b.data, x * 10, out=b.data), reads=[x], writes=[b])
+        for run in range(2):
+            gate = threading.Event()
+            rt.submit(lambda gate=gate, value=run + 1: (gate.wait(10), x.fill(value)), writes=[x],
+                      run_on="host")
+            started = time.perf_counter()
+            result = g.run()
+            assert time.perf_counter() - started < 0.5 and not result.done()
+            gate.set()
+            result.result(timeout=10)
+        assert g._host_replay is None  # both runs went op by op
+        g.run().result(timeout=10)  # nothing to follow: the host replay
+        assert g._host_replay is not None
+    np.testing.assert_array_equal(a.data, [5.0] * 4)  # 1 + 2 + 2
+    np.testing.assert_array_equal(b.data, [50.0] * 4)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_graph_run_after_a_host_op_is_held_behind_it_and_returns_at_once(kind):
     x, y, z, free = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)

@@ -176,7 +176,7 @@ class RecordedGraph:
             if future is not None:
                 self.last_run_captured = True
                 return future
-        if self._host_replay_allowed(per_op):
+        if self._host_replay_allowed(per_op) and not self._behind_host_ops():
             return self._run_host_replay()
         probe = None
         if self.capture and self._runs == 1:
@@ -261,6 +261,17 @@ class RecordedGraph:
             return True
         return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
                        for rec in self._ops)
+
+    def _behind_host_ops(self) -> bool:
+        """Whether unfinished host-lane ops (or ops held behind them) touch the graph's memory. A host
+        replay would wait for them in the submitting thread; this run goes op by op instead, each op
+        held behind them as an eager submit is (a host-lane op submitted between this check and the
+        replay is still waited for there)."""
+        rt = self._rt
+        if not rt._host_ops:
+            return False
+        with rt._lock:
+            return bool(rt._host_deps(self._graph_accesses(), "graph"))
 
     def _run_host_replay(self) -> Future:
         from .replay import HostReplay
