@@ -581,3 +581,75 @@ def test_on_the_gpu_a_recorded_graph_with_a_host_op_runs_op_by_op_and_returns_at
             assert not g.last_run_captured
             assert bool((e == 2 * (run + 1) + 1).all())
         assert "host lane" in g.explain()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", range(6))
+def test_on_the_gpu_random_programs_of_device_and_host_lane_ops_equal_serial(seed):
+    """Random programs over device buffers and host buffers: device ops that read host memory and
+    host-lane ops that read device memory (after the kernels writing it) and write host memory,
+    which later device ops read (held until they have finished), some recorded as a graph and run
+    twice. The buffers must end as the same program run serially on the CPU leaves them."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    n = 64
+
+    def program(length):
+        ops = []
+        for _ in range(length):
+            host = rng.random() < 0.35
+            ops.append({"host": host, "dev": rng.randrange(3), "src": rng.randrange(2),
+                        "out": rng.randrange(2) if host else rng.randrange(3),
+                        "k": rng.randrange(1, 50), "lo": rng.randrange(n // 2),
+                        "hi": rng.randrange(n // 2, n) + 1})
+        return ops
+
+    def run(op, dev, hosts, device):
+        lo, hi = op["lo"], op["hi"]
+        if op["host"]:  # host code: reads a device buffer where it is, writes a host buffer
+            seen = dev[op["dev"]][lo:hi].cpu().numpy()
+            out = hosts[op["out"]][lo:hi]
+            out[:] = (out * 7 + seen + hosts[op["src"]][lo:hi] + op["k"]) % 1000003
+        else:  # device code: reads a host buffer (copied in) and a device buffer
+            src = torch.as_tensor(hosts[op["src"]][lo:hi], device=device)
+            out = dev[op["out"]][lo:hi]
+            extra = dev[op["dev"]][lo:hi].sum() % 1009 + op["k"]
+            out.mul_(3).add_(src).add_(extra).remainder_(1000003)
+
+    def make(device):
+        dev = [torch.arange(n, dtype=torch.int64, device=device) * (i + 2) for i in range(3)]
+        hosts = [np.arange(n, dtype=np.int64) * (i + 5) for i in range(2)]
+        return dev, hosts
+
+    def submit(rt, op, dev, hosts):
+        lo, hi = op["lo"], op["hi"]
+        reads = [dev[op["dev"]][lo:hi], hosts[op["src"]][lo:hi]]
+        if op["host"]:
+            return rt.submit(run, op, dev, hosts, "cuda", reads=reads, writes=[hosts[op["out"]][lo:hi]],
+                             run_on="host")
+        return rt.submit(run, op, dev, hosts, "cuda", reads=reads, writes=[dev[op["out"]][lo:hi]])
+
+    eager, graph_ops, after = program(30), program(8), program(10)
+    want_dev, want_hosts = make("cpu")
+    for op in eager + graph_ops + graph_ops + after:
+        run(op, want_dev, want_hosts, "cpu")
+    dev, hosts = make("cuda")
+    with sd.Runtime("cuda", streams=3, max_inflight=16) as rt:
+        with rt.record() as g:
+            for op in graph_ops:
+                submit(rt, op, dev, hosts)
+        for op in eager:
+            submit(rt, op, dev, hosts)
+        runs = [g.run(), g.run()]
+        for op in after:
+            submit(rt, op, dev, hosts)
+        rt.synchronize()
+        for r in runs:
+            r.result(timeout=30)
+    for got, want in zip(dev, want_dev):
+        assert torch.equal(got.cpu(), want)
+    for got, want in zip(hosts, want_hosts):
+        np.testing.assert_array_equal(got, want)

@@ -3,7 +3,7 @@
 Each thread submits ops (some failing, some with done-callbacks that submit
 more, some on the host lanes beside the device, ``run_on="host"``, over host
 buffers that other ops read), cancels, waits with and without timeouts, synchronizes, records and
-runs small graphs, orders its stream after futures, and tries non-blocking
+runs small graphs (some with a host-lane op), orders its stream after futures, and tries non-blocking
 submits, under a small in-flight bound. Nothing may hang (pytest-timeout
 turns a hang into a failure), no call may raise what the API does not
 promise, and every op must end finished or failed.
@@ -65,6 +65,10 @@ def _worker(rt, bufs, hbufs, seed, futures, unexpected):
                 with rt.record() as g:
                     rt.submit(op(i, False), writes=[bufs[i]])
                     rt.submit(op(j, rng.random() < 0.2), reads=[bufs[i]], writes=[bufs[j]])
+                    if rng.random() < 0.5:  # a host-lane op in the graph, and a device op after it
+                        rt.submit(host_op(i, j, rng.random() < 0.2), reads=[hbufs[j]], writes=[hbufs[i]],
+                                  run_on="host")
+                        rt.submit(op(j, False, i), reads=[hbufs[i]], writes=[bufs[j]])
                 with contextlib.suppress(sd.ExceptionGroup):
                     g.run().result(timeout=30)
             elif action < 0.9:
