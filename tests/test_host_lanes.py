@@ -321,6 +321,18 @@ def test_host_lanes_on_a_runtime_of_several_devices(seed):
     np.testing.assert_array_equal(out1.data, [130.0, 140.0])
 
 
+def run_behind_a_gated_host_op(rt, g, x, value):
+    """Run graph ``g`` after a host-lane op that fills ``x`` with ``value`` once a gate opens: the
+    run must return at once, not done; then the gate opens and the run finishes."""
+    gate = threading.Event()
+    rt.submit(lambda: (gate.wait(10), x.fill(value)), writes=[x], run_on="host")
+    started = time.perf_counter()
+    result = g.run()
+    assert time.perf_counter() - started < 0.5 and not result.done()
+    gate.set()
+    return result.result(timeout=10)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_graph_over_several_devices_after_a_host_op_is_held_and_returns_at_once(seed):
     """A graph over two devices runs as a host replay, which would wait for a host-lane op it
@@ -338,14 +350,7 @@ def test_a_graph_over_several_devices_after_a_host_op_is_held_and_returns_at_onc
             rt.submit(lambda: np.add(a.data, x, out=a.data), reads=[x], writes=[a])
             rt.submit(lambda: np.add(b.data, x * 10, out=b.data), reads=[x], writes=[b])
         for run in range(2):
-            gate = threading.Event()
-            rt.submit(lambda gate=gate, value=run + 1: (gate.wait(10), x.fill(value)), writes=[x],
-                      run_on="host")
-            started = time.perf_counter()
-            result = g.run()
-            assert time.perf_counter() - started < 0.5 and not result.done()
-            gate.set()
-            result.result(timeout=10)
+            run_behind_a_gated_host_op(rt, g, x, run + 1)
         assert g._host_replay is None  # both runs went op by op
         g.run().result(timeout=10)  # nothing to follow: the host replay
         assert g._host_replay is not None
@@ -362,14 +367,7 @@ def test_a_graph_run_after_a_host_op_is_held_behind_it_and_returns_at_once(kind)
             rt.submit(np.add, y, 1, out=z, reads=[y], writes=[z])
             rt.submit(np.add, free, 1, out=free, writes=[free])  # follows no host op
         for run in range(2):
-            gate = threading.Event()
-            rt.submit(lambda gate=gate, value=2 + run: (gate.wait(10), x.fill(value)), writes=[x],
-                      run_on="host")
-            started = time.perf_counter()
-            result = g.run()
-            assert time.perf_counter() - started < 0.5 and not result.done()
-            gate.set()
-            result.result(timeout=10)
+            run_behind_a_gated_host_op(rt, g, x, 2 + run)
             assert y.tolist() == [6.0 + 3 * run] * 4 and z.tolist() == [7.0 + 3 * run] * 4
         assert free.tolist() == [2.0] * 4
 
