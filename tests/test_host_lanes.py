@@ -281,6 +281,7 @@ def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind
             gates[-1].set()
             assert result.result(timeout=10)[host] == 4 * (3 * (run + 1) + 1)
             assert z.tolist() == [3.0 * (run + 1) + 1] * 4 and w.tolist() == [6.0 * (run + 1) + 2] * 4
+        assert "host lanes: 1 op(s) run on the host beside the device ('on_host'" in g.explain()
         rt.synchronize()
         assert rt._host_ops == {} and rt._held == {} and rt._held_on == {}
 

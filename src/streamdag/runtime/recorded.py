@@ -396,6 +396,11 @@ class RecordedGraph:
         elif self.capture_fallback:
             extra.append(f"CUDA graph: not used ({self.capture_fallback}); runs eagerly")
         rt = self._rt
+        on_lanes = [op.name for op in self._ops if op.device == "host"]
+        if on_lanes:
+            shown = ", ".join(repr(name) for name in on_lanes[:5]) + (", ..." if len(on_lanes) > 5 else "")
+            extra.append(f"host lanes: {len(on_lanes)} op(s) run on the host beside the device ({shown}; "
+                         "run_on='host'), each at its stream's number among the lanes")
         if rt._multi:
             per = rt.num_streams
             spans = ", ".join(f"s{i * per}-s{i * per + per - 1} on {d}" for i, d in enumerate(rt.devices))
