@@ -94,7 +94,10 @@ class RecordedGraph:
         self.capture = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
-        self._has_host_ops = False  # a run_on="host" op among its ops: it runs op by op, never captured
+        self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
+        #: with host-lane ops, on one device: the graph in parts, in order: a graph of the device ops
+        #: between two host-lane ops (captured on its own on CUDA), or a host-lane op's index
+        self._parts: list[RecordedGraph | int] | None = None
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -135,10 +138,37 @@ class RecordedGraph:
         self.capture = bool(self.devices) and all(d.startswith("cuda") for d in self.touched_devices)
         host_ops = [op.name for op in self._ops if op.device == "host"]
         self._has_host_ops = bool(host_ops)
-        if host_ops and self.capture:  # host code between the kernels: no CUDA graph holds it
+        if host_ops and not self._spans_devices:  # host code between kernels: the graph in parts
+            self._parts = self._split_at_host_ops()
+        if host_ops and self.capture:  # no one CUDA graph holds host code
             self.capture = False
             self.capture_fallback = (f"op {host_ops[0]!r} runs on a host lane (run_on='host'), which a "
-                                     "CUDA graph cannot hold")
+                                     "CUDA graph cannot hold" + ("; the device ops between host-lane "
+                                     "ops are graphs of their own" if self._parts else ""))
+
+    def _split_at_host_ops(self) -> list[RecordedGraph | int]:
+        """The parts of a graph with host-lane ops: each run of device ops between them a graph of
+        its own (captured on CUDA from its second run), each host-lane op alone, in their order.
+        Run in that order as ops of the runtime, they keep every dependency between the graph's ops
+        (each part follows the earlier parts whose memory it touches, as any op does)."""
+        parts: list[RecordedGraph | int] = []
+        segment: RecordedGraph | None = None
+        for v, rec in enumerate(self._ops):
+            if rec.device == "host":
+                if segment is not None:
+                    segment.finish()
+                    segment = None
+                parts.append(v)
+                continue
+            if segment is None:
+                segment = RecordedGraph(self._rt, self.copy_out)
+                segment.time_ops = self.time_ops
+                parts.append(segment)
+            segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream, rec.written,
+                        rec.device)
+        if segment is not None:
+            segment.finish()
+        return parts
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
@@ -170,6 +200,8 @@ class RecordedGraph:
         sched = self.schedule
         self._runs += 1
         self.last_run_captured = False
+        if self._parts is not None:
+            return self._run_parts()
         per_op = rt._profiler is not None and rt._profiler.per_op
         if self.capture and self._runs > 1 and len(self._ops) and not per_op:
             future = self._run_captured()
@@ -248,6 +280,51 @@ class RecordedGraph:
             host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
             rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
             launched.append(op)
+
+    def _run_parts(self) -> Future:
+        """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
+        the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s."""
+        from ..errors import DependencyFailed
+
+        rt = self._rt
+        parts = self._parts or []
+        result = Future()
+        result.op_name = "graph"
+        futures: list[Any] = []
+
+        def settle() -> None:
+            values: list[Any] = []
+            errors: list[BaseException] = []
+            for part, f in zip(parts, futures):
+                error = f.exception()
+                if error is None:
+                    values.extend(f.result() if isinstance(part, RecordedGraph) else [f.result()])
+                else:
+                    errors.extend(error.exceptions if isinstance(error, ExceptionGroup) else [error])
+            if not errors:
+                result.set_result(GraphResult(values))
+                return
+            # the graph's own root failures, as a run in one piece reports them; else the first
+            own = [e for e in errors if not isinstance(e, DependencyFailed)]
+            roots = own or errors[:1]
+            result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
+
+        with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
+            for part in parts:
+                if isinstance(part, RecordedGraph):
+                    futures.append(part.run())
+                else:
+                    rec = self._ops[part]
+                    on_host = any(a.region.space == "cpu" for a in rec.accesses)
+                    futures.append(rt._enqueue(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name,
+                                               rec.name, True, None, False, "host", on_host))
+        graphs = [p for p in parts if isinstance(p, RecordedGraph)]
+        self.last_run_captured = bool(graphs) and all(p.last_run_captured for p in graphs)
+        result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        one_done = after_all(len(futures), settle)
+        for f in futures:
+            f._on_done(one_done)
+        return result
 
     def _host_replay_allowed(self, per_op: bool) -> bool:
         """Graphs over several devices run as host replays, unless profiled op by op.
