@@ -98,6 +98,7 @@ class RecordedGraph:
         #: with host-lane ops, on one device: the graph in parts, in order: a graph of the device ops
         #: between two host-lane ops (captured on its own on CUDA), or a host-lane op's index
         self._parts: list[RecordedGraph | int] | None = None
+        self._calls_above = 0  # a part of a graph: the calls between the user's run() and its own
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -163,6 +164,7 @@ class RecordedGraph:
             if segment is None:
                 segment = RecordedGraph(self._rt, self.copy_out)
                 segment.time_ops = self.time_ops
+                segment._calls_above = 2  # (run, _run_parts)
                 parts.append(segment)
             segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream, rec.written,
                         rec.device)
@@ -446,7 +448,7 @@ class RecordedGraph:
         self.capture = False
         self.capture_fallback = reason
         warnings.warn(f"streamdag: running this graph eagerly on streams, without a CUDA graph: {reason}",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=4 + self._calls_above)
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
