@@ -267,7 +267,9 @@ def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind
             rt.submit(np.multiply, x, 3, out=y, reads=[x], writes=[y])
             host = rt.submit(on_host, reads=[y], writes=[z], run_on="host", name="on_host")
             rt.submit(np.multiply, z, 2, out=w, reads=[z], writes=[w])
-            rt.submit(np.add, free, 1, out=free, writes=[free])  # follows nothing of the host op
+            freed = rt.submit(np.add, free, 1, out=free, writes=[free])  # follows nothing of the host op
+        # in parts: the device ops that follow no host-lane op, the host op, the device op after it
+        assert [f"op {p}" if isinstance(p, int) else len(p) for p in g._parts] == [2, "op 1", 1]
         for run in range(3):
             gates.append(threading.Event())
             x.fill(run + 1)
@@ -279,7 +281,8 @@ def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind
                 time.sleep(0.005)
             assert free.tolist() == [run + 1.0] * 4 and not result.done()
             gates[-1].set()
-            assert result.result(timeout=10)[host] == 4 * (3 * (run + 1) + 1)
+            values = result.result(timeout=10)
+            assert values[host] == 4 * (3 * (run + 1) + 1) and values[freed] is free
             assert z.tolist() == [3.0 * (run + 1) + 1] * 4 and w.tolist() == [6.0 * (run + 1) + 2] * 4
         assert "host lanes: 1 op(s) run on the host beside the device ('on_host'" in g.explain()
         rt.synchronize()

@@ -95,10 +95,11 @@ class RecordedGraph:
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
         self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
-        #: with host-lane ops, on one device: the graph in parts, in order: a graph of the device ops
-        #: between two host-lane ops (captured on its own on CUDA), or a host-lane op's index
+        #: with host-lane ops, on one device: the graph in parts, in order: a graph of device ops
+        #: (captured on its own on CUDA), or a host-lane op's index (see ``_split_at_host_ops``)
         self._parts: list[RecordedGraph | int] | None = None
         self._calls_above = 0  # a part of a graph: the calls between the user's run() and its own
+        self._part_ops: list[list[int]] = []  # the indices of each part's ops among this graph's
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -148,28 +149,38 @@ class RecordedGraph:
                                      "ops are graphs of their own" if self._parts else ""))
 
     def _split_at_host_ops(self) -> list[RecordedGraph | int]:
-        """The parts of a graph with host-lane ops: each run of device ops between them a graph of
-        its own (captured on CUDA from its second run), each host-lane op alone, in their order.
-        Run in that order as ops of the runtime, they keep every dependency between the graph's ops
+        """The parts of a graph with host-lane ops, in the order they run: graphs of device ops
+        (captured on CUDA from their second run) and host-lane ops (their index), by stage. A
+        device op's stage is the most host-lane ops on a path of dependencies into it; a host-lane
+        op's, that of the ops it follows. Stage by stage, the device ops form one graph, then the
+        host-lane ops run: each part comes after every op it depends on, and a device op that
+        follows no host-lane op joins the first graph, whatever its place among the ops. Run in
+        this order as ops of the runtime, the parts keep every dependency between the graph's ops
         (each part follows the earlier parts whose memory it touches, as any op does)."""
+        ops, n = self._ops, len(self._ops)
+        on_lane = [rec.device == "host" for rec in ops]
+        stage = [0] * n
+        for v in range(n):  # (preds come before their op)
+            stage[v] = max((stage[u] + (on_lane[u] and not on_lane[v]) for u in self._preds[v]), default=0)
         parts: list[RecordedGraph | int] = []
-        segment: RecordedGraph | None = None
-        for v, rec in enumerate(self._ops):
-            if rec.device == "host":
-                if segment is not None:
-                    segment.finish()
-                    segment = None
-                parts.append(v)
-                continue
-            if segment is None:
+        self._part_ops = []
+        for k in range(max(stage, default=-1) + 1):
+            device_ops = [v for v in range(n) if stage[v] == k and not on_lane[v]]
+            if device_ops:
                 segment = RecordedGraph(self._rt, self.copy_out)
                 segment.time_ops = self.time_ops
                 segment._calls_above = 2  # (run, _run_parts)
+                for v in device_ops:
+                    rec = ops[v]
+                    segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream,
+                                rec.written, rec.device)
+                segment.finish()
                 parts.append(segment)
-            segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream, rec.written,
-                        rec.device)
-        if segment is not None:
-            segment.finish()
+                self._part_ops.append(device_ops)
+            for v in range(n):
+                if stage[v] == k and on_lane[v]:
+                    parts.append(v)
+                    self._part_ops.append([v])
         return parts
 
     def _runtime_stream(self, v: int) -> int:
@@ -295,12 +306,14 @@ class RecordedGraph:
         futures: list[Any] = []
 
         def settle() -> None:
-            values: list[Any] = []
+            values: list[Any] = [None] * len(self._ops)
             errors: list[BaseException] = []
-            for part, f in zip(parts, futures):
+            for part, indices, f in zip(parts, self._part_ops, futures):
                 error = f.exception()
                 if error is None:
-                    values.extend(f.result() if isinstance(part, RecordedGraph) else [f.result()])
+                    got = f.result() if isinstance(part, RecordedGraph) else [f.result()]
+                    for v, value in zip(indices, got):
+                        values[v] = value
                 else:
                     errors.extend(error.exceptions if isinstance(error, ExceptionGroup) else [error])
             if not errors:
