@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ExceptionGroup
+from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access, coalesce, envelope
 from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
@@ -95,11 +95,11 @@ class RecordedGraph:
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
         self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
-        #: with host-lane ops, on one device: the graph in parts, in order: a graph of device ops
-        #: (captured on its own on CUDA), or a host-lane op's index (see ``_split_at_host_ops``)
-        self._parts: list[RecordedGraph | int] | None = None
+        #: with host-lane ops, on one device: the graph in parts, in the order they run, each with
+        #: the indices of its ops among this graph's: a graph of device ops (captured on its own on
+        #: CUDA), or None for a host-lane op (see ``_split_at_host_ops``)
+        self._parts: list[tuple[RecordedGraph | None, list[int]]] | None = None
         self._calls_above = 0  # a part of a graph: the calls between the user's run() and its own
-        self._part_ops: list[list[int]] = []  # the indices of each part's ops among this graph's
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -145,10 +145,10 @@ class RecordedGraph:
         if host_ops and self.capture:  # no one CUDA graph holds host code
             self.capture = False
             self.capture_fallback = (f"op {host_ops[0]!r} runs on a host lane (run_on='host'), which a "
-                                     "CUDA graph cannot hold" + ("; the device ops between host-lane "
-                                     "ops are graphs of their own" if self._parts else ""))
+                                     "CUDA graph cannot hold" + ("; its device ops run as graphs of their "
+                                     "own, stage by stage" if self._parts else ""))
 
-    def _split_at_host_ops(self) -> list[RecordedGraph | int]:
+    def _split_at_host_ops(self) -> list[tuple[RecordedGraph | None, list[int]]]:
         """The parts of a graph with host-lane ops, in the order they run: graphs of device ops
         (captured on CUDA from their second run) and host-lane ops (their index), by stage. A
         device op's stage is the most host-lane ops on a path of dependencies into it; a host-lane
@@ -162,8 +162,7 @@ class RecordedGraph:
         stage = [0] * n
         for v in range(n):  # (preds come before their op)
             stage[v] = max((stage[u] + (on_lane[u] and not on_lane[v]) for u in self._preds[v]), default=0)
-        parts: list[RecordedGraph | int] = []
-        self._part_ops = []
+        parts: list[tuple[RecordedGraph | None, list[int]]] = []
         for k in range(max(stage, default=-1) + 1):
             device_ops = [v for v in range(n) if stage[v] == k and not on_lane[v]]
             if device_ops:
@@ -175,12 +174,8 @@ class RecordedGraph:
                     segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream,
                                 rec.written, rec.device)
                 segment.finish()
-                parts.append(segment)
-                self._part_ops.append(device_ops)
-            for v in range(n):
-                if stage[v] == k and on_lane[v]:
-                    parts.append(v)
-                    self._part_ops.append([v])
+                parts.append((segment, device_ops))
+            parts += [(None, [v]) for v in range(n) if stage[v] == k and on_lane[v]]
         return parts
 
     def _runtime_stream(self, v: int) -> int:
@@ -297,8 +292,6 @@ class RecordedGraph:
     def _run_parts(self) -> Future:
         """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
         the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s."""
-        from ..errors import DependencyFailed
-
         rt = self._rt
         parts = self._parts or []
         result = Future()
@@ -308,10 +301,10 @@ class RecordedGraph:
         def settle() -> None:
             values: list[Any] = [None] * len(self._ops)
             errors: list[BaseException] = []
-            for part, indices, f in zip(parts, self._part_ops, futures):
+            for (graph, indices), f in zip(parts, futures):
                 error = f.exception()
                 if error is None:
-                    got = f.result() if isinstance(part, RecordedGraph) else [f.result()]
+                    got = f.result() if graph is not None else [f.result()]
                     for v, value in zip(indices, got):
                         values[v] = value
                 else:
@@ -325,16 +318,15 @@ class RecordedGraph:
             result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
 
         with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
-            for part in parts:
-                if isinstance(part, RecordedGraph):
-                    futures.append(part.run())
+            for graph, indices in parts:
+                if graph is not None:
+                    futures.append(graph.run())
                 else:
-                    rec = self._ops[part]
-                    on_host = any(a.region.space == "cpu" for a in rec.accesses)
-                    futures.append(rt._enqueue(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name,
-                                               rec.name, True, None, False, "host", on_host))
-        graphs = [p for p in parts if isinstance(p, RecordedGraph)]
-        self.last_run_captured = bool(graphs) and all(p.last_run_captured for p in graphs)
+                    rec = self._ops[indices[0]]
+                    futures.append(rt._enqueue(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.name,
+                                               blocking=True, stream=None, device="host"))
+        graphs = [graph for graph, _ in parts if graph is not None]
+        self.last_run_captured = bool(graphs) and all(g.last_run_captured for g in graphs)
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
         one_done = after_all(len(futures), settle)
         for f in futures:
