@@ -16,7 +16,11 @@ from typing import Any
 from .host import Command, HostEvent
 from .threads import report_escaped
 
-__all__ = ["CpuBackend", "HostLanes"]
+__all__ = ["LANE_THREADS", "CpuBackend", "HostLanes"]
+
+#: the idents of the lane threads running now (of every runtime): where an op may be submitted
+#: from inside another op, which ``Runtime._host_deps`` checks (the compiled submit asks here first)
+LANE_THREADS: set[int] = set()
 
 
 class _Lane:
@@ -50,6 +54,14 @@ class _Lane:
         return threading.current_thread() is self._thread
 
     def _loop(self) -> None:
+        ident = threading.get_ident()
+        LANE_THREADS.add(ident)
+        try:
+            self._run_commands()
+        finally:
+            LANE_THREADS.discard(ident)
+
+    def _run_commands(self) -> None:
         while True:
             command = self._queue.get()
             if command is None:

@@ -61,7 +61,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block;
+                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle, *s_lane_threads;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -817,9 +817,10 @@ static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
     return 0;
 }
 
-/* ``Runtime._launch`` after ``_admit``, for the common case; the rest goes to ``_launch_placed`` */
+/* ``Runtime._launch`` after ``_admit``, for the common case; the rest goes to ``_launch_placed``.
+ * ``fence`` (or NULL): an event the stream waits for first (see admit_and_launch) */
 static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stream, PyObject *live,
-                  PyObject *waits, int host_inputs) {
+                  PyObject *waits, int host_inputs, PyObject *fence) {
     PyObject *stream_obj = PyLong_FromSsize_t(stream);
     if (stream_obj == NULL) return -1;
     int rc = -1;
@@ -843,7 +844,9 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     Parts *parts = (Parts *)self->parts;
     int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
-    if (nwaits && (events = PyList_New(0)) == NULL) goto done;
+    if (fence == Py_None) fence = NULL;
+    if ((nwaits || fence != NULL) && (events = PyList_New(0)) == NULL) goto done;
+    if (fence != NULL && PyList_Append(events, fence) < 0) goto done;
     for (Py_ssize_t k = 0; k < nwaits && !python; k++) {  /* a dep still launching has no event yet */
         Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(waits, k));
         if (i == -1 && PyErr_Occurred()) goto done;
@@ -855,8 +858,9 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         if (bad) goto done;
     }
     if (python) {
-        PyObject *call[] = {self->rt, op, deps, stream_obj, live, waits, host_inputs ? Py_True : Py_False};
-        r = PyObject_VectorcallMethod(s_launch_placed, call, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *call[] = {self->rt, op, deps, stream_obj, live, waits, host_inputs ? Py_True : Py_False,
+                            fence != NULL ? fence : Py_None};
+        r = PyObject_VectorcallMethod(s_launch_placed, call, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
         goto done;
@@ -946,34 +950,27 @@ static PyObject *numbered_name(PyObject *name, Py_ssize_t seq) {
     return PyUnicode_FromStringAndSize(buf, n);
 }
 
-/* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken;
- * ``placed`` (>= 0): onto that stream, ordered on the device only (no host wait for host memory) */
-static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
-                                PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
-                                Py_ssize_t placed, Py_ssize_t *seq_out) {
-    PyObject *op = NULL, *opname = NULL, *seq = NULL, *tracker = NULL, *clocks = NULL, *deps = NULL,
-             *live = NULL, *kept = NULL, *stamp = NULL, *waits = NULL, *future = NULL;
+static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stream, PyObject *live,
+                  PyObject *waits, int host_inputs, PyObject *fence);
+static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps);
+
+/* ``Runtime._admit`` and ``_launch`` for ``op``, linked already (``deps``: what the tracker's link
+ * returned; ``fresh``: a list our tracker made for this op alone, which may serve as its live deps),
+ * onto stream ``placed`` (>= 0) or a chosen one. ``fence`` (or NULL): an event its stream waits for
+ * first (a held op's, see ``Runtime._hold``). Caller holds the lock and a slot. The op's future, or NULL */
+static PyObject *admit_and_launch(Submitter *self, PyObject *op, PyObject *deps, int fresh, Py_ssize_t placed,
+                                  int host_inputs, PyObject *fence) {
+    PyObject *clocks = NULL, *live = NULL, *kept = NULL, *stamp = NULL, *waits = NULL, *future = NULL;
     PyObject *local_stamps[8], **stamp_items = local_stamps;
     Py_ssize_t local_live_at[8], *live_at = local_live_at, n_stamps = 0;
     Counters *counts = (Counters *)self->counts;
-    Py_ssize_t seq_n = *seq_out = ++counts->seq;
-    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
-    int named = name != Py_None ? PyObject_IsTrue(name) : 0;
-    if (named < 0) goto done;
-    opname = Py_NewRef(op_name);
-    if ((op = new_op(seq, opname, !named, fn, args, kwargs, accesses)) == NULL) goto done;
+    PyObject *seq = OPF(op, OP_SEQ);
     Parts *parts = (Parts *)self->parts;
-    if (parts->tracker == NULL || parts->clocks == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker or clocks");
-        goto done;
+    if (parts->clocks == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the runtime has no clocks");
+        return NULL;
     }
-    tracker = Py_NewRef(parts->tracker);  /* (held: the tracker's work may run code) */
-    clocks = Py_NewRef(parts->clocks);
-    PyObject *call[] = {tracker, op, accesses};
-    deps = is_kind(tracker, state.tracker_type, &state.seen_tracker)
-        ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
-        : PyObject_VectorcallMethod(s_link, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    if (deps == NULL) goto done;
+    clocks = Py_NewRef(parts->clocks);  /* (held: its work may run code) */
     PyObject *dep_list = PySequence_Fast(deps, "the tracker's link returns a list");
     if (dep_list == NULL) goto done;
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(dep_list);
@@ -1008,7 +1005,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
             Py_XDECREF(error);
             if (!ok) { Py_DECREF(dep_list); goto done; }
         }
-        if (!finished_deps && deps == dep_list && is_kind(tracker, state.tracker_type, &state.seen_tracker)) {
+        if (!finished_deps && deps == dep_list && fresh) {
             live = Py_NewRef(dep_list);  /* the list our tracker made for this op: all live */
         } else {
             if ((live = PyList_New(n_stamps)) == NULL) { Py_DECREF(dep_list); goto done; }
@@ -1062,13 +1059,75 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
     if (!bad && PyDict_GET_SIZE(self->pending) > counts->peak) counts->peak = PyDict_GET_SIZE(self->pending);
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) goto done;
     future = Py_NewRef(OPF(op, OP_FUTURE));
-    if (launch(self, op, deps, stream, live, waits, on_host && !self->deferred && placed < 0) < 0)
+    if (launch(self, op, deps, stream, live, waits, host_inputs, fence) < 0)
         Py_CLEAR(future);
 done:
-    Py_XDECREF(op); Py_XDECREF(opname); Py_XDECREF(seq); Py_XDECREF(tracker); Py_XDECREF(clocks);
-    Py_XDECREF(deps); Py_XDECREF(live); Py_XDECREF(kept); Py_XDECREF(stamp); Py_XDECREF(waits);
+    Py_XDECREF(clocks); Py_XDECREF(live); Py_XDECREF(kept); Py_XDECREF(stamp); Py_XDECREF(waits);
     if (stamp_items != local_stamps) PyMem_Free(stamp_items);
     if (live_at != local_live_at) PyMem_Free(live_at);
+    return future;
+}
+
+/* ``Runtime._enqueue`` (blocking, on the runtime's device) under its lock, after the slot is taken;
+ * ``placed`` (>= 0): onto that stream, ordered on the device only (no host wait for host memory).
+ * ``holders`` (or NULL: none): the held and host-lane ops the op follows (``Runtime._host_deps``), or
+ * False: those among the deps its link finds; with ``fence`` from ``Runtime._caller_fence``: the op is
+ * held behind them (``Runtime._hold``) */
+static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
+                                PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
+                                Py_ssize_t placed, Py_ssize_t *seq_out, PyObject *holders, PyObject *fence) {
+    PyObject *op = NULL, *seq = NULL, *tracker = NULL, *deps = NULL, *future = NULL, *found = NULL;
+    Counters *counts = (Counters *)self->counts;
+    Py_ssize_t seq_n = *seq_out = ++counts->seq;
+    if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
+    int named = name != Py_None ? PyObject_IsTrue(name) : 0;
+    if (named < 0) goto done;
+    if ((op = new_op(seq, op_name, !named, fn, args, kwargs, accesses)) == NULL) goto done;
+    Parts *parts = (Parts *)self->parts;
+    if (parts->tracker == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker");
+        goto done;
+    }
+    tracker = Py_NewRef(parts->tracker);  /* (held: the tracker's work may run code) */
+    PyObject *call[] = {tracker, op, accesses};
+    int own = is_kind(tracker, state.tracker_type, &state.seen_tracker);
+    deps = own ? tracker_link((Tracker *)tracker, call + 1, 2)  /* this module's own: no look-up */
+               : PyObject_VectorcallMethod(s_link, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (deps == NULL) goto done;
+    int host_inputs = on_host && !self->deferred && placed < 0;
+    if (holders == Py_False) {  /* found now, among its deps */
+        if ((holders = host_deps_among(self->host_ops, deps)) == NULL) goto done;
+        found = holders;  /* (released at the end) */
+        if (!PyList_GET_SIZE(holders)) holders = NULL;
+    }
+    if (holders == NULL && fence != NULL && fence != Py_None) {  /* none: its fence unused */
+        PyObject *r = PyObject_CallMethodOneArg(self->backend, s_recycle, fence);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    if (holders != NULL) {  /* Runtime._launch_or_hold */
+        PyObject *stream = placed >= 0 ? PyLong_FromSsize_t(placed) : Py_NewRef(Py_None);
+        if (stream == NULL) goto done;
+        PyObject *hcall[] = {self->rt, op, deps, holders, stream, self->device,
+                             host_inputs ? Py_True : Py_False, fence};
+        PyObject *held = PyObject_VectorcallMethod(s_hold, hcall, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(stream);
+        if (held == NULL) goto done;
+        Py_DECREF(held);
+        if (held == Py_True) {
+            future = Py_NewRef(OPF(op, OP_FUTURE));
+            goto done;
+        }
+        /* its holders all finished meanwhile: launched now, its fence unused */
+        if (fence != Py_None) {
+            PyObject *r = PyObject_CallMethodOneArg(self->backend, s_recycle, fence);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+    }
+    future = admit_and_launch(self, op, deps, own, placed, host_inputs, NULL);
+done:
+    Py_XDECREF(op); Py_XDECREF(seq); Py_XDECREF(tracker); Py_XDECREF(deps); Py_XDECREF(found);
     return future;
 }
 
@@ -1167,6 +1226,36 @@ static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     return 0;
 }
 
+/* whether the calling thread is a host lane's (``cpu.LANE_THREADS``), where an op that would wait for
+ * that lane's op is refused (``Runtime._host_deps``): True, False, or NULL with an exception */
+static PyObject *on_a_host_lane(Submitter *self) {
+    PyObject *lanes = PyObject_GetAttr(self->rt, s_lane_threads);
+    if (lanes == NULL) return NULL;
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    int found = ident == NULL ? -1 : PySequence_Contains(lanes, ident);
+    Py_XDECREF(ident);
+    Py_DECREF(lanes);
+    return found < 0 ? NULL : Py_NewRef(found ? Py_True : Py_False);
+}
+
+/* the unfinished ops of ``host_ops`` among ``deps`` (``Runtime._host_deps`` from what the link found),
+ * a new list, or NULL with an exception */
+static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
+    PyObject *seq = PySequence_Fast(deps, "the tracker's link returns a list");
+    if (seq == NULL) return NULL;
+    PyObject *found = PyList_New(0);
+    for (Py_ssize_t i = 0; found != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *done = field(d, OP_DONE), *number = done == NULL ? NULL : field(d, OP_SEQ);
+        int in = number == NULL ? -1 : done == Py_True ? 0 : PyDict_Contains(host_ops, number);
+        if (in < 0 || (in && PyList_Append(found, d) < 0)) Py_CLEAR(found);
+        Py_XDECREF(done);
+        Py_XDECREF(number);
+    }
+    Py_DECREF(seq);
+    return found;
+}
+
 /* undo unwrap_markers: the caller's markers back in ``args`` and ``kwargs`` (made from ``argv``, as
  * given to submit), for the Python path, which reads the accesses from them again */
 static int rewrap_markers(PyObject *args, PyObject *kwargs, PyObject *const *argv, Py_ssize_t nargs,
@@ -1249,24 +1338,41 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     if (take_slot(self, blocking) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
+    PyObject *holders = NULL, *fence = NULL;
     if (PyDict_GET_SIZE(self->host_ops)) {  /* host-lane ops pending: may this op follow one? */
         int conflict = host_conflict(self->host_ops, accesses);
-        if (conflict != 0) {  /* it may (the Python path holds it behind those it follows) */
-            PyObject *exc = conflict < 0 ? take_exception() : NULL;
+        if (conflict == 1) {  /* it may be held behind them (Runtime._holders): what must come first */
+            holders = on_a_host_lane(self);
+            if (holders == Py_True) {  /* the check that it would wait for its own lane: before its link */
+                Py_SETREF(holders, PyObject_CallMethodObjArgs(self->rt, s_host_deps, accesses, op_name, NULL));
+                if (holders != NULL && !PyList_CheckExact(holders)) {
+                    PyErr_SetString(PyExc_TypeError, "Runtime._host_deps returns a list");
+                    Py_CLEAR(holders);
+                }
+                if (holders != NULL && !PyList_GET_SIZE(holders)) Py_SETREF(holders, Py_NewRef(Py_None));
+            }  /* else False: its holders are found among the deps its link returns */
+            if (holders != NULL && holders != Py_None) {  /* a fence, which raises in the caller's capture */
+                fence = PyObject_CallMethodOneArg(self->rt, s_caller_fence, self->device);
+                if (fence == NULL) Py_CLEAR(holders);
+            }
+            if (holders == Py_None) Py_CLEAR(holders);
+            conflict = holders == NULL && PyErr_Occurred() ? -1 : 0;
+        }
+        if (conflict != 0) {  /* refused, or no memory: the op is not submitted */
+            PyObject *exc = take_exception();
             int bad = lock_give(self->lock, self->lock_release) < 0;
             PyObject *r = bad ? NULL : PyObject_CallMethodNoArgs(self->slots, s_release);
             Py_XDECREF(r);
-            if (exc != NULL) {
-                if (r != NULL) restore_exception(exc);
-                else Py_DECREF(exc);
-                goto done;
-            }
-            if (r == NULL) goto done;
-            goto in_python;
+            if (r != NULL) restore_exception(exc);
+            else Py_DECREF(exc);
+            goto done;
         }
     }
     Py_ssize_t seq = 0;
-    result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq);
+    result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq, holders,
+                            fence);
+    Py_XDECREF(holders);
+    Py_XDECREF(fence);
     PyObject *exc = result == NULL ? take_exception() : NULL;
     int released = lock_give(self->lock, self->lock_release);
     if (exc != NULL) {
@@ -1676,6 +1782,30 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
     return PyBool_FromLong(progressed);
 }
 
+/* launch_held(op, deps, stream, host_inputs, fence): ``Runtime._launch`` for a held op of this
+ * runtime's device, released (see ``Runtime._release_held``; the caller holds the lock) */
+static PyObject *submitter_launch_held(Submitter *self, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "launch_held(op, deps, stream, host_inputs, fence)");
+        return NULL;
+    }
+    if (Py_TYPE(argv[0]) != sub.op_type) {
+        PyErr_SetString(PyExc_TypeError, "launch_held() takes an op of the runtime");
+        return NULL;
+    }
+    Py_ssize_t placed = -1;
+    if (argv[2] != Py_None && (placed = PyLong_AsSsize_t(argv[2])) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch_held(): a negative stream");
+        return NULL;
+    }
+    int host_inputs = PyObject_IsTrue(argv[3]);
+    if (host_inputs < 0) return NULL;
+    PyObject *future = admit_and_launch(self, argv[0], argv[1], 0, placed, host_inputs, argv[4]);
+    if (future == NULL) return NULL;
+    Py_DECREF(future);
+    Py_RETURN_NONE;
+}
+
 /* let_go(): drop this object's own bound ``finish`` (a reference cycle through itself), once its
  * runtime is closed: the submitter, and the runtime it holds, are then freed by reference counting */
 static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
@@ -1692,6 +1822,8 @@ static PyMethodDef submitter_methods[] = {
      "Runtime.submit_nowait, compiled: see streamdag.Runtime.submit_nowait."},
     {"submit_on", (PyCFunction)(void (*)(void))submitter_submit_on, METH_FASTCALL | METH_KEYWORDS,
      "Runtime._submit_on, compiled: an op onto a given stream, ordered on the device only."},
+    {"launch_held", (PyCFunction)(void (*)(void))submitter_launch_held, METH_FASTCALL,
+     "Runtime._launch for a released held op of the runtime's device (the caller holds the lock)."},
     {"finish", (PyCFunction)(void (*)(void))submitter_finish, METH_FASTCALL,
      "Runtime._finish, compiled for a successful op nobody watches."},
     {NULL}
@@ -1736,6 +1868,8 @@ static int submit_init(PyObject *m) {
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
+    S(s_hold, "_hold") S(s_host_deps, "_host_deps") S(s_caller_fence, "_caller_fence") S(s_recycle, "recycle")
+    S(s_lane_threads, "_lane_threads")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)

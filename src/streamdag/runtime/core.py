@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any
 
 from ..backends import Backend, make_backend, make_backends
-from ..backends.cpu import HostLanes
+from ..backends.cpu import LANE_THREADS, HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import Access, Marker
 from ..graph.hazards import DepsTracker
@@ -201,14 +201,17 @@ class Runtime:
         #: finished yet, and device ops held until those finish (see ``_hold``). A device op that
         #: depends on one is held too; a graph's host replay waits for them, outside the lock
         #: (see ``_lock_after_host_ops``). The compiled submit leaves every op that may follow one of
-        #: them to the Python path.
+        #: them to :meth:`_hold` (and asks ``_lane_threads`` first whether it runs on a lane).
         self._host_ops: dict[int, Op] = {}
+        self._lane_threads = LANE_THREADS
         #: the held device ops, by number, and those held on each op (by its number; changed under
         #: ``_held_lock``, which orders a hold on a host-lane op with that op's finish)
         self._held: dict[int, Held] = {}
         self._held_on: dict[int, list[Held]] = {}
         self._held_lock = threading.Lock()
         self._launcher = Launcher(self._release_held_locking)
+        #: a released held op's launch on the runtime's device: compiled, with the compiled submit
+        self._launch_held: Callable[..., None] | None = None
         n = len(self._streams)
         self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
@@ -255,6 +258,7 @@ class Runtime:
                                             launch_parts() if launch_parts is not None else None)
             self.submit = submitter.submit  # type: ignore[method-assign]
             self._submit_on = submitter.submit_on  # type: ignore[method-assign]
+            self._launch_held = submitter.launch_held
             self.submit_nowait = submitter.submit_nowait  # type: ignore[method-assign]
             self._finish_bound = submitter.finish
 
@@ -507,6 +511,7 @@ class Runtime:
         submit = self.__dict__.pop("submit", None)  # the compiled one: the class's raises RuntimeClosed
         self.__dict__.pop("_submit_on", None)
         self.__dict__.pop("submit_nowait", None)
+        self._launch_held = None
         if submit is not None:
             submit.__self__.let_go()
         self._tracker.clear()
@@ -751,7 +756,10 @@ class Runtime:
                 op = held.op
                 del self._held[op.seq]
                 try:  # a holder that failed fails it as a dependent, in its launch
-                    self._launch(op, held.deps, held.stream, held.device, held.host_inputs, held.fence)
+                    if self._launch_held is not None and held.device == self.device:
+                        self._launch_held(op, held.deps, held.stream, held.host_inputs, held.fence)
+                    else:
+                        self._launch(op, held.deps, held.stream, held.device, held.host_inputs, held.fence)
                 except BaseException as exc:  # an interrupt (the op failed with it): launch the rest
                     interrupt = exc
                 finally:
