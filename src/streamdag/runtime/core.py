@@ -765,6 +765,11 @@ class Runtime:
                 finally:
                     if held.fence is not None:  # its wait is issued: the event may be reused
                         self._backend_of(held.device).recycle(held.fence)
+                future = op.future
+                if future._watched and future._hurry is not None and not future.done():
+                    # someone waited before it launched (in the condition: nothing to help yet): ask
+                    # for it first now, or its finish waits for the completion thread's next pause
+                    future._ask_first()
                 if held.device != "host":  # launched: what it holds may follow by events now
                     self._host_ops.pop(op.seq, None)
                     ready.append(op.seq)
