@@ -671,6 +671,34 @@ def test_on_the_gpu_a_recorded_graph_with_a_host_op_replays_its_device_parts_and
 
 
 @pytest.mark.cuda
+def test_on_the_gpu_parts_that_cannot_be_captured_warn_once_for_their_graph():
+    """Each device part of a graph with a host-lane op copies from pageable memory, which a CUDA
+    graph cannot hold: both parts run eagerly, the graph warns once (not once per part), and
+    ``explain()`` counts them."""
+    import warnings
+
+    import torch
+
+    x = torch.zeros(1024, device="cuda")
+    y = torch.zeros_like(x)
+    first_in, second_in = torch.ones(1024), torch.full((1024,), 2.0)  # pageable
+    h = torch.zeros(1024, pin_memory=True)
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: x.copy_(first_in), reads=[first_in], writes=[x])
+            rt.submit(lambda: h.copy_(x.cpu()), reads=[x], writes=[h], run_on="host")
+            rt.submit(lambda: y.copy_(second_in).add_(h.to("cuda")), reads=[second_in, h], writes=[y])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                g.run().result(timeout=30)
+        fallbacks = [str(w.message) for w in caught if "without a CUDA graph" in str(w.message)]
+        assert len(fallbacks) == 1 and "a part of this graph's device ops" in fallbacks[0], fallbacks
+        assert "device parts run eagerly: 2 of 2" in g.explain()
+        assert bool((y == 3).all())
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("seed", range(6))
 def test_on_the_gpu_random_programs_of_device_and_host_lane_ops_equal_serial(seed):
     """Random programs over device buffers and host buffers: device ops that read host memory and

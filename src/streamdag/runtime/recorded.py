@@ -100,6 +100,9 @@ class RecordedGraph:
         #: CUDA), or None for a host-lane op (see ``_split_at_host_ops``)
         self._parts: list[tuple[RecordedGraph | None, list[int]]] | None = None
         self._calls_above = 0  # a part of a graph: the calls between the user's run() and its own
+        #: a part of a graph: that graph, which warns once for all of its parts that run eagerly
+        self._whole: RecordedGraph | None = None
+        self._parts_eager = 0  # (of a graph in parts) its parts that gave up capturing
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -169,6 +172,7 @@ class RecordedGraph:
                 segment = RecordedGraph(self._rt, self.copy_out)
                 segment.time_ops = self.time_ops
                 segment._calls_above = 2  # (run, _run_parts)
+                segment._whole = self
                 for v in device_ops:
                     rec = ops[v]
                     segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream,
@@ -452,8 +456,16 @@ class RecordedGraph:
 
         self.capture = False
         self.capture_fallback = reason
-        warnings.warn(f"streamdag: running this graph eagerly on streams, without a CUDA graph: {reason}",
-                      RuntimeWarning, stacklevel=4 + self._calls_above)
+        message = f"running this graph eagerly on streams, without a CUDA graph: {reason}"
+        whole = self._whole
+        if whole is not None:  # one warning for the graph, at its first part that runs eagerly
+            whole._parts_eager += 1
+            if whole._parts_eager > 1:
+                return
+            message = (f"running a part of this graph's device ops (a stage between its host-lane ops) "
+                       f"eagerly on streams, without a CUDA graph: {reason}. Other parts that cannot be "
+                       "captured run eagerly too, without another warning (g.explain() lists them)")
+        warnings.warn(f"streamdag: {message}", RuntimeWarning, stacklevel=4 + self._calls_above)
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
@@ -479,6 +491,11 @@ class RecordedGraph:
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
         elif self.capture_fallback:
             extra.append(f"CUDA graph: not used ({self.capture_fallback}); runs eagerly")
+        device_parts = [part for part, _ in self._parts or () if part is not None]
+        eager_parts = [part.capture_fallback for part in device_parts if part.capture_fallback]
+        if eager_parts:
+            extra.append(f"device parts run eagerly: {len(eager_parts)} of {len(device_parts)} "
+                         f"(the first: {eager_parts[0]})")
         rt = self._rt
         on_lanes = [op.name for op in self._ops if op.device == "host"]
         if on_lanes:
