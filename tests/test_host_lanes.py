@@ -336,6 +336,27 @@ def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind
         assert rt._host_ops == {} and rt._held == {} and rt._held_on == {}
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_graph_in_parts_is_freed_by_reference_counting(kind):
+    """A graph with a host-lane op (its parts graphs of their own), run and dropped, leaves no
+    reference cycle: its closed runtime is freed by reference counting, not left to the cycle
+    collector, whose pass could come inside someone's CUDA graph capture (freeing a CUDA graph
+    there ends that capture)."""
+    x, y = np.zeros(4), np.zeros(4)
+
+    def use(rt):
+        with rt.record() as g:
+            rt.submit(np.add, x, 1, out=x, reads=[x], writes=[x])
+            rt.submit(np.add, x, 1, out=y, reads=[x], writes=[y], run_on="host")
+            rt.submit(np.add, y, 1, out=x, reads=[y], writes=[x])
+        for _ in range(2):
+            g.run().result(timeout=10)
+        assert g._parts
+
+    assert closed_runtime_freed_at_once(lambda: make(kind), use)
+    assert x.tolist() == [6.0] * 4
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_host_lanes_on_a_runtime_of_several_devices(seed):
     """A host op reads both devices' results where they are (no peer copy for it), after them;

@@ -100,9 +100,9 @@ class RecordedGraph:
         #: CUDA), or None for a host-lane op (see ``_split_at_host_ops``)
         self._parts: list[tuple[RecordedGraph | None, list[int]]] | None = None
         self._calls_above = 0  # a part of a graph: the calls between the user's run() and its own
-        #: a part of a graph: that graph, which warns once for all of its parts that run eagerly
-        self._whole: RecordedGraph | None = None
-        self._parts_eager = 0  # (of a graph in parts) its parts that gave up capturing
+        #: (of a graph in parts) why each of its parts that gave up capturing did, in order; a
+        #: part holds its graph's list (not the graph: no cycle), which warns once for all of them
+        self._parts_eager: list[str] | None = None
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
 
@@ -166,13 +166,14 @@ class RecordedGraph:
         for v in range(n):  # (preds come before their op)
             stage[v] = max((stage[u] + (on_lane[u] and not on_lane[v]) for u in self._preds[v]), default=0)
         parts: list[tuple[RecordedGraph | None, list[int]]] = []
+        self._parts_eager = []
         for k in range(max(stage, default=-1) + 1):
             device_ops = [v for v in range(n) if stage[v] == k and not on_lane[v]]
             if device_ops:
                 segment = RecordedGraph(self._rt, self.copy_out)
                 segment.time_ops = self.time_ops
                 segment._calls_above = 2  # (run, _run_parts)
-                segment._whole = self
+                segment._parts_eager = self._parts_eager
                 for v in device_ops:
                     rec = ops[v]
                     segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream,
@@ -301,14 +302,18 @@ class RecordedGraph:
         result = Future()
         result.op_name = "graph"
         futures: list[Any] = []
+        # what settle() needs, and no more: the parts' futures keep it as a done-callback, and
+        # the graph, its parts or the futures list (cleared once read) would make a reference cycle
+        n_ops, places = len(self._ops), [(graph is not None, indices) for graph, indices in parts]
 
         def settle() -> None:
-            values: list[Any] = [None] * len(self._ops)
+            values: list[Any] = [None] * n_ops
             errors: list[BaseException] = []
-            for (graph, indices), f in zip(parts, futures):
+            settled, futures[:] = futures[:], []
+            for (is_graph, indices), f in zip(places, settled):
                 error = f.exception()
                 if error is None:
-                    got = f.result() if graph is not None else [f.result()]
+                    got = f.result() if is_graph else [f.result()]
                     for v, value in zip(indices, got):
                         values[v] = value
                 else:
@@ -457,10 +462,10 @@ class RecordedGraph:
         self.capture = False
         self.capture_fallback = reason
         message = f"running this graph eagerly on streams, without a CUDA graph: {reason}"
-        whole = self._whole
-        if whole is not None:  # one warning for the graph, at its first part that runs eagerly
-            whole._parts_eager += 1
-            if whole._parts_eager > 1:
+        eager = self._parts_eager
+        if eager is not None and self._parts is None:  # a part: its graph warns once, at the first
+            eager.append(reason)
+            if len(eager) > 1:
                 return
             message = (f"running a part of this graph's device ops (a stage between its host-lane ops) "
                        f"eagerly on streams, without a CUDA graph: {reason}. Other parts that cannot be "
@@ -491,11 +496,10 @@ class RecordedGraph:
                          f"{stats.recaptures} recaptures, {stats.replays} replays")
         elif self.capture_fallback:
             extra.append(f"CUDA graph: not used ({self.capture_fallback}); runs eagerly")
-        device_parts = [part for part, _ in self._parts or () if part is not None]
-        eager_parts = [part.capture_fallback for part in device_parts if part.capture_fallback]
-        if eager_parts:
-            extra.append(f"device parts run eagerly: {len(eager_parts)} of {len(device_parts)} "
-                         f"(the first: {eager_parts[0]})")
+        if self._parts and self._parts_eager:
+            device_parts = sum(1 for part, _ in self._parts if part is not None)
+            extra.append(f"device parts run eagerly: {len(self._parts_eager)} of {device_parts} "
+                         f"(the first: {self._parts_eager[0]})")
         rt = self._rt
         on_lanes = [op.name for op in self._ops if op.device == "host"]
         if on_lanes:
