@@ -357,6 +357,31 @@ def test_a_graph_in_parts_is_freed_by_reference_counting(kind):
     assert x.tolist() == [6.0] * 4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stage_of_a_graph_in_parts_is_split_by_the_host_lane_ops_its_device_ops_follow(kind):
+    """Two host-lane ops side by side, each followed by device ops, then one op after both: the
+    device ops after each host op are a part of their own, the op after both another (on CUDA a
+    captured part is one op, which waits for every host-lane op that any of its ops follows; see
+    the GPU test below); run after run, every value as serial execution gives it."""
+    slow_in, quick_in = np.zeros(4), np.zeros(4)
+    slow_out, quick_out, both = np.zeros(4), np.zeros(4), np.zeros(4)
+    with make(kind, streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: slow_in.fill(1), writes=[slow_in], run_on="host", name="slow")
+            rt.submit(lambda: quick_in.fill(2), writes=[quick_in], run_on="host", name="quick")
+            rt.submit(np.add, slow_in, 10, out=slow_out, reads=[slow_in], writes=[slow_out])
+            rt.submit(np.add, quick_in, 10, out=quick_out, reads=[quick_in], writes=[quick_out])
+            rt.submit(np.add, slow_out, quick_out, out=both, reads=[slow_out, quick_out], writes=[both])
+        assert [(graph is not None, ops) for graph, ops in g._parts] == [
+            (False, [0]), (False, [1]), (True, [2]), (True, [3]), (True, [4])]
+        for _ in range(2):
+            for a in (slow_in, quick_in, slow_out, quick_out, both):
+                a.fill(0)
+            g.run().result(timeout=10)
+            assert slow_out.tolist() == [11.0] * 4 and quick_out.tolist() == [12.0] * 4
+            assert both.tolist() == [23.0] * 4
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_host_lanes_on_a_runtime_of_several_devices(seed):
     """A host op reads both devices' results where they are (no peer copy for it), after them;
@@ -717,6 +742,39 @@ def test_on_the_gpu_parts_that_cannot_be_captured_warn_once_for_their_graph():
         assert len(fallbacks) == 1 and "a part of this graph's device ops" in fallbacks[0], fallbacks
         assert "device parts run eagerly: 2 of 2" in g.explain()
         assert bool((y == 3).all())
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_captured_part_waits_only_for_the_host_lane_ops_its_ops_follow():
+    """Two host-lane ops side by side, each followed by a device op: replayed as CUDA graphs, the
+    part after the quick one runs while the other is still held up (one part for both would be
+    one op that waits for both)."""
+    import torch
+
+    slow_in, quick_in = torch.zeros(1024, pin_memory=True), torch.zeros(1024, pin_memory=True)
+    slow_out, quick_out, both = (torch.zeros(1024, device="cuda") for _ in range(3))
+    gate = threading.Event()
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda: (gate.wait(30), slow_in.fill_(1)), writes=[slow_in], run_on="host", name="slow")
+            rt.submit(lambda: quick_in.fill_(2), writes=[quick_in], run_on="host", name="quick")
+            rt.submit(lambda: torch.add(slow_in.to("cuda", non_blocking=True), 10, out=slow_out),
+                      reads=[slow_in], writes=[slow_out])
+            rt.submit(lambda: torch.add(quick_in.to("cuda", non_blocking=True), 10, out=quick_out),
+                      reads=[quick_in], writes=[quick_out])
+            rt.submit(torch.add, slow_out, quick_out, out=both, reads=[slow_out, quick_out], writes=[both])
+        for run in range(3):  # eager, captured, replayed
+            gate.clear()
+            quick_out.zero_()  # on the caller's stream: before the graph's ops
+            result = g.run()
+            deadline = time.monotonic() + 10
+            while float(quick_out[0]) != 12.0 and time.monotonic() < deadline:  # the GPU's work, read
+                time.sleep(0.001)
+            assert float(quick_out[0]) == 12.0 and not result.done(), run
+            gate.set()
+            result.result(timeout=30)
+            assert bool((both == 23).all())
+        assert g.last_run_captured
 
 
 @pytest.mark.cuda

@@ -155,33 +155,47 @@ class RecordedGraph:
         """The parts of a graph with host-lane ops, in the order they run: graphs of device ops
         (captured on CUDA from their second run) and host-lane ops (their index), by stage. A
         device op's stage is the most host-lane ops on a path of dependencies into it; a host-lane
-        op's, that of the ops it follows. Stage by stage, the device ops form one graph, then the
-        host-lane ops run: each part comes after every op it depends on, and a device op that
-        follows no host-lane op joins the first graph, whatever its place among the ops. Run in
-        this order as ops of the runtime, the parts keep every dependency between the graph's ops
-        (each part follows the earlier parts whose memory it touches, as any op does)."""
+        op's, that of the ops it follows. Stage by stage, the device ops form graphs, one per set of
+        host-lane ops they follow (a part is one op of the runtime: it waits for every host-lane op
+        that any of its ops follows), then the host-lane ops run: each part comes after every op it
+        depends on, and a device op that follows no host-lane op joins the first graph, whatever
+        its place among the ops. Run in this order as ops of the runtime, the parts keep every
+        dependency between the graph's ops (each part follows the earlier parts whose memory it
+        touches, as any op does)."""
         ops, n = self._ops, len(self._ops)
         on_lane = [rec.device == "host" for rec in ops]
         stage = [0] * n
+        follows = [0] * n  # the host-lane ops on a path into each op, as bits
         for v in range(n):  # (preds come before their op)
             stage[v] = max((stage[u] + (on_lane[u] and not on_lane[v]) for u in self._preds[v]), default=0)
+            for u in self._preds[v]:
+                follows[v] |= follows[u] | (on_lane[u] << u)
         parts: list[tuple[RecordedGraph | None, list[int]]] = []
         self._parts_eager = []
         for k in range(max(stage, default=-1) + 1):
-            device_ops = [v for v in range(n) if stage[v] == k and not on_lane[v]]
-            if device_ops:
-                segment = RecordedGraph(self._rt, self.copy_out)
-                segment.time_ops = self.time_ops
-                segment._calls_above = 2  # (run, _run_parts)
-                segment._parts_eager = self._parts_eager
-                for v in device_ops:
-                    rec = ops[v]
-                    segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream,
-                                rec.written, rec.device)
-                segment.finish()
-                parts.append((segment, device_ops))
+            groups: dict[int, list[int]] = {}
+            for v in range(n):
+                if stage[v] == k and not on_lane[v]:
+                    groups.setdefault(follows[v], []).append(v)
+            # an op follows every host-lane op that its preds follow: a group that another's ops
+            # depend on follows fewer, so fewer first is an order that keeps their dependencies
+            for _, device_ops in sorted(groups.items(), key=lambda g: (g[0].bit_count(), g[1][0])):
+                parts.append((self._part_of(device_ops), device_ops))
             parts += [(None, [v]) for v in range(n) if stage[v] == k and on_lane[v]]
         return parts
+
+    def _part_of(self, device_ops: list[int]) -> RecordedGraph:
+        """A graph of these device ops of this graph (a part, see ``_split_at_host_ops``)."""
+        segment = RecordedGraph(self._rt, self.copy_out)
+        segment.time_ops = self.time_ops
+        segment._calls_above = 2  # (run, _run_parts)
+        segment._parts_eager = self._parts_eager
+        for v in device_ops:
+            rec = self._ops[v]
+            segment.add(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.stream, rec.written,
+                        rec.device)
+        segment.finish()
+        return segment
 
     def _runtime_stream(self, v: int) -> int:
         """The runtime's stream for op ``v``: its pinned copy stream, or its scheduled compute stream."""
