@@ -484,9 +484,9 @@ def test_a_graph_over_several_devices_after_a_host_op_is_held_and_returns_at_onc
             rt.submit(lambda: np.add(b.data, x * 10, out=b.data), reads=[x], writes=[b])
         for run in range(2):
             run_behind_a_gated_host_op(rt, g, x, run + 1)
-        assert g._host_replay is None  # both runs went op by op
+        assert g._host_replay is None or not g._host_replay.launched  # both runs went op by op
         g.run().result(timeout=10)  # nothing to follow: the host replay
-        assert g._host_replay is not None
+        assert g._host_replay.launched == 1
     np.testing.assert_array_equal(a.data, [5.0] * 4)  # 1 + 2 + 2
     np.testing.assert_array_equal(b.data, [50.0] * 4)
 

@@ -199,9 +199,10 @@ class Runtime:
             self._stream_device += ["host"] * host_lanes
         #: the ops that a device stream cannot wait for by an event, by number: host-lane ops not
         #: finished yet, and device ops held until those finish (see ``_hold``). A device op that
-        #: depends on one is held too; a graph's host replay waits for them, outside the lock
-        #: (see ``_lock_after_host_ops``). The compiled submit leaves every op that may follow one of
-        #: them to :meth:`_hold` (and asks ``_lane_threads`` first whether it runs on a lane).
+        #: depends on one is held too; a graph's host replay after them runs op by op instead
+        #: (see ``_lock_unless_after_host_ops``). The compiled submit leaves every op that may
+        #: follow one of them to :meth:`_hold` (and asks ``_lane_threads`` first whether it runs
+        #: on a lane).
         self._host_ops: dict[int, Op] = {}
         self._lane_threads = LANE_THREADS
         #: the held device ops, by number, and those held on each op (by its number; changed under
@@ -637,28 +638,26 @@ class Runtime:
                 finish_ready()
         return op.future
 
-    def _lock_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> None:
-        """Take the runtime's lock once no op of ``_host_ops`` that ``accesses`` follow is left
-        (unfinished host-lane ops, held ops); the caller releases it.
+    def _lock_unless_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> bool:
+        """Take the runtime's lock and return True, unless an op of ``_host_ops`` that ``accesses``
+        follow is left (unfinished host-lane ops, held ops): then return False, the lock not held.
 
         For what must start now, with the lock held: a graph's host replay
-        over several devices. The caller waits for those ops first, with
-        the lock released (a host op may submit, or finish ops that do; a held
-        op is launched under it), and checks again under the lock (another
-        thread may have submitted one).
+        over several devices, which would otherwise wait for those ops in the
+        submitting thread (its caller runs the graph op by op instead, each op
+        held as an eager submit is). Checked under the lock, so that no
+        host-lane op another thread submits can come in between.
         """
-        while True:
-            self._lock.acquire()
-            try:
-                found = self._host_deps(accesses, op_name) if self._host_ops and accesses else ()
-            except BaseException:
-                self._lock.release()
-                raise
-            if not found:
-                return
+        self._lock.acquire()
+        try:
+            found = self._host_deps(accesses, op_name) if self._host_ops and accesses else ()
+        except BaseException:
             self._lock.release()
-            for dep in found:
-                dep.future.exception()
+            raise
+        if found:
+            self._lock.release()
+            return False
+        return True
 
     def _holders(self, accesses: list[Access], op_name: str, device: str | None) -> list[Op]:
         """The ops that hold an op with ``accesses`` on ``device`` (see ``_hold``): for a device op,

@@ -235,8 +235,10 @@ class RecordedGraph:
             if future is not None:
                 self.last_run_captured = True
                 return future
-        if self._host_replay_allowed(per_op) and not self._behind_host_ops():
-            return self._run_host_replay()
+        if self._host_replay_allowed(per_op):
+            future = self._run_host_replay()
+            if future is not None:
+                return future
         probe = None
         if self.capture and self._runs == 1:
             from .capture import probe_host_syncs as probe
@@ -369,18 +371,10 @@ class RecordedGraph:
         return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
                        for rec in self._ops)
 
-    def _behind_host_ops(self) -> bool:
-        """Whether unfinished host-lane ops (or ops held behind them) touch the graph's memory. A host
-        replay would wait for them in the submitting thread; this run goes op by op instead, each op
-        held behind them as an eager submit is (a host-lane op submitted between this check and the
-        replay is still waited for there)."""
-        rt = self._rt
-        if not rt._host_ops:
-            return False
-        with rt._lock:
-            return bool(rt._host_deps(self._graph_accesses(), "graph"))
-
-    def _run_host_replay(self) -> Future:
+    def _run_host_replay(self) -> Future | None:
+        """A run as one host replay over several devices; None where unfinished host-lane ops (or
+        ops held behind them) touch the graph's memory: the replay would wait for them in the
+        submitting thread, so the caller runs the graph op by op, each op held as an eager submit is."""
         from .replay import HostReplay
 
         if self._host_replay is None:
@@ -389,7 +383,8 @@ class RecordedGraph:
                 self._rt, [r.fn for r in ops], [r.args for r in ops], [r.kwargs for r in ops],
                 [r.name for r in ops], [self._runtime_stream(v) for v in range(len(ops))],
                 self.schedule.preds, self._graph_accesses())
-        return then(self._host_replay.launch().future, GraphResult, "graph")
+        op = self._host_replay.launch()
+        return None if op is None else then(op.future, GraphResult, "graph")
 
     def _graph_accesses(self) -> list[Access]:
         """All the graph's memory as few, large accesses: cheap hazard checks for a whole run.

@@ -52,17 +52,24 @@ class HostReplay:
         # one event per op that another stream waits on; reused by every run (runs are ordered)
         self.events = [rt._member[self.streams[v]].event() if v in needed else None for v in range(n)]
         self.waits_of_join = [self.last[s] for s in self.used if s != self.join]
+        self.launched = 0  # runs launched (not those left to run op by op, see launch)
 
-    def launch(self) -> Op:
-        """Launch one run; returns its runtime op (its future gets the list of values). Takes the lock."""
+    def launch(self) -> Op | None:
+        """Launch one run; returns its runtime op (its future gets the list of values). Takes the
+        lock. None, nothing launched, where unfinished host-lane ops (or ops held behind them) touch
+        the graph's memory: a replay would wait for them here (run the graph op by op instead)."""
         rt = self.rt
         rt._check_open()
         rt._take_slot()
         try:
-            rt._lock_after_host_ops(self.accesses, "graph_run")
-        except BaseException:  # an interrupt while waiting: the run is not launched
+            locked = rt._lock_unless_after_host_ops(self.accesses, "graph_run")
+        except BaseException:  # refused (from the lane of such an op): the run is not launched
             rt._slots.release()
             raise
+        if not locked:
+            rt._slots.release()
+            return None
+        self.launched += 1
         try:
             rt._counts.seq += 1
             op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
@@ -110,7 +117,7 @@ class HostReplay:
                 errors.append(release_frames(exc, caught_here=True))
 
         for s in self.used:  # the run starts after the earlier ops it conflicts with (none on a host
-            for d in live:   # lane: those were waited for before the lock, see _lock_after_host_ops)
+            for d in live:   # lane: a run after those goes op by op, see _lock_unless_after_host_ops)
                 d.event.wait(raw[s])
         events, streams = self.events, self.streams
         waits = [()] * n if _DROP_WAITS else self.waits
