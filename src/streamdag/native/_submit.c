@@ -1100,11 +1100,6 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
         found = holders;  /* (released at the end) */
         if (!PyList_GET_SIZE(holders)) holders = NULL;
     }
-    if (holders == NULL && fence != NULL && fence != Py_None) {  /* none: its fence unused */
-        PyObject *r = PyObject_CallMethodOneArg(self->backend, s_recycle, fence);
-        if (r == NULL) goto done;
-        Py_DECREF(r);
-    }
     if (holders != NULL) {  /* Runtime._launch_or_hold */
         PyObject *stream = placed >= 0 ? PyLong_FromSsize_t(placed) : Py_NewRef(Py_None);
         if (stream == NULL) goto done;
@@ -1118,12 +1113,11 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
             future = Py_NewRef(OPF(op, OP_FUTURE));
             goto done;
         }
-        /* its holders all finished meanwhile: launched now, its fence unused */
-        if (fence != Py_None) {
-            PyObject *r = PyObject_CallMethodOneArg(self->backend, s_recycle, fence);
-            if (r == NULL) goto done;
-            Py_DECREF(r);
-        }
+    }
+    if (fence != NULL && fence != Py_None) {  /* not held (none, or all finished meanwhile): unused */
+        PyObject *r = PyObject_CallMethodOneArg(self->backend, s_recycle, fence);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
     }
     future = admit_and_launch(self, op, deps, own, placed, host_inputs, NULL);
 done:
@@ -1214,7 +1208,7 @@ static int accesses_conflict(PyObject *a, PyObject *b) {
 static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     Py_ssize_t pos = 0;
     PyObject *key, *op;
-    if (!all_accesses(accesses)) return 1;  /* (where any is not an Access, the Python path looks) */
+    if (!all_accesses(accesses)) return 1;  /* (where any is not an Access, the link's deps tell) */
     while (PyDict_Next(host_ops, &pos, &key, &op)) {  /* (no Python code runs here: it cannot change) */
         if (Py_TYPE(op) != sub.op_type) return 1;
         PyObject *theirs = OPF(op, OP_ACCESSES);
