@@ -5,6 +5,12 @@ that work has finished, and its submit returns at once; a device op that
 needs a host-lane op is held until that has finished, and its submit returns
 at once too. On the simulated device and on a backend that runs each op
 inside its submit (as CUDA does), and on the GPU (marked ``cuda``).
+
+Timing: "returns at once" is asserted as under 0.5 s against a wait of 1 s or
+more (a GPU sleep or a gate). A full cycle collection, which any allocation
+may start, takes 0.1-0.25 s in a process that has imported PyTorch and this
+suite (measured on the GPU host); a bound of 0.05 s against a 0.1 s kernel
+failed when one fell inside the submit.
 """
 
 import itertools
@@ -560,7 +566,7 @@ def test_on_the_gpu_a_host_op_after_a_long_kernel_returns_at_once():
     with sd.Runtime("cuda", streams=2) as rt:
         dev = torch.zeros(1 << 20, device="cuda")
         host = torch.empty(1 << 20).pin_memory()
-        rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), dev.fill_(3)), writes=[dev])  # ~0.5 s
+        rt.submit(lambda: (torch.cuda._sleep(2_000_000_000), dev.fill_(3)), writes=[dev])  # ~1 s
         rt.copy(host, dev)
         started = time.perf_counter()
         total = rt.submit(lambda: float(host.sum()), reads=[host], run_on="host")
@@ -569,7 +575,7 @@ def test_on_the_gpu_a_host_op_after_a_long_kernel_returns_at_once():
         scratch = np.zeros(4, dtype=np.float32)
         rt.submit(lambda: scratch.fill(host[0].item()), reads=[host], writes=[scratch], run_on="host")
         submitted = time.perf_counter() - started
-        assert submitted < 0.1, submitted  # neither submit waited for the kernel
+        assert submitted < 0.5, submitted  # neither submit waited for the kernel (see the module's note)
         assert not total.done()
         assert total.result(timeout=30) == 3.0 * (1 << 20)
         back = rt.submit(lambda: out.copy_(torch.from_numpy(scratch)), reads=[scratch], writes=[out])
@@ -584,10 +590,10 @@ def test_on_the_gpu_a_copy_into_pageable_memory_returns_at_once():
     with sd.Runtime("cuda", streams=2) as rt:
         dev = torch.zeros(1 << 22, device="cuda")
         pageable = torch.empty(1 << 22)
-        rt.submit(lambda: (torch.cuda._sleep(1_000_000_000), dev.fill_(7)), writes=[dev])
+        rt.submit(lambda: (torch.cuda._sleep(2_000_000_000), dev.fill_(7)), writes=[dev])
         started = time.perf_counter()
         f = rt.copy(pageable, dev)
-        assert time.perf_counter() - started < 0.1
+        assert time.perf_counter() - started < 0.5
         assert not f.done()
         f.result(timeout=30)
         assert bool((pageable == 7).all())
@@ -609,11 +615,11 @@ def test_on_the_gpu_a_held_op_follows_its_submitters_stream(callers_stream):
         rt.submit(lambda: (gate.wait(10), scale.fill_(3)), writes=[scale], run_on="host")
         side = torch.cuda.Stream() if callers_stream == "own" else torch.cuda.default_stream()
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)  # ~0.1 s: the gate opens long before this ends
+            torch.cuda._sleep(2_000_000_000)  # ~1 s: the gate opens long before this ends
             made.fill_(2)  # not declared to the runtime: ordered by the caller's stream alone
             started = time.perf_counter()
             f = rt.submit(lambda: torch.mul(made, scale.item(), out=out), reads=[scale], writes=[out])
-            assert time.perf_counter() - started < 0.05
+            assert time.perf_counter() - started < 0.5
         assert not f.done()
         gate.set()
         assert f.result(timeout=30) is out
@@ -633,7 +639,7 @@ def test_on_the_gpu_a_copy_of_what_a_host_op_writes_is_held_and_returns_at_once(
         started = time.perf_counter()
         copied = rt.copy(dev, host)
         doubled = rt.submit(torch.mul, dev, 2, reads=[dev])  # after the held copy: held too
-        assert time.perf_counter() - started < 0.05 and not copied.done()
+        assert time.perf_counter() - started < 0.5 and not copied.done()
         gate.set()
         assert bool((doubled.result(timeout=30) == 8).all())
 
@@ -655,7 +661,7 @@ def test_on_the_gpu_a_graph_run_after_a_host_op_is_held_eager_and_captured():
                       run_on="host")
             started = time.perf_counter()
             result = g.run()
-            assert time.perf_counter() - started < 0.05 or run == 1  # (run 1 captures the graph first)
+            assert time.perf_counter() - started < 0.5 or run == 1  # (run 1 captures the graph first)
             assert not result.done()
             gate.set()
             result.result(timeout=30)
@@ -679,7 +685,7 @@ def test_on_the_gpu_a_pageable_copy_of_what_a_host_op_writes_is_staged_on_a_lane
         started = time.perf_counter()
         copied = rt.copy(dev, src)
         doubled = rt.submit(torch.mul, dev, 2, reads=[dev])
-        assert time.perf_counter() - started < 0.05 and not copied.done()
+        assert time.perf_counter() - started < 0.5 and not copied.done()
         gate.set()
         assert copied.result(timeout=30) is dev
         assert torch.equal(doubled.result(timeout=30).cpu(), expected * 2)
@@ -701,7 +707,8 @@ def test_on_the_gpu_a_recorded_graph_with_a_host_op_replays_its_device_parts_and
     h = torch.zeros(1024, pin_memory=True)
     with sd.Runtime("cuda", streams=2) as rt:
         with rt.record() as g:
-            rt.submit(lambda: (torch.cuda._sleep(300_000_000), torch.mul(x, 2, out=d)), reads=[x], writes=[d])
+            rt.submit(lambda: (torch.cuda._sleep(2_000_000_000), torch.mul(x, 2, out=d)), reads=[x],
+                      writes=[d])
             rt.submit(lambda: h.copy_(d.cpu() + 1), reads=[d], writes=[h], run_on="host")
             rt.submit(lambda: e.copy_(h, non_blocking=True), reads=[h], writes=[e])
         for run in range(4):
@@ -709,7 +716,7 @@ def test_on_the_gpu_a_recorded_graph_with_a_host_op_replays_its_device_parts_and
             started = time.perf_counter()
             result = g.run()
             if run != 1:  # (the second run captures, after a synchronize)
-                assert time.perf_counter() - started < 0.1 and not result.done()
+                assert time.perf_counter() - started < 0.5 and not result.done()
             result.result(timeout=30)
             assert g.last_run_captured == (run >= 1)
             assert bool((e == 2 * (run + 1) + 1).all())

@@ -229,7 +229,7 @@ def test_host_lanes_beside_two_gpus():
         rt.submit(summed, reads=[a, b], writes=[scale], run_on="host")
         started = time.perf_counter()
         outs = [rt.submit(lambda t=t: t * scale.item(), reads=[t, scale]) for t in (a, b)]
-        assert time.perf_counter() - started < 0.05 and not any(f.done() for f in outs)
+        assert time.perf_counter() - started < 0.5 and not any(f.done() for f in outs)
         gate.set()
         total = 5.0 * (1 << 20)
         for f, t, factor in zip(outs, (a, b), (2, 3)):
