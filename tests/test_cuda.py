@@ -668,6 +668,36 @@ def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_
     assert {("stream_map_in", "h2d"), ("stream_map", "compute"), ("stream_map_out", "d2h")} <= kinds
 
 
+def test_a_recorded_stream_map_replays_as_one_cuda_graph_on_the_copy_streams():
+    """stream_map inside ``rt.record()``: every piece's copies and compute in one captured graph,
+    replayed on new data in the same pinned tensors; from pageable memory the graph cannot be
+    captured (CUDA copies pageable memory through the host) and runs op by op, still exact."""
+    def fn(a):
+        return torch.cat([a * 3, a.sin()], dim=1)
+
+    g = torch.Generator().manual_seed(1)
+    with sd.Runtime("cuda", streams=2) as rt:
+        for pin in (True, False):
+            xs = [torch.randn(n, 96, generator=g) for n in (1000, 37)]
+            outs = [torch.full((x.shape[0], 192), -1.0) for x in xs]
+            if pin:
+                xs, outs = [x.pin_memory() for x in xs], [o.pin_memory() for o in outs]
+            with rt.record() as graph:
+                rt.stream_map(fn, xs, outs, piece_bytes=96 * 4 * 64, buffers=3)
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    for x in xs:
+                        x.mul_(-1)
+                    graph.run().result(timeout=60)
+                    for x, o in zip(xs, outs):
+                        assert torch.equal(o, fn(x.cuda()).cpu())
+            assert graph.last_run_captured == pin
+            assert bool(warned) != pin  # the pageable graph says why it runs op by op
+            copies = sum(1 for op in graph._ops if op.stream is not None)  # on the copy streams
+            assert copies == 2 * (16 + 1)
+
+
 def test_stream_map_without_out_returns_before_the_device_has_run_the_first_piece():
     """Without ``out``, the first piece's shape makes the outputs: on CUDA its op makes them as fn's
     kernels are launched, so the call does not wait for the device (it did, 0.3-0.5 ms a call)."""

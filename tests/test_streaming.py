@@ -26,6 +26,12 @@ def widen(a):
     return torch.cat([a * 3, a - 1], dim=1)
 
 
+def runtime_of(device, streams, seed):
+    if device == "inline":  # ops run inside their submit, as on CUDA: the first piece's op makes the outputs
+        return sd.Runtime(backend=InlineBackend("cpu", streams))
+    return sd.Runtime(device, streams=streams, **({"seed": seed} if device == "sim" else {}))
+
+
 batch_shapes = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=4)
 
 
@@ -40,11 +46,7 @@ def test_stream_map_equals_fn_on_each_whole_input(shapes, dtype, piece_bytes, bu
     inputs = [(torch.randn(rows, k, generator=g) * 100).to(dtype) for rows, _ in shapes]
     expect = [widen(x) for x in inputs]
     out = [torch.full_like(e, -7) for e in expect] if give_out else None
-    if device == "inline":  # ops run inside their submit, as on CUDA: the first piece's op makes the outputs
-        runtime = sd.Runtime(backend=InlineBackend("cpu", streams))
-    else:
-        runtime = sd.Runtime(device, streams=streams, **({"seed": seed} if device == "sim" else {}))
-    with runtime as rt:
+    with runtime_of(device, streams, seed) as rt:
         futures = rt.stream_map(widen, inputs, out, piece_bytes=piece_bytes, buffers=buffers,
                                 capture=capture)
         results = [f.result(timeout=60) for f in futures]
@@ -61,6 +63,29 @@ def test_stream_map_equals_fn_on_each_whole_input(shapes, dtype, piece_bytes, bu
             assert torch.equal(got, want) and got.dtype == want.dtype
         else:
             assert got.shape[0] == 0
+
+
+@EXAMPLES
+@given(batch_shapes, st.sampled_from([torch.float32, torch.int32]), st.integers(1, 200), st.integers(2, 5),
+       st.sampled_from(["cpu", "sim", "inline"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_a_recorded_stream_map_computes_into_out_on_every_run_of_the_graph(shapes, dtype, piece_bytes,
+                                                                          buffers, device, streams, seed):
+    """Inside ``rt.record()`` the pieces' copies and computes are recorded, not run: each run of the
+    graph reads the inputs as they are then and fills ``out`` (on CUDA, one captured graph)."""
+    g = torch.Generator().manual_seed(seed)
+    k = shapes[0][1]
+    inputs = [(torch.randn(rows, k, generator=g) * 100).to(dtype) for rows, _ in shapes]
+    out = [torch.full((rows, 2 * k), -7, dtype=dtype) for rows, _ in shapes]
+    with runtime_of(device, streams, seed) as rt:
+        with rt.record() as graph:
+            returned = rt.stream_map(widen, inputs, out, piece_bytes=piece_bytes, buffers=buffers)
+        assert len(returned) == len(out) and all(r is o for r, o in zip(returned, out))
+        assert all(bool((o == -7).all()) for o in out)  # recorded: nothing ran yet
+        for _ in range(3):  # new data in the same host tensors each time
+            for x in inputs:
+                x.add_(1)
+            graph.run().result(timeout=60)
+            assert all(torch.equal(o, widen(x)) for o, x in zip(out, inputs))
 
 
 @EXAMPLES
@@ -143,7 +168,7 @@ def test_stream_map_refuses_bad_input_and_says_what_to_do():
         assert "return the trailing shape of `out`" in str(failed.value.root_error)
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
-        with rt.record(), pytest.raises(RuntimeError, match="outside `with rt"):
+        with rt.record(), pytest.raises(RuntimeError, match=r"inside `with rt.record\(\)` needs `out`"):
             rt.stream_map(widen, x)
 
 

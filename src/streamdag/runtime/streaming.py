@@ -78,9 +78,16 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
                          f"got {buffers}")
     extra_reads = list(reads)
     device = rt.device if rt.device not in ("cpu", "sim") else "cpu"
-    if rt._recording_here() is not None:
-        raise RuntimeError("stream_map runs eagerly (its first piece may tell the output's shape): call it "
-                           "outside `with rt.record()`, or record the pieces' copies and ops yourself")
+    if rt._recording_here() is not None:  # the pieces' ops go into the graph: its capture is one CUDA graph
+        if outs is None:
+            raise RuntimeError(
+                "stream_map inside `with rt.record()` needs `out` (host tensors, pinned for the fastest "
+                "copies): without it the first piece's result tells the outputs' shape, which a recording "
+                "does not run; or call it outside `with rt.record()`")
+        rows = _rows_per_piece(batches, piece_bytes, CAPTURED_PIECE_BYTES)
+        _submit_pieces(rt, fn, batches, outs, rows, _Ring(device, buffers), extra_reads, name, single,
+                       recording=True)
+        return outs[0] if single else outs
     rows = _rows_per_piece(batches, piece_bytes, CAPTURED_PIECE_BYTES if capture else PIECE_BYTES)
     if not capture:
         return _submit_pieces(rt, fn, batches, outs, rows, _Ring(device, buffers), extra_reads, name, single)
@@ -97,8 +104,12 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
 
 def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], outs: list[Any] | None,
                    rows: int, ring: _Ring, extra_reads: list[Any], name: str, single: bool,
-                   capture: bool = False) -> Any:
-    """stream_map's submits, through ``ring``'s buffers: a Future per input (one if ``single``)."""
+                   capture: bool = False, recording: bool = False) -> Any:
+    """stream_map's submits, through ``ring``'s buffers: a Future per input (one if ``single``).
+
+    ``recording``: into the graph this thread records (``outs`` given); each piece's compute writes
+    the ring's output buffer, and nothing waits (no op runs until the graph does); returns None.
+    """
     import torch
 
     device = ring.device
@@ -145,6 +156,10 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             if capture and n == rows:  # one graph per buffer, on fixed input and output buffers
                 dev_out = ring.buffer(slot, "out", (rows, *o.shape[1:]), o.dtype)
                 ring.graph(rt, slot, fn, dev_in, dev_out, extra_reads, name).run()
+            elif recording:  # the ring's output buffers too: the graph's memory stays 2 * buffers pieces
+                dev_out = ring.buffer(slot, "out", (rows, *o.shape[1:]), o.dtype)[:n]
+                rt.submit(_apply_into, fn, piece, dev_out, reads=[piece, *extra_reads], writes=[dev_out],
+                          name=name)
             else:  # a new output tensor: a failed piece leaves no buffer that a later one writes
                 dev_out = torch.empty((n, *o.shape[1:]), dtype=o.dtype, device=device)
                 rt.submit(_apply_into, fn, piece, dev_out, reads=[piece, *extra_reads],
@@ -152,7 +167,10 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
             host_piece = o[lo : lo + n]
             copy_out = copy_out or copier(rt, host_piece, dev_out)
             copies.append(copy_out(host_piece, dev_out, name_out))
-            unfinished.append(copies[-1])
+            if not recording:  # (a recorded op runs with the graph: nothing to wait for here)
+                unfinished.append(copies[-1])
+    if recording:
+        return None
     # (outs is None only where every input is empty: fn never ran, nothing tells its shape)
     if kinds is not None and outs is not None:
         ring.out_kinds[kinds] = (tuple(outs[0].shape[1:]), outs[0].dtype)
