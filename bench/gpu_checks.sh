@@ -30,4 +30,4 @@ fi
 
 timeout 200 python3 bench/overlap.py > "$out/overlap.txt" 2>&1 \
     && cp "$(newest overlap)" "$out/overlap.json"
-grep -v "^CaptureStatistics" "$out/overlap.txt" | tail -24
+grep -v "^CaptureStatistics" "$out/overlap.txt" | tail -31

@@ -20,7 +20,13 @@ shorter; its link model is the same estimate for pieces. Eager, the compute's
 14 kernels cost the host more per piece than 8 MiB of copies take; captured
 (a CUDA graph per buffer), one launch. Once more with 16 MiB pieces captured
 and no ``out``: ``stream_map`` then makes the outputs from the first piece's
-result (fp32 here too, the same bytes to copy out).
+result (fp32 here too, the same bytes to copy out). And recorded: the call inside
+``rt.record()`` with 16 and 8 MiB pieces, so that ``g.run()`` replays every
+piece's copies and compute as one multi-stream CUDA graph (no host work per
+piece, and the pieces' order on the device is the recording's). Beside them,
+the same pipeline of pieces written by hand and captured whole
+(``copy_streams.pieced_pipeline``): what the device gives with no host in the
+way, in the same rounds.
 
 Run on a GPU machine: PYTHONPATH=src python bench/overlap.py
 """
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
+from copy_streams import captured, pieced_pipeline
 from streamdag.suite.cuda_timing import interleaved_wall_ms, wall_ms
 from streamdag.suite.report import format_table, write_json
 
@@ -41,6 +48,8 @@ CHUNKS, CHUNK_FLOATS, STEPS = 8, 16 << 20, 6
 STREAM_MAPS = ((32, False), (16, True), (8, True))  # stream_map's pieces (MiB; 4 MiB a matrix), captured?
 PIECE_MIB = tuple(sorted({mib for mib, _ in STREAM_MAPS}, reverse=True))
 MADE_MIB = 16  # stream_map also with out=None: it makes the outputs from the first piece's result
+RECORDED_MIB = (16, 8)  # stream_map recorded in `rt.record()`: the whole call captured as one CUDA graph
+HAND_PIECES_MIB = (16, 8)  # the same pipeline of pieces by hand, captured whole: the device's floor
 
 
 def both_ways(dev_in, host_in, dev_out, host_out, nbytes: int, iters: int = 10) -> tuple[float, float]:
@@ -230,6 +239,24 @@ def main() -> None:
     with graph_rt.record() as graph:
         submit_pipeline(graph_rt)
     graph.run().result()
+    recorded_maps = {}
+    for mib in RECORDED_MIB:
+        with graph_rt.record() as recorded_maps[mib]:
+            graph_rt.stream_map(rows_fn, matrices_in, matrices_out, piece_bytes=mib << 20)
+        recorded_maps[mib].run().result()
+    run_host_ms: dict[int, list[float]] = {}  # host ms of g.run() (the device idles until it launches)
+
+    def recorded_map_run(mib):
+        def run():
+            t0 = time.perf_counter()
+            done = recorded_maps[mib].run()
+            run_host_ms.setdefault(mib, []).append((time.perf_counter() - t0) * 1e3)
+            done.result()
+        return run
+
+    hand_pieces = {mib: captured(pieced_pipeline(_cut(host_in, mib << 18), _cut(host_out, mib << 18),
+                                                 lambda p: rows_fn(p.view(-1, 1024, 1024))))
+                   for mib in HAND_PIECES_MIB}
     variants = {
         "sequential, one stream": sequential,
         "hand-made 3-stream pipeline": hand_pipeline,
@@ -240,6 +267,10 @@ def main() -> None:
            stream_map_of(runtimes[1], mib, cap) for mib, cap in STREAM_MAPS},
         f"streamdag stream_map, {MADE_MIB} MiB pieces, captured, outputs made (out=None), 1 compute stream":
             stream_map_making_outputs(runtimes[1], MADE_MIB),
+        **{f"streamdag stream_map, {mib} MiB pieces, recorded: one CUDA graph, g.run().result()":
+           recorded_map_run(mib) for mib in recorded_maps},
+        **{f"hand-made pipeline of {mib} MiB pieces, captured whole (one CUDA graph)": replay
+           for mib, replay in hand_pieces.items()},
     }
     rows = interleaved_wall_ms(variants)  # every round times each once: the link's drift falls on all
     ok, peak = True, 0
@@ -253,12 +284,14 @@ def main() -> None:
     piece_expect = {mib: by_pieces(mib) for mib in PIECE_MIB}
     piece_diff = 0.0
     for label, fn in variants.items():
-        if label.startswith("streamdag"):
+        if label.startswith(("streamdag", "hand-made pipeline of")):
             for h in host_out:
                 h.zero_()
             fn()
-            if "stream_map" in label:
-                want = piece_expect[int(label.split(", ")[1].split()[0])]
+            torch.cuda.synchronize()  # (a hand-made graph's replay returns before it has run)
+            if "stream_map" in label or "pieces" in label:
+                want = piece_expect[int(label.split(", ")[1].split()[0]) if "stream_map" in label
+                                    else int(label.split(" of ")[1].split()[0])]
                 got = [m.view(-1) for m in made_outputs] if "out=None" in label else host_out
                 diff = max((h - e).abs().max().item() for h, e in zip(got, expect))
                 piece_diff = max(piece_diff, diff)
@@ -268,7 +301,9 @@ def main() -> None:
     for rt in runtimes.values():
         peak = max(peak, rt.statistics().peak_inflight_bytes)
         rt.close()
-    capture = {"statistics": str(graph.statistics()), "explain": graph.explain()}
+    capture = {"statistics": str(graph.statistics()), "explain": graph.explain(),
+               **{f"stream_map_{mib}_mib": {"statistics": str(g.statistics()), "explain": g.explain()}
+                  for mib, g in recorded_maps.items()}}
     graph_rt.close()
 
     table = [["pinned H2D GB/s", CHUNKS * nbytes / t_in / 1e6, ""],
@@ -297,11 +332,16 @@ def main() -> None:
     host_submit = {streams: statistics.median(ts) for streams, ts in submit_ms.items()}
     print("host ms to submit the pipeline's 24 ops (median), by compute streams:",
           {k: round(v, 3) for k, v in host_submit.items()})
+    run_host = {mib: statistics.median(ts) for mib, ts in run_host_ms.items()}
+    print("host ms of g.run() for the recorded stream_map (median), by piece MiB:",
+          {k: round(v, 3) for k, v in run_host.items()})
     print(capture["statistics"])
     print(write_json(Path(__file__).parent / "results",
                      "overlap_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"chunks": CHUNKS, "chunk_mib": nbytes >> 20, "steps": STEPS,
                                    "stream_map_pieces_mib_captured": STREAM_MAPS,
+                                   "stream_map_pieces_mib_recorded": RECORDED_MIB,
+                                   "hand_made_pieces_mib_captured_whole": HAND_PIECES_MIB,
                                    "compute_streams": [4, 1], "timing": "interleaved rounds"},
                       "ms": {"copies_in": t_in, "copies_out": t_out, "compute": t_compute,
                              "both_ways": t_both, "both_ways_64_mib": t_both_chunks,
@@ -314,6 +354,7 @@ def main() -> None:
                       "results_equal": ok, "stream_map_max_abs_diff_vs_chunks": piece_diff,
                       "recorded": capture,
                       "host_submit_ms": host_submit,
+                      "recorded_stream_map_run_host_ms": run_host,
                       "goal_below_pipeline_bound": pipeline_bound > 1.05 * bound,
                       "goal_below_link_model": link_model > 1.05 * bound}))
 

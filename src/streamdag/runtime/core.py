@@ -348,6 +348,11 @@ class Runtime:
         runs only at recording), and the graphs and their buffers are kept for
         the next call with the same ``fn`` and shapes, until ``fn`` is dropped
         or the runtime closes.
+
+        Inside ``with rt.record()`` (``out`` required), the pieces' copies and
+        computes are recorded: each ``g.run()`` reads the inputs as they are
+        then and fills ``out``, which the call returns; on CUDA, from pinned
+        memory, the whole call is one captured CUDA graph.
         """
         from . import streaming
 
