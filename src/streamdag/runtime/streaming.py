@@ -27,6 +27,11 @@ and copies its result out itself, so the call does not wait for the device;
 on the CPU lanes the call waits for that piece. A captured call remembers
 what it made, and the next call with inputs of the same kinds makes its
 outputs at once.
+
+Inside ``rt.record()`` (with ``out``) the pieces' ops are recorded, not run:
+each run of the graph copies, computes and copies out every piece, and on
+CUDA the whole call is one captured graph, with no host work per piece
+(``capture`` is moot there: the recording is captured).
 """
 
 from __future__ import annotations
