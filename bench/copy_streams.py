@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from streamdag.suite.cuda_timing import graph_of
 from streamdag.suite.report import format_table, write_json
 
 MiB = 1 << 20
@@ -80,18 +81,11 @@ def pieced_pipeline(pieces_in: Sequence[torch.Tensor], pieces_out: Sequence[torc
 
 
 def captured(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``'s work as one CUDA graph (run once first, to warm up); returns its replay."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.synchronize()
+    """``fn``'s work as one CUDA graph (``graph_of``); returns its replay, which keeps ``fn`` too."""
+    graph, _ = graph_of(fn)
 
     def replay() -> None:
-        g.replay()
+        graph.replay()
 
     replay.work = fn  # type: ignore[attr-defined]  # its closure holds the device buffers the graph uses
     return replay

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
-from copy_streams import captured, pieced_pipeline
+from copy_streams import captured, cut, pieced_pipeline
 from streamdag.suite.cuda_timing import interleaved_wall_ms, wall_ms
 from streamdag.suite.report import format_table, write_json
 
@@ -87,7 +87,7 @@ def both_ways(dev_in, host_in, dev_out, host_out, nbytes: int, iters: int = 10) 
 
 def _cut(tensors, floats: int) -> list:
     """Each tensor's pieces of ``floats`` elements, in order."""
-    return [t.view(-1)[lo : lo + floats] for t in tensors for lo in range(0, t.numel(), floats)]
+    return [piece for t in tensors for piece in cut(t, floats)]
 
 
 def _chunks_by(ends_ms: list[float], t: float) -> float:
