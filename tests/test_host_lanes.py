@@ -695,6 +695,34 @@ def test_on_the_gpu_a_pageable_copy_of_what_a_host_op_writes_is_staged_on_a_lane
 
 
 @pytest.mark.cuda
+def test_on_the_gpu_a_pageable_copy_staged_on_lanes_is_done_only_once_every_chunk_is(monkeypatch):
+    """The lanes stage chunks side by side, and each chunk's copy launches once its staging is
+    done: the first chunk staged last (held up here) must still be in ``dst`` when the copy's
+    future is done, not only the chunks after it."""
+    import torch
+
+    from streamdag.runtime import transfers
+
+    n = transfers.CHUNK_BYTES // 4 * 3  # three chunks of float32
+    expected = torch.arange(n, dtype=torch.float32)
+    src = torch.zeros(n)  # pageable
+    plain_copy = transfers._copy_into
+
+    def first_chunk_slowly(dst, s):
+        if s.data_ptr() == src.data_ptr():
+            time.sleep(0.5)
+        return plain_copy(dst, s)
+
+    monkeypatch.setattr(transfers, "_copy_into", first_chunk_slowly)
+    with sd.Runtime("cuda", streams=2) as rt:
+        dev = torch.zeros(n, device="cuda")
+        rt.submit(lambda: src.copy_(expected), writes=[src], run_on="host")
+        copied = rt.copy(dev, src)
+        assert copied.result(timeout=30) is dev
+        assert torch.equal(dev.cpu(), expected)
+
+
+@pytest.mark.cuda
 def test_on_the_gpu_a_recorded_graph_with_a_host_op_replays_its_device_parts_and_returns_at_once():
     """A graph holding a host-lane op runs in parts: the device ops before it and those after it
     are CUDA graphs of their own from the second run (which captures them), the host op runs on a

@@ -369,6 +369,32 @@ def after_all(count: int, then_call: Callable[[], None]) -> Callable[[Any], None
     return done
 
 
+def all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
+    """A Future of ``value`` once all ``futures`` are done; the first exception among them, if any.
+
+    Waiting on it helps finish the last of them (the others are hurried too): where they run in
+    order on one stream, the last is done after the rest.
+    """
+    out = Future()
+    out.op_name = op_name
+    if not futures:
+        out.set_result(value)
+        return out
+    out._hurry = getattr(futures[-1], "_hurry", None)
+
+    def settle() -> None:
+        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(value)
+
+    done = after_all(len(futures), settle)
+    for f in futures:
+        f._on_done(done)
+    return out
+
+
 def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
     """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
     out = Future()

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..graph.buffers import region_of
-from .ops import Future, after_all
+from .ops import Future, all_of
 from .transfers import copier
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     # (outs is None only where every input is empty: fn never ran, nothing tells its shape)
     if kinds is not None and outs is not None:
         ring.out_kinds[kinds] = (tuple(outs[0].shape[1:]), outs[0].dtype)
-    results = [_all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
+    results = [all_of(copies, outs[b] if outs is not None else batches[b][:0], name)
                for b, copies in enumerate(copies_of)]
     return results[0] if single else results
 
@@ -321,28 +321,3 @@ def _kept_rings(rt: Runtime, fn: Callable[[Any], Any], device: str, buffers: int
     except TypeError:
         return None, None
     return kept, (device, buffers, tuple(region_of(t) for t in extra_reads))  # the graphs' declared reads
-
-
-def _all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
-    """A Future of ``value`` once all ``futures`` are done; the first exception among them, if any.
-
-    Waiting on it is waiting on the last (the copies out of one input run in order on one stream).
-    """
-    out = Future()
-    out.op_name = op_name
-    if not futures:
-        out.set_result(value)
-        return out
-    out._hurry = getattr(futures[-1], "_hurry", None)
-
-    def settle() -> None:
-        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(value)
-
-    done = after_all(len(futures), settle)
-    for f in futures:
-        f._on_done(done)
-    return out

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..graph.buffers import Region, region_of
 from . import ops
-from .ops import Future, in_done_callback, then
+from .ops import Future, all_of, in_done_callback
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -335,28 +335,30 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
             _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
     if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
         return _staged_h2d_on_lanes(rt, dst, src, stream, name)
-    last = None
+    chunks = []
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
         view = stage[: s.numel()]
         view.copy_(s)
-        last = _device_copy(rt, d, view, stream, name, keep=stage)
-        last._on_done(lambda _f, stage=stage: rt._staging.give(stage))
-    return _resolve_to(last, dst)
+        chunks.append(_device_copy(rt, d, view, stream, name, keep=stage))
+        chunks[-1]._on_done(lambda _f, stage=stage: rt._staging.give(stage))
+    return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
 
 def _staged_h2d_on_lanes(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
     """:func:`_staged_h2d` after unfinished host-lane ops that write ``src``: each chunk is staged by
     a host-lane op, which runs after them, and copied by a device op, held behind it (see
     ``Runtime._hold``). The submit returns at once, but for the staging buffers' bound."""
-    last = None
+    chunks = []
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
         view = stage[: s.numel()]
         rt.submit(_copy_into, view, s, reads=[s], writes=[view], name=f"{name}_stage", run_on="host")
-        last = _device_copy(rt, d, view, stream, name, keep=stage)
-        last._on_done(lambda _f, stage=stage: rt._staging.give(stage))
-    return _resolve_to(last, dst)
+        chunks.append(_device_copy(rt, d, view, stream, name, keep=stage))
+        chunks[-1]._on_done(lambda _f, stage=stage: rt._staging.give(stage))
+    # each chunk's copy is launched once its staging is done, and two lanes stage side by side: a
+    # later chunk's copy may complete before an earlier one's has even been launched
+    return all_of(chunks, dst, "copy")
 
 
 def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | None,
@@ -378,15 +380,6 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | No
     # the staging buffers, not in the submitting thread
     return rt.submit(unstage, reads=[v for _, v, _ in pieces], writes=[dst], name=f"{name}_unstage",
                      run_on="host" if rt._host is not None else None)
-
-
-def _resolve_to(last: Future | None, value: Any) -> Future:
-    if last is None:
-        out = Future()
-        out.op_name = "copy"
-        out.set_result(value)
-        return out
-    return then(last, lambda _r: value, "copy")
 
 
 def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
