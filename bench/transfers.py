@@ -1,0 +1,115 @@
+"""Host<->device transfers: streamdag's copies against PyTorch's, from pinned and pageable memory.
+
+One tensor of SIZES_MIB each way, fp32, every variant ending with the data in place (the host
+waits for the copy). PyTorch: ``copy_(non_blocking=True)`` from (or into) pageable memory, which
+the CUDA driver stages itself; the same after ``pin_memory()`` (pinning a new buffer each time, as
+``x.pin_memory().to("cuda", non_blocking=True)`` does); and from (into) memory pinned beforehand.
+streamdag: ``rt.copy`` from (into) the same pageable and pinned tensors; pageable data goes through
+the runtime's reused pinned staging buffers, in chunks. Beside each copy's GB/s, the host time of
+the submit itself (``rt.copy`` returns a future; the time until it returns is what the submitting
+thread cannot use for other work). The variants run in interleaved rounds, each reporting its
+median.
+
+Run on a GPU machine: PYTHONPATH=src python bench/transfers.py
+(writes bench/results/transfers_<gpu>.json)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import streamdag as sd
+from streamdag.suite.cuda_timing import interleaved_rounds_ms
+from streamdag.suite.report import format_table, write_json
+
+SIZES_MIB = (16, 256)
+ROUNDS = 20
+
+
+def variants_for(rt: sd.Runtime, mib: int, submit_ms: dict[str, list[float]]) -> dict:
+    floats = mib << 18
+    pageable = torch.randn(floats)
+    pinned = torch.randn(floats).pin_memory()
+    dev = torch.randn(floats, device="cuda")
+    back_pageable = torch.empty(floats)
+    back_pinned = torch.empty(floats, pin_memory=True)
+
+    def timed_submit(label, fn):
+        def run():
+            t0 = time.perf_counter()
+            future = fn()
+            submit_ms.setdefault(label, []).append((time.perf_counter() - t0) * 1e3)
+            future.result()
+        return run
+
+    return {
+        ("h2d", "PyTorch, pageable"): lambda: dev.copy_(pageable, non_blocking=True),
+        ("h2d", "PyTorch, pin_memory() then copy"):
+            lambda: dev.copy_(pageable.pin_memory(), non_blocking=True),
+        ("h2d", "PyTorch, pinned"): lambda: dev.copy_(pinned, non_blocking=True),
+        ("h2d", "streamdag rt.copy, pageable"): timed_submit(f"h2d pageable {mib}",
+                                                             lambda: rt.copy(dev, pageable)),
+        ("h2d", "streamdag rt.copy, pinned"): timed_submit(f"h2d pinned {mib}", lambda: rt.copy(dev, pinned)),
+        ("d2h", "PyTorch, pageable"): lambda: back_pageable.copy_(dev, non_blocking=True),
+        ("d2h", "PyTorch, pinned"): lambda: back_pinned.copy_(dev, non_blocking=True),
+        ("d2h", "streamdag rt.copy, pageable"): timed_submit(f"d2h pageable {mib}",
+                                                             lambda: rt.copy(back_pageable, dev)),
+        ("d2h", "streamdag rt.copy, pinned"): timed_submit(f"d2h pinned {mib}",
+                                                           lambda: rt.copy(back_pinned, dev)),
+    }, (pageable, pinned, dev, back_pageable, back_pinned)
+
+
+def check(rt: sd.Runtime, tensors) -> None:
+    """Every streamdag copy moves the bytes exactly."""
+    pageable, pinned, dev, back_pageable, back_pinned = tensors
+    rt.copy(dev, pageable).result()
+    assert torch.equal(dev.cpu(), pageable), "pageable h2d"
+    rt.copy(dev, pinned).result()
+    assert torch.equal(dev.cpu(), pinned), "pinned h2d"
+    rt.copy(back_pageable, dev).result()
+    assert torch.equal(back_pageable, pinned), "pageable d2h"
+    back_pinned.zero_()
+    rt.copy(back_pinned, dev).result()
+    assert torch.equal(back_pinned, pinned), "pinned d2h"
+
+
+def main() -> None:
+    rt = sd.Runtime("cuda")
+    rows, results = [], {}
+    submit_ms: dict[str, list[float]] = {}
+    for mib in SIZES_MIB:
+        variants, tensors = variants_for(rt, mib, submit_ms)
+        check(rt, tensors)
+        rounds = interleaved_rounds_ms({f"{k[0]}|{k[1]}": fn for k, fn in variants.items()}, ROUNDS)
+        ms = {label: statistics.median(ts) for label, ts in rounds.items()}
+        for direction in ("h2d", "d2h"):
+            base = ms[f"{direction}|PyTorch, pageable"]
+            for label, t in ms.items():
+                kind, name = label.split("|")
+                if kind != direction:
+                    continue
+                gbs = (mib << 20) / t / 1e6
+                key = f"{direction} pageable {mib}" if "pageable" in name else f"{direction} pinned {mib}"
+                host = statistics.median(submit_ms[key]) if name.startswith("streamdag") else None
+                rows.append([f"{mib} MiB", direction, name, f"{t:.3f}", f"{gbs:.1f}", f"{base / t:.2f}x",
+                             f"{host:.3f}" if host is not None else ""])
+                results[f"{mib} MiB {direction} {name}"] = {
+                    "ms": t, "gb_per_s": gbs, "vs_pytorch_pageable": base / t, "submit_host_ms": host,
+                    "rounds_ms": rounds[label]}
+        del variants, tensors
+    rt.close()
+    print(format_table(["size", "direction", "variant", "ms (median)", "GB/s", "x PyTorch pageable",
+                        "submit returns after (ms)"], rows))
+    gpu = torch.cuda.get_device_name()
+    print(write_json(Path(__file__).parent / "results", "transfers_" + gpu.replace(" ", "_"),
+                     {"settings": {"sizes_mib": SIZES_MIB, "rounds": ROUNDS,
+                                   "torch_threads": torch.get_num_threads()},
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
