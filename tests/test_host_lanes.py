@@ -690,36 +690,75 @@ def test_on_the_gpu_a_pageable_copy_of_what_a_host_op_writes_is_staged_on_a_lane
         assert copied.result(timeout=30) is dev
         assert torch.equal(doubled.result(timeout=30).cpu(), expected * 2)
         rt.synchronize()
-        pool = rt._staging  # every staging buffer given back
-        assert sum(size * len(bufs) for size, bufs in pool._free.items()) == pool._held > 0
+        assert all(not ring.lock.locked() for ring in rt._rings.values()) and rt._rings
 
 
 @pytest.mark.cuda
-def test_on_the_gpu_a_pageable_copy_staged_on_lanes_is_done_only_once_every_chunk_is(monkeypatch):
-    """The lanes stage chunks side by side, and each chunk's copy launches once its staging is
-    done: the first chunk staged last (held up here) must still be in ``dst`` when the copy's
-    future is done, not only the chunks after it."""
+def test_on_the_gpu_large_pageable_copies_go_through_the_ring_exactly_and_return_at_once():
+    """Copies of more chunks than the ring has buffers, both ways, with a ragged end: each buffer is
+    refilled only once its DMA is done, and unstaged only once it has arrived. Both submits return
+    while a host op that writes the source is held up."""
     import torch
 
     from streamdag.runtime import transfers
 
-    n = transfers.CHUNK_BYTES // 4 * 3  # three chunks of float32
-    expected = torch.arange(n, dtype=torch.float32)
-    src = torch.zeros(n)  # pageable
-    plain_copy = transfers._copy_into
-
-    def first_chunk_slowly(dst, s):
-        if s.data_ptr() == src.data_ptr():
-            time.sleep(0.5)
-        return plain_copy(dst, s)
-
-    monkeypatch.setattr(transfers, "_copy_into", first_chunk_slowly)
+    n = transfers.CHUNK_BYTES // 4 * (transfers.RING_DEPTH + 2) + 777
+    expected = torch.randn(n)
     with sd.Runtime("cuda", streams=2) as rt:
+        src, back = torch.zeros(n), torch.full((n,), -1.0)  # pageable
         dev = torch.zeros(n, device="cuda")
-        rt.submit(lambda: src.copy_(expected), writes=[src], run_on="host")
-        copied = rt.copy(dev, src)
-        assert copied.result(timeout=30) is dev
-        assert torch.equal(dev.cpu(), expected)
+        gate = threading.Event()
+        rt.submit(lambda: (gate.wait(10), src.copy_(expected)), writes=[src], run_on="host")
+        started = time.perf_counter()
+        copied_in = rt.copy(dev, src)
+        doubled = rt.submit(dev.mul_, 2, writes=[dev])
+        copied_out = rt.copy(back, dev)
+        assert time.perf_counter() - started < 0.5 and not copied_in.done() and not copied_out.done()
+        gate.set()
+        assert copied_out.result(timeout=30) is back
+        assert copied_in.result(timeout=30) is dev and doubled.done()
+        assert torch.equal(back, expected * 2)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_pageable_copies_from_many_threads_share_the_rings_exactly():
+    """Threads round-trip their own data through one runtime at once, large copies (the rings, one
+    copy at a time each) and small ones (the pool) mixed: every byte comes back."""
+    import torch
+
+    from streamdag.runtime import transfers
+
+    sizes = [transfers.CHUNK_BYTES // 4 * 2 + 5, 1000, transfers.LANE_STAGING_BYTES // 4 + 1, 77]
+    failures: list[BaseException] = []
+    with sd.Runtime("cuda", streams=2) as rt:
+        def round_trips(seed: int) -> None:
+            try:
+                g = torch.Generator().manual_seed(seed)
+                for k in range(6):
+                    x = torch.randn(sizes[(seed + k) % len(sizes)], generator=g)
+                    dev = rt.to_device(x).result(timeout=60)
+                    back = torch.empty_like(x)
+                    assert rt.copy(back, dev).result(timeout=60) is back
+                    assert torch.equal(back, x), (seed, k)
+            except BaseException as exc:  # (re-raised in the test's thread)
+                failures.append(exc)
+
+        threads = [threading.Thread(target=round_trips, args=(seed,)) for seed in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not failures, failures[0]
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_large_pageable_copy_of_a_strided_view_is_refused_at_submit():
+    import torch
+
+    with sd.Runtime("cuda") as rt:
+        src = torch.zeros(1024, 1024)
+        with pytest.raises(ValueError, match="contiguous"):
+            rt.copy(torch.empty(1024, 512, device="cuda"), src[:, ::2])
 
 
 @pytest.mark.cuda

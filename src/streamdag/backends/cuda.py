@@ -576,8 +576,9 @@ class CudaBackend:
         #: every blocking stream's work. ``peer_out`` is not: captures pull it in
         self._blocking = default_stream_sync
         self._own = _OwnStreams.take(index, streams + 3, blocking=default_stream_sync)
-        self._own_peer = _OwnStreams.take(index, 1)
+        self._own_peer = _OwnStreams.take(index, 3)  # peer_out and the two staging streams
         own = iter(self._own or [])
+        side = iter(self._own_peer or [])
 
         def stream(i: int, kind: str) -> CudaStream:
             return CudaStream(i, kind, next(own, None), blocking=default_stream_sync)
@@ -589,7 +590,12 @@ class CudaBackend:
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`);
             #: during a capture its fences pull it in, and a capturing blocking stream would make
             #: any use of the default stream an error
-            self.peer_out = CudaStream(-1, "peer_out", (self._own_peer or [None])[0])
+            self.peer_out = CudaStream(-1, "peer_out", next(side, None))
+            #: where a host lane's staged copy of pageable memory runs its DMAs, one per direction
+            #: (see ``transfers.StagingRing``): non-blocking, since the lane's op has waited for the
+            #: ops it follows before it copies, and it waits for its own DMAs itself
+            self.staging_streams = {kind: CudaStream(-2 - i, f"staging_{kind}", next(side, None))
+                                    for i, kind in enumerate(("h2d", "d2h"))}
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))

@@ -122,6 +122,13 @@ class Runtime:
     ops submitted with ``run_on="host"`` (host functions that must not block the submitter
     while they wait for device work); a CPU runtime's lanes are the host's already.
 
+    Transfers (GPUs): ``max_inflight_bytes`` bounds the bytes of copies in flight (a copy that
+    would pass it blocks the submitter). Pageable host memory is staged through pinned buffers:
+    copies of up to 1 MiB in the submitting thread, through a pool of ``staging_bytes``; larger
+    ones on a host lane, through a fixed ring of three 8 MiB buffers per direction, so that the
+    submit returns at once (the source must then stay as it is until the copy's future is done,
+    as for any op's inputs).
+
     ``backend=`` runs the runtime on a backend made by the caller (its device and streams):
     ``device``, ``streams``, ``seed`` and ``default_stream_sync`` must then be left out.
     """
@@ -246,6 +253,8 @@ class Runtime:
         self._profiler: Any = None
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
+        #: the pinned rings of large pageable copies staged on host lanes (``transfers.StagingRing``)
+        self._rings: dict[Any, Any] = {}
         #: stream_map's captured pieces, by function (see ``streaming``); dropped with the function
         self._stream_maps: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}

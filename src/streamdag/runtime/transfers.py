@@ -4,10 +4,13 @@
   bytes; it converts nothing).
 - Pinned host memory is copied directly; the runtime keeps it referenced until
   the copy has completed.
-- Pageable host memory is staged through pinned buffers from a pool of
-  bounded size (:class:`PinnedPool`), in chunks, so that the host copy of one
-  chunk overlaps the DMA of the one before. A buffer returns to the pool only
-  once the copy that reads or writes it has completed.
+- Pageable host memory is staged through pinned buffers, in chunks, so that
+  the host copy of one chunk overlaps the DMA of another. A copy of more than
+  ``LANE_STAGING_BYTES`` is one op on a host lane, through a fixed ring of
+  pinned buffers per device and direction (:class:`StagingRing`): the submit
+  returns at once. A smaller one is staged in the submitting thread, through
+  a pool of bounded size (:class:`PinnedPool`), whose buffers return to the
+  pool only once the copy that reads or writes them has completed.
 - ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
   would pass it blocks the submitter until earlier copies complete (except in
   a done-callback, whose thread may be the one that finishes them).
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..backends.capture_mode import relaxed
 from ..graph.buffers import Region, region_of
 from . import ops
 from .ops import Future, all_of, in_done_callback
@@ -37,6 +41,12 @@ if TYPE_CHECKING:
 __all__ = ["ByteBudget", "PinnedPool", "copy", "to_device", "to_host"]
 
 CHUNK_BYTES = 8 << 20
+#: pageable copies of more than this many bytes are staged on a host lane through a ring of pinned
+#: buffers (the submit returns at once); smaller ones in the submitting thread, through the pool
+LANE_STAGING_BYTES = 1 << 20
+#: the ring's buffers (of CHUNK_BYTES) per device and direction: a chunk's copy on the host overlaps
+#: the DMAs of the chunks before it
+RING_DEPTH = 3
 
 
 class ByteBudget:
@@ -324,17 +334,150 @@ def _uint8() -> Any:
     return torch.uint8
 
 
+class StagingRing:
+    """The pinned buffers through which host lanes stage large pageable copies, for one direction of
+    one device, with that device's staging stream and an event per buffer.
+
+    A copy takes the whole ring (its lock) for as long as it runs: it copies chunk after chunk into
+    the buffers in turn, each chunk's DMA running while the next chunk is copied, and waits for a
+    buffer's DMA before it fills that buffer again. A fixed ring rather than the pool: a lane that
+    waited on the pool for buffers held by copies that need a lane to give them back could wait
+    forever. Made at the first such copy (``RING_DEPTH`` buffers of ``CHUNK_BYTES``).
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+        self._buffers: list[Any] = []
+        self._events: list[Any] = []
+
+    def buffers(self) -> tuple[list[Any], list[Any]]:
+        """The pinned buffers and their events; caller holds ``lock``."""
+        import torch
+
+        if not self._buffers:
+            self._buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                             for _ in range(RING_DEPTH)]
+            self._events = [torch.cuda.Event() for _ in range(RING_DEPTH)]
+        return self._buffers, self._events
+
+
+def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
+    """The staging ring of ``kind`` for the device of ``device_tensor``; None where its backend has no
+    staging streams (not CUDA) or the runtime no host lanes."""
+    if rt._host is None:
+        return None
+    key = (kind, device_tensor.device)
+    ring = rt._rings.get(key)
+    if ring is None:
+        space = region_of(device_tensor).space
+        streams = getattr(rt.backends[rt.devices.index(space)], "staging_streams", None)
+        if streams is None:
+            return None
+        ring = rt._rings.setdefault(key, StagingRing(streams[kind]))
+    return ring
+
+
+def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
+                      result: Any, name: str) -> Future:
+    """A pageable copy as one host-lane op (``through``: :func:`_copy_in_through` or
+    :func:`_copy_out_through`) that reads ``src`` and writes ``dst``: it runs once the ops it follows
+    have finished, and is done once the data is in place; the submit returns at once. Its bytes
+    count against ``max_inflight_bytes`` until then."""
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+    nbytes = src.numel() * src.element_size()
+    budget = rt._bytes
+    budget.acquire(nbytes)
+    try:
+        future = rt.submit(through, ring, dst, src, result, reads=[src], writes=[dst], name=name,
+                           run_on="host")
+    except BaseException:
+        budget.release(nbytes)
+        raise
+    if isinstance(future, Future):
+        budget.hold(future, nbytes, ring)
+    else:  # recorded (a recording copies pageable memory op by op, see copy): not now
+        budget.release(nbytes)
+    return future
+
+
+def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
+    """Pageable host ``src`` to device ``dst`` through ``ring``, on a host lane: each chunk copied into
+    a staging buffer (PyTorch's CPU copy, on its threads), then by DMA on the staging stream."""
+    import torch
+
+    stream = ring.stream
+    with ring.lock, relaxed():  # (relaxed: a capture in another thread must not fail at our waits)
+        buffers, events = ring.buffers()
+        in_flight = 0
+        try:
+            for k, (d, s) in enumerate(_chunks(dst, src)):
+                slot = k % len(buffers)
+                if in_flight == len(buffers):  # the buffer's last DMA must be done before it is refilled
+                    events[slot].synchronize()
+                    in_flight -= 1
+                view = buffers[slot][: s.numel()]
+                view.copy_(s)
+                with torch.cuda.stream(stream):
+                    d.copy_(view, non_blocking=True)
+                events[slot].record(stream)
+                in_flight += 1
+        finally:  # done only once every DMA is: and the next copy through the ring refills the buffers
+            for event in events:
+                event.synchronize()
+    return result
+
+
+def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
+    """Device ``src`` to pageable host ``dst`` through ``ring``, on a host lane: DMAs into the staging
+    buffers on the staging stream, each buffer copied out to ``dst`` once its DMA is done, while the
+    DMAs of the next chunks run."""
+    import torch
+
+    stream = ring.stream
+    with ring.lock, relaxed():
+        buffers, events = ring.buffers()
+        waiting: deque[tuple[Any, Any, Any]] = deque()  # (host chunk, staged chunk, its DMA's event)
+
+        def unstage() -> None:
+            d, view, event = waiting.popleft()
+            event.synchronize()
+            d.copy_(view)
+
+        try:
+            for k, (d, s) in enumerate(_chunks(dst, src)):
+                slot = k % len(buffers)
+                if len(waiting) == len(buffers):  # the buffer's chunk must be out before the next DMA
+                    unstage()
+                view = buffers[slot][: s.numel()]
+                with torch.cuda.stream(stream):
+                    view.copy_(s, non_blocking=True)
+                events[slot].record(stream)
+                waiting.append((d, view, events[slot]))
+            while waiting:
+                unstage()
+        finally:  # (after a failure: no DMA may still write a buffer that the next copy reads)
+            for event in events:
+                event.synchronize()
+    return result
+
+
 def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
     from ..graph.buffers import Access
     from .core import _wait_for_host_inputs
 
+    ring = _ring(rt, "h2d", dst)
+    if ring is not None and src.numel() * src.element_size() > LANE_STAGING_BYTES:
+        return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     reading = [Access(region_of(src), False)]
     with rt._lock:  # the host data must be final before we read it
         behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
         if not behind:  # (device ops that write it: waited for on their events)
             _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
     if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
-        return _staged_h2d_on_lanes(rt, dst, src, stream, name)
+        assert ring is not None  # (host-lane ops run beside a device, whose backend has the rings)
+        return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     chunks = []
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
@@ -345,24 +488,11 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
 
-def _staged_h2d_on_lanes(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
-    """:func:`_staged_h2d` after unfinished host-lane ops that write ``src``: each chunk is staged by
-    a host-lane op, which runs after them, and copied by a device op, held behind it (see
-    ``Runtime._hold``). The submit returns at once, but for the staging buffers' bound."""
-    chunks = []
-    for d, s in _chunks(dst, src):
-        stage = rt._staging.take(s.numel())
-        view = stage[: s.numel()]
-        rt.submit(_copy_into, view, s, reads=[s], writes=[view], name=f"{name}_stage", run_on="host")
-        chunks.append(_device_copy(rt, d, view, stream, name, keep=stage))
-        chunks[-1]._on_done(lambda _f, stage=stage: rt._staging.give(stage))
-    # each chunk's copy is launched once its staging is done, and two lanes stage side by side: a
-    # later chunk's copy may complete before an earlier one's has even been launched
-    return all_of(chunks, dst, "copy")
-
-
 def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | None,
                 name: str) -> Future:
+    ring = _ring(rt, "d2h", src)
+    if ring is not None and src.numel() * src.element_size() > LANE_STAGING_BYTES:
+        return _staged_on_a_lane(rt, ring, _copy_out_through, dst, src, user_dst, name)
     pieces = []
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
