@@ -8,7 +8,9 @@ streamdag: ``rt.copy`` from (into) the same pageable and pinned tensors; pageabl
 the runtime's reused pinned staging buffers, in chunks. Beside each copy's GB/s, the host time of
 the submit itself (``rt.copy`` returns a future; the time until it returns is what the submitting
 thread cannot use for other work). The variants run in interleaved rounds, each reporting its
-median.
+median. Then anchors.md's copy/compute case from and into pageable memory (8 chunks of 64 MiB),
+PyTorch's pipelines against streamdag's submits and ``stream_map``, each checked to give exactly
+the results of the first (``stream_map``: of the same computed 16 MiB at a time).
 
 Run on a GPU machine: PYTHONPATH=src python bench/transfers.py
 (writes bench/results/transfers_<gpu>.json)
@@ -28,6 +30,7 @@ from streamdag.suite.report import format_table, write_json
 
 SIZES_MIB = (16, 256)
 ROUNDS = 20
+PIPELINE_CHUNKS, PIPELINE_ROUNDS = 8, 10
 
 
 def variants_for(rt: sd.Runtime, mib: int, submit_ms: dict[str, list[float]]) -> dict:
@@ -77,6 +80,81 @@ def check(rt: sd.Runtime, tensors) -> None:
     assert torch.equal(back_pinned, pinned), "pinned d2h"
 
 
+def pipeline_variants(rt: sd.Runtime) -> tuple[dict, dict]:
+    """The copy/compute case of anchors.md (8 chunks of 64 MiB, 6 x (bf16 matmul + tanh) each) from
+    and into pageable memory: PyTorch on one stream and with a stream per stage (its copies from
+    pageable memory hold the host until staged), streamdag's submits and ``stream_map``."""
+    chunks, floats = PIPELINE_CHUNKS, 16 << 20
+    host_in = [torch.randn(floats) for _ in range(chunks)]
+    host_out = [torch.empty(floats) for _ in range(chunks)]
+    dev_in = [torch.empty(floats, device="cuda") for _ in range(chunks)]
+    dev_out = [torch.empty(floats, device="cuda") for _ in range(chunks)]
+    w = (torch.randn(1024, 1024, device="cuda") / 32).bfloat16()
+
+    def rows_fn(x):
+        x = x.view(-1, 1024, 1024).bfloat16()
+        for _ in range(6):
+            x = torch.tanh(x @ w)
+        return x.float().view(-1)
+
+    def compute(src, dst):
+        dst.copy_(rows_fn(src))
+
+    def sequential():
+        for i in range(chunks):
+            dev_in[i].copy_(host_in[i], non_blocking=True)
+            compute(dev_in[i], dev_out[i])
+            host_out[i].copy_(dev_out[i], non_blocking=True)
+
+    s_in, s_c, s_out = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+
+    def hand_pipeline():
+        main = torch.cuda.current_stream()
+        for s in (s_in, s_c, s_out):
+            s.wait_stream(main)
+        for i in range(chunks):
+            with torch.cuda.stream(s_in):
+                dev_in[i].copy_(host_in[i], non_blocking=True)
+                e_in = torch.cuda.Event()
+                e_in.record()
+            with torch.cuda.stream(s_c):
+                s_c.wait_event(e_in)
+                compute(dev_in[i], dev_out[i])
+                e_c = torch.cuda.Event()
+                e_c.record()
+            with torch.cuda.stream(s_out):
+                s_out.wait_event(e_c)
+                host_out[i].copy_(dev_out[i], non_blocking=True)
+        for s in (s_in, s_c, s_out):
+            main.wait_stream(s)
+
+    def submits():
+        for i in range(chunks):
+            rt.copy(dev_in[i], host_in[i])
+            rt.submit(compute, dev_in[i], dev_out[i], reads=[dev_in[i]], writes=[dev_out[i]])
+            rt.copy(host_out[i], dev_out[i])
+        rt.synchronize()
+
+    matrices_in = [h.view(16, 1024, 1024) for h in host_in]
+    matrices_out = [h.view(16, 1024, 1024) for h in host_out]
+
+    def stream_mapped():
+        for f in rt.stream_map(lambda x: rows_fn(x).view(x.shape), matrices_in, matrices_out,
+                               piece_bytes=16 << 20, capture=True):
+            f.result()
+
+    sequential()
+    torch.cuda.synchronize()
+    expected = [h.clone() for h in host_out]
+    # stream_map computes 4 matrices at a time: a batched matmul of another size may round otherwise
+    pieces = [torch.cat([rows_fn(d[j : j + (4 << 20)]) for j in range(0, floats, 4 << 20)]).cpu()
+              for d in dev_in]
+    variants = {"PyTorch, one stream": sequential, "PyTorch, a stream per stage, hand-made": hand_pipeline,
+                "streamdag rt.copy / submit / rt.copy": submits,
+                "streamdag stream_map, 16 MiB pieces": stream_mapped}
+    return variants, {"host_out": host_out, "expected": expected, "by_pieces": pieces}
+
+
 def main() -> None:
     rt = sd.Runtime("cuda")
     rows, results = [], {}
@@ -101,14 +179,28 @@ def main() -> None:
                     "ms": t, "gb_per_s": gbs, "vs_pytorch_pageable": base / t, "submit_host_ms": host,
                     "rounds_ms": rounds[label]}
         del variants, tensors
-    rt.close()
     print(format_table(["size", "direction", "variant", "ms (median)", "GB/s", "x PyTorch pageable",
                         "submit returns after (ms)"], rows))
+    variants, data = pipeline_variants(rt)
+    for label, fn in variants.items():  # each ends with every chunk's result in host_out, exactly
+        for h in data["host_out"]:
+            h.zero_()
+        fn()
+        torch.cuda.synchronize()
+        want = data["by_pieces" if "stream_map" in label else "expected"]
+        assert all(torch.equal(h, e) for h, e in zip(data["host_out"], want)), label
+    rounds = interleaved_rounds_ms(variants, PIPELINE_ROUNDS)
+    pipeline_ms = {label: statistics.median(ts) for label, ts in rounds.items()}
+    base = pipeline_ms["PyTorch, one stream"]
+    headers = ["8 x 64 MiB pageable in, compute, pageable out", "ms (median)", "x PyTorch one stream"]
+    print(format_table(headers, [[k, f"{t:.2f}", f"{base / t:.2f}x"] for k, t in pipeline_ms.items()]))
+    rt.close()
     gpu = torch.cuda.get_device_name()
     print(write_json(Path(__file__).parent / "results", "transfers_" + gpu.replace(" ", "_"),
                      {"settings": {"sizes_mib": SIZES_MIB, "rounds": ROUNDS,
                                    "torch_threads": torch.get_num_threads()},
-                      "results": results}))
+                      "results": results, "pageable_pipeline_ms": pipeline_ms,
+                      "pageable_pipeline_rounds_ms": rounds}))
 
 
 if __name__ == "__main__":
