@@ -613,6 +613,66 @@ def test_pageable_transfers_are_staged_in_chunks_and_round_trip():
     assert np.array_equal(back, host * 2)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_programs_of_copies_device_ops_and_host_ops_equal_serial(seed):
+    """Random programs of copies both ways between slices of pinned and pageable host buffers and
+    device buffers (small slices staged in the submit, large ones on a host lane through the ring,
+    more chunks than it has buffers), device ops and host-lane ops on the same slices, submitted at
+    once: every buffer must end as the program run serially on the CPU leaves it."""
+    from streamdag.runtime import transfers
+
+    rng = random.Random(seed)
+    n = transfers.CHUNK_BYTES // 4 * (transfers.RING_DEPTH + 1) + 4099  # int32: past the ring
+    small = transfers.LANE_STAGING_BYTES // 4
+
+    def program(length):
+        ops = []
+        for _ in range(length):
+            size = rng.choice([rng.randrange(1, small), rng.randrange(small, n)])
+            lo = rng.randrange(n - size + 1)
+            ops.append({"kind": rng.choice(["h2d", "d2h", "device", "host"]), "host": rng.randrange(3),
+                        "dev": rng.randrange(2), "lo": lo, "hi": lo + size, "k": rng.randrange(1, 1000)})
+        return ops
+
+    def step(t, k):  # exact in int32: values stay below 3 * 1000003 + 1000
+        t.mul_(3).add_(k).remainder_(1000003)
+
+    def make(device):
+        hosts = [torch.arange(n, dtype=torch.int32) * (i + 2) % 1000003 for i in range(3)]
+        hosts[2] = hosts[2].pin_memory() if device == "cuda" else hosts[2]
+        devs = [(torch.arange(n, dtype=torch.int32) * (i + 7) % 1000003).to(device) for i in range(2)]
+        return hosts, devs
+
+    ops = program(24)
+    want_hosts, want_devs = make("cpu")
+    for op in ops:
+        h, d = want_hosts[op["host"]][op["lo"]:op["hi"]], want_devs[op["dev"]][op["lo"]:op["hi"]]
+        if op["kind"] == "h2d":
+            d.copy_(h)
+        elif op["kind"] == "d2h":
+            h.copy_(d)
+        else:
+            step(d if op["kind"] == "device" else h, op["k"])
+    hosts, devs = make("cuda")
+    with sd.Runtime("cuda", streams=3) as rt:
+        futures = []
+        for op in ops:
+            h, d = hosts[op["host"]][op["lo"]:op["hi"]], devs[op["dev"]][op["lo"]:op["hi"]]
+            if op["kind"] == "h2d":
+                futures.append(rt.copy(d, h))
+            elif op["kind"] == "d2h":
+                futures.append(rt.copy(h, d))
+            elif op["kind"] == "device":
+                futures.append(rt.submit(step, d, op["k"], writes=[d]))
+            else:
+                futures.append(rt.submit(step, h, op["k"], writes=[h], run_on="host"))
+        for f in futures:
+            f.result(timeout=120)
+        rt.synchronize()
+    for got, want in zip(hosts + devs, want_hosts + want_devs):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_a_copy_runs_on_its_copy_stream_beside_compute_and_after_its_producer():
     """The transfers' compiled path (``submit_on``): a copy of other data finishes while a slow op
     still runs (it is on a copy stream, not behind the op), and a copy of the op's output waits."""
