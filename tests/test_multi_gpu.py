@@ -55,6 +55,29 @@ def test_an_op_that_switches_devices_leaves_the_callers_device_as_it_was(runtime
     torch.cuda.set_device(0)
 
 
+def test_large_pageable_copies_to_and_from_each_gpu_go_through_its_own_ring_exactly():
+    """Each device has its staging rings and streams: large pageable copies to both GPUs and back,
+    submitted at once from the caller's device 0, round-trip every byte on the right device."""
+    from streamdag.runtime import transfers
+
+    n = transfers.CHUNK_BYTES // 4 * (transfers.RING_DEPTH + 1) + 333
+    hosts = [torch.randn(n) for _ in DEVICES]
+    backs = [torch.empty(n) for _ in DEVICES]
+    devs = [torch.empty(n, device=d) for d in DEVICES]
+    torch.cuda.set_device(0)
+    with sd.Runtime(devices=DEVICES, streams=2) as rt:
+        outs = []
+        for host, dev, back in zip(hosts, devs, backs):
+            rt.copy(dev, host)
+            rt.submit(dev.mul_, 2, writes=[dev])
+            outs.append(rt.copy(back, dev))
+        assert all(f.result(timeout=60) is back for f, back in zip(outs, backs))
+        assert {key[1] for key in rt._rings} == {torch.device(d) for d in DEVICES}
+        assert torch.cuda.current_device() == 0
+    for host, back in zip(hosts, backs):
+        assert torch.equal(back, host * 2)
+
+
 def test_many_peer_copies_in_flight_round_trip_exactly():
     srcs = [torch.randint(0, 1 << 30, (1 << 18,), device="cuda:0") for _ in range(32)]
     with sd.Runtime(devices=DEVICES, max_inflight=1000) as rt:
