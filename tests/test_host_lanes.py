@@ -248,6 +248,25 @@ def test_an_op_submitted_from_a_host_op_that_needs_it_fails_with_what_to_do(kind
         assert [f.result(timeout=10) for f in held] == [True, True]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_op_that_submits_a_host_op_and_waits_for_it_does_not_queue_it_behind_itself(kind):
+    """The lanes are equally busy when the outer op submits (it runs on one, a sleep on the other),
+    and the round robin points at the outer op's lane: queued there, the inner op would wait for
+    the outer one, which waits for it. It goes to the other lane, behind the sleep."""
+    with make(kind) as rt:
+        gate = threading.Event()
+
+        def outer():
+            gate.wait(10)
+            return rt.submit(lambda: 42, run_on="host").result(timeout=5)
+
+        waiting = rt.submit(outer, run_on="host")  # the first lane
+        sleeping = rt.submit(time.sleep, 0.5, run_on="host")  # the second
+        gate.set()
+        assert waiting.result(timeout=10) == 42
+        assert sleeping.done()
+
+
 def test_host_lanes_start_with_their_first_op_and_stop_with_the_runtime():
     before = len(host_threads())
     rt = sd.Runtime("sim", streams=2)

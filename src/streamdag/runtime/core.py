@@ -1019,17 +1019,28 @@ class Runtime:
         """
         compute = self._compute_of[device]
         lo, n = compute.start, len(compute)
+        # a host-lane op submitted from a host lane goes to another lane: queued behind the op that
+        # submits it, it would never run if that op waits for it
+        here = self._calling_lane() if device == "host" and n > 1 else -1
         for dep in reversed(live):
             st = dep.stamp
-            if st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos:
+            if (st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos
+                    and st.stream != here):
                 return st.stream
         busy = self._busy
-        least = min(busy[lo:lo + n])
+        least = min(b for i, b in enumerate(busy[lo:lo + n]) if lo + i != here)
         chosen = self._next_stream[device]  # round robin among the least busy
-        while busy[lo + chosen] != least:
+        while busy[lo + chosen] != least or lo + chosen == here:
             chosen = (chosen + 1) % n
         self._next_stream[device] = (chosen + 1) % n
         return lo + chosen
+
+    def _calling_lane(self) -> int:
+        """The stream of the host lane that the calling thread is (inside a host-lane op), or -1."""
+        if self._host is None or threading.get_ident() not in self._lane_threads:
+            return -1
+        lanes = self._compute_of["host"]
+        return next((lanes[i] for i, lane in enumerate(self._host.streams) if lane.runs_here()), -1)
 
     def _finish(self, op: Op, device_error: BaseException | None = None) -> None:
         """Called by the backend once ``op``'s completion event has been observed."""
