@@ -13,6 +13,7 @@ import pytest
 import streamdag as sd
 from programs import closed_runtime_freed_at_once, ops_left_to_the_cycle_collector
 from streamdag.backends.inline import InlineBackend
+from streamdag.runtime import core
 
 DEVICES = ["cpu", "sim"]
 
@@ -830,3 +831,25 @@ def test_a_closed_runtime_is_freed_once_dropped_without_the_cycle_collector(devi
 
     assert closed_runtime_freed_at_once(make, use)
     assert x.tolist() == [10.0] * 4
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu-python"])
+def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itself(kind, monkeypatch):
+    """Fork and join inside an op: the lanes are equally busy when it submits (it runs on one, a
+    sleep on the other) and the round robin points at its own lane, where the inner op would wait
+    for it while it waits for the inner op. The inner op goes to the other lane, behind the sleep.
+    The compiled submit sends a submit from a lane the Python way, which chooses so."""
+    if kind == "cpu-python":  # the Python submit for every op
+        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
+    with sd.Runtime("cpu", streams=2) as rt:
+        gate = threading.Event()
+
+        def outer():
+            gate.wait(10)
+            return rt.submit(lambda: 42).result(timeout=5)
+
+        waiting = rt.submit(outer)  # the first lane
+        sleeping = rt.submit(time.sleep, 0.5)  # the second
+        gate.set()
+        assert waiting.result(timeout=10) == 42
+        assert sleeping.done()

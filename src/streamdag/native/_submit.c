@@ -317,7 +317,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts;
+             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts,
+             *lane_threads;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
@@ -338,7 +339,7 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
-    X(counts) X(backend_dict) X(builtin_name) X(parts) \
+    X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
     X(refuse_in_capture) \
@@ -386,14 +387,14 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
         {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
         {&self->host_ops, "_host_ops"}, {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
-        {&self->counts, "_counts"}, {&self->parts, "_parts"},
+        {&self->counts, "_counts"}, {&self->parts, "_parts"}, {&self->lane_threads, "_lane_threads"},
     };
     for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
         if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
             || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->host_ops)
-            || !PyDict_CheckExact(self->next_stream)
+            || !PyDict_CheckExact(self->next_stream) || !PyAnySet_Check(self->lane_threads)
             || Py_TYPE(self->counts) != counters_type || Py_TYPE(self->parts) != parts_type) {
         PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
         return -1;
@@ -1232,6 +1233,18 @@ static PyObject *on_a_host_lane(Submitter *self) {
     return found < 0 ? NULL : Py_NewRef(found ? Py_True : Py_False);
 }
 
+/* whether the calling thread is a lane's (``cpu.LANE_THREADS``): 1, 0, or -1 with an exception. On a
+ * runtime of lanes an op submitted there goes the Python way, whose stream choice keeps it off the
+ * calling op's own lane (``Runtime._choose_stream``) */
+static int lane_thread_here(Submitter *self) {
+    if (PySet_GET_SIZE(self->lane_threads) == 0) return 0;
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL) return -1;
+    int found = PySet_Contains(self->lane_threads, ident);
+    Py_DECREF(ident);
+    return found;
+}
+
 /* the unfinished ops of ``host_ops`` among ``deps`` (``Runtime._host_deps`` from what the link found),
  * a new list, or NULL with an exception */
 static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
@@ -1309,6 +1322,11 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings))
         goto in_python;
+    if (self->deferred) {
+        int here = lane_thread_here(self);
+        if (here < 0) goto done;
+        if (here) goto in_python;
+    }
     PyObject *both[] = {reads, writes};
     accesses = own_accesses
         ? accesses_of(NULL, both, 2)  /* this module's own */

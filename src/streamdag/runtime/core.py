@@ -1019,9 +1019,9 @@ class Runtime:
         """
         compute = self._compute_of[device]
         lo, n = compute.start, len(compute)
-        # a host-lane op submitted from a host lane goes to another lane: queued behind the op that
-        # submits it, it would never run if that op waits for it
-        here = self._calling_lane() if device == "host" and n > 1 else -1
+        # an op submitted from inside an op on a lane (a host lane, a CPU runtime's) goes to another
+        # lane: queued behind the op that submits it, it would never run if that op waits for it
+        here = self._calling_lane(lo, n) if n > 1 else -1
         for dep in reversed(live):
             st = dep.stamp
             if (st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos
@@ -1035,12 +1035,16 @@ class Runtime:
         self._next_stream[device] = (chosen + 1) % n
         return lo + chosen
 
-    def _calling_lane(self) -> int:
-        """The stream of the host lane that the calling thread is (inside a host-lane op), or -1."""
-        if self._host is None or threading.get_ident() not in self._lane_threads:
+    def _calling_lane(self, lo: int, n: int) -> int:
+        """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an
+        op there), or -1."""
+        if threading.get_ident() not in self._lane_threads:
             return -1
-        lanes = self._compute_of["host"]
-        return next((lanes[i] for i, lane in enumerate(self._host.streams) if lane.runs_here()), -1)
+        for i in range(lo, lo + n):
+            runs_here = getattr(self._streams[i], "runs_here", None)
+            if runs_here is not None and runs_here():
+                return i
+        return -1
 
     def _finish(self, op: Op, device_error: BaseException | None = None) -> None:
         """Called by the backend once ``op``'s completion event has been observed."""
