@@ -7,7 +7,8 @@ of pieces through a ring of 4 device buffers, each with one copy stream per
 direction or two taken in turn (to see whether a second stream hides the gap
 between consecutive copies). Timed in interleaved rounds, medians; the bound is
 max(copies in, copies out, compute, both ways in 64 MiB copies), as in
-overlap.py. ``pieced_pipeline`` is also overlap.py's hand-made baseline of pieces.
+overlap.py. ``pieced_pipeline`` is also overlap.py's hand-made baseline of pieces, and
+``chunked_pipelines`` its (and transfers.py's) PyTorch baselines over chunks.
 
 Run on a GPU machine: PYTHONPATH=src python bench/copy_streams.py
 """
@@ -32,6 +33,43 @@ ROUNDS = 15
 
 def cut(t: torch.Tensor, floats: int) -> list[torch.Tensor]:
     return [t.view(-1)[lo : lo + floats] for lo in range(0, t.numel(), floats)]
+
+
+def chunked_pipelines(host_in: Sequence[torch.Tensor], dev_in: Sequence[torch.Tensor],
+                      dev_out: Sequence[torch.Tensor], host_out: Sequence[torch.Tensor],
+                      compute: Callable[[torch.Tensor, torch.Tensor], object]
+                      ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """anchors.md's two PyTorch baselines over chunks: each chunk copied in, computed, copied out,
+    all on one stream; and the hand-made pipeline with a stream per stage, ordered by events."""
+    def sequential() -> None:
+        for i in range(len(host_in)):
+            dev_in[i].copy_(host_in[i], non_blocking=True)
+            compute(dev_in[i], dev_out[i])
+            host_out[i].copy_(dev_out[i], non_blocking=True)
+
+    s_in, s_c, s_out = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+
+    def hand_pipeline() -> None:
+        main = torch.cuda.current_stream()
+        for s in (s_in, s_c, s_out):
+            s.wait_stream(main)
+        for i in range(len(host_in)):
+            with torch.cuda.stream(s_in):
+                dev_in[i].copy_(host_in[i], non_blocking=True)
+                e_in = torch.cuda.Event()
+                e_in.record()
+            with torch.cuda.stream(s_c):
+                s_c.wait_event(e_in)
+                compute(dev_in[i], dev_out[i])
+                e_c = torch.cuda.Event()
+                e_c.record()
+            with torch.cuda.stream(s_out):
+                s_out.wait_event(e_c)
+                host_out[i].copy_(dev_out[i], non_blocking=True)
+        for s in (s_in, s_c, s_out):
+            main.wait_stream(s)
+
+    return sequential, hand_pipeline
 
 
 def pieced_pipeline(pieces_in: Sequence[torch.Tensor], pieces_out: Sequence[torch.Tensor],

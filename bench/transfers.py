@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import streamdag as sd
+from copy_streams import chunked_pipelines
 from streamdag.suite.cuda_timing import interleaved_rounds_ms
 from streamdag.suite.report import format_table, write_json
 
@@ -100,33 +101,7 @@ def pipeline_variants(rt: sd.Runtime) -> tuple[dict, dict]:
     def compute(src, dst):
         dst.copy_(rows_fn(src))
 
-    def sequential():
-        for i in range(chunks):
-            dev_in[i].copy_(host_in[i], non_blocking=True)
-            compute(dev_in[i], dev_out[i])
-            host_out[i].copy_(dev_out[i], non_blocking=True)
-
-    s_in, s_c, s_out = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-
-    def hand_pipeline():
-        main = torch.cuda.current_stream()
-        for s in (s_in, s_c, s_out):
-            s.wait_stream(main)
-        for i in range(chunks):
-            with torch.cuda.stream(s_in):
-                dev_in[i].copy_(host_in[i], non_blocking=True)
-                e_in = torch.cuda.Event()
-                e_in.record()
-            with torch.cuda.stream(s_c):
-                s_c.wait_event(e_in)
-                compute(dev_in[i], dev_out[i])
-                e_c = torch.cuda.Event()
-                e_c.record()
-            with torch.cuda.stream(s_out):
-                s_out.wait_event(e_c)
-                host_out[i].copy_(dev_out[i], non_blocking=True)
-        for s in (s_in, s_c, s_out):
-            main.wait_stream(s)
+    sequential, hand_pipeline = chunked_pipelines(host_in, dev_in, dev_out, host_out, compute)
 
     def submits():
         for i in range(chunks):
