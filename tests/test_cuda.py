@@ -1201,6 +1201,45 @@ def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(pa
             rt.synchronize()  # which reports the failed op
 
 
+def test_a_users_capture_in_global_mode_survives_large_pageable_copies_staged_meanwhile():
+    """A host lane's staging makes CUDA calls that global capture mode refuses from any thread in
+    that mode (a pinned allocation for its ring, event waits): it makes them in relaxed mode, so
+    the user's capture on the main thread neither fails nor is lost, and the copies are exact."""
+    import gc
+
+    from streamdag.runtime import transfers
+
+    n = transfers.CHUNK_BYTES // 4 * (transfers.RING_DEPTH + 1) + 17
+    src, back = torch.randn(n), torch.empty(n)  # pageable
+    x = torch.ones(1 << 10, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:  # its rings are made inside the capture
+        dev = torch.empty(n, device="cuda")
+        inside, done = threading.Event(), []
+
+        def meanwhile():
+            inside.wait()
+            rt.copy(dev, src)
+            done.append(rt.copy(back, dev).result(timeout=60))
+
+        thread = threading.Thread(target=meanwhile)
+        thread.start()
+        g = torch.cuda.CUDAGraph()
+        gc.disable()  # (see the test below)
+        try:
+            with torch.cuda.graph(g):  # capture_error_mode="global", PyTorch's default
+                y = x
+                for i in range(20000):
+                    y = y * 1.0
+                    if i == 100:
+                        inside.set()
+                thread.join(timeout=60)
+        finally:
+            gc.enable()
+        assert len(done) == 1 and done[0] is back and torch.equal(back, src)
+        g.replay()
+        assert torch.equal(y, x) and rt.backend.lost is None
+
+
 @pytest.mark.parametrize("calls", ["C++", "PyTorch's bindings"])
 def test_a_users_capture_in_global_mode_meanwhile_neither_fails_nor_loses_the_device(calls):
     """PyTorch captures a CUDA graph in CUDA's global mode by default, in which CUDA refuses an
