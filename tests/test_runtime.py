@@ -853,3 +853,25 @@ def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itse
         gate.set()
         assert waiting.result(timeout=10) == 42
         assert sleeping.done()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lane"])
+def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(kind, monkeypatch):
+    """With one lane, an op submitted from inside an op is queued behind it: waiting for it there
+    would wait forever, so the wait raises at once, saying what to do instead."""
+    if kind == "cpu-python":
+        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
+    host = kind == "host lane"
+    with (sd.Runtime("sim", streams=1, host_lanes=1) if host else sd.Runtime("cpu", streams=1)) as rt:
+        run_on = "host" if host else None
+
+        def outer():
+            inner = rt.submit(lambda: 42, run_on=run_on)
+            with pytest.raises(RuntimeError, match="queued behind it on the same lane"):
+                inner.result(timeout=30)
+            return inner
+
+        started = time.perf_counter()
+        inner = rt.submit(outer, run_on=run_on).result(timeout=30)
+        assert inner.result(timeout=10) == 42  # it ran once the outer op had returned
+        assert time.perf_counter() - started < 10
