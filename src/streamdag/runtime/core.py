@@ -316,13 +316,17 @@ class Runtime:
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=False, run_on=run_on)
 
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
-        """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams."""
+        """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams.
+
+        Returns at once (a pageable copy of up to 1 MiB stages its source first). As for any op,
+        ``src`` must stay as it is, and ``dst`` unread, until the Future is done."""
         from . import transfers
 
         return transfers.copy(self, dst, src, name)
 
     def to_device(self, x: Any, name: str | None = None, device: str | None = None) -> Future:
-        """A Future of a tensor on ``device`` (default: the runtime's first) holding host data ``x``."""
+        """A Future of a tensor on ``device`` (default: the runtime's first) holding host data ``x``,
+        which must stay as it is until the Future is done."""
         from . import transfers
 
         return transfers.to_device(self, x, name, device)
