@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of a change, in one run on the GPU machine (about 7 minutes on an H100): the cuda
+# The GPU checks of a change, in one run on the GPU machine (about 5 minutes on an H100): the cuda
 # tests, the per-op and per-copy host cost (bench/overhead.py --native), an A/B of the copy path
-# against another version (bench/ab_submit.py --workload copy, if A_SRC is given) and the
-# copy/compute overlap (bench/overlap.py). What each prints and its JSON go to $OUT (at most seven
-# files), which the lent machine's tool brings back.
+# against another version (bench/ab_submit.py --workload copy, if A_SRC is given), the
+# copy/compute overlap (bench/overlap.py) and the host<->device transfers (bench/transfers.py). What
+# each prints and its JSON go to $OUT (at most nine files), which the lent machine's tool brings back.
 #
 # Usage, from the repository root: OUT=/some/folder bash bench/gpu_checks.sh [A_SRC]
 #   A_SRC: the src folder of the version to compare with (e.g. `git archive <rev> src | tar -x -C ab`)
@@ -31,3 +31,7 @@ fi
 timeout 200 python3 bench/overlap.py > "$out/overlap.txt" 2>&1 \
     && cp "$(newest overlap)" "$out/overlap.json"
 grep -v "^CaptureStatistics" "$out/overlap.txt" | tail -31
+
+timeout 200 python3 bench/transfers.py > "$out/transfers.txt" 2>&1 \
+    && cp "$(newest transfers)" "$out/transfers.json"
+grep -E "MiB|streamdag|PyTorch" "$out/transfers.txt" | tail -26
