@@ -61,7 +61,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle, *s_lane_threads;
+                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -1221,21 +1221,9 @@ static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     return 0;
 }
 
-/* whether the calling thread is a host lane's (``cpu.LANE_THREADS``), where an op that would wait for
- * that lane's op is refused (``Runtime._host_deps``): True, False, or NULL with an exception */
-static PyObject *on_a_host_lane(Submitter *self) {
-    PyObject *lanes = PyObject_GetAttr(self->rt, s_lane_threads);
-    if (lanes == NULL) return NULL;
-    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    int found = ident == NULL ? -1 : PySequence_Contains(lanes, ident);
-    Py_XDECREF(ident);
-    Py_DECREF(lanes);
-    return found < 0 ? NULL : Py_NewRef(found ? Py_True : Py_False);
-}
-
-/* whether the calling thread is a lane's (``cpu.LANE_THREADS``): 1, 0, or -1 with an exception. On a
- * runtime of lanes an op submitted there goes the Python way, whose stream choice keeps it off the
- * calling op's own lane (``Runtime._choose_stream``) */
+/* whether the calling thread is a lane's (``cpu.LANE_THREADS``, the runtime's ``_lane_threads``): 1, 0,
+ * or -1 with an exception. On a runtime of lanes an op submitted there goes the Python way, whose
+ * stream choice keeps it off the calling op's own lane (``Runtime._choose_stream``) */
 static int lane_thread_here(Submitter *self) {
     if (PySet_GET_SIZE(self->lane_threads) == 0) return 0;
     PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
@@ -1243,6 +1231,13 @@ static int lane_thread_here(Submitter *self) {
     int found = PySet_Contains(self->lane_threads, ident);
     Py_DECREF(ident);
     return found;
+}
+
+/* whether the calling thread is a host lane's, where an op that would wait for that lane's op is
+ * refused (``Runtime._host_deps``): True, False, or NULL with an exception */
+static PyObject *on_a_host_lane(Submitter *self) {
+    int found = lane_thread_here(self);
+    return found < 0 ? NULL : Py_NewRef(found ? Py_True : Py_False);
 }
 
 /* the unfinished ops of ``host_ops`` among ``deps`` (``Runtime._host_deps`` from what the link found),
@@ -1881,7 +1876,6 @@ static int submit_init(PyObject *m) {
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
     S(s_hold, "_hold") S(s_host_deps, "_host_deps") S(s_caller_fence, "_caller_fence") S(s_recycle, "recycle")
-    S(s_lane_threads, "_lane_threads")
 #undef S
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)

@@ -891,10 +891,8 @@ class Runtime:
             op.deps = kept
         if stream is None:
             stream = self._choose_stream(live, device or self.device)
-        if self._lane_threads and threading.get_ident() in self._lane_threads:
-            runs_here = getattr(self._streams[stream], "runs_here", None)
-            if runs_here is not None and runs_here():  # queued behind the op that submits it (one
-                op.future.__dict__["_behind"] = threading.get_ident()  # lane): see Future._waited_on
+        if self._calling_lane(stream, 1) == stream:  # queued behind the op that submits it (one
+            op.future.__dict__["_behind"] = threading.get_ident()  # lane): see Future._waited_on
         op.stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         pending = self._pending
         with self._done_lock:
