@@ -875,3 +875,26 @@ def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(k
         inner = rt.submit(outer, run_on=run_on).result(timeout=30)
         assert inner.result(timeout=10) == 42  # it ran once the outer op had returned
         assert time.perf_counter() - started < 10
+
+
+def test_the_stream_choice_ends_when_a_finish_lowers_a_count_as_it_reads_them(monkeypatch):
+    """The Python submit reads the streams' counts of pending ops under the runtime's lock, but a
+    finish lowers them under another: here the least busy stream finishes an op right after the
+    counts are read. The choice must still end, on a stream least busy when read."""
+    monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
+
+    class FinishingAsRead(list):
+        def __getitem__(self, key):
+            got = super().__getitem__(key)
+            if isinstance(key, slice) and self[0] > 0:
+                self[0] -= 1  # stream 0's op finishes: its count drops below what was read
+            return got
+
+    with sd.Runtime("cpu", streams=2) as rt:
+        rt._busy = FinishingAsRead([1, 2])
+        chosen: list[int] = []
+        thread = threading.Thread(target=lambda: chosen.append(rt._choose_stream([], "cpu")), daemon=True)
+        thread.start()
+        thread.join(timeout=5)
+        rt._busy = [0, 0]  # (nothing pending: the runtime closes)
+        assert chosen == [0]

@@ -1033,10 +1033,12 @@ class Runtime:
             if (st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos
                     and st.stream != here):
                 return st.stream
-        busy = self._busy
-        least = min(b for i, b in enumerate(busy[lo:lo + n]) if lo + i != here)
+        # one reading of the counts: a finish in another thread may lower one meanwhile (it takes
+        # ``_done_lock``, not ``_lock``), and a search for a count read earlier would never end
+        busy = self._busy[lo:lo + n]
+        least = min(b for i, b in enumerate(busy) if lo + i != here)
         chosen = self._next_stream[device]  # round robin among the least busy
-        while busy[lo + chosen] != least or lo + chosen == here:
+        while busy[chosen] != least or lo + chosen == here:
             chosen = (chosen + 1) % n
         self._next_stream[device] = (chosen + 1) % n
         return lo + chosen
