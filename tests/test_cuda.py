@@ -564,6 +564,44 @@ def test_capture_failure_falls_back_with_one_warning_and_streams_stay_usable():
         assert "not used" in g.explain()
 
 
+def test_another_threads_sync_during_a_graphs_first_run_does_not_keep_the_graph_from_capture():
+    """The first run watches each op for host syncs; a sync that another thread
+    makes meanwhile is not the op's."""
+    x = torch.ones(1024, device="cuda")
+    out = torch.empty_like(x)
+    elsewhere = torch.ones(4, device="cuda")
+    op_started, stop = threading.Event(), threading.Event()
+    syncs = []
+
+    def slow_first_time() -> None:
+        if not op_started.is_set():
+            op_started.set()
+            deadline = time.monotonic() + 10
+            while len(syncs) < 50 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        torch.mul(x, 2, out=out)
+
+    def syncing_thread() -> None:
+        op_started.wait(10)
+        while not stop.is_set():
+            syncs.append(float(elsewhere[0]))
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(slow_first_time, reads=[x], writes=[out], name="quiet")
+        syncer = threading.Thread(target=syncing_thread)
+        syncer.start()
+        try:
+            g.run().result()
+        finally:
+            stop.set()
+            syncer.join(10)
+        assert len(syncs) >= 50
+        g.run().result()
+        assert g.last_run_captured and g.statistics().captures >= 1
+        assert torch.equal(out, x * 2)
+
+
 SANITIZED = textwrap.dedent(
     """
     import torch, streamdag as sd

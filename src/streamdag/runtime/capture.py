@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import gc
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,30 +53,7 @@ from ..schedule.plan import Schedule, build_schedule, pin_ops
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
 
-__all__ = ["CaptureStatistics", "CudaGraphRunner", "probe_host_syncs"]
-
-
-def probe_host_syncs(fn: Any, name: str, found: list[str]) -> Any:
-    """Wrap ``fn`` to note (in ``found``) if it synchronizes with the host, as ``.item()`` does.
-
-    Used on a graph's first, eager run: an op that synchronizes cannot be
-    captured, so such graphs are never captured at all (a capture that fails
-    costs its time, and its CUDA state needs repair: ``_restore_random_generators``).
-    """
-
-    def probed(*args: Any, **kwargs: Any) -> Any:
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(1)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                return fn(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            if any("synchroniz" in str(w.message) for w in caught):
-                found.append(name)
-
-    return probed
+__all__ = ["CaptureStatistics", "CudaGraphRunner"]
 
 
 @dataclass

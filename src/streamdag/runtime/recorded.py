@@ -241,7 +241,7 @@ class RecordedGraph:
                 return future
         probe = None
         if self.capture and self._runs == 1:
-            from .capture import probe_host_syncs as probe
+            from .sync_probe import probe_host_syncs as probe
         result = Future()
         result.op_name = "graph"
         n = len(self._ops)
