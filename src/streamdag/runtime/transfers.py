@@ -270,8 +270,13 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     host = src_t if kind == "h2d" else dst_t
     if host.is_pinned() or rt._recording_here() is not None:
         return _device_copy(rt, dst_t, src_t, stream, name, nbytes=src_region.nbytes)
+    ring = _ring(rt, kind, dst_t if kind == "h2d" else src_t)
+    if ring is not None and src_region.nbytes > LANE_STAGING_BYTES:
+        if kind == "h2d":
+            return _staged_on_a_lane(rt, ring, _copy_in_through, dst_t, src_t, dst_t, name)
+        return _staged_on_a_lane(rt, ring, _copy_out_through, dst_t, src_t, dst, name)
     if kind == "h2d":
-        return _staged_h2d(rt, dst_t, src_t, stream, name)
+        return _staged_h2d(rt, ring, dst_t, src_t, stream, name)
     return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
 
 
@@ -395,10 +400,7 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
     except BaseException:
         budget.release(nbytes)
         raise
-    if isinstance(future, Future):
-        budget.hold(future, nbytes, ring)
-    else:  # recorded (a recording copies pageable memory op by op, see copy): not now
-        budget.release(nbytes)
+    budget.hold(future, nbytes, ring)  # (never recorded: a recording copies op by op, see copy)
     return future
 
 
@@ -463,13 +465,12 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     return result
 
 
-def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) -> Future:
+def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, stream: int | None,
+                name: str) -> Future:
+    """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``."""
     from ..graph.buffers import Access
     from .core import _wait_for_host_inputs
 
-    ring = _ring(rt, "h2d", dst)
-    if ring is not None and src.numel() * src.element_size() > LANE_STAGING_BYTES:
-        return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     reading = [Access(region_of(src), False)]
     with rt._lock:  # the host data must be final before we read it
         behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
@@ -490,9 +491,7 @@ def _staged_h2d(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str) 
 
 def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | None,
                 name: str) -> Future:
-    ring = _ring(rt, "d2h", src)
-    if ring is not None and src.numel() * src.element_size() > LANE_STAGING_BYTES:
-        return _staged_on_a_lane(rt, ring, _copy_out_through, dst, src, user_dst, name)
+    """A small pageable copy out: into pool buffers on the copy stream, then a host op unstages."""
     pieces = []
     for d, s in _chunks(dst, src):
         stage = rt._staging.take(s.numel())
