@@ -877,6 +877,71 @@ def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(k
         assert time.perf_counter() - started < 10
 
 
+def fork_join_on_every_lane(rt, lanes, run_on, timeout=None):
+    """``lanes`` ops that run at once, each submitting an op and waiting for it inside: with as
+    many lanes, each submitted op is queued behind another lane's waiting op."""
+    together = threading.Barrier(lanes, timeout=10)
+
+    def outer(i):
+        together.wait()
+        inner = rt.submit(lambda: i * 10, run_on=run_on, name=f"inner{i}")
+        together.wait()  # every inner op is queued before anyone waits
+        return inner.result(timeout)
+
+    return [rt.submit(outer, i, run_on=run_on, name=f"outer{i}") for i in range(lanes)]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lanes"])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_when_every_lane_waits_for_a_lane_op_the_last_wait_raises_and_the_rest_finish(kind, lanes,
+                                                                                    monkeypatch):
+    """Fork-join inside ops on every lane at once: each inner op is queued behind another lane's
+    outer op, which waits too, so none could ever run. The wait that makes every lane wait raises
+    instead, saying what to do; its op fails, its lane goes on, and the other outer ops finish."""
+    if kind == "cpu-python":
+        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
+    host = kind == "host lanes"
+    with (sd.Runtime("sim", streams=1, host_lanes=lanes) if host else sd.Runtime("cpu", streams=lanes)) as rt:
+        outers = fork_join_on_every_lane(rt, lanes, "host" if host else None)
+        errors = [f.exception(timeout=30) for f in outers]
+        failed = [e for e in errors if e is not None]
+        assert len(failed) == 1, errors
+        assert isinstance(failed[0], RuntimeError) and "every lane of this runtime" in str(failed[0])
+        assert "more lanes" in str(failed[0]) and "done-callback" in str(failed[0])
+        assert sorted(f.result() for f, e in zip(outers, errors) if e is None) == [
+            i * 10 for i, e in enumerate(errors) if e is None]
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()  # and no op is left pending
+        after = rt.submit(lambda: "still works", run_on="host" if host else None)
+        assert after.result(timeout=10) == "still works"
+
+
+def test_a_fork_join_that_leaves_a_lane_free_is_not_taken_for_a_deadlock():
+    """Two of three lanes wait for ops they submitted: the third lane runs those."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        together = threading.Barrier(2, timeout=10)
+
+        def outer(i):
+            together.wait()
+            inner = rt.submit(lambda: i, name=f"inner{i}")
+            together.wait()
+            return inner.result()
+
+        assert [f.result(timeout=30) for f in [rt.submit(outer, i) for i in range(2)]] == [0, 1]
+
+
+def test_waits_with_a_timeout_are_not_counted_as_stuck():
+    """A wait with a timeout ends by itself: with every lane waiting so, one times out (and its
+    lane then runs the other's inner op, unless that one timed out as well)."""
+    with sd.Runtime("cpu", streams=2) as rt:
+        outers = fork_join_on_every_lane(rt, 2, None, timeout=0.5)
+        errors = [f.exception(timeout=30) for f in outers]
+        assert any(isinstance(e, TimeoutError) for e in errors), errors
+        assert all(e is None or isinstance(e, TimeoutError) for e in errors), errors
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+
+
 def test_the_stream_choice_ends_when_a_finish_lowers_a_count_as_it_reads_them(monkeypatch):
     """The Python submit reads the streams' counts of pending ops under the runtime's lock, but a
     finish lowers them under another: here the least busy stream finishes an op right after the

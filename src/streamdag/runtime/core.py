@@ -35,6 +35,7 @@ from ..native import load_torch
 from ..schedule.waits import StreamClocks
 from . import ops
 from .held import Held, Launcher
+from .lane_waits import LaneWaits
 from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback, release_frames
 from .transfers import ByteBudget, PinnedPool
 
@@ -212,6 +213,9 @@ class Runtime:
         #: on a lane).
         self._host_ops: dict[int, Op] = {}
         self._lane_threads = LANE_THREADS
+        #: waits inside lane ops for lane ops they submitted (see ``LaneWaits``): streams that are
+        #: lanes (threads that run their ops in order) have ``runs_here``
+        self._lane_waits = LaneWaits([s for s in self._streams if getattr(s, "runs_here", None) is not None])
         #: the held device ops, by number, and those held on each op (by its number; changed under
         #: ``_held_lock``, which orders a hold on a host-lane op with that op's finish)
         self._held: dict[int, Held] = {}
@@ -891,8 +895,8 @@ class Runtime:
             op.deps = kept
         if stream is None:
             stream = self._choose_stream(live, device or self.device)
-        if self._calling_lane(stream, 1) == stream:  # queued behind the op that submits it (one
-            op.future.__dict__["_behind"] = threading.get_ident()  # lane): see Future._waited_on
+        if threading.get_ident() in self._lane_threads:  # submitted from inside an op on a lane
+            self._mark_lane_submit(op.future, stream)
         op.stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         pending = self._pending
         with self._done_lock:
@@ -1042,6 +1046,17 @@ class Runtime:
             chosen = (chosen + 1) % n
         self._next_stream[device] = (chosen + 1) % n
         return lo + chosen
+
+    def _mark_lane_submit(self, future: Future, stream: int) -> None:
+        """What a wait inside the submitting op checks (see ``Future._waited_on``, ``LaneWaits``),
+        for an op that a lane thread places on a lane: queued behind the submitting op itself (one
+        lane), or on a lane whose op may wait in turn."""
+        runs_here = getattr(self._streams[stream], "runs_here", None)
+        if runs_here is None:  # a device stream: its ops finish without a lane
+            return
+        if runs_here():
+            future.__dict__["_behind"] = threading.get_ident()
+        future.__dict__["_lanes_of"] = self._lane_waits
 
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an

@@ -256,12 +256,20 @@ class Future(concurrent.futures.Future):
                 finally:  # as the base class does: the traceback's frame must not hold this future
                     del self
             return self._result
+        lanes = self.__dict__.get("_lanes_of")  # submitted from a lane to a lane: see LaneWaits
+        if lanes is not None and self._state not in _DONE_STATES:
+            with lanes.waiting(self, timeout):
+                return super().result(timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         timeout = self._waited_on(timeout)
         if self._state is _FINISHED:
             return self._exception
+        lanes = self.__dict__.get("_lanes_of")
+        if lanes is not None and self._state not in _DONE_STATES:
+            with lanes.waiting(self, timeout):
+                return super().exception(timeout)
         return super().exception(timeout)
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
