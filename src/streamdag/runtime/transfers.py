@@ -407,7 +407,7 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
     """Pageable host ``src`` to device ``dst`` through ``ring``, on a host lane: each chunk copied into
     a staging buffer (PyTorch's CPU copy, on its threads), then by DMA on the staging stream."""
-    import torch
+    from ..backends.cuda import copy_on
 
     stream = ring.stream
     with ring.lock, relaxed():  # (relaxed: a capture in another thread must not fail at our waits)
@@ -421,8 +421,7 @@ def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
                     in_flight -= 1
                 view = buffers[slot][: s.numel()]
                 view.copy_(s)
-                with torch.cuda.stream(stream):
-                    d.copy_(view, non_blocking=True)
+                copy_on(stream, d, view)
                 events[slot].record(stream)
                 in_flight += 1
         finally:  # done only once every DMA is: and the next copy through the ring refills the buffers
@@ -435,7 +434,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     """Device ``src`` to pageable host ``dst`` through ``ring``, on a host lane: DMAs into the staging
     buffers on the staging stream, each buffer copied out to ``dst`` once its DMA is done, while the
     DMAs of the next chunks run."""
-    import torch
+    from ..backends.cuda import copy_on
 
     stream = ring.stream
     with ring.lock, relaxed():
@@ -453,8 +452,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
                 if len(waiting) == len(buffers):  # the buffer's chunk must be out before the next DMA
                     unstage()
                 view = buffers[slot][: s.numel()]
-                with torch.cuda.stream(stream):
-                    view.copy_(s, non_blocking=True)
+                copy_on(stream, view, s)
                 events[slot].record(stream)
                 waiting.append((d, view, events[slot]))
             while waiting:
