@@ -10,10 +10,12 @@ wait that would make every lane of the runtime wait, each for a lane op not
 done, raises instead, with what to do. Its op then fails, its lane goes on,
 and the others' waits end.
 
-Only waits without a timeout count (one with a timeout ends by itself), and
-only for ops placed on a lane by a lane thread of the same runtime (the
-futures that :meth:`Runtime._admit` marks): a device op finishes without any
-lane, and an op of another runtime runs on that runtime's lanes.
+Only waits without a timeout count (one with a timeout ends by itself), only
+waits by this runtime's lane threads, and only for ops that a lane thread
+placed on one of its lanes (the futures that :meth:`Runtime._admit` marks):
+a device op finishes without any lane, and an op of another runtime runs on
+that runtime's lanes. A wait through ``concurrent.futures.wait`` or
+``await`` is not seen.
 """
 
 from __future__ import annotations
