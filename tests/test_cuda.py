@@ -1101,6 +1101,8 @@ def test_a_done_callback_raising_system_exit_leaves_the_completion_thread_workin
     assert any(r.exc_info and r.exc_info[0] is SystemExit for r in caplog.records)
 
 
+@pytest.mark.skipif(os.environ.get("STREAMDAG_NATIVE") == "0",
+                    reason="STREAMDAG_NATIVE=0 chooses the Python code")
 def test_the_torch_extension_builds_here_and_reads_tensors_as_the_python_code():
     """On a GPU machine with a compiler the CUDA calls are made in C++ (native/_torch.cpp); its
     reads of tensors must equal the Python code's, for every layout and device."""
