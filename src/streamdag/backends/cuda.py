@@ -116,9 +116,10 @@ def _compiled_queries_relaxed() -> bool:
 
 
 def copy_on(stream: CudaStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src, non_blocking=True)`` with ``stream`` current (and its device), through
-    PyTorch's C entry points: ``with torch.cuda.stream(stream)`` took 30-45 µs per call on the
-    H100, which a staged copy pays for every chunk (``transfers.StagingRing``)."""
+    """``dst.copy_(src, non_blocking=True)`` with ``stream`` current (and its device), the caller's
+    stream and device restored after, through PyTorch's C entry points: ``with
+    torch.cuda.stream(stream)`` took 30-45 µs per call on the H100, which a staged copy pays for
+    every chunk (``transfers.StagingRing``)."""
     device = _get_device()
     prev = _get_stream(stream.device_index)
     _set_stream(*stream.ids)  # (PyTorch makes the stream's device current too)
@@ -695,14 +696,8 @@ class CudaBackend:
         fenced both ways with the destination's current stream: the source side
         gets :attr:`peer_out`, so the copy never waits behind the caller's work.
         """
-        dst_device = _get_device()
-        prev = _get_stream(self._index)
-        _set_stream(*self.peer_out.ids)
-        try:
-            return dst.copy_(src, non_blocking=True)
-        finally:
-            _set_stream(*prev)
-            _set_device(dst_device)
+        copy_on(self.peer_out, dst, src)
+        return dst
 
     def when_done(self, stream: CudaStream, event: CudaEvent, callback: Callable[..., None]) -> Any:
         """Call ``callback`` once ``event`` has completed; returns a token for :meth:`hurry`'s ``wanted``."""

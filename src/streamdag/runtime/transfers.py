@@ -24,7 +24,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -356,15 +357,24 @@ class StagingRing:
         self._buffers: list[Any] = []
         self._events: list[Any] = []
 
-    def buffers(self) -> tuple[list[Any], list[Any]]:
-        """The pinned buffers and their events; caller holds ``lock``."""
+    @contextmanager
+    def held(self) -> Iterator[tuple[list[Any], list[Any]]]:
+        """The ring for one copy: its pinned buffers and their events, made at first use. Let go only
+        once every DMA is done: a copy is done with its data in place, and no DMA may still read or
+        write a buffer that the next copy fills (after a failure too). Relaxed capture mode: a CUDA
+        graph capture in another thread must not fail at the waits."""
         import torch
 
-        if not self._buffers:
-            self._buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-                             for _ in range(RING_DEPTH)]
-            self._events = [torch.cuda.Event() for _ in range(RING_DEPTH)]
-        return self._buffers, self._events
+        with self.lock, relaxed():
+            if not self._buffers:
+                self._buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                                 for _ in range(RING_DEPTH)]
+                self._events = [torch.cuda.Event() for _ in range(RING_DEPTH)]
+            try:
+                yield self._buffers, self._events
+            finally:
+                for event in self._events:
+                    event.synchronize()
 
 
 def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
@@ -410,23 +420,18 @@ def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
     from ..backends.cuda import copy_on
 
     stream = ring.stream
-    with ring.lock, relaxed():  # (relaxed: a capture in another thread must not fail at our waits)
-        buffers, events = ring.buffers()
+    with ring.held() as (buffers, events):
         in_flight = 0
-        try:
-            for k, (d, s) in enumerate(_chunks(dst, src)):
-                slot = k % len(buffers)
-                if in_flight == len(buffers):  # the buffer's last DMA must be done before it is refilled
-                    events[slot].synchronize()
-                    in_flight -= 1
-                view = buffers[slot][: s.numel()]
-                view.copy_(s)
-                copy_on(stream, d, view)
-                events[slot].record(stream)
-                in_flight += 1
-        finally:  # done only once every DMA is: and the next copy through the ring refills the buffers
-            for event in events:
-                event.synchronize()
+        for k, (d, s) in enumerate(_chunks(dst, src)):
+            slot = k % len(buffers)
+            if in_flight == len(buffers):  # the buffer's last DMA must be done before it is refilled
+                events[slot].synchronize()
+                in_flight -= 1
+            view = buffers[slot][: s.numel()]
+            view.copy_(s)
+            copy_on(stream, d, view)
+            events[slot].record(stream)
+            in_flight += 1
     return result
 
 
@@ -437,8 +442,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     from ..backends.cuda import copy_on
 
     stream = ring.stream
-    with ring.lock, relaxed():
-        buffers, events = ring.buffers()
+    with ring.held() as (buffers, events):
         waiting: deque[tuple[Any, Any, Any]] = deque()  # (host chunk, staged chunk, its DMA's event)
 
         def unstage() -> None:
@@ -446,20 +450,16 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
             event.synchronize()
             d.copy_(view)
 
-        try:
-            for k, (d, s) in enumerate(_chunks(dst, src)):
-                slot = k % len(buffers)
-                if len(waiting) == len(buffers):  # the buffer's chunk must be out before the next DMA
-                    unstage()
-                view = buffers[slot][: s.numel()]
-                copy_on(stream, view, s)
-                events[slot].record(stream)
-                waiting.append((d, view, events[slot]))
-            while waiting:
+        for k, (d, s) in enumerate(_chunks(dst, src)):
+            slot = k % len(buffers)
+            if len(waiting) == len(buffers):  # the buffer's chunk must be out before the next DMA
                 unstage()
-        finally:  # (after a failure: no DMA may still write a buffer that the next copy reads)
-            for event in events:
-                event.synchronize()
+            view = buffers[slot][: s.numel()]
+            copy_on(stream, view, s)
+            events[slot].record(stream)
+            waiting.append((d, view, events[slot]))
+        while waiting:
+            unstage()
     return result
 
 
