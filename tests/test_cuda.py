@@ -651,6 +651,41 @@ def test_pageable_transfers_are_staged_in_chunks_and_round_trip():
     assert np.array_equal(back, host * 2)
 
 
+@pytest.mark.parametrize("staged_here", ["up to a chunk", "every size"])
+def test_pageable_copies_through_a_small_staging_pool_wait_for_its_buffers_and_land_exactly(
+        monkeypatch, staged_here):
+    """Pageable copies in, a device op on each, and copies out, submitted at once through a staging
+    pool far smaller than their bytes: each copy waits for buffers that earlier ones return once
+    the ops using them are done (none is refilled while a DMA still reads it or before its host op
+    has unstaged it), every byte lands, and the pool holds no more than its limit (or one buffer,
+    for a copy larger than the limit)."""
+    from streamdag.runtime import transfers
+
+    if staged_here == "every size":  # also the submit's staging of copies of several chunks
+        monkeypatch.setattr(transfers, "LANE_STAGING_BYTES", 1 << 40)
+    limit = 1 << 20
+    g = torch.Generator().manual_seed(5)
+    sizes = [1000, (1 << 18) // 4 + 7, 600_000, 70_000] * 6
+    if staged_here == "every size":
+        sizes += [transfers.CHUNK_BYTES // 4 + 4099]
+    srcs = [torch.randn(n, generator=g) for n in sizes]
+    backs = [torch.full((n,), -1.0) for n in sizes]
+    with sd.Runtime("cuda", streams=2, staging_bytes=limit) as rt:
+        devs = [torch.empty(n, device="cuda") for n in sizes]
+        futures = []
+        for src, dev, back in zip(srcs, devs, backs):
+            rt.copy(dev, src)
+            rt.submit(dev.add_, 1, writes=[dev])
+            futures.append(rt.copy(back, dev))
+        for f in futures:
+            f.result(timeout=120)
+        pool = rt._staging
+        largest = 1 << (max(sizes) * 4 - 1).bit_length()
+        assert pool._held <= max(limit, min(largest, transfers.CHUNK_BYTES)), pool._held
+    for src, back in zip(srcs, backs):
+        assert torch.equal(back, src + 1)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_programs_of_copies_device_ops_and_host_ops_equal_serial(seed):
     """Random programs of copies both ways between slices of pinned and pageable host buffers and

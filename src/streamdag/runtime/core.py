@@ -125,7 +125,7 @@ class Runtime:
 
     Transfers (GPUs): ``max_inflight_bytes`` bounds the bytes of copies in flight (a copy that
     would pass it blocks the submitter). Pageable host memory is staged through pinned buffers:
-    copies of up to 1 MiB in the submitting thread, through a pool of ``staging_bytes``; larger
+    copies of up to 8 MiB in the submitting thread, through a pool of ``staging_bytes``; larger
     ones on a host lane, through a fixed ring of three 8 MiB buffers per direction, so that the
     submit returns at once (the source must then stay as it is until the copy's future is done,
     as for any op's inputs).
@@ -322,7 +322,7 @@ class Runtime:
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
         """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams.
 
-        Returns at once (a pageable copy of up to 1 MiB stages its source first). As for any op,
+        Returns at once (a pageable copy of up to 8 MiB stages its source first). As for any op,
         ``src`` must stay as it is, and ``dst`` unread, until the Future is done."""
         from . import transfers
 

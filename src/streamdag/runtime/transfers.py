@@ -4,13 +4,14 @@
   bytes; it converts nothing).
 - Pinned host memory is copied directly; the runtime keeps it referenced until
   the copy has completed.
-- Pageable host memory is staged through pinned buffers, in chunks, so that
-  the host copy of one chunk overlaps the DMA of another. A copy of more than
-  ``LANE_STAGING_BYTES`` is one op on a host lane, through a fixed ring of
-  pinned buffers per device and direction (:class:`StagingRing`): the submit
-  returns at once. A smaller one is staged in the submitting thread, through
-  a pool of bounded size (:class:`PinnedPool`), whose buffers return to the
-  pool only once the copy that reads or writes them has completed.
+- Pageable host memory is staged through pinned buffers. A copy of more than
+  ``LANE_STAGING_BYTES`` (one chunk) is one op on a host lane, through a
+  fixed ring of pinned buffers per device and direction (:class:`StagingRing`),
+  in chunks, the host copy of one chunk overlapping the DMA of another: the
+  submit returns at once. A smaller one is staged in the submitting thread
+  (its host copy in; out, a host op unstages it), through a pool of bounded
+  size (:class:`PinnedPool`), whose buffers return to the pool only once the
+  ops that use them have completed.
 - ``max_inflight_bytes`` bounds the bytes of transfers in flight: a copy that
   would pass it blocks the submitter until earlier copies complete (except in
   a done-callback, whose thread may be the one that finishes them).
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import deque
@@ -43,8 +45,10 @@ __all__ = ["ByteBudget", "PinnedPool", "copy", "to_device", "to_host"]
 
 CHUNK_BYTES = 8 << 20
 #: pageable copies of more than this many bytes are staged on a host lane through a ring of pinned
-#: buffers (the submit returns at once); smaller ones in the submitting thread, through the pool
-LANE_STAGING_BYTES = 1 << 20
+#: buffers (the submit returns at once); smaller ones in the submitting thread, through the pool.
+#: One chunk: up to there the lane's hand-offs cost more than the host copy holds the submitter (on
+#: the H100, 2-8 MiB in: 0.2-0.3 ms slower through the lane, whose submit returns 0.1-0.25 ms sooner)
+LANE_STAGING_BYTES = CHUNK_BYTES
 #: the ring's buffers (of CHUNK_BYTES) per device and direction: a chunk's copy on the host overlaps
 #: the DMAs of the chunks before it
 RING_DEPTH = 3
@@ -147,11 +151,25 @@ class ByteBudget:
 
 
 class PinnedPool:
-    """Reused pinned host buffers, at most ``limit`` bytes in all; ``take`` blocks when spent."""
+    """Reused pinned host buffers, at most ``limit`` bytes in all; ``take`` blocks when spent.
+
+    A taken buffer comes back by :meth:`give` (its user knows it is free) or
+    by :meth:`lend` with the future of the op that uses it last: free once
+    that future is done, which ``take`` looks at, oldest first per stream (a
+    stream finishes its ops in order). No done-callback per copy: on the H100
+    the callback and the condition it makes cost ~50 µs of a 2 MiB copy's
+    submit and wait. A lent buffer's future is held weakly: once nobody holds
+    it, its op has finished (a pending op keeps its future).
+    """
+
+    #: typed views kept per buffer (see :meth:`typed`)
+    VIEWS_PER_BUFFER = 8
 
     def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self._free: dict[int, list[Any]] = {}
+        self._lent: dict[Any, deque[tuple[weakref.ref[Future], Any]]] = {}  # per stream, oldest first
+        self._views: dict[int, dict[tuple[Any, Any], Any]] = {}  # by id of a buffer
         self._held = 0
         self._cond = threading.Condition()
         #: called before blocking (buffers come back when ops are seen finished); None: nothing
@@ -161,24 +179,50 @@ class PinnedPool:
         import torch
 
         size = 1 << max(nbytes - 1, 0).bit_length()  # size classes: powers of two
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
+                self._reclaim()
                 free = self._free.get(size)
                 if free:
                     return free.pop()
                 if self._held + size <= self.limit or self._held == 0 or in_done_callback():
                     self._held += size
                     break
-                if not self._drop_one_free():
+                if self._drop_one_free():
+                    continue
+                heads = [lent[0][0]() for lent in self._lent.values() if lent]
+                if not heads:  # taken and not yet lent or given back: by a copy under way
                     if self.on_wait is not None:
                         self.on_wait()
                     self._cond.wait()
+                    continue
+                oldest = heads[0]
+                if any(f is None or f.done() for f in heads):  # done since _reclaim looked
+                    continue
+            if self.on_wait is not None:
+                self.on_wait()
+            oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def typed(self, buf: Any, dtype: Any, shape: Any) -> Any:
+        """The start of ``buf`` as a contiguous tensor of ``dtype`` and ``shape``, made once per buffer
+        and layout: each of the three views costs microseconds per copy on a GPU host. Only the
+        buffer's taker calls it, between ``take`` and ``give`` or ``lend``."""
+        views = self._views.get(id(buf))
+        if views is None:
+            views = self._views[id(buf)] = {}
+        view = views.get((dtype, shape))
+        if view is None:
+            if len(views) >= self.VIEWS_PER_BUFFER:
+                views.clear()
+            nbytes = dtype.itemsize * math.prod(shape)
+            view = views[(dtype, shape)] = buf[:nbytes].view(dtype).view(shape)
+        return view
 
     def _drop_one_free(self) -> bool:
         for size, bufs in self._free.items():
             if bufs:
-                bufs.pop()
+                self._views.pop(id(bufs.pop()), None)
                 self._held -= size
                 return True
         return False
@@ -187,6 +231,26 @@ class PinnedPool:
         with self._cond:
             self._free.setdefault(buf.numel(), []).append(buf)
             self._cond.notify_all()
+
+    def lend(self, buf: Any, future: Future, stream: Any) -> None:
+        """``buf`` is free again once ``future`` is done (of the last op to use it, on ``stream``)."""
+        with self._cond:
+            lent = self._lent.get(stream)
+            if lent is None:
+                lent = self._lent[stream] = deque()
+            lent.append((weakref.ref(future), buf))
+            self._cond.notify_all()
+
+    def _reclaim(self) -> None:
+        """Back to the free lists: the lent buffers at each stream's head whose ops are done. Holds
+        ``_cond``."""
+        for lent in self._lent.values():
+            while lent:
+                future = lent[0][0]()
+                if future is not None and not future.done():
+                    break
+                buf = lent.popleft()[1]
+                self._free.setdefault(buf.numel(), []).append(buf)
 
 
 def _copy_into(dst: Any, src: Any) -> Any:
@@ -277,8 +341,8 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
             return _staged_on_a_lane(rt, ring, _copy_in_through, dst_t, src_t, dst_t, name)
         return _staged_on_a_lane(rt, ring, _copy_out_through, dst_t, src_t, dst, name)
     if kind == "h2d":
-        return _staged_h2d(rt, ring, dst_t, src_t, stream, name)
-    return _staged_d2h(rt, dst, dst_t, src_t, stream, name)
+        return _staged_h2d(rt, ring, dst_t, src_t, src_region, stream, name)
+    return _staged_d2h(rt, dst, dst_t, src_t, src_region, stream, name)
 
 
 def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
@@ -463,13 +527,19 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     return result
 
 
-def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, stream: int | None,
-                name: str) -> Future:
-    """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``."""
+def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
+                stream: int | None, name: str) -> Future:
+    """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``.
+
+    A copy of one chunk or less (every copy here, where the runtime has host
+    lanes) is staged whole, through one pool buffer seen as a tensor of
+    ``dst``'s layout, by one DMA op whose result is ``dst``: the fewest torch
+    calls, each of which costs microseconds on a GPU host.
+    """
     from ..graph.buffers import Access
     from .core import _wait_for_host_inputs
 
-    reading = [Access(region_of(src), False)]
+    reading = [Access(src_region, False)]
     with rt._lock:  # the host data must be final before we read it
         behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
         if not behind:  # (device ops that write it: waited for on their events)
@@ -477,36 +547,74 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, strea
     if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
         assert ring is not None  # (host-lane ops run beside a device, whose backend has the rings)
         return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
+    pool = rt._staging
+    if src_region.nbytes <= CHUNK_BYTES:
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+        stage = pool.take(src_region.nbytes)
+        try:
+            view = pool.typed(stage, dst.dtype, dst.shape)
+            view.copy_(src)
+            future = _device_copy(rt, dst, view, stream, name, keep=stage, nbytes=src_region.nbytes)
+        except BaseException:
+            pool.give(stage)
+            raise
+        pool.lend(stage, future, stream)
+        return future
     chunks = []
     for d, s in _chunks(dst, src):
-        stage = rt._staging.take(s.numel())
-        view = stage[: s.numel()]
-        view.copy_(s)
-        chunks.append(_device_copy(rt, d, view, stream, name, keep=stage))
-        chunks[-1]._on_done(lambda _f, stage=stage: rt._staging.give(stage))
+        stage = pool.take(s.numel())
+        try:
+            view = stage[: s.numel()]
+            view.copy_(s)
+            chunks.append(_device_copy(rt, d, view, stream, name, keep=stage, nbytes=s.numel()))
+        except BaseException:
+            pool.give(stage)
+            raise
+        pool.lend(stage, chunks[-1], stream)
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
 
-def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, stream: int | None,
+def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
                 name: str) -> Future:
-    """A small pageable copy out: into pool buffers on the copy stream, then a host op unstages."""
-    pieces = []
-    for d, s in _chunks(dst, src):
-        stage = rt._staging.take(s.numel())
-        view = stage[: s.numel()]
-        _device_copy(rt, view, s, stream, name, keep=stage)
-        pieces.append((d, view, stage))
+    """A small pageable copy out: a DMA into a pool buffer on the copy stream, then a host op that
+    unstages it, per chunk (a copy of one chunk or less through one staging tensor of ``src``'s
+    layout, as in :func:`_staged_h2d`). A chunk's buffer is free once its host op is done, so that
+    a copy of more chunks than the pool holds waits for its own first ones."""
+    if src_region.nbytes <= CHUNK_BYTES:
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+        return _unstaged(rt, dst, src, src_region.nbytes, True, stream, name, user_dst)
+    pieces = [_unstaged(rt, d, s, s.numel(), False, stream, name, None) for d, s in _chunks(dst, src)]
+    return all_of(pieces, user_dst, "copy")  # (a failed piece fails the copy)
 
-    def unstage() -> Any:
-        for d, view, stage in pieces:
-            d.copy_(view)
-            rt._staging.give(stage)
-        return user_dst
 
-    # a host op, on a host lane where the runtime has them: it waits there for the copies into
-    # the staging buffers, not in the submitting thread
-    return rt.submit(unstage, reads=[v for _, v, _ in pieces], writes=[dst], name=f"{name}_unstage",
-                     run_on="host" if rt._host is not None else None)
+def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
+              result: Any) -> Future:
+    """One piece of :func:`_staged_d2h`: the future of its host op, which gives ``result``."""
+    pool = rt._staging
+    stage = pool.take(nbytes)
+    try:
+        view = pool.typed(stage, src.dtype, src.shape) if whole else stage[:nbytes]
+        dma = _device_copy(rt, view, src, stream, name, keep=stage, nbytes=nbytes)
+    except BaseException:
+        pool.give(stage)
+        raise
+    # a host op, on a host lane where the runtime has them: it waits there for the DMA, not in the
+    # submitting thread. The buffer is free once it is done (or failed, as after a failed DMA)
+    try:
+        future = rt.submit(_unstage, dst, view, result, reads=[view], writes=[dst], name=f"{name}_unstage",
+                           run_on="host" if rt._host is not None else None)
+    except BaseException:
+        pool.lend(stage, dma, stream)
+        raise
+    pool.lend(stage, future, "unstage")  # (host ops: in any order, a late one holds up the rest)
+    return future
+
+
+def _unstage(dst: Any, staged: Any, result: Any) -> Any:
+    dst.copy_(staged)
+    return result
 
 
 def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
