@@ -29,7 +29,7 @@ from copy_streams import chunked_pipelines
 from streamdag.suite.cuda_timing import interleaved_rounds_ms
 from streamdag.suite.report import format_table, write_json
 
-SIZES_MIB = (16, 256)
+SIZES_MIB = (2, 8, 16, 256)
 ROUNDS = 20
 PIPELINE_CHUNKS, PIPELINE_ROUNDS = 8, 10
 
