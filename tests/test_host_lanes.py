@@ -740,6 +740,34 @@ def test_on_the_gpu_large_pageable_copies_go_through_the_ring_exactly_and_return
 
 
 @pytest.mark.cuda
+def test_on_the_gpu_a_burst_of_large_pageable_copies_one_way_queues_on_one_lane():
+    """Copies through one staging ring queue on the lane of its newest pending copy, so a copy the
+    other way takes another lane and runs meanwhile, instead of a second lane waiting there for the
+    ring while the copy the other way waits for a lane."""
+    import torch
+
+    from streamdag.runtime import transfers
+
+    n = transfers.CHUNK_BYTES // 4 * 4  # a few ms each
+    with sd.Runtime("cuda", streams=2, host_lanes=2) as rt:
+        srcs = [torch.randn(n) for _ in range(3)]
+        devs = [torch.empty(n, device="cuda") for _ in range(3)]
+        out_dev, back = torch.randn(n, device="cuda"), torch.empty(n)
+        torch.cuda.synchronize()
+        with rt.profile() as prof:
+            ins = [rt.copy(d, s) for d, s in zip(devs, srcs)]
+            out = rt.copy(back, out_dev)
+            for f in [*ins, out]:
+                f.result(timeout=60)
+        spans = {s.seq: s for s in prof.timeline.spans}
+        h2d = sorted((s for s in spans.values() if s.name == "copy_h2d"), key=lambda s: s.seq)
+        (d2h,) = [s for s in spans.values() if s.name == "copy_d2h"]
+        assert len(h2d) == 3 and len({s.stream for s in h2d}) == 1, h2d
+        assert d2h.stream != h2d[0].stream and d2h.start < h2d[-1].start, (d2h, h2d)
+    assert all(torch.equal(d.cpu(), s) for d, s in zip(devs, srcs)) and torch.equal(back, out_dev.cpu())
+
+
+@pytest.mark.cuda
 def test_on_the_gpu_pageable_copies_from_many_threads_share_the_rings_exactly():
     """Threads round-trip their own data through one runtime at once, large copies (the rings, one
     copy at a time each) and small ones (the pool) mixed: every byte comes back."""

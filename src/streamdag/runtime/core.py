@@ -613,8 +613,8 @@ class Runtime:
             if stream is None and device != "host":
                 args, kwargs, accesses = bring_inputs(self, args, kwargs, accesses, device, op_name)
                 on_host = any(a.region.space == "cpu" for a in accesses)
-        elif run_on == "host":
-            if self._host is not None and stream is None:
+        elif run_on == "host":  # (with a stream: that host lane, see ``transfers._staged_on_a_lane``)
+            if self._host is not None and (stream is None or self._stream_device[stream] == "host"):
                 device = "host"
         elif run_on is not None and run_on != device:
             raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "

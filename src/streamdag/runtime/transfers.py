@@ -417,6 +417,9 @@ class StagingRing:
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
+        #: its newest copy's future (weakly: once gone, its op has finished) and host lane: the next
+        #: copy queues on that lane while it is pending (see :func:`_lane_for`)
+        self.last: tuple[weakref.ref[Future], int] | None = None
         self.lock = threading.Lock()
         self._buffers: list[Any] = []
         self._events: list[Any] = []
@@ -469,13 +472,36 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
     budget = rt._bytes
     budget.acquire(nbytes)
     try:
-        future = rt.submit(through, ring, dst, src, result, reads=[src], writes=[dst], name=name,
-                           run_on="host")
+        lane = _lane_for(rt, ring)
+        future = rt._submit(through, (ring, dst, src, result), {}, [src], [dst], name, True, lane,
+                            run_on="host")
     except BaseException:
         budget.release(nbytes)
         raise
+    ring.last = (weakref.ref(future), lane)
     budget.hold(future, nbytes, ring)  # (never recorded: a recording copies op by op, see copy)
     return future
+
+
+def _lane_for(rt: Runtime, ring: StagingRing) -> int:
+    """The host lane for a copy through ``ring``: the lane of its newest copy while that is pending,
+    else the least busy one; never the calling thread's own lane (a copy queued behind the op that
+    submits it would wait forever if that op waits for it).
+
+    A burst of copies one way thus queues on one lane, in order, and leaves the other lanes to
+    copies the other way, where the least busy lane for each copy had every lane but one waiting
+    for the ring's lock: anchors.md's case from and into pageable memory, submitted op by op, took
+    49 ms so against 42 (A/B on the H100, 12 interleaved rounds).
+    """
+    lanes = rt._compute_of["host"]
+    here = rt._calling_lane(lanes.start, len(lanes))
+    last = ring.last
+    if last is not None and last[1] != here:
+        future = last[0]()
+        if future is not None and not future.done():
+            return last[1]
+    busy = rt._busy  # (read without the lock: a hint)
+    return min((i for i in lanes if i != here), key=busy.__getitem__, default=lanes.start)
 
 
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
