@@ -1471,3 +1471,32 @@ def test_no_garbage_collection_runs_in_the_capturing_thread_while_a_graph_is_cap
     assert (True, False) in seen  # captured with the collector paused
     assert all(enabled for capturing, enabled in seen if not capturing)
     assert gc.isenabled() and torch.equal(out, torch.full((8,), 2.0, device="cuda"))
+
+
+def test_a_small_pageable_copy_out_is_one_op_ordered_after_its_producer_and_before_its_readers():
+    """Where the torch extension loads, a pageable copy out of one chunk is one op on the copy
+    stream (its DMA, then a memcpy the stream runs): no host-lane op. It follows a slow producer,
+    and a host-lane op that reads the copy's destination sees every byte."""
+    from streamdag import native
+
+    if native.load_torch() is None:
+        pytest.skip("the torch extension is not loaded here (STREAMDAG_NATIVE=0, or it did not build)")
+    n = 1 << 18  # 1 MiB of floats
+    with sd.Runtime("cuda", streams=2) as rt:
+        dev = torch.zeros(n, device="cuda")
+        back = torch.full((n,), -1.0)  # pageable
+        torch.cuda.synchronize()
+
+        def slow_fill(t):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time, then the write
+            t.copy_(torch.arange(n, dtype=torch.float32, device="cuda"))
+
+        with rt.profile() as prof:
+            rt.submit(slow_fill, dev, writes=[dev], name="slow_fill")
+            copied = rt.copy(back, dev)
+            total = rt.submit(lambda: float(back.double().sum()), reads=[back], run_on="host", name="read")
+            assert total.result(timeout=60) == float(n * (n - 1) // 2)
+            assert copied.result(timeout=60) is back
+        names = sorted(s.name for s in prof.timeline.spans)
+        assert names == ["copy_d2h", "read", "slow_fill"], names
+    assert torch.equal(back, torch.arange(n, dtype=torch.float32))

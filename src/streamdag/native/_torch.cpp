@@ -306,6 +306,44 @@ PyObject* same_layouts(PyObject*, PyObject* args) {
   }
 }
 
+// A memcpy that a CUDA stream runs once it reaches it (cudaLaunchHostFunc: on the driver's callback
+// thread, which may make no CUDA call): a small pageable copy out unstages so, in stream order after
+// its DMA, with no host lane and no Python in between.
+struct HostCopy {
+  void* dst;
+  const void* src;
+  size_t n;
+};
+
+void CUDART_CB run_host_copy(void* arg) {
+  auto* copy = static_cast<HostCopy*>(arg);
+  std::memcpy(copy->dst, copy->src, copy->n);
+  delete copy;
+}
+
+// host_copy(stream_id, device_index, device_type, dst, src, nbytes): queue that memcpy on the stream
+// (a torch.cuda.Stream's ids); the caller keeps both buffers alive until the stream is past it
+PyObject* host_copy(PyObject*, PyObject* args) {
+  long long stream_id, device_index, device_type;
+  unsigned long long dst, src, n;
+  if (!PyArg_ParseTuple(args, "LLLKKK", &stream_id, &device_index, &device_type, &dst, &src, &n)) return nullptr;
+  try {
+    auto stream = c10::cuda::CUDAStream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                                 static_cast<c10::DeviceType>(device_type));
+    auto* copy = new HostCopy{reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                              static_cast<size_t>(n)};
+    cudaError_t err = cudaLaunchHostFunc(stream.stream(), run_host_copy, copy);
+    if (err != cudaSuccess) {
+      delete copy;
+      C10_CUDA_CHECK(err);
+    }
+    Py_RETURN_NONE;
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+}
+
 PyObject* set_submitted_in_capture(PyObject*, PyObject* cls) {
   Py_INCREF(cls);
   Py_XSETREF(submitted_in_capture, cls);
@@ -318,6 +356,8 @@ PyMethodDef module_methods[] = {
     {"layouts", layouts, METH_O, "layouts(tensors) -> bytes: their addresses, sizes and strides"},
     {"same_layouts", same_layouts, METH_VARARGS,
      "same_layouts(tensors, layouts) -> bool: whether each still has the address, sizes and strides"},
+    {"host_copy", host_copy, METH_VARARGS,
+     "host_copy(stream_id, device_index, device_type, dst, src, nbytes): a memcpy the stream runs in order"},
     {"set_submitted_in_capture", set_submitted_in_capture, METH_O,
      "set_submitted_in_capture(cls): the exception an op submitted inside a CUDA graph capture raises"},
     {nullptr, nullptr, 0, nullptr}};
