@@ -1057,6 +1057,7 @@ class Runtime:
         if runs_here():
             future.__dict__["_behind"] = threading.get_ident()
         future.__dict__["_lanes_of"] = self._lane_waits
+        future.__dict__["_lane"] = self._streams[stream]  # where it is queued
 
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an

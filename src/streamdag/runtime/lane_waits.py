@@ -2,20 +2,21 @@
 
 An op running on a lane (a CPU runtime's stream, or a host lane beside a
 device) may submit ops and wait for them: fork and join. The submitted op
-needs a lane to run. If every lane's op waits so, none of those ops can
-ever run: each waits for a lane that only a finished wait would free. The
-runtime cannot run such an op elsewhere (a lane runs its ops in order, and
-ops after the waiting one may depend on it), but it can see the state: the
-wait that would make every lane of the runtime wait, each for a lane op not
-done, raises instead, with what to do. Its op then fails, its lane goes on,
-and the others' waits end.
+is queued on a lane and runs there in order. If lane A's op waits for an
+op queued on lane B, whose op waits for an op queued on lane A, neither
+can ever run, whatever other lanes are free: a lane runs its ops in order,
+and the runtime cannot move a queued op elsewhere (ops after the waiting
+one may depend on it). So the waits form a graph of lanes, each waiting
+lane pointing at the lane of the op it waits for, and the wait that would
+close a cycle in it raises instead, with what to do. Its op then fails,
+its lane goes on, and the others' waits end.
 
 Only waits without a timeout count (one with a timeout ends by itself), only
 waits by this runtime's lane threads, and only for ops that a lane thread
-placed on one of its lanes (the futures that :meth:`Runtime._admit` marks):
-a device op finishes without any lane, and an op of another runtime runs on
-that runtime's lanes. A wait through ``concurrent.futures.wait`` or
-``await`` is not seen.
+placed on one of its lanes (the futures that :meth:`Runtime._admit` marks
+with their lane): a device op finishes without any lane, and an op of
+another runtime runs on that runtime's lanes. A wait through
+``concurrent.futures.wait`` or ``await`` is not seen.
 """
 
 from __future__ import annotations
@@ -37,28 +38,31 @@ class LaneWaits:
         self._lanes = lanes
         self.lanes = len(lanes)
         self._lock = threading.Lock()
-        self._waits: dict[int, Any] = {}  # thread ident -> the future it waits for (None: with a timeout)
+        #: thread ident -> (the future it waits for, the lane it runs); None: a wait with a timeout
+        self._waits: dict[int, tuple[Any, Any] | None] = {}
 
     @contextmanager
     def waiting(self, future: Any, timeout: float | None) -> Iterator[None]:
         """Around a wait for ``future``: raises instead where the waiting thread is a lane of the
-        runtime and every lane would then wait."""
-        if not any(lane.runs_here() for lane in self._lanes):  # not a lane of this runtime's
+        runtime and the wait would close a cycle of lanes waiting for each other's queued ops."""
+        mine = next((lane for lane in self._lanes if lane.runs_here()), None)
+        if mine is None:  # not a lane of this runtime's
             yield
             return
         me = threading.get_ident()
         with self._lock:
             if timeout is None and not future.done():
-                stuck = [f for t, f in self._waits.items() if t != me and f is not None and not f.done()]
-                if len(stuck) + 1 >= self.lanes:
+                cycle = self._cycle(mine, future)
+                if cycle:
                     raise RuntimeError(
-                        f"waiting inside an op for op {future.op_name!r} would wait forever: every lane "
-                        f"of this runtime ({self.lanes}) is running an op that waits for another lane "
-                        "op, so none of those can run. Give the runtime more lanes (streams= on a CPU "
-                        "runtime, host_lanes= beside a device), or add a done-callback instead of "
-                        "waiting inside the op")
+                        f"waiting inside an op for op {future.op_name!r} would wait forever: it is "
+                        f"queued on a lane whose op waits, in turn, for ops queued behind this one "
+                        f"({cycle} lanes of this runtime's {self.lanes} wait for each other), so none "
+                        "of those can run. Give the runtime more lanes (streams= on a CPU runtime, "
+                        "host_lanes= beside a device), or add a done-callback instead of waiting "
+                        "inside the op")
             outer = self._waits.get(me)  # (a wait inside a done-callback run by a wait)
-            self._waits[me] = future if timeout is None else None
+            self._waits[me] = (future, mine) if timeout is None else None
         try:
             yield
         finally:
@@ -67,3 +71,21 @@ class LaneWaits:
                     self._waits.pop(me, None)
                 else:
                     self._waits[me] = outer
+
+    def _cycle(self, mine: Any, future: Any) -> int:
+        """How many lanes a wait on ``mine`` for ``future`` would close a cycle of (0: none). Each
+        waiting lane points at the lane its awaited op is queued on; a lane whose op does not wait
+        goes on, and the chain ends there. Holds ``_lock``."""
+        waiting_on = {}  # id of a lane -> the op its op waits for
+        for wait in self._waits.values():
+            if wait is not None and not wait[0].done():
+                waiting_on[id(wait[1])] = wait[0]
+        lane, seen = future.__dict__.get("_lane"), 1
+        while lane is not None and seen <= self.lanes:
+            if lane is mine:
+                return seen
+            waited = waiting_on.get(id(lane))
+            if waited is None:
+                return 0
+            lane, seen = waited.__dict__.get("_lane"), seen + 1
+        return 0
