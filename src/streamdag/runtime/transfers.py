@@ -51,7 +51,7 @@ CHUNK_BYTES = 8 << 20
 #: the H100, 2-8 MiB in: 0.2-0.3 ms slower through the lane, whose submit returns 0.1-0.25 ms sooner)
 LANE_STAGING_BYTES = CHUNK_BYTES
 #: a pageable copy out of at most this many bytes is unstaged by a memcpy that its copy stream runs
-#: (one thread, the driver's): on the H100, 4 KiB to 1 MiB took 0.28-0.36 ms so against 0.42-0.62
+#: (one thread, the driver's): on the H100, 4 KiB to 1 MiB took 0.28-0.36 ms this way against 0.42-0.62
 #: through a host lane; 2 MiB even; from 4 MiB slower (0.91 against 0.55 ms at 4 MiB, 1.51 against
 #: 0.90 at 8), where PyTorch's copy on its threads, on a lane, wins
 STREAM_UNSTAGING_BYTES = 1 << 20
