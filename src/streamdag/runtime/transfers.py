@@ -210,6 +210,16 @@ class PinnedPool:
             oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
+    @contextmanager
+    def taken(self, nbytes: int) -> Iterator[Any]:
+        """:meth:`take`, given back if the block raises (before its user lends it)."""
+        buf = self.take(nbytes)
+        try:
+            yield buf
+        except BaseException:
+            self.give(buf)
+            raise
+
     def typed(self, buf: Any, dtype: Any, shape: Any) -> Any:
         """The start of ``buf`` as a contiguous tensor of ``dtype`` and ``shape``, made once per buffer
         and layout: each of the three views costs microseconds per copy on a GPU host. Only the
@@ -395,10 +405,14 @@ def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, 
     return _device_copy(rt, dst, src, stream, name, copier=getattr(source, "peer_copy", None))
 
 
-def _chunks(dst: Any, src: Any):
-    """Flat byte views of both, cut into pieces of at most CHUNK_BYTES."""
+def _need_contiguous(dst: Any, src: Any) -> None:
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+
+
+def _chunks(dst: Any, src: Any):
+    """Flat byte views of both, cut into pieces of at most CHUNK_BYTES."""
+    _need_contiguous(dst, src)
     d, s = dst.reshape(-1).view(dtype=_uint8()), src.reshape(-1).view(dtype=_uint8())
     for lo in range(0, s.numel(), CHUNK_BYTES):
         yield d[lo : lo + CHUNK_BYTES], s[lo : lo + CHUNK_BYTES]
@@ -472,8 +486,7 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
     :func:`_copy_out_through`) that reads ``src`` and writes ``dst``: it runs once the ops it follows
     have finished, and is done once the data is in place; the submit returns at once. Its bytes
     count against ``max_inflight_bytes`` until then."""
-    if not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+    _need_contiguous(dst, src)
     nbytes = src.numel() * src.element_size()
     budget = rt._bytes
     budget.acquire(nbytes)
@@ -581,28 +594,19 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
         return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     pool = rt._staging
     if src_region.nbytes <= CHUNK_BYTES:
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
-        stage = pool.take(src_region.nbytes)
-        try:
+        _need_contiguous(dst, src)
+        with pool.taken(src_region.nbytes) as stage:
             view = pool.typed(stage, dst.dtype, dst.shape)
             view.copy_(src)
             future = _device_copy(rt, dst, view, stream, name, keep=stage, nbytes=src_region.nbytes)
-        except BaseException:
-            pool.give(stage)
-            raise
         pool.lend(stage, future, stream)
         return future
     chunks = []
     for d, s in _chunks(dst, src):
-        stage = pool.take(s.numel())
-        try:
+        with pool.taken(s.numel()) as stage:
             view = stage[: s.numel()]
             view.copy_(s)
             chunks.append(_device_copy(rt, d, view, stream, name, keep=stage, nbytes=s.numel()))
-        except BaseException:
-            pool.give(stage)
-            raise
         pool.lend(stage, chunks[-1], stream)
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
@@ -614,8 +618,7 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Regi
     layout, as in :func:`_staged_h2d`). A chunk's buffer is free once its host op is done, so that
     a copy of more chunks than the pool holds waits for its own first ones."""
     if src_region.nbytes <= CHUNK_BYTES:
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
+        _need_contiguous(dst, src)
         return _unstaged(rt, dst, src, src_region.nbytes, True, stream, name, user_dst)
     pieces = [_unstaged(rt, d, s, s.numel(), False, stream, name, None) for d, s in _chunks(dst, src)]
     return all_of(pieces, user_dst, "copy")  # (a failed piece fails the copy)
@@ -632,25 +635,17 @@ def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream:
     """
     pool = rt._staging
     ext = load_torch() if whole and stream is not None and nbytes <= STREAM_UNSTAGING_BYTES else None
-    if ext is not None:
-        stage = pool.take(nbytes)
-        try:
-            view = pool.typed(stage, src.dtype, src.shape)
+    with pool.taken(nbytes) as stage:
+        view = pool.typed(stage, src.dtype, src.shape) if whole else stage[:nbytes]
+        if ext is not None:
             out = partial(_copy_out_on_stream, staged=view, keep=stage, nbytes=nbytes, result=result,
                           host_copy=ext.host_copy)
             future = _device_copy(rt, dst, src, stream, name, copier=out, nbytes=nbytes)
-        except BaseException:
-            pool.give(stage)
-            raise
+        else:
+            dma = _device_copy(rt, view, src, stream, name, keep=stage, nbytes=nbytes)
+    if ext is not None:
         pool.lend(stage, future, stream)
         return future
-    stage = pool.take(nbytes)
-    try:
-        view = pool.typed(stage, src.dtype, src.shape) if whole else stage[:nbytes]
-        dma = _device_copy(rt, view, src, stream, name, keep=stage, nbytes=nbytes)
-    except BaseException:
-        pool.give(stage)
-        raise
     # a host op, on a host lane where the runtime has them: it waits there for the DMA, not in the
     # submitting thread. The buffer is free once it is done (or failed, as after a failed DMA)
     try:
