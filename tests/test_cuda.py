@@ -932,6 +932,34 @@ DEVICE_LOST = textwrap.dedent(
 )
 
 
+DEVICE_LOST_WHILE_WAITING = textwrap.dedent(
+    """
+    import os, torch, streamdag as sd
+    a = torch.zeros(4, device="cuda")
+    index = torch.tensor([10], device="cuda")
+    rt = sd.Runtime("cuda", streams=2)
+    # the op returns at once; its kernel asserts on the device later, while the caller waits on it
+    bad = rt.submit(lambda: a[index].sum(), reads=[a, index])
+    print("bad:", type(bad.exception(timeout=60)).__name__)
+    later = rt.submit(torch.add, a, 1, reads=[a])
+    print("later:", type(later.exception(timeout=60)).__name__)
+    print("finished", flush=True)
+    os._exit(0)  # a process whose CUDA context is broken may not exit cleanly
+    """
+)
+
+
+def test_a_sticky_error_seen_by_a_waiter_marks_the_device_lost():
+    """The thread waiting on an op sees its event fail (in the torch extension's spin wait, or a
+    query): the op and every later one fail with DeviceLost, and nothing hangs."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", DEVICE_LOST_WHILE_WAITING], env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout
+    assert "finished" in out, proc.stdout + proc.stderr[-3000:]
+    assert "bad: DeviceLost" in out and "later: DeviceLost" in out, out
+
+
 def test_a_cuda_error_that_is_not_sticky_fails_its_op_only():
     """A CUDA error that leaves the context usable (here an invalid device ordinal) fails its op
     and its dependents, as a Python exception does; it does not mark the device lost. PyTorch's

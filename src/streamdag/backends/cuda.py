@@ -258,7 +258,7 @@ class _Completions:
     future, and only this thread is left to finish it).
 
     A thread that waits on a future also finishes completed ops itself for a
-    short while (:meth:`help`), polling the events: handing the finish over
+    while (:meth:`help`), waiting on its op's event: handing the finish over
     from this thread would cost the waiter a sleep's overshoot and a wake-up
     (on the H100 a ``result()`` after a tiny op took 47-52 µs that way,
     ``torch.cuda.synchronize()`` 17-34 µs). Passes never overlap: one lock
@@ -275,11 +275,17 @@ class _Completions:
     POLL_AFTER_WAIT_SECONDS = 20e-3
     #: how long a waiting thread polls and finishes ops itself before it sleeps on its future
     HELP_SECONDS = 2e-3
+    #: the same, where it waits for its op's event in ``spin_wait`` (the GIL released), in slices
+    #: of SPIN_SLICE_SECONDS; a longer wait sleeps, and is seen done up to ~0.1 ms late (0.2% of it)
+    SPIN_SECONDS = 50e-3
+    SPIN_SLICE_SECONDS = 2e-3
     #: at most this many ops waited on without helping are finished ahead of their queues
     WANTED_MAX = 8
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
+        #: the torch extension's ``spin_wait`` (see ``help``), or None
+        self._spin_wait = getattr(load_torch(), "spin_wait", None)
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
@@ -518,30 +524,64 @@ class _Completions:
                 finally:
                     self._passing.release()
 
-    def help(self, waiter: Any, seconds: float) -> None:
-        """Finish completed ops in this thread until ``waiter`` is done, for at most ``seconds``.
+    def help(self, waiter: Any, seconds: float | None, hurry_if_left: bool = False) -> None:
+        """Finish completed ops in this thread until ``waiter`` is done, for at most ``seconds``
+        (None: as long as helping pays, ``SPIN_SECONDS`` or ``HELP_SECONDS``; 0: one poll).
 
         A waiter on one op (its future carries the token of its queue entry)
         finishes only that op, as soon as its event has completed, and leaves
-        the rest to this class's thread, which was hurried.
+        the rest to this class's thread at its own pace. Where the torch
+        extension is loaded it waits for that event in ``spin_wait``, with the
+        GIL released, up to ``SPIN_SECONDS``: it sees the op end within a
+        query, as ``torch.cuda.synchronize()`` would, and leaves the GIL to the
+        other threads meanwhile. Else it polls between ``sleep(0)`` calls, up
+        to ``HELP_SECONDS``. ``hurry_if_left``: if it stops with ``waiter`` not
+        done (out of time, or the device is lost), it hurries this class's
+        thread, which finishes it then. Not before: a hurried thread polls,
+        taking the GIL every few µs from the waiter, which finishes its own op.
         """
         if threading.current_thread() is self._thread:  # a callback of ours waits: we are busy
             return
         token = getattr(waiter, "_done_token", None)
+        spin = self._spin_wait if token is not None and not _sanitizer_enabled() else None
+        most = self.SPIN_SECONDS if spin is not None else self.HELP_SECONDS
         started = time.perf_counter()
-        deadline = started + seconds
-        # the callbacks of what this thread finishes run as it stops helping
-        with callbacks_later(), self._queries_relaxed():
-            while not waiter.done():
-                if token is None:
-                    self.try_pass()
-                else:
-                    self._try_finish_one(token)
-                now = time.perf_counter()
-                if waiter.done() or now >= deadline:
-                    return
-                # lets other threads run between polls; past the usual help, poll less often
-                time.sleep(0 if now - started < self.HELP_SECONDS else self.POLL_SECONDS)
+        deadline = started + (most if seconds is None else min(seconds, most))
+        owner = self._owner
+        try:
+            # the callbacks of what this thread finishes run as it stops helping
+            with callbacks_later(), self._queries_relaxed():
+                while not waiter.done():
+                    if token is None:
+                        self.try_pass()
+                    else:
+                        self._try_finish_one(token)
+                    now = time.perf_counter()
+                    if waiter.done() or now >= deadline or owner.lost is not None:
+                        return  # (lost: a pass fails every pending op, in order)
+                    event = self._event_of(token) if spin is not None else None
+                    if event is not None:  # in slices: between them, signals (Ctrl-C) are seen
+                        try:
+                            spin(event, min(deadline - now, self.SPIN_SLICE_SECONDS))
+                        except Exception as exc:  # a sticky error: the device is lost
+                            owner.mark_lost(exc)
+                    else:  # lets other threads run between polls; past the usual help, less often
+                        time.sleep(0 if now - started < self.HELP_SECONDS else self.POLL_SECONDS)
+        finally:
+            if hurry_if_left and not waiter.done():
+                self.hurry()
+
+    def _event_of(self, token: int) -> CudaEvent | None:
+        """The event of the queued entry ``token``; None if it has left its queue, or a pass is
+        under way (which may take it out)."""
+        if not self._passing.acquire(blocking=False):
+            return None
+        try:
+            q = self._queues[token % len(self._queues)]
+            index = _position(q, token)
+            return q[index][1] if index >= 0 else None
+        finally:
+            self._passing.release()
 
     def stop(self) -> None:
         self._stopping = True
@@ -721,18 +761,17 @@ class CudaBackend:
 
         With ``waiter`` (a future someone waits on), the calling thread also
         finishes them itself until ``waiter`` is done, for up to ``seconds``
-        (at most ``HELP_SECONDS``). ``wanted``, a token from
+        (at most ``SPIN_SECONDS``, see ``_Completions.help``). ``wanted``, a token from
         :meth:`when_done`: someone waits on that op without helping; the
         completion thread finishes it first.
         """
         completions = self._completions
         if wanted is not None:
             completions.want(wanted)
-        else:
+        elif waiter is None:
             completions.hurry()
-        if waiter is not None:
-            limit = completions.HELP_SECONDS if seconds is None else min(seconds, completions.HELP_SECONDS)
-            completions.help(waiter, limit)
+        if waiter is not None:  # the completion thread is hurried only if the waiter stops helping
+            completions.help(waiter, seconds, hurry_if_left=True)
 
     def help(self, waiter: Any, seconds: float) -> None:
         """Finish completed ops in the calling thread until ``waiter`` is done, for up to ``seconds``
