@@ -208,7 +208,8 @@ class PinnedPool:
             if self.on_wait is not None:
                 self.on_wait()
             oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        with relaxed():  # a pinned allocation: refused during a CUDA graph capture in global mode
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     @contextmanager
     def taken(self, nbytes: int) -> Iterator[Any]:
@@ -301,7 +302,8 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
                  keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future:
     """One copy op on ``stream``, its bytes counted against the budget until it completes.
 
-    ``copier``: a peer copy, done the source device's way. ``nbytes``: the source's, where known.
+    ``copier``: the op's function in place of ``copy_`` (a peer copy done the source device's way,
+    a small pageable copy out). ``nbytes``: the source's, where known.
     """
     if nbytes is None:
         nbytes = region_of(src).nbytes
