@@ -100,6 +100,11 @@ def torch_status() -> str:
     return f"through PyTorch's Python bindings: {_torch_why_not}"
 
 
+#: the torch extension's compiler flags. OpenMP: its at::parallel_for runs on PyTorch's CPU threads
+#: (the OpenMP runtime PyTorch loaded, the same by name) only where the file is built with it
+_TORCH_FLAGS = ["-O2", "-fopenmp"]
+
+
 def load_torch() -> ModuleType | None:
     """The torch extension (``_torch.cpp``): a GPU runtime's CUDA calls and its reads of tensors,
     in C++ against PyTorch's headers; handed to the compiled hot path, which otherwise makes the
@@ -130,7 +135,8 @@ def load_torch() -> ModuleType | None:
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
         # one folder per source: two versions of streamdag (an A/B run) must not rebuild each other's
-        source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes()).hexdigest()[:12]
+        source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes()
+                                + repr(_TORCH_FLAGS).encode()).hexdigest()[:12]
         tag = f"torch-{torch.__version__}-{python}-{source}".replace("+", "_")
         build = _cache_dir() / tag
         build.mkdir(parents=True, exist_ok=True)
@@ -140,8 +146,9 @@ def load_torch() -> ModuleType | None:
         with _exclusive_build(build), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
             ext = cpp_extension.load(
-                name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=["-O2"],
-                extra_include_paths=[str(_SOURCE.parent)], with_cuda=True, build_directory=str(build),
+                name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=_TORCH_FLAGS,
+                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCE.parent)], with_cuda=True,
+                build_directory=str(build),
                 verbose=False)
         from ..errors import SubmittedInCapture
 

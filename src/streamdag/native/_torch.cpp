@@ -4,6 +4,7 @@
 // the first GPU runtime (torch.utils.cpp_extension, with CUDA), cached; _speedups.c takes the
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
+#include <ATen/Parallel.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
@@ -17,6 +18,11 @@
 #include <cuda_runtime_api.h>
 
 #include <dlfcn.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define STREAMDAG_STREAMING_STORES 1
+#endif
 
 #include <chrono>
 #include <cstring>
@@ -381,6 +387,66 @@ PyObject* spin_wait(PyObject*, PyObject* args) {
   return PyBool_FromLong(done);
 }
 
+// n bytes from src to dst with non-temporal (streaming) stores where the CPU has them: the bytes
+// go to memory, not into the caches. A DMA then reads them at full speed, where from a buffer that
+// the CPU has just written through its caches it reads at a third to a half of it (16-22 against
+// 35-47 GB/s on the H100 host): the copy engine must take the dirty lines from the caches.
+void streaming_copy(char* dst, const char* src, size_t n) {
+#ifdef STREAMDAG_STREAMING_STORES
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;  // to dst's first 16-byte line
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();  // the streamed lines are in memory before any later store (the DMA's launch)
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// stage_copy(dst, src, nbytes): copy nbytes from address src into the pinned staging buffer at
+// address dst, over PyTorch's CPU threads (at::parallel_for, pieces of 128 KiB) with streaming
+// stores, the GIL released. A pageable copy in stages its data so before its DMA: on the H100 host,
+// 2 MiB staged and copied in 0.09 ms against 0.13 with PyTorch's copy_ (0.20 for PyTorch's own
+// pageable copy), 8 MiB 0.33 against 0.46 (0.70). The caller keeps both buffers alive.
+PyObject* stage_copy(PyObject*, PyObject* args) {
+  unsigned long long dst, src, n;
+  if (!PyArg_ParseTuple(args, "KKK", &dst, &src, &n)) return nullptr;
+  std::exception_ptr error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    at::parallel_for(0, static_cast<int64_t>(n), 128 << 10, [&](int64_t begin, int64_t end) {
+      streaming_copy(reinterpret_cast<char*>(dst) + begin, reinterpret_cast<const char*>(src) + begin,
+                     static_cast<size_t>(end - begin));
+    });
+  } catch (...) {
+    error = std::current_exception();
+  }
+  Py_END_ALLOW_THREADS
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (...) {
+      fail();
+      return nullptr;
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* set_submitted_in_capture(PyObject*, PyObject* cls) {
   Py_INCREF(cls);
   Py_XSETREF(submitted_in_capture, cls);
@@ -395,6 +461,8 @@ PyMethodDef module_methods[] = {
      "same_layouts(tensors, layouts) -> bool: whether each still has the address, sizes and strides"},
     {"host_copy", host_copy, METH_VARARGS,
      "host_copy(stream_id, device_index, device_type, dst, src, nbytes): a memcpy the stream runs in order"},
+    {"stage_copy", stage_copy, METH_VARARGS,
+     "stage_copy(dst, src, nbytes): bytes into a staging buffer, over PyTorch's threads, streaming stores"},
     {"spin_wait", spin_wait, METH_VARARGS,
      "spin_wait(event, seconds) -> bool: whether the event completed, queried with the GIL released"},
     {"set_submitted_in_capture", set_submitted_in_capture, METH_O,

@@ -407,6 +407,18 @@ def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, 
     return _device_copy(rt, dst, src, stream, name, copier=getattr(source, "peer_copy", None))
 
 
+def _stage(staged: Any, src: Any, nbytes: int) -> None:
+    """Host data ``src`` into ``staged`` (a pinned staging buffer, contiguous as ``src`` is), before
+    its DMA: with streaming stores over PyTorch's CPU threads where the torch extension is loaded
+    (``stage_copy``: the DMA then reads memory, not the CPU's caches, at up to twice the speed),
+    else PyTorch's copy."""
+    ext = load_torch()
+    if ext is None:
+        staged.copy_(src)
+    else:
+        ext.stage_copy(staged.data_ptr(), src.data_ptr(), nbytes)
+
+
 def _need_contiguous(dst: Any, src: Any) -> None:
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("staged copies need contiguous tensors: call .contiguous() first")
@@ -527,7 +539,7 @@ def _lane_for(rt: Runtime, ring: StagingRing) -> int:
 
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
     """Pageable host ``src`` to device ``dst`` through ``ring``, on a host lane: each chunk copied into
-    a staging buffer (PyTorch's CPU copy, on its threads), then by DMA on the staging stream."""
+    a staging buffer (:func:`_stage`), then by DMA on the staging stream."""
     from ..backends.cuda import copy_on
 
     stream = ring.stream
@@ -539,7 +551,7 @@ def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
                 events[slot].synchronize()
                 in_flight -= 1
             view = buffers[slot][: s.numel()]
-            view.copy_(s)
+            _stage(view, s, s.numel())
             copy_on(stream, d, view)
             events[slot].record(stream)
             in_flight += 1
@@ -599,7 +611,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
         _need_contiguous(dst, src)
         with pool.taken(src_region.nbytes) as stage:
             view = pool.typed(stage, dst.dtype, dst.shape)
-            view.copy_(src)
+            _stage(view, src, src_region.nbytes)
             future = _device_copy(rt, dst, view, stream, name, keep=stage, nbytes=src_region.nbytes)
         pool.lend(stage, future, stream)
         return future
