@@ -407,16 +407,19 @@ def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, 
     return _device_copy(rt, dst, src, stream, name, copier=getattr(source, "peer_copy", None))
 
 
-def _stage(staged: Any, src: Any, nbytes: int) -> None:
-    """Host data ``src`` into ``staged`` (a pinned staging buffer, contiguous as ``src`` is), before
-    its DMA: with streaming stores over PyTorch's CPU threads where the torch extension is loaded
-    (``stage_copy``: the DMA then reads memory, not the CPU's caches, at up to twice the speed),
-    else PyTorch's copy."""
+def _copy_streaming(dst: Any, src: Any, nbytes: int) -> None:
+    """Host data ``src`` into ``dst`` (contiguous both, ``nbytes``), with streaming stores over
+    PyTorch's CPU threads where the torch extension is loaded (``stage_copy``), else PyTorch's copy.
+
+    Into a staging buffer before its DMA: the DMA then reads memory, not the CPU's caches, at up
+    to twice the speed (on the H100, pageable copies in of 8-64 MiB took 0.68-0.91x the time with
+    PyTorch's copy). Out of one, into a large destination: no read of ``dst``'s lines before they
+    are written (16-256 MiB out, 0.93-0.97x)."""
     ext = load_torch()
     if ext is None:
-        staged.copy_(src)
+        dst.copy_(src)
     else:
-        ext.stage_copy(staged.data_ptr(), src.data_ptr(), nbytes)
+        ext.stage_copy(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 def _need_contiguous(dst: Any, src: Any) -> None:
@@ -539,7 +542,7 @@ def _lane_for(rt: Runtime, ring: StagingRing) -> int:
 
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
     """Pageable host ``src`` to device ``dst`` through ``ring``, on a host lane: each chunk copied into
-    a staging buffer (:func:`_stage`), then by DMA on the staging stream."""
+    a staging buffer (:func:`_copy_streaming`), then by DMA on the staging stream."""
     from ..backends.cuda import copy_on
 
     stream = ring.stream
@@ -551,7 +554,7 @@ def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
                 events[slot].synchronize()
                 in_flight -= 1
             view = buffers[slot][: s.numel()]
-            _stage(view, s, s.numel())
+            _copy_streaming(view, s, s.numel())
             copy_on(stream, d, view)
             events[slot].record(stream)
             in_flight += 1
@@ -571,7 +574,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
         def unstage() -> None:
             d, view, event = waiting.popleft()
             event.synchronize()
-            d.copy_(view)
+            _copy_streaming(d, view, view.numel())
 
         for k, (d, s) in enumerate(_chunks(dst, src)):
             slot = k % len(buffers)
@@ -611,7 +614,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
         _need_contiguous(dst, src)
         with pool.taken(src_region.nbytes) as stage:
             view = pool.typed(stage, dst.dtype, dst.shape)
-            _stage(view, src, src_region.nbytes)
+            _copy_streaming(view, src, src_region.nbytes)
             future = _device_copy(rt, dst, view, stream, name, keep=stage, nbytes=src_region.nbytes)
         pool.lend(stage, future, stream)
         return future
