@@ -801,6 +801,25 @@ def test_stream_map_on_the_gpu_equals_fn_from_pinned_and_pageable_memory_on_the_
     assert {("stream_map_in", "h2d"), ("stream_map", "compute"), ("stream_map_out", "d2h")} <= kinds
 
 
+def test_stream_map_from_pageable_memory_by_its_default_pieces_equals_fn():
+    """With pageable inputs or outputs the default pieces are larger (each piece's copy of more
+    than 8 MiB is a host-lane op with a fixed cost), at most an eighth of the data: a 96 MiB input
+    goes in 12 MiB pieces, through the host lanes' rings, and every row comes back as ``fn`` gives
+    it; pinned, the same input goes in the usual 6 MiB pieces (a sixteenth)."""
+    def fn(a):
+        return a * 2 - 1
+
+    x = torch.randn(96 << 8, 1024)  # 96 MiB of rows of 4 KiB, pageable
+    with sd.Runtime("cuda", streams=2) as rt:
+        for pin in (False, True):
+            src = x.pin_memory() if pin else x
+            with rt.profile() as prof:
+                got = rt.stream_map(fn, src).result(timeout=120)
+            assert torch.equal(got, fn(x))
+            pieces = sum(1 for s in prof.timeline.spans if s.name.startswith("stream_map_in"))
+            assert pieces == (16 if pin else 8), pieces
+
+
 def test_a_recorded_stream_map_replays_as_one_cuda_graph_on_the_copy_streams():
     """stream_map inside ``rt.record()``: every piece's copies and compute in one captured graph,
     replayed on new data in the same pinned tensors; from pageable memory the graph cannot be

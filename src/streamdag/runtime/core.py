@@ -353,7 +353,8 @@ class Runtime:
         result (on CUDA as ``fn``'s kernels are launched; a runtime whose ops
         run later, on its lanes, waits for that piece). Each input is cut along dim 0
         into pieces of about ``piece_bytes`` (default 32 MiB, 16 MiB with
-        ``capture``, smaller for small inputs); each piece is copied in, ``fn``
+        ``capture``, 64 MiB from or into pageable memory on a GPU, smaller for
+        small inputs); each piece is copied in, ``fn``
         runs on it, and its result is copied out, through ``buffers`` reused
         device buffers. ``fn(x)[i]`` must depend on ``x[i]`` only; ``reads``:
         device tensors ``fn`` also reads.

@@ -55,6 +55,13 @@ __all__ = ["stream_map"]
 # the link 0.17 ms per 8 MiB. Captured, the compute is one graph launch: 16 MiB pieces (0.33 ms).
 PIECE_BYTES = 32 << 20
 CAPTURED_PIECE_BYTES = 16 << 20
+# From or into pageable memory, each piece's copy of more than 8 MiB is a host-lane op staged through
+# a ring of pinned buffers, and each such op costs ~0.5 ms that overlaps nothing (its first chunk's
+# host copy, its last DMA): on an H100 host anchors.md's 8 x 64 MiB took 55-59 ms in 16 MiB pieces,
+# 35-38 in 64 MiB ones. Pieces of at most 1/MIN_PAGEABLE_PIECES of the data (the head and tail that
+# nothing overlaps: one piece's copy in, one's copy out).
+PAGEABLE_PIECE_BYTES = 64 << 20
+MIN_PAGEABLE_PIECES = 8
 WINDOW = 2  # the submitter waits before more than WINDOW * buffers pieces await their copy out
 MIN_PIECES = 16  # a small input is still cut into this many pieces, down to
 MIN_PIECE_BYTES = 256 << 10  # pieces this small, below which per-copy costs dominate
@@ -93,7 +100,9 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
         _submit_pieces(rt, fn, batches, outs, rows, _Ring(device, buffers), extra_reads, name, single,
                        recording=True)
         return outs[0] if single else outs
-    rows = _rows_per_piece(batches, piece_bytes, CAPTURED_PIECE_BYTES if capture else PIECE_BYTES)
+    pageable = device != "cpu" and not all(t.is_pinned() for t in [*batches, *(outs or [])])
+    default = PAGEABLE_PIECE_BYTES if pageable else CAPTURED_PIECE_BYTES if capture else PIECE_BYTES
+    rows = _rows_per_piece(batches, piece_bytes, default, MIN_PAGEABLE_PIECES if pageable else MIN_PIECES)
     if not capture:
         return _submit_pieces(rt, fn, batches, outs, rows, _Ring(device, buffers), extra_reads, name, single)
     kept, key = _kept_rings(rt, fn, device, buffers, extra_reads)
@@ -257,12 +266,13 @@ def _check_outs(batches: Sequence[Any], outs: Sequence[Any]) -> None:
                              "maps rows one to one, so both need the same dim 0")
 
 
-def _rows_per_piece(batches: Sequence[Any], piece_bytes: int | None, default: int) -> int:
+def _rows_per_piece(batches: Sequence[Any], piece_bytes: int | None, default: int,
+                    min_pieces: int = MIN_PIECES) -> int:
     """Rows in a piece: ``piece_bytes`` of the widest input's rows (default: see the module's constants)."""
     row_bytes = max(max(1, math.prod(x.shape[1:]) * x.element_size()) for x in batches)
     if piece_bytes is None:
         total = sum(x.numel() * x.element_size() for x in batches)
-        piece_bytes = max(MIN_PIECE_BYTES, min(default, total // MIN_PIECES))
+        piece_bytes = max(MIN_PIECE_BYTES, min(default, total // min_pieces))
     elif piece_bytes < 1:
         raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
     return max(1, piece_bytes // row_bytes)
