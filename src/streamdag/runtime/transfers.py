@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..backends.capture_mode import relaxed
-from ..graph.buffers import Region, region_of
+from ..graph.buffers import Access, Region, region_of
 from ..native import load_torch
 from . import ops
 from .ops import Future, all_of, in_done_callback
@@ -598,8 +598,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     ``dst``'s layout, by one DMA op whose result is ``dst``: the fewest torch
     calls, each of which costs microseconds on a GPU host.
     """
-    from ..graph.buffers import Access
-    from .core import _wait_for_host_inputs
+    from .core import _wait_for_host_inputs  # (core imports this module)
 
     reading = [Access(src_region, False)]
     with rt._lock:  # the host data must be final before we read it
@@ -622,7 +621,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     for d, s in _chunks(dst, src):
         with pool.taken(s.numel()) as stage:
             view = stage[: s.numel()]
-            view.copy_(s)
+            _copy_streaming(view, s, s.numel())
             chunks.append(_device_copy(rt, d, view, stream, name, keep=stage, nbytes=s.numel()))
         pool.lend(stage, chunks[-1], stream)
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
