@@ -921,6 +921,38 @@ def test_a_copy_between_dtypes_is_refused_whether_pinned_or_pageable():
         assert torch.equal(dev, torch.zeros(64, device="cuda"))
 
 
+def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until_done():
+    """rt.copy between pinned host memory and the GPU is made in C; every other copy is left to the
+    Python code (None back). The compiled copy is the same op: on its copy stream, after the ops it
+    conflicts with (on the device, the host going on), its bytes counted until it completes."""
+    import numpy as np
+
+    n, copies = 1024, 6  # 4 KiB a copy
+    with sd.Runtime("cuda", streams=2, max_inflight_bytes=64 << 10) as rt:
+        if rt._copy_pinned is None:
+            pytest.skip("no compiled hot path here")
+        dev = torch.zeros(n, device="cuda")
+        assert rt._copy_pinned(dev, torch.randn(n), None) is None  # pageable: staged in Python
+        assert rt._copy_pinned(dev, np.ones(n, np.float32), None) is None
+        assert rt._copy_pinned(dev, torch.ones(n, dtype=torch.float64).pin_memory(), None) is None
+        assert rt._copy_pinned(torch.zeros(n).pin_memory(), torch.ones(n).pin_memory(), None) is None
+        hosts = [torch.randn(n).pin_memory() for _ in range(copies)]
+        backs = [torch.zeros(n).pin_memory() for _ in range(copies)]
+        busy = rt.submit(torch.cuda._sleep, 100_000_000, name="busy", writes=[dev])  # tens of ms
+        pairs = []
+        for host, back in zip(hosts, backs):  # each in after the last out (it overwrites what that reads)
+            into = rt._copy_pinned(dev, host, None)
+            assert into is not None and into.op_name == "copy_h2d"
+            pairs.append((into, rt.copy(back, dev, name="out")))
+        assert not busy.done() and rt._bytes.used == 2 * copies * n * 4  # held, none waited for
+        for (into, out), host, back in zip(pairs, hosts, backs):
+            assert into.result() is dev and out.result() is back
+            assert torch.equal(back, host)
+        rt.synchronize()
+        assert rt._bytes.reclaim() == 0
+        assert rt.statistics().peak_inflight_bytes == 2 * copies * n * 4
+
+
 def test_transfer_bytes_in_flight_stay_bounded():
     limit = 4 << 20
     with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:

@@ -61,7 +61,8 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle;
+                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
+                *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
 #define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
@@ -328,6 +329,9 @@ typedef struct {
              *refuse_in_capture;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
+    /* rt.copy's compiled case (setup_copies): the copy op's function, the copy streams by device space
+     * (dicts: space -> index) each way, the byte budget; NULL until set up */
+    PyObject *copy_fn, *copy_h2d, *copy_d2h, *budget, *copy_py;
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
@@ -343,7 +347,8 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
     X(refuse_in_capture) \
-    X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release)
+    X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
+    X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py)
 
 static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1820,7 +1825,154 @@ static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* setup_copies(copy_fn, h2d, d2h, budget, copy_py): what ``copy`` needs (see Runtime.__init__) */
+static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
+    PyObject *fn, *h2d, *d2h, *budget, *copy_py;
+    if (!PyArg_ParseTuple(args, "OO!O!OO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py))
+        return NULL;
+    Py_XSETREF(self->copy_py, Py_NewRef(copy_py));
+    Py_XSETREF(self->copy_fn, Py_NewRef(fn));
+    Py_XSETREF(self->copy_h2d, Py_NewRef(h2d));
+    Py_XSETREF(self->copy_d2h, Py_NewRef(d2h));
+    Py_XSETREF(self->budget, Py_NewRef(budget));
+    Py_RETURN_NONE;
+}
+
+/* whether two objects' attribute ``attr`` are equal: 1, 0, or -1 with an exception */
+static int same_attr(PyObject *a, PyObject *b, PyObject *attr) {
+    PyObject *x = PyObject_GetAttr(a, attr);
+    if (x == NULL) return -1;
+    PyObject *y = PyObject_GetAttr(b, attr);
+    if (y == NULL) { Py_DECREF(x); return -1; }
+    int same = PyObject_RichCompareBool(x, y, Py_EQ);
+    Py_DECREF(x);
+    Py_DECREF(y);
+    return same;
+}
+
+/* ``transfers.copy`` for its common case, compiled: ``copy(dst, src, name)`` between a torch tensor in
+ * pinned host memory and one on a device of the runtime with a copy stream, of one dtype and shape.
+ * The copy op on that stream, its bytes counted against the byte budget until it completes, as
+ * ``transfers._device_copy`` makes it. None where the Python code decides instead: any other copy
+ * (pageable memory, numpy, a peer copy, layouts that differ, which it refuses), and inside a
+ * recording. On the H100 the Python checks and budget cost ~10 µs per copy; here ~2 */
+static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyObject *name) {
+    int own_accesses = PyCFunction_Check(self->accesses_fn)
+        && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
+    if (self->copy_fn == NULL || !own_accesses || PyDict_GET_SIZE(self->recordings)) Py_RETURN_NONE;
+    PyObject *tensors[] = {dst, src};
+    for (int i = 0; i < 2; i++) {  /* torch tensors, whose accesses this module reads */
+        PyObject *handler = PyDict_GetItemWithError(state.handlers, (PyObject *)Py_TYPE(tensors[i]));
+        if (handler == NULL && PyErr_Occurred()) return NULL;
+        if (handler == NULL || handler != state.torch_region) Py_RETURN_NONE;
+    }
+    PyObject *reads = NULL, *writes = NULL, *accesses = NULL, *nbytes = NULL, *result = NULL;
+    if ((reads = PyList_New(1)) == NULL || (writes = PyList_New(1)) == NULL) goto done;
+    PyList_SET_ITEM(reads, 0, Py_NewRef(src));
+    PyList_SET_ITEM(writes, 0, Py_NewRef(dst));
+    PyObject *both[] = {reads, writes};
+    if ((accesses = accesses_of(NULL, both, 2)) == NULL) goto done;
+    PyObject *read = PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, 0), 0);
+    PyObject *written = PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, 1), 0);
+    PyObject *src_space = PyTuple_GET_ITEM(read, 0), *dst_space = PyTuple_GET_ITEM(written, 0);
+    int in = is_cpu_space(src_space), out = is_cpu_space(dst_space);
+    if (in == out) { result = Py_NewRef(Py_None); goto done; }  /* within one memory, or a peer copy */
+    PyObject *stream_obj = PyDict_GetItemWithError(in ? self->copy_h2d : self->copy_d2h, in ? dst_space : src_space);
+    if (stream_obj == NULL) {  /* a device without copy streams here: the Python code says what to do */
+        if (!PyErr_Occurred()) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t stream = PyLong_AsSsize_t(stream_obj);
+    if (stream == -1 && PyErr_Occurred()) goto done;
+    if (stream < 0 || stream >= PyList_GET_SIZE(self->streams)) {
+        PyErr_Format(PyExc_IndexError, "copy: copy stream %zd out of range", stream);
+        goto done;
+    }
+    PyObject *pinned = PyObject_CallMethodNoArgs(in ? src : dst, s_is_pinned);
+    if (pinned == NULL) goto done;
+    Py_DECREF(pinned);
+    if (pinned != Py_True) { result = Py_NewRef(Py_None); goto done; }  /* staged by the Python code */
+    int same = same_attr(dst, src, s_dtype);
+    if (same == 1) same = same_attr(dst, src, s_shape);
+    if (same != 1) {  /* (0: the Python code raises the error that says what to do) */
+        if (same == 0) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((nbytes = PyNumber_Subtract(PyTuple_GET_ITEM(read, 2), PyTuple_GET_ITEM(read, 1))) == NULL) goto done;
+    PyObject *r = PyObject_CallMethodOneArg(self->budget, s_acquire, nbytes);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+    int named = name == Py_None ? 0 : PyObject_IsTrue(name);
+    PyObject *future = NULL;
+    if (named >= 0) {
+        PyObject *call[] = {self->copy_fn, dst, src, reads, writes, named ? name : in ? s_copy_h2d : s_copy_d2h};
+        future = submit_with(self, call, 3, s_copy_kwnames, stream, 1);
+    }
+    if (future == NULL) {  /* not submitted: its bytes back */
+        PyObject *exc = take_exception();
+        r = PyObject_CallMethodOneArg(self->budget, s_release, nbytes);
+        if (r != NULL) {
+            Py_DECREF(r);
+            restore_exception(exc);
+        } else {
+            Py_DECREF(exc);
+        }
+        goto done;
+    }
+    r = PyObject_TypeCheck(future, sub.future_type)  /* (else recorded: counted as the graph runs) */
+        ? PyObject_CallMethodObjArgs(self->budget, s_hold_bytes, future, nbytes, stream_obj, NULL)
+        : PyObject_CallMethodOneArg(self->budget, s_release, nbytes);
+    if (r == NULL) { Py_DECREF(future); goto done; }
+    Py_DECREF(r);
+    result = future;
+done:
+    Py_XDECREF(reads);
+    Py_XDECREF(writes);
+    Py_XDECREF(accesses);
+    Py_XDECREF(nbytes);
+    return result;
+}
+
+/* ``copy_pinned(dst, src, name)``: the compiled case alone, None where the Python code decides */
+static PyObject *submitter_copy_pinned(Submitter *self, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_pinned(dst, src, name)");
+        return NULL;
+    }
+    return copy_pinned(self, argv[0], argv[1], argv[2]);
+}
+
+/* Runtime.copy(dst, src, name=None): the compiled case, else ``transfers.copy`` (``copy_py``) */
+static PyObject *submitter_copy(Submitter *self, PyObject *const *argv, Py_ssize_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *name = nargs == 3 ? argv[2] : Py_None;
+    int bad = nargs < 2 || nargs > 3 || nkw > 1 || (nkw == 1 && nargs == 3);
+    if (!bad && nkw == 1) {
+        bad = !same_str(PyTuple_GET_ITEM(kwnames, 0), s_name);
+        name = argv[nargs];
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src, name=None)");
+        return NULL;
+    }
+    PyObject *future = copy_pinned(self, argv[0], argv[1], name);
+    if (future != Py_None) return future;
+    Py_DECREF(future);
+    if (self->copy_py == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "streamdag: setup_copies() was not called");
+        return NULL;
+    }
+    PyObject *call[] = {self->rt, argv[0], argv[1], name};
+    return PyObject_Vectorcall(self->copy_py, call, 4, NULL);
+}
+
 static PyMethodDef submitter_methods[] = {
+    {"setup_copies", (PyCFunction)submitter_setup_copies, METH_VARARGS,
+     "setup_copies(copy_fn, h2d, d2h, budget): what copy() needs (copy streams by device space each way)."},
+    {"copy_pinned", (PyCFunction)(void (*)(void))submitter_copy_pinned, METH_FASTCALL,
+     "transfers.copy for pinned host memory and a device, compiled; None where the Python code decides."},
+    {"copy", (PyCFunction)(void (*)(void))submitter_copy, METH_FASTCALL | METH_KEYWORDS,
+     "Runtime.copy, compiled for pinned host memory and a device: see streamdag.Runtime.copy."},
     {"let_go", (PyCFunction)submitter_let_go, METH_NOARGS,
      "Drop the submitter's reference to its own finish, once its runtime is closed."},
     {"submit", (PyCFunction)(void (*)(void))submitter_submit, METH_FASTCALL | METH_KEYWORDS,
@@ -1876,7 +2028,10 @@ static int submit_init(PyObject *m) {
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
     S(s_hold, "_hold") S(s_host_deps, "_host_deps") S(s_caller_fence, "_caller_fence") S(s_recycle, "recycle")
+    S(s_is_pinned, "is_pinned") S(s_dtype, "dtype") S(s_shape, "shape") S(s_hold_bytes, "hold")
+    S(s_copy_h2d, "copy_h2d") S(s_copy_d2h, "copy_d2h")
 #undef S
+    if ((s_copy_kwnames = PyTuple_Pack(3, s_reads, s_writes, s_name)) == NULL) return -1;
     if ((sub.empty_tuple = PyTuple_New(0)) == NULL || (sub.empty_str = PyUnicode_New(0, 0)) == NULL
             || (sub.empty_list = PyList_New(0)) == NULL || (sub.empty_dict = PyDict_New()) == NULL)
         return -1;

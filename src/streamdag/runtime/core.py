@@ -33,10 +33,19 @@ from ..graph.hazards import DepsTracker
 from ..native import load as load_native
 from ..native import load_torch
 from ..schedule.waits import StreamClocks
-from . import ops
+from . import ops, transfers
 from .held import Held, Launcher
 from .lane_waits import LaneWaits
-from .ops import Future, Op, collect_accesses, deferring_callbacks, in_done_callback, release_frames
+from .ops import (
+    Future,
+    Op,
+    collect_accesses,
+    deferring_callbacks,
+    event_of,
+    in_done_callback,
+    release_frames,
+    wait_for_host_inputs,
+)
 from .transfers import ByteBudget, PinnedPool
 
 __all__ = ["Runtime", "RuntimeStatistics"]
@@ -262,6 +271,9 @@ class Runtime:
         #: stream_map's captured pieces, by function (see ``streaming``); dropped with the function
         self._stream_maps: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self._spaces = {"cpu"} if self.device in ("cpu", "sim") else {"cpu", *self.devices}
+        #: ``copy``'s compiled case alone (pinned host memory and a device): None back where
+        #: transfers.copy decides; None here where nothing is compiled (the tests' view of it)
+        self._copy_pinned: Callable[[Any, Any, str | None], Future | None] | None = None
         if _speedups is not None and COMPILED_SUBMIT and not self._multi:
             # submit and finish in C (``native/_submit.c``); the methods below stay the reference
             # and run every case it leaves to them
@@ -275,6 +287,12 @@ class Runtime:
             self._launch_held = submitter.launch_held
             self.submit_nowait = submitter.submit_nowait  # type: ignore[method-assign]
             self._finish_bound = submitter.finish
+            h2d, d2h = ({space: i for (k, space), i in self._copy_index.items() if k == kind}
+                        for kind in ("h2d", "d2h"))
+            if h2d or d2h:
+                submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy)
+                self.copy = submitter.copy  # type: ignore[method-assign]
+                self._copy_pinned = submitter.copy_pinned
 
     # ------------------------------------------------------------------ API
     @property
@@ -324,21 +342,15 @@ class Runtime:
 
         Returns at once (a pageable copy of up to 8 MiB stages its source first). As for any op,
         ``src`` must stay as it is, and ``dst`` unread, until the Future is done."""
-        from . import transfers
-
-        return transfers.copy(self, dst, src, name)
+        return transfers.copy(self, dst, src, name)  # (compiled for pinned memory: see __init__)
 
     def to_device(self, x: Any, name: str | None = None, device: str | None = None) -> Future:
         """A Future of a tensor on ``device`` (default: the runtime's first) holding host data ``x``,
         which must stay as it is until the Future is done."""
-        from . import transfers
-
         return transfers.to_device(self, x, name, device)
 
     def to_host(self, t: Any, name: str | None = None) -> Future:
         """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
-        from . import transfers
-
         return transfers.to_host(self, t, name)
 
     def stream_map(self, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
@@ -536,6 +548,8 @@ class Runtime:
         self.__dict__.pop("_submit_on", None)
         self.__dict__.pop("submit_nowait", None)
         self._launch_held = None
+        self.__dict__.pop("copy", None)  # (the class's, closed, raises RuntimeClosed)
+        self._copy_pinned = None
         if submit is not None:
             submit.__self__.let_go()
         self._tracker.clear()
@@ -912,7 +926,7 @@ class Runtime:
         """Place ``op`` after ``deps`` and hand it to the backend. Caller holds ``_lock`` and a slot.
 
         ``host_inputs``: the op's function runs now, in this thread, so the host memory it
-        touches must first be final (see ``_wait_for_host_inputs``). ``fence``: an event its
+        touches must first be final (see ``ops.wait_for_host_inputs``). ``fence``: an event its
         stream waits for first (a held op's submitter's stream, see ``_hold``).
         """
         stream, live, waits = self._admit(op, deps, stream, device)
@@ -934,7 +948,7 @@ class Runtime:
             if fence is not None:
                 fence.wait(s)
             if host_inputs and live:
-                _wait_for_host_inputs(op.accesses, live, op)
+                wait_for_host_inputs(op.accesses, live, op)
             if waits and not _DROP_WAITS:
                 for i in waits:
                     dep = live[i]
@@ -949,7 +963,7 @@ class Runtime:
                             f"streamdag internal error: op {op.name!r} was launched before host-lane "
                             f"op {dep.name!r} it follows had finished; please report it")
                     else:
-                        _event_of(dep, op).wait(s)
+                        event_of(dep, op).wait(s)
             if profiler is not None:
                 started = profiler.start(op, stream, deps)
             backend.launch(s, op.execute)  # execute raises only an interrupt (no Exception)
@@ -1208,36 +1222,6 @@ def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
         raise TypeError(f"{name} must be a whole number, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}" + (f" ({hint})" if hint else ""))
-
-
-def _wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:
-    """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
-
-    Device work (kernels, copies) is ordered by events; host code reading or
-    writing host memory that pending device work touches waits on the host.
-    """
-    if not deps:
-        return
-    for a in accesses:  # a plain loop: this runs for every op on a GPU runtime
-        if a.region.space == "cpu":
-            break
-    else:
-        return
-    for dep in deps:
-        if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
-            _event_of(dep, op).synchronize()
-
-
-def _event_of(dep: Op, op: Any) -> Any:
-    """``dep``'s completion event; it has none while it launches, so ``op`` was submitted inside it."""
-    event = dep.event
-    if event is None:
-        name = f"op {op.name!r}" if op is not None else "this copy"
-        raise RuntimeError(
-            f"{name} was submitted from inside op {dep.name!r}, whose memory it touches: on this "
-            "device an op's function runs inside its submit. Run that work directly in the "
-            "function (it lands on the op's stream), or submit it after")
-    return event
 
 
 def _is_sticky(backend: Any, error: BaseException) -> bool:

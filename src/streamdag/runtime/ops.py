@@ -651,3 +651,33 @@ class Op:
                 self.error = self.root_error = release_frames(exc, caught_here=True)
                 self.root_name = self.name
         self.deps = ()
+
+
+def wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:
+    """A host function on a GPU runtime runs at submit time: its host inputs must be final by then.
+
+    Device work (kernels, copies) is ordered by events; host code reading or
+    writing host memory that pending device work touches waits on the host.
+    """
+    if not deps:
+        return
+    for a in accesses:  # a plain loop: this runs for every op on a GPU runtime
+        if a.region.space == "cpu":
+            break
+    else:
+        return
+    for dep in deps:
+        if not dep.done and any(a.region.space == "cpu" for a in dep.accesses):
+            event_of(dep, op).synchronize()
+
+
+def event_of(dep: Op, op: Any) -> Any:
+    """``dep``'s completion event; it has none while it launches, so ``op`` was submitted inside it."""
+    event = dep.event
+    if event is None:
+        name = f"op {op.name!r}" if op is not None else "this copy"
+        raise RuntimeError(
+            f"{name} was submitted from inside op {dep.name!r}, whose memory it touches: on this "
+            "device an op's function runs inside its submit. Run that work directly in the "
+            "function (it lands on the op's stream), or submit it after")
+    return event

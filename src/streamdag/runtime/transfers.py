@@ -37,7 +37,7 @@ from ..backends.capture_mode import relaxed
 from ..graph.buffers import Access, Region, region_of
 from ..native import load_torch
 from . import ops
-from .ops import Future, all_of, in_done_callback
+from .ops import Future, all_of, in_done_callback, wait_for_host_inputs
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -288,9 +288,11 @@ def _direction(src_space: str, dst_space: str) -> str | None:
 
 
 def _as_tensor(x: Any) -> Any:
-    import torch
+    if isinstance(x, np.ndarray):  # (torch imported here only: a function-level import costs each call)
+        import torch
 
-    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        return torch.from_numpy(x)
+    return x
 
 
 def _copy_async(dst: Any, src: Any, keep: Any = None) -> Any:
@@ -340,12 +342,16 @@ def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Reg
     return kind, stream, read.region, written.region
 
 
+#: a copy op's name where the caller gives none, by direction
+_COPY_NAMES = {"h2d": "copy_h2d", "d2h": "copy_d2h", "p2p": "copy_p2p"}
+
+
 def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
     kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
         return rt.submit(_copy_into, dst, src, reads=[src], writes=[dst], name=name or "copy")
-    name = name or f"copy_{kind}"
+    name = name or _COPY_NAMES[kind]
     if kind == "p2p":
         return _peer_copy(rt, dst, src, src_region.space, dst_region.space, stream, name)
     src_t, dst_t = _as_tensor(src), _as_tensor(dst)
@@ -377,9 +383,10 @@ def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     if not (src_t if kind == "h2d" else dst_t).is_pinned():
         return partial(copy, rt)
     _check_layouts(kind, dst_t, src_t)
+    default_name = _COPY_NAMES[kind]
 
     def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future:
-        return _device_copy(rt, d, s, stream, name or f"copy_{kind}", nbytes=s.numel() * s.element_size())
+        return _device_copy(rt, d, s, stream, name or default_name, nbytes=s.numel() * s.element_size())
 
     return pinned_copy
 
@@ -598,13 +605,11 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     ``dst``'s layout, by one DMA op whose result is ``dst``: the fewest torch
     calls, each of which costs microseconds on a GPU host.
     """
-    from .core import _wait_for_host_inputs  # (core imports this module)
-
     reading = [Access(src_region, False)]
     with rt._lock:  # the host data must be final before we read it
         behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
         if not behind:  # (device ops that write it: waited for on their events)
-            _wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
+            wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
     if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
         assert ring is not None  # (host-lane ops run beside a device, whose backend has the rings)
         return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
@@ -703,7 +708,7 @@ def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None =
 
     src = _as_tensor(x)
     dst = torch.empty(src.shape, dtype=src.dtype, device=device or rt.device)
-    return copy(rt, dst, src, name or "to_device")
+    return rt.copy(dst, src, name or "to_device")
 
 
 def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
@@ -711,4 +716,4 @@ def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
     import torch
 
     dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return copy(rt, dst, t, name or "to_host")
+    return rt.copy(dst, t, name or "to_host")
