@@ -286,6 +286,8 @@ class _Completions:
         self._owner = owner
         #: the torch extension's ``spin_wait`` (see ``help``), or None
         self._spin_wait = getattr(load_torch(), "spin_wait", None)
+        #: the torch extension's ``query_relaxed`` (see ``_finish_one``), or None
+        self._query_relaxed = getattr(load_torch(), "query_relaxed", None)
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
@@ -322,7 +324,7 @@ class _Completions:
             self._wake.set()
         return token
 
-    def _finish_one(self, token: int) -> bool | None:
+    def _finish_one(self, token: int, relaxed: bool = False) -> bool | None:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
 
         For someone waiting on that op: finishing the whole queue first would
@@ -330,7 +332,10 @@ class _Completions:
         ops, a ``result()`` took 2.6x PyTorch's synchronize that way). The
         others stay queued, in order. Caller holds ``_passing``. Returns True
         if it finished the entry now, False if the entry stays queued, None
-        if it had left the queue already (finished).
+        if it had left the queue already (finished). ``relaxed``: query through
+        the torch extension's ``query_relaxed`` (not under the stream sanitizer,
+        which must see PyTorch's own query), else the caller made its thread
+        relaxed (``_queries_relaxed``).
         """
         q = self._queues[token % len(self._queues)]
         index = _position(q, token)  # only passes remove entries: it stays put while we hold the lock
@@ -341,9 +346,9 @@ class _Completions:
             return False
         _, event, callback = q[index]
         try:
-            if not event.query():
+            if not (self._query_relaxed(event) if relaxed else event.query()):
                 return False
-            if _sanitizer_enabled():
+            if not relaxed and _sanitizer_enabled():
                 event.synchronize()
         except Exception as exc:  # a sticky error surfaces here (or a refusal during a capture)
             owner.mark_lost(exc)
@@ -358,11 +363,16 @@ class _Completions:
         if error is None:
             self._owner.recycle(event)
 
-    def _try_finish_one(self, token: int) -> bool | None:
-        """:meth:`_finish_one` unless a pass is under way (then False); never waits."""
+    def _try_finish_one(self, token: int, relaxed: bool | None = None) -> bool | None:
+        """:meth:`_finish_one` unless a pass is under way (then False); never waits. ``relaxed``:
+        whether to query through the extension (None: where it is loaded, but under the sanitizer)."""
         if not self._passing.acquire(blocking=False):
             return False
         try:  # callers run it inside ``callbacks_later``: callbacks after the lock is let go
+            if relaxed is None:
+                relaxed = self._query_relaxed is not None and not _sanitizer_enabled()
+            if relaxed:
+                return self._finish_one(token, relaxed=True)
             with self._queries_relaxed():
                 return self._finish_one(token)
         finally:
@@ -550,12 +560,14 @@ class _Completions:
         owner = self._owner
         try:
             # the callbacks of what this thread finishes run as it stops helping
-            with callbacks_later(), self._queries_relaxed():
+            # (spinning, every query here is made in relaxed mode by the extension: see _finish_one)
+            relaxed = spin is not None and self._query_relaxed is not None
+            with callbacks_later(), self._queries_relaxed(relaxed):
                 while not waiter.done():
                     if token is None:
                         self.try_pass()
                     else:
-                        self._try_finish_one(token)
+                        self._try_finish_one(token, relaxed)
                     now = time.perf_counter()
                     if waiter.done() or now >= deadline or owner.lost is not None:
                         return  # (lost: a pass fails every pending op, in order)

@@ -394,6 +394,20 @@ PyObject* spin_wait(PyObject*, PyObject* args) {
   return PyBool_FromLong(done);
 }
 
+// query_relaxed(event) -> bool: event.query(), made in relaxed capture mode (as every query of
+// ours): a thread that waits on one op finishes it without switching its own mode around the query
+// (two driver calls through ctypes, some µs on the H100 host), and a CUDA graph capture in global
+// mode in another thread is neither refused nor ended by it.
+PyObject* query_relaxed(PyObject*, PyObject* event) {
+  try {
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    return PyBool_FromLong(event_of(event).query() ? 1 : 0);
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+}
+
 // n bytes from src to dst with non-temporal (streaming) stores where the CPU has them: the bytes
 // go to memory, not into the caches. A DMA then reads them at full speed, where from a buffer that
 // the CPU has just written through its caches it reads at a third to a half of it (16-22 against
@@ -459,6 +473,8 @@ PyMethodDef module_methods[] = {
      "host_copy(stream_id, device_index, device_type, dst, src, nbytes): a memcpy the stream runs in order"},
     {"stage_copy", stage_copy, METH_VARARGS,
      "stage_copy(dst, src, nbytes): a host copy over PyTorch's threads with streaming stores"},
+    {"query_relaxed", query_relaxed, METH_O,
+     "query_relaxed(event) -> bool: whether the event has completed, queried in relaxed capture mode"},
     {"spin_wait", spin_wait, METH_VARARGS,
      "spin_wait(event, seconds) -> bool: whether the event completed, queried with the GIL released"},
     {"set_submitted_in_capture", set_submitted_in_capture, METH_O,
