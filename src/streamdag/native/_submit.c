@@ -1855,7 +1855,7 @@ static int same_attr(PyObject *a, PyObject *b, PyObject *attr) {
  * The copy op on that stream, its bytes counted against the byte budget until it completes, as
  * ``transfers._device_copy`` makes it. None where the Python code decides instead: any other copy
  * (pageable memory, numpy, a peer copy, layouts that differ, which it refuses), and inside a
- * recording. On the H100 the Python checks and budget cost ~10 µs per copy; here ~2 */
+ * recording. On the H100, 4.3 µs less per 1 KiB copy than the Python path (an A/B in turns) */
 static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyObject *name) {
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
@@ -1968,7 +1968,8 @@ static PyObject *submitter_copy(Submitter *self, PyObject *const *argv, Py_ssize
 
 static PyMethodDef submitter_methods[] = {
     {"setup_copies", (PyCFunction)submitter_setup_copies, METH_VARARGS,
-     "setup_copies(copy_fn, h2d, d2h, budget): what copy() needs (copy streams by device space each way)."},
+     "setup_copies(copy_fn, h2d, d2h, budget, copy_py): what copy() needs (copy streams by device space "
+     "each way; copy_py: transfers.copy, for every other case)."},
     {"copy_pinned", (PyCFunction)(void (*)(void))submitter_copy_pinned, METH_FASTCALL,
      "transfers.copy for pinned host memory and a device, compiled; None where the Python code decides."},
     {"copy", (PyCFunction)(void (*)(void))submitter_copy, METH_FASTCALL | METH_KEYWORDS,
