@@ -1585,15 +1585,19 @@ def test_a_small_pageable_copy_in_behind_a_running_kernel_does_not_hold_the_subm
         assert torch.equal(rt.copy(dev, again).result(timeout=60).cpu(), again)
 
 
-def test_a_small_pageable_copy_out_is_one_op_ordered_after_its_producer_and_before_its_readers():
-    """Where the torch extension loads, a pageable copy out of one chunk is one op on the copy
-    stream (its DMA, then a memcpy the stream runs): no host-lane op. It follows a slow producer,
-    and a host-lane op that reads the copy's destination sees every byte."""
+@pytest.mark.parametrize("mib", [1, 8])
+def test_a_small_pageable_copy_out_is_one_op_ordered_after_its_producer_and_before_its_readers(mib):
+    """Where the torch extension loads, a pageable copy out of one chunk (up to 8 MiB) is one op on
+    the copy stream (its DMA, then a host copy the stream runs, over several threads from 256 KiB):
+    no host-lane op. It follows a slow producer, and a host-lane op that reads the copy's
+    destination sees every byte."""
     from streamdag import native
+    from streamdag.runtime import transfers
 
     if native.load_torch() is None:
         pytest.skip("the torch extension is not loaded here (STREAMDAG_NATIVE=0, or it did not build)")
-    n = 1 << 18  # 1 MiB of floats
+    n = mib << 18  # floats
+    assert n * 4 <= transfers.STREAM_UNSTAGING_BYTES
     with sd.Runtime("cuda", streams=2) as rt:
         dev = torch.zeros(n, device="cuda")
         back = torch.full((n,), -1.0)  # pageable

@@ -50,11 +50,11 @@ CHUNK_BYTES = 8 << 20
 #: One chunk: up to there the lane's hand-offs cost more than the host copy holds the submitter (on
 #: the H100, 2-8 MiB in: 0.2-0.3 ms slower through the lane, whose submit returns 0.1-0.25 ms sooner)
 LANE_STAGING_BYTES = CHUNK_BYTES
-#: a pageable copy out of at most this many bytes is unstaged by a memcpy that its copy stream runs
-#: (one thread, the driver's): on the H100, 4 KiB to 1 MiB took 0.28-0.36 ms this way against 0.42-0.62
-#: through a host lane; 2 MiB even; from 4 MiB slower (0.91 against 0.55 ms at 4 MiB, 1.51 against
-#: 0.90 at 8), where PyTorch's copy on its threads, on a lane, wins
-STREAM_UNSTAGING_BYTES = 1 << 20
+#: a pageable copy out of at most this many bytes (one chunk) is unstaged by a copy that its copy
+#: stream runs (a host function, over PyTorch's CPU threads): on the H100, 1-8 MiB took 0.19-0.48 ms
+#: this way against 0.25-0.63 through a host lane (0.25-0.27 ms against 0.39-0.43 at 2 MiB, where
+#: PyTorch's pageable copy took 0.22-0.27). In one thread, the driver's, it had lost from 4 MiB on
+STREAM_UNSTAGING_BYTES = CHUNK_BYTES
 #: the ring's buffers (of CHUNK_BYTES) per device and direction: a chunk's copy on the host overlaps
 #: the DMAs of the chunks before it
 RING_DEPTH = 3
@@ -650,7 +650,7 @@ def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream:
     """One piece of :func:`_staged_d2h`: the future of the op that unstages it, which gives ``result``.
 
     Where the torch extension is loaded and the piece is a whole copy of up to
-    ``STREAM_UNSTAGING_BYTES`` on a copy stream, one op there: the DMA, then a memcpy that the
+    ``STREAM_UNSTAGING_BYTES`` on a copy stream, one op there: the DMA, then a host copy that the
     stream runs once the DMA is done (:func:`_copy_out_on_stream`). Else the DMA, then a host op,
     on a host lane where the runtime has them.
     """
@@ -681,19 +681,18 @@ def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream:
 
 def _copy_out_on_stream(dst: Any, src: Any, staged: Any, keep: Any, nbytes: int, result: Any,
                         host_copy: Callable[..., None]) -> Any:
-    """A small pageable copy out as one op on the copy stream (current here): the DMA of ``src`` into
-    ``staged`` (of ``keep``, a pool buffer the op holds), then a memcpy into ``dst`` that the stream
-    runs when it gets there. The op's completion event follows both: no hand-off to a host lane
-    and back."""
-    import torch
-
+    """A pageable copy out of one chunk as one op on the copy stream (current here): the DMA of ``src``
+    into ``staged`` (of ``keep``, a pool buffer the op holds), then a copy into ``dst`` (over PyTorch's
+    CPU threads) that the stream runs when it gets there. The op's completion event follows both:
+    no hand-off to a host lane and back."""
     staged.copy_(src, non_blocking=True)
-    s = torch.cuda.current_stream()
     try:
-        host_copy(s.stream_id, s.device_index, s.device_type, dst.data_ptr(), staged.data_ptr(), nbytes)
+        host_copy(dst.data_ptr(), staged.data_ptr(), nbytes)  # on the current stream
     except BaseException:
-        s.synchronize()  # the failed op's buffer goes back to the pool: no DMA may still write it
-        raise
+        import torch
+
+        torch.cuda.current_stream().synchronize()  # the failed op's buffer goes back to the pool:
+        raise                                        # no DMA may still write it
     return result
 
 
