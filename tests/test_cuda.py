@@ -936,6 +936,11 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
         assert rt._copy_pinned(dev, np.ones(n, np.float32), None) is None
         assert rt._copy_pinned(dev, torch.ones(n, dtype=torch.float64).pin_memory(), None) is None
         assert rt._copy_pinned(torch.zeros(n).pin_memory(), torch.ones(n).pin_memory(), None) is None
+        square = torch.ones(32, 32).pin_memory()  # the same bytes, another shape: refused by Python
+        for dst, src in ((dev, square), (square, dev)):
+            assert rt._copy_pinned(dst, src, None) is None
+            with pytest.raises(ValueError, match="one dtype and shape"):
+                rt.copy(dst, src)
         hosts = [torch.randn(n).pin_memory() for _ in range(copies)]
         backs = [torch.zeros(n).pin_memory() for _ in range(copies)]
         busy = rt.submit(torch.cuda._sleep, 100_000_000, name="busy", writes=[dev])  # tens of ms

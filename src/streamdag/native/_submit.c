@@ -1888,15 +1888,23 @@ static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyOb
         PyErr_Format(PyExc_IndexError, "copy: copy stream %zd out of range", stream);
         goto done;
     }
-    PyObject *pinned = PyObject_CallMethodNoArgs(in ? src : dst, s_is_pinned);
-    if (pinned == NULL) goto done;
-    Py_DECREF(pinned);
-    if (pinned != Py_True) { result = Py_NewRef(Py_None); goto done; }  /* staged by the Python code */
-    int same = same_attr(dst, src, s_dtype);
-    if (same == 1) same = same_attr(dst, src, s_shape);
-    if (same != 1) {  /* (0: the Python code raises the error that says what to do) */
-        if (same == 0) result = Py_NewRef(Py_None);
-        goto done;
+    if (self->torch != NULL) {  /* the checks in C++ */
+        int ok = self->torch->pinned_alike(dst, src, in ? src : dst);
+        if (ok != 1) {  /* 0: pageable (staged by the Python code), or layouts that differ (it refuses) */
+            if (ok == 0) result = Py_NewRef(Py_None);
+            goto done;
+        }
+    } else {  /* the same through PyTorch's Python bindings */
+        PyObject *pinned = PyObject_CallMethodNoArgs(in ? src : dst, s_is_pinned);
+        if (pinned == NULL) goto done;
+        Py_DECREF(pinned);
+        if (pinned != Py_True) { result = Py_NewRef(Py_None); goto done; }  /* staged by the Python code */
+        int same = same_attr(dst, src, s_dtype);
+        if (same == 1) same = same_attr(dst, src, s_shape);
+        if (same != 1) {  /* (0: the Python code raises the error that says what to do) */
+            if (same == 0) result = Py_NewRef(Py_None);
+            goto done;
+        }
     }
     if ((nbytes = PyNumber_Subtract(PyTuple_GET_ITEM(read, 2), PyTuple_GET_ITEM(read, 1))) == NULL) goto done;
     PyObject *r = PyObject_CallMethodOneArg(self->budget, s_acquire, nbytes);

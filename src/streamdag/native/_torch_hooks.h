@@ -5,7 +5,7 @@
 #ifndef STREAMDAG_TORCH_HOOKS_H
 #define STREAMDAG_TORCH_HOOKS_H
 
-#define STREAMDAG_TORCH_HOOKS_VERSION 4
+#define STREAMDAG_TORCH_HOOKS_VERSION 5
 #define STREAMDAG_TORCH_HOOKS_CAPSULE "streamdag.native._torch.hooks"
 
 /* the caller's stream and device, kept across a launch, and the CUDA context the op began in */
@@ -29,6 +29,9 @@ typedef struct {
     int (*wait)(PyObject *event, PyObject *stream, long long device);
     /* ``event.query()`` of a torch.cuda.Event (the caller checks the type): 1 completed, 0 not yet */
     int (*query)(PyObject *event);
+    /* a copy between torch tensors ``dst`` and ``src``, ``host`` one of them: 1 if ``host`` is in
+     * pinned memory and both have one dtype and shape; 0 if not (or either is no plain tensor) */
+    int (*pinned_alike)(PyObject *dst, PyObject *src, PyObject *host);
 } StreamdagTorchHooks;
 
 #endif
