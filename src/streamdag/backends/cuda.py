@@ -284,10 +284,11 @@ class _Completions:
 
     def __init__(self, owner: CudaBackend, streams: int) -> None:
         self._owner = owner
+        ext = load_torch()
         #: the torch extension's ``spin_wait`` (see ``help``), or None
-        self._spin_wait = getattr(load_torch(), "spin_wait", None)
+        self._spin_wait = getattr(ext, "spin_wait", None)
         #: the torch extension's ``query_relaxed`` (see ``_finish_one``), or None
-        self._query_relaxed = getattr(load_torch(), "query_relaxed", None)
+        self._query_relaxed = getattr(ext, "query_relaxed", None)
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
