@@ -495,7 +495,7 @@ PyMethodDef module_methods[] = {
     {"same_layouts", same_layouts, METH_VARARGS,
      "same_layouts(tensors, layouts) -> bool: whether each still has the address, sizes and strides"},
     {"host_copy", host_copy, METH_VARARGS,
-     "host_copy(dst, src, nbytes): a memcpy that the current stream runs in order"},
+     "host_copy(dst, src, nbytes): a host copy (over PyTorch's threads) that the current stream runs in order"},
     {"stage_copy", stage_copy, METH_VARARGS,
      "stage_copy(dst, src, nbytes): a host copy over PyTorch's threads with streaming stores"},
     {"query_relaxed", query_relaxed, METH_O,
