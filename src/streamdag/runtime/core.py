@@ -488,10 +488,10 @@ class Runtime:
         """
         inside = in_done_callback()  # then one of the callbacks running is this thread's own
         while True:
-            with self._done_lock:
-                pending = [op.future for op in self._pending.values()]
+            with self._done_lock:  # (pending ops in the order of their submits)
+                newest = next(reversed(self._pending.values()), None)
                 calling = self._in_callbacks
-            if not pending:
+            if newest is None:
                 if not calling or inside:
                     return
                 with self._callbacks_done:  # a future is done; its done-callbacks (may submit) still run
@@ -500,9 +500,10 @@ class Runtime:
             # the newest first: once it is done, so are the ops before it on its stream, and one pass
             # finishes them together; waiting on each in turn cost a waiter's help per op (on the H100,
             # rt.synchronize() after 64 ops that one result() had left took 0.12-0.23 ms)
-            pending[-1].exception()
-            for finish_ready in self._finish_ready:
-                finish_ready()
+            newest.future.exception()
+            if self._pending:  # (read without the lock: the loop looks again under it)
+                for finish_ready in self._finish_ready:
+                    finish_ready()
 
     @contextmanager
     def record(self) -> Iterator[Any]:
