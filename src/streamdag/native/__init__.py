@@ -43,6 +43,7 @@ _NAME = "_streamdag_speedups"
 
 _TORCH_SOURCE = _SOURCE.with_name("_torch.cpp")
 _HOOKS = _SOURCE.with_name("_torch_hooks.h")
+_HOST_COPY = _SOURCE.with_name("_host_copy.h")  # the torch extension's host copies (C++)
 
 _loaded: ModuleType | None = None
 _tried = False
@@ -135,7 +136,7 @@ def load_torch() -> ModuleType | None:
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
         # one folder per source: two versions of streamdag (an A/B run) must not rebuild each other's
-        source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes()
+        source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes() + _HOST_COPY.read_bytes()
                                 + repr(_TORCH_FLAGS).encode()).hexdigest()[:12]
         tag = f"torch-{torch.__version__}-{python}-{source}".replace("+", "_")
         build = _cache_dir() / tag

@@ -19,11 +19,6 @@
 
 #include <dlfcn.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#define STREAMDAG_STREAMING_STORES 1
-#endif
-
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -31,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "_host_copy.h"
 #include "_torch_hooks.h"
 
 #define STREAMDAG_STR2(x) #x
@@ -331,41 +327,19 @@ PyObject* same_layouts(PyObject*, PyObject* args) {
   }
 }
 
-// n bytes from src to dst with non-temporal (streaming) stores where the CPU has them: the bytes
-// go to memory, not into the caches. A DMA then reads them at full speed, where from a buffer that
-// the CPU has just written through its caches it reads at a third to a half of it (16-22 against
-// 35-47 GB/s on the H100 host): the copy engine must take the dirty lines from the caches.
-void streaming_copy(char* dst, const char* src, size_t n) {
-#ifdef STREAMDAG_STREAMING_STORES
-  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;  // to dst's first 16-byte line
-  if (head > n) head = n;
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-  _mm_sfence();  // the streamed lines are in memory before any later store (the DMA's launch)
-#else
-  std::memcpy(dst, src, n);
-#endif
+// the threads a host copy spreads over: PyTorch's intra-op threads (torch.set_num_threads), read in
+// the calling thread (the copy stream's host functions run in the driver's thread)
+int copy_threads() {
+  return at::get_num_threads();
 }
 
-// streaming_copy over PyTorch's CPU threads (at::parallel_for, pieces of 128 KiB; one piece runs
-// in the calling thread)
+// streaming_copy over PyTorch's CPU threads (at::parallel_for, pieces of 128 KiB; one piece runs in
+// the calling thread): the staging copies, in the submitting thread and on the host lanes. (Helper
+// threads of our own, as the copy stream's host function uses, made copies through the lanes' rings
+// several times slower on the H100 host, for a reason not found: 16 MiB in 1.1 -> 1.8-6.8 ms.)
 void parallel_streaming_copy(char* dst, const char* src, size_t n) {
   at::parallel_for(0, static_cast<int64_t>(n), 128 << 10, [&](int64_t begin, int64_t end) {
-    streaming_copy(dst + begin, src + begin, static_cast<size_t>(end - begin));
+    streamdag_host_copy::streaming_copy(dst + begin, src + begin, static_cast<size_t>(end - begin));
   });
 }
 
@@ -376,13 +350,16 @@ struct HostCopy {
   void* dst;
   const void* src;
   size_t n;
+  int threads;
 };
 
 void CUDART_CB run_host_copy(void* arg) {
   auto* copy = static_cast<HostCopy*>(arg);
-  try {  // over several threads: one took 0.14 ms for 2 MiB on the H100 host, sixteen 0.03
-    parallel_streaming_copy(static_cast<char*>(copy->dst), static_cast<const char*>(copy->src), copy->n);
-  } catch (...) {  // (nothing may leave a host function) the threads could not start: this one alone
+  try {  // over helper threads that join as they wake (_host_copy.h): where an OpenMP team's wake-up
+         // held each copy out (2-8 MiB out 0.1-0.2 ms slower, in turns on the H100)
+    streamdag_host_copy::parallel_streaming_copy(static_cast<char*>(copy->dst),
+                                                 static_cast<const char*>(copy->src), copy->n, copy->threads);
+  } catch (...) {  // (nothing may leave a host function) the helpers could not start: this one alone
     std::memcpy(copy->dst, copy->src, copy->n);
   }
   delete copy;
@@ -398,7 +375,7 @@ PyObject* host_copy(PyObject*, PyObject* args) {
     // cost a small copy out several µs
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto* copy = new HostCopy{reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                              static_cast<size_t>(n)};
+                              static_cast<size_t>(n), copy_threads()};
     cudaError_t err = cudaLaunchHostFunc(stream.stream(), run_host_copy, copy);
     if (err != cudaSuccess) {
       delete copy;
@@ -495,7 +472,7 @@ PyMethodDef module_methods[] = {
     {"same_layouts", same_layouts, METH_VARARGS,
      "same_layouts(tensors, layouts) -> bool: whether each still has the address, sizes and strides"},
     {"host_copy", host_copy, METH_VARARGS,
-     "host_copy(dst, src, nbytes): a host copy (over PyTorch's threads) that the current stream runs in order"},
+     "host_copy(dst, src, nbytes): a host copy (over helper threads) that the current stream runs in order"},
     {"stage_copy", stage_copy, METH_VARARGS,
      "stage_copy(dst, src, nbytes): a host copy over PyTorch's threads with streaming stores"},
     {"query_relaxed", query_relaxed, METH_O,
