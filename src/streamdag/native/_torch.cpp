@@ -343,7 +343,7 @@ void parallel_streaming_copy(char* dst, const char* src, size_t n) {
   });
 }
 
-// A memcpy that a CUDA stream runs once it reaches it (cudaLaunchHostFunc: on the driver's callback
+// A host copy that a CUDA stream runs once it reaches it (cudaLaunchHostFunc: on the driver's callback
 // thread, which may make no CUDA call): a small pageable copy out unstages so, in stream order after
 // its DMA, with no host lane and no Python in between.
 struct HostCopy {
