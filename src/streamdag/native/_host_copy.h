@@ -153,7 +153,7 @@ class Helpers {
 };
 
 // at most this many threads copy (the caller and its helpers), leaving cores to the threads that
-// submit and wait: twelve copy 2 MiB in about what sixteen take, the memory's bandwidth the bound
+// submit and wait (a choice: other counts were not measured)
 constexpr int kMaxThreads = 12;
 
 // the helpers, made once: ``threads - 1`` of them (the caller is the last), at most kMaxThreads - 1

@@ -51,9 +51,10 @@ CHUNK_BYTES = 8 << 20
 #: the H100, 2-8 MiB in: 0.2-0.3 ms slower through the lane, whose submit returns 0.1-0.25 ms sooner)
 LANE_STAGING_BYTES = CHUNK_BYTES
 #: a pageable copy out of at most this many bytes (one chunk) is unstaged by a copy that its copy
-#: stream runs (a host function, over PyTorch's CPU threads): on the H100, 1-8 MiB took 0.19-0.48 ms
-#: this way against 0.25-0.63 through a host lane (0.25-0.27 ms against 0.39-0.43 at 2 MiB, where
-#: PyTorch's pageable copy took 0.22-0.27). In one thread, the driver's, it had lost from 4 MiB on
+#: stream runs (a host function, over the torch extension's helper threads): on the H100, 1-8 MiB took
+#: 0.19-0.48 ms this way against 0.25-0.63 through a host lane (0.25-0.27 ms against 0.39-0.43 at 2
+#: MiB, where PyTorch's pageable copy took 0.22-0.27; then over PyTorch's threads, the helpers came
+#: after). In one thread, the driver's, it had lost from 4 MiB on
 STREAM_UNSTAGING_BYTES = CHUNK_BYTES
 #: the ring's buffers (of CHUNK_BYTES) per device and direction: a chunk's copy on the host overlaps
 #: the DMAs of the chunks before it
@@ -682,9 +683,9 @@ def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream:
 def _copy_out_on_stream(dst: Any, src: Any, staged: Any, keep: Any, nbytes: int, result: Any,
                         host_copy: Callable[..., None]) -> Any:
     """A pageable copy out of one chunk as one op on the copy stream (current here): the DMA of ``src``
-    into ``staged`` (of ``keep``, a pool buffer the op holds), then a copy into ``dst`` (over PyTorch's
-    CPU threads) that the stream runs when it gets there. The op's completion event follows both:
-    no hand-off to a host lane and back."""
+    into ``staged`` (of ``keep``, a pool buffer the op holds), then a copy into ``dst`` (over the
+    torch extension's helper threads) that the stream runs when it gets there. The op's completion
+    event follows both: no hand-off to a host lane and back."""
     staged.copy_(src, non_blocking=True)
     try:
         host_copy(dst.data_ptr(), staged.data_ptr(), nbytes)  # on the current stream
