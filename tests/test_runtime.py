@@ -1,6 +1,7 @@
 """The runtime API on the CPU lanes and the simulated device."""
 
 import asyncio
+import concurrent.futures
 import gc
 import threading
 import time
@@ -875,6 +876,88 @@ def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(k
         inner = rt.submit(outer, run_on=run_on).result(timeout=30)
         assert inner.result(timeout=10) == 42  # it ran once the outer op had returned
         assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lane"])
+@pytest.mark.parametrize("how", ["wait", "first completed", "as_completed"])
+def test_concurrent_futures_waits_inside_an_op_for_an_op_queued_behind_it_fail_with_what_to_do(
+        kind, how, monkeypatch):
+    """As with ``result()``: with one lane, ``concurrent.futures.wait`` (or ``as_completed``)
+    inside an op, with no timeout, for an op it submitted would wait forever; it raises at once,
+    saying what to do, and the op runs once the waiting one has returned."""
+    if kind == "cpu-python":
+        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
+    host = kind == "host lane"
+    with (sd.Runtime("sim", streams=1, host_lanes=1) if host else sd.Runtime("cpu", streams=1)) as rt:
+        run_on = "host" if host else None
+
+        def outer():
+            inner = rt.submit(lambda: 42, run_on=run_on)
+            with pytest.raises(RuntimeError, match="would wait forever") as raised:
+                if how == "wait":
+                    concurrent.futures.wait([inner])
+                elif how == "first completed":
+                    concurrent.futures.wait([inner], return_when=concurrent.futures.FIRST_COMPLETED)
+                else:
+                    next(concurrent.futures.as_completed([inner]))
+            assert "more lanes" in str(raised.value) and "done-callbacks" in str(raised.value)
+            assert inner._waiters == []  # the waiter was not left installed
+            return inner
+
+        started = time.perf_counter()
+        inner = rt.submit(outer, run_on=run_on).result(timeout=30)
+        assert inner.result(timeout=10) == 42
+        assert time.perf_counter() - started < 10
+
+
+def test_concurrent_futures_waits_inside_an_op_that_can_end_are_left_alone():
+    """A wait that ends by itself (a timeout), or for the first of ops of which one can run, or
+    for an op on another lane, is not refused."""
+    with sd.Runtime("cpu", streams=2) as rt:
+        def outer():
+            here = rt._submit(lambda: "behind", (), {}, (), (), "behind", True, 0)  # this op's lane
+            elsewhere = rt._submit(lambda: "free", (), {}, (), (), "free", True, 1)
+            done, not_done = concurrent.futures.wait([here], timeout=0.2)
+            assert (done, not_done) == (set(), {here})
+            done, _ = concurrent.futures.wait([here, elsewhere],
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            assert done == {elsewhere}
+            assert concurrent.futures.wait([elsewhere]).done == {elsewhere}
+            return here
+
+        here = rt._submit(outer, (), {}, (), (), "outer", True, 0).result(timeout=30)
+        assert here.result(timeout=10) == "behind"
+
+
+def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
+    """Lane 0's op waits (``result()``) for an op queued on lane 1 behind lane 1's op, which then
+    waits for all of two ops through ``concurrent.futures.wait``, one of them queued on lane 0:
+    the second wait raises, its op fails, and the other finishes."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        first_waits = threading.Event()
+        queued = threading.Barrier(2, timeout=10)
+
+        def outer0():
+            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
+            queued.wait()
+            first_waits.set()
+            return inner.result()
+
+        def outer1():
+            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
+            free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
+            queued.wait()
+            first_waits.wait(10)
+            time.sleep(0.05)  # lane 0 is inside result() by now
+            return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
+
+        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
+                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        assert outers[1].exception(timeout=30) is not None
+        assert "would wait forever" in str(outers[1].exception()) and "'inner1" in str(outers[1].exception())
+        assert outers[0].result(timeout=30) == 0
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
 
 
 def fork_join_on_every_lane(rt, lanes, run_on, timeout=None):

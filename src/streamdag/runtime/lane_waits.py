@@ -15,18 +15,25 @@ Only waits without a timeout count (one with a timeout ends by itself), only
 waits by this runtime's lane threads, and only for ops that a lane thread
 placed on one of its lanes (the futures that :meth:`Runtime._admit` marks
 with their lane): a device op finishes without any lane, and an op of
-another runtime runs on that runtime's lanes. A wait through
-``concurrent.futures.wait`` or ``await`` is not seen.
+another runtime runs on that runtime's lanes.
+
+``concurrent.futures.wait`` and ``as_completed`` are checked as they install
+their waiter on such a future (:class:`WatchedWaiters`): the wait raises
+where it could never end (waiting for all, one of the ops is stuck so;
+waiting for the first, every pending one is). Such a wait is not counted in
+turn as a lane waiting, so a cycle that a later wait of another lane closes
+through it is not seen; nor is ``await``.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["LaneWaits"]
+__all__ = ["LaneWaits", "WatchedWaiters"]
 
 
 class LaneWaits:
@@ -72,6 +79,54 @@ class LaneWaits:
                 else:
                     self._waits[me] = outer
 
+    def check_waiter(self, waiter: Any) -> None:
+        """``concurrent.futures.wait`` or ``as_completed`` installs ``waiter`` on the futures it
+        waits for: raises where the caller is a lane of this runtime and the wait could never end
+        (no timeout, and ops it needs are queued behind the waiting op or on lanes that wait for it
+        in turn). Checked once per waiter, as it is installed on the first of this runtime's lane
+        ops among those futures."""
+        if getattr(waiter, "_streamdag_checked", False):
+            return
+        waiter._streamdag_checked = True
+        mine = next((lane for lane in self._lanes if lane.runs_here()), None)
+        if mine is None:
+            return
+        call = _waiting_call(sys._getframe(2))
+        if call is None:  # not a wait we know how to read: let it be
+            return
+        futures, timeout = call
+        if timeout is not None:
+            return
+        me = threading.get_ident()
+        # waiting for all of them (FIRST_EXCEPTION ends early only if one fails: counted as "first")
+        needs_all = type(waiter).__name__ == "_AllCompletedWaiter" and not waiter.stop_on_exception
+        with self._lock:
+            pending = [f for f in futures if not f.done()]
+            stuck = [f for f in pending if self._stuck(mine, me, f)]
+        # waiting for the first: stuck only if every pending one is and none is done (as_completed
+        # yields the done ones first, and its caller may stop there)
+        if not stuck or (not needs_all and (len(stuck) < len(pending) or len(pending) < len(futures))):
+            return
+        for f in futures:  # installed on some already: it never waits now (their conditions are held)
+            waiters = getattr(f, "_waiters", None)
+            if waiters is not None and waiter in waiters:
+                list.remove(waiters, waiter)
+        names = ", ".join(repr(f.op_name) for f in stuck)
+        raise RuntimeError(
+            f"waiting inside an op for op(s) {names} (concurrent.futures.wait or as_completed, no "
+            "timeout) would wait forever: they are queued behind the waiting op on its lane, or on "
+            "lanes whose ops wait in turn for ops queued behind it, so they run only once it has "
+            "returned. Give the runtime more lanes (streams= on a CPU runtime, host_lanes= beside a "
+            "device), or add done-callbacks instead of waiting inside the op")
+
+    def _stuck(self, mine: Any, me: int, future: Any) -> bool:
+        """Whether ``future``'s op can run only after the waiting op (on lane ``mine``, thread ``me``)
+        has returned. Holds ``_lock``."""
+        marks = getattr(future, "__dict__", {})
+        if marks.get("_behind") == me:
+            return True
+        return marks.get("_lanes_of") is self and self._cycle(mine, future) > 0
+
     def _cycle(self, mine: Any, future: Any) -> int:
         """How many lanes a wait on ``mine`` for ``future`` would close a cycle of (0: none). Each
         waiting lane points at the lane its awaited op is queued on; a lane whose op does not wait
@@ -89,3 +144,40 @@ class LaneWaits:
                 return 0
             lane, seen = waited.__dict__.get("_lane"), seen + 1
         return 0
+
+
+class WatchedWaiters(list):
+    """The waiter list of a future that a lane op submitted to a lane (``Future._waiters``): the
+    waits of ``concurrent.futures`` install their waiter here before they block, and the lane
+    waits check it first (:meth:`LaneWaits.check_waiter`)."""
+
+    __slots__ = ("_lanes",)
+
+    def __init__(self, lanes: LaneWaits) -> None:
+        super().__init__()
+        self._lanes = lanes
+
+    def append(self, waiter: Any) -> None:
+        self._lanes.check_waiter(waiter)
+        super().append(waiter)
+
+
+#: where ``concurrent.futures`` waits, and the names of its futures and its timeout there
+_WAITING_CALLS = {"wait": ("fs", "timeout"), "as_completed": ("fs", "timeout")}
+
+
+def _waiting_call(frame: Any) -> tuple[Any, Any] | None:
+    """The futures and timeout of the ``concurrent.futures.wait`` or ``as_completed`` call that
+    installs a waiter, read from its frame (``frame`` is the one that appends, or a caller of it),
+    or None where the append comes from anywhere else."""
+    for _ in range(3):
+        if frame is None:
+            return None
+        names = _WAITING_CALLS.get(frame.f_code.co_name)
+        if names is not None and frame.f_globals.get("__name__") == "concurrent.futures._base":
+            local = frame.f_locals
+            if names[0] in local and names[1] in local:
+                return local[names[0]], local[names[1]]
+            return None
+        frame = frame.f_back
+    return None

@@ -18,6 +18,7 @@ from ..graph.buffers import Access, Marker, region_of
 from ..graph.buffers import accesses as accesses_of
 from ..native import load as load_native
 from ..schedule.waits import Stamp
+from .lane_waits import WatchedWaiters
 
 __all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "in_done_callback",
            "then"]
@@ -186,7 +187,7 @@ class Future(concurrent.futures.Future):
             with _LAZY:
                 made = _slot(self, name)
                 if made is None:
-                    made = []
+                    made = self._new_list(name)
                     setattr(self, name, made)
                 return made
         if name != "_condition":
@@ -297,7 +298,13 @@ class Future(concurrent.futures.Future):
         rather than each through ``__getattr__`` as it is first used. Caller holds ``_LAZY``."""
         for name in _LAZY_LISTS:
             if _slot(self, name) is None:
-                setattr(self, name, [])
+                setattr(self, name, self._new_list(name))
+
+    def _new_list(self, name: str) -> list[Any]:
+        """A lazily made list of the base class's: the waiters of a lane op that a lane op submitted
+        are checked as ``concurrent.futures`` installs them (``lane_waits.WatchedWaiters``)."""
+        lanes = self.__dict__.get("_lanes_of") if name == "_waiters" else None
+        return [] if lanes is None else WatchedWaiters(lanes)
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
