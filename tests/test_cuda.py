@@ -941,6 +941,17 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
             assert rt._copy_pinned(dst, src, None) is None
             with pytest.raises(ValueError, match="one dtype and shape"):
                 rt.copy(dst, src)
+        # memory pinned without PyTorch's allocator (page-locked in place) is pinned memory too
+        registered = torch.randn(n)
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostRegister(registered.data_ptr(), n * 4, 0)) == 0
+        try:
+            assert registered.is_pinned()
+            into = rt._copy_pinned(dev, registered, None)
+            assert into is not None and into.result() is dev and torch.equal(dev.cpu(), registered)
+        finally:
+            rt.synchronize()
+            assert int(cudart.cudaHostUnregister(registered.data_ptr())) == 0
         hosts = [torch.randn(n).pin_memory() for _ in range(copies)]
         backs = [torch.zeros(n).pin_memory() for _ in range(copies)]
         busy = rt.submit(torch.cuda._sleep, 100_000_000, name="busy", writes=[dev])  # tens of ms
@@ -956,6 +967,33 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
         rt.synchronize()
         assert rt._bytes.reclaim() == 0
         assert rt.statistics().peak_inflight_bytes == 2 * copies * n * 4
+
+
+def test_pinned_copies_past_the_byte_bound_wait_for_earlier_ones_and_every_byte_comes_back():
+    """The compiled rt.copy counts a pinned copy's bytes itself, on the budget's own counts and lock
+    (which the Python copies use too): 16 MiB of copies, the compiled ones and to_device's in turn,
+    through a bound of 4 MiB while the first waits behind a long kernel. The submitter waits instead
+    of passing the bound, every copy lands, and all bytes come back once they are done."""
+    limit, n = 4 << 20, 1 << 18  # copies of 1 MiB
+    with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:
+        if rt._copy_pinned is None:
+            pytest.skip("no compiled hot path here")
+        assert type(rt._bytes._counts).__name__ == "BudgetCounts"  # counted in C
+        hosts = [torch.full((n,), float(i)).pin_memory() for i in range(16)]
+        devs = [torch.zeros(n, device="cuda") for _ in range(16)]
+        busy = rt.submit(torch.cuda._sleep, 50_000_000, name="busy", writes=[devs[0]])
+        futures = [rt.copy(d, h) if i % 2 == 0 else rt.to_device(h)
+                   for i, (d, h) in enumerate(zip(devs, hosts))]
+        # four copies fill the bound behind the kernel (tens of ms); the fifth waited for the first
+        assert rt.statistics().peak_inflight_bytes == limit
+        assert busy.result() is None
+        for i, (f, h) in enumerate(zip(futures, hosts)):
+            out = f.result()
+            assert torch.equal(out.cpu(), h), i
+            if i % 2 == 0:
+                assert out is devs[i]
+        rt.synchronize()
+        assert rt._bytes.reclaim() == 0 and rt._bytes.used == 0
 
 
 def test_transfer_bytes_in_flight_stay_bounded():

@@ -249,6 +249,36 @@ static PyType_Spec counters_spec = {
     "streamdag.native.Counters", sizeof(Counters), 0, Py_TPFLAGS_DEFAULT, counters_slots
 };
 
+/* A byte budget's counts (``transfers.ByteBudget``): bytes in flight, the most at once, its limit,
+ * acquirers asleep. The compiled copy counts a copy's bytes here under the budget's lock (a Lock of
+ * this module) without a Python call: the budget's Python methods cost a 1 KiB copy ~2.6 µs. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t limit, peak, used, waiting;
+} BudgetCounts;
+
+static PyTypeObject *budget_counts_type;
+
+static PyMemberDef budget_counts_members[] = {
+    {"limit", T_PYSSIZET, offsetof(BudgetCounts, limit), 0, "bytes in flight before acquire() waits"},
+    {"peak", T_PYSSIZET, offsetof(BudgetCounts, peak), 0, "the most bytes in flight at once"},
+    {"used", T_PYSSIZET, offsetof(BudgetCounts, used), 0, "bytes in flight"},
+    {"waiting", T_PYSSIZET, offsetof(BudgetCounts, waiting), 0, "acquirers asleep on the budget"},
+    {NULL}
+};
+
+static PyType_Slot budget_counts_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, budget_counts_members},
+    {Py_tp_doc, "A byte budget's counts (limit, peak, used, waiting), read and written by the compiled "
+                "copy in C."},
+    {0, NULL}
+};
+
+static PyType_Spec budget_counts_spec = {
+    "streamdag.native.BudgetCounts", sizeof(BudgetCounts), 0, Py_TPFLAGS_DEFAULT, budget_counts_slots
+};
+
 /* A runtime's parts that every submit reads: its dependency tracker, stream clocks, profiler, the
  * backends' finish_ready and how often to call them, whether it is closed. The runtime's attributes
  * of those names are properties over these fields (core.py), so the compiled submit reads them in C,
@@ -332,6 +362,9 @@ typedef struct {
     /* rt.copy's compiled case (setup_copies): the copy op's function, the copy streams by device space
      * (dicts: space -> index) each way, the byte budget; NULL until set up */
     PyObject *copy_fn, *copy_h2d, *copy_d2h, *budget, *copy_py;
+    /* the budget's counts, lock (and its bound acquire, release) and held copies by stream, where the
+     * compiled copy counts bytes itself (see budget_take); NULL: through the budget's methods */
+    PyObject *budget_counts, *budget_lock, *budget_acquire, *budget_release, *budget_held;
     const StreamdagTorchHooks *torch;  /* CUDA calls in C++ (the torch extension), or NULL */
     Py_ssize_t n_compute;
     int deferred, can_be_lost, drop_waits;
@@ -348,7 +381,8 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
     X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
-    X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py)
+    X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py) \
+    X(budget_counts) X(budget_lock) X(budget_acquire) X(budget_release) X(budget_held)
 
 static int submitter_traverse(Submitter *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
@@ -1835,7 +1869,121 @@ static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
     Py_XSETREF(self->copy_h2d, Py_NewRef(h2d));
     Py_XSETREF(self->copy_d2h, Py_NewRef(d2h));
     Py_XSETREF(self->budget, Py_NewRef(budget));
+    Py_CLEAR(self->budget_counts);
+    Py_CLEAR(self->budget_lock);
+    Py_CLEAR(self->budget_acquire);
+    Py_CLEAR(self->budget_release);
+    Py_CLEAR(self->budget_held);
+    /* ByteBudget's counts, lock and held copies, where they are this module's: counted in C */
+    PyObject *counts = PyObject_GetAttrString(budget, "_counts");
+    PyObject *lock = counts != NULL ? PyObject_GetAttrString(budget, "_lock") : NULL;
+    PyObject *held = lock != NULL ? PyObject_GetAttrString(budget, "_held") : NULL;
+    if (held == NULL) {
+        PyErr_Clear();  /* another budget: its methods count */
+    } else if (Py_TYPE(counts) == budget_counts_type && Py_TYPE(lock) == fast_lock_type && PyDict_CheckExact(held)) {
+        self->budget_counts = Py_NewRef(counts);
+        self->budget_lock = Py_NewRef(lock);
+        self->budget_held = Py_NewRef(held);
+        if ((self->budget_acquire = PyObject_GetAttr(lock, s_acquire)) == NULL
+                || (self->budget_release = PyObject_GetAttr(lock, s_release)) == NULL) {
+            Py_XDECREF(counts);
+            Py_XDECREF(lock);
+            Py_XDECREF(held);
+            return NULL;
+        }
+    }
+    Py_XDECREF(counts);
+    Py_XDECREF(lock);
+    Py_XDECREF(held);
     Py_RETURN_NONE;
+}
+
+/* ``ByteBudget.acquire(n)`` where the bytes fit at once: 1 (counted); 0 where they do not (the caller
+ * calls ``acquire``, which gives back done copies' bytes or waits); -1 with an exception */
+static int budget_take(Submitter *self, Py_ssize_t n) {
+    BudgetCounts *c = (BudgetCounts *)self->budget_counts;
+    if (lock_take(self->budget_lock, self->budget_acquire) < 0) return -1;
+    int fits = c->used == 0 || c->used + n <= c->limit;
+    if (fits) {
+        c->used += n;
+        if (c->used > c->peak) c->peak = c->used;
+    }
+    if (lock_give(self->budget_lock, self->budget_release) < 0) return -1;
+    return fits;
+}
+
+/* whether a future is done: 1, 0, or -1 (``future.done()``, its state read in C for ours) */
+static int future_is_done(PyObject *future) {
+    if (Py_TYPE(future) == sub.future_type) {
+        PyObject *state = FUTF(future, F_STATE);
+        if (state == sub.pending) return 0;
+        if (state == sub.finished) return 1;
+    }
+    PyObject *r = PyObject_CallMethod(future, "done", NULL);
+    if (r == NULL) return -1;
+    int done = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return done;
+}
+
+/* ``ByteBudget.hold(future, n, stream)``: 1 held; 0 where the budget's method must (acquirers asleep
+ * to wake, or no copies held on that stream yet); -1 with an exception. As the method: the bytes of
+ * up to two done copies at the stream's head come back first (a little per copy). */
+static int budget_hold(Submitter *self, PyObject *future, Py_ssize_t n, PyObject *stream) {
+    BudgetCounts *c = (BudgetCounts *)self->budget_counts;
+    PyObject *ref = PyWeakref_NewRef(future, NULL);
+    if (ref == NULL) return -1;
+    PyObject *size = PyLong_FromSsize_t(n);
+    PyObject *entry = size != NULL ? PyTuple_Pack(2, ref, size) : NULL;
+    Py_DECREF(ref);
+    Py_XDECREF(size);
+    if (entry == NULL) return -1;
+    if (lock_take(self->budget_lock, self->budget_acquire) < 0) { Py_DECREF(entry); return -1; }
+    int rc = 0;
+    PyObject *held = c->waiting ? NULL : PyDict_GetItemWithError(self->budget_held, stream);
+    if (held == NULL || Py_TYPE(held) != sub.deque_type) {
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto unlock;
+    }
+    Py_INCREF(held);
+    for (int k = 0; k < 2 && Py_SIZE(held) > 0 && rc == 0; k++) {
+        PyObject *head = PySequence_GetItem(held, 0);
+        if (head == NULL || !PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 2) {
+            if (head != NULL) PyErr_SetString(PyExc_TypeError, "a held copy is (weakref, nbytes)");
+            Py_XDECREF(head);
+            rc = -1;
+            break;
+        }
+        PyObject *f = PyWeakref_GetObject(PyTuple_GET_ITEM(head, 0));  /* borrowed; None once freed */
+        int done = f == NULL ? -1 : f == Py_None ? 1 : future_is_done(f);
+        Py_ssize_t bytes = done == 1 ? PyLong_AsSsize_t(PyTuple_GET_ITEM(head, 1)) : 0;
+        Py_DECREF(head);
+        if (done <= 0 || (bytes == -1 && PyErr_Occurred())) {
+            rc = done < 0 || bytes == -1 ? -1 : 0;
+            break;
+        }
+        PyObject *popped = queue_popleft(held);
+        if (popped == NULL) { rc = -1; break; }
+        Py_DECREF(popped);
+        c->used -= bytes;
+    }
+    if (rc == 0) {
+        PyObject *r = queue_append(held, entry);
+        rc = r == NULL ? -1 : 1;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(held);
+unlock:
+    Py_DECREF(entry);
+    if (rc < 0) {
+        PyObject *exc = take_exception();
+        int given = lock_give(self->budget_lock, self->budget_release);
+        if (given < 0) PyErr_Clear();
+        restore_exception(exc);
+        return -1;
+    }
+    if (lock_give(self->budget_lock, self->budget_release) < 0) return -1;
+    return rc;
 }
 
 /* whether two objects' attribute ``attr`` are equal: 1, 0, or -1 with an exception */
@@ -1907,9 +2055,15 @@ static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyOb
         }
     }
     if ((nbytes = PyNumber_Subtract(PyTuple_GET_ITEM(read, 2), PyTuple_GET_ITEM(read, 1))) == NULL) goto done;
-    PyObject *r = PyObject_CallMethodOneArg(self->budget, s_acquire, nbytes);
-    if (r == NULL) goto done;
-    Py_DECREF(r);
+    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+    if (n == -1 && PyErr_Occurred()) goto done;
+    int counted = self->budget_counts != NULL ? budget_take(self, n) : 0;
+    if (counted < 0) goto done;
+    PyObject *r;
+    if (!counted) {  /* the budget's method: it gives back done copies' bytes, or waits */
+        if ((r = PyObject_CallMethodOneArg(self->budget, s_acquire, nbytes)) == NULL) goto done;
+        Py_DECREF(r);
+    }
     int named = name == Py_None ? 0 : PyObject_IsTrue(name);
     PyObject *future = NULL;
     if (named >= 0) {
@@ -1927,9 +2081,14 @@ static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyOb
         }
         goto done;
     }
-    r = PyObject_TypeCheck(future, sub.future_type)  /* (else recorded: counted as the graph runs) */
-        ? PyObject_CallMethodObjArgs(self->budget, s_hold_bytes, future, nbytes, stream_obj, NULL)
-        : PyObject_CallMethodOneArg(self->budget, s_release, nbytes);
+    int held = 0;
+    if (PyObject_TypeCheck(future, sub.future_type)) {  /* (else recorded: counted as the graph runs) */
+        held = self->budget_counts != NULL ? budget_hold(self, future, n, stream_obj) : 0;
+        r = held < 0 ? NULL : held ? Py_NewRef(Py_None)
+                                   : PyObject_CallMethodObjArgs(self->budget, s_hold_bytes, future, nbytes, stream_obj, NULL);
+    } else {
+        r = PyObject_CallMethodOneArg(self->budget, s_release, nbytes);
+    }
     if (r == NULL) { Py_DECREF(future); goto done; }
     Py_DECREF(r);
     result = future;
@@ -2054,6 +2213,9 @@ static int submit_init(PyObject *m) {
         return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
+    budget_counts_type = (PyTypeObject *)PyType_FromSpec(&budget_counts_spec);
+    if (budget_counts_type == NULL || PyModule_AddObjectRef(m, "BudgetCounts", (PyObject *)budget_counts_type) < 0)
+        return -1;
     parts_type = (PyTypeObject *)PyType_FromSpec(&parts_spec);
     if (parts_type == NULL || PyModule_AddObjectRef(m, "Parts", (PyObject *)parts_type) < 0) return -1;
     submitter_type = (PyTypeObject *)PyType_FromSpec(&submitter_spec);

@@ -5,6 +5,7 @@
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
 #include <ATen/Parallel.h>
+#include <ATen/cuda/PinnedMemoryAllocator.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
@@ -233,6 +234,14 @@ int query(PyObject* event) {
   }
 }
 
+// Whether host tensor ``t`` is pinned memory. Memory from PyTorch's pinned allocator (pin_memory(),
+// pin_memory=True) is known by its storage's allocator; anything else asks is_pinned(), whose CUDA
+// pointer query (with a device guard and a look for a device with a context) is ~1 µs
+bool host_pinned(const at::Tensor& t) {
+  if (t.has_storage() && t.storage().allocator() == at::cuda::getPinnedMemoryAllocator()) return true;
+  return t.is_pinned();
+}
+
 // pinned_alike(dst, src, host): the checks of a copy that the compiled rt.copy makes itself (see
 // _torch_hooks.h), without PyTorch's Python bindings: is_pinned(), and dtype and shape, which made
 // new objects to compare, cost a 1 KiB copy ~1-2 µs there
@@ -242,7 +251,7 @@ int pinned_alike(PyObject* dst, PyObject* src, PyObject* host) {
     const at::Tensor& d = THPVariable_Unpack(dst);
     const at::Tensor& s = THPVariable_Unpack(src);
     if (!d.defined() || !s.defined() || d.scalar_type() != s.scalar_type() || d.sizes() != s.sizes()) return 0;
-    return (host == dst ? d : s).is_pinned() ? 1 : 0;
+    return host_pinned(host == dst ? d : s) ? 1 : 0;
   } catch (...) {
     return fail();
   }
