@@ -286,7 +286,8 @@ def main():
     medians = {label: statistics.median(ts) for label, ts in rounds.items()}
     t_torch = medians["PyTorch launch, one stream"]
     # each row against its PyTorch baseline: the launch, or for copies PyTorch's copy_
-    base = {label: COPY_BASELINE if "copy" in label else "PyTorch launch, one stream" for label in rounds}
+    base = {label: COPY_BASELINE if "copy" in label or "copier" in label else "PyTorch launch, one stream"
+            for label in rounds}
     # added over PyTorch within each round, then the median: the host's drift between rounds cancels
     paired = {label: statistics.median(t - b for t, b in zip(ts, rounds[base[label]]))
               for label, ts in rounds.items()}
