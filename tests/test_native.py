@@ -423,6 +423,79 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
     assert run(compiled=True) == run(compiled=False)
 
 
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ENTRY, max_size=6), st.integers(0, 7), st.booleans())
+def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, lost_before):
+    """``_Completions._finish_one`` (a waiter's op finished ahead of its queue), compiled and in
+    Python: the same answer (finished, left queued, gone already), the same callback with the same
+    error, the same events back in the pool, the same entries left, the same device loss. Entries
+    as in the pass's test; ``pick``: the entry waited on (past the end: one finished already)."""
+    from collections import deque
+
+    from streamdag.backends import cuda
+
+    class Owner:
+        def __init__(self):
+            self.lost = "lost before" if lost_before and pick % 3 == 0 else None
+            self._free_events = []
+
+        def mark_lost(self, exc):  # as CudaBackend's
+            if cuda.refused_during_capture(exc):
+                return None
+            self.lost = self.lost or f"lost: {exc}"
+            return self.lost
+
+        def recycle(self, event):
+            if not event.timing:
+                self._free_events.append(event)
+
+    class Event:
+        def __init__(self, name, done, timing, raises):
+            self.name, self.done, self.timing, self.raises = name, done, timing, raises
+
+        def query(self):
+            if self.raises == "sticky":
+                raise RuntimeError(f"an illegal memory access at {self.name}")
+            if self.raises == "refused":
+                raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
+            return self.done
+
+    def run(compiled):
+        owner, log = Owner(), []
+        completions = object.__new__(cuda._Completions)
+        completions._owner = owner
+        completions._query_relaxed = lambda event: event.query()
+        # tokens as put() makes them for queue 1 of 3: 3k + 1, in order
+        def callback_for(j, does):
+            def callback(error):
+                log.append((j, error))
+                if does == "raises":
+                    raise ValueError(f"callback {j}")
+            return callback
+
+        completions._queues = [deque(), deque(
+            (3 * j + 1, Event(j, done, timing, raises), callback_for(j, does))
+            for j, (done, timing, does, raises) in enumerate(entries)), deque()]
+        token = 3 * pick + 1
+        saved = cuda._compiled_finish_one
+        cuda._compiled_finish_one = None
+        try:
+            if compiled:
+                outcome = native.load().completions_finish_one(
+                    completions, completions._queues[1], token, owner, owner._free_events, cuda.CudaEvent)
+            else:
+                outcome = completions._finish_one(token, relaxed=True)
+        except ValueError as exc:
+            outcome = str(exc)
+        finally:
+            cuda._compiled_finish_one = saved
+        left = [entry[0] for entry in completions._queues[1]]
+        return outcome, log, [e.name for e in owner._free_events], left, owner.lost
+
+    assert run(compiled=True) == run(compiled=False)
+
+
 def test_a_query_refused_during_a_capture_is_no_device_loss():
     """While a CUDA graph is captured in PyTorch's default (global) mode, CUDA refuses event
     queries from every thread: the completion pass must query again later, not fail every op."""

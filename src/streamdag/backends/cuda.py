@@ -102,6 +102,8 @@ _record = getattr(_event_base, "record", None)
 _wait = getattr(_event_base, "wait", None)
 #: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
 _compiled_pass = getattr(load_native(), "completions_pass", None)
+#: ``_Completions._finish_one`` with a relaxed query, compiled (``native/_submit.c``)
+_compiled_finish_one = getattr(load_native(), "completions_finish_one", None)
 #: tells the compiled submit and pass that a device was lost: until then they take a
 #: ``CudaBackend``'s ``lost`` to be None without looking it up (see ``CudaBackend.lost``)
 _note_loss = getattr(load_native(), "note_loss", None)
@@ -339,10 +341,14 @@ class _Completions:
         relaxed (``_queries_relaxed``).
         """
         q = self._queues[token % len(self._queues)]
+        owner = self._owner
+        if relaxed and _compiled_finish_one is not None and _uses_torch is not None and _uses_torch():
+            # the same, compiled: its query is the extension's, relaxed (a waiter's result() called
+            # ~25 Python functions once its event was seen, 7 of them here)
+            return _compiled_finish_one(self, q, token, owner, owner._free_events, CudaEvent)
         index = _position(q, token)  # only passes remove entries: it stays put while we hold the lock
         if index < 0:
             return None  # finished already
-        owner = self._owner
         if owner.lost is not None:  # the next pass fails everything, in order
             return False
         _, event, callback = q[index]
