@@ -351,6 +351,40 @@ _ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "l
                    st.sampled_from(["", "", "sticky", "refused"]))
 
 
+class _Owner:
+    """A completion pass's owner, as ``CudaBackend`` is one: its device loss and its event pool."""
+
+    def __init__(self, lost=None):
+        self.lost = lost
+        self._free_events = []
+
+    def mark_lost(self, exc):  # as CudaBackend's
+        from streamdag.backends import cuda
+
+        if cuda.refused_during_capture(exc):
+            return None
+        self.lost = self.lost or f"lost: {exc}"
+        return self.lost
+
+    def recycle(self, event):
+        if not event.timing:
+            self._free_events.append(event)
+
+
+class _Event:
+    """A completion event whose query says ``done``, or raises a sticky or a refused CUDA error."""
+
+    def __init__(self, name, done, timing, raises):
+        self.name, self.done, self.timing, self.raises = name, done, timing, raises
+
+    def query(self):
+        if self.raises == "sticky":
+            raise RuntimeError(f"an illegal memory access at {self.name}")
+        if self.raises == "refused":
+            raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
+        return self.done
+
+
 @compiled
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(_ENTRY, max_size=6), min_size=1, max_size=4))
@@ -364,34 +398,8 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
 
     from streamdag.backends import cuda
 
-    class Owner:
-        def __init__(self):
-            self.lost = None
-            self._free_events = []
-
-        def mark_lost(self, exc):  # as CudaBackend's
-            if cuda.refused_during_capture(exc):
-                return None
-            self.lost = self.lost or f"lost: {exc}"
-            return self.lost
-
-        def recycle(self, event):
-            if not event.timing:
-                self._free_events.append(event)
-
-    class Event:
-        def __init__(self, name, done, timing, raises):
-            self.name, self.done, self.timing, self.raises = name, done, timing, raises
-
-        def query(self):
-            if self.raises == "sticky":
-                raise RuntimeError(f"an illegal memory access at {self.name}")
-            if self.raises == "refused":
-                raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
-            return self.done
-
     def run(compiled):
-        owner, log = Owner(), []
+        owner, log = _Owner(), []
         completions = object.__new__(cuda._Completions)
         completions._owner = owner
 
@@ -405,7 +413,7 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
             return callback
 
         completions._queues = [
-            deque((j, Event((i, j), done, timing, raises), callback_for((i, j), does))
+            deque((j, _Event((i, j), done, timing, raises), callback_for((i, j), does))
                   for j, (done, timing, does, raises) in enumerate(entries))
             for i, entries in enumerate(queues)
         ]
@@ -435,34 +443,8 @@ def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, l
 
     from streamdag.backends import cuda
 
-    class Owner:
-        def __init__(self):
-            self.lost = "lost before" if lost_before and pick % 3 == 0 else None
-            self._free_events = []
-
-        def mark_lost(self, exc):  # as CudaBackend's
-            if cuda.refused_during_capture(exc):
-                return None
-            self.lost = self.lost or f"lost: {exc}"
-            return self.lost
-
-        def recycle(self, event):
-            if not event.timing:
-                self._free_events.append(event)
-
-    class Event:
-        def __init__(self, name, done, timing, raises):
-            self.name, self.done, self.timing, self.raises = name, done, timing, raises
-
-        def query(self):
-            if self.raises == "sticky":
-                raise RuntimeError(f"an illegal memory access at {self.name}")
-            if self.raises == "refused":
-                raise RuntimeError(f"operation not permitted when stream is capturing: {self.name}")
-            return self.done
-
     def run(compiled):
-        owner, log = Owner(), []
+        owner, log = _Owner("lost before" if lost_before and pick % 3 == 0 else None), []
         completions = object.__new__(cuda._Completions)
         completions._owner = owner
         completions._query_relaxed = lambda event: event.query()
@@ -475,7 +457,7 @@ def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, l
             return callback
 
         completions._queues = [deque(), deque(
-            (3 * j + 1, Event(j, done, timing, raises), callback_for(j, does))
+            (3 * j + 1, _Event(j, done, timing, raises), callback_for(j, does))
             for j, (done, timing, does, raises) in enumerate(entries)), deque()]
         token = 3 * pick + 1
         saved = cuda._compiled_finish_one

@@ -857,34 +857,12 @@ def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itse
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lane"])
-def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(kind, monkeypatch):
+@pytest.mark.parametrize("how", ["result", "wait", "first completed", "as_completed"])
+def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(kind, how, monkeypatch):
     """With one lane, an op submitted from inside an op is queued behind it: waiting for it there
-    would wait forever, so the wait raises at once, saying what to do instead."""
-    if kind == "cpu-python":
-        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
-    host = kind == "host lane"
-    with (sd.Runtime("sim", streams=1, host_lanes=1) if host else sd.Runtime("cpu", streams=1)) as rt:
-        run_on = "host" if host else None
-
-        def outer():
-            inner = rt.submit(lambda: 42, run_on=run_on)
-            with pytest.raises(RuntimeError, match="queued behind it on the same lane"):
-                inner.result(timeout=30)
-            return inner
-
-        started = time.perf_counter()
-        inner = rt.submit(outer, run_on=run_on).result(timeout=30)
-        assert inner.result(timeout=10) == 42  # it ran once the outer op had returned
-        assert time.perf_counter() - started < 10
-
-
-@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lane"])
-@pytest.mark.parametrize("how", ["wait", "first completed", "as_completed"])
-def test_concurrent_futures_waits_inside_an_op_for_an_op_queued_behind_it_fail_with_what_to_do(
-        kind, how, monkeypatch):
-    """As with ``result()``: with one lane, ``concurrent.futures.wait`` (or ``as_completed``)
-    inside an op, with no timeout, for an op it submitted would wait forever; it raises at once,
-    saying what to do, and the op runs once the waiting one has returned."""
+    (``result()``, or ``concurrent.futures.wait``/``as_completed`` without a timeout) would wait
+    forever, so the wait raises at once, saying what to do instead; the op runs once the waiting
+    one has returned."""
     if kind == "cpu-python":
         monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
     host = kind == "host lane"
@@ -894,19 +872,21 @@ def test_concurrent_futures_waits_inside_an_op_for_an_op_queued_behind_it_fail_w
         def outer():
             inner = rt.submit(lambda: 42, run_on=run_on)
             with pytest.raises(RuntimeError, match="would wait forever") as raised:
-                if how == "wait":
+                if how == "result":
+                    inner.result(timeout=30)
+                elif how == "wait":
                     concurrent.futures.wait([inner])
                 elif how == "first completed":
                     concurrent.futures.wait([inner], return_when=concurrent.futures.FIRST_COMPLETED)
                 else:
                     next(concurrent.futures.as_completed([inner]))
-            assert "more lanes" in str(raised.value) and "done-callbacks" in str(raised.value)
-            assert inner._waiters == []  # the waiter was not left installed
+            assert "lane" in str(raised.value) and "done-callback" in str(raised.value)
+            assert inner._waiters == []  # no waiter was left installed
             return inner
 
         started = time.perf_counter()
         inner = rt.submit(outer, run_on=run_on).result(timeout=30)
-        assert inner.result(timeout=10) == 42
+        assert inner.result(timeout=10) == 42  # it ran once the outer op had returned
         assert time.perf_counter() - started < 10
 
 
