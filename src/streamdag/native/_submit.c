@@ -2012,8 +2012,9 @@ static int budget_hold(Submitter *self, PyObject *future, Py_ssize_t n, PyObject
             rc = -1;
             break;
         }
-        PyObject *f = PyWeakref_GetObject(PyTuple_GET_ITEM(head, 0));  /* borrowed; None once freed */
+        PyObject *f = Py_XNewRef(PyWeakref_GetObject(PyTuple_GET_ITEM(head, 0)));  /* None once freed */
         int done = f == NULL ? -1 : f == Py_None ? 1 : future_is_done(f);
+        Py_XDECREF(f);
         Py_ssize_t bytes = done == 1 ? PyLong_AsSsize_t(PyTuple_GET_ITEM(head, 1)) : 0;
         Py_DECREF(head);
         if (done <= 0 || (bytes == -1 && PyErr_Occurred())) {
