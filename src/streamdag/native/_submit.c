@@ -2017,10 +2017,8 @@ static int budget_hold(Submitter *self, PyObject *future, Py_ssize_t n, PyObject
         Py_XDECREF(f);
         Py_ssize_t bytes = done == 1 ? PyLong_AsSsize_t(PyTuple_GET_ITEM(head, 1)) : 0;
         Py_DECREF(head);
-        if (done <= 0 || (bytes == -1 && PyErr_Occurred())) {
-            rc = done < 0 || bytes == -1 ? -1 : 0;
-            break;
-        }
+        if (done < 0 || (bytes == -1 && PyErr_Occurred())) { rc = -1; break; }
+        if (!done) break;  /* the oldest still in flight: the rest too (a stream runs in order) */
         PyObject *popped = queue_popleft(held);
         if (popped == NULL) { rc = -1; break; }
         Py_DECREF(popped);
