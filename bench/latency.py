@@ -5,10 +5,11 @@ times only the wait that follows: PyTorch's ``torch.cuda.synchronize()``, a
 streamdag future's ``result()``, ``rt.synchronize()``, and the result of a
 recorded graph's ``g.run()`` (a captured CUDA graph). A second group waits
 after a burst of 64 submits (each compared with PyTorch's synchronize after
-64 adds): ``result()``, ``concurrent.futures.wait`` and ``await``, which
-wait in other ways than ``result()``. The variants are timed
-in turns, sample after sample and in a shuffled order, so that the lent
-host's drift (and each variant's after-effects) hit them alike.
+64 adds): ``result()`` of the last, ``concurrent.futures.wait`` for the last
+and for all 64, and ``await``, which wait in other ways than ``result()``.
+The variants are timed in turns, sample after sample and in a shuffled
+order, so that the lent host's drift (and each variant's after-effects) hit
+them alike.
 
 Run on a GPU machine: PYTHONPATH=src python bench/latency.py
 """
@@ -83,6 +84,12 @@ def main() -> None:
         concurrent.futures.wait([f])
         return time.perf_counter() - t0
 
+    def wait_all_burst():
+        futures = [rt.submit(torch.add, x, 1, out=x, reads=[x], writes=[x]) for _ in range(BURST)]
+        t0 = time.perf_counter()
+        concurrent.futures.wait(futures)
+        return time.perf_counter() - t0
+
     def await_burst():
         f = burst()
 
@@ -101,6 +108,7 @@ def main() -> None:
         f"PyTorch: {BURST} ops, torch.cuda.synchronize()": torch_sync_burst,
         f"streamdag: {BURST} ops, result() of the last": result_burst,
         f"streamdag: {BURST} ops, concurrent.futures.wait([last])": wait_burst,
+        f"streamdag: {BURST} ops, concurrent.futures.wait(all)": wait_all_burst,
         f"streamdag: {BURST} ops, await last (asyncio)": await_burst,
     }
     samples: dict[str, list[float]] = {label: [] for label in variants}

@@ -777,6 +777,22 @@ def test_futures_work_with_concurrent_futures_helpers(rt):
     assert seen == [True] and (a == 6).all()
 
 
+def test_a_future_whose_waiter_list_is_read_first_is_watched_and_wakes_its_waiters():
+    """The condition and the base class's lists are made together, whichever is asked for first:
+    a future whose list was read before anyone waited still settles through its condition and
+    wakes a wait from another thread."""
+    import concurrent.futures as cf
+
+    f = sd.Future()
+    assert not f._has_callbacks() and f._waiters == [] and f._watched
+    threading.Timer(0.05, f.set_result, ("set",)).start()
+    finished, pending = cf.wait([f], timeout=10)
+    assert (finished, pending, f.result()) == ({f}, set(), "set")
+    unwatched = sd.Future()
+    unwatched.set_result(1)  # settled without a condition, nobody waiting
+    assert not unwatched._watched and cf.wait([unwatched], timeout=0).done == {unwatched}
+
+
 def test_asking_for_cuda_without_a_gpu_says_what_to_do():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
