@@ -781,16 +781,14 @@ def test_a_future_whose_waiter_list_is_read_first_is_watched_and_wakes_its_waite
     """The condition and the base class's lists are made together, whichever is asked for first:
     a future whose list was read before anyone waited still settles through its condition and
     wakes a wait from another thread."""
-    import concurrent.futures as cf
-
     f = sd.Future()
     assert not f._has_callbacks() and f._waiters == [] and f._watched
     threading.Timer(0.05, f.set_result, ("set",)).start()
-    finished, pending = cf.wait([f], timeout=10)
+    finished, pending = concurrent.futures.wait([f], timeout=10)
     assert (finished, pending, f.result()) == ({f}, set(), "set")
     unwatched = sd.Future()
     unwatched.set_result(1)  # settled without a condition, nobody waiting
-    assert not unwatched._watched and cf.wait([unwatched], timeout=0).done == {unwatched}
+    assert not unwatched._watched and concurrent.futures.wait([unwatched], timeout=0).done == {unwatched}
 
 
 def test_asking_for_cuda_without_a_gpu_says_what_to_do():
@@ -944,7 +942,14 @@ def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
             free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
             queued.wait()
             first_waits.wait(10)
-            time.sleep(0.05)  # lane 0 is inside result() by now
+            deadline = time.perf_counter() + 10
+            waits = rt._lane_waits
+            while True:  # until lane 0 is inside result(), its wait registered
+                with waits._lock:
+                    if any(waits._waits.values()):
+                        break
+                assert time.perf_counter() < deadline, "lane 0's wait was never registered"
+                time.sleep(0.001)
             return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
 
         outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),

@@ -162,8 +162,8 @@ class WatchedWaiters(list):
         super().append(waiter)
 
 
-#: where ``concurrent.futures`` waits, and the names of its futures and its timeout there
-_WAITING_CALLS = {"wait": ("fs", "timeout"), "as_completed": ("fs", "timeout")}
+#: where ``concurrent.futures`` waits (its futures are ``fs`` there, its timeout ``timeout``)
+_WAITING_CALLS = frozenset({"wait", "as_completed"})
 
 
 def _waiting_call(frame: Any) -> tuple[Any, Any] | None:
@@ -173,11 +173,11 @@ def _waiting_call(frame: Any) -> tuple[Any, Any] | None:
     for _ in range(3):
         if frame is None:
             return None
-        names = _WAITING_CALLS.get(frame.f_code.co_name)
-        if names is not None and frame.f_globals.get("__name__") == "concurrent.futures._base":
+        waits_here = frame.f_code.co_name in _WAITING_CALLS
+        if waits_here and frame.f_globals.get("__name__") == "concurrent.futures._base":
             local = frame.f_locals
-            if names[0] in local and names[1] in local:
-                return local[names[0]], local[names[1]]
+            if "fs" in local and "timeout" in local:
+                return local["fs"], local["timeout"]
             return None
         frame = frame.f_back
     return None

@@ -352,7 +352,7 @@ class Future(concurrent.futures.Future):
         return f"<streamdag.Future {self.op_name!r} {self._state.lower()}>"
 
 
-#: the lazily made slots' member descriptors: read without ``__getattr__`` once made
+#: the lazily made slots' member descriptors, through which ``__getattr__`` reads a slot it has just made
 _SLOTS = {name: Future.__dict__[name] for name in ("_condition", *_LAZY_LISTS)}
 
 
