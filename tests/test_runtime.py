@@ -961,6 +961,86 @@ def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
             rt.synchronize()
 
 
+def wait_for_registered_waits(rt, count, within=10.0):
+    """Until ``count`` lane threads of ``rt`` are inside waits without a timeout (registered)."""
+    deadline = time.perf_counter() + within
+    waits = rt._lane_waits
+    while True:
+        with waits._lock:
+            if sum(wait is not None for wait in waits._waits.values()) >= count:
+                return
+        assert time.perf_counter() < deadline, f"{count} lane waits were never registered"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("how", ["wait for all", "first completed", "as_completed"])
+def test_a_lane_inside_concurrent_futures_wait_counts_for_a_later_wait_that_closes_a_cycle(how):
+    """Lane 0's op waits through ``concurrent.futures`` for an op queued on lane 1 behind lane 1's
+    op, which then waits (``result()``) for an op queued on lane 0: that second wait raises, its
+    op fails, lane 1 runs the first's op, and the first wait ends. Afterwards no wait is left
+    registered."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        queued = threading.Barrier(2, timeout=10)
+
+        def outer0():
+            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
+            queued.wait()
+            if how == "wait for all":
+                free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
+                return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
+            if how == "first completed":
+                done, _ = concurrent.futures.wait([inner], return_when=concurrent.futures.FIRST_COMPLETED)
+                return [f.result() for f in done]
+            return [f.result() for f in concurrent.futures.as_completed([inner])]
+
+        def outer1():
+            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
+            queued.wait()
+            wait_for_registered_waits(rt, 1)  # lane 0 is inside its wait
+            return inner.result()
+
+        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
+                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        error = outers[1].exception(timeout=10)
+        assert isinstance(error, RuntimeError) and "wait for each other" in str(error), error
+        assert "2 lanes of this runtime's 3" in str(error)
+        assert outers[0].result(timeout=10) == ([0, 20] if how == "wait for all" else [0])
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert not rt._lane_waits._waits  # every wait taken off again
+
+
+def test_a_lane_waiting_for_the_first_of_ops_one_of_which_can_run_is_not_counted_as_stuck():
+    """Lane 0's op waits for the first of an op queued on lane 1 and one on lane 2 that runs once
+    the test lets it; lane 1's op then waits for an op queued on lane 0. That is no deadlock: the
+    lane 2 op ends lane 0's wait, and then every op runs."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        queued = threading.Barrier(2, timeout=10)
+        gate = threading.Event()
+
+        def outer0():
+            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
+            gated = rt._submit(lambda: gate.wait(10) and 20, (), {}, (), (), "gated", True, 2)
+            queued.wait()
+            done, _ = concurrent.futures.wait([inner, gated], return_when=concurrent.futures.FIRST_COMPLETED)
+            return [f.result() for f in done]
+
+        def outer1():
+            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
+            queued.wait()
+            wait_for_registered_waits(rt, 1)
+            return inner.result()
+
+        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
+                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        wait_for_registered_waits(rt, 2)  # both lanes wait, and neither wait was refused
+        gate.set()
+        assert outers[0].result(timeout=10) == [20]
+        assert outers[1].result(timeout=10) == 10
+        rt.synchronize()
+        assert not rt._lane_waits._waits
+
+
 def fork_join_on_every_lane(rt, lanes, run_on, timeout=None):
     """``lanes`` ops that run at once, each submitting an op and waiting for it inside: with as
     many lanes, each submitted op is queued behind another lane's waiting op."""

@@ -20,9 +20,15 @@ another runtime runs on that runtime's lanes.
 ``concurrent.futures.wait`` and ``as_completed`` are checked as they install
 their waiter on such a future (:class:`WatchedWaiters`): the wait raises
 where it could never end (waiting for all, one of the ops is stuck so;
-waiting for the first, every pending one is). Such a wait is not counted in
-turn as a lane waiting, so a cycle that a later wait of another lane closes
-through it is not seen; nor is ``await``.
+waiting for the first, every pending one is). Such a wait counts in turn as
+its lane waiting, for all of its ops or for the first, until its waiter is
+taken off again, so a later wait of another lane that closes a cycle
+through it raises too. ``await`` is not seen.
+
+Which lanes are stuck is a fixed point rather than a walk along one chain:
+supposing the new wait never ends, its lane is stuck; a waiting lane is
+stuck once the op it waits for is queued on a stuck lane (waiting for all:
+any of its pending ops; for the first: every one, and none done yet).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ class LaneWaits:
         self._lanes = lanes
         self.lanes = len(lanes)
         self._lock = threading.Lock()
-        #: thread ident -> (the future it waits for, the lane it runs); None: a wait with a timeout
-        self._waits: dict[int, tuple[Any, Any] | None] = {}
+        #: thread ident -> (the futures it waits for, whether it needs all of them, the lane it
+        #: runs); None: a wait with a timeout
+        self._waits: dict[int, tuple[tuple[Any, ...], bool, Any] | None] = {}
 
     @contextmanager
     def waiting(self, future: Any, timeout: float | None) -> Iterator[None]:
@@ -59,17 +66,17 @@ class LaneWaits:
         me = threading.get_ident()
         with self._lock:
             if timeout is None and not future.done():
-                cycle = self._cycle(mine, future)
-                if cycle:
+                stuck = self._stuck_lanes(mine)
+                if self._queued_lane(future) in stuck:
                     raise RuntimeError(
                         f"waiting inside an op for op {future.op_name!r} would wait forever: it is "
                         f"queued on a lane whose op waits, in turn, for ops queued behind this one "
-                        f"({cycle} lanes of this runtime's {self.lanes} wait for each other), so none "
-                        "of those can run. Give the runtime more lanes (streams= on a CPU runtime, "
+                        f"({len(stuck)} lanes of this runtime's {self.lanes} wait for each other), so "
+                        "none of those can run. Give the runtime more lanes (streams= on a CPU runtime, "
                         "host_lanes= beside a device), or add a done-callback instead of waiting "
                         "inside the op")
             outer = self._waits.get(me)  # (a wait inside a done-callback run by a wait)
-            self._waits[me] = (future, mine) if timeout is None else None
+            self._waits[me] = ((future,), True, mine) if timeout is None else None
         try:
             yield
         finally:
@@ -100,13 +107,20 @@ class LaneWaits:
         me = threading.get_ident()
         # waiting for all of them (FIRST_EXCEPTION ends early only if one fails: counted as "first")
         needs_all = type(waiter).__name__ == "_AllCompletedWaiter" and not waiter.stop_on_exception
+        futures = tuple(futures)
         with self._lock:
             pending = [f for f in futures if not f.done()]
-            stuck = [f for f in pending if self._stuck(mine, me, f)]
-        # waiting for the first: stuck only if every pending one is and none is done (as_completed
-        # yields the done ones first, and its caller may stop there)
-        if not stuck or (not needs_all and (len(stuck) < len(pending) or len(pending) < len(futures))):
-            return
+            stuck_lanes = self._stuck_lanes(mine)
+            stuck = [f for f in pending if getattr(f, "__dict__", {}).get("_behind") == me
+                     or self._queued_lane(f) in stuck_lanes]
+            # waiting for the first: stuck only if every pending one is and none is done (as_completed
+            # yields the done ones first, and its caller may stop there)
+            if not stuck or (not needs_all and (len(stuck) < len(pending) or len(pending) < len(futures))):
+                # it may wait: counted as this lane waiting until its waiter is taken off (end_waiter)
+                wait = (futures, needs_all, mine)
+                waiter._streamdag_wait = (me, self._waits.get(me), wait)
+                self._waits[me] = wait
+                return
         for f in futures:  # installed on some already: it never waits now (their conditions are held)
             waiters = getattr(f, "_waiters", None)
             if waiters is not None and waiter in waiters:
@@ -119,31 +133,50 @@ class LaneWaits:
             "returned. Give the runtime more lanes (streams= on a CPU runtime, host_lanes= beside a "
             "device), or add done-callbacks instead of waiting inside the op")
 
-    def _stuck(self, mine: Any, me: int, future: Any) -> bool:
-        """Whether ``future``'s op can run only after the waiting op (on lane ``mine``, thread ``me``)
-        has returned. Holds ``_lock``."""
-        marks = getattr(future, "__dict__", {})
-        if marks.get("_behind") == me:
-            return True
-        return marks.get("_lanes_of") is self and self._cycle(mine, future) > 0
+    def end_waiter(self, waiter: Any) -> None:
+        """``concurrent.futures`` takes ``waiter`` off a future again: its wait is over (or it was
+        never counted), and its lane no longer waits for it."""
+        wait = getattr(waiter, "_streamdag_wait", None)
+        if wait is None:
+            return
+        del waiter._streamdag_wait  # once, whichever of its futures it is taken off first
+        me, outer, counted = wait
+        with self._lock:
+            if self._waits.get(me) is not counted:  # (an as_completed closed late, by another thread)
+                return
+            if outer is None:
+                self._waits.pop(me, None)
+            else:
+                self._waits[me] = outer
 
-    def _cycle(self, mine: Any, future: Any) -> int:
-        """How many lanes a wait on ``mine`` for ``future`` would close a cycle of (0: none). Each
-        waiting lane points at the lane its awaited op is queued on; a lane whose op does not wait
-        goes on, and the chain ends there. Holds ``_lock``."""
-        waiting_on = {}  # id of a lane -> the op its op waits for
-        for wait in self._waits.values():
-            if wait is not None and not wait[0].done():
-                waiting_on[id(wait[1])] = wait[0]
-        lane, seen = future.__dict__.get("_lane"), 1
-        while lane is not None and seen <= self.lanes:
-            if lane is mine:
-                return seen
-            waited = waiting_on.get(id(lane))
-            if waited is None:
-                return 0
-            lane, seen = waited.__dict__.get("_lane"), seen + 1
-        return 0
+    def _queued_lane(self, future: Any) -> int | None:
+        """The id of the lane of this runtime's that ``future``'s op is queued on (or runs on),
+        None where it finishes without one (a device op, another runtime's op)."""
+        marks = getattr(future, "__dict__", {})
+        lane = marks.get("_lane") if marks.get("_lanes_of") is self else None
+        return None if lane is None else id(lane)
+
+    def _stuck_lanes(self, mine: Any) -> set[int]:
+        """The ids of the lanes whose ops would never end their waits if the op on lane ``mine``
+        waited forever: ``mine``, then every waiting lane whose wait needs an op queued on one of
+        them (waiting for all: any pending one; for the first: every one, none done yet), until
+        none is added. Holds ``_lock``."""
+        waits = [wait for wait in self._waits.values() if wait is not None]
+        stuck = {id(mine)}
+        grew = True
+        while grew:
+            grew = False
+            for futures, needs_all, lane in waits:
+                if id(lane) in stuck:
+                    continue
+                pending = [f for f in futures if not f.done()]
+                if not pending or (not needs_all and len(pending) < len(futures)):
+                    continue  # its wait has ended, or is ending
+                blocked = [self._queued_lane(f) in stuck for f in pending]
+                if any(blocked) if needs_all else all(blocked):
+                    stuck.add(id(lane))
+                    grew = True
+        return stuck
 
 
 class WatchedWaiters(list):
@@ -160,6 +193,10 @@ class WatchedWaiters(list):
     def append(self, waiter: Any) -> None:
         self._lanes.check_waiter(waiter)
         super().append(waiter)
+
+    def remove(self, waiter: Any) -> None:
+        super().remove(waiter)
+        self._lanes.end_waiter(waiter)
 
 
 #: where ``concurrent.futures`` waits (its futures are ``fs`` there, its timeout ``timeout``)
