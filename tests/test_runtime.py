@@ -923,6 +923,18 @@ def test_concurrent_futures_waits_inside_an_op_that_can_end_are_left_alone():
         assert here.result(timeout=10) == "behind"
 
 
+def wait_for_registered_waits(rt, count, within=10.0):
+    """Until ``count`` lane threads of ``rt`` are inside waits without a timeout (registered)."""
+    deadline = time.perf_counter() + within
+    waits = rt._lane_waits
+    while True:
+        with waits._lock:
+            if sum(wait is not None for wait in waits._waits.values()) >= count:
+                return
+        assert time.perf_counter() < deadline, f"{count} lane waits were never registered"
+        time.sleep(0.001)
+
+
 def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
     """Lane 0's op waits (``result()``) for an op queued on lane 1 behind lane 1's op, which then
     waits for all of two ops through ``concurrent.futures.wait``, one of them queued on lane 0:
@@ -942,14 +954,7 @@ def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
             free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
             queued.wait()
             first_waits.wait(10)
-            deadline = time.perf_counter() + 10
-            waits = rt._lane_waits
-            while True:  # until lane 0 is inside result(), its wait registered
-                with waits._lock:
-                    if any(waits._waits.values()):
-                        break
-                assert time.perf_counter() < deadline, "lane 0's wait was never registered"
-                time.sleep(0.001)
+            wait_for_registered_waits(rt, 1)  # lane 0 is inside result(), its wait registered
             return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
 
         outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
@@ -959,18 +964,6 @@ def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
         assert outers[0].result(timeout=30) == 0
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
-
-
-def wait_for_registered_waits(rt, count, within=10.0):
-    """Until ``count`` lane threads of ``rt`` are inside waits without a timeout (registered)."""
-    deadline = time.perf_counter() + within
-    waits = rt._lane_waits
-    while True:
-        with waits._lock:
-            if sum(wait is not None for wait in waits._waits.values()) >= count:
-                return
-        assert time.perf_counter() < deadline, f"{count} lane waits were never registered"
-        time.sleep(0.001)
 
 
 @pytest.mark.parametrize("how", ["wait for all", "first completed", "as_completed"])

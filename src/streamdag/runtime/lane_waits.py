@@ -81,10 +81,7 @@ class LaneWaits:
             yield
         finally:
             with self._lock:
-                if outer is None:
-                    self._waits.pop(me, None)
-                else:
-                    self._waits[me] = outer
+                self._restore(me, outer)
 
     def check_waiter(self, waiter: Any) -> None:
         """``concurrent.futures.wait`` or ``as_completed`` installs ``waiter`` on the futures it
@@ -111,8 +108,8 @@ class LaneWaits:
         with self._lock:
             pending = [f for f in futures if not f.done()]
             stuck_lanes = self._stuck_lanes(mine)
-            stuck = [f for f in pending if getattr(f, "__dict__", {}).get("_behind") == me
-                     or self._queued_lane(f) in stuck_lanes]
+            # (an op queued behind this one on its own lane is on ``mine``, which is stuck)
+            stuck = [f for f in pending if self._queued_lane(f) in stuck_lanes]
             # waiting for the first: stuck only if every pending one is and none is done (as_completed
             # yields the done ones first, and its caller may stop there)
             if not stuck or (not needs_all and (len(stuck) < len(pending) or len(pending) < len(futures))):
@@ -136,18 +133,22 @@ class LaneWaits:
     def end_waiter(self, waiter: Any) -> None:
         """``concurrent.futures`` takes ``waiter`` off a future again: its wait is over (or it was
         never counted), and its lane no longer waits for it."""
-        wait = getattr(waiter, "_streamdag_wait", None)
-        if wait is None:
+        registered = getattr(waiter, "_streamdag_wait", None)
+        if registered is None:
             return
         del waiter._streamdag_wait  # once, whichever of its futures it is taken off first
-        me, outer, counted = wait
+        me, outer, counted = registered
         with self._lock:
-            if self._waits.get(me) is not counted:  # (an as_completed closed late, by another thread)
-                return
-            if outer is None:
-                self._waits.pop(me, None)
-            else:
-                self._waits[me] = outer
+            if self._waits.get(me) is counted:  # (else an as_completed closed late, by another thread)
+                self._restore(me, outer)
+
+    def _restore(self, me: int, outer: Any) -> None:
+        """Thread ``me``'s wait is over: back to the wait it was made inside (a done-callback run by
+        a wait), or to none. Holds ``_lock``."""
+        if outer is None:
+            self._waits.pop(me, None)
+        else:
+            self._waits[me] = outer
 
     def _queued_lane(self, future: Any) -> int | None:
         """The id of the lane of this runtime's that ``future``'s op is queued on (or runs on),
