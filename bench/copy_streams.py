@@ -39,7 +39,7 @@ def chunked_pipelines(host_in: Sequence[torch.Tensor], dev_in: Sequence[torch.Te
                       dev_out: Sequence[torch.Tensor], host_out: Sequence[torch.Tensor],
                       compute: Callable[[torch.Tensor, torch.Tensor], object]
                       ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """anchors.md's two PyTorch baselines over chunks: each chunk copied in, computed, copied out,
+    """The two PyTorch baselines over chunks: each chunk copied in, computed, copied out,
     all on one stream; and the hand-made pipeline with a stream per stage, ordered by events."""
     def sequential() -> None:
         for i in range(len(host_in)):

@@ -1,4 +1,4 @@
-"""Real models, batch 1 (anchors.md): streamdag.compile against PyTorch's ways to run them.
+"""Real models, batch 1: streamdag.compile against PyTorch's ways to run them.
 
 torchvision googlenet, inception_v3 and resnet50 with random weights, eval(),
 inference_mode; fp32 with TF32, then bf16. Side by side in one run: eager; a

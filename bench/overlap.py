@@ -1,4 +1,4 @@
-"""Copy/compute overlap (anchors.md): streamdag against the sequential and hand-made pipelines.
+"""Copy/compute overlap: streamdag against the sequential and hand-made pipelines.
 
 8 chunks of 64 MiB fp32: pinned host -> device, 6 x (bf16 1024x1024 matmul + tanh)
 per chunk, device -> pinned host. The bound is measured in the same run:
@@ -145,7 +145,7 @@ def main() -> None:
     t_both_pieces, active_pieces = both_ways(*cut, piece * 4)
     both_active_gbs = max(both_active_gbs, active_pieces)
     t_both = min(t_both_chunks, t_both_pieces)
-    bidir_gbs = 2 * CHUNKS * nbytes / t_both / 1e6  # as anchors.md measures it: all bytes / wall time
+    bidir_gbs = 2 * CHUNKS * nbytes / t_both / 1e6  # all bytes / wall time
     bound = max(t_in, t_out, t_compute, 2 * CHUNKS * nbytes / (bidir_gbs * 1e6))
     # any schedule of this program copies the last chunk out after all copies in and its compute,
     # and the first chunk in before any compute and copy out (one copy engine per direction)

@@ -1,4 +1,4 @@
-"""Tensor-parallel chain on two GPUs (anchors.md): see :mod:`streamdag.suite.tp` for what is measured.
+"""Tensor-parallel chain on two GPUs: see :mod:`streamdag.suite.tp` for what is measured.
 
 Run on a two-GPU machine: PYTHONPATH=src python bench/tp.py [--quick]
 (writes bench/results/tp_<gpu>x2.json).

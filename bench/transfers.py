@@ -8,7 +8,7 @@ streamdag: ``rt.copy`` from (into) the same pageable and pinned tensors; pageabl
 the runtime's reused pinned staging buffers, in chunks. Beside each copy's GB/s, the host time of
 the submit itself (``rt.copy`` returns a future; the time until it returns is what the submitting
 thread cannot use for other work). The variants run in interleaved rounds, each reporting its
-median. Then anchors.md's copy/compute case from and into pageable memory (8 chunks of 64 MiB),
+median. Then the copy/compute case of bench/overlap.py from and into pageable memory (8 chunks of 64 MiB),
 PyTorch's pipelines against streamdag's submits and ``stream_map`` (its default pieces), each
 checked to give exactly the results of the first.
 
@@ -82,7 +82,7 @@ def check(rt: sd.Runtime, tensors) -> None:
 
 
 def pipeline_variants(rt: sd.Runtime) -> tuple[dict, dict]:
-    """The copy/compute case of anchors.md (8 chunks of 64 MiB, 6 x (bf16 matmul + tanh) each) from
+    """The copy/compute case of bench/overlap.py (8 chunks of 64 MiB, 6 x (bf16 matmul + tanh) each) from
     and into pageable memory: PyTorch on one stream and with a stream per stage (its copies from
     pageable memory hold the host until staged), streamdag's submits and ``stream_map``."""
     chunks, floats = PIPELINE_CHUNKS, 16 << 20

@@ -1,4 +1,4 @@
-"""The wide graph of anchors.md on one GPU: streamdag against PyTorch's baselines, side by side.
+"""The wide graph (B branches of matmul+relu) on one GPU: streamdag against PyTorch's baselines.
 
 Run on a GPU machine: PYTHONPATH=src python bench/wide.py [--compile] [--cases tiny,small]
 (writes bench/results/wide_<gpu>.json, and a trace and PNG of the tiny case).

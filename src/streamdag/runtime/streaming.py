@@ -57,7 +57,7 @@ PIECE_BYTES = 32 << 20
 CAPTURED_PIECE_BYTES = 16 << 20
 # From or into pageable memory, each piece's copy of more than 8 MiB is a host-lane op staged through
 # a ring of pinned buffers, and each such op costs ~0.5 ms that overlaps nothing (its first chunk's
-# host copy, its last DMA): on an H100 host anchors.md's 8 x 64 MiB took 55-59 ms in 16 MiB pieces,
+# host copy, its last DMA): on an H100 host the 8 x 64 MiB copy/compute case took 55-59 ms in 16 MiB pieces,
 # 35-38 in 64 MiB ones. Pieces of at most 1/MIN_PAGEABLE_PIECES of the data (the head and tail that
 # nothing overlaps: one piece's copy in, one's copy out).
 PAGEABLE_PIECE_BYTES = 64 << 20

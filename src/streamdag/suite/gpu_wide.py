@@ -1,4 +1,4 @@
-"""The wide graph of anchors.md on one GPU: streamdag against PyTorch's baselines, side by side.
+"""The wide graph (B branches of matmul+relu) on one GPU: streamdag against PyTorch's baselines.
 
 B branches of L layers ``h = relu(h @ W[b][l])`` from one shared input, joined
 by ``torch.stack(outs).sum(0)``; fp32 with TF32. Every variant is timed in

@@ -1,4 +1,4 @@
-"""The tensor-parallel chain of anchors.md on two GPUs: one GPU, the hand-made two-GPU version, streamdag.
+"""The tensor-parallel chain on two GPUs: one GPU, the hand-made two-GPU version, streamdag.
 
 L layers of ``relu(h @ W)`` in bf16, D = 8192. The hand-made version splits W
 by columns over the two GPUs, and after every layer each GPU gathers the
