@@ -1,0 +1,334 @@
+"""Write docs/benchmarks.md from the result files in bench/results/ (one table per file).
+
+Run from the repository root after a benchmark has written a new result:
+
+    python scripts/benchmarks_page.py            # writes docs/benchmarks.md
+    python scripts/benchmarks_page.py --check    # exits 1 if docs/benchmarks.md is out of date
+
+Each benchmark script writes ``bench/results/<benchmark>_<device>.json`` with the environment it
+ran in; this page shows the numbers of every such file, so that what the docs quote can be traced
+to a file. It reads JSON only: no GPU, no torch needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def fmt(value: Any) -> str:
+    """A cell: floats with three decimals (one from 100 up), None as a dash, the rest as text."""
+    if isinstance(value, bool) or value is None:
+        return "—" if value is None else str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ratio(base: float | None, value: float | None) -> str:
+    """``value`` with how many times faster than ``base`` it is, e.g. ``0.214 (4.40x)``."""
+    if value is None:
+        return "—"
+    if not base:
+        return fmt(value)
+    return f"{fmt(value)} ({base / value:.2f}x)"
+
+
+# ------------------------------------------------------------------ one renderer per benchmark
+
+def render_wide(data: dict) -> str:
+    cases = data["cases"]
+    labels = list(dict.fromkeys(label for c in cases for label in c["ms"]))
+    rows = [[label, *(ratio(c["ms"].get("eager 1 stream"), c["ms"].get(label)) for c in cases)]
+            for label in labels]
+    shape = ", ".join(f"{c['case']}: B={c['B']} L={c['L']} rows={c['rows']} D={c['D']}" for c in cases)
+    chosen = ", ".join(f"{c['case']} {c['streamdag_compile']['variant']}" for c in cases
+                       if c.get("streamdag_compile"))
+    captured = ", ".join(f"{c['case']} {c['capture']['chosen_streams']}" for c in cases)
+    return "\n\n".join([
+        table(["ms per iteration (speedup over eager, 1 stream)", *(c["case"] for c in cases)], rows),
+        f"Cases: {shape}. Streams chosen for the captured graph: {captured}. "
+        f"streamdag.compile variant kept: {chosen or 'not run'}.",
+    ])
+
+
+def render_models(data: dict) -> str:
+    headers = ["model", "dtype", "eager", "CUDA graph 1 stream", "torch.compile reduce-overhead",
+               "**streamdag.compile** (variant)", "streamdag compile s", "torch.compile s"]
+    rows = []
+    for m in data["models"]:
+        ms = m["ms"]
+        rows.append([m["model"], m["dtype"].removeprefix("torch."), ms.get("eager"),
+                     ms.get("CUDA graph 1 stream"), ms.get("torch.compile reduce-overhead"),
+                     f"**{fmt(ms.get('streamdag'))}** ({m.get('variant', '?')})",
+                     m.get("streamdag_compile_s"), m.get("torch_compile_s")])
+    return "Median wall ms per call, batch 1.\n\n" + table(headers, rows)
+
+
+def render_overhead(data: dict) -> str:
+    us, added = data["us"], data["added_paired_us"]
+    rows = [["PyTorch launch, one stream", us["torch_us"], 0.0]]
+    rows += [[label, value, added.get(label)] for label, value in us.items() if label != "torch_us"]
+    return table(["variant", "µs per op", "µs added over its PyTorch baseline (paired rounds)"], rows)
+
+
+def render_overlap(data: dict) -> str:
+    ms = data["ms"]
+    bound, sequential = ms["bound"], ms["sequential, one stream"]
+    bounds = ["copies_in", "copies_out", "compute", "both_ways", "bound", "pipeline_bound"]
+    variants = [k for k in ms if k not in bounds and not k.startswith(("both_ways", "link_model"))]
+    rows = [[k, ms[k], f"{ms[k] / bound:.2f}x", f"{sequential / ms[k]:.2f}x"] for k in variants]
+    return "\n\n".join([
+        f"Bound {fmt(bound)} ms (copies in {fmt(ms['copies_in'])}, out {fmt(ms['copies_out'])}, "
+        f"compute {fmt(ms['compute'])}, all copy bytes both ways at "
+        f"{data['bidirectional_gbs']:.1f} GB/s); results equal the sequential version's: "
+        f"{fmt(data['results_equal'])}.",
+        table(["variant", "ms", "of the bound", "speedup over sequential"], rows),
+    ])
+
+
+def render_transfers(data: dict) -> str:
+    results = data["results"]
+    sizes = list(dict.fromkeys(k.split(" streamdag")[0].split(" PyTorch")[0] for k in results))
+    kinds = list(dict.fromkeys(k[len(s) + 1:] for k in results for s in sizes if k.startswith(s + " ")))
+    rows = []
+    for size in sizes:
+        row: list[Any] = [size]
+        for kind in kinds:
+            r = results.get(f"{size} {kind}")
+            row.append("—" if r is None else f"{fmt(r['ms'])} ({r['vs_pytorch_pageable']:.2f}x)")
+        rows.append(row)
+    parts = ["ms per copy (speedup over PyTorch's pageable copy), the host waiting for the data:",
+             table(["size, direction", *kinds], rows)]
+    submit = [[k, r["submit_host_ms"]] for k, r in results.items() if r.get("submit_host_ms") is not None]
+    parts += ["Host time of streamdag's submit (ms; the copy itself continues after it returns):",
+              table(["copy", "submit ms"], submit)]
+    pipeline = data.get("pageable_pipeline_ms")
+    if pipeline:
+        base = pipeline.get("PyTorch, one stream")
+        parts += ["8 chunks of 64 MiB from and into pageable memory, 6 x (bf16 matmul + tanh) each:",
+                  table(["variant", "ms (speedup over one stream)"],
+                        [[k, ratio(base, v)] for k, v in pipeline.items()])]
+    return "\n\n".join(parts)
+
+
+def render_latency(data: dict) -> str:
+    rows = [[k, v, data["p90_us"].get(k)] for k, v in data["median_us"].items()]
+    return table(["wait", "median µs", "p90 µs"], rows)
+
+
+def render_wait_latency(data: dict) -> str:
+    ms = data["ms"]
+    kinds = list(dict.fromkeys(kind for v in ms.values() for kind in v))
+    rows = [[case, *(v.get(kind) for kind in kinds)] for case, v in ms.items()]
+    return ("ms from submit to `result()` returning; `torch`: the same work and "
+            "`torch.cuda.synchronize()`.\n\n" + table(["work", *kinds], rows))
+
+
+def render_tp(data: dict) -> str:
+    headers = ["rows × D, layers", "one GPU", "hand-made 2 GPUs", "**streamdag**, input whole",
+               "**streamdag**, input split", "plan (input whole)"]
+    rows = []
+    for c in data["cases"]:
+        one = c["one_gpu_ms"]
+        rows.append([f"{c['rows']} × {data['D']}, {c['layers']}", one, ratio(one, c["hand_made_ms"]),
+                     ratio(one, c["streamdag_input_whole_ms"]), ratio(one, c["streamdag_input_split_ms"]),
+                     c["plan_input_whole"]])
+    peer = data["peer_copy"]
+    return "\n\n".join([
+        f"`relu(h @ W)` in {data['dtype']}, ms per call (speedup over one GPU).",
+        table(headers, rows),
+        f"Peer copies, many in flight: `rt.copy` {peer['streamdag_GBps']:.0f} GB/s, "
+        f"back-to-back `copy_` {peer['raw_GBps']:.0f} GB/s.",
+    ])
+
+
+def render_cpu_wide(data: dict) -> str:
+    s = data["settings"]
+    rows = [[k, v] for k, v in data["ms"].items()]
+    return "\n\n".join([
+        f"{s['branches']} branches x {s['layers']} layers of numpy matmul+relu ({s['rows']} x {s['dim']}), "
+        f"{s['streams']} lanes. Speedup over serial: eager {data['speedup']['eager']:.2f}x, recorded "
+        f"graph {data['speedup']['graph']:.2f}x; results bit-identical: {fmt(data['bit_identical'])}.",
+        table(["variant", "ms"], rows),
+    ])
+
+
+def render_sched_scale(data: dict) -> str:
+    keys = ["ops", "edges", "seconds", "reduced_edges", "levels", "width", "streams", "waits"]
+    rows = [[name, *(c.get(k) for k in keys)] for name, c in data["cases"].items()]
+    return table(["random DAG", *keys], rows)
+
+
+def render_hot_path(data: dict) -> str:
+    return table(["hot path", "µs per submit (a do-nothing op)"], list(data["us"].items()))
+
+
+def render_cuda_calls(data: dict) -> str:
+    rows = [[k, v["median"], v["added_paired"]] for k, v in data["ns_per_launch"].items()]
+    return table(["launch (from C++)", "median ns", "ns added (paired rounds)"], rows)
+
+
+def render_finish_every(data: dict) -> str:
+    rows = [[k, median(data["graph_ms"][k]), median(data["chain_us"][k]), data["collector_ms"][k]]
+            for k in data["graph_ms"]]
+    return table(["finish every N submits", "wide tiny graph, median ms", "chain, median µs per op",
+                  "cycle collector ms"], rows)
+
+
+def render_replay_check(data: dict) -> str:
+    rows = [[k, v, data["run_host_us"].get(k)] for k, v in data["check_us"].items()]
+    return table(["argument check before a replay", "check µs", "g.run() host µs"], rows)
+
+
+def render_flat(data: dict) -> str:
+    """A benchmark whose result is one dict of numbers (``ms``, ``us_per_op``...): one row each."""
+    for key, unit in (("ms", "ms"), ("us_per_op", "µs per op"), ("us", "µs")):
+        values = data.get(key)
+        if isinstance(values, dict) and all(isinstance(v, (int, float)) for v in values.values()):
+            return table(["variant", unit], list(values.items()))
+    return "(no table for this result's layout: read the JSON file)"
+
+
+#: benchmark name -> (the script that writes it, what it measures, its renderer), in page order
+BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
+    "wide": ("bench/wide.py", "The wide graph: B branches of L layers of matmul+relu from one input, "
+             "joined by a sum; PyTorch eager, hand-made CUDA graphs, streamdag op by op, recorded and "
+             "captured, and streamdag.compile.", render_wide),
+    "models": ("bench/models.py", "torchvision models at batch 1 (random weights, inference): "
+               "streamdag.compile against PyTorch's ways to run them.", render_models),
+    "overhead": ("bench/overhead.py", "Host time per op that streamdag adds to PyTorch's own launch: "
+                 "a dependent chain of tiny kernels, and 1 KiB pinned copies.", render_overhead),
+    "overlap": ("bench/overlap.py", "Copy/compute overlap: 8 chunks of 64 MiB from pinned memory in, "
+                "6 x (bf16 matmul + tanh), out; against the bound measured in the same run.",
+                render_overlap),
+    "transfers": ("bench/transfers.py", "Host<->device copies from pinned and pageable memory: "
+                  "`rt.copy` against PyTorch's `copy_`.", render_transfers),
+    "latency": ("bench/latency.py", "Waiting for a tiny op: futures against "
+                "`torch.cuda.synchronize()`.", render_latency),
+    "wait_latency": ("bench/wait_latency.py", "Waiting for longer work: `result()` against "
+                     "`torch.cuda.synchronize()`.", render_wait_latency),
+    "tp": ("bench/tp.py", "Tensor-parallel chain on two GPUs (`LinearChain`).", render_tp),
+    "host_lanes": ("bench/host_lanes.py", "Host functions on GPU results: inside their submit "
+                   "against `run_on=\"host\"`.", render_flat),
+    "host_feed": ("bench/host_feed.py", "Host-lane ops preparing each step's input while the GPU "
+                  "works.", render_flat),
+    "recorded_host_op": ("bench/recorded_host_op.py", "A recorded graph with a host step between "
+                         "two chains of tiny kernels.", render_flat),
+    "held_ops": ("bench/held_ops.py", "What an op held behind a host-lane op costs the host.",
+                 render_flat),
+    "copy_streams": ("bench/copy_streams.py", "The device alone: hand-made, captured copy/compute "
+                     "pipelines in pieces (the floor under `stream_map`).", render_flat),
+    "cuda_calls": ("bench/cuda_calls.py", "What each CUDA call around a launch costs, made from C++.",
+                   render_cuda_calls),
+    "finish_every": ("bench/finish_every.py", "How often the submitting thread finishes completed ops.",
+                     render_finish_every),
+    "replay_check": ("bench/replay_check.py", "The argument check before each replay of a captured "
+                     "graph.", render_replay_check),
+    "cpu_wide": ("bench/cpu_wide.py", "The CPU suite's wide graph on worker lanes against a serial "
+                 "loop.", render_cpu_wide),
+    "sched_scale": ("bench/sched_scale.py", "Scheduling a random DAG of 10,000 ops (pure Python "
+                    "scheduler).", render_sched_scale),
+    "hot_path": ("bench/hot_path.py", "Host time per submit, compiled hot path against its Python "
+                 "reference, with a backend that runs each op at once.", render_hot_path),
+}
+
+
+def benchmark_of(stem: str) -> str | None:
+    """The benchmark a result file belongs to: the longest name that its stem starts with."""
+    names = [n for n in BENCHMARKS if stem == n or stem.startswith(n + "_")]
+    return max(names, key=len, default=None)
+
+
+def device_line(env: dict) -> str:
+    if env.get("gpu"):
+        gpus = env.get("gpus") or 1
+        device = f"{env['gpu']}" + (f" (of {gpus} on the host)" if gpus > 1 else "")
+        software = f"PyTorch {env.get('torch')}, CUDA {env.get('cuda')}"
+    else:
+        device = f"CPU, {env.get('cpu_count')} cores"
+        software = f"PyTorch {env.get('torch')}" if env.get("torch") else "no PyTorch"
+    return f"{device}; Python {env.get('python')}, {software}, streamdag {env.get('streamdag')}"
+
+
+def section(path: Path) -> tuple[str, str]:
+    """(benchmark name, the markdown section) of one result file."""
+    data = json.loads(path.read_text())
+    name = benchmark_of(path.stem)
+    if name is None:
+        raise SystemExit(f"{path}: no benchmark is named like this file; add it to BENCHMARKS in "
+                         f"{Path(__file__).name} (its script, what it measures, a renderer)")
+    render = BENCHMARKS[name][2]
+    env = data.pop("environment", {})
+    return name, "\n\n".join([f"### `{path.name}`", f"{device_line(env)}.", render(data)])
+
+
+HEADER = """\
+# Benchmarks
+
+Generated by `python scripts/benchmarks_page.py` from the files in
+[`bench/results/`](../bench/results/): do not edit by hand. Each file holds the
+environment it ran in and every number below; the latest result per benchmark
+and device is kept, earlier ones are in git history. Times are medians. Host
+speed varies between machines by tens of percent, so compare variants within
+one table rather than across tables.
+
+To add or refresh a result, run the benchmark's script on the device (each
+writes its JSON into `bench/results/`), then regenerate this page.
+`streamdag bench` runs the built-in suite and writes into
+`bench/results/latest/`, which this page does not read.
+"""
+
+
+def page(results: Path = RESULTS) -> str:
+    sections: dict[str, list[str]] = {}
+    for path in sorted(results.glob("*.json")):
+        if path.stem.startswith("trace_"):  # Chrome traces, not results
+            continue
+        name, text = section(path)
+        sections.setdefault(name, []).append(text)
+    parts = [HEADER.strip()]
+    for name, (script, what, _) in BENCHMARKS.items():
+        if name in sections:
+            parts.append(f"## {name}\n\n{what} Script: `{script}`.")
+            parts.extend(sections[name])
+    images = sorted(results.glob("timeline_*.png"))
+    if images:
+        parts.append("## Timelines\n\n" + "\n\n".join(
+            f"`{p.name}`:\n\n![{p.stem}](../bench/results/{p.name})" for p in images))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+    args = parser.parse_args(argv)
+    text = page()
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/benchmarks_page.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
