@@ -1,5 +1,5 @@
-"""The README's examples run as written (the first on the CPU, the copy example on a GPU): the docs
-a user reads first stay true."""
+"""The README's examples run as written (the first on the CPU, the GPU examples on a GPU), and so do
+the CPU examples of the guides in docs/: the docs a user reads stay true."""
 
 import re
 from pathlib import Path
@@ -64,3 +64,29 @@ def test_the_stream_map_example_returns_fn_of_each_input():
     for x, out in zip(ns["host_in"], ns["outs"]):
         assert out.is_pinned()
         torch.testing.assert_close(out, torch.tanh(x.cuda() @ w).cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_each_gpu_example_of_the_readme_is_found_by_its_test():
+    """The GPU tests above pick their example by what it calls; each must find exactly one (checked
+    here on the CPU too, where those tests skip)."""
+    blocks = python_blocks()
+    for marks in (("rt.to_host(", "rt.copy("), ('run_on="host"',), ("rt.stream_map(",)):
+        assert len([b for b in blocks if all(m in b for m in marks)]) == 1, marks
+
+
+DOCS = README.parent / "docs"
+
+
+def cpu_examples_of_the_guides() -> list:
+    examples = []
+    for guide in sorted(DOCS.glob("guide-*.md")):
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)):
+            if "cuda" not in block:  # the GPU examples need a GPU (and the README's are tested above)
+                examples.append(pytest.param(guide, block, id=f"{guide.stem}-{i}"))
+    return examples
+
+
+@pytest.mark.parametrize(("guide", "block"), cpu_examples_of_the_guides())
+def test_the_cpu_examples_of_the_guides_run_as_written(guide, block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an example may write a trace
+    exec(compile(block, str(guide), "exec"), {"__name__": "guide_example"})
