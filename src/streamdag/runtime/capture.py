@@ -431,8 +431,8 @@ def _collector_paused() -> Iterator[None]:
     once as it starts). A collection runs, in the thread that triggers it, the finalizers of
     what it frees; a PyTorch object freed then (a CUDA event, an earlier CUDA graph) makes CUDA
     calls that a capture forbids: an earlier graph's ``reset`` fails with "operation not
-    permitted when stream is capturing" and the capture is invalidated. That was the rare
-    capture failure of docs/status.md; a cuda test reproduces it without the pause
+    permitted when stream is capturing" and the capture is invalidated, a rare and
+    timing-dependent failure; a cuda test reproduces it without the pause
     (``test_a_graph_the_collector_frees_during_a_capture_does_not_fail_it``)."""
     enabled = gc.isenabled()
     gc.disable()
