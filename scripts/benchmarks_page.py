@@ -249,6 +249,14 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
 }
 
 
+#: what sets a result file apart from its benchmark's usual run, where its name alone does not say
+NOTES = {
+    "models_NVIDIA_H100_80GB_HBM3_cudnn_bn_grouped.json":
+        "A variant, not the default: the batching pass also grouping `cudnn_batch_norm`, which it "
+        "leaves alone because this run measured it slower on GoogLeNet fp32.",
+}
+
+
 def benchmark_of(stem: str) -> str | None:
     """The benchmark a result file belongs to: the longest name that its stem starts with."""
     names = [n for n in BENCHMARKS if stem == n or stem.startswith(n + "_")]
@@ -275,7 +283,8 @@ def section(path: Path) -> tuple[str, str]:
                          f"{Path(__file__).name} (its script, what it measures, a renderer)")
     render = BENCHMARKS[name][2]
     env = data.pop("environment", {})
-    return name, "\n\n".join([f"### `{path.name}`", f"{device_line(env)}.", render(data)])
+    note = [NOTES[path.name]] if path.name in NOTES else []
+    return name, "\n\n".join([f"### `{path.name}`", f"{device_line(env)}.", *note, render(data)])
 
 
 HEADER = """\
