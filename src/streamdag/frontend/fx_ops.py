@@ -29,6 +29,14 @@ from ..graph.buffers import Access, Region
 
 __all__ = ["NodeOp", "ops_from_graph"]
 
+aten = torch.ops.aten
+
+#: ops whose schemas leave out writes they make: in training, these batch norms update the
+#: running mean and variance (arguments 3 and 4) in place; argument 5 is the training flag
+_UNDECLARED_WRITES = {aten.native_batch_norm.default: ((3, 4), 5),
+                      aten.cudnn_batch_norm.default: ((3, 4), 5),
+                      aten.miopen_batch_norm.default: ((3, 4), 5)}
+
 
 @dataclass
 class NodeOp:
@@ -130,6 +138,7 @@ def _node_op(node: torch.fx.Node, storage: dict, fresh: Any, input_sid: dict[int
             shared = [alias_of[n] for n in (info.before_set if info else ()) if n in alias_of]
             outs.append(shared[0] if shared else next(fresh))
         storage[node] = outs[0] if len(outs) == 1 else outs
+        writes += _undeclared_writes(node, storage)
     else:  # a Python callable: assume it reads everything it is given and returns new memory
         sids = [storage[n] for n in _flat_nodes((node.args, node.kwargs)) if n in storage]
         reads = [s for sub in sids for s in (sub if isinstance(sub, list) else [sub])]
@@ -138,6 +147,15 @@ def _node_op(node: torch.fx.Node, storage: dict, fresh: Any, input_sid: dict[int
     accesses += [Access(_storage_region(s), True) for s in dict.fromkeys(writes)]
     written_inputs = [input_sid[s] for s in dict.fromkeys(writes) if s in input_sid]
     return NodeOp(node, accesses, _runner(node), written_inputs)
+
+
+def _undeclared_writes(node: torch.fx.Node, storage: dict) -> list[int]:
+    written, flag = _UNDECLARED_WRITES.get(node.target, ((), None))
+    if flag is None or not (len(node.args) > flag and node.args[flag]):
+        return []
+    args = [node.args[i] for i in written if i < len(node.args)]
+    sids = [storage[n] for n in _flat_nodes(args) if n in storage]
+    return [s for sub in sids for s in (sub if isinstance(sub, list) else [sub])]
 
 
 def _bind(schema: Any, node: torch.fx.Node) -> list[tuple[Any, Any]]:
