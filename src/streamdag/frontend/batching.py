@@ -24,6 +24,9 @@ Repeated, these turn a wide graph of B branches into one chain of batched ops.
 Stacked constants are checked before every call (:class:`StackedConstants`):
 an in-place update or a new tensor behind a constant is copied into the stack,
 in place, so results are never stale and captured graphs stay valid.
+Inference tensors (made, moved or cast under ``torch.inference_mode()``) have
+no version counter that in-place updates bump, so constants that are
+inference tensors are never stacked; the report names how many were left.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class BatchReport:
 
     groups: list[BatchGroup] = field(default_factory=list)
     only: frozenset[frozenset[str]] | None = None
+    inference_constants: set[str] = field(default_factory=set)  # left unbatched: no version counter
 
     def admits(self, members: list[torch.fx.Node]) -> bool:
         return self.only is None or frozenset(m.name for m in members) in self.only
@@ -114,13 +118,27 @@ class BatchReport:
         self.groups.append(BatchGroup(kind, tuple(m.name for m in members), tuple(o.name for o in ops)))
 
     def __str__(self) -> str:
-        if not self.groups:
-            return "batching: no groups"
         kinds: dict[str, list[int]] = {}
         for g in self.groups:
             kinds.setdefault(g.kind, []).append(len(g.members))
         parts = [f"{len(sizes)} x {kind} (sizes {sorted(set(sizes))})" for kind, sizes in kinds.items()]
-        return "batching: " + ", ".join(parts)
+        text = "batching: " + (", ".join(parts) or "no groups")
+        if self.inference_constants:
+            text += (f"; {len(self.inference_constants)} weights left out: they are inference tensors "
+                     "(made, moved or cast under torch.inference_mode()), whose in-place updates "
+                     "cannot be seen in a stacked copy; make or move the model under torch.no_grad() "
+                     "to batch them")
+        return text
+
+
+def _stackable(gm: torch.fx.GraphModule, report: BatchReport, *nodes: Any) -> bool:
+    """Whether the constants behind these get_attr nodes can be stacked (None: no constant)."""
+    ok = True
+    for node in nodes:
+        if node is not None and getattr(gm, node.target).is_inference():
+            report.inference_constants.add(node.target)
+            ok = False
+    return ok
 
 
 def _val(node: Any) -> Any:
@@ -215,8 +233,8 @@ def _groups_by_key(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any
     return [g for g in groups if report.admits(g)], index
 
 
-def _matmul_key(n: torch.fx.Node) -> tuple | None:
-    if n.target is aten.mm.default and n.args[1].op == "get_attr":
+def _matmul_key(gm: torch.fx.GraphModule, report: BatchReport, n: torch.fx.Node) -> tuple | None:
+    if n.target is aten.mm.default and n.args[1].op == "get_attr" and _stackable(gm, report, n.args[1]):
         a, b = _val(n.args[0]), _val(n.args[1])
         if a is not None and b is not None:
             return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, str(a.device))
@@ -242,7 +260,7 @@ def _one_group_at_a_time(gm: torch.fx.GraphModule, report: BatchReport, key_of: 
 
 
 def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
-    return _one_group_at_a_time(gm, report, _matmul_key,
+    return _one_group_at_a_time(gm, report, lambda n: _matmul_key(gm, report, n),
                                 lambda members, index: _merge_matmuls(gm, constants, report, members, index))
 
 
@@ -330,11 +348,13 @@ def _split_channels(graph: torch.fx.Graph, combined: torch.fx.Node, members: lis
         start, previous = start + width, piece
 
 
-def _conv_key(gm: torch.fx.GraphModule, n: torch.fx.Node) -> tuple | None:
+def _conv_key(gm: torch.fx.GraphModule, report: BatchReport, n: torch.fx.Node) -> tuple | None:
     if n.target is not aten.convolution.default:
         return None
     x, w, b, stride, padding, dilation, transposed, _, groups = n.args
     if transposed or groups != 1 or w.op != "get_attr" or (b is not None and b.op != "get_attr"):
+        return None
+    if not _stackable(gm, report, w, b):
         return None
     wv = getattr(gm, w.target)
     return (x, tuple(wv.shape[1:]), tuple(stride), tuple(padding), tuple(dilation), b is None, wv.dtype)
@@ -343,7 +363,7 @@ def _conv_key(gm: torch.fx.GraphModule, n: torch.fx.Node) -> tuple | None:
 def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
     """Convolutions reading one input with one geometry: one convolution over concatenated filters."""
     graph = gm.graph
-    groups, index = _groups_by_key(gm, report, lambda n: _conv_key(gm, n))
+    groups, index = _groups_by_key(gm, report, lambda n: _conv_key(gm, report, n))
     changed = False
     for members in groups:
         last = max(members, key=index.__getitem__)
@@ -381,6 +401,8 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
             continue
         x, *params = n.args[:5]
         if not all(isinstance(p, torch.fx.Node) and p.op == "get_attr" for p in params):
+            continue
+        if not _stackable(gm, report, *params):
             continue
         if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
             continue

@@ -87,7 +87,8 @@ class _Entry:
         self.stacked = None
         self.batch_report = None
         if batch:
-            gm, self.stacked, self.batch_report = batch_independent_ops(gm, only)
+            with torch.inference_mode(False):  # stacked copies are written outside inference mode too
+                gm, self.stacked, self.batch_report = batch_independent_ops(gm, only)
         self.gm = gm
         self.tensor_pos = tensor_pos
         # the device of the inputs, or of the tensors the function closes over when it takes none
@@ -96,11 +97,12 @@ class _Entry:
                        if isinstance(t, torch.Tensor) and t.device.type != "cpu"), torch.device("cpu"))
         self.runtime = owner._runtime_for(device)
         ops, placeholders, output_arg, output_reads = ops_from_graph(gm)
-        self.static_inputs = [
-            t if isinstance(t, torch.nn.Parameter)
-            else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in examples
-        ]
+        with torch.inference_mode(False):  # written by calls in and out of inference mode
+            self.static_inputs = [
+                t if isinstance(t, torch.nn.Parameter)
+                else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                for t in examples
+            ]
         self.env: dict[torch.fx.Node, Any] = {}
         self.base_env: dict[torch.fx.Node, Any] = dict(zip(placeholders, self.static_inputs))
         for node in gm.graph.nodes:
@@ -301,6 +303,8 @@ class Compiled:
             batched.label = "batched"
             if batched.batch_report.groups:  # a second variant only where batching changed something
                 variants.append(batched)
+            elif batched.batch_report.inference_constants:  # explain() says why nothing was batched
+                plain.batch_report = batched.batch_report
         return _Specialization(variants, lambda flat, only: _Entry(self, flat, spec, True, only))
 
     def explain(self) -> str:
