@@ -2,7 +2,9 @@
 updated once per call; safe first calls from several threads; outputs in the model's own types."""
 
 import copy
+import dataclasses
 import warnings
+from collections import namedtuple
 
 import pytest
 
@@ -34,6 +36,81 @@ def test_the_dynamo_backend_updates_batch_norm_statistics_as_eager_does():
             torch.testing.assert_close(opt(x), ref(x))
             for name, want in ref.named_buffers():
                 torch.testing.assert_close(dict(m.named_buffers())[name], want, msg=name)
+
+
+# --- output types ---------------------------------------------------------------------------
+
+_Pair = namedtuple("_Pair", "a b")
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: list
+    steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    value: torch.Tensor
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: [x + 1, x * 2],
+    lambda x: (x + 1, [x * 2, {"k": x - 1}]),
+    lambda x: {"a": x + 1, "b": (x * 2,), "n": None, "s": "text"},
+    lambda x: _Pair(x + 1, [x]),
+    lambda x: _Output(x + 1, [x * 2, x * 3], steps=x.shape[0]),
+    lambda x: _Frozen(x * 4),
+], ids=["list", "tuple", "dict", "namedtuple", "dataclass", "frozen-dataclass"])
+def test_outputs_keep_the_models_own_container_types(make):
+    c = sd.compile(make)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3)
+            got, want = c(x), make(x)
+            assert c.statistics().eager_calls == 0
+
+            def same(a, b):
+                assert type(a) is type(b)
+                if dataclasses.is_dataclass(a):
+                    for f in dataclasses.fields(a):
+                        same(getattr(a, f.name), getattr(b, f.name))
+                elif isinstance(a, (list, tuple)):
+                    assert len(a) == len(b)
+                    for u, v in zip(a, b):
+                        same(u, v)
+                elif isinstance(a, dict):
+                    assert a.keys() == b.keys()
+                    for k in a:
+                        same(a[k], b[k])
+                elif isinstance(a, torch.Tensor):
+                    assert type(a) is torch.Tensor
+                    torch.testing.assert_close(a, b)
+                else:
+                    assert a == b
+
+            same(got, want)
+
+
+class _Cache:
+    """A key/value cache as models return it: a plain object holding tensors."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+
+def test_an_output_object_it_cannot_rebuild_runs_eagerly_saying_why_once():
+    def f(x):
+        return x + 1, _Cache([x * 2])
+
+    c = sd.compile(f)
+    with torch.no_grad():
+        (first, second), caught = _warnings_of(lambda: (c(torch.ones(2)), c(torch.ones(2))))
+    assert isinstance(first[1], _Cache) and torch.equal(second[1].keys[0], torch.full((2,), 2.0))
+    assert len(caught) == 1
+    assert "_Cache" in caught[0] and "register_pytree_node" in caught[0]
+    assert "_Cache" in c.explain() and "register_pytree_node" in c.explain()
 
 
 # --- inference tensors ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from ..runtime.recorded import RecordedGraph
 from .batch_choice import GroupEstimate, estimate_groups, paying_groups
 from .batching import batch_independent_ops
 from .fx_ops import ops_from_graph
+from .outputs import CannotRebuild, flatten_outputs
 
 __all__ = ["CompileStatistics", "Compiled", "compile"]
 
@@ -74,7 +75,8 @@ class _Entry:
             for i, t in zip(tensor_pos, tensors):
                 values[i] = t
             args, kwargs = pytree.tree_unflatten(values, spec)
-            return owner._fn(*args, **kwargs)
+            outputs, self.rebuild = flatten_outputs(owner._fn(*args, **kwargs))
+            return outputs  # the graph returns tensors only; calls rebuild the function's output
 
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -141,7 +143,7 @@ class _Entry:
             for i in self.mutated_inputs:
                 if tensors[i] is not self.static_inputs[i]:
                     tensors[i].copy_(self.static_inputs[i])
-        return outputs, captured
+        return self.rebuild(iter(outputs)), captured
 
     def _replay_here(self) -> Any:
         """Replay on the caller's stream: ordered with the caller's work, no runtime op needed.
@@ -247,6 +249,7 @@ class Compiled:
         self._runtimes: dict[str, Runtime] = {}
         self._stats = CompileStatistics()
         self._warned: set[str] = set()
+        self._eager_reasons: dict[str, None] = {}
         self.__wrapped__ = fn
 
     def _runtime_for(self, device: torch.device) -> Runtime:
@@ -257,10 +260,15 @@ class Compiled:
             self._runtimes[name] = Runtime(name, streams=self._streams, max_inflight=100_000)
         return self._runtimes[name]
 
-    def _warn(self, reason: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"streamdag.compile: running eagerly: {reason}", RuntimeWarning, stacklevel=3)
+    def _warn(self, reason: str, stacklevel: int = 4) -> None:
+        """Say once why calls run eagerly; ``explain()`` says it too."""
+        self._eager_reasons[reason] = None
+        self._note(f"running eagerly: {reason}", reason, stacklevel + 1)
+
+    def _note(self, message: str, once_key: str, stacklevel: int = 4) -> None:
+        if once_key not in self._warned:
+            self._warned.add(once_key)
+            warnings.warn(f"streamdag.compile: {message}", RuntimeWarning, stacklevel=stacklevel)
 
     def statistics(self) -> CompileStatistics:
         return CompileStatistics(**vars(self._stats))
@@ -283,6 +291,9 @@ class Compiled:
             try:
                 self._stats.traces += 1
                 self._entries[key] = self._specialize(flat, spec)
+            except CannotRebuild as exc:
+                self._entries[key] = None
+                self._warn(str(exc))
             except Exception as exc:  # not traceable: say why once, then run as written
                 self._entries[key] = None
                 self._warn(f"tracing failed ({type(exc).__name__}: {exc})")
@@ -324,6 +335,7 @@ class Compiled:
                 parts.append(f"{head}\n[{entry.label}] on {entry.runtime.device}{report}\n"
                              f"{entry.graph.explain()}")
                 head = ""
+        parts += [f"runs eagerly: {reason}" for reason in self._eager_reasons]
         return "\n\n".join(parts) or "not traced yet: call the function once"
 
     def close(self) -> None:
