@@ -23,6 +23,35 @@ def _warnings_of(fn):
 
 # --- buffers a call updates in place ------------------------------------------------------
 
+def test_one_compiled_call_updates_buffers_as_one_eager_call_does():
+    torch.manual_seed(0)
+    m = nn.BatchNorm1d(4)
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for calls in (1, 2, 3):
+            x = torch.randn(8, 4)
+            torch.testing.assert_close(c(x), ref(x))
+            assert int(m.num_batches_tracked) == int(ref.num_batches_tracked) == calls
+            torch.testing.assert_close(m.running_mean, ref.running_mean)
+            torch.testing.assert_close(m.running_var, ref.running_var)
+
+
+def test_tracing_leaves_tensors_a_function_updates_in_place_as_they_were():
+    counter, total, steps = torch.zeros(()), torch.zeros(3), torch.zeros(2)
+
+    def f(x):
+        counter.add_(1)
+        total.mul_(2).add_(1)
+        torch.add(steps, 1, out=steps)
+        return x + counter
+
+    c = sd.compile(f)
+    with torch.no_grad():
+        c(torch.zeros(3))
+    assert float(counter) == 1 and torch.equal(total, torch.ones(3)) and torch.equal(steps, torch.ones(2))
+
+
 def test_the_dynamo_backend_updates_batch_norm_statistics_as_eager_does():
     import streamdag.frontend.dynamo  # noqa: F401 - registers backend="streamdag"
 

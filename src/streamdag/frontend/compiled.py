@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.core import Runtime
 from ..runtime.recorded import RecordedGraph
@@ -62,6 +63,44 @@ def _guard(flat: list[Any]) -> tuple:
     return tuple(key)
 
 
+class _KeepRealTensors(TorchDispatchMode):
+    """Undoes what tracing does to real tensors: the tracer runs an op whose tensors are all real
+    (``num_batches_tracked.add_(1)``, a counter a function closes over) on those very tensors.
+    The first value of each tensor such an op writes is saved, and put back by :meth:`restore`,
+    so that the first call, which traces, updates it once, as every call does.
+    """
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.utils._mode_utils import no_dispatch
+
+        super().__init__()
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.is_fake = is_fake
+        self.untraced = no_dispatch  # the tracer's modes come after this one: the copy is not traced
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if not any(map(self.is_fake, tensors)):  # all real: it runs on them
+                for i, arg in enumerate(func._schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        self._save(args[i] if i < len(args) else kwargs.get(arg.name))
+        return func(*args, **kwargs)
+
+    def _save(self, value: Any) -> None:
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and id(t) not in self.saved:
+                with self.untraced():
+                    self.saved[id(t)] = (t, t.clone())
+
+    def restore(self) -> None:
+        with torch.inference_mode():  # which also allows writing inference tensors
+            for t, value in self.saved.values():
+                t.copy_(value)
+
+
 class _Entry:
     """One traced and scheduled specialization of the function."""
 
@@ -83,8 +122,12 @@ class _Entry:
         examples = [flat[i] for i in tensor_pos]
         # fake tensors: nothing runs, inputs stay as they are, and control flow that
         # depends on data raises (it would be baked in) instead of tracing one branch
-        with torch.no_grad():
-            gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        keep = _KeepRealTensors()
+        try:
+            with torch.no_grad(), keep:
+                gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        finally:
+            keep.restore()
         self.label = "streams"
         self.stacked = None
         self.batch_report = None
