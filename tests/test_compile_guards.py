@@ -3,6 +3,7 @@ updated once per call; safe first calls from several threads; outputs in the mod
 
 import copy
 import dataclasses
+import threading
 import warnings
 from collections import namedtuple
 
@@ -65,6 +66,40 @@ def test_the_dynamo_backend_updates_batch_norm_statistics_as_eager_does():
             torch.testing.assert_close(opt(x), ref(x))
             for name, want in ref.named_buffers():
                 torch.testing.assert_close(dict(m.named_buffers())[name], want, msg=name)
+
+
+# --- several threads ------------------------------------------------------------------------
+
+def test_first_calls_from_several_threads_all_run_compiled():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    c = sd.compile(m)
+    threads, start = 6, threading.Barrier(6)
+    xs = [torch.randn(4, 32) for _ in range(threads)]
+    results: list = [None] * threads
+    errors: list = []
+
+    def call(i):
+        try:
+            start.wait()
+            with torch.no_grad():
+                results[i] = c(xs[i])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert not errors and not [w for w in caught if "running eagerly" in str(w.message)]
+    with torch.no_grad():
+        for x, got in zip(xs, results):
+            torch.testing.assert_close(got, m(x))
+    s = c.statistics()
+    assert (s.traces, s.eager_calls) == (1, 0)
 
 
 # --- output types ---------------------------------------------------------------------------

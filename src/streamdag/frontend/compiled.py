@@ -63,6 +63,12 @@ def _guard(flat: list[Any]) -> tuple:
     return tuple(key)
 
 
+#: make_fx patches ``nn.Module`` methods process-wide while it traces: one trace at a time
+_TRACE_LOCK = threading.RLock()
+
+_UNTRACED = object()
+
+
 class _KeepRealTensors(TorchDispatchMode):
     """Undoes what tracing does to real tensors: the tracer runs an op whose tensors are all real
     (``num_batches_tracked.add_(1)``, a counter a function closes over) on those very tensors.
@@ -329,24 +335,32 @@ class Compiled:
             self._stats.eager_calls += 1
             return self._fn(*args, **kwargs)
         key = _guard(flat)
-        if key not in self._entries:
-            self._stats.guards += 1
-            try:
-                self._stats.traces += 1
-                self._entries[key] = self._specialize(flat, spec)
-            except CannotRebuild as exc:
-                self._entries[key] = None
-                self._warn(str(exc))
-            except Exception as exc:  # not traceable: say why once, then run as written
-                self._entries[key] = None
-                self._warn(f"tracing failed ({type(exc).__name__}: {exc})")
-        entry = self._entries[key]
+        entries = self._entries
+        entry = entries.get(key, _UNTRACED)
+        if entry is _UNTRACED:
+            entry = self._trace(entries, key, flat, spec)
         if entry is None:
             self._stats.eager_calls += 1
             return self._fn(*args, **kwargs)
         outputs, captured = entry(flat)
         self._stats.replays += captured
         return outputs
+
+    def _trace(self, entries: dict, key: tuple, flat: list[Any], spec: Any) -> _Specialization | None:
+        with _TRACE_LOCK:
+            if key in entries:  # traced by another thread meanwhile
+                return entries[key]
+            self._stats.guards += 1
+            self._stats.traces += 1
+            try:
+                entries[key] = self._specialize(flat, spec)
+            except CannotRebuild as exc:
+                entries[key] = None
+                self._warn(str(exc), stacklevel=5)
+            except Exception as exc:  # not traceable: say why once, then run as written
+                entries[key] = None
+                self._warn(f"tracing failed ({type(exc).__name__}: {exc})", stacklevel=5)
+            return entries[key]
 
     def _specialize(self, flat: list[Any], spec: Any) -> _Specialization:
         plain = _Entry(self, flat, spec, batch=self._batch is True)
@@ -359,7 +373,11 @@ class Compiled:
                 variants.append(batched)
             elif batched.batch_report.inference_constants:  # explain() says why nothing was batched
                 plain.batch_report = batched.batch_report
-        return _Specialization(variants, lambda flat, only: _Entry(self, flat, spec, True, only))
+        return _Specialization(variants, lambda flat, only: self._traced_variant(flat, spec, only))
+
+    def _traced_variant(self, flat: list[Any], spec: Any, only: frozenset) -> _Entry:
+        with _TRACE_LOCK:
+            return _Entry(self, flat, spec, True, only)
 
     def explain(self) -> str:
         """The schedule of every traced specialization, its batching, and the variant chosen."""
