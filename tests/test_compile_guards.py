@@ -68,6 +68,120 @@ def test_the_dynamo_backend_updates_batch_norm_statistics_as_eager_does():
                 torch.testing.assert_close(dict(m.named_buffers())[name], want, msg=name)
 
 
+# --- training mode -------------------------------------------------------------------------
+
+def test_a_compiled_module_stops_dropping_out_after_eval():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5))
+    c = sd.compile(m)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert (c(x) == 0).any()  # dropout in training mode
+        m.eval()
+        torch.testing.assert_close(c(x), m(x), rtol=0, atol=0)
+
+
+def test_a_compiled_batch_norm_updates_its_statistics_after_train():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for mode in (False, True, False, True):
+            m.train(mode)
+            ref.train(mode)
+            x = torch.randn(8, 4)
+            torch.testing.assert_close(c(x), ref(x))
+            for name, want in ref.named_buffers():
+                torch.testing.assert_close(dict(m.named_buffers())[name], want, msg=name)
+    assert c.statistics().traces == 2  # one trace per mode, kept while the mode alternates
+
+
+# --- replaced parameters, buffers, submodules and attributes --------------------------------
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.zeros(4))
+        self.scale = 1.0
+        self.offsets = [0.0, 0.0]
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.shift + self.offsets[1]
+
+
+def _check_change_is_seen(change):
+    torch.manual_seed(0)
+    m = _Scaled().eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+        change(m)
+        torch.testing.assert_close(c(x), m(x))
+    assert c.statistics().eager_calls == 0
+
+
+def test_a_replaced_parameter_is_seen():
+    _check_change_is_seen(lambda m: setattr(m.lin, "weight", nn.Parameter(torch.ones(4, 4))))
+
+
+def test_a_replaced_buffer_is_seen():
+    _check_change_is_seen(lambda m: setattr(m, "shift", torch.full((4,), 3.0)))
+
+
+def test_a_buffer_registered_again_is_seen():
+    _check_change_is_seen(lambda m: m.register_buffer("shift", torch.full((4,), 3.0)))
+
+
+def test_a_replaced_submodule_is_seen():
+    _check_change_is_seen(lambda m: setattr(m, "lin", nn.Linear(4, 4)))
+
+
+def test_a_changed_python_attribute_is_seen():
+    _check_change_is_seen(lambda m: setattr(m, "scale", 2.0))
+
+
+def test_an_item_changed_inside_a_list_attribute_is_seen():
+    _check_change_is_seen(lambda m: m.offsets.__setitem__(1, 5.0))
+
+
+def test_attributes_whose_insides_are_not_guarded_are_named_in_one_warning():
+    class Config:
+        scale = 2.0
+
+    class WithConfig(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+
+        def forward(self, x):
+            return x * self.config.scale
+
+    c = sd.compile(WithConfig())
+    with torch.no_grad():
+        _, caught = _warnings_of(lambda: (c(torch.ones(2)), c(torch.ones(2))))
+    assert len(caught) == 1 and "WithConfig.config (Config)" in caught[0]
+    assert "not seen" in caught[0] and "assign a new object" in caught[0]
+
+
+def test_a_module_whose_state_changes_every_call_warns_once_that_it_retraces():
+    m = _Scaled().eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 4)
+
+    def calls():
+        for i in range(12):
+            m.scale = float(i)
+            torch.testing.assert_close(c(x), m(x))
+
+    with torch.no_grad():
+        _, caught = _warnings_of(calls)
+    assert len([w for w in caught if "re-traced" in w]) == 1
+    assert any("_Scaled.scale" in w for w in caught)
+
+
 # --- several threads ------------------------------------------------------------------------
 
 def test_first_calls_from_several_threads_all_run_compiled():

@@ -9,7 +9,13 @@ multi-stream CUDA graph and replayed; on the CPU it runs on worker lanes.
 
 Calls copy their inputs into the graph's static inputs, except parameters
 (``nn.Parameter``, as Dynamo passes them), which the graph reads in place;
-a different parameter object is a different specialization. On a replay the
+a different parameter object is a different specialization. A module's own
+state is guarded too (:mod:`.module_state`): its training flag, which
+parameters, buffers and submodules it has, and its plain Python attributes.
+Specializations are kept per state, so ``.train()`` and ``.eval()`` each
+trace once; a replaced attribute traces again. Tracing is serialized across
+threads and leaves every real tensor as it found it (:class:`_KeepRealTensors`).
+Outputs keep the function's own types (:mod:`.outputs`). On a replay the
 outputs are cloned on the caller's stream after it waits for the replay, so
 they belong to the caller, survive later calls, and the call returns without
 waiting for the GPU. Inputs the function mutates are written back.
@@ -33,6 +39,7 @@ from ..runtime.recorded import RecordedGraph
 from .batch_choice import GroupEstimate, estimate_groups, paying_groups
 from .batching import batch_independent_ops
 from .fx_ops import ops_from_graph
+from .module_state import ModuleState
 from .outputs import CannotRebuild, flatten_outputs
 
 __all__ = ["CompileStatistics", "Compiled", "compile"]
@@ -67,6 +74,9 @@ def _guard(flat: list[Any]) -> tuple:
 _TRACE_LOCK = threading.RLock()
 
 _UNTRACED = object()
+
+#: module states kept per compiled module (training and eval, say); the oldest goes first
+_STATES_KEPT = 8
 
 
 class _KeepRealTensors(TorchDispatchMode):
@@ -289,16 +299,22 @@ class Compiled:
     """The callable :func:`compile` returns. ``statistics()`` counts traces, replays and eager calls."""
 
     def __init__(self, fn: Callable[..., Any], streams: int | None = None,
-                 device: str | None = None, batch: bool | str = "auto") -> None:
+                 device: str | None = None, batch: bool | str = "auto", guard_module: bool = True) -> None:
         self._fn = fn
         self._streams = streams
         self._device = device
         self._batch = batch
-        self._entries: dict[tuple, _Specialization | None] = {}
+        self._entries: dict[tuple, _Specialization | None] = {}  # those of the module's state now
         self._runtimes: dict[str, Runtime] = {}
         self._stats = CompileStatistics()
         self._warned: set[str] = set()
         self._eager_reasons: dict[str, None] = {}
+        # the module whose state the graphs bake in: fn itself, or the module of a bound method
+        root = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        self._root = root if guard_module and isinstance(root, torch.nn.Module) else None
+        self._state: ModuleState | None = None  # the state self._entries were traced for
+        self._states: list[tuple[ModuleState, dict]] = []  # every state kept, with its entries
+        self._retraces = 0
         self.__wrapped__ = fn
 
     def _runtime_for(self, device: torch.device) -> Runtime:
@@ -335,7 +351,7 @@ class Compiled:
             self._stats.eager_calls += 1
             return self._fn(*args, **kwargs)
         key = _guard(flat)
-        entries = self._entries
+        entries = self._entries if self._root is None else self._entries_for_state()
         entry = entries.get(key, _UNTRACED)
         if entry is _UNTRACED:
             entry = self._trace(entries, key, flat, spec)
@@ -360,7 +376,36 @@ class Compiled:
             except Exception as exc:  # not traceable: say why once, then run as written
                 entries[key] = None
                 self._warn(f"tracing failed ({type(exc).__name__}: {exc})", stacklevel=5)
+            if self._state is not None and entries is self._entries and not self._state.holds():
+                self._state.take()  # the forward set attributes while it was traced
             return entries[key]
+
+    def _entries_for_state(self) -> dict:
+        """The specializations traced for the module's state now; none yet for a new state."""
+        if self._state is not None and self._state.holds():
+            return self._entries
+        with _TRACE_LOCK:
+            for state, entries in self._states:
+                if state.holds():
+                    self._state, self._entries = state, entries
+                    return entries
+            changed = self._state.changed() if self._state is not None else ""
+            self._state, self._entries = ModuleState(self._root), {}
+            self._states = [*self._states[-(_STATES_KEPT - 1):], (self._state, self._entries)]
+            if self._state.opaque:
+                self._note("changes inside these attributes after the first call are not seen, as "
+                           "the graph has their values of then: " + ", ".join(self._state.opaque) +
+                           "; assign a new object to such an attribute to make the module re-trace",
+                           "opaque attributes")
+            if changed:
+                self._retraces += 1
+                if self._retraces >= _STATES_KEPT:
+                    self._note(f"the module was re-traced {self._retraces} times because its state "
+                               f"changed (last: {changed}): a replaced parameter, buffer, submodule or "
+                               "Python attribute traces it again; update tensors in place "
+                               "(tensor.copy_()) and keep the attributes its forward reads fixed",
+                               "re-traced")
+            return self._entries
 
     def _specialize(self, flat: list[Any], spec: Any) -> _Specialization:
         plain = _Entry(self, flat, spec, batch=self._batch is True)

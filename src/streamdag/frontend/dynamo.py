@@ -11,14 +11,18 @@ from typing import Any
 
 import torch
 
-from .compiled import compile as _compile
+from .compiled import Compiled
 
 __all__ = ["streamdag_backend"]
 
 
 def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Trace to aten ops at the first real call (the examples Dynamo passes may be fake tensors)."""
-    return _compile(gm)
+    """Trace to aten ops at the first real call (the examples Dynamo passes may be fake tensors).
+
+    The module state is Dynamo's to guard: its graph takes parameters and buffers as inputs and
+    has the training flag and Python attributes baked in, and it recompiles when they change.
+    """
+    return Compiled(gm, guard_module=False)
 
 
 try:
