@@ -354,3 +354,45 @@ def test_a_module_first_called_in_inference_mode_runs_under_no_grad_too(batch):
         m.ws[0].mul_(2)  # copied into the stacked weights before the next call, outside inference mode
         torch.testing.assert_close(c(x), m(x))
     assert c.statistics().eager_calls == 0
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_on_cuda_a_model_moved_under_inference_mode_replays_and_sees_in_place_updates():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    m = _Wide()
+    with torch.inference_mode():
+        m.cuda()
+    c = sd.compile(m)
+    x = torch.randn(3, 8, device="cuda")
+    with torch.inference_mode():
+        for _ in range(8):
+            torch.testing.assert_close(c(x), m(x))
+        m.ws[2].mul_(-1)
+        torch.testing.assert_close(c(x), m(x))
+    s = c.statistics()
+    assert s.eager_calls == 0 and s.replays >= 3
+    assert "inference tensors" in c.explain()
+    c.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_train_and_eval_each_keep_their_captured_graph():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).cuda()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for mode in (True, False) * 6:
+            m.train(mode)
+            ref.train(mode)
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(c(x), ref(x), rtol=1e-4, atol=1e-4)
+            for name, want in ref.named_buffers():
+                torch.testing.assert_close(dict(m.named_buffers())[name], want, rtol=1e-4, atol=1e-4)
+    s = c.statistics()
+    assert s.traces == 2 and s.replays >= 6
+    c.close()
