@@ -206,8 +206,8 @@ def plan_regions(gm: torch.fx.GraphModule, max_streams: int = 4, min_stream_shar
     sched = _demote_light_streams(sched, costs, min_stream_share)
     regions, region_preds = _cut(sched, members, gm)
     model = model or CostModel()
-    one = sum(costs) + model.launch_ms * len(anchors)
-    estimate = simulate(sched, costs, model) if anchors else 0.0
+    one = simulate(build_schedule(pred_lists, 1, costs), costs, model) if anchors else 0.0
+    estimate = simulate(sched, costs, model) if sched.num_streams > 1 else one
     return RegionPlan(regions=tuple(regions), preds=tuple(tuple(p) for p in region_preds),
                       streams=sched.num_streams, width=sched.width, one_stream_ms=one,
                       estimate_ms=min(estimate, one))
