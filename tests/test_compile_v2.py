@@ -423,18 +423,22 @@ def test_the_dynamo_backend_by_name_takes_the_inductor_path():
 
 @pytest.mark.slow
 def test_inputs_the_model_changes_in_place_are_changed_as_eager_changes_them():
-    def f(x, w):
-        y = x @ w
+    def f(x, w1, w2):
+        y = torch.tanh(x @ w1) + torch.relu(x @ w2)
         x.add_(1)
         return y + x
 
-    w = torch.randn(4, 4)
-    c = sd.compile(f)
-    x_got, x_want = torch.randn(2, 4), None
-    x_want = x_got.clone()
-    with torch.no_grad():
-        torch.testing.assert_close(c(x_got, w), f(x_want, w))
-    torch.testing.assert_close(x_got, x_want)
+    w1, w2 = torch.randn(16, 16), torch.randn(16, 16)
+    for options in ({}, {"regions": "always", "candidates": ["regions"]}):
+        torch._dynamo.reset()
+        c = sd.compile(f, **options)
+        x_got = torch.randn(4, 16)
+        x_want = x_got.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(c(x_got, w1, w2), f(x_want, w1, w2))
+        torch.testing.assert_close(x_got, x_want)
+        if options:  # the write into x is in a region after both branches
+            assert c.backend.runners[0].switch.program.plan.streams == 2
 
 
 # -- CUDA --------------------------------------------------------------------------------------------

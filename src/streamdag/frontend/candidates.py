@@ -115,6 +115,8 @@ class CapturedGraph:
         with torch.cuda.graph(self.graph, pool=pool.handle(device), stream=stream):
             outs = candidate.run(list(self.inputs))
         self.outputs = list(outs)
+        self.out_type = tuple if isinstance(outs, tuple) else list
+        self.out_tensors = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         self.peak_bytes = torch.cuda.max_memory_allocated(device) - base
         caller.wait_stream(stream)
 
@@ -135,14 +137,23 @@ class CapturedGraph:
         self.pool.order(self.device, torch.cuda.current_stream(self.device))
         self.graph.replay()
 
-    def __call__(self, args: Sequence[Any], clone: bool = True) -> list[Any]:
+    def __call__(self, args: Sequence[Any], clone: bool = True) -> Sequence[Any]:
         self._copy_in(args)
         self.replay()
         for i in self.copied_back:
             args[i].copy_(self.inputs[i])
         if not clone:
-            return list(self.outputs)
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs]
+            return self.out_type(self.outputs)
+        outs = list(self.outputs)
+        if len(self.out_tensors) == 1:
+            i = self.out_tensors[0]
+            outs[i] = outs[i].clone()
+        elif self.out_tensors:  # one launch copies them all (models that return caches return many)
+            fresh = [torch.empty_like(outs[i]) for i in self.out_tensors]
+            torch._foreach_copy_(fresh, [outs[i] for i in self.out_tensors])
+            for i, t in zip(self.out_tensors, fresh):
+                outs[i] = t
+        return self.out_type(outs)
 
 
 def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,

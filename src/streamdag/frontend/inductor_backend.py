@@ -179,7 +179,12 @@ def _add_regions(switch: _Switch, gm: torch.fx.GraphModule, example_inputs: Sequ
         switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {options.min_gain:.0%}"
         return
     try:
+        from torch._inductor.graph import GraphLowering
+
         region_kwargs = {k: v for k, v in kwargs.items() if k not in ("static_input_idxs", "graph_id")}
+        # one layout decision for the whole graph: a region deciding alone could convert to
+        # channels-last and back at each of its boundaries
+        region_kwargs["layout_opt"] = GraphLowering.decide_layout_opt(gm, is_inference=True)
         compiled = compile_regions(gm, example_inputs, plan, kwargs.get("static_input_idxs", ()),
                                    region_kwargs)
     except Exception as exc:  # the whole graph still runs: say why the regions do not
@@ -237,11 +242,15 @@ class GraphRunner:
             if self.options.candidates is not None and "regions" in self.options.candidates:
                 cands.append(Candidate("regions x1", 1, use(1)))
         if self.options.candidates is not None:
-            cands = [c for c in cands if c.label.split(" ")[0] in self.options.candidates]
+            kept = [c for c in cands if c.label.split(" ")[0] in self.options.candidates]
+            if not kept and sw.program is None and "regions" in self.options.candidates:
+                self.note = f"no regions for this graph ({sw.region_note}): Inductor's whole graph runs"
+                kept = [c for c in cands if c.label == "inductor"]
+            cands = kept
         return cands
 
     def _uncaptured(self, reason: str, streams: int = 0) -> Callable[[Sequence[Any]], Any]:
-        self.note = reason
+        self.note = f"{self.note}; {reason}" if self.note else reason
         if self.switch is not None:
             self.switch.streams = streams
         compiled, stats = self.compiled, self.stats
@@ -306,9 +315,9 @@ class GraphRunner:
             def run(args: Sequence[Any]) -> Any:
                 stats.uncaptured_calls += 1
                 return eager(*args)
-            self.note = "on the CPU: run as chosen, uncaptured"
+            self.note = f"{self.note}; on the CPU: uncaptured" if self.note else "on the CPU: uncaptured"
             return run
-        return self._uncaptured("on the CPU: run as chosen, uncaptured",
+        return self._uncaptured("on the CPU: uncaptured",
                                 pick.streams if pick.label.startswith("regions") else 0)
 
     # -- the hot path -------------------------------------------------------------------------------

@@ -215,24 +215,27 @@ class RegionProgram:
         events = [torch.cuda.Event() if needed else None for needed in _waited_on(sched)]
         env: list[Any] = list(args) + [None] * (self.num_slots - self.num_inputs)
         stream_of = sched.stream
-        for r in range(len(self.compiled)):  # index order is a topological order
-            stream = streams[stream_of[r]]
-            with torch.cuda.stream(stream):
-                for w in sched.waits[r]:
-                    stream.wait_event(events[w])
-                outs = self.compiled[r].fn([env[s] for s in self.input_slots[r]])
-                if events[r] is not None:
-                    events[r].record(stream)
-            for s, v in zip(self.output_slots[r], outs):
-                env[s] = v
-            for s in self.free_after[r]:
-                self._mark_readers(env[s], s, stream_of, streams)
-                env[s] = None
-        for s, _ in self.result:  # outputs made on a side stream are used on the caller's
-            if s >= self.num_inputs and stream_of[self.producer[s]] != 0 and isinstance(env[s], torch.Tensor):
-                env[s].record_stream(main)
-        for s in streams[1:]:  # join: the caller's stream continues after every side stream
-            main.wait_stream(s)
+        try:
+            for r in range(len(self.compiled)):  # index order is a topological order
+                stream = streams[stream_of[r]]
+                with torch.cuda.stream(stream):
+                    for w in sched.waits[r]:
+                        stream.wait_event(events[w])
+                    outs = self.compiled[r].fn([env[s] for s in self.input_slots[r]])
+                    if events[r] is not None:
+                        events[r].record(stream)
+                for s, v in zip(self.output_slots[r], outs):
+                    env[s] = v
+                for s in self.free_after[r]:
+                    self._mark_readers(env[s], s, stream_of, streams)
+                    env[s] = None
+            for s, _ in self.result:  # outputs made on a side stream are used on the caller's
+                if s >= self.num_inputs and stream_of[self.producer[s]] != 0 \
+                        and isinstance(env[s], torch.Tensor):
+                    env[s].record_stream(main)
+        finally:  # join even when a region fails: a capture cannot end with a side stream still forked
+            for s in streams[1:]:
+                main.wait_stream(s)
         return self._finish(env)
 
     def _mark_readers(self, value: Any, slot: int, stream_of: Sequence[int],
