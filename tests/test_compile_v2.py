@@ -125,6 +125,20 @@ def test_a_branch_with_a_negligible_share_of_the_work_goes_back_to_stream_zero()
     assert plan_regions(gm, max_streams=4, min_stream_share=0.1).streams == 1
 
 
+def test_regions_of_the_same_structure_have_the_same_code():
+    ws = [torch.randn(8, 8) for _ in range(4)]
+
+    def two_blocks(x, w1, w2, w3, w4):
+        for a, b in ((w1, w2), (w3, w4)):
+            x = torch.tanh(x @ a) + torch.relu(x @ b)
+        return x
+
+    gm = traced(two_blocks, [torch.randn(2, 8), *ws])
+    plan = plan_regions(gm, max_streams=2, min_stream_share=0)
+    codes = [region_graph(gm, r, [n.meta["val"] for n in r.inputs]).code for r in plan.regions]
+    assert len(codes) == 6 and codes[0:3] == codes[3:6], "the second block repeats the first"
+
+
 def test_plan_regions_rejects_a_stream_budget_under_one():
     with pytest.raises(ValueError, match="max_streams must be at least 1"):
         plan_regions(traced(torch.relu, [torch.randn(2)]), max_streams=0)

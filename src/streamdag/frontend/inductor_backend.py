@@ -271,7 +271,8 @@ class GraphRunner:
                              "name some of 'eager', 'inductor', 'regions'")
         devices = {t.device for t in tensors}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            return self._cpu(cands)
+            where = "on the CPU" if {d.type for d in devices} <= {"cpu"} else "on several devices"
+            return self._uncaptured_pick(cands, where)
         if sw.plan is None and sw.region_note.startswith("symbolic"):
             return self._uncaptured("symbolic shapes: Inductor's code runs uncaptured")
         if sw.mutates_metadata or sw.aliases_inputs:
@@ -303,8 +304,8 @@ class GraphRunner:
         if self.switch is not None and cand.label != "eager":
             self.switch.streams = cand.streams if cand.label.startswith("regions") else 0
 
-    def _cpu(self, cands: list[Candidate]) -> Callable[[Sequence[Any]], Any]:
-        """On the CPU nothing is captured: the first candidate left runs (Inductor's, unless narrowed)."""
+    def _uncaptured_pick(self, cands: list[Candidate], where: str) -> Callable[[Sequence[Any]], Any]:
+        """Off a single GPU nothing is captured: the first candidate left runs (Inductor's, by default)."""
         self.candidates = cands
         pick = next((c for c in cands if c.label == "inductor"), cands[0])
         self.chosen = pick
@@ -315,10 +316,10 @@ class GraphRunner:
             def run(args: Sequence[Any]) -> Any:
                 stats.uncaptured_calls += 1
                 return eager(*args)
-            self.note = f"{self.note}; on the CPU: uncaptured" if self.note else "on the CPU: uncaptured"
+            self.note = f"{self.note}; {where}: uncaptured" if self.note else f"{where}: uncaptured"
             return run
-        return self._uncaptured("on the CPU: uncaptured",
-                                pick.streams if pick.label.startswith("regions") else 0)
+        streams = pick.streams if pick.label.startswith("regions") else 0
+        return self._uncaptured(f"{where}: uncaptured", streams)
 
     # -- the hot path -------------------------------------------------------------------------------
 

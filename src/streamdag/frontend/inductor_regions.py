@@ -44,20 +44,33 @@ class CompiledRegion:
     fn: Callable[[list[Any]], Any]  # Inductor's boxed call: takes a list (and may clear it)
 
 
+def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node],
+          name: str) -> torch.fx.Node:
+    args = torch.fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+    new = graph.create_node(node.op, node.target, args, kwargs, name=name, type_expr=node.type)
+    new.meta = {k: v for k, v in node.meta.items() if k != "stack_trace"}
+    return new
+
+
 def region_graph(gm: torch.fx.GraphModule, region: Region, examples: Sequence[Any]) -> torch.fx.GraphModule:
-    """The region as a GraphModule of its own: its inputs become placeholders, constants are copied in."""
+    """The region as a GraphModule of its own: its inputs become placeholders, constants are copied in.
+
+    Nodes get names by position (``in0``, ``v0``, ...) and no stack traces, so regions of the
+    same structure (a transformer's layers) have the same code and hit Inductor's FX graph cache.
+    """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node, example in zip(region.inputs, examples):
-        p = graph.placeholder(node.name)
-        p.meta = dict(node.meta)
+    for i, (node, example) in enumerate(zip(region.inputs, examples)):
+        p = graph.placeholder(f"in{i}")
+        p.meta = {k: v for k, v in node.meta.items() if k != "stack_trace"}
         p.meta["val"] = example
         env[node] = p
     for node in region.nodes:
         for a in node.all_input_nodes:
             if a.op == "get_attr" and a not in env:
-                env[a] = graph.node_copy(a)
-        env[node] = graph.node_copy(node, env.__getitem__)
+                env[a] = _copy(graph, a, env, f"c{len(env)}")
+        env[node] = _copy(graph, node, env, f"v{len(env)}")
     graph.output(tuple(env[o] for o in region.outputs))
     return torch.fx.GraphModule(gm, graph)
 
