@@ -15,7 +15,9 @@ temporaries may reuse another's.
 on the caller's stream, and keeps the one with the lowest median. A candidate
 on more streams must beat the best on fewer by more than ``tie`` (ties go to
 fewer streams), and one whose capture needed more than ``memory_ratio`` times
-the memory of the leanest one-stream candidate is not kept.
+the memory of the leanest one-stream candidate is not kept. While they are
+compared, each candidate is captured in a private pool (so its memory can be
+read off the pool); the one kept is captured again in the shared pool.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class CapturedGraph:
     WARMUP = 2
 
     def __init__(self, candidate: Candidate, args: Sequence[Any], static: Sequence[int],
-                 mutated: Sequence[int], pool: SharedPool, device: torch.device) -> None:
+                 mutated: Sequence[int], pool: SharedPool, device: torch.device,
+                 private: bool = False) -> None:
         self.candidate = candidate
         self.device = device
         self.pool = pool
@@ -109,15 +112,17 @@ class CapturedGraph:
             for _ in range(self.WARMUP):
                 candidate.run(list(self.inputs))
         stream.synchronize()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        # a private pool starts empty, so what it reserves is what this capture needs (no peak
+        # statistics are reset: they belong to the caller)
+        handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
+        base = torch.cuda.memory_reserved(device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool.handle(device), stream=stream):
+        with torch.cuda.graph(self.graph, pool=handle, stream=stream):
             outs = candidate.run(list(self.inputs))
         self.outputs = list(outs)
         self.out_type = tuple if isinstance(outs, tuple) else list
         self.out_tensors = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
-        self.peak_bytes = torch.cuda.max_memory_allocated(device) - base
+        self.peak_bytes = torch.cuda.memory_reserved(device) - base if private else 0
         caller.wait_stream(stream)
 
     def _copy_in(self, args: Sequence[Any]) -> None:
@@ -180,12 +185,14 @@ def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
     return captured[pick([c.candidate for c in captured], tie, memory_ratio)]
 
 
-def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.1) -> int:
+def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.1,
+         slack_mib: float = 8.0) -> int:
     """The index of the candidate to keep, from their times (``ms``) and capture sizes (``peak_mib``).
 
     The fastest on one stream, unless one on more streams beats the best on fewer by more
     than ``tie``; a candidate on several streams whose capture took more than ``memory_ratio``
-    times the leanest one-stream capture (plus 1 MiB of slack) is not kept.
+    times the leanest one-stream capture (plus ``slack_mib``: pools grow by whole segments) is
+    not kept.
     """
     if any(c.ms is None for c in cands):
         raise ValueError("every candidate needs its time (ms) before one is picked")
@@ -193,7 +200,7 @@ def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.
     best: int | None = None
     for i in sorted(range(len(cands)), key=lambda i: cands[i].streams):
         c = cands[i]
-        heavy = lean is not None and c.peak_mib is not None and c.peak_mib > memory_ratio * lean + 1
+        heavy = lean is not None and c.peak_mib is not None and c.peak_mib > memory_ratio * lean + slack_mib
         if c.streams > 1 and heavy:
             c.notes.append(f"not kept: its capture needed {c.peak_mib:.1f} MiB, "
                            f"over {memory_ratio}x the one-stream {lean:.1f} MiB")

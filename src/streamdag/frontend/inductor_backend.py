@@ -286,7 +286,8 @@ class GraphRunner:
         captured = []
         for c in cands:
             try:
-                captured.append(CapturedGraph(c, args, static, sw.mutated_inputs, self.pool, device))
+                captured.append(CapturedGraph(c, args, static, sw.mutated_inputs, self.pool, device,
+                                              private=len(cands) > 1))
                 self.stats.captures += 1
             except Exception as exc:  # this candidate cannot be captured; the others still can
                 c.error = f"{type(exc).__name__}: {exc}"
@@ -296,8 +297,12 @@ class GraphRunner:
                                     "; ".join(f"{c.label}: {c.error}" for c in cands))
         best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio)
         self.chosen = best.candidate
-        self.captures = [best]
         self._set_switch(best.candidate)
+        if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
+            del captured
+            best = CapturedGraph(best.candidate, args, static, sw.mutated_inputs, self.pool, device)
+            self.stats.captures += 1
+        self.captures = [best]
         return self._replay
 
     def _set_switch(self, cand: Candidate) -> None:
