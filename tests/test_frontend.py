@@ -15,6 +15,12 @@ torch = pytest.importorskip("torch")
 DEVICES = ["cpu", "sim"]
 
 
+@pytest.fixture(autouse=True)
+def _make_fx_engine(monkeypatch):
+    """These tests are of the make_fx path (tests/test_compile_v2.py has the Inductor one)."""
+    monkeypatch.setenv("STREAMDAG_COMPILE_ENGINE", "aten")
+
+
 def run_both(fn, *args, device="cpu", calls=3):
     compiled = sd.compile(fn, device=device, streams=4)
     with torch.no_grad():

@@ -25,15 +25,27 @@ from .schedule import Schedule, build_schedule
 __version__ = "0.1.0"
 
 
-def compile(fn, **options):
-    """Make a PyTorch function or ``nn.Module`` run its independent operators concurrently.
+def compile(fn, *, engine=None, **options):
+    """Make a PyTorch function or ``nn.Module`` run fused and its independent branches concurrently.
 
-    See :func:`streamdag.frontend.compile` (importing it imports torch).
+    ``engine="inductor"`` (the default, or ``STREAMDAG_COMPILE_ENGINE``): Dynamo,
+    AOTAutograd and Inductor, with Inductor's code run on streamdag's streams
+    (:func:`streamdag.frontend.inductor_backend.compile_v2`). ``engine="aten"``:
+    the make_fx path, one op per aten node (:func:`streamdag.frontend.compile`).
+    Importing either imports torch.
     """
-    from .frontend import compile as _compile
     from .frontend import dynamo  # noqa: F401 - registers backend="streamdag"
+    from .frontend.inductor_backend import compile_v2, engine_from
 
-    return _compile(fn, **options)
+    if engine_from(engine) == "aten":
+        from .frontend import compile as _compile
+
+        return _compile(fn, **options)
+    aten_only = sorted(set(options) & {"device", "batch"})
+    if aten_only:
+        raise TypeError(f"streamdag.compile: {', '.join(aten_only)} belong to the make_fx path: "
+                        "pass engine='aten' with them")
+    return compile_v2(fn, **options)
 
 
 __all__ = [

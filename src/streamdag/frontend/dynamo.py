@@ -2,7 +2,10 @@
 
 Registered through the ``torch_dynamo_backends`` entry point, so installing
 streamdag is enough; importing this module registers it too. Graph breaks are
-Dynamo's: every piece it captures becomes one :class:`~streamdag.frontend.Compiled`.
+Dynamo's: every piece it captures goes to the process's
+:func:`~streamdag.frontend.inductor_backend.default_backend` (Inductor's
+kernels on streamdag's streams), or, with ``STREAMDAG_COMPILE_ENGINE=aten``,
+becomes one :class:`~streamdag.frontend.Compiled` (the make_fx path).
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ __all__ = ["streamdag_backend"]
 
 
 def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Trace to aten ops at the first real call (the examples Dynamo passes may be fake tensors).
+    """Inductor's kernels on streamdag's streams; the make_fx path where the engine says ``aten``.
 
-    The module state is Dynamo's to guard: its graph takes parameters and buffers as inputs and
-    has the training flag and Python attributes baked in, and it recompiles when they change.
+    On the make_fx path the module state is Dynamo's to guard: its graph takes parameters and
+    buffers as inputs and has the training flag and Python attributes baked in, and it
+    recompiles when they change.
     """
-    return Compiled(gm, guard_module=False)
+    from .inductor_backend import default_backend, engine_from
+
+    if engine_from(None) == "aten":  # traced to aten ops at the first real call (examples may be fake)
+        return Compiled(gm, guard_module=False)
+    return default_backend()(gm, example_inputs)
 
 
 try:

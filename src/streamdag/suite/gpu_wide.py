@@ -139,7 +139,7 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     # streamdag.compile of the same eager function: traced, batched or not as timing decides
     with torch.no_grad():
         t0 = time.perf_counter()
-        fast = sd.compile(eager)
+        fast = sd.compile(eager, engine="aten")
         spec = None
         for _ in range(40):  # trace, run, capture and time the variants, choose
             fast()

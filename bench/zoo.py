@@ -1,0 +1,421 @@
+"""A model zoo on one GPU: streamdag.compile against PyTorch's ways to run each model, side by side.
+
+Models are built with random weights and no downloads: torchvision classifiers
+across families, two segmentation models, and Hugging Face models from their
+configs. For each model, dtype (fp32 with TF32, bf16) and batch, in one run:
+
+* ``eager``: the module as written;
+* ``cuda_graph``: one-stream CUDA graph of eager, captured by hand;
+* ``inductor``: ``torch.compile(model)``;
+* ``inductor_ro``: ``torch.compile(model, mode="reduce-overhead")``;
+* ``streamdag``: ``streamdag.compile(model)``.
+
+Times are medians of wall time between ``torch.cuda.synchronize()`` calls, the
+variants interleaved round by round. Every row records each variant's relative
+error against eager, its compile time (the first calls until its output is
+ready; Inductor's FX-graph and kernel caches stay on unless ``--cold-compile``,
+so a later variant may reuse an earlier one's kernels) and its peak memory over
+what the model and inputs hold, the streams streamdag kept and anything it ran
+uncaptured or on the make_fx path.
+
+Robust by construction: each model runs in a worker process with a time
+limit (a crash or a hang loses that model's remaining rows, not the run); a
+variant that fails records its error and the others go on; the JSON file is
+rewritten after every model. ``--quick`` runs 8 representative models at fp32,
+batch 1, in about 8 minutes on an H200.
+
+    PYTHONPATH=src python bench/zoo.py --quick
+    PYTHONPATH=src python bench/zoo.py --models resnet50,bert --dtypes bf16 --batches 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")
+BASELINES = ("eager", "cuda_graph", "inductor", "inductor_ro")
+QUICK = ("resnet50", "googlenet", "inception_v3", "mobilenet_v3_large", "efficientnet_b0", "vit_b_16",
+         "bert", "llama")
+
+# name: (family, builder key, image size)
+TORCHVISION = {
+    "resnet18": 224, "resnet50": 224, "resnext50_32x4d": 224, "wide_resnet50_2": 224,
+    "regnet_y_400mf": 224, "regnet_x_1_6gf": 224, "efficientnet_b0": 224, "efficientnet_v2_s": 384,
+    "mobilenet_v2": 224, "mobilenet_v3_large": 224, "mobilenet_v3_small": 224,
+    "shufflenet_v2_x1_0": 224, "squeezenet1_1": 224, "convnext_tiny": 224, "vit_b_16": 224,
+    "swin_t": 224, "maxvit_t": 224, "densenet121": 224, "mnasnet1_0": 224, "vgg16": 224,
+    "alexnet": 224, "googlenet": 224, "inception_v3": 299,
+}
+SEGMENTATION = {"deeplabv3_mobilenet_v3_large": 520, "fcn_resnet50": 520}
+HF = ("bert", "distilbert", "gpt2", "t5_encoder", "llama", "hf_vit")
+MODELS = (*TORCHVISION, *SEGMENTATION, *HF)
+SEQ = 128
+
+
+# -- models ----------------------------------------------------------------------------------------------
+
+def build(name: str) -> Any:
+    """The model (random weights, eval mode, on the CPU) and a function (batch, dtype) -> its inputs."""
+    import torch
+
+    if name in TORCHVISION or name in SEGMENTATION:
+        import torchvision
+
+        if name in TORCHVISION:
+            kwargs: dict[str, Any] = {"weights": None}
+            if name in ("googlenet", "inception_v3"):
+                kwargs.update(aux_logits=False, init_weights=False)
+            model = getattr(torchvision.models, name)(**kwargs)
+            size = TORCHVISION[name]
+        else:
+            model = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None,
+                                                                   aux_loss=False)
+            size = SEGMENTATION[name]
+
+        def inputs(batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+            return (torch.randn(batch, 3, size, size, device="cuda", dtype=dtype),), {}
+        return model.eval(), inputs
+    return _build_hf(name)
+
+
+def _build_hf(name: str) -> Any:
+    import torch
+    import transformers as tf
+
+    if name == "bert":
+        model = tf.BertModel(tf.BertConfig())
+    elif name == "distilbert":
+        model = tf.DistilBertModel(tf.DistilBertConfig())
+    elif name == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config())
+    elif name == "t5_encoder":
+        model = tf.T5EncoderModel(tf.T5Config())
+    elif name == "llama":  # a small Llama-style decoder: grouped-query attention, RoPE, SwiGLU
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(
+            hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048))
+    elif name == "hf_vit":
+        model = tf.ViTModel(tf.ViTConfig())
+
+        def pixels(batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+            return (), {"pixel_values": torch.randn(batch, 3, 224, 224, device="cuda", dtype=dtype)}
+        return model.eval(), pixels
+    else:
+        raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
+    vocab = model.config.vocab_size
+
+    def ids(batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return (), {"input_ids": torch.randint(0, vocab, (batch, SEQ), device="cuda", generator=g)}
+    return model.eval(), ids
+
+
+def first_tensor(out: Any) -> Any:
+    """The tensor to compare: logits, the last hidden state, ``out`` of a segmentation dict, or the first."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state", "out"):
+        v = out.get(key) if isinstance(out, dict) else getattr(out, key, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(out, dict):
+        return first_tensor(next(iter(out.values())))
+    if isinstance(out, (list, tuple)):
+        return first_tensor(out[0])
+    raise TypeError(f"no tensor in the output ({type(out).__name__})")
+
+
+def rel_err(a: Any, b: Any) -> float:
+    a, b = first_tensor(a).float(), first_tensor(b).float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# -- one row: a model at one dtype and batch ----------------------------------------------------------------
+
+class VariantTimeout(Exception):
+    pass
+
+
+def _alarm(seconds: float) -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise VariantTimeout(f"over {seconds:.0f} s")
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[[], Any], Any, Any]:
+    """Make the variant, run it until its output is ready; returns (call, first output, handle)."""
+    import torch
+
+    import streamdag as sd
+    from streamdag.suite.cuda_timing import graph_of
+
+    call: Callable[[], Any]
+    handle = None
+    if label == "eager":
+        call = lambda: model(*args, **kwargs)  # noqa: E731
+    elif label == "cuda_graph":
+        graph, out = graph_of(lambda: model(*args, **kwargs))
+        handle = (graph, out)
+        call = graph.replay
+        torch.cuda.synchronize()
+        return call, out, handle
+    elif label in ("inductor", "inductor_ro"):
+        compiled = torch.compile(model, mode="reduce-overhead" if label == "inductor_ro" else None)
+        handle = compiled
+        call = lambda: compiled(*args, **kwargs)  # noqa: E731
+    elif label == "streamdag":
+        compiled = sd.compile(model)
+        handle = compiled
+        call = lambda: compiled(*args, **kwargs)  # noqa: E731
+    else:
+        raise ValueError(label)
+    out = None
+    for _ in range(3):  # compile, then the calls that capture, time candidates, warm up cudagraph trees
+        out = call()
+    torch.cuda.synchronize()
+    return call, out, handle
+
+
+def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
+    import torch
+
+    from streamdag.suite.cuda_timing import interleaved_wall_ms
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    row: dict[str, Any] = {"model": name, "dtype": dtype_name, "batch": batch, "ms": {}, "rel_err": {},
+                           "compile_s": {}, "peak_mib": {}, "streams": None, "fallback": [], "errors": {}}
+    model, make_inputs = build(name)
+    model = model.cuda().to(dtype)
+    args, kwargs = make_inputs(batch, dtype)
+    calls: dict[str, Callable[[], Any]] = {}
+    outputs: dict[str, Any] = {}
+    handles: dict[str, Any] = {}
+    with torch.inference_mode():
+        for label in VARIANTS:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                _alarm(variant_s)
+                calls[label], out, handles[label] = _setup(label, model, args, kwargs)
+                outputs[label] = first_tensor(out).clone()
+            except Exception as exc:
+                row["errors"][label] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                continue
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            row["compile_s"][label] = time.perf_counter() - t0
+            row["peak_mib"][label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        if "eager" in outputs:
+            row["rel_err"] = {k: rel_err(v, outputs["eager"]) for k, v in outputs.items() if k != "eager"}
+        try:
+            _alarm(variant_s)
+            row["ms"] = interleaved_wall_ms(calls, rounds=rounds, warmup=3)
+        except Exception as exc:
+            row["errors"]["timing"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    fast = handles.get("streamdag")
+    if fast is not None:
+        _describe_streamdag(fast, row)
+    return row
+
+
+def _describe_streamdag(fast: Any, row: dict[str, Any]) -> None:
+    stats = fast.statistics()
+    runners = fast.backend.runners
+    chosen = [getattr(r, "chosen", None) for r in runners]
+    row["streams"] = max((c.streams for c in chosen if c is not None), default=None)
+    row["streamdag"] = {"graphs": stats.graphs, "captures": stats.captures, "replays": stats.replays,
+                        "uncaptured_calls": stats.uncaptured_calls, "fallbacks": stats.fallbacks,
+                        "inner_compile_s": stats.compile_s,
+                        "chosen": [None if c is None else c.label for c in chosen],
+                        "candidates": [[{"label": c.label, "streams": c.streams, "ms": c.ms,
+                                         "peak_mib": c.peak_mib, "error": c.error}
+                                        for c in getattr(r, "candidates", [])] for r in runners],
+                        "explain": fast.explain().splitlines()[:40]}
+    if stats.fallbacks:
+        row["fallback"].append(f"{stats.fallbacks} graph(s) on the make_fx path")
+    if stats.uncaptured_calls:
+        row["fallback"].append(f"{stats.uncaptured_calls} uncaptured call(s)")
+    if stats.graphs > 1:
+        row["fallback"].append(f"{stats.graphs} graphs (graph breaks or recompiles)")
+
+
+# -- worker and orchestration ----------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    if args.cold_compile:
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+    with open(args.worker_out, "a") as out:
+        for dtype in args.dtypes.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                try:
+                    row = run_row(args.worker, dtype, batch, args.variant_s, args.rounds)
+                except Exception as exc:  # the model itself failed (build, inputs): the row says so
+                    row = {"model": args.worker, "dtype": dtype, "batch": batch,
+                           "errors": {"row": f"{type(exc).__name__}: {exc}"},
+                           "traceback": traceback.format_exc()[-3000:]}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+    return 0
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    env: dict[str, Any] = {"argv": sys.argv[1:], "tf32": True, "cudnn_benchmark": True,
+                           "cold_compile": args.cold_compile, "rounds": args.rounds, "seq_len": SEQ}
+    try:
+        from streamdag.suite.report import environment as base
+
+        env.update(base())
+    except Exception as exc:  # never lose a run to the environment record
+        env["environment_error"] = repr(exc)
+    for mod in ("torchvision", "transformers", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    try:
+        env["streamdag_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                 text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        env["streamdag_commit"] = None
+    return env
+
+
+def ratio(row: dict[str, Any]) -> float | None:
+    ms = row.get("ms") or {}
+    best = [ms[b] for b in BASELINES if ms.get(b)]
+    if not ms.get("streamdag") or not best:
+        return None
+    return ms["streamdag"] / min(best)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    from streamdag.suite.report import format_table
+
+    out = []
+    for r in rows:
+        ms = r.get("ms") or {}
+        q = ratio(r)
+        out.append([r["model"], r["dtype"], r["batch"], *[ms.get(v, "-") for v in VARIANTS],
+                    "-" if q is None else f"{q:.2f}", r.get("streams") or "-",
+                    f"{(r.get('compile_s') or {}).get('inductor', float('nan')):.1f}",
+                    f"{(r.get('compile_s') or {}).get('streamdag', float('nan')):.1f}",
+                    f"{(r.get('rel_err') or {}).get('streamdag', float('nan')):.1e}",
+                    "; ".join(r.get("fallback") or []) + ("; errors: " + ", ".join(r["errors"])
+                                                          if r.get("errors") else "")])
+    return format_table(["model", "dtype", "batch", *[f"{v} ms" for v in VARIANTS], "sd/best", "streams",
+                         "inductor s", "sd s", "sd rel err", "notes"], out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help=f"comma-separated; default all: {','.join(MODELS)}")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--quick", action="store_true", help="8 representative models, fp32, batch 1")
+    p.add_argument("--model-s", type=float, default=600.0, help="time limit per model (its worker)")
+    p.add_argument("--variant-s", type=float, default=240.0, help="time limit per variant's setup")
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting models after this")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--cold-compile", action="store_true", help="no FX-graph or AOTAutograd cache hits")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/zoo_<device>.json)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.models = args.models or ",".join(QUICK)
+        args.dtypes, args.batches = "fp32", "1"
+        args.model_s = min(args.model_s, 150.0)
+        args.variant_s = min(args.variant_s, 100.0)
+        args.budget_s = args.budget_s or 480.0
+        args.rounds = min(args.rounds, 20)
+    models = (args.models or ",".join(MODELS)).split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("bench/zoo.py needs a CUDA GPU")
+    device = torch.cuda.get_device_name().replace(" ", "_")
+    path = Path(args.out) if args.out else Path(__file__).parent / "results" / f"zoo_{device}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"environment": environment(args), "models": []}
+    t_start = time.perf_counter()
+    for name in models:
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            result["models"].append({"model": name, "skipped": f"over the {args.budget_s:.0f} s budget"})
+            continue
+        result["models"] += _run_worker(name, args)
+        path.write_text(json.dumps(result, indent=1))
+        print(table([r for r in result["models"] if "dtype" in r][-4:]), flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    done = [r for r in result["models"] if "dtype" in r]
+    print(table(done))
+    ratios = [q for q in map(ratio, done) if q]
+    if ratios:
+        geo = float(torch.tensor(ratios).log().mean().exp())
+        print(f"streamdag / best baseline: geomean {geo:.3f} over {len(ratios)} rows; "
+              f"slower in {sum(q > 1.02 for q in ratios)}")
+    print(path)
+    return 0
+
+
+def _run_worker(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as tmp:
+        out_path = tmp.name
+    cmd = [sys.executable, __file__, "--worker", name, "--worker-out", out_path, "--dtypes", args.dtypes,
+           "--batches", args.batches, "--variant-s", str(args.variant_s), "--rounds", str(args.rounds)]
+    if args.cold_compile:
+        cmd.append("--cold-compile")
+    note = None
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=dict(os.environ))
+        if proc.returncode != 0:
+            note = f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"
+    except subprocess.TimeoutExpired:
+        note = f"worker over the {args.model_s:.0f} s limit"
+    rows = [json.loads(line) for line in Path(out_path).read_text().splitlines() if line.strip()]
+    os.unlink(out_path)
+    wanted = [(d, int(b)) for d in args.dtypes.split(",") for b in args.batches.split(",")]
+    have = {(r["dtype"], r["batch"]) for r in rows}
+    for d, b in wanted:
+        if (d, b) not in have:
+            rows.append({"model": name, "dtype": d, "batch": b, "errors": {"row": note or "no row written"}})
+    for r in rows:
+        r.setdefault("worker_s", time.perf_counter() - t0)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

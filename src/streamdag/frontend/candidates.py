@@ -1,0 +1,216 @@
+"""Candidates: ways to run one graph, each captured into a CUDA graph, timed, the fastest kept.
+
+A candidate is a function of the graph's flat inputs (as Dynamo passes them):
+the graph run eagerly, Inductor's whole-graph code on one stream, or Inductor's
+regions on several streams. On CUDA each is captured into a CUDA graph over
+*static inputs*: parameters and buffers are bound in place (the graph reads
+them where they are, and a call whose parameters moved captures again), other
+inputs are copied into tensors the graph owns (one ``_foreach_copy_``). Every
+capture of one backend shares one memory pool: the graphs of one backend run
+one after another on its callers' streams (:class:`SharedPool` orders a replay
+after the previous one when the caller's stream changes), so one graph's
+temporaries may reuse another's.
+
+:func:`choose` replays the captured candidates in rounds, timed by CUDA events
+on the caller's stream, and keeps the one with the lowest median. A candidate
+on more streams must beat the best on fewer by more than ``tie`` (ties go to
+fewer streams), and one whose capture needed more than ``memory_ratio`` times
+the memory of the leanest one-stream candidate is not kept. While they are
+compared, each candidate is captured in a private pool (so its memory can be
+read off the pool); the one kept is captured again in the shared pool.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices"]
+
+
+@dataclass
+class Candidate:
+    """One way to run the graph: ``run(args)`` returns the graph's outputs as a list or tuple."""
+
+    label: str
+    streams: int
+    run: Callable[[list[Any]], Sequence[Any]]
+    ms: float | None = None
+    peak_mib: float | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def static_indices(args: Sequence[Any]) -> list[int]:
+    """Inputs the graph may read in place: parameters, and the buffers Dynamo marks as static."""
+    return [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)
+            or (isinstance(a, torch.Tensor) and getattr(a, "_dynamo_static_input_type", None) is not None)]
+
+
+class SharedPool:
+    """One CUDA graph memory pool per device for all the graphs of one backend."""
+
+    def __init__(self) -> None:
+        self._pools: dict[torch.device, Any] = {}
+        self._last: dict[torch.device, torch.cuda.Stream] = {}
+        self.lock = threading.Lock()
+
+    def handle(self, device: torch.device) -> Any:
+        if device not in self._pools:
+            self._pools[device] = torch.cuda.graph_pool_handle()
+        return self._pools[device]
+
+    def order(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` follow the last replay in this pool when it ran on another stream."""
+        last = self._last.get(device)
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        self._last[device] = stream
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
+class CapturedGraph:
+    """A candidate captured for one set of static input addresses (see the module docstring)."""
+
+    WARMUP = 2
+
+    def __init__(self, candidate: Candidate, args: Sequence[Any], static: Sequence[int],
+                 mutated: Sequence[int], pool: SharedPool, device: torch.device,
+                 private: bool = False) -> None:
+        self.candidate = candidate
+        self.device = device
+        self.pool = pool
+        static_set = set(static)
+        with torch.inference_mode(False):  # written by later calls in any mode
+            self.inputs = [a if i in static_set or not isinstance(a, torch.Tensor)
+                           else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                           for i, a in enumerate(args)]
+        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_set]
+        self.copied_back = [i for i in mutated if i not in static_set]
+        self.static = list(static)
+        self.static_ptrs: list[int | None] = [None] * len(args)
+        for i in static:
+            self.static_ptrs[i] = args[i].data_ptr()
+        self._copy_in(args)
+        caller = torch.cuda.current_stream(device)
+        stream = _capture_stream(device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):  # warm up where the capture runs: autotuning, workspaces, cuDNN plans
+            for _ in range(self.WARMUP):
+                candidate.run(list(self.inputs))
+        stream.synchronize()
+        # a private pool starts empty, so what it reserves is what this capture needs (no peak
+        # statistics are reset: they belong to the caller)
+        handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
+        base = torch.cuda.memory_reserved(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=handle, stream=stream):
+            outs = candidate.run(list(self.inputs))
+        self.outputs = list(outs)
+        self.out_type = tuple if isinstance(outs, tuple) else list
+        self.out_tensors = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
+        self.peak_bytes = torch.cuda.memory_reserved(device) - base if private else 0
+        caller.wait_stream(stream)
+
+    def _copy_in(self, args: Sequence[Any]) -> None:
+        dst = [self.inputs[i] for i in self.copied if self.inputs[i] is not args[i]]
+        if dst:
+            torch._foreach_copy_(dst, [args[i] for i in self.copied if self.inputs[i] is not args[i]])
+
+    def statics_match(self, args: Sequence[Any]) -> bool:
+        if not self.static:
+            return True
+        try:
+            return torch._C._tensors_data_ptrs_at_indices_equal(list(args), self.static_ptrs, self.static)
+        except (AttributeError, TypeError):  # a torch without the helper
+            return all(args[i].data_ptr() == self.static_ptrs[i] for i in self.static)
+
+    def replay(self) -> None:
+        self.pool.order(self.device, torch.cuda.current_stream(self.device))
+        self.graph.replay()
+
+    def __call__(self, args: Sequence[Any], clone: bool = True) -> Sequence[Any]:
+        self._copy_in(args)
+        self.replay()
+        for i in self.copied_back:
+            args[i].copy_(self.inputs[i])
+        if not clone:
+            return self.out_type(self.outputs)
+        outs = list(self.outputs)
+        if len(self.out_tensors) == 1:
+            i = self.out_tensors[0]
+            outs[i] = outs[i].clone()
+        elif self.out_tensors:  # one launch copies them all (models that return caches return many)
+            fresh = [torch.empty_like(outs[i]) for i in self.out_tensors]
+            torch._foreach_copy_(fresh, [outs[i] for i in self.out_tensors])
+            for i, t in zip(self.out_tensors, fresh):
+                outs[i] = t
+        return self.out_type(outs)
+
+
+def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
+           memory_ratio: float = 1.1) -> CapturedGraph:
+    """Time the captured candidates by replays in rounds; the fastest, ties to fewer streams."""
+    if len(captured) == 1:
+        return captured[0]
+    device = captured[0].device
+    times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in captured]
+    for c in captured:  # one untimed replay each: first-launch costs stay out of the rounds
+        c.replay()
+    for r in range(rounds):
+        k = r % len(captured)
+        for i in list(range(k, len(captured))) + list(range(k)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            captured[i].replay()
+            end.record()
+            times[i].append((start, end))
+    torch.cuda.synchronize(device)
+    for c, ts in zip(captured, times):
+        c.candidate.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
+        c.candidate.peak_mib = c.peak_bytes / 2**20
+    return captured[pick([c.candidate for c in captured], tie, memory_ratio)]
+
+
+def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.1,
+         slack_mib: float = 8.0) -> int:
+    """The index of the candidate to keep, from their times (``ms``) and capture sizes (``peak_mib``).
+
+    The fastest on one stream, unless one on more streams beats the best on fewer by more
+    than ``tie``; a candidate on several streams whose capture took more than ``memory_ratio``
+    times the leanest one-stream capture (plus ``slack_mib``: pools grow by whole segments) is
+    not kept.
+    """
+    if any(c.ms is None for c in cands):
+        raise ValueError("every candidate needs its time (ms) before one is picked")
+    lean = min((c.peak_mib for c in cands if c.streams == 1 and c.peak_mib is not None), default=None)
+    best: int | None = None
+    for i in sorted(range(len(cands)), key=lambda i: cands[i].streams):
+        c = cands[i]
+        heavy = lean is not None and c.peak_mib is not None and c.peak_mib > memory_ratio * lean + slack_mib
+        if c.streams > 1 and heavy:
+            c.notes.append(f"not kept: its capture needed {c.peak_mib:.1f} MiB, "
+                           f"over {memory_ratio}x the one-stream {lean:.1f} MiB")
+            continue
+        if best is None:
+            best = i
+            continue
+        margin = 1.0 if c.streams == cands[best].streams else 1.0 - tie
+        if c.ms < cands[best].ms * margin:
+            best = i
+    if best is None:
+        raise ValueError("no candidate to pick from")
+    return best

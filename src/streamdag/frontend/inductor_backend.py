@@ -1,0 +1,498 @@
+"""The compile path behind ``streamdag.compile(model)`` and ``torch.compile(model, backend="streamdag")``.
+
+Dynamo captures the Python code and owns the guards (shapes, dtypes, grad
+mode, ``training``, the code's constants), so a call whose guards fail
+compiles a new specialization and outputs come back in the structure the code
+returns (dicts, dataclasses, ``ModelOutput``). :class:`StreamdagBackend` gets
+each graph Dynamo captures and hands it to Inductor's ``compile_fx``, which runs
+AOTAutograd and then our inner compiler on the aten graph. For an inference
+graph the inner compiler compiles:
+
+* Inductor's own code for the whole graph (one stream, fused), and
+* where streamdag's schedule finds independent branches worth their events
+  (:func:`~.regions.plan_regions`), the graph cut into regions along the chain
+  cover, each region compiled by Inductor (:mod:`.inductor_regions`).
+
+and returns a :class:`_Switch` that runs whichever of them is selected.
+Training graphs (gradients needed) are Inductor's, unchanged.
+
+At the first call with real tensors, :class:`GraphRunner` builds the candidates
+(the graph run eagerly, Inductor on one stream, the regions on 2..N streams),
+captures each into a CUDA graph over static inputs, times them and keeps the
+fastest (:mod:`.candidates`). A graph that cannot be captured (CPU tensors,
+symbolic shapes, inputs whose metadata it mutates, outputs that alias inputs,
+parameters it updates in place) runs Inductor's code uncaptured, and
+``explain()`` says why. A graph Inductor cannot compile runs on the older
+make_fx path (:class:`~.compiled.Compiled`, one op per aten node on streams),
+with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
+from .regions import RegionPlan, plan_regions
+
+__all__ = ["CompiledModel", "GraphRunner", "StreamdagBackend", "V2Statistics", "compile_v2",
+           "default_backend", "engine_from"]
+
+ENGINES = ("inductor", "aten")
+
+
+def engine_from(engine: str | None) -> str:
+    """The compile engine to use: the argument, else ``STREAMDAG_COMPILE_ENGINE``, else ``"inductor"``."""
+    engine = engine or os.environ.get("STREAMDAG_COMPILE_ENGINE") or "inductor"
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r} "
+                         "(from the argument or STREAMDAG_COMPILE_ENGINE)")
+    return engine
+
+
+@dataclass
+class V2Statistics:
+    graphs: int = 0
+    calls: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    replays: int = 0
+    uncaptured_calls: int = 0
+    fallbacks: int = 0
+    compile_s: float = 0.0
+
+
+@dataclass
+class Options:
+    streams: int = 4
+    regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
+    min_gain: float = 0.05
+    candidates: tuple[str, ...] | None = None  # labels to keep, e.g. ("regions",) in tests
+    clone_outputs: bool = True
+    max_captures: int = 4
+    rounds: int = 10
+    tie: float = 0.02
+    memory_ratio: float = 1.1
+
+    def __post_init__(self) -> None:
+        if self.regions not in ("auto", "always", "never"):
+            raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
+        if self.streams < 1:
+            raise ValueError(f"streams must be at least 1, got {self.streams}")
+
+
+class _Switch:
+    """What AOTAutograd calls for an inference graph: Inductor's whole graph, or its regions."""
+
+    _boxed_call = True
+
+    def __init__(self, whole: Callable[[list[Any]], Any]) -> None:
+        self.whole = whole
+        self.program: Any = None  # a RegionProgram, where the graph was cut into regions
+        self.plan: RegionPlan | None = None
+        self.region_note = ""
+        self.streams = 0  # 0: the whole graph; else the regions on this many streams
+        self.mutated_inputs: list[int] = []
+        self.mutates_metadata = False
+        self.aliases_inputs = False
+        self.compile_s = 0.0
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.streams == 0:
+            return self.whole(args)
+        inputs = list(args)
+        args.clear()  # the boxed convention: the callee owns the inputs
+        return self.program.run(inputs, self.streams)
+
+
+def _pristine(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (meta shared): Inductor's passes rewrite the graph they compile in place."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _is_dynamic(example_inputs: Sequence[Any]) -> bool:
+    for e in example_inputs:
+        if isinstance(e, torch.SymInt):
+            return True
+        if isinstance(e, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in e.shape):
+            return True
+    return False
+
+
+def _inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: Options,
+           switches: list[_Switch], **kwargs: Any) -> Any:
+    """Inductor's inner compiler, plus the regions of an inference graph (see the module docstring)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    if kwargs.get("is_backward") or not kwargs.get("is_inference"):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    t0 = time.perf_counter()
+    pristine = None if options.regions == "never" or _is_dynamic(example_inputs) else _pristine(gm)
+    kwargs["cudagraphs"] = BoxedBool(False)  # the runner captures, with every candidate's streams
+    switch = _Switch(compile_fx_inner(gm, list(example_inputs), **kwargs))
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None:
+        switch.mutated_inputs = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        switch.mutates_metadata = any(info.mutates_metadata for info in meta.input_info)
+        switch.aliases_inputs = any(o.output_type.name in ("is_input", "alias_of_input")
+                                    for o in meta.output_info)
+    if pristine is not None:
+        _add_regions(switch, pristine, example_inputs, options, kwargs)
+    elif options.regions != "never":
+        switch.region_note = "symbolic shapes: the whole graph only"
+    switch.compile_s = time.perf_counter() - t0
+    switches.append(switch)
+    return switch
+
+
+def _add_regions(switch: _Switch, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 options: Options, kwargs: dict[str, Any]) -> None:
+    from .inductor_regions import RegionProgram, compile_regions
+
+    if options.streams < 2:
+        switch.region_note = "one stream asked for"
+        return
+    on_cpu = all(e.device.type == "cpu" for e in example_inputs if isinstance(e, torch.Tensor))
+    if on_cpu and options.regions == "auto" and options.candidates is None:
+        switch.region_note = "on the CPU the whole graph runs: regions pay on streams"
+        return
+    plan = plan_regions(gm, options.streams)
+    switch.plan = plan
+    if plan.streams < 2:
+        switch.region_note = "no independent branches worth a stream"
+        return
+    if options.regions == "auto" and plan.gain < options.min_gain:
+        switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {options.min_gain:.0%}"
+        return
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        region_kwargs = {k: v for k, v in kwargs.items() if k not in ("static_input_idxs", "graph_id")}
+        # one layout decision for the whole graph: a region deciding alone could convert to
+        # channels-last and back at each of its boundaries
+        region_kwargs["layout_opt"] = GraphLowering.decide_layout_opt(gm, is_inference=True)
+        compiled = compile_regions(gm, example_inputs, plan, kwargs.get("static_input_idxs", ()),
+                                   region_kwargs)
+    except Exception as exc:  # the whole graph still runs: say why the regions do not
+        switch.region_note = f"regions not compiled ({type(exc).__name__}: {exc})"
+        return
+    switch.program = RegionProgram(gm, plan, compiled)
+
+
+class GraphRunner:
+    """The callable Dynamo gets for one graph: chooses a candidate at the first call, then runs it."""
+
+    def __init__(self, compiled: Callable[..., Any], eager: torch.fx.GraphModule, switch: _Switch | None,
+                 options: Options, pool: SharedPool, stats: V2Statistics, index: int) -> None:
+        self.compiled = compiled
+        self.eager = eager
+        self.switch = switch
+        self.options = options
+        self.pool = pool
+        self.stats = stats
+        self.index = index
+        self.candidates: list[Candidate] = []
+        self.captures: list[CapturedGraph] = []
+        self.chosen: Candidate | None = None
+        self.note = ""
+        self._lock = threading.Lock()
+        self._run: Callable[[Sequence[Any]], Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        self.stats.calls += 1
+        run = self._run
+        if run is None:
+            with self._lock:
+                if self._run is None:
+                    self._run = self._first(args)
+                run = self._run
+        return run(args)
+
+    # -- choosing ---------------------------------------------------------------------------------
+
+    def _candidates(self) -> list[Candidate]:
+        sw = self.switch
+        assert sw is not None
+        compiled, eager = self.compiled, self.eager
+
+        def use(streams: int) -> Callable[[list[Any]], Any]:
+            def run(args: list[Any]) -> Any:
+                sw.streams = streams
+                return compiled(*args)
+            return run
+
+        cands = [Candidate("eager", 1, lambda args: eager(*args)), Candidate("inductor", 1, use(0))]
+        if sw.program is not None:
+            top = min(self.options.streams, sw.program.plan.streams)
+            cands += [Candidate(f"regions x{k}", k, use(k)) for k in range(2, top + 1)]
+            if self.options.candidates is not None and "regions" in self.options.candidates:
+                cands.append(Candidate("regions x1", 1, use(1)))
+        if self.options.candidates is not None:
+            kept = [c for c in cands if c.label.split(" ")[0] in self.options.candidates]
+            if not kept and sw.program is None and "regions" in self.options.candidates:
+                self.note = f"no regions for this graph ({sw.region_note}): Inductor's whole graph runs"
+                kept = [c for c in cands if c.label == "inductor"]
+            cands = kept
+        return cands
+
+    def _uncaptured(self, reason: str, streams: int = 0) -> Callable[[Sequence[Any]], Any]:
+        self.note = f"{self.note}; {reason}" if self.note else reason
+        if self.switch is not None:
+            self.switch.streams = streams
+        compiled, stats = self.compiled, self.stats
+
+        def run(args: Sequence[Any]) -> Any:
+            stats.uncaptured_calls += 1
+            return compiled(*args)
+        return run
+
+    def _first(self, args: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
+        sw = self.switch
+        if sw is None:
+            return self._uncaptured("a training graph or one AOTAutograd compiled elsewhere: Inductor as is")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        cands = self._candidates()
+        if not cands:
+            raise ValueError(f"no candidate left by candidates={self.options.candidates!r}: "
+                             "name some of 'eager', 'inductor', 'regions'")
+        devices = {t.device for t in tensors}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            where = "on the CPU" if {d.type for d in devices} <= {"cpu"} else "on several devices"
+            return self._uncaptured_pick(cands, where)
+        if sw.plan is None and sw.region_note.startswith("symbolic"):
+            return self._uncaptured("symbolic shapes: Inductor's code runs uncaptured")
+        if sw.mutates_metadata or sw.aliases_inputs:
+            return self._uncaptured("the graph mutates an input's metadata or returns a view of an input: "
+                                    "run uncaptured so the caller's tensors stay as eager leaves them")
+        static = static_indices(args)
+        if set(static) & set(sw.mutated_inputs):
+            return self._uncaptured("the graph updates a parameter or buffer in place (warm-up runs would "
+                                    "repeat the update): run uncaptured")
+        device = next(iter(devices))
+        captured = []
+        for c in cands:
+            try:
+                captured.append(CapturedGraph(c, args, static, sw.mutated_inputs, self.pool, device,
+                                              private=len(cands) > 1))
+                self.stats.captures += 1
+            except Exception as exc:  # this candidate cannot be captured; the others still can
+                c.error = f"{type(exc).__name__}: {exc}"
+        self.candidates = cands
+        if not captured:
+            return self._uncaptured("no candidate could be captured: " +
+                                    "; ".join(f"{c.label}: {c.error}" for c in cands))
+        best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio)
+        self.chosen = best.candidate
+        self._set_switch(best.candidate)
+        if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
+            del captured
+            best = CapturedGraph(best.candidate, args, static, sw.mutated_inputs, self.pool, device)
+            self.stats.captures += 1
+        self.captures = [best]
+        return self._replay
+
+    def _set_switch(self, cand: Candidate) -> None:
+        if self.switch is not None and cand.label != "eager":
+            self.switch.streams = cand.streams if cand.label.startswith("regions") else 0
+
+    def _uncaptured_pick(self, cands: list[Candidate], where: str) -> Callable[[Sequence[Any]], Any]:
+        """Off a single GPU nothing is captured: the first candidate left runs (Inductor's, by default)."""
+        self.candidates = cands
+        pick = next((c for c in cands if c.label == "inductor"), cands[0])
+        self.chosen = pick
+        self._set_switch(pick)
+        if pick.label == "eager":
+            eager, stats = self.eager, self.stats
+
+            def run(args: Sequence[Any]) -> Any:
+                stats.uncaptured_calls += 1
+                return eager(*args)
+            self.note = f"{self.note}; {where}: uncaptured" if self.note else f"{where}: uncaptured"
+            return run
+        streams = pick.streams if pick.label.startswith("regions") else 0
+        return self._uncaptured(f"{where}: uncaptured", streams)
+
+    # -- the hot path -------------------------------------------------------------------------------
+
+    def _replay(self, args: Sequence[Any]) -> Any:
+        for g in self.captures:
+            if g.statics_match(args):
+                self.stats.replays += 1
+                return g(args, self.options.clone_outputs)
+        return self._recapture(args)
+
+    def _recapture(self, args: Sequence[Any]) -> Any:
+        """Parameters moved (replaced, or another model's): capture the chosen candidate for them."""
+        assert self.chosen is not None and self.switch is not None
+        if len(self.captures) >= self.options.max_captures:
+            self.note = (f"parameters moved more than {self.options.max_captures} times: "
+                         "the chosen candidate runs uncaptured")
+            self.stats.uncaptured_calls += 1
+            self._set_switch(self.chosen)
+            return self.compiled(*args) if self.chosen.label != "eager" else self.eager(*args)
+        with self._lock:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
+                              self.pool, device)
+            self.captures.append(g)
+            self.stats.captures += 1
+            self.stats.recaptures += 1
+        self.stats.replays += 1
+        return g(args, self.options.clone_outputs)
+
+    def explain(self) -> str:
+        lines = [f"graph {self.index}: {len(self.eager.graph.nodes)} FX nodes"]
+        sw = self.switch
+        if sw is not None:
+            lines.append(f"  compiled in {sw.compile_s:.2f} s")
+            if sw.plan is not None:
+                lines.append(f"  plan: {sw.plan}")
+            if sw.region_note:
+                lines.append(f"  regions: {sw.region_note}")
+        for c in self.candidates:
+            timing = "" if c.ms is None else f" {c.ms:.4f} ms"
+            memory = "" if c.peak_mib is None else f", capture {c.peak_mib:.1f} MiB"
+            extra = f" ({c.error})" if c.error else ""
+            extra += "".join(f" ({n})" for n in c.notes)
+            mark = " <- chosen" if c is self.chosen else ""
+            lines.append(f"  candidate {c.label} on {c.streams} stream(s):{timing}{memory}{extra}{mark}")
+        if self.note:
+            lines.append(f"  {self.note}")
+        if self._run is None:
+            lines.append("  not called yet")
+        return "\n".join(lines)
+
+
+class _Fallback:
+    """A graph Inductor could not compile, on the make_fx path."""
+
+    def __init__(self, legacy: Any, reason: str, index: int) -> None:
+        self.legacy = legacy
+        self.reason = reason
+        self.index = index
+
+    def __call__(self, *args: Any) -> Any:
+        return self.legacy(*args)
+
+    def explain(self) -> str:
+        return f"graph {self.index}: on the make_fx path because {self.reason}\n{self.legacy.explain()}"
+
+
+class StreamdagBackend:
+    """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
+
+    def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = 0.05,
+                 candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
+        self.options = Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
+                               candidates=None if candidates is None else tuple(candidates),
+                               clone_outputs=clone_outputs)
+        self.pool = SharedPool()
+        self.stats = V2Statistics()
+        self.runners: list[GraphRunner | _Fallback] = []
+        self._warned: set[str] = set()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        t0 = time.perf_counter()
+        self.stats.graphs += 1
+        index = len(self.runners)
+        eager = _pristine(gm)
+        switches: list[_Switch] = []
+
+        def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
+            return _inner(g, ex, options=self.options, switches=switches, **kwargs)
+
+        try:
+            # AOTAutograd's cache would hand back a plain Inductor result and skip the inner compiler
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+        except Exception as exc:
+            return self._fallback(eager, exc, index)
+        finally:
+            self.stats.compile_s += time.perf_counter() - t0
+        runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
+                             self.pool, self.stats, index)
+        self.runners.append(runner)
+        return runner
+
+    def _fallback(self, eager: torch.fx.GraphModule, exc: Exception, index: int) -> Callable[..., Any]:
+        from .compiled import Compiled
+
+        reason = f"Inductor failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        self.stats.fallbacks += 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"streamdag: graph {index} runs on the make_fx path: {reason}", RuntimeWarning,
+                          stacklevel=2)
+        fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index)
+        self.runners.append(fb)
+        return fb
+
+    def explain(self) -> str:
+        return "\n\n".join(r.explain() for r in self.runners) or "nothing compiled yet: call the model once"
+
+    def statistics(self) -> V2Statistics:
+        return V2Statistics(**vars(self.stats))
+
+
+_DEFAULT: StreamdagBackend | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_backend() -> StreamdagBackend:
+    """The backend ``torch.compile(..., backend="streamdag")`` uses: one per process, one pool per device."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = StreamdagBackend()
+        return _DEFAULT
+
+
+class CompiledModel:
+    """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend."""
+
+    def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
+        self.backend = backend
+        self._compiled = torch.compile(fn, backend=backend, dynamic=False)
+        self.__wrapped__ = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def explain(self) -> str:
+        """Each graph: its region plan, every candidate with its time, and the one chosen."""
+        return self.backend.explain()
+
+    def statistics(self) -> V2Statistics:
+        return self.backend.statistics()
+
+    def close(self) -> None:
+        for r in self.backend.runners:
+            if isinstance(r, _Fallback):
+                r.legacy.close()
+
+
+def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
+               min_gain: float = 0.05, candidates: Sequence[str] | None = None,
+               clone_outputs: bool = True) -> CompiledModel:
+    """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams."""
+    if not callable(fn):
+        raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
+    backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
+                               clone_outputs=clone_outputs)
+    return CompiledModel(fn, backend)

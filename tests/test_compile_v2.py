@@ -1,0 +1,580 @@
+"""The Inductor compile path: region plans, region programs, candidate choice, and models end to end.
+
+The planning and ordering tests run region graphs eagerly (no Inductor, fast).
+The end-to-end tests compile with Inductor's CPU code generator, which calls a
+C++ compiler per graph: they use tiny models and are marked ``slow``. The
+``cuda`` tests need a GPU.
+"""
+
+import copy
+import dataclasses
+import random
+import warnings
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from streamdag.frontend.candidates import Candidate, pick  # noqa: E402
+from streamdag.frontend.inductor_backend import CompiledModel  # noqa: E402
+from streamdag.frontend.inductor_regions import CompiledRegion, RegionProgram, region_graph  # noqa: E402
+from streamdag.frontend.regions import plan_regions  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches per code object: each test's models start from none (and its recompile limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def inception(x, w1, w2a, w2b, w3a, w3b, w4):
+    """A googlenet-like inception block: four branches of one input, concatenated."""
+    conv = torch.nn.functional.conv2d
+    b1 = conv(x, w1).relu()
+    b2 = conv(conv(x, w2a).relu(), w2b, padding=1).relu()
+    b3 = conv(conv(x, w3a).relu(), w3b, padding=2).relu()
+    b4 = conv(torch.nn.functional.max_pool2d(x, 3, 1, 1), w4).relu()
+    return torch.cat([b1, b2, b3, b4], 1)
+
+
+def inception_args(c=8, hw=8):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=g) / 4
+
+    return [r(1, c, hw, hw), r(4, c, 1, 1), r(4, c, 1, 1), r(4, 4, 3, 3), r(2, c, 1, 1), r(4, 2, 5, 5),
+            r(4, c, 1, 1)]
+
+
+def eager_program(gm, plan):
+    """The plan's regions run as eager FX graphs, in a RegionProgram: checks cuts and waits, not Inductor."""
+    compiled = []
+    for region in plan.regions:
+        sub = region_graph(gm, region, [n.meta.get("val") for n in region.inputs])
+        compiled.append(CompiledRegion(region, lambda args, sub=sub: sub(*args)))
+    return RegionProgram(gm, plan, compiled)
+
+
+def traced(fn, args):
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+
+
+def random_branchy_fn(seed, width=16):
+    """A random DAG of matmuls, activations and sums over one input: branches, joins, shared values."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    steps = []
+    for i in range(rng.randint(4, 14)):
+        kind = rng.choice(["mm", "mm", "act", "add"])
+        srcs = [rng.randrange(i + 1) for _ in range(2 if kind == "add" else 1)]
+        w = torch.randn(width, width, generator=g) / width ** 0.5
+        steps.append((kind, srcs, w, rng.choice([torch.tanh, torch.relu, torch.sigmoid])))
+
+    def fn(x):
+        vals = [x]
+        for kind, srcs, w, act in steps:
+            a = vals[srcs[0]]
+            vals.append(a @ w if kind == "mm" else act(a) if kind == "act" else a + vals[srcs[1]])
+        return vals[-1], vals[len(vals) // 2]
+
+    return fn
+
+
+# -- region plans --------------------------------------------------------------------------------------
+
+def test_an_inception_block_is_cut_into_one_region_per_branch_and_a_join():
+    args = inception_args()
+    gm = traced(inception, args)
+    plan = plan_regions(gm, max_streams=4)
+    assert plan.streams == 4 and plan.width == 4
+    join = plan.regions[-1]
+    assert any(n.target is torch.ops.aten.cat.default for n in join.nodes)
+    assert set(plan.preds[-1]) == set(range(len(plan.regions) - 1)), "the join waits on every branch"
+    branches = {r.stream for r in plan.regions[:-1]}
+    assert branches == {0, 1, 2, 3}
+    assert plan.gain > 0.05 and "regions on 4 streams" in str(plan)
+
+
+def test_a_chain_stays_one_region_on_one_stream():
+    ws = [torch.randn(8, 8) for _ in range(4)]
+
+    def chain(x, *ws):
+        for w in ws:
+            x = torch.tanh(x @ w)
+        return x
+
+    plan = plan_regions(traced(chain, [torch.randn(2, 8), *ws]), max_streams=4)
+    assert plan.streams == 1 and len(plan.regions) == 1 and plan.gain == 0
+
+
+def test_a_branch_with_a_negligible_share_of_the_work_goes_back_to_stream_zero():
+    big, small = torch.randn(1024, 1024), torch.randn(1024, 1)
+
+    def lopsided(x, big, small):
+        return (x @ big @ big @ big).sum() + (x @ small).sum()
+
+    gm = traced(lopsided, [torch.randn(1024, 1024), big, small])
+    assert plan_regions(gm, max_streams=4, min_stream_share=0).streams == 2
+    assert plan_regions(gm, max_streams=4, min_stream_share=0.1).streams == 1
+
+
+def test_regions_of_the_same_structure_have_the_same_code():
+    ws = [torch.randn(8, 8) for _ in range(4)]
+
+    def two_blocks(x, w1, w2, w3, w4):
+        for a, b in ((w1, w2), (w3, w4)):
+            x = torch.tanh(x @ a) + torch.relu(x @ b)
+        return x
+
+    gm = traced(two_blocks, [torch.randn(2, 8), *ws])
+    plan = plan_regions(gm, max_streams=2, min_stream_share=0)
+    codes = [region_graph(gm, r, [n.meta["val"] for n in r.inputs]).code for r in plan.regions]
+    assert len(codes) == 6 and codes[0:3] == codes[3:6], "the second block repeats the first"
+
+
+def test_plan_regions_rejects_a_stream_budget_under_one():
+    with pytest.raises(ValueError, match="max_streams must be at least 1"):
+        plan_regions(traced(torch.relu, [torch.randn(2)]), max_streams=0)
+
+
+# -- region programs: the waits order every reader after its writer ----------------------------------
+
+@pytest.mark.parametrize("streams", [2, 3, 4])
+def test_an_inception_block_equals_eager_in_any_order_its_waits_allow(streams):
+    args = inception_args()
+    gm = traced(inception, args)
+    program = eager_program(gm, plan_regions(gm, max_streams=4))
+    want = inception(*args)
+    for seed in range(8):
+        order = program.interleaving(streams, seed)
+        (got,) = program.run(list(args), order=order)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_branchy_graphs_equal_eager_in_any_order_their_waits_allow(seed):
+    fn = random_branchy_fn(seed)
+    x = torch.randn(4, 16)
+    gm = traced(fn, [x])
+    plan = plan_regions(gm, max_streams=3, min_stream_share=0)
+    program = eager_program(gm, plan)
+    want = fn(x)
+    for streams in (1, 2, 3):
+        for s in range(4):
+            got = program.run([x], order=program.interleaving(streams, s))
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_write_into_an_input_waits_for_every_branch_that_reads_the_input():
+    def reads_then_writes(x, w1, w2):
+        y1, y2 = torch.tanh(x @ w1), torch.relu(x @ w2)
+        x.mul_(2)
+        return y1 + y2 + x
+
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)
+    x = torch.randn(4, 8)
+    gm = traced(torch.func.functionalize(reads_then_writes, remove="mutations_and_views"), [x, w1, w2])
+    assert any(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes)
+    program = eager_program(gm, plan_regions(gm, max_streams=4, min_stream_share=0))
+    assert program.plan.streams >= 2
+    x_want = x.clone()
+    want = reads_then_writes(x_want, w1, w2)
+    for seed in range(8):
+        x_got = x.clone()
+        (got,) = program.run([x_got, w1, w2], order=program.interleaving(4, seed))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(x_got, x_want, rtol=0, atol=0)
+
+
+# -- the choice between candidates --------------------------------------------------------------------
+
+def _cand(label, streams, ms, mib=10.0):
+    return Candidate(label, streams, lambda args: args, ms=ms, peak_mib=mib)
+
+
+def test_the_fastest_candidate_is_kept():
+    cands = [_cand("eager", 1, 2.0), _cand("inductor", 1, 1.5), _cand("regions x2", 2, 1.0)]
+    assert cands[pick(cands)].label == "regions x2"
+
+
+def test_a_tie_goes_to_fewer_streams():
+    cands = [_cand("eager", 1, 1.2), _cand("inductor", 1, 1.0), _cand("regions x2", 2, 0.99),
+             _cand("regions x3", 3, 0.985)]
+    assert cands[pick(cands, tie=0.02)].label == "inductor"
+
+
+def test_more_streams_must_beat_the_best_on_fewer_not_only_their_own_kind():
+    cands = [_cand("inductor", 1, 1.0), _cand("regions x2", 2, 0.9), _cand("regions x3", 3, 0.89)]
+    assert cands[pick(cands, tie=0.02)].label == "regions x2"
+
+
+def test_a_multi_stream_candidate_that_needs_much_more_memory_is_not_kept():
+    cands = [_cand("inductor", 1, 1.0, mib=100), _cand("regions x2", 2, 0.5, mib=200)]
+    assert cands[pick(cands, memory_ratio=1.1)].label == "inductor"
+    assert "not kept" in cands[1].notes[0]
+
+
+def test_picking_needs_every_candidate_timed():
+    with pytest.raises(ValueError, match="needs its time"):
+        pick([Candidate("inductor", 1, lambda a: a)])
+
+
+# -- the entry points ---------------------------------------------------------------------------------
+
+def test_the_make_fx_path_stays_available_by_name():
+    from streamdag.frontend import Compiled
+
+    assert isinstance(sd.compile(torch.relu, engine="aten"), Compiled)
+    assert isinstance(sd.compile(torch.relu), CompiledModel)
+
+
+def test_options_of_the_make_fx_path_name_the_engine_that_takes_them():
+    with pytest.raises(TypeError, match="engine='aten'"):
+        sd.compile(torch.relu, device="cpu")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        sd.compile(torch.relu, engine="triton")
+    with pytest.raises(ValueError, match="regions must be"):
+        sd.compile(torch.relu, regions="sometimes")
+
+
+def test_a_graph_inductor_cannot_compile_runs_on_the_make_fx_path_and_says_so(monkeypatch):
+    import torch._inductor.compile_fx as cfx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernels today")
+
+    monkeypatch.setattr(cfx, "compile_fx", broken)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(c(x), m(x))
+    assert any("make_fx path" in str(w.message) for w in caught)
+    assert "make_fx path because Inductor failed (RuntimeError: no kernels today)" in c.explain()
+    assert c.statistics().fallbacks == 1
+
+
+# -- end to end with Inductor on the CPU (slow: a C++ compile per graph) -------------------------------
+
+class Inception(torch.nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        conv = torch.nn.Conv2d
+        self.b1 = conv(c, 4, 1)
+        self.b2 = torch.nn.Sequential(conv(c, 4, 1), torch.nn.ReLU(), conv(4, 4, 3, padding=1))
+        self.b3 = torch.nn.Sequential(conv(c, 2, 1), torch.nn.ReLU(), conv(2, 4, 5, padding=2))
+        self.b4 = torch.nn.Sequential(torch.nn.MaxPool2d(3, 1, 1), conv(c, 4, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1).relu()
+
+
+@pytest.mark.slow
+def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
+    torch.manual_seed(0)
+    m = Inception().eval()
+    c = sd.compile(m, regions="always", candidates=["regions"])
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+        program = c.backend.runners[0].switch.program
+        assert program is not None and program.plan.streams == 4
+        seen, run = [], program.run
+        program.run = lambda args, *rest, **kw: seen.append(list(args)) or run(args, *rest, **kw)
+        torch.testing.assert_close(c(x), m(x))
+        (args,) = seen
+        for seed in range(4):
+            (got,) = program.run(list(args), order=program.interleaving(4, seed))
+            torch.testing.assert_close(got, m(x))
+    assert "regions on 4 streams" in c.explain()
+
+
+@pytest.mark.slow
+def test_a_sequential_model_equals_eager_and_compiles_no_regions():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 4)).eval()
+    c = sd.compile(m)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x))
+    sw = c.backend.runners[0].switch
+    assert sw.program is None and c.statistics().graphs == 1
+    assert "candidate inductor" in c.explain()
+
+
+@pytest.mark.slow
+def test_switching_between_train_and_eval_compiles_again_and_follows_the_mode():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).eval()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), ref(x))
+        m.train()
+        ref.train()
+        torch.testing.assert_close(c(x), ref(x))  # batch statistics, not the running ones
+        torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)  # updated once, as eager
+        m.eval()
+        ref.eval()
+        torch.testing.assert_close(c(x), ref(x))
+    assert c.statistics().graphs == 2
+
+
+@pytest.mark.slow
+def test_a_replaced_parameter_is_read_at_the_next_call():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        c(x)
+        m[0].weight = torch.nn.Parameter(torch.randn(8, 8))
+        torch.testing.assert_close(c(x), m(x))
+        m[0].weight.mul_(3)  # and an in-place update of it
+        torch.testing.assert_close(c(x), m(x))
+
+
+@dataclasses.dataclass
+class Out:
+    logits: "torch.Tensor"
+    hidden: "torch.Tensor"
+
+
+class Structured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"dict": {"a": h, "b": h.relu()}, "list": [h.sum(), h * 2], "dataclass": Out(h.tanh(), h)}
+
+
+@pytest.mark.slow
+def test_dict_list_and_dataclass_outputs_keep_their_types():
+    torch.manual_seed(0)
+    m = Structured().eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        got, want = c(x), m(x)
+    assert isinstance(got["dict"], dict) and set(got["dict"]) == {"a", "b"}
+    assert isinstance(got["list"], list) and len(got["list"]) == 2
+    assert isinstance(got["dataclass"], Out)
+    torch.testing.assert_close(got["dict"]["b"], want["dict"]["b"])
+    torch.testing.assert_close(got["list"][1], want["list"][1])
+    torch.testing.assert_close(got["dataclass"].logits, want["dataclass"].logits)
+    assert c.statistics().fallbacks == 0
+
+
+@pytest.mark.slow
+def test_parameters_made_under_inference_mode_compile_without_a_fallback():
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+        x = torch.randn(2, 8)
+        want = m(x)
+    c = sd.compile(m)
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        got = c(x)
+    torch.testing.assert_close(got, want)
+    assert not [w for w in caught if "streamdag" in str(w.message)]
+    assert c.statistics().fallbacks == 0 and c.statistics().graphs == 1
+
+
+@pytest.mark.slow
+def test_bfloat16_models_compile_and_match_eager():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8)).eval()
+    m = m.to(torch.bfloat16)
+    c = sd.compile(m)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = c(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, m(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_a_new_batch_size_compiles_a_new_specialization():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = sd.compile(m)
+    with torch.no_grad():
+        for batch in (1, 3, 1):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(c(x), m(x))
+    assert c.statistics().graphs == 2
+
+
+@pytest.mark.slow
+def test_the_dynamo_backend_by_name_takes_the_inductor_path():
+    import streamdag.frontend.dynamo  # noqa: F401 - registers the name
+    from streamdag.frontend.inductor_backend import default_backend
+
+    before = len(default_backend().runners)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Sigmoid()).eval()
+    opt = torch.compile(m, backend="streamdag")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), m(x))
+    assert len(default_backend().runners) == before + 1
+
+
+@pytest.mark.slow
+def test_inputs_the_model_changes_in_place_are_changed_as_eager_changes_them():
+    def f(x, w1, w2):
+        y = torch.tanh(x @ w1) + torch.relu(x @ w2)
+        x.add_(1)
+        return y + x
+
+    w1, w2 = torch.randn(16, 16), torch.randn(16, 16)
+    for options in ({}, {"regions": "always", "candidates": ["regions"]}):
+        torch._dynamo.reset()
+        c = sd.compile(f, **options)
+        x_got = torch.randn(4, 16)
+        x_want = x_got.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(c(x_got, w1, w2), f(x_want, w1, w2))
+        torch.testing.assert_close(x_got, x_want)
+        if options:  # the write into x is in a region after both branches
+            assert c.backend.runners[0].switch.program.plan.streams == 2
+
+
+# -- CUDA --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.cuda
+def test_an_inception_block_runs_its_regions_on_several_streams_in_one_cuda_graph(no_tf32):
+    torch.manual_seed(0)
+    m = Inception(c=64).eval().cuda()
+    c = sd.compile(m, regions="always", candidates=["regions"])
+    with torch.inference_mode():
+        pairs = []
+        for _ in range(4):
+            x = torch.randn(1, 64, 28, 28, device="cuda")
+            pairs.append((c(x), m(x)))
+        for got, want in pairs:  # earlier outputs are the caller's: later replays leave them alone
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    runner = c.backend.runners[0]
+    assert runner.chosen.label.startswith("regions") and runner.chosen.streams >= 1
+    stats = c.statistics()
+    assert stats.captures >= 1 and stats.replays >= 3 and stats.uncaptured_calls == 0
+
+
+@pytest.mark.cuda
+def test_every_candidate_is_captured_and_timed_and_the_fastest_kept(no_tf32):
+    torch.manual_seed(0)
+    m = Inception(c=64).eval().cuda()
+    c = sd.compile(m, regions="always")
+    x = torch.randn(1, 64, 28, 28, device="cuda")
+    with torch.inference_mode():
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    runner = c.backend.runners[0]
+    labels = [cand.label for cand in runner.candidates]
+    assert labels[:2] == ["eager", "inductor"] and any(lb.startswith("regions x") for lb in labels)
+    timed = [cand for cand in runner.candidates if cand.ms is not None]
+    assert len(timed) == len(runner.candidates), c.explain()
+    fewest = min(cand.ms for cand in timed if cand.streams == 1)
+    assert runner.chosen.ms <= fewest * 1.0001, c.explain()
+    assert "<- chosen" in c.explain()
+
+
+@pytest.mark.cuda
+def test_a_replaced_parameter_is_captured_again_on_cuda():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).eval().cuda()
+    c = sd.compile(m)
+    x = torch.randn(8, 64, device="cuda")
+    with torch.inference_mode():
+        c(x)
+        c(x)
+        with torch.inference_mode(False), torch.no_grad():
+            m[0].weight = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
+        torch.testing.assert_close(c(x), m(x))
+    assert c.statistics().recaptures == 1
+
+
+@pytest.mark.cuda
+def test_the_dynamo_backend_by_name_replays_a_cuda_graph():
+    import streamdag.frontend.dynamo  # noqa: F401
+    from streamdag.frontend.inductor_backend import default_backend
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).eval().cuda()
+    opt = torch.compile(m, backend="streamdag")
+    x = torch.randn(4, 64, device="cuda")
+    before = default_backend().statistics().replays
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(opt(x), m(x), rtol=1e-3, atol=1e-3)
+    assert default_backend().statistics().replays >= before + 2
+
+
+@pytest.mark.cuda
+def test_a_replay_on_a_side_stream_is_ordered_with_the_callers_work(no_tf32):
+    torch.manual_seed(0)
+    m = Inception(c=32).eval().cuda()
+    c = sd.compile(m, regions="always", candidates=["regions"])
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        x = torch.randn(1, 32, 16, 16, device="cuda")
+        c(x)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x2 = torch.randn(1, 32, 16, 16, device="cuda") * 3
+            got = c(x2) + 0  # used on the caller's stream with no synchronization in between
+        torch.cuda.current_stream().wait_stream(side)
+        torch.testing.assert_close(got, m(x2), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_inputs_changed_in_place_are_written_back_after_a_replay():
+    def f(x, w):
+        y = x @ w
+        x.add_(1)
+        return y + x
+
+    w = torch.randn(16, 16, device="cuda")
+    c = sd.compile(f)
+    with torch.no_grad():
+        for _ in range(3):
+            x_got = torch.randn(4, 16, device="cuda")
+            x_want = x_got.clone()
+            torch.testing.assert_close(c(x_got, w), f(x_want, w), rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(x_got, x_want)
+
+
+@pytest.mark.cuda
+def test_bfloat16_and_dict_outputs_on_cuda():
+    torch.manual_seed(0)
+    m = Structured().eval().cuda().to(torch.bfloat16)
+    c = sd.compile(m)
+    x = torch.randn(2, 8, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, want = c(x), m(x)
+        got2 = c(x)
+    assert isinstance(got["dataclass"], Out) and got["dict"]["a"].dtype == torch.bfloat16
+    torch.testing.assert_close(got["dict"]["b"], want["dict"]["b"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got2["list"][1], want["list"][1], rtol=2e-2, atol=2e-2)
