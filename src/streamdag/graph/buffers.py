@@ -120,6 +120,12 @@ def _torch_region(t: Any) -> Region:
         space = "cpu"
     else:
         dev = t.device
+        if dev.type == "meta":
+            raise InvalidBuffer(
+                "a meta tensor has no memory for streamdag to track: pass it as an ordinary argument, "
+                "not in reads/writes (or sd.read/sd.write), or declare a tensor with storage "
+                "(e.g. torch.empty_like(t, device='cpu'))"
+            )
         space = f"{dev.type}:{dev.index or 0}"
     if t.layout is not _STRIDED:
         raise InvalidBuffer(
@@ -179,8 +185,18 @@ def _region_itself(value: Region) -> Region:
 _HANDLERS: dict[type, Any] = {Region: _region_itself}
 
 
-def _handler_for(cls: type) -> Any:
+def _is_tensor_type(cls: type) -> bool:
+    """Whether ``cls`` is ``torch.Tensor`` or a subclass, a user's too (``nn.Parameter``, a
+    ``__torch_function__`` subclass): its memory is its storage's. (Torch is not imported for
+    this: a tensor's type comes from an imported torch.)"""
     if cls.__module__.startswith("torch") and hasattr(cls, "untyped_storage"):
+        return True
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return isinstance(tensor, type) and issubclass(cls, tensor)
+
+
+def _handler_for(cls: type) -> Any:
+    if _is_tensor_type(cls):
         global _STRIDED
         import torch
 
