@@ -695,6 +695,21 @@ static PyObject *op_full_name(PyObject *op) {
     return OPF(op, OP_NAME);
 }
 
+/* ``ops.refuse_coroutine``: ``coroutine`` (what an op's function returned; the reference is taken)
+ * closed, and NULL with the TypeError that says what to do */
+static PyObject *refuse_coroutine(PyObject *op, PyObject *coroutine) {
+    PyObject *ops = PyImport_ImportModule("streamdag.runtime.ops");  /* (imported: a dict look-up) */
+    PyObject *r = ops == NULL ? NULL
+        : PyObject_CallMethod(ops, "refuse_coroutine", "OO", coroutine, op_full_name(op));
+    Py_XDECREF(ops);
+    Py_DECREF(coroutine);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_TypeError, "streamdag: an op returned a coroutine");
+    }
+    return NULL;
+}
+
 static int execute(PyObject *op) {
     PyObject *deps = OPF(op, OP_DEPS);
     Py_ssize_t n = PyTuple_Check(deps) ? PyTuple_GET_SIZE(deps) : PyList_Check(deps) ? PyList_GET_SIZE(deps) : -1;
@@ -709,6 +724,7 @@ static int execute(PyObject *op) {
     PyObject *kwargs = OPF(op, OP_KWARGS);
     PyObject *value = PyObject_Call(OPF(op, OP_FN), OPF(op, OP_ARGS),
                                     PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value != NULL && PyCoro_CheckExact(value)) value = refuse_coroutine(op, value);
     if (value == NULL) {
         PyObject *exc = take_exception();
         int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);

@@ -59,6 +59,14 @@ FINISH_EVERY = 32
 #: worker lanes on the host beside a device, for the ops submitted with ``run_on="host"``
 HOST_LANES = 2
 
+
+def _no_function() -> None:
+    """What ``submit`` gets where no function is given: it raises the error that says so (Python's
+    own names the parameter only)."""
+
+
+_NO_FUNCTION: Callable[..., Any] = _no_function
+
 #: Test-only: drop every cross-stream event wait, to show that the race checks can fail.
 _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
 
@@ -302,7 +310,7 @@ class Runtime:
 
     def submit(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] = _NO_FUNCTION,
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -321,11 +329,13 @@ class Runtime:
         ``reads``, ``writes``, ``name`` or ``run_on``, bind it first with
         ``functools.partial``.
         """
+        if fn is _NO_FUNCTION:  # (the compiled submit raises the same)
+            raise TypeError("submit() needs the function to run first: rt.submit(fn, *args)")
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=True, run_on=run_on)
 
     def submit_nowait(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] = _NO_FUNCTION,
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -335,6 +345,8 @@ class Runtime:
         **kwargs: Any,
     ) -> Future:
         """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
+        if fn is _NO_FUNCTION:
+            raise TypeError("submit_nowait() needs the function to run first: rt.submit_nowait(fn, *args)")
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=False, run_on=run_on)
 
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
@@ -350,7 +362,8 @@ class Runtime:
         return transfers.to_device(self, x, name, device)
 
     def to_host(self, t: Any, name: str | None = None) -> Future:
-        """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
+        """A Future of a host copy of tensor ``t`` (pinned where ``t`` is on a device), readable once
+        the Future is done."""
         return transfers.to_host(self, t, name)
 
     def stream_map(self, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,

@@ -7,10 +7,11 @@ import concurrent.futures
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
+from types import CoroutineType
 from typing import Any
 
 from ..errors import DependencyFailed
@@ -533,6 +534,10 @@ def _as_list(value: Any, example: str) -> list[Any]:
         return list(value)
     if isinstance(value, Marker) or not isinstance(value, Iterable) or _is_buffer(value):
         raise TypeError(f"{example.split('=')[0]}= takes a list of buffers, e.g. {example}")
+    if isinstance(value, Mapping):  # (listed, it would be its keys)
+        keyword = example.split("=")[0]
+        raise TypeError(f"{keyword}= takes a list of buffers, not a dict: e.g. {example}, "
+                        f"or {keyword}=list(d.values()) for the buffers of a dict d")
     return list(value)
 
 
@@ -631,7 +636,10 @@ class Op:
             self.root_name, self.root_error = dep.root_name, dep.root_error
         else:
             try:
-                self.value = self.fn(*self.args, **self.kwargs)
+                value = self.fn(*self.args, **self.kwargs)
+                if type(value) is CoroutineType:
+                    refuse_coroutine(value, self.name)
+                self.value = value
             except BaseException as exc:  # the op's failure is its future's, not ours
                 if not isinstance(exc, Exception):  # an interrupt or SystemExit goes on up too (to
                     self.error = self.root_error = exc  # the caller, or to a lane that reports it)
@@ -640,6 +648,19 @@ class Op:
                 self.error = self.root_error = release_frames(exc, caught_here=True)
                 self.root_name = self.name
         self.deps = ()
+
+
+def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
+    """Fail an op whose function returned a coroutine (an ``async def`` function): an op runs its
+    function to its end on a stream, inside its submit on a GPU, where the submitting code's event
+    loop may be running, so there is no one place to run the coroutine; awaiting is the caller's
+    (``await rt.submit(...)``). Closed here, it warns of no coroutine never awaited.
+    (``native/_submit.c``'s ``refuse_coroutine`` raises the same.)"""
+    coroutine.close()
+    raise TypeError(
+        f"op {op_name!r} returned a coroutine: streamdag runs an op's function to its end and does "
+        "not await it. Submit a plain function (for an async def f, e.g. lambda: asyncio.run(f())), "
+        "and await the op's future in async code instead")
 
 
 def wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:

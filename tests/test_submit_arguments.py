@@ -1,0 +1,90 @@
+"""What submit accepts as an op's function, arguments and declared buffers, and what it says to the rest.
+
+Run with ``STREAMDAG_NATIVE=1`` (the compiled submit) and ``=0`` (the Python reference): the two
+must agree.
+"""
+
+import asyncio
+import warnings
+
+import numpy as np
+import pytest
+
+import streamdag as sd
+from streamdag.graph.buffers import region_of
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(params=["cpu", "sim"])
+def rt(request):
+    with sd.Runtime(request.param, streams=3) as runtime:
+        yield runtime
+
+
+class MyTensor(torch.Tensor):
+    """A user's subclass: a tensor, whose memory is its storage's."""
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(8).as_subclass(MyTensor),
+    lambda: torch.nn.Parameter(torch.zeros(8)),
+], ids=["subclass", "parameter"])
+def test_a_tensor_subclass_is_tracked_by_its_storage(make):
+    t = make()
+    assert region_of(t) == region_of(t.as_subclass(torch.Tensor))
+    assert region_of(t[2:4]).overlaps(region_of(t))
+    with sd.Runtime("cpu", streams=3) as rt:
+        order = []
+        rt.submit(lambda: (order.append("write"), t.data.add_(1)), writes=[t])
+        rt.submit(lambda: order.append(("read", t.data.sum().item())), reads=[t[2:4]])
+        rt.synchronize()
+    assert order == ["write", ("read", 8.0)]
+
+
+def test_a_meta_tensor_is_refused_with_what_to_do():
+    meta = torch.empty(3, device="meta")
+    with sd.Runtime("cpu", streams=1) as rt, pytest.raises(sd.InvalidBuffer, match="meta tensor has no"):
+        rt.submit(print, reads=[meta])
+
+
+@pytest.mark.parametrize("keyword", ["reads", "writes"])
+def test_a_dict_of_buffers_is_refused_with_what_to_do(rt, keyword):
+    with pytest.raises(TypeError, match=f"{keyword}= takes a list of buffers, not a dict"):
+        rt.submit(print, **{keyword: {"a": np.zeros(3)}})
+
+
+@pytest.mark.parametrize("data", [torch.arange(6.0), np.arange(6.0)], ids=["tensor", "numpy"])
+def test_to_host_of_host_memory_is_a_copy_on_a_runtime_without_a_device(data):
+    with sd.Runtime("cpu", streams=2) as rt:
+        copy = rt.to_host(data).result()
+    assert isinstance(copy, torch.Tensor) and copy.tolist() == list(range(6))
+    assert not region_of(copy).overlaps(region_of(data))
+
+
+def test_an_async_function_fails_its_op_with_what_to_do_and_no_warning(rt):
+    async def produce():
+        return 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a coroutine never awaited warns as it is freed)
+        future = rt.submit(produce)
+        error = future.exception()
+        assert isinstance(error, TypeError) and "returned a coroutine" in str(error)
+        assert "asyncio.run" in str(error)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+    assert asyncio.run(_awaited(rt)) == 4
+
+
+async def _awaited(rt):
+    """An op's future is what async code awaits."""
+    return await rt.submit(lambda: 4)
+
+
+@pytest.mark.parametrize("method", ["submit", "submit_nowait"])
+def test_submit_without_a_function_says_what_to_do(rt, method):
+    with pytest.raises(TypeError, match=rf"{method}\(\) needs the function to run first"):
+        getattr(rt, method)()
+    with pytest.raises(TypeError, match=rf"{method}\(\) needs the function to run first"):
+        getattr(rt, method)(reads=[np.zeros(2)])
