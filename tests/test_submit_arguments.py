@@ -88,3 +88,28 @@ def test_submit_without_a_function_says_what_to_do(rt, method):
         getattr(rt, method)()
     with pytest.raises(TypeError, match=rf"{method}\(\) needs the function to run first"):
         getattr(rt, method)(reads=[np.zeros(2)])
+
+
+@pytest.mark.parametrize("how", ["writes", "marker"])
+def test_a_new_buffer_at_the_address_of_a_failed_ops_output_is_not_failed_by_it(rt, how):
+    """A failed op fails the later ops on what it wrote until synchronize(): its memory must not go
+    to a new, unrelated buffer meanwhile (numpy hands a freed block to the next array of its size
+    at once), even where the op's function does not hold it (declared in writes= only)."""
+    size = 1 << 12
+
+    def fails(*_):
+        raise ValueError("the old op")
+
+    out = np.empty(size)
+    address = out.ctypes.data
+    failed = rt.submit(fails, writes=[out]) if how == "writes" else rt.submit(fails, sd.write(out))
+    assert isinstance(failed.exception(), ValueError)
+    del out, failed
+    for _ in range(64):  # allocated until the old address comes back, if it can
+        fresh = np.empty(size)
+        if fresh.ctypes.data == address:
+            break
+    assert rt.submit(fresh.fill, 1.0, writes=[fresh]).exception() is None
+    with pytest.raises(sd.ExceptionGroup, match="1 streamdag op"):
+        rt.synchronize()
+    assert rt.submit(np.empty(size).fill, 2.0).exception() is None

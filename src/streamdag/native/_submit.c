@@ -558,9 +558,10 @@ static PyObject *new_future(PyObject *op_name, PyObject *op_number) {
 }
 
 /* a new Op, its slots as Op.__init__ sets them, and its future. ``numbered``: its name is ``name#seq``,
- * made when first asked for (Op.name): most ops' names are never read */
+ * made when first asked for (Op.name): most ops' names are never read. ``keep``: the buffers it
+ * declares written (``Op.keep``) */
 static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *fn, PyObject *args,
-                        PyObject *kwargs, PyObject *accesses) {
+                        PyObject *kwargs, PyObject *accesses, PyObject *keep) {
     PyTypeObject *tp = sub.op_type;
     PyObject *op = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (op == NULL) return NULL;
@@ -571,7 +572,7 @@ static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *f
     op_set(op, OP_KWARGS, kwargs); op_set(op, OP_ACCESSES, accesses); op_set(op, OP_DEPS, sub.empty_tuple);
     op_set(op, OP_STAMP, Py_None); op_set(op, OP_EVENT, Py_None); op_set(op, OP_DONE, Py_False);
     op_set(op, OP_ERROR, Py_None); op_set(op, OP_ROOT_NAME, sub.empty_str); op_set(op, OP_ROOT_ERROR, Py_None);
-    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None); op_set(op, OP_RUN_ID, zero);
+    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, keep); op_set(op, OP_RUN_ID, zero);
     op_set(op, OP_FINISH, Py_None); op_set(op, OP_NUMBERED, numbered ? Py_True : Py_False);
     OPF(op, OP_FUTURE) = future;  /* the reference made above */
     Py_DECREF(zero);
@@ -1128,17 +1129,18 @@ done:
  * ``placed`` (>= 0): onto that stream, ordered on the device only (no host wait for host memory).
  * ``holders`` (or NULL: none): the held and host-lane ops the op follows (``Runtime._host_deps``), or
  * False: those among the deps its link finds; with ``fence`` from ``Runtime._caller_fence``: the op is
- * held behind them (``Runtime._hold``) */
+ * held behind them (``Runtime._hold``). ``written``: the buffers the op declares written, which it holds */
 static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
                                 PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
-                                Py_ssize_t placed, Py_ssize_t *seq_out, PyObject *holders, PyObject *fence) {
+                                Py_ssize_t placed, Py_ssize_t *seq_out, PyObject *holders, PyObject *fence,
+                                PyObject *written) {
     PyObject *op = NULL, *seq = NULL, *tracker = NULL, *deps = NULL, *future = NULL, *found = NULL;
     Counters *counts = (Counters *)self->counts;
     Py_ssize_t seq_n = *seq_out = ++counts->seq;
     if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
-    if ((op = new_op(seq, op_name, !named, fn, args, kwargs, accesses)) == NULL) goto done;
+    if ((op = new_op(seq, op_name, !named, fn, args, kwargs, accesses, written)) == NULL) goto done;
     Parts *parts = (Parts *)self->parts;
     if (parts->tracker == NULL) {
         PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker");
@@ -1432,7 +1434,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq, holders,
-                            fence);
+                            fence, writes);
     Py_XDECREF(holders);
     Py_XDECREF(fence);
     PyObject *exc = result == NULL ? take_exception() : NULL;

@@ -656,10 +656,13 @@ class Runtime:
         if recording is not None:
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
-                             device, on_host)
+                             device, on_host, written)
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
-                 device_ordered: bool = False, device: str | None = None, on_host: bool = True):
+                 device_ordered: bool = False, device: str | None = None, on_host: bool = True,
+                 written: Any = None):
+        """Link and launch (or hold) an op; returns its future. ``written``: the buffers it declares
+        written, which it holds (``Op.keep``; see ``_finish``)."""
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
         try:
@@ -678,6 +681,7 @@ class Runtime:
             self._counts.seq += 1
             seq = self._counts.seq
             op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
+            op.keep = written
             deps = self._tracker.link(op, accesses)
             host_inputs = on_host and device != "host" and not (device_ordered or self.backend.deferred)
             if device == "host":
@@ -1127,8 +1131,9 @@ class Runtime:
         if error is None:
             op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
         else:  # what it wrote fails later ops until synchronize() (the tracker's record): what it was
-            op.value = op.keep = None  # given stays referenced as long, so that memory is not freed and
-            # handed to a new buffer, whose ops would fail for an op that never touched it
+            op.value = None  # given and the buffers it declared written (``keep``) stay referenced as
+            # long, so that memory is not freed and handed to a new buffer, whose ops would fail for an
+            # op that never touched it
         future = op.future
         if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
             self._settle(future, value, error)

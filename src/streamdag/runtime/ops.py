@@ -601,6 +601,8 @@ class Op:
         self.root_name = ""
         self.root_error: BaseException | None = None
         self.value: Any = None
+        #: the buffers it declares written: held while it is pending, and after a failure until
+        #: ``synchronize`` (its memory must not go to a new buffer while its failure passes on)
         self.keep: Any = None
         self.run_id = 0
         #: what finishes it once its completion event has been observed, called as
