@@ -5,13 +5,14 @@ must agree.
 """
 
 import asyncio
+import time
 import warnings
 
 import numpy as np
 import pytest
 
 import streamdag as sd
-from streamdag.graph.buffers import region_of
+from streamdag.graph.buffers import Marker, region_of
 
 torch = pytest.importorskip("torch")
 
@@ -113,3 +114,37 @@ def test_a_new_buffer_at_the_address_of_a_failed_ops_output_is_not_failed_by_it(
     with pytest.raises(sd.ExceptionGroup, match="1 streamdag op"):
         rt.synchronize()
     assert rt.submit(np.empty(size).fill, 2.0).exception() is None
+
+
+def _slow_fill(value):
+    def fill(target):
+        time.sleep(0.05)  # a reader not ordered after it would see zeros
+        target[:] = value
+    return fill
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda m: [m],
+    lambda m: (0, m),
+    lambda m: {"x": m},
+    lambda m: [{"x": (m,)}],
+], ids=["list", "tuple", "dict", "nested"])
+def test_markers_in_a_list_tuple_or_dict_argument_declare_their_access_and_are_unwrapped(rt, wrap):
+    a = np.zeros(8)
+
+    def first(container):  # the marked value, wherever wrap put it
+        while not isinstance(container, np.ndarray):
+            assert not isinstance(container, Marker), "the op got a marker"
+            container = container[-1] if isinstance(container, (list, tuple)) else container["x"]
+        return container
+
+    rt.submit(lambda c: _slow_fill(1.0)(first(c)), wrap(sd.write(a)))
+    as_keyword = rt.submit(lambda *, c: first(c).sum(), c=wrap(sd.read(a)))
+    assert as_keyword.result() == 8.0
+
+
+def test_containers_without_markers_reach_the_op_as_they_are(rt):
+    items, table = [np.zeros(2)], {"k": 1}
+    items.append(items)  # a list inside itself
+    got = rt.submit(lambda x, *, t: (x, t), items, t=table).result()
+    assert got[0] is items and got[1] is table

@@ -1315,6 +1315,30 @@ static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
     return found;
 }
 
+/* whether ``x`` is a list, tuple or dict (exactly), where ``ops.collect_accesses`` looks for markers */
+static inline int is_container(PyObject *x) {
+    return PyList_CheckExact(x) || PyTuple_CheckExact(x) || PyDict_CheckExact(x);
+}
+
+/* whether the container ``v`` (see is_container) may hold an inline marker, at any depth: 1 where one
+ * is found, or where the look goes deeper than 32 or past ``*budget`` items (a container inside
+ * itself, or a huge one: the Python code, which unwraps them, looks); else 0. No Python code runs. */
+static int may_hold_marker(PyObject *v, int depth, Py_ssize_t *budget) {
+    if (depth > 32) return 1;
+    Py_ssize_t pos = 0, n = PyDict_CheckExact(v) ? 0 : Py_SIZE(v);
+    PyObject *key, *x;
+    for (Py_ssize_t i = 0;; i++) {
+        if (PyDict_CheckExact(v)) {
+            if (!PyDict_Next(v, &pos, &key, &x)) return 0;
+        } else {
+            if (i >= n) return 0;
+            x = PyList_CheckExact(v) ? PyList_GET_ITEM(v, i) : PyTuple_GET_ITEM(v, i);
+        }
+        if (--*budget < 0 || Py_TYPE(x) == sub.marker_type) return 1;
+        if (is_container(x) && may_hold_marker(x, depth + 1, budget)) return 1;
+    }
+}
+
 /* undo unwrap_markers: the caller's markers back in ``args`` and ``kwargs`` (made from ``argv``, as
  * given to submit), for the Python path, which reads the accesses from them again */
 static int rewrap_markers(PyObject *args, PyObject *kwargs, PyObject *const *argv, Py_ssize_t nargs,
@@ -1343,11 +1367,13 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
     PyObject *args = PyTuple_New(nargs - 1), *kwargs = Py_NewRef(sub.empty_dict), *result = NULL,
              *accesses = NULL, *op_name = NULL;
-    int markers = 0, unwrapped = 0;
+    int markers = 0, unwrapped = 0, nested = 0;  /* nested: markers in a container, which Python unwraps */
+    Py_ssize_t budget = 1 << 20;
     if (args == NULL) goto done;
     for (Py_ssize_t i = 1; i < nargs; i++) {
         PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
         markers |= Py_TYPE(argv[i]) == sub.marker_type;
+        if (!nested && is_container(argv[i])) nested = may_hold_marker(argv[i], 0, &budget);
     }
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
@@ -1363,13 +1389,14 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
             }
             if (PyDict_SetItem(kwargs, key, value) < 0) goto done;
             markers |= Py_TYPE(value) == sub.marker_type;
+            if (!nested && is_container(value)) nested = may_hold_marker(value, 0, &budget);
         }
     }
     Parts *parts = (Parts *)self->parts;
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
     /* markers are unwrapped here where the accesses are this module's (else by the Python code) */
-    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
+    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses) || nested
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings))

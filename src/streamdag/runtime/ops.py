@@ -489,11 +489,30 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     return None
 
 
-def _unwrap(value: Any, accesses: list[Access]) -> Any:
-    if isinstance(value, Marker):
-        accesses.append(_new(Access, (region_of(value.value), value.write)))
+def _unwrap(value: Any, found: list[Marker], seen: dict[int, Any]) -> Any:
+    """``value`` with the inline markers in it replaced by their values, which go to ``found``: a
+    marker itself, or one in a list, tuple or dict, at any depth (a container with a marker is
+    copied, others are kept as they are). ``seen``: each container met, by id, unwrapped (one met
+    inside itself is kept as it is)."""
+    kind = type(value)
+    if kind is Marker:
+        found.append(value)
         return value.value
-    return value
+    if kind is not list and kind is not tuple and kind is not dict:
+        return value
+    key = id(value)
+    if key in seen:
+        return seen[key]
+    seen[key] = value
+    if kind is dict:
+        items = {k: _unwrap(v, found, seen) for k, v in value.items()}
+        changed = any(items[k] is not v for k, v in value.items())
+    else:
+        items = [_unwrap(v, found, seen) for v in value]
+        changed = any(new is not old for new, old in zip(items, value))
+    if changed:
+        seen[key] = items if kind is not tuple else tuple(items)
+    return seen[key]
 
 
 def collect_accesses(
@@ -502,10 +521,11 @@ def collect_accesses(
     reads: Iterable[Any],
     writes: Iterable[Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], Sequence[Any]]:
-    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped.
+    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped,
+    in lists, tuples and dicts among the arguments too.
 
     Also returns the objects written, for graphs that must save and restore them.
-    Runs for every submitted op: the common case (lists of tensors, no markers)
+    Runs for every submitted op: the common case (tensors, no markers, no containers)
     takes the fewest Python steps.
     """
     if type(reads) is not list and type(reads) is not tuple:
@@ -514,19 +534,24 @@ def collect_accesses(
         writes = _as_list(writes, "writes=[c]")
     accesses = accesses_of(reads, writes)
     for v in args:
-        if type(v) is Marker:
+        kind = type(v)
+        if kind is Marker or kind is list or kind is tuple or kind is dict:
             break
     else:
         for v in kwargs.values():
-            if type(v) is Marker:
+            kind = type(v)
+            if kind is Marker or kind is list or kind is tuple or kind is dict:
                 break
         else:
             return args, kwargs, accesses, writes
-    written = [*writes, *(v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write)]
-    args = tuple(_unwrap(a, accesses) for a in args)
-    kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
-    return args, kwargs, accesses, written
-
+    found: list[Marker] = []
+    seen: dict[int, Any] = {}
+    unwrapped = tuple(_unwrap(a, found, seen) for a in args)
+    unwrapped_kwargs = {k: _unwrap(v, found, seen) for k, v in kwargs.items()}
+    if not found:  # containers without markers: the op gets them as they are
+        return args, kwargs, accesses, writes
+    accesses += [_new(Access, (region_of(m.value), m.write)) for m in found]
+    return unwrapped, unwrapped_kwargs, accesses, [*writes, *(m.value for m in found if m.write)]
 
 
 def _as_list(value: Any, example: str) -> list[Any]:
