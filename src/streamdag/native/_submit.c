@@ -1395,8 +1395,10 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     Parts *parts = (Parts *)self->parts;
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
-    /* markers are unwrapped here where the accesses are this module's (else by the Python code) */
+    /* markers are unwrapped here where the accesses are this module's (else by the Python code); while
+     * a pending op may give an object new memory, the Python code adds the accesses to the objects */
     if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses) || nested
+            || state.resizing == NULL || PyDict_GET_SIZE(state.resizing)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings))
@@ -1416,7 +1418,13 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if ((op_name = op_name_of(self, fn, name)) == NULL) goto done;
     int on_host = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
-        PyObject *space = PyTuple_GET_ITEM(PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, i), 0), 0);
+        PyObject *access = PyList_GET_ITEM(accesses, i), *region = PyTuple_GET_ITEM(access, 0);
+        PyObject *space = PyTuple_GET_ITEM(region, 0);
+        if (PyTuple_GET_ITEM(access, 1) == Py_True) {  /* an empty write: by the object, in Python */
+            int empty = PyObject_RichCompareBool(PyTuple_GET_ITEM(region, 1), PyTuple_GET_ITEM(region, 2), Py_EQ);
+            if (empty < 0) goto done;
+            if (empty) goto in_python;
+        }
         int known = PySet_Contains(self->spaces, space);
         if (known < 0) goto done;
         if (!known) {  /* raises the error that says what to do */

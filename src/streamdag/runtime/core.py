@@ -28,7 +28,7 @@ from typing import Any
 from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS, HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
-from ..graph.buffers import Access, Marker
+from ..graph.buffers import OBJECTS, Access, Marker, hold_identities
 from ..graph.hazards import DepsTracker
 from ..native import load as load_native
 from ..native import load_torch
@@ -612,7 +612,7 @@ class Runtime:
 
     def _check_spaces(self, accesses: list[Access], name: str) -> None:
         for acc in accesses:
-            if acc.region.space not in self._spaces:
+            if acc.region.space not in self._spaces and acc.region.space != OBJECTS:
                 raise InvalidBuffer(
                     f"op {name!r} {'writes' if acc.write else 'reads'} memory on "
                     f"{acc.region.space}, but this runtime runs on {self.device}: move the data "
@@ -630,10 +630,14 @@ class Runtime:
         op_name = name or getattr(fn, "__name__", None) or type(fn).__name__
         spaces = self._spaces
         on_host = False  # an access in host memory (a host function on a GPU runtime waits for it)
+        resized: list[int] | None = None  # the objects it may give new memory (see ``with_identities``)
         for acc in accesses:
             space = acc.region.space
             if space not in spaces:
-                self._check_spaces(accesses, op_name)
+                if space != OBJECTS:
+                    self._check_spaces(accesses, op_name)
+                elif acc.write:
+                    resized = [*(resized or ()), acc.region.start]
             elif space == "cpu":
                 on_host = True
         device = self.device
@@ -654,9 +658,18 @@ class Runtime:
                              f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording_here()
         if recording is not None:
+            if resized:
+                raise InvalidBuffer(
+                    f"op {op_name!r} writes an empty buffer, which it may give new memory (an out= of "
+                    "PyTorch resizes an empty tensor), but a recorded graph runs on the memory it was "
+                    "recorded with: allocate the buffer at its final size before recording "
+                    "(e.g. torch.empty(n) rather than torch.empty(0))")
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
-        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
-                             device, on_host, written)
+        future = self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
+                               device, on_host, written)
+        if resized:  # until it has run, every access to those objects follows it
+            future._on_done(hold_identities(resized))
+        return future
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
                  device_ordered: bool = False, device: str | None = None, on_host: bool = True,

@@ -15,7 +15,7 @@ from types import CoroutineType
 from typing import Any
 
 from ..errors import DependencyFailed
-from ..graph.buffers import Access, Marker, region_of
+from ..graph.buffers import Access, Marker, needs_identities, region_of, with_identities
 from ..graph.buffers import accesses as accesses_of
 from ..native import load as load_native
 from ..schedule.waits import Stamp
@@ -543,15 +543,19 @@ def collect_accesses(
             if kind is Marker or kind is list or kind is tuple or kind is dict:
                 break
         else:
+            if needs_identities(accesses):
+                accesses = with_identities(accesses, [*reads, *writes])
             return args, kwargs, accesses, writes
     found: list[Marker] = []
     seen: dict[int, Any] = {}
     unwrapped = tuple(_unwrap(a, found, seen) for a in args)
     unwrapped_kwargs = {k: _unwrap(v, found, seen) for k, v in kwargs.items()}
-    if not found:  # containers without markers: the op gets them as they are
-        return args, kwargs, accesses, writes
-    accesses += [_new(Access, (region_of(m.value), m.write)) for m in found]
-    return unwrapped, unwrapped_kwargs, accesses, [*writes, *(m.value for m in found if m.write)]
+    if found:
+        args, kwargs = unwrapped, unwrapped_kwargs  # (else containers without markers, as they are)
+        accesses += [_new(Access, (region_of(m.value), m.write)) for m in found]
+    if needs_identities(accesses):
+        accesses = with_identities(accesses, [*reads, *writes, *(m.value for m in found)])
+    return args, kwargs, accesses, [*writes, *(m.value for m in found if m.write)] if found else writes
 
 
 def _as_list(value: Any, example: str) -> list[Any]:

@@ -1,0 +1,89 @@
+"""Buffers whose memory moves after it was declared: an empty ``out=`` an op resizes, and a buffer
+a recorded graph holds that is resized between runs. Tracked, or refused with the fix; never run
+unordered. Run with ``STREAMDAG_NATIVE=1`` and ``=0``."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import streamdag as sd
+from streamdag.graph import buffers
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(params=["cpu", "sim"])
+def rt(request):
+    with sd.Runtime(request.param, streams=3) as runtime:
+        yield runtime
+
+
+def _slowly_ones(n):
+    def fill(out):
+        time.sleep(0.05)  # a reader not ordered after it runs meanwhile, and sees nothing
+        torch.ones(n, out=out)
+    return fill
+
+
+@pytest.mark.parametrize("declare", ["marker", "writes"])
+def test_readers_of_an_empty_out_tensor_follow_the_op_that_resizes_it(rt, declare):
+    out = torch.empty(0)
+    if declare == "marker":
+        rt.submit(_slowly_ones(1000), sd.write(out))
+    else:
+        rt.submit(_slowly_ones(1000), out, writes=[out])
+    by_reads = rt.submit(lambda: out.sum().item(), reads=[out])
+    by_marker = rt.submit(lambda t: t.sum().item(), sd.read(out))
+    assert by_reads.result() == by_marker.result() == 1000.0
+
+
+def test_a_reader_submitted_while_the_op_resizing_its_buffer_runs_follows_it():
+    """By the time the reader is submitted the op has given the tensor its memory already: the
+    reader's bytes are not the (empty) ones the op declared, and it must follow the op all the same."""
+    resized, release = threading.Event(), threading.Event()
+
+    def fill_then_double(out):
+        torch.ones(100, out=out)
+        resized.set()
+        release.wait(10)
+        out.mul_(2)
+
+    with sd.Runtime("cpu", streams=3) as rt:
+        out = torch.empty(0)
+        rt.submit(fill_then_double, sd.write(out))
+        assert resized.wait(10)
+        reader = rt.submit(lambda t: t.sum().item(), sd.read(out))
+        time.sleep(0.1)
+        assert not reader.done(), "the reader ran while the op that resized its tensor was running"
+        release.set()
+        assert reader.result() == 200.0
+
+
+def test_readers_of_an_empty_numpy_array_an_op_resizes_in_place_follow_it(rt):
+    a = np.empty(0)
+
+    def grow(x):
+        time.sleep(0.05)
+        x.resize(100, refcheck=False)
+        x[:] = 3.0
+
+    rt.submit(grow, sd.write(a))
+    assert rt.submit(lambda x: x.sum(), sd.read(a)).result() == 300.0
+
+
+def test_an_object_counts_as_resized_only_while_the_op_that_may_resize_it_is_pending(rt):
+    """Then the compiled submit takes ops again (it leaves them to Python while any is pending)."""
+    out = torch.empty(0)
+    rt.submit(_slowly_ones(10), sd.write(out))
+    assert id(out) in buffers._RESIZING
+    rt.synchronize()
+    assert buffers._RESIZING == {}
+    assert rt.submit(lambda t: t.sum().item(), sd.read(out)).result() == 10.0
+
+
+def test_a_recording_refuses_an_empty_output_with_what_to_do(rt):
+    out = torch.empty(0)
+    with rt.record(), pytest.raises(sd.InvalidBuffer, match="allocate the buffer at its final size"):
+        rt.submit(_slowly_ones(10), sd.write(out))
