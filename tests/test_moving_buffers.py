@@ -87,3 +87,53 @@ def test_a_recording_refuses_an_empty_output_with_what_to_do(rt):
     out = torch.empty(0)
     with rt.record(), pytest.raises(sd.InvalidBuffer, match="allocate the buffer at its final size"):
         rt.submit(_slowly_ones(10), sd.write(out))
+
+
+def _copy_graph(rt, src, dst):
+    with rt.record() as g:
+        rt.submit(lambda a, o: o.__setitem__(slice(None), a[:4]), src, dst, reads=[src], writes=[dst])
+    g.run().result()
+    return g
+
+
+@pytest.mark.parametrize("move", [
+    lambda t: t.resize_(1 << 16),  # larger: new memory
+    lambda t: t.set_(torch.ones(4)),  # another storage
+    lambda t: t.resize_(2),  # smaller: fewer bytes declared than it reads
+], ids=["resize_larger", "set_", "resize_smaller"])
+def test_a_graph_refuses_to_run_once_a_tensor_it_declared_has_other_memory(rt, move):
+    """Its dependencies were inferred from the old memory: a run would not follow the ops that
+    write the new one."""
+    x, y = torch.ones(4), torch.zeros(4)
+    g = _copy_graph(rt, x, y)
+    move(x)
+    with pytest.raises(sd.InvalidBuffer, match="Record the graph again"):
+        g.run()
+    with rt.record() as again:  # as the error says
+        rt.submit(lambda a, o: o.copy_(a[:2].repeat(2)), x, y, reads=[x], writes=[y])
+    again.run().result()
+    assert y.tolist() == [1.0] * 4
+
+
+def test_a_graph_refuses_to_run_once_a_numpy_array_it_declared_was_resized(rt):
+    x, y = np.ones(4), np.zeros(4)
+    g = _copy_graph(rt, x, y)
+    g.run().result()
+    y.resize(1 << 16, refcheck=False)  # (the graph holds it)
+    with pytest.raises(sd.InvalidBuffer, match="other memory than at recording"):
+        g.run()
+
+
+def test_a_graph_runs_on_after_a_layout_change_that_keeps_the_memory(rt):
+    x, y = torch.arange(4.0).view(2, 2), torch.zeros(2, 2)
+    with rt.record() as g:
+        rt.submit(lambda a, o: o.copy_(a), x, y, reads=[x], writes=[y])
+    g.run().result()
+    x.t_()  # a square transpose: the same bytes
+    g.run().result()
+    assert y.tolist() == [[0.0, 2.0], [1.0, 3.0]]
+    undeclared = torch.zeros(2)
+    with rt.record() as h:  # an argument it does not declare is not its to check
+        rt.submit(lambda o, _: o.fill_(1.0), y, undeclared, writes=[y])
+    undeclared.resize_(1 << 16)
+    h.run().result()
