@@ -83,6 +83,23 @@ def test_an_object_counts_as_resized_only_while_the_op_that_may_resize_it_is_pen
     assert rt.submit(lambda t: t.sum().item(), sd.read(out)).result() == 10.0
 
 
+@pytest.mark.cuda
+def test_on_cuda_a_reader_of_an_empty_out_tensor_waits_for_the_kernels_that_fill_it():
+    """The op's function runs inside its submit: the tensor has its new memory when the reader is
+    submitted, and the kernels filling it are still queued on the op's stream."""
+    x = torch.full((1 << 20,), 2.0, device="cuda")
+    out = torch.empty(0, device="cuda")
+
+    def slow_double(a, o):
+        torch.cuda._sleep(100_000_000)  # the reader, not made to wait, runs meanwhile
+        torch.mul(a, 2, out=o)
+
+    with sd.Runtime("cuda", streams=4) as rt:
+        rt.submit(slow_double, x, sd.write(out), reads=[x])
+        total = rt.submit(lambda t: t.sum(), sd.read(out))
+        assert total.result().item() == 4.0 * (1 << 20)
+
+
 def test_a_recording_refuses_an_empty_output_with_what_to_do(rt):
     out = torch.empty(0)
     with rt.record(), pytest.raises(sd.InvalidBuffer, match="allocate the buffer at its final size"):

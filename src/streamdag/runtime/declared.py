@@ -44,20 +44,25 @@ class DeclaredBuffers:
         self._tensors = list(tensors.values())
         self._arrays = list(arrays.values())
         #: True while every tensor has its address, shape and strides of when it was last looked at:
-        #: PyTorch's C++ checks, cheaper than reading their regions each run
-        self._unchanged: Callable[[], bool] | None = None
-        if self._tensors:
-            from .capture import _checked_by_pytorch
+        #: cheaper than reading their regions each run (see ``_layout_check``)
+        self._unchanged: Callable[[], bool] | None = self._layout_check()
 
-            self._unchanged = _checked_by_pytorch([t for t, _, _ in self._tensors])
+    def _layout_check(self) -> Callable[[], bool] | None:
+        """The capture's check of the tensors' layouts (see ``capture._layout_check``): with a CUDA
+        tensor the runtime is a GPU one, whose torch extension checks in one C++ loop (it is built,
+        or was tried, as that runtime was made); else PyTorch's own C++ checks."""
+        if not self._tensors:
+            return None
+        from .capture import _checked_by_pytorch, _layout_check
+
+        tensors = [t for t, _, _ in self._tensors]
+        return (_layout_check if any(t.is_cuda for t in tensors) else _checked_by_pytorch)(tensors)
 
     def check(self) -> None:
         """Raise :class:`InvalidBuffer`, saying what to do, if a buffer has memory other than at recording."""
         if self._unchanged is not None and not self._unchanged():
             _same_memory(self._tensors)
-            from .capture import _checked_by_pytorch  # a new layout over the same memory: from now
-
-            self._unchanged = _checked_by_pytorch([t for t, _, _ in self._tensors])
+            self._unchanged = self._layout_check()  # a new layout over the same memory: from now on
         if self._arrays:
             _same_memory(self._arrays)
 
