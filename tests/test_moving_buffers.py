@@ -102,8 +102,20 @@ def test_on_cuda_a_reader_of_an_empty_out_tensor_waits_for_the_kernels_that_fill
 
 def test_a_recording_refuses_an_empty_output_with_what_to_do(rt):
     out = torch.empty(0)
-    with rt.record(), pytest.raises(sd.InvalidBuffer, match="allocate the buffer at its final size"):
+    with rt.record(), pytest.raises(sd.InvalidBuffer, match="Allocate the buffer at its final size"):
         rt.submit(_slowly_ones(10), sd.write(out))
+
+
+def test_a_recording_refuses_a_buffer_that_a_pending_op_may_resize(rt):
+    """Its memory at recording is not the memory the graph's runs would use."""
+    out = torch.empty(0)
+    rt.submit(_slowly_ones(10), sd.write(out))
+    with rt.record(), pytest.raises(sd.InvalidBuffer, match=r"after the ops that resize it have run"):
+        rt.submit(lambda t: t.sum(), sd.read(out))
+    rt.synchronize()
+    with rt.record() as g:
+        total = rt.submit(lambda t: t.sum().item(), sd.read(out))
+    assert g.run().result()[total] == 10.0
 
 
 def _copy_graph(rt, src, dst):

@@ -148,3 +148,10 @@ def test_containers_without_markers_reach_the_op_as_they_are(rt):
     items.append(items)  # a list inside itself
     got = rt.submit(lambda x, *, t: (x, t), items, t=table).result()
     assert got[0] is items and got[1] is table
+
+
+def test_memory_on_a_device_the_runtime_lacks_is_refused_with_the_fix(rt):
+    from streamdag.graph import Region
+
+    with pytest.raises(sd.InvalidBuffer, match=r"device='cuda:0'"):
+        rt.submit(print, reads=[Region("cuda:0", 0, 8)])

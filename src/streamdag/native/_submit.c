@@ -55,7 +55,7 @@ static struct {
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
-                *s_tail, *s_place, *s_check_spaces, *s_take_slot,
+                *s_tail, *s_place, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
@@ -1427,12 +1427,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         }
         int known = PySet_Contains(self->spaces, space);
         if (known < 0) goto done;
-        if (!known) {  /* raises the error that says what to do */
-            PyObject *r = PyObject_CallMethodObjArgs(self->rt, s_check_spaces, accesses, op_name, NULL);
-            Py_XDECREF(r);
-            if (r != NULL) PyErr_SetString(PyExc_RuntimeError, "streamdag: a memory space the runtime lacks");
-            goto done;
-        }
+        if (!known) goto in_python;  /* objects (buffers.OBJECTS, a graph's replay), or the error that says what to do */
         on_host |= is_cpu_space(space);
     }
     if (take_slot(self, blocking) < 0) goto done;
@@ -2295,7 +2290,6 @@ static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
     S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done")

@@ -631,12 +631,14 @@ class Runtime:
         spaces = self._spaces
         on_host = False  # an access in host memory (a host function on a GPU runtime waits for it)
         resized: list[int] | None = None  # the objects it may give new memory (see ``with_identities``)
+        by_object = False  # an access to an object itself
         for acc in accesses:
             space = acc.region.space
             if space not in spaces:
                 if space != OBJECTS:
                     self._check_spaces(accesses, op_name)
-                elif acc.write:
+                by_object = True
+                if acc.write:
                     resized = [*(resized or ()), acc.region.start]
             elif space == "cpu":
                 on_host = True
@@ -658,12 +660,13 @@ class Runtime:
                              f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording_here()
         if recording is not None:
-            if resized:
+            if by_object:
                 raise InvalidBuffer(
                     f"op {op_name!r} writes an empty buffer, which it may give new memory (an out= of "
-                    "PyTorch resizes an empty tensor), but a recorded graph runs on the memory it was "
-                    "recorded with: allocate the buffer at its final size before recording "
-                    "(e.g. torch.empty(n) rather than torch.empty(0))")
+                    "PyTorch resizes an empty tensor), or touches one that a pending op may: a recorded "
+                    "graph runs on the memory it was recorded with. Allocate the buffer at its final "
+                    "size before recording (e.g. torch.empty(n) rather than torch.empty(0)), after the "
+                    "ops that resize it have run (rt.synchronize())")
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
         future = self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
                                device, on_host, written)

@@ -686,7 +686,7 @@ def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
     function to its end on a stream, inside its submit on a GPU, where the submitting code's event
     loop may be running, so there is no one place to run the coroutine; awaiting is the caller's
     (``await rt.submit(...)``). Closed here, it warns of no coroutine never awaited.
-    (``native/_submit.c``'s ``refuse_coroutine`` raises the same.)"""
+    (The compiled execute, ``native/_submit.c``, calls this too.)"""
     coroutine.close()
     raise TypeError(
         f"op {op_name!r} returned a coroutine: streamdag runs an op's function to its end and does "
