@@ -458,17 +458,37 @@ def doubling_graph(rt, x, y):
     return g
 
 
-def test_recapture_when_an_argument_changes_address_and_shape():
+def test_recapture_when_an_undeclared_argument_changes_address_and_shape():
+    """An argument the op does not declare is no memory the graph orders: it may move, and the
+    capture is made again for it."""
+    x = torch.ones(4, 4, device="cuda")
+    y = torch.empty(4, 4, device="cuda")
+    with sd.Runtime("cuda", streams=2) as rt:
+        with rt.record() as g:
+            rt.submit(lambda a, o: o.copy_(a[:4, :4] * 2), x, y, writes=[y])
+        for _ in range(3):
+            g.run().result()
+        x.set_(torch.full((8, 8), 3.0, device="cuda"))
+        g.run().result()
+        rt.synchronize()
+        assert torch.equal(y, torch.full((4, 4), 6.0, device="cuda"))
+        assert g.statistics().recaptures == 1
+
+
+def test_a_captured_graph_refuses_to_run_once_a_declared_argument_has_other_memory():
+    """Its dependencies were inferred from the memory it was recorded with (a recapture would not
+    change them): recording it again is the fix."""
     x = torch.ones(4, 4, device="cuda")
     y = torch.empty(4, 4, device="cuda")
     with sd.Runtime("cuda", streams=2) as rt:
         g = doubling_graph(rt, x, y)
         x.set_(torch.full((8, 8), 3.0, device="cuda"))
+        with pytest.raises(sd.InvalidBuffer, match="Record the graph again"):
+            g.run()
         y.set_(torch.empty(8, 8, device="cuda"))
-        g.run().result()
+        g = doubling_graph(rt, x, y)
         rt.synchronize()
         assert torch.equal(y, torch.full((8, 8), 6.0, device="cuda"))
-        assert g.statistics().recaptures == 1
 
 
 def test_recapture_when_an_argument_changes_strides_only():

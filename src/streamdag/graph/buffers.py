@@ -7,13 +7,19 @@ conflict with each other, and a numpy array and a torch tensor sharing memory
 are the same buffer. A strided view is taken by its whole extent: that may
 report a conflict that is not there, never miss one.
 
-This module is pure: it only reads attributes of arrays, it never touches a
-device.
+A buffer an op may give new memory is also identified by the Python object
+itself (see :func:`with_identities`): an empty one written, the usual
+placeholder of a PyTorch ``out=``, which the op resizes.
+
+This module reads attributes of arrays and never touches a device; its one
+state is the objects that pending ops may give new memory (``_RESIZING``).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -22,7 +28,8 @@ import numpy as np
 from ..errors import InvalidBuffer
 from ..native import load as load_native
 
-__all__ = ["Access", "Marker", "Region", "accesses", "coalesce", "envelope", "read", "region_of", "write"]
+__all__ = ["OBJECTS", "Access", "Marker", "Region", "accesses", "coalesce", "envelope", "hold_identities",
+           "needs_identities", "read", "region_of", "with_identities", "write"]
 
 
 class Region(NamedTuple):
@@ -120,6 +127,12 @@ def _torch_region(t: Any) -> Region:
         space = "cpu"
     else:
         dev = t.device
+        if dev.type == "meta":
+            raise InvalidBuffer(
+                "a meta tensor has no memory for streamdag to track: pass it as an ordinary argument, "
+                "not in reads/writes (or sd.read/sd.write), or declare a tensor with storage "
+                "(e.g. torch.empty_like(t, device='cpu'))"
+            )
         space = f"{dev.type}:{dev.index or 0}"
     if t.layout is not _STRIDED:
         raise InvalidBuffer(
@@ -179,8 +192,18 @@ def _region_itself(value: Region) -> Region:
 _HANDLERS: dict[type, Any] = {Region: _region_itself}
 
 
-def _handler_for(cls: type) -> Any:
+def _is_tensor_type(cls: type) -> bool:
+    """Whether ``cls`` is ``torch.Tensor`` or a subclass, a user's too (``nn.Parameter``, a
+    ``__torch_function__`` subclass): its memory is its storage's. (Torch is not imported for
+    this: a tensor's type comes from an imported torch.)"""
     if cls.__module__.startswith("torch") and hasattr(cls, "untyped_storage"):
+        return True
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return isinstance(tensor, type) and issubclass(cls, tensor)
+
+
+def _handler_for(cls: type) -> Any:
+    if _is_tensor_type(cls):
         global _STRIDED
         import torch
 
@@ -213,6 +236,60 @@ def _py_accesses(reads: list[Any] | tuple[Any, ...], writes: list[Any] | tuple[A
     if writes:
         out += [_new(Access, (region_of(w), True)) for w in writes]
     return out
+
+
+#: The space of Python objects themselves: ``Region(OBJECTS, id(value), id(value) + 1)`` stands for
+#: ``value`` whatever memory it has (see :func:`with_identities`).
+OBJECTS = "object"
+
+#: The objects (by id) that pending ops write while empty, each with how many such ops: an access to
+#: one of them is also an access to the object (see :func:`with_identities`). Such an op holds what
+#: it writes (``Op.keep``), so no other object takes the id meanwhile. Read by the compiled submit,
+#: which leaves every op to the Python code while it is not empty.
+_RESIZING: dict[int, int] = {}
+_RESIZING_LOCK = threading.Lock()
+
+
+def needs_identities(accesses: Sequence[Access]) -> bool:
+    """Whether :func:`with_identities` may add to ``accesses``: one is an empty write, or a pending
+    op may give some object new memory."""
+    return bool(_RESIZING) or any(write and start == end for (_, start, end), write in accesses)
+
+
+def with_identities(accesses: list[Access], values: Sequence[Any]) -> list[Access]:
+    """``accesses``, made for ``values`` one by one, and the access to the object itself of each
+    value that an op may give new memory: an empty buffer written, or one that a pending op so writes.
+
+    An empty write declares no bytes, and the memory the op gives the buffer (PyTorch's ``out=``
+    resizes an empty tensor; numpy's ``resize`` an array) is known only once it has run: by memory,
+    no later access would follow it. By the object, one does: while the op is pending (see
+    :func:`hold_identities`), every access to that object follows it, whether the object is still
+    empty or has its new memory already. A buffer that is not empty keeps its memory: an op must
+    not resize it (PyTorch warns where an ``out=`` does).
+    """
+    extra = []
+    for ((_, start, end), write), value in zip(accesses, values):
+        key = id(value)
+        if (write and start == end) or key in _RESIZING:
+            extra.append(_new(Access, (Region(OBJECTS, key, key + 1), write)))
+    return accesses + extra if extra else accesses
+
+
+def hold_identities(keys: list[int]) -> Callable[[Any], None]:
+    """Count the objects of ids ``keys`` as given new memory by a pending op (see ``_RESIZING``) until
+    the function returned is called (the op's done-callback)."""
+    with _RESIZING_LOCK:
+        for key in keys:
+            _RESIZING[key] = _RESIZING.get(key, 0) + 1
+
+    def done(_: Any = None) -> None:
+        with _RESIZING_LOCK:
+            for key in keys:
+                left = _RESIZING.pop(key) - 1
+                if left:
+                    _RESIZING[key] = left
+
+    return done
 
 
 def _probe_instance(value: Any) -> Region:

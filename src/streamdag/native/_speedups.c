@@ -31,6 +31,7 @@ typedef struct {
     PyObject *region_of;     /* buffers.region_of */
     PyObject *cuda_spaces;   /* buffers._CUDA_SPACES: device index -> "cuda:N" */
     PyObject *buffers;       /* the module, for _STRIDED once torch is seen */
+    PyObject *resizing;      /* buffers._RESIZING: objects pending ops may give new memory */
     PyObject *strided;
     PyTypeObject *region_type;
     PyTypeObject *access_type;
@@ -1086,6 +1087,14 @@ static PyObject *setup(PyObject *module, PyObject *args) {
     Py_XSETREF(state.cuda_spaces, Py_NewRef(cuda_spaces));
     Py_XSETREF(state.region_type, (PyTypeObject *)Py_NewRef(region_type));
     Py_XSETREF(state.access_type, (PyTypeObject *)Py_NewRef(access_type));
+    PyObject *resizing = PyObject_GetAttrString(buffers, "_RESIZING");
+    if (resizing == NULL) return NULL;
+    if (!PyDict_CheckExact(resizing)) {
+        Py_DECREF(resizing);
+        PyErr_SetString(PyExc_TypeError, "buffers._RESIZING must be a dict");
+        return NULL;
+    }
+    Py_XSETREF(state.resizing, resizing);
     /* numpy arrays read through the buffer protocol, where numpy is there (buffers.py imports it) */
     Py_CLEAR(state.numpy_region);
     Py_CLEAR(state.ndarray);

@@ -55,7 +55,7 @@ static struct {
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
-                *s_tail, *s_place, *s_check_spaces, *s_take_slot,
+                *s_tail, *s_place, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_name_attr, *s_reads, *s_writes,
@@ -558,9 +558,10 @@ static PyObject *new_future(PyObject *op_name, PyObject *op_number) {
 }
 
 /* a new Op, its slots as Op.__init__ sets them, and its future. ``numbered``: its name is ``name#seq``,
- * made when first asked for (Op.name): most ops' names are never read */
+ * made when first asked for (Op.name): most ops' names are never read. ``keep``: the buffers it
+ * declares written (``Op.keep``) */
 static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *fn, PyObject *args,
-                        PyObject *kwargs, PyObject *accesses) {
+                        PyObject *kwargs, PyObject *accesses, PyObject *keep) {
     PyTypeObject *tp = sub.op_type;
     PyObject *op = tp->tp_new(tp, sub.empty_tuple, NULL);
     if (op == NULL) return NULL;
@@ -571,7 +572,7 @@ static PyObject *new_op(PyObject *seq, PyObject *name, int numbered, PyObject *f
     op_set(op, OP_KWARGS, kwargs); op_set(op, OP_ACCESSES, accesses); op_set(op, OP_DEPS, sub.empty_tuple);
     op_set(op, OP_STAMP, Py_None); op_set(op, OP_EVENT, Py_None); op_set(op, OP_DONE, Py_False);
     op_set(op, OP_ERROR, Py_None); op_set(op, OP_ROOT_NAME, sub.empty_str); op_set(op, OP_ROOT_ERROR, Py_None);
-    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, Py_None); op_set(op, OP_RUN_ID, zero);
+    op_set(op, OP_VALUE, Py_None); op_set(op, OP_KEEP, keep); op_set(op, OP_RUN_ID, zero);
     op_set(op, OP_FINISH, Py_None); op_set(op, OP_NUMBERED, numbered ? Py_True : Py_False);
     OPF(op, OP_FUTURE) = future;  /* the reference made above */
     Py_DECREF(zero);
@@ -695,6 +696,21 @@ static PyObject *op_full_name(PyObject *op) {
     return OPF(op, OP_NAME);
 }
 
+/* ``ops.refuse_coroutine``: ``coroutine`` (what an op's function returned; the reference is taken)
+ * closed, and NULL with the TypeError that says what to do */
+static PyObject *refuse_coroutine(PyObject *op, PyObject *coroutine) {
+    PyObject *ops = PyImport_ImportModule("streamdag.runtime.ops");  /* (imported: a dict look-up) */
+    PyObject *r = ops == NULL ? NULL
+        : PyObject_CallMethod(ops, "refuse_coroutine", "OO", coroutine, op_full_name(op));
+    Py_XDECREF(ops);
+    Py_DECREF(coroutine);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_TypeError, "streamdag: an op returned a coroutine");
+    }
+    return NULL;
+}
+
 static int execute(PyObject *op) {
     PyObject *deps = OPF(op, OP_DEPS);
     Py_ssize_t n = PyTuple_Check(deps) ? PyTuple_GET_SIZE(deps) : PyList_Check(deps) ? PyList_GET_SIZE(deps) : -1;
@@ -709,6 +725,7 @@ static int execute(PyObject *op) {
     PyObject *kwargs = OPF(op, OP_KWARGS);
     PyObject *value = PyObject_Call(OPF(op, OP_FN), OPF(op, OP_ARGS),
                                     PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value != NULL && PyCoro_CheckExact(value)) value = refuse_coroutine(op, value);
     if (value == NULL) {
         PyObject *exc = take_exception();
         int interrupt = !PyErr_GivenExceptionMatches(exc, PyExc_Exception);
@@ -1112,17 +1129,18 @@ done:
  * ``placed`` (>= 0): onto that stream, ordered on the device only (no host wait for host memory).
  * ``holders`` (or NULL: none): the held and host-lane ops the op follows (``Runtime._host_deps``), or
  * False: those among the deps its link finds; with ``fence`` from ``Runtime._caller_fence``: the op is
- * held behind them (``Runtime._hold``) */
+ * held behind them (``Runtime._hold``). ``written``: the buffers the op declares written, which it holds */
 static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, PyObject *kwargs,
                                 PyObject *accesses, PyObject *name, PyObject *op_name, int on_host,
-                                Py_ssize_t placed, Py_ssize_t *seq_out, PyObject *holders, PyObject *fence) {
+                                Py_ssize_t placed, Py_ssize_t *seq_out, PyObject *holders, PyObject *fence,
+                                PyObject *written) {
     PyObject *op = NULL, *seq = NULL, *tracker = NULL, *deps = NULL, *future = NULL, *found = NULL;
     Counters *counts = (Counters *)self->counts;
     Py_ssize_t seq_n = *seq_out = ++counts->seq;
     if ((seq = PyLong_FromSsize_t(seq_n)) == NULL) goto done;
     int named = name != Py_None ? PyObject_IsTrue(name) : 0;
     if (named < 0) goto done;
-    if ((op = new_op(seq, op_name, !named, fn, args, kwargs, accesses)) == NULL) goto done;
+    if ((op = new_op(seq, op_name, !named, fn, args, kwargs, accesses, written)) == NULL) goto done;
     Parts *parts = (Parts *)self->parts;
     if (parts->tracker == NULL) {
         PyErr_SetString(PyExc_AttributeError, "the runtime has no tracker");
@@ -1297,6 +1315,30 @@ static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
     return found;
 }
 
+/* whether ``x`` is a list, tuple or dict (exactly), where ``ops.collect_accesses`` looks for markers */
+static inline int is_container(PyObject *x) {
+    return PyList_CheckExact(x) || PyTuple_CheckExact(x) || PyDict_CheckExact(x);
+}
+
+/* whether the container ``v`` (see is_container) may hold an inline marker, at any depth: 1 where one
+ * is found, or where the look goes deeper than 32 or past ``*budget`` items (a container inside
+ * itself, or a huge one: the Python code, which unwraps them, looks); else 0. No Python code runs. */
+static int may_hold_marker(PyObject *v, int depth, Py_ssize_t *budget) {
+    if (depth > 32) return 1;
+    Py_ssize_t pos = 0, n = PyDict_CheckExact(v) ? 0 : Py_SIZE(v);
+    PyObject *key, *x;
+    for (Py_ssize_t i = 0;; i++) {
+        if (PyDict_CheckExact(v)) {
+            if (!PyDict_Next(v, &pos, &key, &x)) return 0;
+        } else {
+            if (i >= n) return 0;
+            x = PyList_CheckExact(v) ? PyList_GET_ITEM(v, i) : PyTuple_GET_ITEM(v, i);
+        }
+        if (--*budget < 0 || Py_TYPE(x) == sub.marker_type) return 1;
+        if (is_container(x) && may_hold_marker(x, depth + 1, budget)) return 1;
+    }
+}
+
 /* undo unwrap_markers: the caller's markers back in ``args`` and ``kwargs`` (made from ``argv``, as
  * given to submit), for the Python path, which reads the accesses from them again */
 static int rewrap_markers(PyObject *args, PyObject *kwargs, PyObject *const *argv, Py_ssize_t nargs,
@@ -1325,11 +1367,13 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     /* the function's keywords: one shared empty dict unless it gets some (an op only reads them) */
     PyObject *args = PyTuple_New(nargs - 1), *kwargs = Py_NewRef(sub.empty_dict), *result = NULL,
              *accesses = NULL, *op_name = NULL;
-    int markers = 0, unwrapped = 0;
+    int markers = 0, unwrapped = 0, nested = 0;  /* nested: markers in a container, which Python unwraps */
+    Py_ssize_t budget = 1 << 20;
     if (args == NULL) goto done;
     for (Py_ssize_t i = 1; i < nargs; i++) {
         PyTuple_SET_ITEM(args, i - 1, Py_NewRef(argv[i]));
         markers |= Py_TYPE(argv[i]) == sub.marker_type;
+        if (!nested && is_container(argv[i])) nested = may_hold_marker(argv[i], 0, &budget);
     }
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
@@ -1345,13 +1389,16 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
             }
             if (PyDict_SetItem(kwargs, key, value) < 0) goto done;
             markers |= Py_TYPE(value) == sub.marker_type;
+            if (!nested && is_container(value)) nested = may_hold_marker(value, 0, &budget);
         }
     }
     Parts *parts = (Parts *)self->parts;
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
-    /* markers are unwrapped here where the accesses are this module's (else by the Python code) */
-    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses)
+    /* markers are unwrapped here where the accesses are this module's (else by the Python code); while
+     * a pending op may give an object new memory, the Python code adds the accesses to the objects */
+    if (parts->closed || !PyCallable_Check(fn) || run_on != Py_None || (markers && !own_accesses) || nested
+            || state.resizing == NULL || PyDict_GET_SIZE(state.resizing)
             || !(PyList_CheckExact(reads) || PyTuple_CheckExact(reads))
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings))
@@ -1371,15 +1418,16 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     if ((op_name = op_name_of(self, fn, name)) == NULL) goto done;
     int on_host = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(accesses); i++) {
-        PyObject *space = PyTuple_GET_ITEM(PyTuple_GET_ITEM(PyList_GET_ITEM(accesses, i), 0), 0);
+        PyObject *access = PyList_GET_ITEM(accesses, i), *region = PyTuple_GET_ITEM(access, 0);
+        PyObject *space = PyTuple_GET_ITEM(region, 0);
+        if (PyTuple_GET_ITEM(access, 1) == Py_True) {  /* an empty write: by the object, in Python */
+            int empty = PyObject_RichCompareBool(PyTuple_GET_ITEM(region, 1), PyTuple_GET_ITEM(region, 2), Py_EQ);
+            if (empty < 0) goto done;
+            if (empty) goto in_python;
+        }
         int known = PySet_Contains(self->spaces, space);
         if (known < 0) goto done;
-        if (!known) {  /* raises the error that says what to do */
-            PyObject *r = PyObject_CallMethodObjArgs(self->rt, s_check_spaces, accesses, op_name, NULL);
-            Py_XDECREF(r);
-            if (r != NULL) PyErr_SetString(PyExc_RuntimeError, "streamdag: a memory space the runtime lacks");
-            goto done;
-        }
+        if (!known) goto in_python;  /* objects (buffers.OBJECTS, a graph's replay), or the error that says what to do */
         on_host |= is_cpu_space(space);
     }
     if (take_slot(self, blocking) < 0) goto done;
@@ -1416,7 +1464,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     Py_ssize_t seq = 0;
     result = enqueue_locked(self, fn, args, kwargs, accesses, name, op_name, on_host, placed, &seq, holders,
-                            fence);
+                            fence, writes);
     Py_XDECREF(holders);
     Py_XDECREF(fence);
     PyObject *exc = result == NULL ? take_exception() : NULL;
@@ -2242,7 +2290,6 @@ static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
     S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_check_spaces, "_check_spaces")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done")

@@ -20,7 +20,9 @@ concurrency runs as a single-stream graph: never slower than the best
 single-stream baseline.
 
 A capture stays valid while every tensor argument keeps its address, shape
-and strides; a change recaptures (``statistics()`` counts it).
+and strides; a change recaptures (``statistics()`` counts it). (A buffer
+an op declares that has other memory than at recording is refused before,
+by the graph's run: see ``declared.py``.)
 
 A graph over several GPUs is captured into one multi-device CUDA graph: side
 streams on every device fork from the capture stream (on the first device)

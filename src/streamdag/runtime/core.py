@@ -28,7 +28,7 @@ from typing import Any
 from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS, HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
-from ..graph.buffers import Access, Marker
+from ..graph.buffers import OBJECTS, Access, Marker, hold_identities
 from ..graph.hazards import DepsTracker
 from ..native import load as load_native
 from ..native import load_torch
@@ -58,6 +58,14 @@ __all__ = ["Runtime", "RuntimeStatistics"]
 FINISH_EVERY = 32
 #: worker lanes on the host beside a device, for the ops submitted with ``run_on="host"``
 HOST_LANES = 2
+
+
+def _no_function() -> None:
+    """What ``submit`` gets where no function is given: it raises the error that says so (Python's
+    own names the parameter only)."""
+
+
+_NO_FUNCTION: Callable[..., Any] = _no_function
 
 #: Test-only: drop every cross-stream event wait, to show that the race checks can fail.
 _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
@@ -302,7 +310,7 @@ class Runtime:
 
     def submit(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] = _NO_FUNCTION,
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -321,11 +329,13 @@ class Runtime:
         ``reads``, ``writes``, ``name`` or ``run_on``, bind it first with
         ``functools.partial``.
         """
+        if fn is _NO_FUNCTION:  # (the compiled submit raises the same)
+            raise TypeError("submit() needs the function to run first: rt.submit(fn, *args)")
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=True, run_on=run_on)
 
     def submit_nowait(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] = _NO_FUNCTION,
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -335,6 +345,8 @@ class Runtime:
         **kwargs: Any,
     ) -> Future:
         """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
+        if fn is _NO_FUNCTION:
+            raise TypeError("submit_nowait() needs the function to run first: rt.submit_nowait(fn, *args)")
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=False, run_on=run_on)
 
     def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
@@ -350,7 +362,8 @@ class Runtime:
         return transfers.to_device(self, x, name, device)
 
     def to_host(self, t: Any, name: str | None = None) -> Future:
-        """A Future of a pinned host copy of device tensor ``t``, readable once the Future is done."""
+        """A Future of a host copy of tensor ``t`` (pinned where ``t`` is on a device), readable once
+        the Future is done."""
         return transfers.to_host(self, t, name)
 
     def stream_map(self, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
@@ -599,7 +612,7 @@ class Runtime:
 
     def _check_spaces(self, accesses: list[Access], name: str) -> None:
         for acc in accesses:
-            if acc.region.space not in self._spaces:
+            if acc.region.space not in self._spaces and acc.region.space != OBJECTS:
                 raise InvalidBuffer(
                     f"op {name!r} {'writes' if acc.write else 'reads'} memory on "
                     f"{acc.region.space}, but this runtime runs on {self.device}: move the data "
@@ -617,10 +630,16 @@ class Runtime:
         op_name = name or getattr(fn, "__name__", None) or type(fn).__name__
         spaces = self._spaces
         on_host = False  # an access in host memory (a host function on a GPU runtime waits for it)
+        resized: list[int] | None = None  # the objects it may give new memory (see ``with_identities``)
+        by_object = False  # an access to an object itself
         for acc in accesses:
             space = acc.region.space
             if space not in spaces:
-                self._check_spaces(accesses, op_name)
+                if space != OBJECTS:
+                    self._check_spaces(accesses, op_name)
+                by_object = True
+                if acc.write:
+                    resized = [*(resized or ()), acc.region.start]
             elif space == "cpu":
                 on_host = True
         device = self.device
@@ -641,12 +660,25 @@ class Runtime:
                              f"create it with devices=[{device!r}, {run_on!r}]")
         recording = self._recording_here()
         if recording is not None:
+            if by_object:
+                raise InvalidBuffer(
+                    f"op {op_name!r} writes an empty buffer, which it may give new memory (an out= of "
+                    "PyTorch resizes an empty tensor), or touches one that a pending op may: a recorded "
+                    "graph runs on the memory it was recorded with. Allocate the buffer at its final "
+                    "size before recording (e.g. torch.empty(n) rather than torch.empty(0)), after the "
+                    "ops that resize it have run (rt.synchronize())")
             return recording.add(fn, args, kwargs, accesses, name, stream, written, device)
-        return self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
-                             device, on_host)
+        future = self._enqueue(fn, args, kwargs, accesses, name, op_name, blocking, stream, device_ordered,
+                               device, on_host, written)
+        if resized:  # until it has run, every access to those objects follows it
+            future._on_done(hold_identities(resized))
+        return future
 
     def _enqueue(self, fn, args, kwargs, accesses, name, op_name, blocking: bool, stream: int | None,
-                 device_ordered: bool = False, device: str | None = None, on_host: bool = True):
+                 device_ordered: bool = False, device: str | None = None, on_host: bool = True,
+                 written: Any = None):
+        """Link and launch (or hold) an op; returns its future. ``written``: the buffers it declares
+        written, which it holds (``Op.keep``; see ``_finish``)."""
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
         try:
@@ -665,6 +697,7 @@ class Runtime:
             self._counts.seq += 1
             seq = self._counts.seq
             op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
+            op.keep = written
             deps = self._tracker.link(op, accesses)
             host_inputs = on_host and device != "host" and not (device_ordered or self.backend.deferred)
             if device == "host":
@@ -1114,8 +1147,9 @@ class Runtime:
         if error is None:
             op.fn = op.args = op.kwargs = op.value = op.keep = None  # no reference to user data is kept
         else:  # what it wrote fails later ops until synchronize() (the tracker's record): what it was
-            op.value = op.keep = None  # given stays referenced as long, so that memory is not freed and
-            # handed to a new buffer, whose ops would fail for an op that never touched it
+            op.value = None  # given and the buffers it declared written (``keep``) stay referenced as
+            # long, so that memory is not freed and handed to a new buffer, whose ops would fail for an
+            # op that never touched it
         future = op.future
         if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
             self._settle(future, value, error)

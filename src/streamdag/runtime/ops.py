@@ -7,14 +7,15 @@ import concurrent.futures
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
+from types import CoroutineType
 from typing import Any
 
 from ..errors import DependencyFailed
-from ..graph.buffers import Access, Marker, region_of
+from ..graph.buffers import Access, Marker, needs_identities, region_of, with_identities
 from ..graph.buffers import accesses as accesses_of
 from ..native import load as load_native
 from ..schedule.waits import Stamp
@@ -488,11 +489,30 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     return None
 
 
-def _unwrap(value: Any, accesses: list[Access]) -> Any:
-    if isinstance(value, Marker):
-        accesses.append(_new(Access, (region_of(value.value), value.write)))
+def _unwrap(value: Any, found: list[Marker], seen: dict[int, Any]) -> Any:
+    """``value`` with the inline markers in it replaced by their values, which go to ``found``: a
+    marker itself, or one in a list, tuple or dict, at any depth (a container with a marker is
+    copied, others are kept as they are). ``seen``: each container met, by id, unwrapped (one met
+    inside itself is kept as it is)."""
+    kind = type(value)
+    if kind is Marker:
+        found.append(value)
         return value.value
-    return value
+    if kind is not list and kind is not tuple and kind is not dict:
+        return value
+    key = id(value)
+    if key in seen:
+        return seen[key]
+    seen[key] = value
+    if kind is dict:
+        items = {k: _unwrap(v, found, seen) for k, v in value.items()}
+        changed = any(items[k] is not v for k, v in value.items())
+    else:
+        items = [_unwrap(v, found, seen) for v in value]
+        changed = any(new is not old for new, old in zip(items, value))
+    if changed:
+        seen[key] = items if kind is not tuple else tuple(items)
+    return seen[key]
 
 
 def collect_accesses(
@@ -501,10 +521,11 @@ def collect_accesses(
     reads: Iterable[Any],
     writes: Iterable[Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], Sequence[Any]]:
-    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped.
+    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped,
+    in lists, tuples and dicts among the arguments too.
 
     Also returns the objects written, for graphs that must save and restore them.
-    Runs for every submitted op: the common case (lists of tensors, no markers)
+    Runs for every submitted op: the common case (tensors, no markers, no containers)
     takes the fewest Python steps.
     """
     if type(reads) is not list and type(reads) is not tuple:
@@ -513,19 +534,28 @@ def collect_accesses(
         writes = _as_list(writes, "writes=[c]")
     accesses = accesses_of(reads, writes)
     for v in args:
-        if type(v) is Marker:
+        kind = type(v)
+        if kind is Marker or kind is list or kind is tuple or kind is dict:
             break
     else:
         for v in kwargs.values():
-            if type(v) is Marker:
+            kind = type(v)
+            if kind is Marker or kind is list or kind is tuple or kind is dict:
                 break
         else:
+            if needs_identities(accesses):
+                accesses = with_identities(accesses, [*reads, *writes])
             return args, kwargs, accesses, writes
-    written = [*writes, *(v.value for v in (*args, *kwargs.values()) if isinstance(v, Marker) and v.write)]
-    args = tuple(_unwrap(a, accesses) for a in args)
-    kwargs = {k: _unwrap(v, accesses) for k, v in kwargs.items()}
-    return args, kwargs, accesses, written
-
+    found: list[Marker] = []
+    seen: dict[int, Any] = {}
+    unwrapped = tuple(_unwrap(a, found, seen) for a in args)
+    unwrapped_kwargs = {k: _unwrap(v, found, seen) for k, v in kwargs.items()}
+    if found:
+        args, kwargs = unwrapped, unwrapped_kwargs  # (else containers without markers, as they are)
+        accesses += [_new(Access, (region_of(m.value), m.write)) for m in found]
+    if needs_identities(accesses):
+        accesses = with_identities(accesses, [*reads, *writes, *(m.value for m in found)])
+    return args, kwargs, accesses, [*writes, *(m.value for m in found if m.write)] if found else writes
 
 
 def _as_list(value: Any, example: str) -> list[Any]:
@@ -533,6 +563,10 @@ def _as_list(value: Any, example: str) -> list[Any]:
         return list(value)
     if isinstance(value, Marker) or not isinstance(value, Iterable) or _is_buffer(value):
         raise TypeError(f"{example.split('=')[0]}= takes a list of buffers, e.g. {example}")
+    if isinstance(value, Mapping):  # (listed, it would be its keys)
+        keyword = example.split("=")[0]
+        raise TypeError(f"{keyword}= takes a list of buffers, not a dict: e.g. {example}, "
+                        f"or {keyword}=list(d.values()) for the buffers of a dict d")
     return list(value)
 
 
@@ -596,6 +630,8 @@ class Op:
         self.root_name = ""
         self.root_error: BaseException | None = None
         self.value: Any = None
+        #: the buffers it declares written: held while it is pending, and after a failure until
+        #: ``synchronize`` (its memory must not go to a new buffer while its failure passes on)
         self.keep: Any = None
         self.run_id = 0
         #: what finishes it once its completion event has been observed, called as
@@ -631,7 +667,10 @@ class Op:
             self.root_name, self.root_error = dep.root_name, dep.root_error
         else:
             try:
-                self.value = self.fn(*self.args, **self.kwargs)
+                value = self.fn(*self.args, **self.kwargs)
+                if type(value) is CoroutineType:
+                    refuse_coroutine(value, self.name)
+                self.value = value
             except BaseException as exc:  # the op's failure is its future's, not ours
                 if not isinstance(exc, Exception):  # an interrupt or SystemExit goes on up too (to
                     self.error = self.root_error = exc  # the caller, or to a lane that reports it)
@@ -640,6 +679,19 @@ class Op:
                 self.error = self.root_error = release_frames(exc, caught_here=True)
                 self.root_name = self.name
         self.deps = ()
+
+
+def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
+    """Fail an op whose function returned a coroutine (an ``async def`` function): an op runs its
+    function to its end on a stream, inside its submit on a GPU, where the submitting code's event
+    loop may be running, so there is no one place to run the coroutine; awaiting is the caller's
+    (``await rt.submit(...)``). Closed here, it warns of no coroutine never awaited.
+    (The compiled execute, ``native/_submit.c``, calls this too.)"""
+    coroutine.close()
+    raise TypeError(
+        f"op {op_name!r} returned a coroutine: streamdag runs an op's function to its end and does "
+        "not await it. Submit a plain function (for an async def f, e.g. lambda: asyncio.run(f())), "
+        "and await the op's future in async code instead")
 
 
 def wait_for_host_inputs(accesses: list[Access], deps: list[Op], op: Any = None) -> None:

@@ -14,6 +14,7 @@ from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
+from .declared import DeclaredBuffers
 from .ops import Future, Op, after_all, then
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class RecordedGraph:
         self._parts_eager: list[str] | None = None
         self._groups: list[int] = []  # the device (index in the runtime's) of each op
         self.touched_devices: list[str] = []
+        self._declared: DeclaredBuffers | None = None  # checked before each run (a part's: its graph's)
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -143,6 +145,8 @@ class RecordedGraph:
         self.capture = bool(self.devices) and all(d.startswith("cuda") for d in self.touched_devices)
         host_ops = [op.name for op in self._ops if op.device == "host"]
         self._has_host_ops = bool(host_ops)
+        if not self._calls_above:
+            self._declared = DeclaredBuffers(self._ops)
         if host_ops and not self._spans_devices:  # host code between kernels: the graph in parts
             self._parts = self._split_at_host_ops()
         if host_ops and self.capture:  # no one CUDA graph holds host code
@@ -225,6 +229,8 @@ class RecordedGraph:
         rt = self._rt
         rt._check_open()
         sched = self.schedule
+        if self._declared is not None:  # its dependencies hold for the memory it was recorded with
+            self._declared.check()
         self._runs += 1
         self.last_run_captured = False
         if self._parts is not None:

@@ -749,8 +749,13 @@ def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None =
 
 
 def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
-    """A Future of a pinned host tensor holding ``t``; it exists for the caller only once the copy is done."""
+    """A Future of a host tensor holding ``t``; it exists for the caller only once the copy is done.
+
+    Pinned where ``t`` is on a device (its copy out runs on a copy stream); a host tensor (or
+    numpy array) is copied into a new pageable tensor: pinning needs a device, and would gain nothing.
+    """
     import torch
 
-    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return rt.copy(dst, t, name or "to_host")
+    src = _as_tensor(t)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=not getattr(src, "is_cpu", False))
+    return rt.copy(dst, src, name or "to_host")
