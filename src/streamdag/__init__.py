@@ -14,6 +14,7 @@ from .errors import (
     InvalidBuffer,
     RuntimeClosed,
     StreamdagError,
+    StreamdagWarning,
     SubmittedInCapture,
     WouldBlock,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "Schedule",
     "Span",
     "StreamdagError",
+    "StreamdagWarning",
     "SubmittedInCapture",
     "Summary",
     "Timeline",
