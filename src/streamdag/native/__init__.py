@@ -110,9 +110,12 @@ def _import_compiled() -> ModuleType:
 def _stale_source(built: Path) -> Path | None:
     """A C source beside ``built`` that changed after it was compiled, else None.
 
-    Only a source checkout has the sources there (a wheel leaves them out): editing the C without
-    rebuilding would otherwise run the old C against the new Python code.
+    Only a source checkout has ``_speedups.c`` there (a wheel leaves the C out, and its files' times
+    are the install's): editing the C without rebuilding would otherwise run the old C against the
+    new Python code.
     """
+    if not built.with_name(_SOURCES[0]).exists():
+        return None
     compiled_at = built.stat().st_mtime
     for name in _SOURCES:
         source = built.with_name(name)
