@@ -1,4 +1,5 @@
 # Shared by scripts/bench and scripts/test: a project-local venv with PyTorch pinned to the CPU build.
+# The editable install compiles the hot path in place (setup.py): src/streamdag/native/_speedups*.so.
 venv_install() {
   local python="${PYTHON:-python3}"
   if [ ! -x .venv/bin/python ]; then

@@ -14,6 +14,7 @@ from .errors import (
     InvalidBuffer,
     RuntimeClosed,
     StreamdagError,
+    StreamdagWarning,
     SubmittedInCapture,
     WouldBlock,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "Schedule",
     "Span",
     "StreamdagError",
+    "StreamdagWarning",
     "SubmittedInCapture",
     "Summary",
     "Timeline",

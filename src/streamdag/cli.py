@@ -4,7 +4,9 @@
   else the CPU): prints the comparison tables, writes JSON, a Chrome/Perfetto
   trace and a PNG timeline; with two GPUs or more, the tensor-parallel chain too.
 - ``streamdag doctor``: devices, peer access, copy bandwidth, versions, and
-  what is missing.
+  what is missing; it exits 1 where a part asked for (``--native``, ``--cuda``)
+  is missing.
+- ``streamdag --version``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from . import __version__
 
 __all__ = ["main"]
 
@@ -104,6 +108,8 @@ def _version(name: str) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    """Prints what is here; 1 where a part that was asked for (``--native`` or ``STREAMDAG_NATIVE=1``,
+    ``--cuda``) is missing, so that an image build or a CI step can check for it."""
     import platform
 
     import streamdag
@@ -114,56 +120,80 @@ def _doctor(args: argparse.Namespace) -> int:
     from . import native
 
     print(f"hot path: {native.status()}")
-    missing = []
-    if native.load() is None and os.environ.get("STREAMDAG_NATIVE") != "0":
-        missing.append("a C compiler and Python's headers (python3-dev) for the compiled hot path")
+    missing = []  # what streamdag runs without, slower or with less
+    required = []  # what was asked for and is not here
+    choice = os.environ.get("STREAMDAG_NATIVE")
+    if native.load() is None and (args.native or choice != "0"):
+        fix = ("the compiled hot path: unset STREAMDAG_NATIVE=0" if choice == "0"
+               else f"the compiled hot path: {native._HOW_TO_BUILD}")
+        (required if args.native or choice == "1" else missing).append(fix)
     if _version("torch") == "missing":
         missing.append("torch (pip install 'streamdag[torch]') for CUDA and streamdag.compile")
     if _version("matplotlib") == "missing":
         missing.append("matplotlib (pip install 'streamdag[plot]') for PNG timelines")
     if not _has_cuda():
-        missing.append("a CUDA GPU: streamdag runs on CPU lanes only")
+        (required if args.cuda else missing).append("a CUDA GPU (and a CUDA build of torch): streamdag runs "
+                                                    "on CPU lanes only")
     else:
-        import torch
-
-        n = torch.cuda.device_count()
-        print(f"CUDA calls: {native.torch_status()}")
-        print(f"CUDA {torch.version.cuda}, {n} device(s):")
-        for i in range(n):
-            p = torch.cuda.get_device_properties(i)
-            print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
-                  f"compute capability {p.major}.{p.minor}")
-        if n > 1:
-            print("peer access (row can read column):")
-            for i in range(n):
-                row = " ".join("-" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j)
-                                                   else "no") for j in range(n))
-                print(f"  cuda:{i}  {row}")
-        nbytes = 256 << 20
-        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        for label, host in (("pinned", torch.empty(nbytes, dtype=torch.uint8).pin_memory()),
-                            ("pageable", torch.empty(nbytes, dtype=torch.uint8))):
-            dev.copy_(host)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            print(f"  host->device {label}: {3 * nbytes / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
-    print("missing: " + ("; ".join(missing) if missing else "nothing"))
+        _print_cuda()
+        if native.load_torch() is None:
+            (required if args.cuda else missing).append(
+                f"the torch extension ({native.torch_status()}): {native._HOW_TO_BUILD_TORCH}")
+    print("missing: " + ("; ".join(required + missing) if required or missing else "nothing"))
+    if required:
+        print("streamdag doctor: missing what was asked for: " + "; ".join(required), file=sys.stderr)
+        return 1
     return 0
+
+
+def _print_cuda() -> None:
+    """The CUDA devices, their peer access and host-to-device copy bandwidth."""
+    import torch
+
+    from . import native
+
+    n = torch.cuda.device_count()
+    print(f"CUDA calls: {native.torch_status()}")
+    print(f"CUDA {torch.version.cuda}, {n} device(s):")
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+              f"compute capability {p.major}.{p.minor}")
+    if n > 1:
+        print("peer access (row can read column):")
+        for i in range(n):
+            row = " ".join("-" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j)
+                                               else "no") for j in range(n))
+            print(f"  cuda:{i}  {row}")
+    nbytes = 256 << 20
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for label, host in (("pinned", torch.empty(nbytes, dtype=torch.uint8).pin_memory()),
+                        ("pageable", torch.empty(nbytes, dtype=torch.uint8))):
+        dev.copy_(host)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        print(f"  host->device {label}: {3 * nbytes / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamdag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"streamdag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the tables")
     bench.add_argument("--out", default="bench/results/latest", help="folder for JSON, trace and PNG")
     bench.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     bench.add_argument("--cpu", action="store_true", help="the CPU suite even when a GPU is present")
     bench.set_defaults(func=_bench)
-    doctor = sub.add_parser("doctor", help="devices, peer access, copy bandwidth, versions")
+    doctor = sub.add_parser("doctor", help="devices, peer access, copy bandwidth, versions; exits 1 where "
+                                           "a part asked for is missing")
+    doctor.add_argument("--native", action="store_true",
+                        help="require the compiled hot path (as STREAMDAG_NATIVE=1 does)")
+    doctor.add_argument("--cuda", action="store_true",
+                        help="require a CUDA GPU and the torch extension that makes its calls in C++")
     doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
     return args.func(args)

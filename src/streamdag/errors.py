@@ -22,6 +22,7 @@ __all__ = [
     "InvalidBuffer",
     "RuntimeClosed",
     "StreamdagError",
+    "StreamdagWarning",
     "SubmittedInCapture",
     "WouldBlock",
 ]
@@ -29,6 +30,11 @@ __all__ = [
 
 class StreamdagError(Exception):
     """Base class of every error streamdag raises itself."""
+
+
+class StreamdagWarning(RuntimeWarning):
+    """Something streamdag runs slower than it could, and the warning says how to fix it (for
+    example, the compiled hot path is not installed and the Python code runs instead)."""
 
 
 class WouldBlock(StreamdagError):

@@ -1,4 +1,4 @@
-"""The compiled hot path (``_speedups.c``), built on first use with the machine's C compiler.
+"""The compiled hot path (``_speedups.c``), built with the package into ``streamdag.native._speedups``.
 
 What runs for every submitted op: dependency tracking, the byte ranges of
 tensors, the stream clocks (``_speedups.c``), and the runtime's submit and
@@ -8,42 +8,51 @@ finish around them (``_submit.c``, included by it). The Python code in
 other) and runs the rare paths. On a GPU, :func:`load_torch` adds a torch
 extension (``_torch.cpp``) that makes the launch's CUDA calls in C++.
 
-The extension is built with ``$CC``, else the compiler Python was built
-with, against this Python's headers, into a cache folder (``STREAMDAG_CACHE_DIR``, else
-``$XDG_CACHE_HOME/streamdag`` or ``~/.cache/streamdag``), once per source
-and Python version: about a second. Without a compiler, streamdag runs the
-Python code and warns once; ``streamdag doctor`` says which runs.
-``STREAMDAG_NATIVE=0`` chooses the Python code; ``STREAMDAG_NATIVE=1``
-makes a failed build an error instead of a warning; ``STREAMDAG_CFLAGS`` adds
-compiler flags (``-fno-omit-frame-pointer`` for a profiler's call graphs).
+The extension module is compiled when streamdag is built or installed
+(``setup.py``: a platform wheel carries it; ``pip install -e .`` builds it in
+place in a source checkout); nothing is compiled on import. Where it is not
+there (the install had no C compiler or no Python headers), streamdag runs
+the Python code and warns once (:class:`~streamdag.errors.StreamdagWarning`);
+``streamdag doctor`` says which runs. ``STREAMDAG_NATIVE=0`` chooses the
+Python code; ``STREAMDAG_NATIVE=1`` makes a missing module an error instead of
+a warning. In a source checkout a module older than its C sources counts as
+missing: it would run C that no longer matches the Python code beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
+import importlib
 import importlib.util
 import os
-import shlex
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from ..errors import StreamdagWarning
+
 __all__ = ["NativeBuildError", "load", "load_torch", "status", "torch_status"]
 
-_SOURCE = Path(__file__).with_name("_speedups.c")
-_SOURCES = sorted([*_SOURCE.parent.glob("*.c"), *_SOURCE.parent.glob("*.h")])
-_NAME = "_streamdag_speedups"
+_HERE = Path(__file__).parent
+_MODULE = f"{__name__}._speedups"
+#: what ``_speedups.c`` is compiled from (it includes the others); a source checkout has them
+_SOURCES = ("_speedups.c", "_submit.c", "_lock.c", "_torch_hooks.h")
 
-_TORCH_SOURCE = _SOURCE.with_name("_torch.cpp")
-_HOOKS = _SOURCE.with_name("_torch_hooks.h")
-_HOST_COPY = _SOURCE.with_name("_host_copy.h")  # the torch extension's host copies (C++)
+_TORCH_SOURCE = _HERE / "_torch.cpp"
+_HOOKS = _HERE / "_torch_hooks.h"
+_HOST_COPY = _HERE / "_host_copy.h"  # the torch extension's host copies (C++)
+
+#: how to get the compiled module, for the messages that say it is missing
+_HOW_TO_BUILD = (
+    "reinstall streamdag where a C compiler and Python's headers (python3-dev) are present "
+    "(in a source checkout: `pip install -e .`, or `python setup.py build_ext --inplace`)"
+)
+
+_HOW_TO_BUILD_TORCH = ("a C++ compiler, ninja (pip install 'streamdag[torch]') and the CUDA headers make "
+                       "it build")
 
 _loaded: ModuleType | None = None
 _tried = False
@@ -54,7 +63,8 @@ _torch_why_not = ""
 
 
 class NativeBuildError(RuntimeError):
-    """The compiled hot path could not be built, and ``STREAMDAG_NATIVE=1`` asked for it."""
+    """The compiled hot path (or the torch extension) is missing, and ``STREAMDAG_NATIVE=1`` asked
+    for it."""
 
 
 def status() -> str:
@@ -66,31 +76,75 @@ def status() -> str:
 
 
 def load() -> ModuleType | None:
-    """The compiled module, built if needed; None (with one warning) where it cannot be."""
+    """The compiled module; None (with one warning) where it is not installed."""
     global _loaded, _tried, _why_not
     if _tried:
         return _loaded
     _tried = True
-    choice = os.environ.get("STREAMDAG_NATIVE", "")
-    if choice == "0":
+    if os.environ.get("STREAMDAG_NATIVE", "") == "0":
         _why_not = "STREAMDAG_NATIVE=0"
         return None
     try:
-        _loaded = _import(_build())
-    except Exception as exc:
-        _why_not = f"{type(exc).__name__}: {exc}"
-        _failed("the compiled hot path", _why_not, exc,
-                f"streamdag runs its Python code: the compiled hot path did not build ({_why_not}). "
-                "Install a C compiler and Python's headers (python3-dev) for about half the host time "
-                "per submit, or set STREAMDAG_NATIVE=0 to run the Python code without this warning.")
+        _loaded = _import_compiled()
+    except ImportError as exc:
+        _why_not = str(exc)
+        _failed(f"{_why_not}. To have it, {_HOW_TO_BUILD}; or unset STREAMDAG_NATIVE",
+                f"streamdag runs its Python code: {_why_not}. For about half the host time per submit, "
+                f"{_HOW_TO_BUILD}; or set STREAMDAG_NATIVE=0 to run the Python code without this warning.",
+                exc)
     return _loaded
 
 
-def _failed(what: str, why: str, exc: Exception, warning: str) -> None:
-    """A build failed: an error under ``STREAMDAG_NATIVE=1``, else one warning that says the fix."""
+def _import_compiled() -> ModuleType:
+    """``streamdag.native._speedups``, unless it is missing or older than its sources beside it."""
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or not spec.origin:
+        raise ImportError(f"the compiled hot path ({_MODULE}) is not installed: the install did not "
+                          "compile it")
+    newer = _stale_source(Path(spec.origin))
+    if newer is not None:
+        raise ImportError(f"the compiled hot path ({spec.origin}) is older than its source {newer}")
+    return importlib.import_module(_MODULE)
+
+
+def _stale_source(built: Path) -> Path | None:
+    """A C source beside ``built`` that changed after it was compiled, else None.
+
+    Only a source checkout has ``_speedups.c`` there (a wheel leaves the C out, and its files' times
+    are the install's): editing the C without rebuilding would otherwise run the old C against the
+    new Python code.
+    """
+    if not built.with_name(_SOURCES[0]).exists():
+        return None
+    compiled_at = built.stat().st_mtime
+    for name in _SOURCES:
+        source = built.with_name(name)
+        if source.exists() and source.stat().st_mtime > compiled_at:
+            return source
+    return None
+
+
+def _failed(error: str, warning: str, exc: Exception) -> None:
+    """A part is missing: ``error`` under ``STREAMDAG_NATIVE=1``, else one ``warning``; each says the fix."""
     if os.environ.get("STREAMDAG_NATIVE", "") == "1":
-        raise NativeBuildError(f"STREAMDAG_NATIVE=1, but {what} failed: {why}") from exc
-    warnings.warn(warning, RuntimeWarning, stacklevel=4)
+        raise NativeBuildError(f"STREAMDAG_NATIVE=1, but {error}") from exc
+    warnings.warn(warning, StreamdagWarning, stacklevel=_caller_outside_streamdag())
+
+
+def _caller_outside_streamdag() -> int:
+    """The ``stacklevel`` of the first caller outside streamdag (the user's ``import streamdag``
+    or call): the frames of the import machinery, which :mod:`warnings` skips, do not count."""
+    package = str(_HERE.parent) + os.sep
+    frame, level = sys._getframe(1), 1  # the frame that calls warnings.warn is level 1
+    while frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            continue
+        level += 1
+        if not name.startswith(package):
+            break
+    return level
 
 
 def torch_status() -> str:
@@ -148,7 +202,7 @@ def load_torch() -> ModuleType | None:
             warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
             ext = cpp_extension.load(
                 name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=_TORCH_FLAGS,
-                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCE.parent)], with_cuda=True,
+                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_HERE)], with_cuda=True,
                 build_directory=str(build),
                 verbose=False)
         from ..errors import SubmittedInCapture
@@ -159,10 +213,10 @@ def load_torch() -> ModuleType | None:
     except Exception as exc:
         last = str(exc).strip().splitlines()[-1:]  # a failed build's message ends with the reason
         _torch_why_not = f"{type(exc).__name__}: {last[0] if last else ''}"
-        _failed("the torch extension", _torch_why_not, exc,
+        _failed(f"the torch extension failed to build: {_torch_why_not}. {_HOW_TO_BUILD_TORCH}",
                 f"streamdag makes its CUDA calls through PyTorch's Python bindings: its torch extension "
-                f"did not build ({_torch_why_not}). That costs a few µs per op; a C++ compiler, ninja "
-                "and the CUDA headers make it build.")
+                f"did not build ({_torch_why_not}). That costs a few µs per op; {_HOW_TO_BUILD_TORCH}.",
+                exc)
     return _torch_loaded
 
 
@@ -195,47 +249,9 @@ def _exclusive_build(build: Path) -> Iterator[None]:
 
 
 def _cache_dir() -> Path:
+    """Where the torch extension is built on first use: per user, as it is per torch version."""
     explicit = os.environ.get("STREAMDAG_CACHE_DIR")
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "streamdag"
-
-
-def _build() -> Path:
-    """The shared library for this source and this Python, compiled unless cached."""
-    source = b"".join(p.read_bytes() for p in _SOURCES)  # _speedups.c includes the others
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    extra = shlex.split(os.environ.get("STREAMDAG_CFLAGS", ""))  # e.g. -fno-omit-frame-pointer to profile
-    key = hashlib.sha256(source + sys.version.encode() + suffix.encode() + " ".join(extra).encode())
-    key = key.hexdigest()[:16]
-    target = _cache_dir() / f"{_NAME}-{key}{suffix}"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    include = sysconfig.get_paths()["include"]
-    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)  # then renamed: processes may race
-    os.close(fd)
-    cmd = [*compiler, "-O2", *extra, "-shared", "-fPIC", "-fvisibility=hidden", f"-I{include}", str(_SOURCE),
-           "-o", tmp]
-    if sys.platform == "darwin":
-        cmd[1:1] = ["-undefined", "dynamic_lookup"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"`{' '.join(cmd[:2])} ...` failed: {' | '.join(tail)}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _import(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_NAME, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1404,12 +1404,12 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_streamdag_speedups", "streamdag's compiled hot path.", -1, module_methods
+    PyModuleDef_HEAD_INIT, "streamdag.native._speedups", "streamdag's compiled hot path.", -1, module_methods
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
-PyMODINIT_FUNC PyInit__streamdag_speedups(void) {
+PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_space, "_space");
     INTERN(s_record, "record");
     INTERN(s_is_cuda, "is_cuda");
