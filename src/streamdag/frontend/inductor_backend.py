@@ -60,6 +60,10 @@ def engine_from(engine: str | None) -> str:
 
 @dataclass
 class V2Statistics:
+    """Counts of one backend: ``graphs`` compiled (one per Dynamo capture: a recompile adds one),
+    ``calls`` of them, and ``eager_calls``: calls of the model ``streamdag.compile`` returned that
+    ran none of them (Dynamo ran the code as written)."""
+
     graphs: int = 0
     calls: int = 0
     captures: int = 0
@@ -68,6 +72,13 @@ class V2Statistics:
     uncaptured_calls: int = 0
     fallbacks: int = 0
     compile_s: float = 0.0
+    eager_calls: int = 0
+
+
+class _GraphsRun(threading.local):
+    """How many of a backend's graphs this thread has run: a model call that runs none ran eagerly."""
+
+    count = 0
 
 
 @dataclass
@@ -197,7 +208,8 @@ class GraphRunner:
     """The callable Dynamo gets for one graph: chooses a candidate at the first call, then runs it."""
 
     def __init__(self, compiled: Callable[..., Any], eager: torch.fx.GraphModule, switch: _Switch | None,
-                 options: Options, pool: SharedPool, stats: V2Statistics, index: int) -> None:
+                 options: Options, pool: SharedPool, stats: V2Statistics, index: int,
+                 ran: _GraphsRun | None = None) -> None:
         self.compiled = compiled
         self.eager = eager
         self.switch = switch
@@ -205,6 +217,7 @@ class GraphRunner:
         self.pool = pool
         self.stats = stats
         self.index = index
+        self.ran = _GraphsRun() if ran is None else ran
         self.candidates: list[Candidate] = []
         self.captures: list[CapturedGraph] = []
         self.chosen: Candidate | None = None
@@ -214,6 +227,7 @@ class GraphRunner:
 
     def __call__(self, *args: Any) -> Any:
         self.stats.calls += 1
+        self.ran.count += 1
         run = self._run
         if run is None:
             with self._lock:
@@ -380,12 +394,14 @@ class GraphRunner:
 class _Fallback:
     """A graph Inductor could not compile, on the make_fx path."""
 
-    def __init__(self, legacy: Any, reason: str, index: int) -> None:
+    def __init__(self, legacy: Any, reason: str, index: int, ran: _GraphsRun) -> None:
         self.legacy = legacy
         self.reason = reason
         self.index = index
+        self.ran = ran
 
     def __call__(self, *args: Any) -> Any:
+        self.ran.count += 1
         return self.legacy(*args)
 
     def explain(self) -> str:
@@ -403,6 +419,7 @@ class StreamdagBackend:
         self.pool = SharedPool()
         self.stats = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
+        self.ran = _GraphsRun()
         self._warned: set[str] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -426,7 +443,7 @@ class StreamdagBackend:
         finally:
             self.stats.compile_s += time.perf_counter() - t0
         runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
-                             self.pool, self.stats, index)
+                             self.pool, self.stats, index, self.ran)
         self.runners.append(runner)
         return runner
 
@@ -439,12 +456,16 @@ class StreamdagBackend:
             self._warned.add(reason)
             warnings.warn(f"streamdag: graph {index} runs on the make_fx path: {reason}", RuntimeWarning,
                           stacklevel=2)
-        fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index)
+        fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index, self.ran)
         self.runners.append(fb)
         return fb
 
     def explain(self) -> str:
-        return "\n\n".join(r.explain() for r in self.runners) or "nothing compiled yet: call the model once"
+        parts = [r.explain() for r in self.runners]
+        n = self.stats.eager_calls
+        if n:
+            parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {_EAGER_WHY}")
+        return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
     def statistics(self) -> V2Statistics:
         return V2Statistics(**vars(self.stats))
@@ -463,8 +484,17 @@ def default_backend() -> StreamdagBackend:
         return _DEFAULT
 
 
+_EAGER_WHY = ("Dynamo ran the code as written, as it does past torch._dynamo.config.recompile_limit "
+              "(a Python value the code reads, such as a module attribute, changes from call to call: "
+              "TORCH_LOGS=recompiles names it) or where the code has no tensor operation to compile")
+
+
 class CompiledModel:
-    """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend."""
+    """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
+
+    A call in which none of the backend's graphs ran (this thread's count of graph calls did not
+    move) ran eagerly: ``statistics().eager_calls`` counts it and the first one warns.
+    """
 
     def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
         self.backend = backend
@@ -472,7 +502,21 @@ class CompiledModel:
         self.__wrapped__ = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(*args, **kwargs)
+        ran = self.backend.ran
+        before = ran.count
+        out = self._compiled(*args, **kwargs)
+        if ran.count == before:
+            self._ran_eagerly()
+        return out
+
+    def _ran_eagerly(self) -> None:
+        self.backend.stats.eager_calls += 1
+        if "eager" not in self.backend._warned:
+            self.backend._warned.add("eager")
+            name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
+            warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
+                          f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
+                          RuntimeWarning, stacklevel=3)
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen."""
