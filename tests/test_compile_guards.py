@@ -10,6 +10,7 @@ on it alone. Inductor compiles C++ for the CPU, so its cases are marked ``slow``
 
 import copy
 import dataclasses
+import inspect
 import threading
 import warnings
 from collections import OrderedDict, namedtuple
@@ -244,6 +245,19 @@ def test_on_the_inductor_engine_calls_past_dynamos_recompile_limit_run_eagerly_a
     assert (s.graphs, s.eager_calls) == (limit, calls - limit)
     assert len(caught) == 1 and "recompile_limit" in caught[0] and "TORCH_LOGS=recompiles" in caught[0]
     assert f"{calls - limit} calls ran no compiled graph" in c.explain()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_compiled_instance_of_a_module_class_has_its_own_recompile_limit(engine):
+    if engine == "inductor" and "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+        pytest.skip("this torch counts the compiles of every instance against one limit")
+    x = torch.randn(2, 4)
+    compiled = [sd.compile(_Scaled().eval(), engine=engine)
+                for _ in range(torch._dynamo.config.recompile_limit + 2)]
+    with torch.no_grad():
+        for c in compiled:
+            torch.testing.assert_close(c(x), c.__wrapped__(x))
+    assert [(_compiles(c), c.statistics().eager_calls) for c in compiled] == [(1, 0)] * len(compiled)
 
 
 # --- several threads ------------------------------------------------------------------------

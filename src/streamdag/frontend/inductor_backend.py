@@ -29,6 +29,7 @@ with a warning.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -484,6 +485,12 @@ def default_backend() -> StreamdagBackend:
         return _DEFAULT
 
 
+#: Dynamo keeps compiled code per code object, and every ``streamdag.compile`` has a backend of its
+#: own: without isolation the compiles of all the models sharing a ``forward`` count against one
+#: recompile limit, so the ninth compiled instance of a module class would run eagerly
+_OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
+                        if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
 _EAGER_WHY = ("Dynamo ran the code as written, as it does past torch._dynamo.config.recompile_limit "
               "(a Python value the code reads, such as a module attribute, changes from call to call: "
               "TORCH_LOGS=recompiles names it) or where the code has no tensor operation to compile")
@@ -498,7 +505,7 @@ class CompiledModel:
 
     def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
         self.backend = backend
-        self._compiled = torch.compile(fn, backend=backend, dynamic=False)
+        self._compiled = torch.compile(fn, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
