@@ -262,7 +262,7 @@ def test_each_compiled_instance_of_a_module_class_has_its_own_recompile_limit(en
 
 # --- several threads ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("engine", ["aten"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_first_calls_from_several_threads_compile_once_and_all_run_compiled(engine):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).eval()

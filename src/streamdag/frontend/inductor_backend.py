@@ -501,14 +501,27 @@ class CompiledModel:
 
     A call in which none of the backend's graphs ran (this thread's count of graph calls did not
     move) ran eagerly: ``statistics().eager_calls`` counts it and the first one warns.
+
+    Calls wait for the first call to finish: Dynamo looks its cache up before it takes its
+    compile lock, so threads that all make a first call at once would each compile the model.
     """
 
     def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
         self.backend = backend
         self._compiled = torch.compile(fn, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
+        self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
+        self._called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._called:
+            with self._first_call:
+                out = self._call(args, kwargs)
+                self._called = True
+                return out
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ran = self.backend.ran
         before = ran.count
         out = self._compiled(*args, **kwargs)
