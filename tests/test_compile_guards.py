@@ -203,11 +203,16 @@ def test_on_the_inductor_engine_a_value_changed_inside_an_attribute_object_is_se
 
     m = WithConfig()
     c = sd.compile(m)
-    with torch.no_grad():
-        (first, _), caught = _warnings_of(lambda: (c(torch.ones(2)), None))
+
+    def call_change_call():
+        first = c(torch.ones(2))
         m.config.scale = 3.0  # Dynamo guards the value the forward read
-        torch.testing.assert_close(c(torch.ones(2)), torch.full((2,), 3.0))
+        return first, c(torch.ones(2))
+
+    with torch.no_grad():
+        (first, second), caught = _warnings_of(call_change_call)
     torch.testing.assert_close(first, torch.full((2,), 2.0))
+    torch.testing.assert_close(second, torch.full((2,), 3.0))
     assert not caught and c.statistics().eager_calls == 0
 
 
