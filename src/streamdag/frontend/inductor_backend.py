@@ -536,7 +536,7 @@ class CompiledModel:
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
             warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
                           f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen."""
