@@ -29,9 +29,8 @@ import torch
 from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
-from ..runtime.ops import callbacks_later, new_counters
 from . import capture_mode
-from .threads import report_escaped
+from .threads import callbacks_later, new_counters, report_escaped
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 

@@ -1,10 +1,16 @@
-"""What the runtime's own threads (CPU lanes, the simulator, CUDA completion threads) share."""
+"""What the runtime's own threads (CPU lanes, the simulator, CUDA completion threads) share with the
+runtime that drives them: the counts they update, and the done-callbacks they defer."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["report_escaped"]
+from ..native import load as load_native
+
+__all__ = ["callbacks_later", "deferring_callbacks", "new_counters", "report_escaped"]
 
 _log = logging.getLogger("streamdag")
 
@@ -20,3 +26,54 @@ def report_escaped(thread: str) -> None:
     Call from an ``except BaseException`` block.
     """
     _log.exception("streamdag: user code raised in the runtime's thread %r; the thread goes on", thread)
+
+
+class _Counters:
+    """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
+    and its in-flight bound's slots free and submitters waiting for one (``core._Slots``)."""
+
+    __slots__ = ("completed", "free", "peak", "seq", "waiting")
+
+    def __init__(self) -> None:
+        self.seq = self.completed = self.peak = self.free = self.waiting = 0
+
+
+#: a runtime's counts (and a CUDA completion thread's entry count); where the compiled hot path is
+#: built, fields it reads and writes in C
+new_counters: Callable[[], Any] = getattr(load_native(), "Counters", _Counters)
+
+_LATER = threading.local()  # the done-callbacks this thread runs once it leaves ``callbacks_later``
+
+
+def deferring_callbacks() -> list[Any] | None:
+    """Where this thread puts done-callbacks to run later (inside ``callbacks_later``), or None."""
+    return getattr(_LATER, "calls", None)
+
+
+class callbacks_later:  # lower case: used like a function, ``with callbacks_later(): ...``
+    """Inside, finishing a future sets its outcome and wakes its waiters; its done-callbacks
+    run when the block is left.
+
+    For a thread that finishes ops while holding a lock that waiters need in order to help:
+    a callback may block (a submit that needs the runtime's lock, held by an op's function
+    that waits on another future), and the waiter must still be able to finish that future.
+    A class rather than a generator: a waiter enters one for every poll.
+    """
+
+    __slots__ = ("calls", "outer")
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_LATER, "calls", None)
+        self.calls: list[Any] = []
+        _LATER.calls = self.calls
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _LATER.calls = self.outer
+        raised: BaseException | None = None
+        for run in self.calls:  # each is owed its callbacks (and synchronize() waits for them all)
+            try:
+                run()
+            except BaseException as exc:  # an interrupt: raise it, after the others have run
+                raised = raised or exc
+        if raised is not None:
+            raise raised

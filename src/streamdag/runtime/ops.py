@@ -14,6 +14,8 @@ from concurrent.futures._base import PENDING as _PENDING
 from types import CoroutineType
 from typing import Any
 
+from ..backends.threads import callbacks_later, deferring_callbacks
+from ..backends.threads import new_counters as new_counters
 from ..errors import DependencyFailed
 from ..graph.buffers import Access, Marker, needs_identities, region_of, with_identities
 from ..graph.buffers import accesses as accesses_of
@@ -34,20 +36,6 @@ new_lock: Callable[[], Any] = getattr(load_native(), "Lock", threading.Lock)
 #: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
 new_rlock: Callable[[], Any] = getattr(load_native(), "RLock", threading.RLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
-
-
-class _Counters:
-    """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
-    and its in-flight bound's slots free and submitters waiting for one (``core._Slots``)."""
-
-    __slots__ = ("completed", "free", "peak", "seq", "waiting")
-
-    def __init__(self) -> None:
-        self.seq = self.completed = self.peak = self.free = self.waiting = 0
-
-
-#: a runtime's counts; where the compiled hot path is built, fields it reads and writes in C
-new_counters: Callable[[], Any] = getattr(load_native(), "Counters", _Counters)
 
 
 class _Parts:
@@ -82,43 +70,6 @@ def _running_callbacks(settle: Callable[[Any], None], value: Any) -> None:
         settle(value)
     finally:
         _CALLBACKS.depth -= 1
-
-
-_LATER = threading.local()  # the done-callbacks this thread runs once it leaves ``callbacks_later``
-
-
-def deferring_callbacks() -> list[Any] | None:
-    """Where this thread puts done-callbacks to run later (inside ``callbacks_later``), or None."""
-    return getattr(_LATER, "calls", None)
-
-
-class callbacks_later:  # lower case: used like a function, ``with callbacks_later(): ...``
-    """Inside, finishing a future sets its outcome and wakes its waiters; its done-callbacks
-    run when the block is left.
-
-    For a thread that finishes ops while holding a lock that waiters need in order to help:
-    a callback may block (a submit that needs the runtime's lock, held by an op's function
-    that waits on another future), and the waiter must still be able to finish that future.
-    A class rather than a generator: a waiter enters one for every poll.
-    """
-
-    __slots__ = ("calls", "outer")
-
-    def __enter__(self) -> None:
-        self.outer = getattr(_LATER, "calls", None)
-        self.calls: list[Any] = []
-        _LATER.calls = self.calls
-
-    def __exit__(self, *exc_info: Any) -> None:
-        _LATER.calls = self.outer
-        raised: BaseException | None = None
-        for run in self.calls:  # each is owed its callbacks (and synchronize() waits for them all)
-            try:
-                run()
-            except BaseException as exc:  # an interrupt: raise it, after the others have run
-                raised = raised or exc
-        if raised is not None:
-            raise raised
 
 
 def _numbered_name(name: str, number: int) -> str:
