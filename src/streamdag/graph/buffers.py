@@ -12,14 +12,14 @@ itself (see :func:`with_identities`): an empty one written, the usual
 placeholder of a PyTorch ``out=``, which the op resizes.
 
 This module reads attributes of arrays and never touches a device; its one
-state is the objects that pending ops may give new memory (``_RESIZING``).
+state is the objects that pending ops may give new memory (``_RESIZING``),
+which the runtime counts as those ops come and go (``runtime.ops.hold_identities``).
 """
 
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import InvalidBuffer
 from ..native import load as load_native
 
-__all__ = ["OBJECTS", "Access", "Marker", "Region", "accesses", "coalesce", "envelope", "hold_identities",
+__all__ = ["OBJECTS", "Access", "Marker", "Region", "accesses", "coalesce", "envelope",
            "needs_identities", "read", "region_of", "with_identities", "write"]
 
 
@@ -244,10 +244,10 @@ OBJECTS = "object"
 
 #: The objects (by id) that pending ops write while empty, each with how many such ops: an access to
 #: one of them is also an access to the object (see :func:`with_identities`). Such an op holds what
-#: it writes (``Op.keep``), so no other object takes the id meanwhile. Read by the compiled submit,
-#: which leaves every op to the Python code while it is not empty.
+#: it writes (``Op.keep``), so no other object takes the id meanwhile. Counted by the runtime
+#: (``runtime.ops.hold_identities``, under a lock: ops finish on other threads); read by the compiled
+#: submit, which leaves every op to the Python code while it is not empty.
 _RESIZING: dict[int, int] = {}
-_RESIZING_LOCK = threading.Lock()
 
 
 def needs_identities(accesses: Sequence[Access]) -> bool:
@@ -263,7 +263,7 @@ def with_identities(accesses: list[Access], values: Sequence[Any]) -> list[Acces
     An empty write declares no bytes, and the memory the op gives the buffer (PyTorch's ``out=``
     resizes an empty tensor; numpy's ``resize`` an array) is known only once it has run: by memory,
     no later access would follow it. By the object, one does: while the op is pending (see
-    :func:`hold_identities`), every access to that object follows it, whether the object is still
+    ``runtime.ops.hold_identities``), every access to that object follows it, whether the object is still
     empty or has its new memory already. A buffer that is not empty keeps its memory: an op must
     not resize it (PyTorch warns where an ``out=`` does).
     """
@@ -273,23 +273,6 @@ def with_identities(accesses: list[Access], values: Sequence[Any]) -> list[Acces
         if (write and start == end) or key in _RESIZING:
             extra.append(_new(Access, (Region(OBJECTS, key, key + 1), write)))
     return accesses + extra if extra else accesses
-
-
-def hold_identities(keys: list[int]) -> Callable[[Any], None]:
-    """Count the objects of ids ``keys`` as given new memory by a pending op (see ``_RESIZING``) until
-    the function returned is called (the op's done-callback)."""
-    with _RESIZING_LOCK:
-        for key in keys:
-            _RESIZING[key] = _RESIZING.get(key, 0) + 1
-
-    def done(_: Any = None) -> None:
-        with _RESIZING_LOCK:
-            for key in keys:
-                left = _RESIZING.pop(key) - 1
-                if left:
-                    _RESIZING[key] = left
-
-    return done
 
 
 def _probe_instance(value: Any) -> Region:

@@ -28,7 +28,7 @@ from typing import Any
 from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS, HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
-from ..graph.buffers import OBJECTS, Access, Marker, hold_identities
+from ..graph.buffers import OBJECTS, Access, Marker
 from ..graph.hazards import DepsTracker
 from ..native import load as load_native
 from ..native import load_torch
@@ -42,6 +42,7 @@ from .ops import (
     collect_accesses,
     deferring_callbacks,
     event_of,
+    hold_identities,
     in_done_callback,
     release_frames,
     wait_for_host_inputs,

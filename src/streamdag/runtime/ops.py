@@ -17,14 +17,14 @@ from typing import Any
 from ..backends.threads import callbacks_later, deferring_callbacks
 from ..backends.threads import new_counters as new_counters
 from ..errors import DependencyFailed
-from ..graph.buffers import Access, Marker, needs_identities, region_of, with_identities
+from ..graph.buffers import _RESIZING, Access, Marker, needs_identities, region_of, with_identities
 from ..graph.buffers import accesses as accesses_of
 from ..native import load as load_native
 from ..schedule.waits import Stamp
 from .lane_waits import WatchedWaiters
 
-__all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "in_done_callback",
-           "then"]
+__all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "hold_identities",
+           "in_done_callback", "then"]
 
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
@@ -523,6 +523,26 @@ def _as_list(value: Any, example: str) -> list[Any]:
 
 def _is_buffer(value: Any) -> bool:
     return hasattr(value, "__array_interface__") or hasattr(value, "untyped_storage")
+
+
+_RESIZING_LOCK = threading.Lock()  # orders the counts of ``_RESIZING`` (ops finish on other threads)
+
+
+def hold_identities(keys: list[int]) -> Callable[[Any], None]:
+    """Count the objects of ids ``keys`` as given new memory by a pending op (see ``buffers._RESIZING``)
+    until the function returned is called (the op's done-callback)."""
+    with _RESIZING_LOCK:
+        for key in keys:
+            _RESIZING[key] = _RESIZING.get(key, 0) + 1
+
+    def done(_: Any = None) -> None:
+        with _RESIZING_LOCK:
+            for key in keys:
+                left = _RESIZING.pop(key) - 1
+                if left:
+                    _RESIZING[key] = left
+
+    return done
 
 
 class Op:
