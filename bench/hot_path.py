@@ -23,7 +23,7 @@ import streamdag as sd
 from streamdag import native
 from streamdag.backends.inline import InlineBackend
 from streamdag.graph import buffers, hazards
-from streamdag.runtime import core
+from streamdag.runtime import accel, core
 from streamdag.runtime import ops as runtime_ops
 from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
@@ -45,7 +45,7 @@ def chain_on(kind: str):
     if kind == "python":
         rt._tracker = hazards.PyDepsTracker(retired=core._finished_ok)
         rt._clocks = waits.PyStreamClocks(len(rt._streams))
-    accesses = buffers._py_accesses if kind == "python" else buffers.accesses
+    accesses = buffers._py_accesses if kind == "python" else accel.accesses
     bufs = [torch.zeros(256) for _ in range(64)]
 
     def chain(n):
@@ -55,7 +55,7 @@ def chain_on(kind: str):
                 a, b = bufs[i % 64], bufs[(i + 1) % 64]
                 rt.submit(nothing, a, 1, out=b, reads=[a], writes=[b])
         finally:
-            runtime_ops.accesses_of = buffers.accesses
+            runtime_ops.accesses_of = accel.accesses
     return chain
 
 

@@ -37,6 +37,7 @@ import streamdag as sd
 from streamdag import native
 from streamdag.backends.inline import InlineBackend
 from streamdag.graph import buffers, hazards
+from streamdag.runtime import accel
 from streamdag.runtime import core as sd_core
 from streamdag.runtime import ops as sd_ops
 from streamdag.schedule import waits
@@ -206,7 +207,7 @@ def main():
             try:
                 run(n)
             finally:
-                sd_ops.accesses_of = buffers.accesses
+                sd_ops.accesses_of = accel.accesses
         return python_run
 
     # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run(). Its

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamdag.graph import Access, DepsTracker, region_of
+from streamdag.graph import Access, region_of
+from streamdag.runtime.accel import DepsTracker  # the runtime's: compiled where it is built
 
 
 def acc(x, write=False):
@@ -161,18 +162,17 @@ def test_ranges_used_in_turn_keep_their_records_while_ops_finish(monkeypatch, n_
     compactions (a wide graph run again and again): the records may be made
     again while the tracker learns how long to keep them, but not after.
     """
-    from streamdag.graph import hazards
-
     made = []
+    space_type = DepsTracker.space_type
 
-    class Counted(hazards._Space.record_type):
+    class Counted(space_type.record_type):
         __slots__ = ()
 
         def __init__(self, start, end):
             made.append((start, end))
             super().__init__(start, end)
 
-    monkeypatch.setattr(hazards._Space, "record_type", Counted)
+    monkeypatch.setattr(space_type, "record_type", Counted)
     bufs = [np.zeros(8) for _ in range(n_bufs)]
     done = set()
     t = DepsTracker(retired=done.__contains__)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from streamdag import native
 from streamdag.graph import Access, Region, buffers, hazards
-from streamdag.schedule import waits
+from streamdag.runtime import accel
+from streamdag.schedule import plan, waits
 
 compiled = pytest.mark.skipif(native.load() is None, reason=f"no compiled hot path: {native.status()}")
 
@@ -26,13 +27,37 @@ def test_the_runtime_uses_the_compiled_hot_path_where_it_builds():
     if os.environ.get("CI"):  # CI machines have a compiler: the compiled path must be what runs there
         assert native.load() is not None, native.status()
     if native.load() is None:
-        assert hazards.DepsTracker is hazards.PyDepsTracker
-        assert waits.StreamClocks is waits.PyStreamClocks
+        assert (accel.DepsTracker, accel.StreamClocks) == (hazards.PyDepsTracker, waits.PyStreamClocks)
+        assert accel.accesses is buffers._py_accesses
+        assert accel.CompiledDepsTracker is accel.CompiledStreamClocks is accel.compiled_accesses is None
     else:
-        assert issubclass(hazards.DepsTracker, native.load().TrackerFields)
-        assert issubclass(waits.StreamClocks, native.load().Clocks)
-        assert buffers.accesses is native.load().accesses
+        assert accel.DepsTracker is accel.CompiledDepsTracker
+        assert issubclass(accel.DepsTracker, native.load().TrackerFields)
+        assert accel.StreamClocks is accel.CompiledStreamClocks
+        assert issubclass(accel.StreamClocks, native.load().Clocks)
+        assert accel.accesses is accel.compiled_accesses is native.load().accesses
+    from streamdag import Runtime
+
+    with Runtime("cpu", streams=2) as rt:
+        assert type(rt._tracker) is accel.DepsTracker and type(rt._clocks) is accel.StreamClocks
     assert native.status()
+
+
+def test_the_pure_layers_load_no_compiled_code():
+    """graph/ and schedule/ import no compiled code: the runtime chooses it (runtime/accel.py).
+    The package's ``__init__`` imports the runtime, so the subprocess imports them under a bare
+    package, as a program that uses the pure layers alone would see them."""
+    code = ("import importlib.util, sys, types\n"
+            "package = types.ModuleType('streamdag')\n"
+            "package.__path__ = list(importlib.util.find_spec('streamdag').submodule_search_locations)\n"
+            "sys.modules['streamdag'] = package\n"
+            "import streamdag.schedule.plan, streamdag.graph.hazards, streamdag.graph.buffers\n"
+            "assert 'streamdag.native._speedups' not in sys.modules\n"
+            "loaded = [m for m in sys.modules if m.startswith(('streamdag.native', 'streamdag.runtime'))]\n"
+            "assert not loaded, loaded\n"
+            "assert streamdag.schedule.plan.build_schedule([[], [0], [0]], 2).num_waits == 1\n")
+    done = _python(code, STREAMDAG_NATIVE="1")
+    assert done.returncode == 0, done.stderr
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -50,7 +75,8 @@ def test_without_the_compiled_module_streamdag_warns_once_at_the_users_import_an
         + "import numpy as np, streamdag as sd\n"  # line 2: where the warning must point
         "from streamdag import native\n"
         "from streamdag.graph import hazards\n"
-        "assert hazards.DepsTracker is hazards.PyDepsTracker\n"
+        "from streamdag.runtime import accel\n"
+        "assert accel.DepsTracker is hazards.PyDepsTracker\n"
         "a = np.zeros(4)\n"
         "with sd.Runtime('cpu', streams=2) as rt:\n"
         "    rt.submit(np.add, a, 1, out=a, writes=[a])\n"
@@ -96,7 +122,7 @@ steps = st.lists(
 @given(steps)
 def test_the_compiled_tracker_links_as_the_python_one(program):
     done: set = set()
-    trackers = [cls(retired=done.__contains__) for cls in (hazards.DepsTracker, hazards.PyDepsTracker)]
+    trackers = [cls(retired=done.__contains__) for cls in (accel.CompiledDepsTracker, hazards.PyDepsTracker)]
     for i, (accs, forget, finish_back) in enumerate(program):
         node = ("op", i)  # a tuple: nodes are told apart by equality, as in a dict, not by identity
         acc = [Access(Region(space, 8 * start, 8 * (start + length)), write)
@@ -126,7 +152,7 @@ def test_the_compiled_tracker_compacts_as_the_python_one_over_many_ranges():
     """Thousands of fresh ranges, some recurring: the horizon grows and dropped ranges are forgotten
     in the same way (the paths a short random program seldom reaches)."""
     done: set = set()
-    trackers = [cls(retired=done.__contains__) for cls in (hazards.DepsTracker, hazards.PyDepsTracker)]
+    trackers = [cls(retired=done.__contains__) for cls in (accel.CompiledDepsTracker, hazards.PyDepsTracker)]
     rng = np.random.default_rng(0)
     for i in range(40000):
         start = 64 * int(rng.integers(0, 300)) if i % 3 == 0 else 64 * (1000 + i)
@@ -153,7 +179,7 @@ def test_a_write_after_many_reads_links_every_reader_in_order(readers, kind):
         return Op(i if isinstance(i, int) else -1, f"op{i}", print, (), {}, []) if kind == "op" else ("op", i)
 
     nodes = {i: node(i) for i in [*range(readers), "w", "last"]}
-    trackers = [hazards.DepsTracker(), hazards.PyDepsTracker()]
+    trackers = [accel.CompiledDepsTracker(), hazards.PyDepsTracker()]
     shared, own = Access(Region("cpu", 0, 64), False), Access(Region("cpu", 64, 128), False)
     for t in trackers:
         for i in range(readers):  # each reads the shared range, some also a second, overlapping view
@@ -169,7 +195,7 @@ def test_a_write_after_many_reads_links_every_reader_in_order(readers, kind):
 @given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 200), max_size=5)),
                                    min_size=1, max_size=60))
 def test_the_compiled_clocks_place_as_the_python_ones(num_streams, program):
-    clocks = [waits.StreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
+    clocks = [accel.CompiledStreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
     stamps: list = []
     for stream, picks in program:
         stream %= num_streams
@@ -198,7 +224,7 @@ def any_stamps(draw, num_streams):
 @settings(max_examples=300, deadline=None)
 @given(st.data(), st.integers(1, 4))
 def test_the_compiled_clocks_drop_the_same_implied_waits(data, num_streams):
-    clocks = [waits.StreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
+    clocks = [accel.CompiledStreamClocks(num_streams), waits.PyStreamClocks(num_streams)]
     for _ in range(data.draw(st.integers(1, 8))):
         stream = data.draw(st.integers(0, num_streams - 1))
         deps = data.draw(st.lists(any_stamps(num_streams), max_size=5))
@@ -207,7 +233,7 @@ def test_the_compiled_clocks_drop_the_same_implied_waits(data, num_streams):
 
 
 def test_a_wait_implied_by_a_later_one_is_dropped():
-    clocks = waits.StreamClocks(4)
+    clocks = accel.StreamClocks(4)
     first = waits.Stamp(0, 1, (1, 0, 0, 9))  # knows most, so visited first
     second = waits.Stamp(1, 1, (1, 1, 0, 0))  # also knows stream 0's first op: implies ``first``
     assert clocks.place(2, [first, second])[1] == [1]
@@ -215,7 +241,39 @@ def test_a_wait_implied_by_a_later_one_is_dropped():
 
 def test_clocks_refuse_a_stream_out_of_range():
     with pytest.raises(IndexError):
-        waits.StreamClocks(2).place(2, [])
+        accel.StreamClocks(2).place(2, [])
+
+
+def test_the_runtime_plans_schedules_on_its_own_clocks(monkeypatch):
+    made = []
+
+    class Counted(accel.StreamClocks):
+        __slots__ = ()
+
+        def __init__(self, num_streams):
+            made.append(num_streams)
+            super().__init__(num_streams)
+
+    monkeypatch.setattr(accel, "StreamClocks", Counted)
+    sched = accel.build_schedule([[], [0], [0]], 2)
+    accel.pin_ops(sched, ["copy", None, None])
+    accel.plan_waits([[], [0]], [0, 1], 2)
+    assert made == [2, 3, 2]
+
+
+@compiled
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10_000), max_size=4), min_size=1, max_size=60), st.integers(1, 5))
+def test_schedules_planned_on_the_compiled_clocks_equal_the_pure_layers(picks, max_streams):
+    """The runtime's planners (runtime/accel.py) hand the compiled clocks to the pure layer's:
+    the same streams, waits and pinned copy streams as the pure layer's own, on the Python clocks."""
+    preds = [sorted({p % v for p in ps}) if v else [] for v, ps in enumerate(picks)]
+    sched = accel.build_schedule(preds, max_streams)
+    assert sched == plan.build_schedule(preds, max_streams)
+    pinned = [("copy", v % 2) if v % 3 == 0 else None for v in range(len(preds))]
+    assert accel.pin_ops(sched, pinned) == plan.pin_ops(sched, pinned)
+    streams = [v % max_streams for v in range(len(preds))]
+    assert accel.plan_waits(preds, streams, max_streams) == waits.plan_waits(preds, streams, max_streams)
 
 
 torch = pytest.importorskip("torch")
@@ -232,7 +290,7 @@ def _tensors():
 
 def test_accesses_of_tensors_and_arrays_equal_the_python_ones():
     values = _tensors()
-    got = buffers.accesses(values[:6], values[6:])
+    got = accel.accesses(values[:6], values[6:])
     assert got == buffers._py_accesses(values[:6], values[6:])
     assert [type(a) for a in got] == [Access] * len(values)
     assert all(type(a.region) is Region for a in got)
@@ -251,13 +309,13 @@ def test_accesses_stay_equal_to_the_python_ones_as_memory_is_reused(program):
     for size, offset, write in program:
         t = torch.empty(size) if size % 2 else base[offset:offset + size]
         reads, writes = ([t], [t]) if write else ([t], [])
-        assert buffers.accesses(reads, writes) == buffers._py_accesses(reads, writes)
+        assert accel.compiled_accesses(reads, writes) == buffers._py_accesses(reads, writes)
         kept = [*kept[-3:], t]  # some stay alive, the rest go back to the allocator
     # more ranges than the compiled code keeps: some share a start, some an end
     many = [base[i:i + 1] for i in range(1500)] + [base[:k] for k in range(1, 1500)]
     many += [base[k:] for k in range(1500)]
     for order in (many, many[::-1], many[::7] + many):
-        assert buffers.accesses(order, order[:700]) == buffers._py_accesses(order, order[:700])
+        assert accel.compiled_accesses(order, order[:700]) == buffers._py_accesses(order, order[:700])
 
 
 def _numpy_arrays():
@@ -299,13 +357,13 @@ def test_accesses_of_numpy_arrays_equal_the_python_ones(arrays, split):
     """The compiled code reads a numpy array through the buffer protocol, not its
     ``__array_interface__``: the same byte range for every view and dtype, or the Python code's."""
     reads, writes = arrays[:split], arrays[split:]
-    assert buffers.accesses(reads, writes) == buffers._py_accesses(reads, writes)
+    assert accel.compiled_accesses(reads, writes) == buffers._py_accesses(reads, writes)
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(4).to_sparse(), [1, 2], "text"])
 def test_accesses_of_what_is_not_memory_raise_the_same_clear_error(bad):
     with pytest.raises(sd_invalid()) as compiled_error:
-        buffers.accesses([bad], [])
+        accel.accesses([bad], [])
     with pytest.raises(sd_invalid()) as python_error:
         buffers._py_accesses([bad], [])
     assert str(compiled_error.value) == str(python_error.value)
@@ -350,7 +408,7 @@ def test_a_look_up_that_re_enters_the_tracker_is_safe_and_equal_to_the_python_on
             linked.append([d.i for d in deps])
         return linked, len(tracker)
 
-    assert run(hazards.DepsTracker) == run(hazards.PyDepsTracker)
+    assert run(accel.CompiledDepsTracker) == run(hazards.PyDepsTracker)
 
 
 _ENTRY = st.tuples(st.booleans(), st.booleans(), st.sampled_from(["", "", "", "loses", "raises"]),

@@ -21,7 +21,8 @@ from .errors import (
 from .graph.buffers import read, write
 from .observe.timeline import Span, Summary, Timeline
 from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, RuntimeStatistics
-from .schedule import Schedule, build_schedule
+from .runtime.accel import build_schedule
+from .schedule import Schedule
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..runtime.accel import build_schedule
 from ..schedule.cost import simulate
-from ..schedule.plan import build_schedule
 from .batching import BatchGroup
 
 __all__ = ["GroupEstimate", "estimate_groups", "linked_sets", "paying_groups"]

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..runtime.accel import build_schedule, plan_waits
 from ..schedule.cost import CostModel, simulate
-from ..schedule.plan import Schedule, build_schedule
-from ..schedule.waits import plan_waits
+from ..schedule.plan import Schedule
 
 __all__ = ["Region", "RegionPlan", "node_cost_ms", "plan_regions"]
 

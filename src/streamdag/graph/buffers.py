@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import InvalidBuffer
-from ..native import load as load_native
 
 __all__ = ["OBJECTS", "Access", "Marker", "Region", "accesses", "coalesce", "envelope",
            "needs_identities", "read", "region_of", "with_identities", "write"]
@@ -321,10 +320,6 @@ def coalesce(accesses: list[Access]) -> list[Access]:
     return merged
 
 
-_speedups = load_native()
-if _speedups is not None:
-    _speedups.setup(sys.modules[__name__], _HANDLERS, _torch_region, region_of, _CUDA_SPACES, Region, Access)
-    #: compiled (``native/_speedups.c``): tensors read in C, anything else through :func:`region_of`
-    accesses = _speedups.accesses
-else:
-    accesses = _py_accesses
+#: the accesses of buffers in this pure layer; the runtime takes the compiled ones where they are
+#: built (``runtime/accel.py`` chooses)
+accesses = _py_accesses

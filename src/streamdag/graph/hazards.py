@@ -17,7 +17,9 @@ overlaps needs no search at all.
 The owner may drop the ops that no longer matter (:meth:`forget`), or name a
 ``retired`` predicate that drops them as the records grow.
 
-Nodes are opaque to this module; it never looks inside them.
+Nodes are opaque to this module; it never looks inside them. The runtime
+runs a compiled twin of the tracker (its fields and ``link`` in C, the rest
+the methods here), chosen in ``runtime/accel.py``; this one is the reference.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from collections.abc import Callable, Hashable, Iterable
 from itertools import islice
 from typing import Any
 
-from ..native import load as load_native
 from .buffers import Access
 
 __all__ = ["DepsTracker", "PyDepsTracker"]
@@ -196,7 +197,7 @@ class _TrackerMethods:
                 space = self._space(space_name)
                 self._enter(node, space, space.record(start, end), write)
 
-    def _space(self, name: str) -> _Space:
+    def _space(self, name: str) -> _PySpace:
         """The space named ``name``, made if new, compacted when due."""
         space = self._spaces.get(name)
         if space is None:
@@ -315,29 +316,6 @@ class PyDepsTracker(_TrackerMethods, _PyTrackerFields):
     space_type = _PySpace
 
 
-_speedups = load_native()
-if _speedups is not None:
-    class _Space(_SpaceMethods, _speedups.SpaceFields):
-        __slots__ = ()
-        record_type = _speedups.Record
-
-        def keep(self, gone: Callable[[Hashable], bool], now: int) -> None:
-            """:meth:`_SpaceMethods.keep`, compiled."""
-            self._keep(gone, now, _MAX_HORIZON)
-
-        #: :meth:`_SpaceMethods.overlapping`, compiled
-        overlapping = _speedups.SpaceFields._overlapping
-
-    class DepsTracker(_TrackerMethods, _speedups.TrackerFields):
-        """Sequentially consistent hazard tracking over byte ranges (RAW, WAR, WAW).
-
-        Its fields and :meth:`link` are compiled (``native/_speedups.c``); the rest is this module's.
-        """
-
-        space_type = _Space
-
-    # their compaction (``_space`` -> ``_compact`` -> ``_Space.keep``) runs in link(), compiled
-    _speedups.setup_compaction(DepsTracker, _Space, _MAX_HORIZON)
-else:
-    _Space = _PySpace
-    DepsTracker = PyDepsTracker  # type: ignore[misc]
+#: the tracker of this pure layer; the runtime takes its compiled twin where that is built
+#: (``runtime/accel.py`` chooses)
+DepsTracker = PyDepsTracker

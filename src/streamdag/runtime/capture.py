@@ -50,7 +50,8 @@ from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..native import load_torch
 from ..schedule.cost import simulate
-from ..schedule.plan import Schedule, build_schedule, pin_ops
+from ..schedule.plan import Schedule
+from .accel import build_schedule, pin_ops
 
 if TYPE_CHECKING:
     from .recorded import RecordedGraph

@@ -29,11 +29,10 @@ from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS, HostLanes
 from ..errors import BaseExceptionGroup, InvalidBuffer, RuntimeClosed, WouldBlock
 from ..graph.buffers import OBJECTS, Access, Marker
-from ..graph.hazards import DepsTracker
 from ..native import load as load_native
 from ..native import load_torch
-from ..schedule.waits import StreamClocks
 from . import ops, transfers
+from .accel import DepsTracker, StreamClocks
 from .held import Held, Launcher
 from .lane_waits import LaneWaits
 from .ops import (

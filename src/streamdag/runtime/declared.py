@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidBuffer
-from ..graph.buffers import Access, Region, accesses, region_of
+from ..graph.buffers import Access, Region, region_of
+from .accel import accesses
 
 __all__ = ["DeclaredBuffers"]
 

@@ -18,9 +18,9 @@ from ..backends.threads import callbacks_later, deferring_callbacks
 from ..backends.threads import new_counters as new_counters
 from ..errors import DependencyFailed
 from ..graph.buffers import _RESIZING, Access, Marker, needs_identities, region_of, with_identities
-from ..graph.buffers import accesses as accesses_of
 from ..native import load as load_native
 from ..schedule.waits import Stamp
+from .accel import accesses as accesses_of
 from .lane_waits import WatchedWaiters
 
 __all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "hold_identities",

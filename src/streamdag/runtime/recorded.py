@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access, coalesce, envelope
-from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
-from ..schedule.plan import Schedule, build_schedule
+from ..schedule.plan import Schedule
+from .accel import DepsTracker, build_schedule
 from .declared import DeclaredBuffers
 from .ops import Future, Op, after_all, then
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DependencyFailed, ExceptionGroup
 from ..graph.buffers import Access
-from ..schedule.waits import plan_waits
+from .accel import plan_waits
 from .core import _DROP_WAITS
 from .ops import Op, failed_input, release_frames
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from .chains import assign_streams, chains_from_matching, match_closure, match_paths
 from .dag import Preds, check_order
 from .levels import critical_path, wavefront_levels
 from .reduction import reduce_transitively
-from .waits import Stamp, StreamClocks, plan_waits
+from .waits import Clocks, PyStreamClocks, Stamp, plan_waits
 
 __all__ = ["CLOSURE_LIMIT", "Schedule", "build_schedule", "pin_ops"]
 
@@ -100,12 +100,15 @@ def build_schedule(
     costs: Sequence[float] | None = None,
     closure_limit: int = CLOSURE_LIMIT,
     groups: Sequence[int] | None = None,
+    clocks: Callable[[int], Clocks] = PyStreamClocks,
 ) -> Schedule:
     """Schedule a DAG whose ops are numbered in a topological order (see :mod:`.dag`).
 
     ``groups[v]`` (optional) is the device of op ``v``: ops of group ``g`` get
     streams ``g * max_streams`` to ``g * max_streams + max_streams - 1``,
     chained within their group only; waits span groups as they must.
+    ``clocks`` makes the stream clocks that plan the waits (the compiled ones
+    place the same, faster: ``streamdag.build_schedule`` passes them).
     """
     check_order(preds)
     n = len(preds)
@@ -125,12 +128,12 @@ def build_schedule(
     order: list[list[int]] = [[] for _ in range(num_streams)]
     for v in range(n):
         order[stream[v]].append(v)
-    clocks = StreamClocks(max(num_streams, 1))  # (no ops: no streams, and clocks for one)
+    placed = clocks(max(num_streams, 1))  # (no ops: no streams, and clocks for one)
     stamps: list[Stamp] = []
     waits: list[tuple[int, ...]] = []
     for v in range(n):
         deps = [u for u in reduced[v] if stream[u] != stream[v]]
-        stamp, chosen = clocks.place(stream[v], [stamps[u] for u in deps])
+        stamp, chosen = placed.place(stream[v], [stamps[u] for u in deps])
         stamps.append(stamp)
         waits.append(tuple(sorted(deps[i] for i in chosen)))
     path, cost = critical_path(reduced, costs)
@@ -148,12 +151,14 @@ def build_schedule(
     )
 
 
-def pin_ops(sched: Schedule, pinned: Sequence[Hashable | None]) -> Schedule:
+def pin_ops(sched: Schedule, pinned: Sequence[Hashable | None],
+            clocks: Callable[[int], Clocks] = PyStreamClocks) -> Schedule:
     """``sched`` with the ops that have a ``pinned[v]`` key moved to one extra stream per key.
 
     Copies run on copy streams (one per device and direction), not on the
     chains the schedule gave them; their streams follow the schedule's, in
-    the order keys first appear, and the waits are planned anew.
+    the order keys first appear, and the waits are planned anew (on ``clocks``, as
+    :func:`build_schedule`).
     """
     extra: dict[Hashable, int] = {}
     stream = list(sched.stream)
@@ -165,6 +170,6 @@ def pin_ops(sched: Schedule, pinned: Sequence[Hashable | None]) -> Schedule:
     order: list[list[int]] = [[] for _ in range(sched.num_streams + len(extra))]
     for v, s in enumerate(stream):
         order[s].append(v)
-    waits = plan_waits(sched.preds, stream, len(order))
+    waits = plan_waits(sched.preds, stream, len(order), clocks)
     return replace(sched, stream=tuple(stream), order=tuple(tuple(o) for o in order),
                    waits=tuple(tuple(w) for w in waits))

@@ -13,12 +13,10 @@ placement. It is pure: positions and clocks are plain ints.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
-from ..native import load as load_native
-
-__all__ = ["PyStreamClocks", "Stamp", "StreamClocks", "plan_waits"]
+__all__ = ["Clocks", "PyStreamClocks", "Stamp", "StreamClocks", "plan_waits"]
 
 
 class Stamp(NamedTuple):
@@ -85,30 +83,30 @@ class PyStreamClocks:
         return _new(Stamp, (stream, known[stream], tuple(known))), waits
 
 
-_speedups = load_native()
-if _speedups is not None:
-    _speedups.setup_clocks(Stamp)
+class Clocks(Protocol):
+    """What the planners need of stream clocks: :class:`PyStreamClocks` or its compiled twin."""
 
-    class StreamClocks(_speedups.Clocks):
-        """Vector clocks for ``num_streams`` streams: :class:`PyStreamClocks`, compiled."""
-
-        __slots__ = ()
-else:
-    StreamClocks = PyStreamClocks  # type: ignore[misc]
+    def place(self, stream: int, deps: Sequence[Stamp]) -> tuple[Stamp, list[int]]: ...
 
 
-def plan_waits(preds: Sequence[Sequence[int]], streams: Sequence[int], num_streams: int
-               ) -> list[tuple[int, ...]]:
+#: the clocks of this pure layer; the runtime takes their compiled twin where it is built
+#: (``runtime/accel.py`` chooses)
+StreamClocks = PyStreamClocks
+
+
+def plan_waits(preds: Sequence[Sequence[int]], streams: Sequence[int], num_streams: int,
+               clocks: Callable[[int], Clocks] = PyStreamClocks) -> list[tuple[int, ...]]:
     """For ops in topological order placed on ``streams``: the ops each must wait on, none redundant.
 
-    For a placement other than a schedule's own (copies moved to copy streams, say).
+    For a placement other than a schedule's own (copies moved to copy streams, say). ``clocks``
+    makes the clocks for ``num_streams`` streams (the compiled ones place the same, faster).
     """
-    clocks = StreamClocks(num_streams)
+    placed = clocks(num_streams)
     stamps: list[Stamp] = []
     waits: list[tuple[int, ...]] = []
     for v, ps in enumerate(preds):
         deps = [u for u in ps if streams[u] != streams[v]]
-        stamp, chosen = clocks.place(streams[v], [stamps[u] for u in deps])
+        stamp, chosen = placed.place(streams[v], [stamps[u] for u in deps])
         stamps.append(stamp)
         waits.append(tuple(deps[i] for i in chosen))
     return waits

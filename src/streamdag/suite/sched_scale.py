@@ -6,7 +6,7 @@ import random
 import time
 from typing import Any
 
-from ..schedule import build_schedule
+from ..runtime.accel import build_schedule
 from .report import format_table
 
 __all__ = ["random_dag", "run"]
