@@ -42,7 +42,7 @@ typedef struct {
      * (_TrackerMethods._space/_compact, _Space.keep), done here without those calls */
     PyTypeObject *compact_tracker, *compact_space;
     PyObject *max_horizon;
-    /* the last subclass that passed each check of is_kind(): hazards.py's and waits.py's classes
+    /* the last subclass that passed each check of is_kind(): runtime/accel.py's classes
      * derive from this module's types, and PyObject_TypeCheck walks a subclass's MRO every time */
     PyTypeObject *seen_space, *seen_tracker, *seen_clocks;
 } State;
