@@ -210,6 +210,18 @@ class RecordedGraph:
             return lanes[k % len(lanes)]
         return rt._compute_of[rt.devices[k // per_device]][k % per_device]
 
+    def _check_runnable(self) -> None:
+        """Raise where a run cannot start here: the graph is still being recorded, or this thread
+        records another graph (whose submits are recorded, but a run would start at once, out of
+        the order of the ops around it in that graph)."""
+        self.schedule  # noqa: B018 (raises while the graph is still being recorded)
+        recording = self._rt._recording_here()
+        if recording is not None:
+            raise RuntimeError(
+                "g.run() inside a `with rt.record()` block would run the graph now, not record it "
+                "into the graph being recorded: run it after the block, or submit its ops inside "
+                "the block to record them")
+
     @property
     def schedule(self) -> Schedule:
         if self._schedule is None:
@@ -220,10 +232,12 @@ class RecordedGraph:
         """Run every op once, concurrently as scheduled; returns a Future of a :class:`GraphResult`.
 
         The graph also orders itself after earlier ops of the runtime that touch
-        its buffers, and later ops after it.
+        its buffers, and later ops after it. Called inside a ``with rt.record()``
+        block, it raises: a run is not recorded.
         """
         rt = self._rt
         rt._check_open()
+        self._check_runnable()
         sched = self.schedule
         self._runs += 1
         self.last_run_captured = False
