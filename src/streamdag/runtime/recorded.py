@@ -14,6 +14,7 @@ from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule, build_schedule
+from ..schedule.reduction import reduce_transitively
 from .ops import Future, Op, after_all, then
 
 if TYPE_CHECKING:
@@ -69,6 +70,17 @@ class _Recorded:
     device: str = ""
 
 
+def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
+    """Whether an op with accesses ``writer`` writes memory an op with ``accesses`` reads or writes:
+    then a failure of the first fails the second (``ops.failed_input``'s rule)."""
+    for (space, start, end), write in writer:
+        if write:
+            for (s, lo, hi), _ in accesses:
+                if lo < end and start < hi and s == space:
+                    return True
+    return False
+
+
 class RecordedGraph:
     """A graph of ops recorded by :meth:`Runtime.record`; :meth:`run` runs it on the runtime."""
 
@@ -81,6 +93,10 @@ class RecordedGraph:
         self._preds: list[list[int]] = []
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
+        #: the ops whose failure fails each op, fewest (see ``_failure_preds``), and each op's deps in
+        #: a run op by op: the schedule's preds, then those of these that the schedule's reduction left out
+        self._fail_preds: list[list[int]] = []
+        self._run_preds: list[list[int]] = []
         self._runs = 0
         self.first_run_host_ms: float | None = None
         self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
@@ -134,6 +150,9 @@ class RecordedGraph:
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
+        self._fail_preds = self._failure_preds()
+        self._run_preds = [[*ps, *(u for u in fs if u not in ps)]
+                           for ps, fs in zip(self._schedule.preds, self._fail_preds)]
         self.devices = sorted({op.device for op in self._ops} - {"host"}, key=rt.devices.index)
         device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt.devices)
         #: every device whose memory or streams the graph uses
@@ -150,6 +169,21 @@ class RecordedGraph:
             self.capture_fallback = (f"op {host_ops[0]!r} runs on a host lane (run_on='host'), which a "
                                      "CUDA graph cannot hold" + ("; its device ops run as graphs of their "
                                      "own, stage by stage" if self._parts else ""))
+
+    def _failure_preds(self) -> list[list[int]]:
+        """For each op, the fewest ops of the graph whose failure must fail it, as an eager run's would.
+
+        Eagerly, an op fails for a dependency that failed and wrote (or was to write) memory the
+        op touches; a dependency that only read it changed nothing. So a failure passes along
+        those edges of the full dependency graph only, transitively: their transitive reduction
+        keeps exactly when an op fails. The schedule's reduction does not: op A reads P and writes
+        X, op S overwrites P, op C reads X and P; C's only reduced pred is S (A -> S -> C), which
+        runs although A failed, and C must fail for A. Computed once, when the graph is finished.
+        """
+        ops = self._ops
+        passing = [[u for u in preds if _writes_into(ops[u].accesses, ops[v].accesses)]
+                   for v, preds in enumerate(self._preds)]
+        return reduce_transitively(passing)[0]
 
     def _split_at_host_ops(self) -> list[tuple[RecordedGraph | None, list[int]]]:
         """The parts of a graph with host-lane ops, in the order they run: graphs of device ops
@@ -232,13 +266,19 @@ class RecordedGraph:
         """Run every op once, concurrently as scheduled; returns a Future of a :class:`GraphResult`.
 
         The graph also orders itself after earlier ops of the runtime that touch
-        its buffers, and later ops after it. Called inside a ``with rt.record()``
-        block, it raises: a run is not recorded.
+        its buffers, and later ops after it.
+
+        Where ops fail, the future fails with an :class:`ExceptionGroup` of the
+        graph's own failures (the exceptions its ops raised); where its ops
+        failed only for an op before the run, with one of their
+        :class:`DependencyFailed`. The ops that fail are those an eager run of
+        the same submits would fail: each that touches memory a failed op
+        wrote (or was to write), transitively; the others run. Called inside a
+        ``with rt.record()`` block, it raises: a run is not recorded.
         """
         rt = self._rt
         rt._check_open()
         self._check_runnable()
-        sched = self.schedule
         self._runs += 1
         self.last_run_captured = False
         if self._parts is not None:
@@ -286,7 +326,7 @@ class RecordedGraph:
             raise
         t0 = time.perf_counter()
         try:
-            self._launch_ops(rt, sched, run_id, probe, launched)
+            self._launch_ops(rt, run_id, probe, launched)
         finally:
             rt._lock.release()
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
@@ -297,8 +337,9 @@ class RecordedGraph:
             op.future._on_done(one_done)
         return result
 
-    def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:
+    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> None:
         """Launch every op of one eager run, in order; caller holds the runtime's lock."""
+        run_preds = self._run_preds
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
@@ -314,7 +355,7 @@ class RecordedGraph:
             op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
-            deps = outside + [launched[u] for u in sched.preds[v]]
+            deps = outside + [launched[u] for u in run_preds[v]]
             if on_lane:  # a host-lane op of the graph: what follows it is held until it has finished
                 rt._host_ops[op.seq] = op
             # host code runs now: its host inputs must be final (but on a lane, which waits for them
@@ -396,7 +437,7 @@ class RecordedGraph:
             self._host_replay = HostReplay(
                 self._rt, [r.fn for r in ops], [r.args for r in ops], [r.kwargs for r in ops],
                 [r.name for r in ops], [self._runtime_stream(v) for v in range(len(ops))],
-                self.schedule.preds, self._graph_accesses())
+                self.schedule.preds, self._graph_accesses(), self._fail_preds, [r.accesses for r in ops])
         op = self._host_replay.launch()
         return None if op is None else then(op.future, GraphResult, "graph")
 
