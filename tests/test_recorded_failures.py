@@ -10,6 +10,7 @@ run gives it (its value, its own error, or DependencyFailed) and leave the
 buffers as it does.
 """
 
+import logging
 import os
 import random
 import threading
@@ -119,6 +120,78 @@ def test_an_op_after_a_failed_host_replay_fails_however_the_streams_interleave(s
             rt.synchronize()
     assert all(isinstance(r.exception(), sd.ExceptionGroup) for r in runs)
     assert all(isinstance(r.exception(), sd.DependencyFailed) for r in readers)
+
+
+# ---------------------------------------------------------------- exceptions that are no Exception
+BASE_EXCEPTIONS = [SystemExit(3), KeyboardInterrupt(), GeneratorExit()]
+
+
+@pytest.fixture
+def quiet_lanes():
+    """The lanes log what escapes an op's function (a SystemExit): expected here."""
+    logger = logging.getLogger("streamdag")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "sim", "two devices"])
+@pytest.mark.parametrize("raised", BASE_EXCEPTIONS, ids=lambda e: type(e).__name__)
+def test_a_graph_op_raising_a_base_exception_fails_the_run_with_a_base_exception_group(kind, raised,
+                                                                                          quiet_lanes):
+    """No ExceptionGroup holds a SystemExit: the run's future fails with a BaseExceptionGroup of
+    it, at once, not never; the runtime goes on, and synchronize() raises it too."""
+
+    def raises():
+        raise raised
+
+    with runtime(kind) as rt:
+        device = "sim:0" if kind == "two devices" else None
+        a = SimArray(np.zeros(2), device) if device else np.zeros(2)
+        b = SimArray(np.zeros(2), "sim:1") if device else np.zeros(2)
+        with rt.record() as g:
+            rt.submit(raises, writes=[a], name="raises")
+            rt.submit(lambda: (b.data if device else b).fill(1.0), writes=[b], name="other")
+        run = g.run()
+        error = run.exception(timeout=10)
+        assert type(error) is BaseExceptionGroup and error.exceptions == (raised,)
+        with pytest.raises(BaseExceptionGroup):
+            rt.synchronize()
+        assert rt.submit(lambda: 7).result(timeout=10) == 7
+        rt.synchronize()
+    assert (b.data if device else b).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "sim"])
+@pytest.mark.parametrize("raised", BASE_EXCEPTIONS, ids=lambda e: type(e).__name__)
+def test_an_eager_op_raising_a_base_exception_fails_its_future_and_the_runtime_goes_on(kind, raised,
+                                                                                       quiet_lanes):
+    def raises():
+        raise raised
+
+    with runtime(kind) as rt:
+        a = np.zeros(2)
+        failed = rt.submit(raises, writes=[a])
+        after = rt.submit(np.add, a, 1, out=a, writes=[a])
+        assert failed.exception(timeout=10) is raised
+        assert isinstance(after.exception(timeout=10), sd.DependencyFailed)
+        with pytest.raises(BaseExceptionGroup) as caught:
+            rt.synchronize()
+        assert caught.value.exceptions == (raised,)
+        assert rt.submit(np.add, a, 1, out=a, writes=[a]).result(timeout=10) is a
+    assert a.tolist() == [1.0, 1.0]
+
+
+def test_on_a_device_that_runs_ops_inside_their_submit_the_base_exception_reaches_the_caller(quiet_lanes):
+    """As on CUDA: an op's function runs inside g.run(), and SystemExit goes on up from there."""
+    with runtime("inline") as rt:
+        a = np.zeros(2)
+        with rt.record() as g:
+            rt.submit(lambda: (_ for _ in ()).throw(SystemExit(5)), writes=[a])
+        with pytest.raises(SystemExit):
+            g.run()
+        assert rt.submit(lambda: 7).result(timeout=10) == 7
 
 
 # ---------------------------------------------------------------- runs inside a recording

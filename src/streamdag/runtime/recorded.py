@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DependencyFailed, ExceptionGroup
+from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access, coalesce, envelope
 from ..graph.hazards import DepsTracker
 from ..observe.dot import schedule_to_dot
@@ -273,8 +273,12 @@ class RecordedGraph:
         failed only for an op before the run, with one of their
         :class:`DependencyFailed`. The ops that fail are those an eager run of
         the same submits would fail: each that touches memory a failed op
-        wrote (or was to write), transitively; the others run. Called inside a
-        ``with rt.record()`` block, it raises: a run is not recorded.
+        wrote (or was to write), transitively; the others run. An op that
+        raises ``SystemExit``, ``KeyboardInterrupt`` or another exception that
+        is no ``Exception`` fails the run with a :class:`BaseExceptionGroup`
+        holding it, which ``except Exception`` does not catch, as it would
+        not catch the exception itself. Called inside a ``with rt.record()``
+        block, it raises: a run is not recorded.
         """
         rt = self._rt
         rt._check_open()
@@ -312,8 +316,8 @@ class RecordedGraph:
             # the graph's own root failures; else ops failed for a failure before the graph
             roots = [op.error for op in failed if op.root_error is op.error]
             roots = roots or [op.error for op in failed[:1]]
-            if roots:
-                result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
+            if roots:  # (an ExceptionGroup, unless an op raised SystemExit, say: see run())
+                result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
@@ -388,14 +392,14 @@ class RecordedGraph:
                     for v, value in zip(indices, got):
                         values[v] = value
                 else:
-                    errors.extend(error.exceptions if isinstance(error, ExceptionGroup) else [error])
+                    errors.extend(error.exceptions if isinstance(error, BaseExceptionGroup) else [error])
             if not errors:
                 result.set_result(GraphResult(values))
                 return
             # the graph's own root failures, as a run in one piece reports them; else the first
             own = [e for e in errors if not isinstance(e, DependencyFailed)]
             roots = own or errors[:1]
-            result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
+            result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
 
         with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
             for graph, indices in parts:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DependencyFailed, ExceptionGroup
+from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access
 from ..schedule.waits import plan_waits
 from .core import _DROP_WAITS
@@ -86,11 +86,14 @@ class HostReplay:
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
             try:
                 self._launch_ops(op, live)
-            except Exception as exc:  # the backend's own calls failed
-                op.error = op.root_error = release_frames(exc, caught_here=True)
-                op.root_name = op.name
+            except BaseException as exc:  # the backend's own calls failed, or an interrupt in an op
+                if op.error is None or isinstance(exc, Exception):  # (an op's: its failure is kept)
+                    op.error = op.root_error = release_frames(exc, caught_here=True)
+                    op.root_name = op.name
                 op.deps = ()
                 rt._finish(op)
+                if not isinstance(exc, Exception):
+                    raise
                 return op
         finally:
             rt._lock.release()
@@ -115,8 +118,10 @@ class HostReplay:
                     return
             try:
                 values[v] = fns[v](*args[v], **kwargs[v])
-            except Exception as exc:
+            except BaseException as exc:
                 failures.own(v, exc)
+                if not isinstance(exc, Exception):  # SystemExit, say: it goes on up too, as an eager
+                    raise  # op's does (the run has failed with it first, so it finishes)
 
         for s in self.used:  # the run starts after the earlier ops it conflicts with (none on a host
             for d in live:   # lane: a run after those goes op by op, see _lock_unless_after_host_ops)
@@ -196,11 +201,12 @@ class _Failures:
             root_name, root_error = self.replay.names[u], error
         self._fail(v, DependencyFailed(self.replay.names[v], root_name, root_error))  # type: ignore[arg-type]
 
-    def own(self, v: int, exc: Exception) -> None:
+    def own(self, v: int, exc: BaseException) -> None:
         """Op ``v``'s function raised ``exc``."""
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised by streamdag op {self.replay.names[v]!r} of a graph run")
-        error = release_frames(exc, caught_here=True)
+        # (an interrupt keeps its frames, as an eager op's does: it is raised again at once)
+        error = release_frames(exc, caught_here=True) if isinstance(exc, Exception) else exc
         self.own_errors.append(error)
         self._fail(v, error)
 
@@ -213,9 +219,9 @@ class _Failures:
         op = self.op
         if self.own_errors:
             roots = self.own_errors
-            op.error = op.root_error = ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots)
+            op.error = op.root_error = BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots)
             op.root_name = op.name
         elif op.error is None:
-            op.error = ExceptionGroup("1 op(s) of the graph failed", [error])
+            op.error = BaseExceptionGroup("1 op(s) of the graph failed", [error])
             op.root_name, op.root_error = error.root_name, error.root_error  # type: ignore[attr-defined]
         op.accesses = self.written
