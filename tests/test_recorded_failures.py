@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -192,6 +193,90 @@ def test_on_a_device_that_runs_ops_inside_their_submit_the_base_exception_reache
         with pytest.raises(SystemExit):
             g.run()
         assert rt.submit(lambda: 7).result(timeout=10) == 7
+
+
+# ---------------------------------------------------------------- runs from inside an op
+def wide_graph(rt, bufs, **submit):
+    with rt.record() as g:
+        for b in bufs:
+            rt.submit(np.add, b, 1, out=b, writes=[b], **submit)
+        rt.submit(lambda: sum(b.sum() for b in bufs), reads=bufs, **submit)
+    return g
+
+
+@pytest.mark.parametrize("streams", [2, 3, 4])
+def test_a_graph_run_from_inside_an_op_that_waits_for_it_finishes(streams):
+    """The run's ops go to the other lanes, not behind the calling op on its own."""
+    bufs = [np.zeros(2) for _ in range(6)]
+    with sd.Runtime("cpu", streams=streams) as rt:
+        g = wide_graph(rt, bufs)
+        assert set(g.schedule.stream) == set(range(min(streams, 6)))  # every lane has ops of it
+        token = np.zeros(1)  # the outer ops one after another (each waits while its run goes on)
+        outer = [rt.submit(lambda: g.run().result(timeout=10)[-1], writes=[token]) for _ in range(3)]
+        assert [f.result(timeout=30) for f in outer] == [12.0, 24.0, 36.0]
+
+
+def test_ops_on_two_lanes_each_waiting_for_a_graph_run_queued_behind_the_other_do_not_hang():
+    """Each op's run goes to the other lane, behind the other op: one of the waits could never
+    end, and raises (as waits for ops submitted there do); its op fails, and the other finishes."""
+    bufs = [[np.zeros(2) for _ in range(2)] for _ in range(2)]
+    errors = []
+
+    def scenario():  # in a thread of its own: a hang fails the test rather than stopping the suite
+        with sd.Runtime("cpu", streams=2) as rt:
+            graphs = [wide_graph(rt, b) for b in bufs]
+            both_ran = threading.Barrier(2)
+
+            def outer(g):
+                run = g.run()
+                both_ran.wait(timeout=10)
+                return run.result()[-1]  # (no timeout: a wait with one is not checked, it ends by itself)
+
+            outers = [rt.submit(outer, g) for g in graphs]
+            errors.extend(f.exception() for f in outers)
+            with pytest.raises(sd.ExceptionGroup):
+                rt.synchronize()
+
+    thread = threading.Thread(target=scenario, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the ops' waits hang"
+    assert sorted(e is None for e in errors) == [False, True]
+    assert "would wait forever" in str(next(e for e in errors if e is not None))
+
+
+def test_a_graph_with_host_lane_ops_run_from_inside_a_host_lane_op_finishes():
+    bufs = [np.zeros(2) for _ in range(4)]
+    with sd.Runtime("sim", streams=2, host_lanes=2) as rt:
+        g = wide_graph(rt, bufs, run_on="host")
+        outer = rt.submit(lambda: g.run().result(timeout=10)[-1], run_on="host")
+        assert outer.result(timeout=30) == 8.0
+
+
+def test_a_graph_with_host_lane_ops_run_from_inside_the_only_host_lane_raises_when_waited_for_there():
+    bufs = [np.zeros(2) for _ in range(2)]
+    with sd.Runtime("sim", streams=2, host_lanes=1) as rt:
+        g = wide_graph(rt, bufs, run_on="host")
+        outer = rt.submit(lambda: g.run().result(timeout=10), run_on="host")
+        with pytest.raises(RuntimeError, match="queued behind it on the same lane"):
+            outer.result(timeout=5)
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+
+
+def test_a_graph_run_from_inside_an_op_on_the_only_lane_raises_when_waited_for_there():
+    """One lane: the run's ops can only queue behind the calling op, so waiting raises at once."""
+    bufs = [np.zeros(2) for _ in range(3)]
+    with sd.Runtime("cpu", streams=1) as rt:
+        g = wide_graph(rt, bufs)
+        started = time.perf_counter()
+        outer = rt.submit(lambda: g.run().result(timeout=10))
+        with pytest.raises(RuntimeError, match="queued behind it on the same lane"):
+            outer.result(timeout=30)
+        assert time.perf_counter() - started < 5
+        with pytest.raises(sd.ExceptionGroup):
+            rt.synchronize()
+        assert g.run().result(timeout=10)[-1] == 12.0  # the run in the op went on after it
 
 
 # ---------------------------------------------------------------- runs inside a recording

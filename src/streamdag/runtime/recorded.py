@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,38 @@ class _Recorded:
     stream: int | None = None  # pinned stream (copies), else the schedule's
     written: list[Any] = field(default_factory=list)
     device: str = ""
+
+
+def _lane_instead(rt: Runtime) -> tuple[int, int]:
+    """Run from inside an op on a lane of ``rt`` (a CPU runtime's, a host lane): that lane, and
+    the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
+
+    Queued on the calling op's lane, behind it, they would run only once it has returned: it
+    could not wait for the run. So they go to the next lane of its kind, as a nested submit
+    does (see ``Runtime._choose_stream``); with ops of their own there, in the order they are
+    launched, which keeps every dependency. Where the lane is the only one of its kind, they
+    stay on it (and waiting for the run there raises, see ``Future._waited_on``).
+    """
+    if threading.get_ident() not in rt._lane_threads:
+        return -1, -1
+    for lanes in rt._compute_of.values():
+        here = rt._calling_lane(lanes.start, len(lanes))
+        if here != -1:
+            return here, lanes[(here - lanes.start + 1) % len(lanes)]
+    return -1, -1
+
+
+def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
+    """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
+    a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
+    ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
+    wait for the run is a wait for ``futures``, which raises where it could never end (the run's
+    settling drops them again: they keep its done-callback, which keeps ``result``)."""
+    me = threading.get_ident()
+    if behind:
+        result.__dict__["_behind"] = me
+    if me in rt._lane_threads:
+        result.__dict__.update(_lanes_of=rt._lane_waits, _ops_of=futures)
 
 
 def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
@@ -277,7 +310,12 @@ class RecordedGraph:
         raises ``SystemExit``, ``KeyboardInterrupt`` or another exception that
         is no ``Exception`` fails the run with a :class:`BaseExceptionGroup`
         holding it, which ``except Exception`` does not catch, as it would
-        not catch the exception itself. Called inside a ``with rt.record()``
+        not catch the exception itself.
+
+        Called from inside an op on a lane (a CPU runtime's, a host lane), the
+        run places no op behind the calling op on its lane, so that the op
+        may wait for the run; a runtime of one such lane cannot, and waiting
+        there raises instead of hanging. Called inside a ``with rt.record()``
         block, it raises: a run is not recorded.
         """
         rt = self._rt
@@ -312,6 +350,7 @@ class RecordedGraph:
         def settle() -> None:
             ops = launched[:]
             launched.clear()  # each op's future holds this function: no cycle left to the collector
+            result.__dict__.pop("_ops_of", None)  # (nor through _mark_run_from_a_lane's)
             failed = [op for op in ops if op.error is not None]
             # the graph's own root failures; else ops failed for a failure before the graph
             roots = [op.error for op in failed if op.root_error is op.error]
@@ -330,23 +369,31 @@ class RecordedGraph:
             raise
         t0 = time.perf_counter()
         try:
-            self._launch_ops(rt, run_id, probe, launched)
+            behind = self._launch_ops(rt, run_id, probe, launched)
         finally:
             rt._lock.release()
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        _mark_run_from_a_lane(rt, result, [op.future for op in launched], behind)
         one_done = after_all(n, settle)
         for op in launched:
             op.future._on_done(one_done)
         return result
 
-    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> None:
-        """Launch every op of one eager run, in order; caller holds the runtime's lock."""
+    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> bool:
+        """Launch every op of one eager run, in order; caller holds the runtime's lock. Whether an
+        op is queued behind the calling op on its lane (run from inside an op there, see
+        ``_lane_instead``)."""
         run_preds = self._run_preds
+        here, instead = _lane_instead(rt)
+        behind = False
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
+            if stream == here:
+                stream = instead
+                behind = behind or stream == here
             device = rt._stream_device[stream]
             on_lane = device == "host"
             try:  # (before the op is linked: it raises inside the caller's capture)
@@ -368,6 +415,7 @@ class RecordedGraph:
             host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
             rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
             launched.append(op)
+        return behind
 
     def _run_parts(self) -> Future:
         """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
@@ -385,6 +433,7 @@ class RecordedGraph:
             values: list[Any] = [None] * n_ops
             errors: list[BaseException] = []
             settled, futures[:] = futures[:], []
+            result.__dict__.pop("_ops_of", None)  # (see _mark_run_from_a_lane)
             for (is_graph, indices), f in zip(places, settled):
                 error = f.exception()
                 if error is None:
@@ -412,6 +461,8 @@ class RecordedGraph:
         graphs = [graph for graph, _ in parts if graph is not None]
         self.last_run_captured = bool(graphs) and all(g.last_run_captured for g in graphs)
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        me = threading.get_ident()
+        _mark_run_from_a_lane(rt, result, futures, any(f.__dict__.get("_behind") == me for f in futures))
         one_done = after_all(len(futures), settle)
         for f in futures:
             f._on_done(one_done)
