@@ -67,7 +67,7 @@ class LaneWaits:
         with self._lock:
             if timeout is None and not future.done():
                 stuck = self._stuck_lanes(mine)
-                if self._queued_lane(future) in stuck:
+                if self._blocked(future, stuck):
                     raise RuntimeError(
                         f"waiting inside an op for op {future.op_name!r} would wait forever: it is "
                         f"queued on a lane whose op waits, in turn, for ops queued behind this one "
@@ -109,7 +109,7 @@ class LaneWaits:
             pending = [f for f in futures if not f.done()]
             stuck_lanes = self._stuck_lanes(mine)
             # (an op queued behind this one on its own lane is on ``mine``, which is stuck)
-            stuck = [f for f in pending if self._queued_lane(f) in stuck_lanes]
+            stuck = [f for f in pending if self._blocked(f, stuck_lanes)]
             # waiting for the first: stuck only if every pending one is and none is done (as_completed
             # yields the done ones first, and its caller may stop there)
             if not stuck or (not needs_all and (len(stuck) < len(pending) or len(pending) < len(futures))):
@@ -150,12 +150,19 @@ class LaneWaits:
         else:
             self._waits[me] = outer
 
-    def _queued_lane(self, future: Any) -> int | None:
-        """The id of the lane of this runtime's that ``future``'s op is queued on (or runs on),
-        None where it finishes without one (a device op, another runtime's op)."""
+    def _blocked(self, future: Any, stuck: set[int]) -> bool:
+        """Whether ``future`` needs an op queued on (or running on) one of the ``stuck`` lanes of
+        this runtime's: its op; for a graph run's, any of its ops not finished (``_ops_of``, see
+        ``RecordedGraph.run``). Not where it finishes without a lane (a device op, another
+        runtime's op)."""
         marks = getattr(future, "__dict__", {})
-        lane = marks.get("_lane") if marks.get("_lanes_of") is self else None
-        return None if lane is None else id(lane)
+        if marks.get("_lanes_of") is not self:
+            return False
+        ops_of = marks.get("_ops_of")
+        if ops_of is not None:
+            return any(self._blocked(f, stuck) for f in ops_of if not f.done())
+        lane = marks.get("_lane")
+        return lane is not None and id(lane) in stuck
 
     def _stuck_lanes(self, mine: Any) -> set[int]:
         """The ids of the lanes whose ops would never end their waits if the op on lane ``mine``
@@ -173,7 +180,7 @@ class LaneWaits:
                 pending = [f for f in futures if not f.done()]
                 if not pending or (not needs_all and len(pending) < len(futures)):
                     continue  # its wait has ended, or is ending
-                blocked = [self._queued_lane(f) in stuck for f in pending]
+                blocked = [self._blocked(f, stuck) for f in pending]
                 if any(blocked) if needs_all else all(blocked):
                     stuck.add(id(lane))
                     grew = True

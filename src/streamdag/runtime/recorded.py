@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DependencyFailed, ExceptionGroup
+from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access, coalesce, envelope
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
 from ..schedule.plan import Schedule
+from ..schedule.reduction import reduce_transitively
 from .accel import DepsTracker, build_schedule
 from .declared import DeclaredBuffers
 from .ops import Future, Op, after_all, then
@@ -70,6 +72,49 @@ class _Recorded:
     device: str = ""
 
 
+def _lane_instead(rt: Runtime) -> tuple[int, int]:
+    """Run from inside an op on a lane of ``rt`` (a CPU runtime's, a host lane): that lane, and
+    the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
+
+    Queued on the calling op's lane, behind it, they would run only once it has returned: it
+    could not wait for the run. So they go to the next lane of its kind, as a nested submit
+    does (see ``Runtime._choose_stream``); with ops of their own there, in the order they are
+    launched, which keeps every dependency. Where the lane is the only one of its kind, they
+    stay on it (and waiting for the run there raises, see ``Future._waited_on``).
+    """
+    if threading.get_ident() not in rt._lane_threads:
+        return -1, -1
+    for lanes in rt._compute_of.values():
+        here = rt._calling_lane(lanes.start, len(lanes))
+        if here != -1:
+            return here, lanes[(here - lanes.start + 1) % len(lanes)]
+    return -1, -1
+
+
+def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
+    """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
+    a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
+    ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
+    wait for the run is a wait for ``futures``, which raises where it could never end (the run's
+    settling drops them again: they keep its done-callback, which keeps ``result``)."""
+    me = threading.get_ident()
+    if behind:
+        result.__dict__["_behind"] = me
+    if me in rt._lane_threads:
+        result.__dict__.update(_lanes_of=rt._lane_waits, _ops_of=futures)
+
+
+def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
+    """Whether an op with accesses ``writer`` writes memory an op with ``accesses`` reads or writes:
+    then a failure of the first fails the second (``ops.failed_input``'s rule)."""
+    for (space, start, end), write in writer:
+        if write:
+            for (s, lo, hi), _ in accesses:
+                if lo < end and start < hi and s == space:
+                    return True
+    return False
+
+
 class RecordedGraph:
     """A graph of ops recorded by :meth:`Runtime.record`; :meth:`run` runs it on the runtime."""
 
@@ -82,6 +127,10 @@ class RecordedGraph:
         self._preds: list[list[int]] = []
         self._tracker = DepsTracker()
         self._schedule: Schedule | None = None
+        #: the ops whose failure fails each op, fewest (see ``_failure_preds``), and each op's deps in
+        #: a run op by op: the schedule's preds, then those of these that the schedule's reduction left out
+        self._fail_preds: list[list[int]] = []
+        self._run_preds: list[list[int]] = []
         self._runs = 0
         self.first_run_host_ms: float | None = None
         self._syncing_ops: list[str] = []  # ops seen synchronizing the host in the first run
@@ -136,6 +185,9 @@ class RecordedGraph:
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
+        self._fail_preds = self._failure_preds()
+        self._run_preds = [[*ps, *(u for u in fs if u not in ps)]
+                           for ps, fs in zip(self._schedule.preds, self._fail_preds)]
         self.devices = sorted({op.device for op in self._ops} - {"host"}, key=rt.devices.index)
         device_spaces = {a.region.space for op in self._ops for a in op.accesses} & set(rt.devices)
         #: every device whose memory or streams the graph uses
@@ -154,6 +206,21 @@ class RecordedGraph:
             self.capture_fallback = (f"op {host_ops[0]!r} runs on a host lane (run_on='host'), which a "
                                      "CUDA graph cannot hold" + ("; its device ops run as graphs of their "
                                      "own, stage by stage" if self._parts else ""))
+
+    def _failure_preds(self) -> list[list[int]]:
+        """For each op, the fewest ops of the graph whose failure must fail it, as an eager run's would.
+
+        Eagerly, an op fails for a dependency that failed and wrote (or was to write) memory the
+        op touches; a dependency that only read it changed nothing. So a failure passes along
+        those edges of the full dependency graph only, transitively: their transitive reduction
+        keeps exactly when an op fails. The schedule's reduction does not: op A reads P and writes
+        X, op S overwrites P, op C reads X and P; C's only reduced pred is S (A -> S -> C), which
+        runs although A failed, and C must fail for A. Computed once, when the graph is finished.
+        """
+        ops = self._ops
+        passing = [[u for u in preds if _writes_into(ops[u].accesses, ops[v].accesses)]
+                   for v, preds in enumerate(self._preds)]
+        return reduce_transitively(passing)[0]
 
     def _split_at_host_ops(self) -> list[tuple[RecordedGraph | None, list[int]]]:
         """The parts of a graph with host-lane ops, in the order they run: graphs of device ops
@@ -214,6 +281,18 @@ class RecordedGraph:
             return lanes[k % len(lanes)]
         return rt._compute_of[rt.devices[k // per_device]][k % per_device]
 
+    def _check_runnable(self) -> None:
+        """Raise where a run cannot start here: the graph is still being recorded, or this thread
+        records another graph (whose submits are recorded, but a run would start at once, out of
+        the order of the ops around it in that graph)."""
+        self.schedule  # noqa: B018 (raises while the graph is still being recorded)
+        recording = self._rt._recording_here()
+        if recording is not None:
+            raise RuntimeError(
+                "g.run() inside a `with rt.record()` block would run the graph now, not record it "
+                "into the graph being recorded: run it after the block, or submit its ops inside "
+                "the block to record them")
+
     @property
     def schedule(self) -> Schedule:
         if self._schedule is None:
@@ -225,10 +304,27 @@ class RecordedGraph:
 
         The graph also orders itself after earlier ops of the runtime that touch
         its buffers, and later ops after it.
+
+        Where ops fail, the future fails with an :class:`ExceptionGroup` of the
+        graph's own failures (the exceptions its ops raised); where its ops
+        failed only for an op before the run, with one of their
+        :class:`DependencyFailed`. The ops that fail are those an eager run of
+        the same submits would fail: each that touches memory a failed op
+        wrote (or was to write), transitively; the others run. An op that
+        raises ``SystemExit``, ``KeyboardInterrupt`` or another exception that
+        is no ``Exception`` fails the run with a :class:`BaseExceptionGroup`
+        holding it, which ``except Exception`` does not catch, as it would
+        not catch the exception itself.
+
+        Called from inside an op on a lane (a CPU runtime's, a host lane), the
+        run places no op behind the calling op on its lane, so that the op
+        may wait for the run; a runtime of one such lane cannot, and waiting
+        there raises instead of hanging. Called inside a ``with rt.record()``
+        block, it raises: a run is not recorded.
         """
         rt = self._rt
         rt._check_open()
-        sched = self.schedule
+        self._check_runnable()
         if self._declared is not None:  # its dependencies hold for the memory it was recorded with
             self._declared.check()
         self._runs += 1
@@ -260,12 +356,13 @@ class RecordedGraph:
         def settle() -> None:
             ops = launched[:]
             launched.clear()  # each op's future holds this function: no cycle left to the collector
+            result.__dict__.pop("_ops_of", None)  # (nor through _mark_run_from_a_lane's)
             failed = [op for op in ops if op.error is not None]
             # the graph's own root failures; else ops failed for a failure before the graph
             roots = [op.error for op in failed if op.root_error is op.error]
             roots = roots or [op.error for op in failed[:1]]
-            if roots:
-                result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
+            if roots:  # (an ExceptionGroup, unless an op raised SystemExit, say: see run())
+                result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
             else:
                 result.set_result(GraphResult([op.future.result() for op in ops]))
 
@@ -278,22 +375,31 @@ class RecordedGraph:
             raise
         t0 = time.perf_counter()
         try:
-            self._launch_ops(rt, sched, run_id, probe, launched)
+            behind = self._launch_ops(rt, run_id, probe, launched)
         finally:
             rt._lock.release()
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        _mark_run_from_a_lane(rt, result, [op.future for op in launched], behind)
         one_done = after_all(n, settle)
         for op in launched:
             op.future._on_done(one_done)
         return result
 
-    def _launch_ops(self, rt: Any, sched: Schedule, run_id: int, probe: Any, launched: list[Op]) -> None:
-        """Launch every op of one eager run, in order; caller holds the runtime's lock."""
+    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> bool:
+        """Launch every op of one eager run, in order; caller holds the runtime's lock. Whether an
+        op is queued behind the calling op on its lane (run from inside an op there, see
+        ``_lane_instead``)."""
+        run_preds = self._run_preds
+        here, instead = _lane_instead(rt)
+        behind = False
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
+            if stream == here:
+                stream = instead
+                behind = behind or stream == here
             device = rt._stream_device[stream]
             on_lane = device == "host"
             try:  # (before the op is linked: it raises inside the caller's capture)
@@ -306,7 +412,7 @@ class RecordedGraph:
             op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
-            deps = outside + [launched[u] for u in sched.preds[v]]
+            deps = outside + [launched[u] for u in run_preds[v]]
             if on_lane:  # a host-lane op of the graph: what follows it is held until it has finished
                 rt._host_ops[op.seq] = op
             # host code runs now: its host inputs must be final (but on a lane, which waits for them
@@ -315,6 +421,7 @@ class RecordedGraph:
             host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
             rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
             launched.append(op)
+        return behind
 
     def _run_parts(self) -> Future:
         """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
@@ -332,6 +439,7 @@ class RecordedGraph:
             values: list[Any] = [None] * n_ops
             errors: list[BaseException] = []
             settled, futures[:] = futures[:], []
+            result.__dict__.pop("_ops_of", None)  # (see _mark_run_from_a_lane)
             for (is_graph, indices), f in zip(places, settled):
                 error = f.exception()
                 if error is None:
@@ -339,14 +447,14 @@ class RecordedGraph:
                     for v, value in zip(indices, got):
                         values[v] = value
                 else:
-                    errors.extend(error.exceptions if isinstance(error, ExceptionGroup) else [error])
+                    errors.extend(error.exceptions if isinstance(error, BaseExceptionGroup) else [error])
             if not errors:
                 result.set_result(GraphResult(values))
                 return
             # the graph's own root failures, as a run in one piece reports them; else the first
             own = [e for e in errors if not isinstance(e, DependencyFailed)]
             roots = own or errors[:1]
-            result.set_exception(ExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
+            result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
 
         with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
             for graph, indices in parts:
@@ -359,6 +467,8 @@ class RecordedGraph:
         graphs = [graph for graph, _ in parts if graph is not None]
         self.last_run_captured = bool(graphs) and all(g.last_run_captured for g in graphs)
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
+        me = threading.get_ident()
+        _mark_run_from_a_lane(rt, result, futures, any(f.__dict__.get("_behind") == me for f in futures))
         one_done = after_all(len(futures), settle)
         for f in futures:
             f._on_done(one_done)
@@ -388,7 +498,7 @@ class RecordedGraph:
             self._host_replay = HostReplay(
                 self._rt, [r.fn for r in ops], [r.args for r in ops], [r.kwargs for r in ops],
                 [r.name for r in ops], [self._runtime_stream(v) for v in range(len(ops))],
-                self.schedule.preds, self._graph_accesses())
+                self.schedule.preds, self._graph_accesses(), self._fail_preds, [r.accesses for r in ops])
         op = self._host_replay.launch()
         return None if op is None else then(op.future, GraphResult, "graph")
 
