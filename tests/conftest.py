@@ -3,6 +3,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from programs import DEVICES
+
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -27,3 +29,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def rt(request):
+    """A runtime of three streams, on the CPU lanes and on the simulated device."""
+    import streamdag as sd
+
+    with sd.Runtime(request.param, streams=3) as runtime:
+        yield runtime
