@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 import streamdag as sd
+from internals import copies_compiled, copy_pinned
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.cuda
@@ -319,16 +320,16 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
 
     n, copies = 1024, 6  # 4 KiB a copy
     with sd.Runtime("cuda", streams=2, max_inflight_bytes=64 << 10) as rt:
-        if rt._copy_pinned is None:
+        if not copies_compiled(rt):
             pytest.skip("no compiled hot path here")
         dev = torch.zeros(n, device="cuda")
-        assert rt._copy_pinned(dev, torch.randn(n), None) is None  # pageable: staged in Python
-        assert rt._copy_pinned(dev, np.ones(n, np.float32), None) is None
-        assert rt._copy_pinned(dev, torch.ones(n, dtype=torch.float64).pin_memory(), None) is None
-        assert rt._copy_pinned(torch.zeros(n).pin_memory(), torch.ones(n).pin_memory(), None) is None
+        assert copy_pinned(rt, dev, torch.randn(n)) is None  # pageable: staged in Python
+        assert copy_pinned(rt, dev, np.ones(n, np.float32)) is None
+        assert copy_pinned(rt, dev, torch.ones(n, dtype=torch.float64).pin_memory()) is None
+        assert copy_pinned(rt, torch.zeros(n).pin_memory(), torch.ones(n).pin_memory()) is None
         square = torch.ones(32, 32).pin_memory()  # the same bytes, another shape: refused by Python
         for dst, src in ((dev, square), (square, dev)):
-            assert rt._copy_pinned(dst, src, None) is None
+            assert copy_pinned(rt, dst, src) is None
             with pytest.raises(ValueError, match="one dtype and shape"):
                 rt.copy(dst, src)
         # memory pinned without PyTorch's allocator (page-locked in place) is pinned memory too
@@ -337,7 +338,7 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
         assert int(cudart.cudaHostRegister(registered.data_ptr(), n * 4, 0)) == 0
         try:
             assert registered.is_pinned()
-            into = rt._copy_pinned(dev, registered, None)
+            into = copy_pinned(rt, dev, registered)
             assert into is not None and into.result() is dev and torch.equal(dev.cpu(), registered)
         finally:
             rt.synchronize()
@@ -347,7 +348,7 @@ def test_a_pinned_copy_is_made_by_the_compiled_path_with_its_bytes_counted_until
         busy = rt.submit(torch.cuda._sleep, 100_000_000, name="busy", writes=[dev])  # tens of ms
         pairs = []
         for host, back in zip(hosts, backs):  # each in after the last out (it overwrites what that reads)
-            into = rt._copy_pinned(dev, host, None)
+            into = copy_pinned(rt, dev, host)
             assert into is not None and into.op_name == "copy_h2d"
             pairs.append((into, rt.copy(back, dev, name="out")))
         assert not busy.done() and rt._bytes.used == 2 * copies * n * 4  # held, none waited for
@@ -366,7 +367,7 @@ def test_pinned_copies_past_the_byte_bound_wait_for_earlier_ones_and_every_byte_
     of passing the bound, every copy lands, and all bytes come back once they are done."""
     limit, n = 4 << 20, 1 << 18  # copies of 1 MiB
     with sd.Runtime("cuda", streams=2, max_inflight_bytes=limit) as rt:
-        if rt._copy_pinned is None:
+        if not copies_compiled(rt):
             pytest.skip("no compiled hot path here")
         assert type(rt._bytes._counts).__name__ == "BudgetCounts"  # counted in C
         hosts = [torch.full((n,), float(i)).pin_memory() for i in range(16)]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
+from internals import choose_stream
 from programs import DEVICES
 from streamdag.runtime import core
 
@@ -287,7 +288,7 @@ def test_the_stream_choice_ends_when_a_finish_lowers_a_count_as_it_reads_them(mo
     with sd.Runtime("cpu", streams=2) as rt:
         rt._busy = FinishingAsRead([1, 2])
         chosen: list[int] = []
-        thread = threading.Thread(target=lambda: chosen.append(rt._choose_stream([], "cpu")), daemon=True)
+        thread = threading.Thread(target=lambda: chosen.append(choose_stream(rt, "cpu")), daemon=True)
         thread.start()
         thread.join(timeout=5)
         rt._busy = [0, 0]  # (nothing pending: the runtime closes)

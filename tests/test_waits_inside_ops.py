@@ -9,6 +9,7 @@ import time
 import pytest
 
 import streamdag as sd
+from internals import lane_waits, submit_to_lane
 from streamdag.runtime import core
 
 
@@ -73,8 +74,8 @@ def test_concurrent_futures_waits_inside_an_op_that_can_end_are_left_alone():
     for an op on another lane, is not refused."""
     with sd.Runtime("cpu", streams=2) as rt:
         def outer():
-            here = rt._submit(lambda: "behind", (), {}, (), (), "behind", True, 0)  # this op's lane
-            elsewhere = rt._submit(lambda: "free", (), {}, (), (), "free", True, 1)
+            here = submit_to_lane(rt, 0, lambda: "behind", name="behind")  # this op's lane
+            elsewhere = submit_to_lane(rt, 1, lambda: "free", name="free")
             done, not_done = concurrent.futures.wait([here], timeout=0.2)
             assert (done, not_done) == (set(), {here})
             done, _ = concurrent.futures.wait([here, elsewhere],
@@ -83,18 +84,16 @@ def test_concurrent_futures_waits_inside_an_op_that_can_end_are_left_alone():
             assert concurrent.futures.wait([elsewhere]).done == {elsewhere}
             return here
 
-        here = rt._submit(outer, (), {}, (), (), "outer", True, 0).result(timeout=30)
+        here = submit_to_lane(rt, 0, outer, name="outer").result(timeout=30)
         assert here.result(timeout=10) == "behind"
 
 
 def wait_for_registered_waits(rt, count, within=10.0):
     """Until ``count`` lane threads of ``rt`` are inside waits without a timeout (registered)."""
     deadline = time.perf_counter() + within
-    waits = rt._lane_waits
     while True:
-        with waits._lock:
-            if sum(wait is not None for wait in waits._waits.values()) >= count:
-                return
+        if sum(wait is not None for wait in lane_waits(rt).values()) >= count:
+            return
         assert time.perf_counter() < deadline, f"{count} lane waits were never registered"
         time.sleep(0.001)
 
@@ -108,21 +107,21 @@ def test_a_concurrent_futures_wait_that_closes_a_cycle_of_lanes_raises():
         queued = threading.Barrier(2, timeout=10)
 
         def outer0():
-            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
+            inner = submit_to_lane(rt, 1, lambda: 0, name="inner0")
             queued.wait()
             first_waits.set()
             return inner.result()
 
         def outer1():
-            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
-            free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
+            inner = submit_to_lane(rt, 0, lambda: 10, name="inner1")
+            free = submit_to_lane(rt, 2, lambda: 20, name="free")
             queued.wait()
             first_waits.wait(10)
             wait_for_registered_waits(rt, 1)  # lane 0 is inside result(), its wait registered
             return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
 
-        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
-                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        outers = [submit_to_lane(rt, 0, outer0, name="outer0"),
+                  submit_to_lane(rt, 1, outer1, name="outer1")]
         assert outers[1].exception(timeout=30) is not None
         assert "would wait forever" in str(outers[1].exception()) and "'inner1" in str(outers[1].exception())
         assert outers[0].result(timeout=30) == 0
@@ -140,10 +139,10 @@ def test_a_lane_inside_concurrent_futures_wait_counts_for_a_later_wait_that_clos
         queued = threading.Barrier(2, timeout=10)
 
         def outer0():
-            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
+            inner = submit_to_lane(rt, 1, lambda: 0, name="inner0")
             queued.wait()
             if how == "wait for all":
-                free = rt._submit(lambda: 20, (), {}, (), (), "free", True, 2)
+                free = submit_to_lane(rt, 2, lambda: 20, name="free")
                 return sorted(f.result() for f in concurrent.futures.wait([inner, free]).done)
             if how == "first completed":
                 done, _ = concurrent.futures.wait([inner], return_when=concurrent.futures.FIRST_COMPLETED)
@@ -151,20 +150,20 @@ def test_a_lane_inside_concurrent_futures_wait_counts_for_a_later_wait_that_clos
             return [f.result() for f in concurrent.futures.as_completed([inner])]
 
         def outer1():
-            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
+            inner = submit_to_lane(rt, 0, lambda: 10, name="inner1")
             queued.wait()
             wait_for_registered_waits(rt, 1)  # lane 0 is inside its wait
             return inner.result()
 
-        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
-                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        outers = [submit_to_lane(rt, 0, outer0, name="outer0"),
+                  submit_to_lane(rt, 1, outer1, name="outer1")]
         error = outers[1].exception(timeout=10)
         assert isinstance(error, RuntimeError) and "wait for each other" in str(error), error
         assert "2 lanes of this runtime's 3" in str(error)
         assert outers[0].result(timeout=10) == ([0, 20] if how == "wait for all" else [0])
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
-        assert not rt._lane_waits._waits  # every wait taken off again
+        assert not lane_waits(rt)  # every wait taken off again
 
 
 def test_a_lane_waiting_for_the_first_of_ops_one_of_which_can_run_is_not_counted_as_stuck():
@@ -176,26 +175,26 @@ def test_a_lane_waiting_for_the_first_of_ops_one_of_which_can_run_is_not_counted
         gate = threading.Event()
 
         def outer0():
-            inner = rt._submit(lambda: 0, (), {}, (), (), "inner0", True, 1)
-            gated = rt._submit(lambda: gate.wait(10) and 20, (), {}, (), (), "gated", True, 2)
+            inner = submit_to_lane(rt, 1, lambda: 0, name="inner0")
+            gated = submit_to_lane(rt, 2, lambda: gate.wait(10) and 20, name="gated")
             queued.wait()
             done, _ = concurrent.futures.wait([inner, gated], return_when=concurrent.futures.FIRST_COMPLETED)
             return [f.result() for f in done]
 
         def outer1():
-            inner = rt._submit(lambda: 10, (), {}, (), (), "inner1", True, 0)
+            inner = submit_to_lane(rt, 0, lambda: 10, name="inner1")
             queued.wait()
             wait_for_registered_waits(rt, 1)
             return inner.result()
 
-        outers = [rt._submit(outer0, (), {}, (), (), "outer0", True, 0),
-                  rt._submit(outer1, (), {}, (), (), "outer1", True, 1)]
+        outers = [submit_to_lane(rt, 0, outer0, name="outer0"),
+                  submit_to_lane(rt, 1, outer1, name="outer1")]
         wait_for_registered_waits(rt, 2)  # both lanes wait, and neither wait was refused
         gate.set()
         assert outers[0].result(timeout=10) == [20]
         assert outers[1].result(timeout=10) == 10
         rt.synchronize()
-        assert not rt._lane_waits._waits
+        assert not lane_waits(rt)
 
 
 def fork_join_on_every_lane(rt, lanes, run_on, timeout=None):
@@ -265,11 +264,11 @@ def test_two_lanes_waiting_for_each_others_queued_ops_raise_though_a_third_lane_
         def outer(i):
             together.wait()
             other = 1 - i  # the inner op goes to the other waiting lane, on purpose
-            inner = rt._submit(lambda: i * 10, (), {}, (), (), f"inner{i}", True, other)
+            inner = submit_to_lane(rt, other, lambda: i * 10, name=f"inner{i}")
             together.wait()  # both queued before anyone waits
             return inner.result()
 
-        outers = [rt._submit(outer, (i,), {}, (), (), f"outer{i}", True, i) for i in range(2)]
+        outers = [submit_to_lane(rt, i, outer, i, name=f"outer{i}") for i in range(2)]
         errors = [f.exception(timeout=30) for f in outers]
         failed = [e for e in errors if e is not None]
         assert len(failed) == 1 and "wait for each other" in str(failed[0]), errors
