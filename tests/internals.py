@@ -3,15 +3,26 @@
 A test goes through the public API wherever the behaviour it checks is reachable that way. The
 few contracts that are not (where an op is queued, which code made a copy) are reached here, each
 entry saying what it reaches and why the public API cannot, so that a change of the internals
-changes this file, not the tests.
+changes this file, not the tests. And :func:`python_reference` makes runtimes run the Python
+reference of the compiled hot path, as ``STREAMDAG_NATIVE=0`` does, in the same process: the
+``path`` fixture (``conftest.py``) runs a test on each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import pkgutil
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
+import pytest
+
 import streamdag as sd
+from streamdag import native
 
 
 def submit_to_lane(rt: sd.Runtime, lane: int, fn: Callable[..., Any], *args: Any, name: str) -> sd.Future:
@@ -64,3 +75,78 @@ def copy_pinned(rt: sd.Runtime, dst: Any, src: Any) -> sd.Future | None:
     where it leaves the copy to the Python code. ``rt.copy`` gives the same future either way:
     which code made it shows only here."""
     return rt._copy_pinned(dst, src, None)
+
+
+# ---------------------------------------------------------------- the Python reference
+#: the packages whose modules the runtime is made of: all imported before the swap, so that none
+#: picks a compiled part at its import later, inside a test on the Python path
+_RUNTIME_PACKAGES = ("streamdag.runtime", "streamdag.backends")
+#: compiled parts that stay in place on the Python path: the module's set-up, and the global count
+#: of lost devices that the compiled submit reads (``note_loss``), not code that runs per op
+_KEPT = ("setup", "setup_clocks", "setup_compaction", "setup_submit", "note_loss", "note_losses_of",
+         "use_torch")
+
+
+def _python_twins(speedups: ModuleType) -> dict[int, Any]:
+    """What the package uses where the compiled module is not loaded, by the ``id`` of the compiled
+    part it stands for (the module itself: None, so that ``core`` makes no compiled submitter)."""
+    from streamdag.backends import threads
+    from streamdag.graph import buffers, hazards
+    from streamdag.runtime import accel, ops, transfers
+    from streamdag.schedule import waits
+
+    pairs = [
+        (speedups, None),
+        (accel.CompiledDepsTracker, hazards.PyDepsTracker),
+        (accel.CompiledStreamClocks, waits.PyStreamClocks),
+        (speedups.accesses, buffers._py_accesses),
+        (speedups.Lock, threading.Lock),
+        (speedups.RLock, threading.RLock),
+        (speedups.Counters, threads._Counters),
+        (speedups.Parts, ops._Parts),
+        (speedups.BudgetCounts, transfers._BudgetCounts),
+        (speedups.completions_pass, None),
+        (speedups.completions_finish_one, None),
+        (speedups.uses_torch, None),
+    ]
+    return {id(compiled): python for compiled, python in pairs}
+
+
+def _runtime_modules() -> list[ModuleType]:
+    for package_name in _RUNTIME_PACKAGES:
+        package = importlib.import_module(package_name)
+        for found in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package_name}.{found.name}")
+    return [module for name, module in list(sys.modules.items())
+            if name.startswith("streamdag.") and not name.startswith("streamdag.native")]
+
+
+def use_python_reference(monkeypatch: pytest.MonkeyPatch, *also: ModuleType) -> None:
+    """Until ``monkeypatch`` undoes it, runtimes run as under ``STREAMDAG_NATIVE=0``: every module of
+    the package (and ``also``: a test's own module that imported, say, the runtime's tracker) refers
+    to the Python code where it referred to a compiled part. ``accel``'s ``Compiled*`` names, the
+    twins themselves, stay. A reference to a compiled part that has no twin here is an error, so
+    that no new compiled part is left on the Python path unnoticed."""
+    speedups = native.load()
+    if speedups is None:
+        return  # the Python code is all there is
+    twins = _python_twins(speedups)
+    kept = {id(getattr(speedups, name)) for name in _KEPT}
+    parts = {id(value): name for name, value in vars(speedups).items() if not name.startswith("__")}
+    for module in [*_runtime_modules(), *also]:
+        for name, value in list(vars(module).items()):
+            if name.startswith(("Compiled", "compiled_")) or id(value) in kept:
+                continue
+            if id(value) in twins:
+                monkeypatch.setattr(module, name, twins[id(value)])
+            elif id(value) in parts:
+                raise AssertionError(f"{module.__name__}.{name} is the compiled {parts[id(value)]}, which "
+                                     "has no Python twin in tests/internals.py: add it to _python_twins")
+
+
+@contextmanager
+def python_reference() -> Iterator[None]:
+    """Runtimes made and used inside run the Python reference of the compiled hot path."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_python_reference(monkeypatch)
+        yield

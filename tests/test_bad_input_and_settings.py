@@ -5,6 +5,9 @@ import pytest
 
 import streamdag as sd
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def test_submit_after_close_says_what_to_do():
     rt = sd.Runtime("cpu", streams=1)

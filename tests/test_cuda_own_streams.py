@@ -12,6 +12,7 @@ import threading
 import pytest
 
 import streamdag as sd
+from internals import use_python_reference
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.cuda
@@ -94,26 +95,24 @@ def test_a_graph_is_captured_on_cuda_streams_of_its_own():
     assert seen <= set(_OwnStreams._free.get((torch.cuda.current_device(), False), []))  # non-blocking
 
 
-@pytest.mark.parametrize("path", ["C++ calls", "PyTorch's bindings", "submit in Python"])
-def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(path):
+@pytest.mark.parametrize("calls", ["C++ calls", "PyTorch's bindings", "submit in Python"])
+def test_an_op_submitted_inside_the_callers_own_capture_fails_with_what_to_do(calls, monkeypatch):
     """A runtime's stream that waited on an event recorded in the caller's capture would join that
     capture: the op's kernels would be captured, not run, its completion event could never be
     queried, and the capture could not end (a stream not joined back). So the op fails at once,
     saying what to do, and neither the caller's capture nor the runtime is disturbed."""
     from streamdag import native
-    from streamdag.runtime import core
 
     torch_ext = native.load_torch()
-    if path == "PyTorch's bindings":
+    if calls == "PyTorch's bindings":
         if torch_ext is None:
             pytest.skip("the torch extension is not built: the other cases take the bindings")
         native.load().use_torch(None)
-    saved = core.COMPILED_SUBMIT
-    core.COMPILED_SUBMIT = path != "submit in Python"
+    if calls == "submit in Python":
+        use_python_reference(monkeypatch)
     try:
         rt = sd.Runtime("cuda", streams=2)
     finally:
-        core.COMPILED_SUBMIT = saved
         if torch_ext is not None:
             native.load().use_torch(torch_ext)
     x = torch.ones(8, device="cuda")

@@ -12,6 +12,9 @@ import streamdag as sd
 from programs import DEVICES
 from streamdag.backends.inline import InlineBackend
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def runtime_on(device: str) -> sd.Runtime:
     """A runtime on ``device``; ``"inline"``: a backend that runs each op inside its submit, as CUDA."""

@@ -8,6 +8,9 @@ import streamdag as sd
 from programs import closed_runtime_freed_at_once, ops_left_to_the_cycle_collector
 from streamdag.backends.inline import InlineBackend
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def test_finished_ops_of_eager_work_and_graph_runs_are_freed_at_once(rt):
     """No cycle keeps a finished op alive for the cycle collector, whose passes stall submits."""

@@ -12,6 +12,9 @@ import pytest
 import streamdag as sd
 from programs import KINDS, closed_runtime_freed_at_once, make
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_recorded_graph_holds_host_lane_ops_and_runs_them_where_they_fall(kind):

@@ -25,6 +25,9 @@ import streamdag as sd
 from programs import KINDS, closed_runtime_freed_at_once, make
 from streamdag.backends.inline import InlineBackend
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def host_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("streamdag-host")]

@@ -11,6 +11,9 @@ import pytest
 import streamdag as sd
 from programs import DEVICES
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def test_in_flight_bound_blocks_and_is_never_exceeded():
     bufs = [np.zeros(1) for _ in range(40)]

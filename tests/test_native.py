@@ -41,6 +41,44 @@ def test_the_runtime_uses_the_compiled_hot_path_where_it_builds():
     assert native.status()
 
 
+@pytest.mark.parametrize("path", ["compiled", "python"], indirect=True)
+def test_the_path_fixture_makes_runtimes_run_the_hot_path_it_names(path):
+    """The ``path`` fixture (conftest.py) that runs the runtime's tests on both: on "python", a
+    runtime submits, tracks, places and counts with the Python code alone, as where the compiled
+    module is not built; on "compiled", with the compiled parts."""
+    import threading
+
+    import numpy as np
+
+    from streamdag import Runtime
+    from streamdag.runtime import ops
+
+    on_python = path == "python"
+    with Runtime("cpu", streams=2) as rt:
+        a = np.zeros(4)
+        assert rt.submit(np.add, a, 1, out=a, writes=[a]).result() is a
+        assert (type(rt.submit).__name__ == "method") == on_python  # else the compiled submitter's
+        assert (type(rt._tracker) is hazards.PyDepsTracker) == on_python
+        assert (type(rt._clocks) is waits.PyStreamClocks) == on_python
+        assert (type(rt._parts) is ops._Parts) == on_python
+        assert (type(rt._done_lock) is type(threading.Lock())) == on_python
+        assert (ops.accesses_of is buffers._py_accesses) == on_python
+
+
+@compiled
+def test_the_python_path_refuses_a_compiled_part_it_has_no_python_twin_for(monkeypatch):
+    """A compiled part added to the package without a twin in tests/internals.py would stay in the
+    runtimes of the Python path, which would then not be the Python code: the swap says so."""
+    from internals import python_reference
+    from streamdag.runtime import ops
+
+    monkeypatch.setattr(ops, "new_record", native.load().Record, raising=False)
+    refused = pytest.raises(AssertionError, match=r"ops.new_record is the compiled Record.*add it")
+    with refused, python_reference():
+        pass
+    assert ops.accesses_of is accel.accesses  # and what it had swapped is back
+
+
 def test_the_pure_layers_load_no_compiled_code():
     """graph/ and schedule/ import no compiled code: the runtime chooses it (runtime/accel.py).
     The package's ``__init__`` imports the runtime, so the subprocess imports them under a bare

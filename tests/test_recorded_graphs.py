@@ -9,6 +9,9 @@ import pytest
 
 import streamdag as sd
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def test_recorded_graph_runs_many_times_and_explains_itself(rt):
     x = np.ones((8, 8))

@@ -12,7 +12,9 @@ import pytest
 import streamdag as sd
 from internals import choose_stream
 from programs import DEVICES
-from streamdag.runtime import core
+
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 
 def test_submit_returns_a_future_of_the_functions_value(rt):
@@ -272,11 +274,11 @@ async def _await(f):
     return await f
 
 
-def test_the_stream_choice_ends_when_a_finish_lowers_a_count_as_it_reads_them(monkeypatch):
+@pytest.mark.parametrize("path", ["python"], indirect=True)  # the compiled submit chooses in C
+def test_the_stream_choice_ends_when_a_finish_lowers_a_count_as_it_reads_them():
     """The Python submit reads the streams' counts of pending ops under the runtime's lock, but a
     finish lowers them under another: here the least busy stream finishes an op right after the
     counts are read. The choice must still end, on a stream least busy when read."""
-    monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
 
     class FinishingAsRead(list):
         def __getitem__(self, key):

@@ -10,17 +10,16 @@ import pytest
 
 import streamdag as sd
 from internals import lane_waits, submit_to_lane
-from streamdag.runtime import core
+
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-python"])
-def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itself(kind, monkeypatch):
+def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itself():
     """Fork and join inside an op: the lanes are equally busy when it submits (it runs on one, a
     sleep on the other) and the round robin points at its own lane, where the inner op would wait
     for it while it waits for the inner op. The inner op goes to the other lane, behind the sleep.
     The compiled submit sends a submit from a lane the Python way, which chooses so."""
-    if kind == "cpu-python":  # the Python submit for every op
-        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
     with sd.Runtime("cpu", streams=2) as rt:
         gate = threading.Event()
 
@@ -35,15 +34,13 @@ def test_an_op_that_submits_an_op_and_waits_for_it_does_not_queue_it_behind_itse
         assert sleeping.done()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lane"])
+@pytest.mark.parametrize("kind", ["cpu", "host lane"])
 @pytest.mark.parametrize("how", ["result", "wait", "first completed", "as_completed"])
-def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(kind, how, monkeypatch):
+def test_waiting_inside_an_op_for_an_op_queued_behind_it_fails_with_what_to_do(kind, how):
     """With one lane, an op submitted from inside an op is queued behind it: waiting for it there
     (``result()``, or ``concurrent.futures.wait``/``as_completed`` without a timeout) would wait
     forever, so the wait raises at once, saying what to do instead; the op runs once the waiting
     one has returned."""
-    if kind == "cpu-python":
-        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
     host = kind == "host lane"
     with (sd.Runtime("sim", streams=1, host_lanes=1) if host else sd.Runtime("cpu", streams=1)) as rt:
         run_on = "host" if host else None
@@ -211,15 +208,12 @@ def fork_join_on_every_lane(rt, lanes, run_on, timeout=None):
     return [rt.submit(outer, i, run_on=run_on, name=f"outer{i}") for i in range(lanes)]
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-python", "host lanes"])
+@pytest.mark.parametrize("kind", ["cpu", "host lanes"])
 @pytest.mark.parametrize("lanes", [2, 3])
-def test_when_every_lane_waits_for_a_lane_op_the_last_wait_raises_and_the_rest_finish(kind, lanes,
-                                                                                    monkeypatch):
+def test_when_every_lane_waits_for_a_lane_op_the_last_wait_raises_and_the_rest_finish(kind, lanes):
     """Fork-join inside ops on every lane at once: each inner op is queued behind another lane's
     outer op, which waits too, so none could ever run. The wait that makes every lane wait raises
     instead, saying what to do; its op fails, its lane goes on, and the other outer ops finish."""
-    if kind == "cpu-python":
-        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
     host = kind == "host lanes"
     with (sd.Runtime("sim", streams=1, host_lanes=lanes) if host else sd.Runtime("cpu", streams=lanes)) as rt:
         outers = fork_join_on_every_lane(rt, lanes, "host" if host else None)
@@ -250,14 +244,11 @@ def test_a_fork_join_that_leaves_a_lane_free_is_not_taken_for_a_deadlock():
         assert [f.result(timeout=30) for f in [rt.submit(outer, i) for i in range(2)]] == [0, 1]
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-python"])
-def test_two_lanes_waiting_for_each_others_queued_ops_raise_though_a_third_lane_is_free(kind, monkeypatch):
+def test_two_lanes_waiting_for_each_others_queued_ops_raise_though_a_third_lane_is_free():
     """Lane 0's op waits for an op queued on lane 1 behind lane 1's op, which waits for one queued on
     lane 0: a free third lane cannot run either (a lane runs its own queue). The second wait raises,
     its op fails, and the other finishes. (A count of waiting lanes missed this: with the inner ops
     placed so, the fork-join test on three lanes hung once in CI.)"""
-    if kind == "cpu-python":
-        monkeypatch.setattr(core, "COMPILED_SUBMIT", False)
     with sd.Runtime("cpu", streams=3) as rt:
         together = threading.Barrier(2, timeout=10)
 
