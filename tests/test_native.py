@@ -22,8 +22,8 @@ compiled = pytest.mark.skipif(native.load() is None, reason=f"no compiled hot pa
 
 
 def test_the_runtime_uses_the_compiled_hot_path_where_it_builds():
-    if os.environ.get("CI"):  # CI machines have a compiler: the compiled path must be what runs there
-        assert native.load() is not None, native.status()
+    if os.environ.get("CI") and os.environ.get("STREAMDAG_NATIVE") != "0":  # (=0: scripts/test's last run)
+        assert native.load() is not None, native.status()  # CI machines have a compiler: it must run there
     if native.load() is None:
         assert (accel.DepsTracker, accel.StreamClocks) == (hazards.PyDepsTracker, waits.PyStreamClocks)
         assert accel.accesses is buffers._py_accesses
