@@ -3,12 +3,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+from programs import DEVICES
+
+#: the ``path`` fixture is function-scoped but holds for every example of a test alike
+_SUPPRESSED = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", max_examples=200, deadline=None, suppress_health_check=_SUPPRESSED)
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=_SUPPRESSED)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
@@ -27,3 +27,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def path(request):
+    """The test runs on the compiled hot path, and again on its Python reference (what runs where
+    the package was installed without its compiled module, or under ``STREAMDAG_NATIVE=0``): the
+    runtimes it makes take the one chosen (see ``internals.python_reference``). Without the compiled
+    module only the Python one runs. A test of one path alone asks for it with
+    ``@pytest.mark.parametrize("path", ["python"], indirect=True)``."""
+    from internals import use_python_reference
+    from streamdag import native
+
+    if request.param == "compiled":
+        if native.load() is None:
+            pytest.skip(f"no compiled hot path here: {native.status()}")
+        yield request.param
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_python_reference(monkeypatch, request.module)
+        yield request.param
+
+
+@pytest.fixture(params=DEVICES)
+def rt(request, path):
+    """A runtime of three streams, on the CPU lanes and on the simulated device, on each ``path``."""
+    import streamdag as sd
+
+    with sd.Runtime(request.param, streams=3) as runtime:
+        yield runtime

@@ -1,5 +1,21 @@
 """Functions the tests share: programs the frontend tests compile, and checks of the runtime."""
 
+#: the devices the runtime's behaviour tests run on: the CPU lanes and the simulated device
+DEVICES = ["cpu", "sim"]
+#: the devices the host-lane tests run beside: the simulated device, and a backend that runs each op
+#: inside its submit (as CUDA does)
+KINDS = ["sim", "inline"]
+
+
+def make(kind: str, streams: int = 2, max_inflight: int = 256):
+    """A runtime on one of :data:`KINDS`, with its host lanes."""
+    import streamdag as sd
+    from streamdag.backends.inline import InlineBackend
+
+    if kind == "inline":  # each device op runs inside its submit, as on CUDA
+        return sd.Runtime(backend=InlineBackend("sim", streams), max_inflight=max_inflight)
+    return sd.Runtime(kind, streams=streams, max_inflight=max_inflight)
+
 
 def wide_fn(ws):
     """Branches of ``relu(h @ w)`` layers over one input (``ws[branch][layer]``), summed at the end."""

@@ -8,6 +8,9 @@ from streamdag.graph.buffers import region_of
 
 torch = pytest.importorskip("torch")
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def test_numpy_slice_lies_inside_its_base():
     a = np.zeros((8, 8), dtype=np.float32)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from internals import copy_stream, stream_count, submit_on
 from streamdag.backends.sim import SimArray
 from streamdag.schedule.plan import build_schedule
 
@@ -85,10 +86,10 @@ def test_an_op_placed_on_a_copy_stream_runs_there_after_what_it_reads():
     with sd.Runtime(devices=["sim:0"], streams=2, seed=5) as rt, rt.profile() as prof:
         a, b = np.zeros(4), np.zeros(4)
         rt.submit(np.add, a, 1.0, out=a, writes=[a], name="fill")
-        stream = rt._copy_index[("p2p", "sim:0")]
-        assert rt._submit_on(stream, np.copyto, b, a, reads=[a], writes=[b], name="move").result() is None
+        stream = copy_stream(rt, "p2p", "sim:0")
+        assert submit_on(rt, stream, np.copyto, b, a, reads=[a], writes=[b], name="move").result() is None
         with pytest.raises(IndexError, match="out of range"):
-            rt._submit_on(len(rt._streams), np.copyto, b, a, reads=[a], writes=[b])
+            submit_on(rt, stream_count(rt), np.copyto, b, a, reads=[a], writes=[b])
     spans = {s.name: s for s in prof.timeline.spans}
     assert spans["move"].kind == "p2p" and spans["move"].deps == (spans["fill"].seq,)
     np.testing.assert_array_equal(b, np.ones(4))

@@ -8,7 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamdag.graph import Access, region_of
-from streamdag.runtime.accel import DepsTracker  # the runtime's: compiled where it is built
+from streamdag.runtime.accel import DepsTracker  # the runtime's (the Python one on the Python path)
+
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 
 def acc(x, write=False):
@@ -230,22 +233,20 @@ def test_a_wide_range_over_many_idle_small_ones_stops_scanning_them():
     assert len(space.overlapping(whole.start, whole.end)) <= 2
 
 
-@pytest.mark.parametrize("tracker_type", ["compiled", "python"])
 @settings(max_examples=120 if os.environ.get("CI") else 40, deadline=None,
-          suppress_health_check=[HealthCheck.large_base_example, HealthCheck.data_too_large])
+          suppress_health_check=[HealthCheck.large_base_example, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 40), st.booleans()),
                              min_size=1, max_size=3), min_size=120, max_size=200),
        data=st.data())
-def test_ops_of_several_accesses_follow_every_unfinished_conflicting_op_while_ops_retire(tracker_type, ops,
-                                                                                         data):
+def test_ops_of_several_accesses_follow_every_unfinished_conflicting_op_while_ops_retire(ops, data):
     """The runtime's path: one ``link`` per op of several ranges, while earlier ops finish and the
     records compact (within a link too). Every earlier op that touched an overlapping range (one of
     the two writing) and has not finished must be reached through the deps."""
     from streamdag.graph import Region
-    from streamdag.graph.hazards import PyDepsTracker
 
     finished: set[int] = set()
-    t = (DepsTracker if tracker_type == "compiled" else PyDepsTracker)(retired=finished.__contains__)
+    t = DepsTracker(retired=finished.__contains__)
     accesses, ancestors = [], []
     for i, spec in enumerate(ops):
         mine = [Access(Region("cpu", s, s + n), w) for s, n, w in spec]

@@ -3,7 +3,7 @@
 A CUDA graph baked in its arguments' addresses, sizes and strides; a change
 to any of them must make the runner capture again, and nothing else may.
 Here the check made of PyTorch's own C++ checks (where the torch extension
-is not loaded); ``tests/test_cuda.py`` covers the extension's on a GPU.
+is not loaded); ``tests/test_cuda_streams.py`` covers the extension's on a GPU.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """Buffers whose memory moves after it was declared: an empty ``out=`` an op resizes, and a buffer
 a recorded graph holds that is resized between runs. Tracked, or refused with the fix; never run
-unordered. Run with ``STREAMDAG_NATIVE=1`` and ``=0``."""
+unordered. On the compiled hot path and on its Python reference (the ``path`` fixture)."""
 
 import threading
 import time
@@ -13,11 +13,8 @@ from streamdag.graph import buffers
 
 torch = pytest.importorskip("torch")
 
-
-@pytest.fixture(params=["cpu", "sim"])
-def rt(request):
-    with sd.Runtime(request.param, streams=3) as runtime:
-        yield runtime
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 
 def _slowly_ones(n):

@@ -4,11 +4,12 @@ A backend that holds every op until the test releases it (in any order) logs
 each call the runtime makes: which stream each op launches on, which events
 it waits on, what it records. The same random program (submits, some
 failing, some with inline markers, with releases in between) runs on a runtime with the compiled
-submit and on one with the Python methods; the logs, the ops' stamps and the
-outcomes must be equal.
+submit and on one with the Python reference (``internals.python_reference``); the logs, the ops'
+stamps and the outcomes must be equal.
 """
 
 import random
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from internals import python_reference
 from streamdag import native
 from streamdag.runtime import core
 
@@ -84,14 +86,19 @@ steps = st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.integers(
                            st.lists(st.integers(0, 50), max_size=3)), min_size=1, max_size=40)
 
 
+def _path(compiled_submit: bool):
+    """Runtimes made inside submit through the compiled code, or through the Python reference."""
+    return nullcontext() if compiled_submit else python_reference()
+
+
 def _run(program, streams: int, compiled_submit: bool):
-    saved = core.COMPILED_SUBMIT
-    core.COMPILED_SUBMIT = compiled_submit
-    try:
-        backend = HeldBackend(streams)
-        rt = sd.Runtime(backend=backend, max_inflight=1000)
-    finally:
-        core.COMPILED_SUBMIT = saved
+    with _path(compiled_submit):
+        return _run_on(program, streams)
+
+
+def _run_on(program, streams: int):
+    backend = HeldBackend(streams)
+    rt = sd.Runtime(backend=backend, max_inflight=1000)
     bufs = [np.zeros(4, dtype=np.int64) for _ in range(6)]
     futures, stamps = [], []
     for i, (reads, write, fail, releases) in enumerate(program):
@@ -122,12 +129,8 @@ def test_the_runtime_submits_through_the_compiled_code_where_it_built():
         assert type(rt.submit).__name__ == "builtin_function_or_method"
         assert type(rt.submit_nowait).__name__ == "builtin_function_or_method"
         assert rt.submit(np.add, 1, 2).result() == 3
-    core.COMPILED_SUBMIT = False
-    try:
-        with sd.Runtime("cpu") as rt:
-            assert type(rt.submit).__name__ == "method"
-    finally:
-        core.COMPILED_SUBMIT = True
+    with python_reference(), sd.Runtime("cpu") as rt:
+        assert type(rt.submit).__name__ == "method"
 
 
 @compiled
@@ -152,25 +155,21 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
         return float(np.sum(x)) * scale
 
     for compiled_submit in (True, False):
-        core.COMPILED_SUBMIT = compiled_submit
         a = np.zeros(3)
-        try:
-            with sd.Runtime("cpu") as rt:
-                assert rt.submit(f, a, scale=2, reads=[a]).result() == 0.0
-                assert rt.submit(f, sd.read(a), scale=3).result() == 0.0
-                assert rt.submit_nowait(f, sd.read(a), scale=4).result() == 0.0
-                assert rt.submit(np.add, a, 1, out=a, writes=iter([a]), name="named").result() is a
-                assert rt.submit(f, a, run_on="cpu").result() == 3.0
-                with pytest.raises(TypeError, match="reads= takes a list"):
-                    rt.submit(f, a, reads=a)
-                with pytest.raises(TypeError, match="needs a callable"):
-                    rt.submit(3)
-                with pytest.raises(TypeError):
-                    rt.submit()
-                big = rt.submit(lambda: random.random(), name="")
-                assert 0 <= big.result() < 1
-        finally:
-            core.COMPILED_SUBMIT = True
+        with _path(compiled_submit), sd.Runtime("cpu") as rt:
+            assert rt.submit(f, a, scale=2, reads=[a]).result() == 0.0
+            assert rt.submit(f, sd.read(a), scale=3).result() == 0.0
+            assert rt.submit_nowait(f, sd.read(a), scale=4).result() == 0.0
+            assert rt.submit(np.add, a, 1, out=a, writes=iter([a]), name="named").result() is a
+            assert rt.submit(f, a, run_on="cpu").result() == 3.0
+            with pytest.raises(TypeError, match="reads= takes a list"):
+                rt.submit(f, a, reads=a)
+            with pytest.raises(TypeError, match="needs a callable"):
+                rt.submit(3)
+            with pytest.raises(TypeError):
+                rt.submit()
+            big = rt.submit(lambda: random.random(), name="")
+            assert 0 <= big.result() < 1
 
 
 @compiled
@@ -203,11 +202,11 @@ def test_ops_are_named_after_their_functions_builtins_included():
     import math
 
     def names(compiled_submit: bool) -> list[str]:
-        core.COMPILED_SUBMIT = compiled_submit
-        try:
-            rt = sd.Runtime(backend=HeldBackend(2))
-        finally:
-            core.COMPILED_SUBMIT = True
+        with _path(compiled_submit):
+            return names_on(compiled_submit)
+
+    def names_on(compiled_submit: bool) -> list[str]:
+        rt = sd.Runtime(backend=HeldBackend(2))
         assert isinstance(rt.submit.__self__, native.load().Submitter) == compiled_submit
         x = np.zeros(4)
         fns = [math.sqrt, math.floor, x.sum, x.mean, abs, lambda v: v, math.sqrt, abs]

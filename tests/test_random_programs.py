@@ -8,19 +8,23 @@ with some ops on the host lanes beside the device (``run_on="host"``). With
 errors injected, exactly the ops that use memory a failed op wrote (or was to write)
 must fail, transitively: not those that only overwrite what a failed op read. Several
 threads submitting to one runtime at once, each over its own buffers, must each get
-what their own program run serially gives.
+what their own program run serially gives. All of it on the compiled hot path and on its Python
+reference, which runs where the package has no compiled module: both must be right.
 """
 
 import os
 import threading
-from contextlib import contextmanager
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
 from streamdag.backends.inline import InlineBackend
+
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 N = 24  # elements per base buffer
 EXAMPLES = settings(max_examples=1500 if os.environ.get("CI") else 100)
@@ -314,32 +318,3 @@ def test_threads_submitting_at_once_each_get_their_serial_result(threads, device
         for g_base, w_base in zip(bases, want):
             assert np.array_equal(g_base, w_base)
 
-
-@contextmanager
-def python_hot_path():
-    """The runtime with its reference Python submit, tracker, clocks and accesses (not the compiled ones)."""
-    from streamdag.graph import buffers, hazards
-    from streamdag.runtime import core
-    from streamdag.runtime import ops as runtime_ops
-    from streamdag.schedule import waits
-
-    saved = core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of, core.COMPILED_SUBMIT
-    core.DepsTracker, core.StreamClocks = hazards.PyDepsTracker, waits.PyStreamClocks
-    runtime_ops.accesses_of = buffers._py_accesses
-    core.COMPILED_SUBMIT = False
-    try:
-        yield
-    finally:
-        core.DepsTracker, core.StreamClocks, runtime_ops.accesses_of, core.COMPILED_SUBMIT = saved
-
-
-@settings(max_examples=300 if os.environ.get("CI") else 50)
-@given(programs, st.sampled_from(["cpu", "sim"]), st.integers(1, 4), st.integers(0, 2**16))
-def test_the_python_hot_path_also_equals_serial(program, device, streams, seed):
-    """Where no C compiler is, the runtime runs its Python reference: it must be as right."""
-    expect_bases, expect_results, _, _ = serial(program)
-    with python_hot_path():
-        bases, futures = concurrent(program, device, streams, seed)
-    assert [f.result() for f in futures] == expect_results
-    for got, want in zip(bases, expect_bases):
-        assert np.array_equal(got, want)

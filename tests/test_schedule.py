@@ -11,6 +11,9 @@ from streamdag import CycleError, build_schedule
 from streamdag.schedule import from_edges
 from streamdag.schedule.reduction import reduce_transitively
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 
 def brute_width(preds):
     g = nx.DiGraph()

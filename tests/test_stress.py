@@ -19,6 +19,9 @@ import pytest
 
 import streamdag as sd
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
+
 SEEDS = range(20 if os.environ.get("CI") else 5)
 
 

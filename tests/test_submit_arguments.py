@@ -1,6 +1,6 @@
 """What submit accepts as an op's function, arguments and declared buffers, and what it says to the rest.
 
-Run with ``STREAMDAG_NATIVE=1`` (the compiled submit) and ``=0`` (the Python reference): the two
+Each test runs on the compiled submit and on its Python reference (the ``path`` fixture): the two
 must agree.
 """
 
@@ -16,11 +16,8 @@ from streamdag.graph.buffers import Marker, region_of
 
 torch = pytest.importorskip("torch")
 
-
-@pytest.fixture(params=["cpu", "sim"])
-def rt(request):
-    with sd.Runtime(request.param, streams=3) as runtime:
-        yield runtime
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 
 
 class MyTensor(torch.Tensor):

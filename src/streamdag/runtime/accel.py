@@ -2,7 +2,7 @@
 compiled hot path is built, else the Python code. The one place that chooses.
 
 ``graph/`` and ``schedule/`` hold the Python code, the reference that the compiled code is checked
-against (``tests/test_native.py``), and import no compiled code, so that they can be read, tested
+against (``tests/test_native_*.py``), and import no compiled code, so that they can be read, tested
 and reused on their own. The compiled twins are assembled here from ``native._speedups``'s types
 and those modules' methods, and handed what they read of the Python side. The runtime, and code
 above it that wants the speed, imports from here:
