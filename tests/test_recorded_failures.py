@@ -27,8 +27,10 @@ from streamdag.backends.inline import InlineBackend
 from streamdag.backends.sim import SimArray
 from streamdag.errors import BaseExceptionGroup
 from streamdag.runtime.recorded import RecordedGraph
-from test_random_programs import initial_bases, make_view, ops, python_hot_path, run_op, writes_into
+from test_random_programs import initial_bases, make_view, ops, run_op, writes_into
 
+#: each test runs on the compiled hot path and on its Python reference (the path fixture)
+pytestmark = pytest.mark.usefixtures("path")
 EXAMPLES = settings(max_examples=1000 if os.environ.get("CI") else 150)
 KINDS = ["cpu", "sim", "inline"]  # "inline": each op runs inside its submit, as on CUDA
 TWO_DEVICES = ["sim:0", "sim:1"]  # a graph over both runs as one host replay
@@ -457,23 +459,11 @@ def check_outcome(future, outcome):
         assert error is None and future.result() == outcome
 
 
-HOT_PATHS = ["compiled", "python"]
-
-
-def on_hot_path(hot_path, check, *args):
-    if hot_path == "python":
-        with python_hot_path():
-            check(*args)
-    else:
-        check(*args)
-
-
 @EXAMPLES
-@given(PROGRAMS, st.sampled_from([*KINDS, "two devices"]), st.sampled_from(HOT_PATHS), st.integers(1, 4),
-       st.integers(0, 2**16))
-def test_failures_in_recorded_graphs_among_eager_ops_equal_serial(programs, kind, hot_path, streams, seed):
+@given(PROGRAMS, st.sampled_from([*KINDS, "two devices"]), st.integers(1, 4), st.integers(0, 2**16))
+def test_failures_in_recorded_graphs_among_eager_ops_equal_serial(programs, kind, streams, seed):
     graph_program, eager_program, rounds = programs
-    on_hot_path(hot_path, check_recorded_failures, graph_program, eager_program, rounds, kind, streams, seed)
+    check_recorded_failures(graph_program, eager_program, rounds, kind, streams, seed)
 
 
 # ---------------------------------------------------------------- the check catches the defect
