@@ -58,6 +58,7 @@ class SharedPool:
     def __init__(self) -> None:
         self._pools: dict[torch.device, Any] = {}
         self._last: dict[torch.device, torch.cuda.Stream] = {}
+        self._last_raw: dict[torch.device, int] = {}  # the last replay's stream, as its CUDA handle
         self.lock = threading.Lock()
 
     def handle(self, device: torch.device) -> Any:
@@ -71,6 +72,14 @@ class SharedPool:
         if last is not None and last != stream:
             stream.wait_stream(last)
         self._last[device] = stream
+        self._last_raw[device] = stream.cuda_stream
+
+    def order_current(self, device: torch.device, index: int) -> None:
+        """:meth:`order` for the current stream of device ``index``: a replay on the same stream as
+        the last one (the usual case) costs one read of the current stream's handle, not a
+        ``torch.cuda.current_stream()`` (a few microseconds)."""
+        if self._last_raw.get(device) != torch._C._cuda_getCurrentRawStream(index):
+            self.order(device, torch.cuda.current_stream(device))
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -139,7 +148,7 @@ class CapturedGraph:
             return all(args[i].data_ptr() == self.static_ptrs[i] for i in self.static)
 
     def replay(self) -> None:
-        self.pool.order(self.device, torch.cuda.current_stream(self.device))
+        self.pool.order_current(self.device, self.device.index)
         self.graph.replay()
 
     def __call__(self, args: Sequence[Any], clone: bool = True) -> Sequence[Any]:

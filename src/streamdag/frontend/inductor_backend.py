@@ -43,11 +43,14 @@ import torch.fx
 
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
 from .regions import RegionPlan, plan_regions
+from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
 
 __all__ = ["CompiledModel", "GraphRunner", "StreamdagBackend", "V2Statistics", "compile_v2",
            "default_backend", "engine_from"]
 
 ENGINES = ("inductor", "aten")
+#: the least gain the region cost model must predict before a graph's regions are compiled
+MIN_GAIN = 0.05
 
 
 def engine_from(engine: str | None) -> str:
@@ -74,6 +77,8 @@ class V2Statistics:
     fallbacks: int = 0
     compile_s: float = 0.0
     eager_calls: int = 0
+    whole_captures: int = 0
+    whole_replays: int = 0
 
 
 class _GraphsRun(threading.local):
@@ -86,13 +91,14 @@ class _GraphsRun(threading.local):
 class Options:
     streams: int = 4
     regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
-    min_gain: float = 0.05
+    min_gain: float = MIN_GAIN
     candidates: tuple[str, ...] | None = None  # labels to keep, e.g. ("regions",) in tests
     clone_outputs: bool = True
     max_captures: int = 4
     rounds: int = 10
     tie: float = 0.02
     memory_ratio: float = 1.1
+    whole_call: bool = True
 
     def __post_init__(self) -> None:
         if self.regions not in ("auto", "always", "never"):
@@ -225,10 +231,14 @@ class GraphRunner:
         self.note = ""
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
+        self.captured_run = False  # whether _run replays a CUDA graph of the chosen candidate
+        self.not_whole = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
 
     def __call__(self, *args: Any) -> Any:
         self.stats.calls += 1
         self.ran.count += 1
+        if ACTIVE.mode is not None:
+            return self._in_whole_call(args)
         run = self._run
         if run is None:
             with self._lock:
@@ -236,6 +246,31 @@ class GraphRunner:
                     self._run = self._first(args)
                 run = self._run
         return run(args)
+
+    def _in_whole_call(self, args: Sequence[Any]) -> Any:
+        """A call inside the warm-up or capture of a whole-call graph (:mod:`.whole_call`): the chosen
+        candidate runs directly, its work captured into the whole call's graph."""
+        if self._run is None:
+            if ACTIVE.mode == "capture":
+                raise NotWholeCapturable(f"graph {self.index} had not chosen its candidate")
+            ACTIVE.compiled = True
+            with self._lock:
+                if self._run is None:
+                    self._run = self._first(args)
+            return self._run(args)
+        if self.not_whole:
+            ACTIVE.refusal = ACTIVE.refusal or f"graph {self.index}: {self.not_whole}"
+            if ACTIVE.mode == "capture":
+                raise NotWholeCapturable(ACTIVE.refusal)
+            return self._run(args)
+        if self.switch is not None:  # the storages it writes into: the caller's inputs are written back
+            static = set(static_indices(args))
+            ACTIVE.mutated.update(args[i].untyped_storage().data_ptr() for i in self.switch.mutated_inputs
+                                  if i not in static and isinstance(args[i], torch.Tensor))
+        if self.captured_run and self.chosen is not None:
+            self._set_switch(self.chosen)
+            return self.chosen.run(list(args))
+        return self._run(args)
 
     # -- choosing ---------------------------------------------------------------------------------
 
@@ -264,8 +299,13 @@ class GraphRunner:
             cands = kept
         return cands
 
-    def _uncaptured(self, reason: str, streams: int = 0) -> Callable[[Sequence[Any]], Any]:
+    def _uncaptured(self, reason: str, streams: int = 0,
+                    whole: bool = False) -> Callable[[Sequence[Any]], Any]:
+        """Inductor's code runs without a CUDA graph of its own; ``whole``: it may still run inside
+        the CUDA graph of a whole call."""
         self.note = f"{self.note}; {reason}" if self.note else reason
+        if not whole:
+            self.not_whole = reason
         if self.switch is not None:
             self.switch.streams = streams
         compiled, stats = self.compiled, self.stats
@@ -291,12 +331,15 @@ class GraphRunner:
         if sw.plan is None and sw.region_note.startswith("symbolic"):
             return self._uncaptured("symbolic shapes: Inductor's code runs uncaptured")
         if sw.mutates_metadata or sw.aliases_inputs:
+            # a view of an input made inside a whole call's graph is a view of that graph's memory
             return self._uncaptured("the graph mutates an input's metadata or returns a view of an input: "
-                                    "run uncaptured so the caller's tensors stay as eager leaves them")
+                                    "run uncaptured so the caller's tensors stay as eager leaves them",
+                                    whole=not sw.mutates_metadata)
         static = static_indices(args)
         if set(static) & set(sw.mutated_inputs):
+            # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once
             return self._uncaptured("the graph updates a parameter or buffer in place (warm-up runs would "
-                                    "repeat the update): run uncaptured")
+                                    "repeat the update): run uncaptured", whole=True)
         device = next(iter(devices))
         captured = []
         for c in cands:
@@ -318,6 +361,7 @@ class GraphRunner:
             best = CapturedGraph(best.candidate, args, static, sw.mutated_inputs, self.pool, device)
             self.stats.captures += 1
         self.captures = [best]
+        self.captured_run = True
         return self._replay
 
     def _set_switch(self, cand: Candidate) -> None:
@@ -337,6 +381,7 @@ class GraphRunner:
                 stats.uncaptured_calls += 1
                 return eager(*args)
             self.note = f"{self.note}; {where}: uncaptured" if self.note else f"{where}: uncaptured"
+            self.not_whole = f"{where}: uncaptured"
             return run
         streams = pick.streams if pick.label.startswith("regions") else 0
         return self._uncaptured(f"{where}: uncaptured", streams)
@@ -403,6 +448,10 @@ class _Fallback:
 
     def __call__(self, *args: Any) -> Any:
         self.ran.count += 1
+        if ACTIVE.mode is not None:  # its own runtime runs it: no part of a whole call's CUDA graph
+            ACTIVE.refusal = ACTIVE.refusal or f"graph {self.index} runs on the make_fx path"
+            if ACTIVE.mode == "capture":
+                raise NotWholeCapturable(ACTIVE.refusal)
         return self.legacy(*args)
 
     def explain(self) -> str:
@@ -412,7 +461,7 @@ class _Fallback:
 class StreamdagBackend:
     """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
 
-    def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = 0.05,
+    def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
         self.options = Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
                                candidates=None if candidates is None else tuple(candidates),
@@ -499,6 +548,10 @@ _EAGER_WHY = ("Dynamo ran the code as written, as it does past torch._dynamo.con
 class CompiledModel:
     """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
 
+    Once its graphs have chosen their candidates, a call is captured whole into one CUDA graph
+    and later calls with arguments of the same shapes replay it without entering Dynamo
+    (:mod:`.whole_call`; ``whole_call=False`` keeps every call on Dynamo's path).
+
     A call in which none of the backend's graphs ran (this thread's count of graph calls did not
     move) ran eagerly: ``statistics().eager_calls`` counts it and the first one warns.
 
@@ -512,13 +565,24 @@ class CompiledModel:
         self.__wrapped__ = fn
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
+        options = backend.options
+        self.whole = WholeCall(fn, backend, options.clone_outputs) if options.whole_call else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._called:
             with self._first_call:
-                out = self._call(args, kwargs)
+                out = self._dispatch(args, kwargs)
                 self._called = True
                 return out
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        whole = self.whole
+        if whole is not None:
+            return whole(args, kwargs, self._through_dynamo)
+        return self._call(args, kwargs)
+
+    def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -530,20 +594,28 @@ class CompiledModel:
         return out
 
     def _ran_eagerly(self) -> None:
+        from ..native import _caller_outside_streamdag
+
         self.backend.stats.eager_calls += 1
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
+            # the caller's line, past the whole-call path's frames (as many as the path it took)
             warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
                           f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=_caller_outside_streamdag())
 
     def explain(self) -> str:
-        """Each graph: its region plan, every candidate with its time, and the one chosen."""
-        return self.backend.explain()
+        """Each graph: its region plan, every candidate with its time, and the one chosen; the
+        whole-call graphs, and why a call that has none runs on Dynamo's path."""
+        text = self.backend.explain()
+        return text if self.whole is None else f"{text}\n\n{self.whole.explain()}"
 
     def statistics(self) -> V2Statistics:
-        return self.backend.statistics()
+        stats = self.backend.statistics()
+        if self.whole is not None:
+            stats.whole_captures, stats.whole_replays = self.whole.captures, self.whole.replays
+        return stats
 
     def close(self) -> None:
         for r in self.backend.runners:
@@ -552,11 +624,12 @@ class CompiledModel:
 
 
 def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
-               min_gain: float = 0.05, candidates: Sequence[str] | None = None,
-               clone_outputs: bool = True) -> CompiledModel:
+               min_gain: float = MIN_GAIN, candidates: Sequence[str] | None = None,
+               clone_outputs: bool = True, whole_call: bool = True) -> CompiledModel:
     """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams."""
     if not callable(fn):
         raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
     backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
                                clone_outputs=clone_outputs)
+    backend.options.whole_call = bool(whole_call)
     return CompiledModel(fn, backend)

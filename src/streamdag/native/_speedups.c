@@ -1387,6 +1387,76 @@ static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ dict version tags */
+/* What the whole-call graph of streamdag.compile checks on every call (frontend/whole_call.py):
+ * whether any of the dicts that hold a model's state (each submodule's __dict__, _parameters,
+ * _buffers, _modules, ...) changed since a snapshot. CPython gives a dict a new version tag
+ * whenever a value in it is set to another object, added or removed (PEP 509), so one loop of
+ * loads and compares covers a few hundred submodules in a few microseconds; comparing their
+ * values (module_state.ModuleState.holds, the Python code) costs a hundred. CPython 3.14 drops
+ * the tag: there, and where a probe finds it not maintained, the Python code runs alone. */
+#if PY_VERSION_HEX < 0x030E0000
+#define STREAMDAG_DICT_TAGS 1
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+static inline uint64_t dict_tag(PyObject *d) { return ((PyDictObject *)d)->ma_version_tag; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+static int check_dicts(PyObject *list) {
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "dict_versions() and same_dict_versions() take a list of dicts");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        if (!PyDict_Check(PyList_GET_ITEM(list, i))) {
+            PyErr_SetString(PyExc_TypeError, "dict_versions() and same_dict_versions() take a list of dicts");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* dict_versions(dicts: list[dict]) -> bytes: their version tags, for same_dict_versions() */
+static PyObject *dict_versions(PyObject *module, PyObject *list) {
+    if (check_dicts(list) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL) return NULL;
+    uint64_t *tags = (uint64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) tags[i] = dict_tag(PyList_GET_ITEM(list, i));
+    return out;
+}
+
+/* same_dict_versions(dicts: list[dict], snapshot: bytes) -> bool: whether no dict changed since
+ * dict_versions() took the snapshot. The list is checked when the snapshot is taken: only its
+ * length is checked here, on the hot path. */
+static PyObject *same_dict_versions(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "same_dict_versions(dicts: list, snapshot: bytes)");
+        return NULL;
+    }
+    PyObject *list = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (PyBytes_GET_SIZE(args[1]) != n * (Py_ssize_t)sizeof(uint64_t)) Py_RETURN_FALSE;
+    const uint64_t *tags = (const uint64_t *)PyBytes_AS_STRING(args[1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyList_GET_ITEM(list, i);
+        if (!PyDict_Check(d) || dict_tag(d) != tags[i]) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+#define DICT_TAG_METHODS \
+    {"dict_versions", dict_versions, METH_O, "dict_versions(dicts): the dicts' version tags, as bytes."}, \
+    {"same_dict_versions", (PyCFunction)(void (*)(void))same_dict_versions, METH_FASTCALL, \
+     "same_dict_versions(dicts, snapshot): whether no dict changed since dict_versions() saw them."},
+#else
+#define DICT_TAG_METHODS
+#endif
+
 #include "_lock.c"
 #include "_submit.c"
 
@@ -1398,6 +1468,7 @@ static PyMethodDef module_methods[] = {
     {"setup_compaction", setup_compaction, METH_VARARGS,
      "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them)."},
     SUBMIT_METHODS
+    DICT_TAG_METHODS
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
     {"uses_torch", uses_torch, METH_NOARGS, "Whether the torch extension's hooks are in use."},
     {NULL}

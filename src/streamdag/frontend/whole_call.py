@@ -1,0 +1,665 @@
+"""One CUDA graph for a whole call of a model that ``streamdag.compile`` compiled.
+
+Dynamo cuts a model at its graph breaks and runs Python between the graphs it
+compiled; each call enters Dynamo once per frame and checks its guards there,
+and each graph's replay copies its inputs in and its outputs out. For a small
+model at batch 1 that host work is as long as the GPU's. So, once the
+per-graph candidates are chosen, :class:`WholeCall` captures the *whole* call
+(``model(*args)``: every graph, with the candidate each graph chose, and the
+Python between them) into one CUDA graph in the backend's shared pool, and
+later calls with the same arguments' shapes replay it without entering Dynamo.
+
+A miss (a call whose key or state differs) takes Dynamo's path, which may
+compile; the call after it captures again. A call is captured in two steps:
+
+1. *warm-up*: the call runs once on the capture stream, through Dynamo, with
+   every graph running its chosen candidate directly (not its own CUDA graph)
+   over tensors the whole-call graph owns (:data:`ACTIVE` tells the graphs).
+   This call's result is the warm-up's. It finds out what would keep the call
+   from being captured: a graph on the CPU or compiled for training, a graph
+   compiled just now (the next call captures), a module whose state the call
+   itself changes, outputs that are not tensors in containers, outputs that
+   alias an input or a parameter.
+2. *capture*: the same call again, under ``torch.cuda.graph``. A host
+   synchronization (``.item()``, a copy to the CPU) fails the capture; the key
+   then stays on Dynamo's path, and ``explain()`` says why.
+
+Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
+
+* the key: each argument's shape, strides, dtype and device (a parameter
+  passed as an argument also by its address, since it is read in place), the
+  values of non-tensor arguments (``None``, numbers, strings), and whether
+  inference mode is on; with grad mode on, Dynamo's path always runs;
+* the global state Dynamo guards (``GlobalStateGuard``: grad mode, default
+  dtype, deterministic algorithms, ...), as it was at the capture;
+* the module's state (:class:`StateWatch`): its submodules' attributes,
+  parameters, buffers, submodules and hooks, the globals its ``forward``
+  names, the tensors among them by address, shape and strides.
+
+What the check cannot see is Python that the forward runs besides its tensor
+work (printing, appending to a list, a global other than those ``forward``
+names): a replay runs none of it. ``streamdag.compile(model, whole_call=False)``
+keeps every call on Dynamo's path.
+
+Outputs belong to the caller: each replay copies them into fresh tensors (one
+launch for all of them). Inputs are copied into the graph's own tensors with
+one ``_foreach_copy_``; an input that the call writes into is copied back
+after the replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .module_state import ModuleState
+
+__all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
+
+#: non-tensor argument and output values a whole-call graph keeps as they are
+_CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+
+#: at most this many states of a module keep their graphs (train and eval, say); more drop the oldest
+MAX_STATES = 4
+#: a key whose capture fails this often for a passing reason (the state changed during the call)
+#: stays on Dynamo's path
+MAX_ATTEMPTS = 3
+
+
+class NotWholeCapturable(RuntimeError):
+    """Raised inside a whole-call capture by a graph that cannot be part of one."""
+
+
+class _Active(threading.local):
+    """What this thread is doing for a whole-call graph: ``mode`` is None, "warm" or "capture".
+
+    The graphs (``GraphRunner``) read it: in a warm-up or capture they run their chosen
+    candidate directly, note in ``refusal`` why the call cannot be captured, in
+    ``mutated`` the storages of the inputs they write into, and set ``compiled``
+    when one of them chose its candidate during this call.
+    """
+
+    mode: str | None = None
+    refusal: str = ""
+    compiled: bool = False
+
+    def __init__(self) -> None:
+        self.mutated: set[int] = set()
+
+
+ACTIVE = _Active()
+
+
+@contextmanager
+def _active(mode: str) -> Iterator[_Active]:
+    ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled = mode, "", False
+    ACTIVE.mutated = set()
+    try:
+        yield ACTIVE
+    finally:
+        ACTIVE.mode = None
+
+
+# -- the key ------------------------------------------------------------------------------------------
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _meta(a: Any) -> Any:
+    t = type(a)
+    if t is torch.Tensor:  # what Dynamo guards on (an inference tensor has other dispatch keys)
+        return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.is_inference())
+    if t is torch.nn.Parameter:  # read in place, like the module's own parameters
+        return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.is_inference(), a.data_ptr())
+    if t in _CONSTANTS:
+        return (t, a)
+    raise _Unkeyable(t.__name__)
+
+
+def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | str:
+    """The key of a call's arguments (see the module docstring), or why the call has none."""
+    try:
+        key: tuple[Any, ...] = tuple(map(_meta, args))
+        if kwargs:
+            key += tuple((k, _meta(v)) for k, v in sorted(kwargs.items()))
+    except _Unkeyable as exc:
+        return (f"an argument is a {exc}: only tensors, numbers, strings and None are keyed "
+                "(the call runs on Dynamo's path)")
+    return (*key, torch.is_inference_mode_enabled())
+
+
+# -- the module's state -----------------------------------------------------------------------------
+
+_native_tags: Any = None
+_native_checked = False
+
+
+def _dict_tags() -> Any:
+    """The compiled module's dict version tags, where they follow every change of an attribute.
+
+    CPython stores an instance's attributes beside its ``__dict__`` from 3.13 on and does not
+    give the dict a new tag when one of them is set; a probe finds out, and then (as where
+    the compiled module is missing) the Python comparison runs alone.
+    """
+    global _native_tags, _native_checked
+    if _native_checked:
+        return _native_tags
+    _native_checked = True
+    from ..native import load
+
+    module = load()
+    if module is None or not hasattr(module, "dict_versions"):
+        return None
+    probe = torch.nn.Module()
+    dicts = [probe.__dict__]
+    seen = module.dict_versions(dicts)
+    probe.training = not probe.training
+    changed = not module.same_dict_versions(dicts, seen)
+    seen = module.dict_versions(dicts)
+    probe.added = 1
+    if changed and not module.same_dict_versions(dicts, seen):
+        _native_tags = module
+    return _native_tags
+
+
+def _root_module(fn: Any) -> torch.nn.Module | None:
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def _code_of(fn: Any) -> Any:
+    """The Python function whose globals and closure a call reads first: ``forward``, or ``fn``."""
+    root = _root_module(fn)
+    target = getattr(type(root), "forward", None) if root is fn else fn
+    target = getattr(target, "__func__", target)
+    return target if hasattr(target, "__code__") and hasattr(target, "__globals__") else None
+
+
+class StateWatch:
+    """Whether a model's state is as it was: its modules' attributes, the globals and closure its
+    forward reads, and the address and layout of every tensor among them (see the module docstring).
+
+    The fast check compares the version tags of the dicts that hold the state (compiled, a few
+    microseconds for a few hundred submodules) and the tensors' layouts (the torch extension's
+    one loop, or PyTorch's C++ checks); where a tag moved it compares the values, and a change
+    that changed nothing (a value set to itself) takes the new tags.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        from ..runtime.capture import _layout_check
+
+        root = _root_module(fn)
+        self.modules = ModuleState(root) if root is not None else None
+        code = _code_of(fn)
+        self.globals: dict[str, Any] = code.__globals__ if code is not None else {}
+        self.global_names = [n for n in (code.__code__.co_names if code is not None else ())
+                             if n in self.globals]
+        self.global_values = tuple(map(self.globals.get, self.global_names))
+        self.cells = list(code.__closure__ or ()) if code is not None else []
+        self.cell_values = tuple(self._cell_contents())
+        self.tensors = self._tensors(root)
+        self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
+        sized = self.modules.sized if self.modules is not None else []
+        self._dicts = [c for c in sized if isinstance(c, dict)] + [self.globals]
+        self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
+        self._rest_lengths = tuple(map(len, self._rest))
+        self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
+        self._native = _dict_tags()
+        self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
+
+    def _cell_contents(self) -> Iterator[Any]:
+        for c in self.cells:
+            try:
+                yield c.cell_contents
+            except ValueError:  # an empty cell
+                yield None
+
+    def _tensors(self, root: torch.nn.Module | None) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        values: list[Any] = [*self.global_values, *self.cell_values]
+        if root is not None:
+            values += [*root.parameters(), *root.buffers()]
+            values += [v for m in root.modules() for v in vars(m).values()]
+        for v in values:
+            if isinstance(v, torch.Tensor) and not v.is_meta:
+                seen.setdefault(id(v), v)
+        return list(seen.values())
+
+    def holds(self) -> bool:
+        """Whether the state is as it was (see the class docstring)."""
+        if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags) \
+                and self._rest_holds() and self._cells_hold() and self._layouts():
+            return True
+        if not self._values_hold():
+            return False
+        if self._tags is not None:
+            self._tags = self._native.dict_versions(self._dicts)
+        return True
+
+    def _rest_holds(self) -> bool:
+        if not self._rest:
+            return True
+        return (tuple(map(len, self._rest)) == self._rest_lengths
+                and all(map(operator.is_, itertools.chain.from_iterable(self._rest), self._rest_values)))
+
+    def _cells_hold(self) -> bool:
+        return not self.cells or all(map(operator.is_, self._cell_contents(), self.cell_values))
+
+    def _values_hold(self) -> bool:
+        """The Python comparison: every value the same object, every tensor where it was."""
+        return ((self.modules is None or self.modules.holds())
+                and all(map(operator.is_, map(self.globals.get, self.global_names), self.global_values))
+                and self._cells_hold() and self._layouts())
+
+    def changed(self) -> str:
+        """What differs from the snapshot, in words ('' where nothing does)."""
+        if self.modules is not None:
+            where = self.modules.changed()
+            if where:
+                return where
+        for name, value in zip(self.global_names, self.global_values):
+            if self.globals.get(name) is not value:
+                return f"the global {name}"
+        if not self._cells_hold():
+            return "a variable of the function's closure"
+        if not self._layouts():
+            return "a parameter's or buffer's memory (replaced, moved or resized)"
+        return ""
+
+    def same_tensors(self, other: StateWatch) -> bool:
+        """Whether both snapshots hold the same tensor objects (so keeping both keeps no old tensor)."""
+        return {id(t) for t in self.tensors} == {id(t) for t in other.tensors}
+
+
+# -- the device side ---------------------------------------------------------------------------------
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+class _Cuda:
+    """The CUDA calls of a whole-call graph for one device (tests put a CPU stand-in in its place)."""
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        from .candidates import _capture_stream
+
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.pool = pool
+        self.stream = _capture_stream(device)
+
+    def caller(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def on_capture_stream(self) -> Any:
+        self.stream.wait_stream(self.caller())
+        return torch.cuda.stream(self.stream)
+
+    def join(self, caller: Any, outputs: Sequence[torch.Tensor]) -> None:
+        """The caller's stream waits for the capture stream; ``outputs`` made there are the caller's."""
+        caller.wait_stream(self.stream)
+        for t in outputs:
+            t.record_stream(caller)
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``fn(*args, **kwargs)`` captured into a CUDA graph in the pool: (the graph, its outputs)."""
+        from ..runtime.capture import _collector_paused, _restore_random_generators
+
+        caller = self.caller()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with _collector_paused(), torch.cuda.graph(graph, pool=self.pool.handle(self.device),
+                                                       stream=self.stream, capture_error_mode="thread_local"):
+                out = fn(*args, **kwargs)
+        except BaseException:
+            torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+            _restore_random_generators([self.device])
+            raise
+        caller.wait_stream(self.stream)
+        return graph, out
+
+    def order(self) -> None:
+        """This replay follows the last one in the pool when that ran on another stream."""
+        self.pool.order_current(self.device, self.index)
+
+
+def _device_for(device: torch.device, pool: Any) -> Any:
+    return _Cuda(device, pool)
+
+
+# -- the captured graph ---------------------------------------------------------------------------------
+
+@dataclass
+class _Entry:
+    """A whole call captured for one key."""
+
+    graph: Any
+    device: Any  # _Cuda
+    statics: list[torch.Tensor]  # the graph's inputs, filled by each call
+    arg_index: list[int]  # where the copied tensors are among the positional arguments
+    kw_names: list[str]  # and among the keyword arguments, after them
+    write_back: list[int]  # statics the call writes into: copied back into the caller's tensors
+    outputs: list[torch.Tensor]  # the graph's outputs (distinct tensors)
+    leaves: list[Any]  # the result's leaves, with None where a tensor goes
+    slots: list[int]  # for each tensor leaf, its output
+    spec: Any  # the result's structure
+    global_state: Any
+    clone: bool = True
+    inference: bool = False  # the statics are inference tensors: written in inference mode
+    replays: int = 0
+    single: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.single = self.spec.is_leaf() and len(self.outputs) == 1
+
+    def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        tensors = [args[i] for i in self.arg_index]
+        if self.kw_names:
+            tensors += [kwargs[k] for k in self.kw_names]
+        if self.inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                torch._foreach_copy_(self.statics, tensors)
+        elif len(tensors) == 1:
+            self.statics[0].copy_(tensors[0])
+        elif tensors:
+            torch._foreach_copy_(self.statics, tensors)
+        self.device.order()
+        self.graph.replay()
+        for i in self.write_back:
+            tensors[i].copy_(self.statics[i])
+        self.replays += 1
+        return self.result()
+
+    def result(self) -> Any:
+        if not self.clone:
+            fresh = self.outputs
+        elif self.single:
+            return self.outputs[0].clone()
+        elif len(self.outputs) == 1:
+            fresh = [self.outputs[0].clone()]
+        else:  # one launch copies them all
+            fresh = [torch.empty_like(o) for o in self.outputs]
+            torch._foreach_copy_(fresh, self.outputs)
+        if self.single:
+            return fresh[0]
+        leaves = list(self.leaves)
+        for pos, slot in enumerate(self.slots):
+            if slot >= 0:
+                leaves[pos] = fresh[slot]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+@dataclass
+class _State:
+    """One state of the model, with the graphs captured in it."""
+
+    watch: StateWatch
+    entries: dict[Any, _Entry] = field(default_factory=dict)
+    attempts: dict[Any, int] = field(default_factory=dict)
+
+
+def _global_state() -> Any:
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
+    except ImportError:  # a torch without it: grad mode, the one that matters most
+        grad = torch.is_grad_enabled()
+
+        class _Grad:
+            def check(self) -> bool:
+                return torch.is_grad_enabled() == grad
+        return _Grad()
+    return GlobalStateGuard()
+
+
+class WholeCall:
+    """The whole-call graphs of one compiled model (see the module docstring)."""
+
+    def __init__(self, fn: Any, backend: Any, clone: bool = True) -> None:
+        self.fn = fn
+        self.backend = backend
+        self.clone = clone
+        self.states: list[_State] = []
+        self.current: _State | None = None
+        self.refused: dict[Any, str] = {}  # keys that stay on Dynamo's path, and why
+        self.note = ""  # why the last call that missed took Dynamo's path
+        self.captures = 0
+        self.replays = 0
+        self._lock = threading.Lock()
+
+    # -- the hot path ---------------------------------------------------------------------------------
+
+    def __call__(self, args: Sequence[Any], kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
+        if torch.is_grad_enabled() or ACTIVE.mode is not None:
+            return dynamo(*args, **kwargs)
+        key = call_key(args, kwargs)
+        state = self.current
+        if state is not None:
+            entry = state.entries.get(key)
+            if entry is not None and entry.global_state.check() and state.watch.holds():
+                self.replays += 1
+                return entry.replay(args, kwargs)
+        return self._miss(key, args, kwargs, dynamo)
+
+    # -- misses ---------------------------------------------------------------------------------------
+
+    def _miss(self, key: Any, args: Sequence[Any], kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
+        if isinstance(key, str):
+            self.note = key
+            return dynamo(*args, **kwargs)
+        if key in self.refused:
+            self.note = self.refused[key]
+            return dynamo(*args, **kwargs)
+        with self._lock:
+            state = self._state()
+            entry = state.entries.get(key)
+            if entry is not None and entry.global_state.check():
+                self.replays += 1
+                return entry.replay(args, kwargs)
+            state.entries.pop(key, None)  # captured under other global settings
+            return self._capture(state, key, args, kwargs, dynamo)
+
+    def _state(self) -> _State:
+        """The state the model is in now: the current one, a kept one that holds, or a new one."""
+        if self.current is not None and self.current.watch.holds():
+            return self.current
+        for s in self.states:
+            if s is not self.current and s.watch.holds():
+                self.current = s
+                return s
+        watch = StateWatch(self.fn)
+        # a state with other tensors goes: its graphs read memory the model no longer holds
+        self.states = [s for s in self.states if s.watch.same_tensors(watch)][-(MAX_STATES - 1):]
+        self.current = _State(watch)
+        self.states.append(self.current)
+        return self.current
+
+    def _refuse(self, key: Any, reason: str) -> None:
+        self.refused[key] = reason
+        self.note = reason
+
+    def _passing(self, state: _State, key: Any, reason: str) -> None:
+        """The capture waits for a later call; after ``MAX_ATTEMPTS`` such calls the key is refused."""
+        state.attempts[key] = state.attempts.get(key, 0) + 1
+        if state.attempts[key] >= MAX_ATTEMPTS:
+            self._refuse(key, f"{reason} ({MAX_ATTEMPTS} calls in a row)")
+        else:
+            self.note = reason
+
+    # -- capturing ------------------------------------------------------------------------------------
+
+    def _capture(self, state: _State, key: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                 dynamo: Callable[..., Any]) -> Any:
+        arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
+        kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
+        tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
+        device, why = _one_cuda_device(tensors, args, kwargs)
+        if device is None:
+            self._refuse(key, why)
+            return dynamo(*args, **kwargs)
+        if any(map(_overlaps, tensors)):
+            self._refuse(key, "an input's elements overlap in memory (an expanded tensor): not copied into "
+                              "a graph's input")
+            return dynamo(*args, **kwargs)
+        dev = _device_for(device, self.backend.pool)
+        statics = [_like(t) for t in tensors]  # as Dynamo saw the caller's: no guard fails on them
+        inference = any(s.is_inference() for s in statics)
+        if statics:
+            with torch.inference_mode() if inference else nullcontext():
+                torch._foreach_copy_(statics, tensors)
+        s_args, s_kwargs = list(args), dict(kwargs)
+        for s, i in zip(statics, arg_index):
+            s_args[i] = s
+        for s, k in zip(statics[len(arg_index):], kw_names):
+            s_kwargs[k] = s
+        versions = [s._version for s in statics]
+        marks = self._marks()
+        caller = dev.caller()
+        gs = _global_state()
+        with _active("warm") as active, dev.on_capture_stream():
+            out = dynamo(*s_args, **s_kwargs)
+        leaves = pytree.tree_leaves(out)
+        dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
+        written = active.mutated
+        write_back = [i for i, s in enumerate(statics)
+                      if s._version != versions[i] or s.untyped_storage().data_ptr() in written]
+        for i in write_back:  # this call's writes into the caller's inputs
+            tensors[i].copy_(statics[i])
+        reason = active.refusal or _output_refusal(leaves, device, statics, state.watch.tensors)
+        if reason:
+            self._refuse(key, reason)
+            return out
+        if active.compiled or self._marks() != marks:
+            self.note = "a graph was compiled or chose its candidate in this call: the next call captures"
+            return out
+        if not state.watch.holds():
+            self._passing(state, key, f"the call changes the model's state ({state.watch.changed()})")
+            return out
+        try:
+            with _active("capture") as active:
+                graph, captured = dev.capture(dynamo, s_args, s_kwargs)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
+            return out
+        entry = self._entry(graph, dev, statics, arg_index, kw_names, write_back, captured, gs)
+        if isinstance(entry, str):
+            self._refuse(key, entry)
+        elif active.refusal or active.compiled or self._marks() != marks or not state.watch.holds():
+            self._passing(state, key, "the capture ran other code than the warm-up")
+        else:
+            state.entries[key] = entry
+            state.attempts.pop(key, None)
+            self.captures += 1
+            self.note = ""
+        return out
+
+    def _marks(self) -> tuple[int, int]:
+        stats = self.backend.stats
+        return stats.graphs, stats.captures
+
+    def _entry(self, graph: Any, dev: Any, statics: list[torch.Tensor], arg_index: list[int],
+               kw_names: list[str], write_back: list[int], out: Any, gs: Any) -> _Entry | str:
+        leaves, spec = pytree.tree_flatten(out)
+        reason = _output_refusal(leaves, dev.device, statics, [])
+        if reason:
+            return reason
+        outputs: list[torch.Tensor] = []
+        slot_of: dict[int, int] = {}
+        slots = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                slots.append(slot_of.setdefault(id(leaf), len(outputs)))
+                if slots[-1] == len(outputs):
+                    outputs.append(leaf)
+            else:
+                slots.append(-1)
+        kept = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return _Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
+                      write_back=write_back, outputs=outputs, leaves=kept, slots=slots, spec=spec,
+                      global_state=gs, clone=self.clone, inference=any(s.is_inference() for s in statics))
+
+    def explain(self) -> str:
+        lines = [f"whole-call graphs: {self.captures} captured, {self.replays} replays"]
+        for key, reason in self.refused.items():
+            lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
+        if self.note and self.note not in self.refused.values():
+            lines.append(f"  last miss: {self.note}")
+        return "\n".join(lines)
+
+
+def _describe(key: Any) -> str:
+    parts = []
+    for k in key[:-1]:
+        meta = k[1] if isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], str) else k
+        if isinstance(meta, tuple) and meta and isinstance(meta[0], torch.Size):
+            parts.append(f"{tuple(meta[0])} {str(meta[2]).replace('torch.', '')}")
+        else:
+            parts.append(repr(meta[1]) if isinstance(meta, tuple) and len(meta) == 2 else "?")
+    return f"call({', '.join(parts)})"
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements share memory (an expanded tensor): nothing can be copied into it."""
+    extent = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with ``t``'s layout, and its ``requires_grad`` and inference-ness."""
+    with torch.inference_mode(t.is_inference()):
+        s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return s.requires_grad_(t.requires_grad) if t.requires_grad else s
+
+
+def _one_cuda_device(tensors: list[torch.Tensor], args: Sequence[Any], kwargs: dict[str, Any]
+                     ) -> tuple[torch.device | None, str]:
+    params = [a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)]
+    devices = {t.device for t in params}
+    if not devices:
+        return None, "no tensor argument: nothing says which GPU to capture on"
+    if len(devices) > 1:
+        return None, "tensor arguments on several devices"
+    device = next(iter(devices))
+    if device.type != "cuda":
+        return None, f"the arguments are on the {device.type.upper()}: whole-call graphs are CUDA graphs"
+    return device, ""
+
+
+def _output_refusal(leaves: list[Any], device: torch.device, statics: list[torch.Tensor],
+                    held: list[torch.Tensor]) -> str:
+    """Why outputs cannot come from a replay ('' where they can)."""
+    inputs = {s.untyped_storage().data_ptr() for s in statics} - {0}  # 0: no memory (no elements)
+    kept = {t.untyped_storage().data_ptr() for t in held if t.device == device} - {0}
+    storages: dict[int, int] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device != device:
+                return f"an output is on {leaf.device}, not on {device}"
+            if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+                return f"an output is a {type(leaf).__name__}, a tensor subclass"
+            ptr = leaf.untyped_storage().data_ptr()
+            if ptr in inputs:
+                return "an output is an input or a view of one: the caller's tensor, not a copy, is returned"
+            if ptr in kept:
+                return "an output is a parameter or buffer or a view of one: the module's tensor is returned"
+            if ptr and storages.setdefault(ptr, id(leaf)) != id(leaf):
+                return "two outputs share memory (one is a view of the other): copies would not"
+        elif not isinstance(leaf, _CONSTANTS):
+            return (f"the result holds a {type(leaf).__name__}: whole-call graphs return tensors, numbers, "
+                    "strings and None in tuples, lists, dicts and the containers torch.utils._pytree knows")
+    return ""

@@ -1,0 +1,625 @@
+"""Whole-call graphs: a compiled model's whole call captured into one CUDA graph, replayed past Dynamo.
+
+On the CPU, a stand-in for the CUDA calls (:class:`FakeDevice`) "replays" by
+computing the model eagerly into the captured outputs, so the key, the state
+checks, the choice between replaying and Dynamo's path, and what the caller
+gets back are checked here; ``dynamo`` stands for Dynamo's path and counts its
+calls. The ``slow`` tests go through Dynamo and Inductor's CPU code; the
+``cuda`` tests capture real CUDA graphs.
+"""
+
+import contextlib
+import copy
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from torch.utils import _pytree as pytree  # noqa: E402
+
+from streamdag.frontend import whole_call as wc  # noqa: E402
+from streamdag.frontend.whole_call import StateWatch, WholeCall, call_key  # noqa: E402
+
+
+class FakeGraph:
+    def __init__(self, replay):
+        self.replay = replay
+
+
+class FakeDevice:
+    """The CUDA calls of a whole-call graph, on the CPU: a replay computes ``eager`` into the outputs."""
+
+    def __init__(self, eager):
+        self.eager = eager
+        self.device = torch.device("cpu")
+        self.fail = None
+        self.replays = 0
+
+    def caller(self):
+        return None
+
+    def on_capture_stream(self):
+        return contextlib.nullcontext()
+
+    def join(self, caller, outputs):
+        pass
+
+    def capture(self, fn, args, kwargs):
+        buffers = list(self.eager.buffers()) if isinstance(self.eager, nn.Module) else []
+        saved = [b.clone() for b in buffers]
+        out = fn(*args, **kwargs)
+        with torch.no_grad():  # a capture runs nothing: what the call updated in place stays as it was
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+        if self.fail:  # as CUDA's capture fails: at its end
+            raise RuntimeError(self.fail)
+
+        def replay():
+            self.replays += 1
+            fresh = self.eager(*args, **kwargs)
+            for o, f in zip(pytree.tree_leaves(out), pytree.tree_leaves(fresh)):
+                if isinstance(o, torch.Tensor):
+                    o.copy_(f)
+        return FakeGraph(replay), out
+
+    def order(self):
+        pass
+
+
+class FakeStats:
+    graphs = 0
+    captures = 0
+
+
+class FakeBackend:
+    def __init__(self):
+        self.stats = FakeStats()
+        self.pool = None
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Whole-call graphs on the CPU through :class:`FakeDevice`; returns a function that makes one."""
+    devices = []
+
+    def make(eager):
+        dev = FakeDevice(eager)
+        devices.append(dev)
+        monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
+        return dev
+
+    monkeypatch.setattr(wc, "_one_cuda_device", lambda tensors, args, kwargs: (torch.device("cpu"), ""))
+    return make
+
+
+@pytest.fixture(params=["native", "python"])
+def state_checks(request, monkeypatch):
+    """Each state test runs with the compiled dict-version check and with the Python comparison alone."""
+    if request.param == "python":
+        monkeypatch.setattr(wc, "_native_tags", None)
+        monkeypatch.setattr(wc, "_native_checked", True)
+    elif wc._dict_tags() is None:
+        pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.13 on)")
+    return request.param
+
+
+class Dynamo:
+    """Stands for Dynamo's path: the model run eagerly, calls counted."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def whole(model, fake_device):
+    fake_device(model)
+    return WholeCall(model, FakeBackend()), Dynamo(model)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+# -- the key ------------------------------------------------------------------------------------------
+
+def test_a_calls_key_tells_apart_shapes_strides_dtypes_devices_and_constants():
+    x = torch.randn(4, 6)
+    base = call_key((x, 2), {"scale": 1.5})
+    assert call_key((torch.randn(4, 6), 2), {"scale": 1.5}) == base, "values of tensors are not keyed"
+    others = [call_key((torch.randn(5, 6), 2), {"scale": 1.5}),
+              call_key((torch.randn(6, 4).t(), 2), {"scale": 1.5}),
+              call_key((x.double(), 2), {"scale": 1.5}),
+              call_key((x, 3), {"scale": 1.5}),
+              call_key((x, 2), {"scale": 2.5}),
+              call_key((x, 2), {})]
+    with torch.inference_mode():
+        others.append(call_key((x, 2), {"scale": 1.5}))
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+
+
+def test_a_parameter_passed_as_an_argument_is_keyed_by_its_address():
+    p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    assert call_key((p,), {}) != call_key((q,), {})
+    assert call_key((torch.randn(3),), {}) == call_key((torch.randn(3),), {})
+
+
+def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():
+    why = call_key(([torch.randn(2)],), {})
+    assert isinstance(why, str) and "an argument is a list" in why
+
+
+# -- the model's state --------------------------------------------------------------------------------
+
+SCALE = 2.0
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.factor = 1.0
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * self.factor * SCALE
+
+
+def _set_global(value):
+    global SCALE
+    SCALE = value
+
+
+CHANGES = {
+    "the root's training flag": lambda m: m.train(),
+    "a submodule's training flag": lambda m: m.bn.train(),
+    "a replaced parameter": lambda m: setattr(m.lin, "weight", nn.Parameter(torch.randn(4, 4))),
+    "a parameter given other memory": lambda m: setattr(m.lin.weight, "data", torch.randn(4, 4)),
+    "a buffer resized in place": lambda m: m.bn.running_mean.resize_(2),
+    "a parameter put in the dict directly": lambda m: m.lin._parameters.__setitem__(
+        "bias", nn.Parameter(torch.randn(4))),
+    "a replaced buffer": lambda m: setattr(m.bn, "running_mean", torch.zeros(4)),
+    "a replaced submodule": lambda m: setattr(m, "bn", nn.BatchNorm1d(4)),
+    "a changed attribute": lambda m: setattr(m, "factor", 3.0),
+    "an added attribute": lambda m: setattr(m.lin, "extra", 1),
+    "a removed attribute": lambda m: delattr(m, "factor"),
+    "a forward hook": lambda m: m.lin.register_forward_hook(lambda *a: None),
+    "a global the forward reads": lambda m: _set_global(5.0),
+    "the module moved to another dtype": lambda m: m.double(),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_state_watch_sees_each_change_to_a_model(change, state_checks):
+    m = Scaled().eval()
+    watch = StateWatch(m)
+    assert watch.holds()
+    try:
+        CHANGES[change](m)
+        assert not watch.holds(), change
+        assert watch.changed(), change
+    finally:
+        _set_global(2.0)
+
+
+def test_the_state_watch_holds_through_in_place_updates_and_values_set_to_themselves(state_checks):
+    m = Scaled().eval()
+    watch = StateWatch(m)
+    with torch.no_grad():
+        m.lin.weight.mul_(2)
+        m.bn.running_mean.add_(1)
+    m.eval()
+    m.factor = m.factor
+    m.lin.weight = m.lin.weight
+    assert watch.holds() and watch.holds() and watch.changed() == ""
+
+
+def test_the_state_watch_of_a_function_guards_its_closure_and_globals(state_checks):
+    w = torch.randn(3)
+
+    def f(x):
+        return x * w * SCALE
+
+    watch = StateWatch(f)
+    assert watch.holds()
+    w = torch.randn(3)  # the closure's cell now holds another tensor
+    assert not watch.holds() and "closure" in watch.changed()
+
+
+# -- replaying --------------------------------------------------------------------------------------
+
+def test_calls_after_the_capture_replay_the_graph_without_entering_dynamo(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert dynamo.calls == 2, "one warm-up and one capture, then replays"
+    assert w.captures == 1 and w.replays == 4
+
+
+def test_replayed_outputs_belong_to_the_caller(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        xs = [torch.randn(3, 8) for _ in range(4)]
+        outs = [w((x,), {}, dynamo) for x in xs]
+        for x, out in zip(xs, outs):  # later replays left earlier outputs alone
+            torch.testing.assert_close(out, m(x))
+    entry = next(iter(w.current.entries.values()))
+    graph_memory = entry.outputs[0].untyped_storage().data_ptr()
+    assert all(o.untyped_storage().data_ptr() != graph_memory for o in outs)
+
+
+def test_a_replaced_parameter_captures_again(fake_device, state_checks):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            w((x,), {}, dynamo)
+        m[0].weight = nn.Parameter(torch.randn(16, 8))
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2 and len(w.states) == 1, "the old state read tensors the model no longer holds"
+
+
+def test_a_parameter_given_other_memory_captures_again(fake_device, state_checks):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        w((x,), {}, dynamo)
+        m[2].weight.data = torch.randn(4, 16)
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2
+
+
+def test_train_and_eval_keep_a_graph_each(fake_device, state_checks):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()
+    ref = copy.deepcopy(m)
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for mode in ("eval", "train", "eval", "train", "eval"):
+            getattr(m, mode)()
+            getattr(ref, mode)()
+            for _ in range(2):
+                x = torch.randn(6, 8)
+                torch.testing.assert_close(w((x,), {}, dynamo), ref(x))
+    assert w.captures == 2 and len(w.states) == 2
+
+
+def test_a_new_input_shape_captures_a_graph_of_its_own(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for batch in (1, 1, 5, 5, 1, 5):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2 and w.replays == 4
+
+
+def test_with_grad_enabled_every_call_takes_dynamos_path(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        w((x,), {}, dynamo)
+    assert dynamo.calls == 3 and w.captures == 0
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_forward_that_changes_the_models_state_is_never_replayed(fake_device, state_checks):
+    m = Counting().eval()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(6):
+            w((torch.randn(2, 4),), {}, dynamo)
+    assert w.captures == 0 and dynamo.calls == 6 and m.calls == 6
+    assert "the call changes the model's state (Counting.calls)" in w.explain()
+
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x, x * 2
+
+
+def test_a_model_that_returns_its_input_stays_on_dynamos_path_and_says_why(fake_device):
+    m = Identity()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(3):
+            got = w((x,), {}, dynamo)
+    assert got[0] is x and w.captures == 0
+    assert "an output is an input or a view of one" in w.explain()
+
+
+class AddsInPlace(nn.Module):
+    def forward(self, x, y):
+        x.add_(1)
+        return x * y
+
+
+def test_an_input_the_call_writes_into_is_written_back_after_each_replay(fake_device):
+    m = AddsInPlace()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x, y = torch.randn(4), torch.randn(4)
+            x_want = x.clone()
+            want = m(x_want, y)
+            torch.testing.assert_close(w((x, y), {}, dynamo), want)
+            torch.testing.assert_close(x, x_want)
+    assert w.replays == 2
+
+
+def test_a_capture_that_fails_leaves_the_key_on_dynamos_path_and_says_why(fake_device):
+    m = mlp()
+    dev = fake_device(m)
+    dev.fail = "operation not permitted when stream is capturing"
+    w, dynamo = WholeCall(m, FakeBackend()), Dynamo(m)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 0 and dynamo.calls == 4, "one warm-up, one failed capture, two calls through Dynamo"
+    assert "the call cannot be captured (RuntimeError: operation not permitted" in w.explain()
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0):
+        h = self.lin(x) * scale
+        return {"h": h, "both": (h, h.relu()), "n": 3, "none": None}
+
+
+def test_containers_constants_and_keyword_arguments_come_back_as_the_model_returns_them(fake_device):
+    m = Structured().eval()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            got, want = w((x,), {"scale": 2.0}, dynamo), m(x, scale=2.0)
+            assert got["n"] == 3 and got["none"] is None and isinstance(got["both"], tuple)
+            torch.testing.assert_close(got["both"][1], want["both"][1])
+            assert got["h"] is got["both"][0], "one tensor returned twice stays one tensor"
+    assert w.replays == 2
+
+
+def test_a_result_of_another_type_stays_on_dynamos_path_and_says_why(fake_device):
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    class Boxed(nn.Module):
+        def forward(self, x):
+            return Box(x * 2)
+
+    m = Boxed()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            w((torch.randn(2),), {}, dynamo)
+    assert w.captures == 0 and "the result holds a Box" in w.explain()
+
+
+# -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
+
+class Broken(nn.Module):
+    """Two graphs with Python between them (a graph break)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h + 1)
+
+
+@pytest.mark.slow
+def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device, monkeypatch):
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = Broken().eval()
+    fake_device(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(c(x), m(x))
+        graph_calls = c.statistics().calls
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(c(x), m(x))
+    stats = c.statistics()
+    assert stats.graphs == 2 and stats.calls == graph_calls, "replays enter no graph"
+    assert stats.whole_captures == 1 and stats.whole_replays >= 4
+    assert "whole-call graphs: 1 captured" in c.explain()
+    torch._dynamo.reset()
+
+
+# -- CUDA --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_model_with_a_graph_break_replays_one_graph_past_dynamo(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = Broken().eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(2, 8, device="cuda"))
+        graph_calls = c.statistics().calls
+        pairs = [(c(x), m(x)) for x in (torch.randn(2, 8, device="cuda") for _ in range(4))]
+        for got, want in pairs:  # each output the caller's: later replays left it alone
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    stats = c.statistics()
+    assert stats.whole_captures == 1 and stats.whole_replays >= 4, c.explain()
+    assert stats.calls == graph_calls, "replays enter none of Dynamo's graphs"
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_replaced_parameter_captures_the_whole_call_again(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).eval().cuda()
+    c = sd.compile(m)
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            c(x)
+        m[0].weight = nn.Parameter(torch.randn(64, 64, device="cuda"))
+        for _ in range(3):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            m[0].weight.mul_(3)  # read in place by the graph
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    assert c.statistics().whole_captures == 2, c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_train_and_eval_each_replay_their_own_graph(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).cuda().eval()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for mode in ("eval", "train", "eval", "train"):
+            getattr(m, mode)()
+            getattr(ref, mode)()
+            for _ in range(3):
+                x = torch.randn(8, 16, device="cuda")
+                torch.testing.assert_close(c(x), ref(x), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(m[1].running_mean, ref[1].running_mean, rtol=1e-4, atol=1e-4)
+            assert int(m[1].num_batches_tracked) == int(ref[1].num_batches_tracked)
+    assert c.statistics().whole_captures == 2, c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_new_input_shape_gets_a_graph_and_the_old_one_still_replays(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.GELU()).eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for batch in (2, 2, 2, 7, 7, 7, 2):
+            x = torch.randn(batch, 32, device="cuda")
+            torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    stats = c.statistics()
+    assert stats.whole_captures == 2 and stats.whole_replays == 3, c.explain()
+
+
+class Syncs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum().item() > 1e9:  # a host synchronization: no capture
+            h = h * 0
+        return h.relu()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_forward_that_synchronizes_stays_on_dynamos_path_and_says_why(fresh_dynamo):
+    torch.manual_seed(0)
+    m = Syncs().eval().cuda()
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8, device="cuda")
+            torch.testing.assert_close(c(x), m(x), rtol=1e-3, atol=1e-3)
+        torch.randn(2, device="cuda")  # the random generator still works after the failed capture
+    assert c.statistics().whole_captures == 0
+    assert "on Dynamo's path" in c.explain(), c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_whole_call_with_regions_on_several_streams_equals_eager(no_tf32, fresh_dynamo):
+    from test_compile_v2 import Inception
+
+    torch.manual_seed(0)
+    m = Inception(c=64).eval().cuda()
+    c = sd.compile(m, regions="always", candidates=["regions"])
+    with torch.inference_mode():
+        pairs = [(c(x), m(x)) for x in (torch.randn(1, 64, 28, 28, device="cuda") for _ in range(5))]
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert c.statistics().whole_replays >= 3, c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_replay_on_a_side_stream_follows_the_callers_work(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval().cuda()
+    c = sd.compile(m)
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(64, 256, device="cuda"))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x = torch.randn(64, 256, device="cuda") * 3
+            got = c(x) + 0
+        torch.cuda.current_stream().wait_stream(side)
+        torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-4)
+    assert c.statistics().whole_replays >= 2
+
+
+@pytest.mark.cuda
+def test_on_cuda_whole_call_false_keeps_every_call_on_dynamos_path(fresh_dynamo):
+    m = nn.Linear(8, 8).eval().cuda()
+    c = sd.compile(m, whole_call=False)
+    with torch.no_grad():
+        for _ in range(3):
+            c(torch.randn(2, 8, device="cuda"))
+    assert c.statistics().whole_captures == 0 and c.whole is None
