@@ -222,6 +222,15 @@ def test_a_multi_stream_candidate_that_needs_much_more_memory_is_not_kept():
     assert "not kept" in cands[1].notes[0]
 
 
+def test_the_memory_rule_counts_the_graphs_weights_with_each_candidates_pool():
+    # a one-stream capture that needs no pool of its own must not reject every second stream
+    cands = [_cand("inductor", 1, 1.0, mib=0.0), _cand("regions x3", 3, 0.9, mib=22.0)]
+    assert cands[pick(cands, memory_ratio=1.1, base_mib=250.0)].label == "regions x3"
+    cands = [_cand("inductor", 1, 1.0, mib=0.0), _cand("regions x3", 3, 0.9, mib=22.0)]
+    assert cands[pick(cands, memory_ratio=1.1, base_mib=20.0)].label == "inductor"
+    assert "with the graph's inputs it needs 42.0 MiB" in cands[1].notes[0]
+
+
 def test_picking_needs_every_candidate_timed():
     with pytest.raises(ValueError, match="needs its time"):
         pick([Candidate("inductor", 1, lambda a: a)])
@@ -499,6 +508,18 @@ def test_every_candidate_is_captured_and_timed_and_the_fastest_kept(no_tf32):
     fewest = min(cand.ms for cand in timed if cand.streams == 1)
     assert runner.chosen.ms <= fewest * 1.0001, c.explain()
     assert "<- chosen" in c.explain()
+
+
+@pytest.mark.cuda
+def test_a_candidates_capture_is_measured_as_what_its_pool_holds():
+    from streamdag.frontend.candidates import CapturedGraph, SharedPool
+
+    x = torch.randn(1024, 1024, device="cuda")
+    held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    del held  # cached by the allocator: the capture's own emptying of the cache must not offset it
+    cand = Candidate("inductor", 1, lambda args: [args[0] * 2 + 1])
+    graph = CapturedGraph(cand, [x], [], [], SharedPool(), x.device, private=True)
+    assert graph.peak_bytes >= 2 * x.nbytes  # two temporaries of 4 MiB at least
 
 
 @pytest.mark.cuda

@@ -14,8 +14,9 @@ temporaries may reuse another's.
 :func:`choose` replays the captured candidates in rounds, timed by CUDA events
 on the caller's stream, and keeps the one with the lowest median. A candidate
 on more streams must beat the best on fewer by more than ``tie`` (ties go to
-fewer streams), and one whose capture needed more than ``memory_ratio`` times
-the memory of the leanest one-stream candidate is not kept. While they are
+fewer streams), and one that needs more than ``memory_ratio`` times the memory
+of the leanest one-stream candidate, the graph's inputs (weights and all)
+counted with each, is not kept. While they are
 compared, each candidate is captured in a private pool (so its memory can be
 read off the pool); the one kept is captured again in the shared pool.
 """
@@ -122,8 +123,11 @@ class CapturedGraph:
                 candidate.run(list(self.inputs))
         stream.synchronize()
         # a private pool starts empty, so what it reserves is what this capture needs (no peak
-        # statistics are reset: they belong to the caller)
+        # statistics are reset: they belong to the caller). The capture empties the allocator's
+        # cache as it starts: emptied first, so that what it frees does not offset the pool's growth
         handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
+        if private:
+            torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=handle, stream=stream):
@@ -171,8 +175,11 @@ class CapturedGraph:
 
 
 def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
-           memory_ratio: float = 1.1) -> CapturedGraph:
-    """Time the captured candidates by replays in rounds; the fastest, ties to fewer streams."""
+           memory_ratio: float = 1.1, base_mib: float = 0.0) -> CapturedGraph:
+    """Time the captured candidates by replays in rounds; the fastest, ties to fewer streams.
+
+    ``base_mib``: what the graph's inputs (weights, buffers, the caller's tensors) hold, for
+    :func:`pick`'s memory rule."""
     if len(captured) == 1:
         return captured[0]
     device = captured[0].device
@@ -191,17 +198,20 @@ def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
     for c, ts in zip(captured, times):
         c.candidate.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
         c.candidate.peak_mib = c.peak_bytes / 2**20
-    return captured[pick([c.candidate for c in captured], tie, memory_ratio)]
+    return captured[pick([c.candidate for c in captured], tie, memory_ratio, base_mib=base_mib)]
 
 
 def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.1,
-         slack_mib: float = 8.0) -> int:
+         slack_mib: float = 8.0, base_mib: float = 0.0) -> int:
     """The index of the candidate to keep, from their times (``ms``) and capture sizes (``peak_mib``).
 
     The fastest on one stream, unless one on more streams beats the best on fewer by more
-    than ``tie``; a candidate on several streams whose capture took more than ``memory_ratio``
-    times the leanest one-stream capture (plus ``slack_mib``: pools grow by whole segments) is
-    not kept.
+    than ``tie``. Memory is judged for the whole graph: what its inputs hold (``base_mib``:
+    weights, buffers, the caller's tensors) plus what a capture's pool needs. A candidate on
+    several streams whose whole comes to more than ``memory_ratio`` times the whole of the
+    leanest one-stream candidate (plus ``slack_mib``: pools grow by whole segments) is not
+    kept. (Against the pools alone, a one-stream pool of a few MiB would reject any second
+    stream however small its share of the model's memory.)
     """
     if any(c.ms is None for c in cands):
         raise ValueError("every candidate needs its time (ms) before one is picked")
@@ -209,10 +219,12 @@ def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.
     best: int | None = None
     for i in sorted(range(len(cands)), key=lambda i: cands[i].streams):
         c = cands[i]
-        heavy = lean is not None and c.peak_mib is not None and c.peak_mib > memory_ratio * lean + slack_mib
+        heavy = (lean is not None and c.peak_mib is not None
+                 and base_mib + c.peak_mib > memory_ratio * (base_mib + lean) + slack_mib)
         if c.streams > 1 and heavy:
-            c.notes.append(f"not kept: its capture needed {c.peak_mib:.1f} MiB, "
-                           f"over {memory_ratio}x the one-stream {lean:.1f} MiB")
+            c.notes.append(f"not kept: with the graph's inputs it needs {base_mib + c.peak_mib:.1f} MiB "
+                           f"(its capture {c.peak_mib:.1f}), over {memory_ratio}x the "
+                           f"{base_mib + lean:.1f} MiB of the leanest one-stream candidate")
             continue
         if best is None:
             best = i

@@ -353,7 +353,8 @@ class GraphRunner:
         if not captured:
             return self._uncaptured("no candidate could be captured: " +
                                     "; ".join(f"{c.label}: {c.error}" for c in cands))
-        best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio)
+        best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio,
+                      base_mib=_held_mib(args))
         self.chosen = best.candidate
         self._set_switch(best.candidate)
         if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
@@ -435,6 +436,13 @@ class GraphRunner:
         if self._run is None:
             lines.append("  not called yet")
         return "\n".join(lines)
+
+
+def _held_mib(args: Sequence[Any]) -> float:
+    """What the graph's tensor inputs hold (each storage once), in MiB: weights, buffers, inputs."""
+    storages = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
+                for a in args if isinstance(a, torch.Tensor)}
+    return sum(storages.values()) / 2**20
 
 
 class _Fallback:
