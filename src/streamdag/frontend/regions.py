@@ -7,8 +7,13 @@ and waits only at its start and is waited on only at its end.
 
 1. Ops are grouped into units: a tuple's ``getitem`` goes with the op that makes
    the tuple, and a free op (a view) goes with the op that uses it, so no region
-   boundary carries a tuple or a lone view.
-2. Each unit gets an estimated cost (FLOPs and bytes, see :func:`node_cost_ms`).
+   boundary carries a tuple or a lone view. Ops without FLOPs of their own
+   (pointwise, reductions, pools) join the unit whose kernels Inductor fuses
+   them into (:func:`_fuse_flopless`): a unit is a convolution or matmul with
+   its epilogue, or a join of branches. Units are numbered in a topological
+   order, graph order where it leaves a choice.
+2. Each unit gets an estimated cost (FLOPs and bytes, see :func:`node_cost_ms`,
+   calibrated on Inductor's times at batch 1).
    Ops with side effects (``copy_`` into an input, asserts) are barriers: they
    follow every unit before them and precede every unit after them.
 3. :func:`streamdag.schedule.build_schedule` assigns units to streams by a
@@ -19,12 +24,16 @@ and waits only at its start and is waited on only at its end.
    unit another stream waits on. So an edge between regions always goes from
    the last unit of one to the first unit of another, and the regions, numbered
    by their first unit, are in a topological order.
+5. The plan's estimate (:attr:`RegionPlan.gain`) simulates the regions on their
+   streams (:data:`REGION_MODEL`, fitted to measured region candidates); the
+   compile path compiles the regions only where it predicts a large gain.
 
 Pure planning over FX nodes: nothing here compiles or runs anything.
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,14 +47,25 @@ from ..schedule.plan import Schedule
 
 __all__ = ["Region", "RegionPlan", "node_cost_ms", "plan_regions"]
 
-#: Rough device ceilings that turn FLOPs and bytes into milliseconds. Only the
-#: ratios between ops matter: they decide which branches are worth a stream.
-PEAK_FLOPS = 2.0e14
+#: The time of a convolution or matmul with the kernels Inductor fuses around it (its epilogue:
+#: bias, normalization, activation): ``HEAVY_MS + max(FLOPs / PEAK_FLOPS, bytes / PEAK_BYTES)``.
+#: Fitted to Inductor's one-stream CUDA-graph replays on an H200 at batch 1, fp32 with TF32:
+#: ResNet-50, GoogLeNet and Inception-v3 take 0.614, 0.552 and 1.067 ms for 54, 58 and 95 such
+#: ops of 8.2, 3.0 and 11.4 GFLOP; the model says 0.66, 0.56 and 1.06 ms. At batch 1 the fixed
+#: part (a few kernels' launch, ramp and tail) is most of the time.
+HEAVY_MS = 0.0085
+PEAK_FLOPS = 5.5e13
 PEAK_BYTES = 3.0e12
-#: Pointwise and reduction ops mostly fuse into their neighbours' kernels.
+#: Pointwise and reduction ops mostly fuse into their neighbours' kernels: a share of their bytes.
 FUSED_SHARE = 0.3
-#: What a kernel launch costs on the GPU even when it does nothing, in ms.
-KERNEL_MS = 0.002
+#: How ops on several streams share the device (:class:`~streamdag.schedule.cost.CostModel`),
+#: fitted to the region candidates of the same three models as they were cut before ops without
+#: FLOPs joined their neighbours (a unit, and mostly a region, per op; times over the one-stream
+#: time: GoogLeNet on 2, 3 and 4 streams 1.09, 1.02 and 0.97, ResNet-50 1.21-1.22, Inception-v3
+#: on 4 streams 1.01): an op 16 µs long fills the device alone (shorter ones leave room for
+#: others), each cross-stream wait costs 1 µs. The fit's error is 6% (root mean square); the gain
+#: the compile path requires before it compiles regions (``MIN_GAIN``) is two and a half times that.
+REGION_MODEL = CostModel(launch_ms=0.0, wait_ms=0.001, saturating_ms=0.016)
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
@@ -147,7 +167,7 @@ def node_cost_ms(node: torch.fx.Node) -> float:
     moved += sum(t.numel() * t.element_size() for t in _tensor_vals(_val(node)))
     flops = _flops(node)
     if flops:
-        return KERNEL_MS + max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
+        return HEAVY_MS + max(flops / PEAK_FLOPS, moved / PEAK_BYTES) * 1e3
     return FUSED_SHARE * moved / PEAK_BYTES * 1e3
 
 
@@ -169,28 +189,93 @@ def _units(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
         users = {anchor[u] for u in n.users if u in inside}
         if len(users) == 1 and len(n.users) == len(users) and all(u in inside for u in n.users):
             anchor[n] = next(iter(users))
-    return anchor
+    if not any(map(_is_barrier, nodes)):  # (a barrier's order with the reads around it is by graph order)
+        _fuse_flopless(nodes, anchor, inside)
+    return {n: _root(anchor, n) for n in nodes}
+
+
+def _root(anchor: dict[torch.fx.Node, torch.fx.Node], n: torch.fx.Node) -> torch.fx.Node:
+    while anchor[n] is not n:
+        n = anchor[n]
+    return n
+
+
+def _fuse_flopless(nodes: list[torch.fx.Node], anchor: dict[torch.fx.Node, torch.fx.Node],
+                   inside: set[torch.fx.Node]) -> None:
+    """Ops with no FLOPs of their own (pointwise, reductions, pools) join a neighbour's unit.
+
+    Inductor fuses them into the kernels around them, so on a stream of their own they would
+    cost events and a kernel each and save nothing. An op whose activations all come from one
+    unit joins it (an epilogue: BatchNorm's scale and shift, an activation); an op computed
+    from the graph's inputs alone (BatchNorm's ``rsqrt(var + eps) * weight``: per-channel work
+    on parameters) joins the one unit that reads it. Without this, every such chain is an
+    independent branch, and a ResNet looks a hundred branches wide.
+    """
+    leaf: dict[torch.fx.Node, bool] = {}  # light work on the graph's inputs alone
+    for n in nodes:
+        leaf[n] = _flops(n) == 0 and all(a not in inside or leaf[a] for a in n.all_input_nodes)
+    for n in nodes:  # forward: an epilogue goes with the unit that makes its activations
+        if anchor[n] is not n or leaf[n] or _flops(n) > 0:
+            continue
+        sources = {_root(anchor, a) for a in n.all_input_nodes if a in inside and not leaf[a]}
+        if len(sources) == 1:
+            anchor[n] = sources.pop()
+    for n in reversed(nodes):  # backward: work on the inputs alone goes with the unit that reads it
+        if anchor[n] is not n or not leaf[n] or _flops(n) > 0:
+            continue
+        users = {_root(anchor, u) for u in n.users if u in inside}
+        if len(users) == 1 and all(u in inside for u in n.users):
+            anchor[n] = users.pop()
+
+
+def _topological(roots: list[torch.fx.Node], preds: dict[torch.fx.Node, set[torch.fx.Node]]
+                 ) -> list[torch.fx.Node]:
+    """The units in an order their dependencies allow, graph order where they leave a choice (a
+    unit may hold ops from before its anchor, so anchor order alone need not be topological)."""
+    position = {r: i for i, r in enumerate(roots)}
+    waiting = {r: len(preds[r]) for r in roots}
+    users: dict[torch.fx.Node, list[torch.fx.Node]] = {r: [] for r in roots}
+    for r in roots:
+        for p in preds[r]:
+            users[p].append(r)
+    ready = [(position[r], r) for r in roots if waiting[r] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, r = heapq.heappop(ready)
+        order.append(r)
+        for u in users[r]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (position[u], u))
+    if len(order) != len(roots):  # the fusions above never join a unit to one that depends on it
+        raise AssertionError("the units of the graph form a cycle")
+    return order
 
 
 def plan_regions(gm: torch.fx.GraphModule, max_streams: int = 4, min_stream_share: float = 0.02,
                  model: CostModel | None = None) -> RegionPlan:
-    """Cut ``gm`` into regions for at most ``max_streams`` streams (see the module docstring)."""
+    """Cut ``gm`` into regions for at most ``max_streams`` streams (see the module docstring).
+
+    ``model``: how concurrent regions share the device, for the estimate (:data:`REGION_MODEL`).
+    """
     if max_streams < 1:
         raise ValueError(f"max_streams must be at least 1, got {max_streams}")
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     anchor = _units(nodes)
-    anchors = [n for n in nodes if anchor[n] is n]
+    roots = [n for n in nodes if anchor[n] is n]
+    unit_preds: dict[torch.fx.Node, set[torch.fx.Node]] = {r: set() for r in roots}
+    for n in nodes:
+        unit_preds[anchor[n]].update(anchor[a] for a in n.all_input_nodes if a in anchor)
+    for r in roots:
+        unit_preds[r].discard(r)
+    anchors = _topological(roots, unit_preds)
     index = {a: i for i, a in enumerate(anchors)}
     members: list[list[torch.fx.Node]] = [[] for _ in anchors]
     for n in nodes:
         members[index[anchor[n]]].append(n)
     costs = [sum(node_cost_ms(n) for n in m) for m in members]
-    preds: list[set[int]] = [set() for _ in anchors]
-    for u, group in enumerate(members):
-        for n in group:
-            for a in n.all_input_nodes:
-                if a in anchor and index[anchor[a]] != u:
-                    preds[u].add(index[anchor[a]])
+    preds: list[set[int]] = [{index[p] for p in unit_preds[a]} for a in anchors]
     last_barrier = -1
     for u, group in enumerate(members):  # barriers follow all before them, precede all after them
         if any(_is_barrier(n) for n in group):
@@ -199,15 +284,16 @@ def plan_regions(gm: torch.fx.GraphModule, max_streams: int = 4, min_stream_shar
         elif last_barrier >= 0:
             preds[u].add(last_barrier)
     for u, ps in enumerate(preds):
-        if any(p >= u for p in ps):  # units are numbered by anchors in graph order: never expected
+        if any(p >= u for p in ps):  # units are numbered in a topological order: never expected
             raise AssertionError(f"unit {u} depends on a later unit: {sorted(ps)}")
     pred_lists = [sorted(p) for p in preds]
     sched = build_schedule(pred_lists, max_streams, costs)
     sched = _demote_light_streams(sched, costs, min_stream_share)
     regions, region_preds = _cut(sched, members, gm)
-    model = model or CostModel()
-    one = simulate(build_schedule(pred_lists, 1, costs), costs, model) if anchors else 0.0
-    estimate = simulate(sched, costs, model) if sched.num_streams > 1 else one
+    one = sum(costs)
+    # unit by unit (a unit's kernels share the device as kernels of that length do), with the waits
+    # of the cut: a region ends where another stream waits, so these are the regions' waits
+    estimate = simulate(sched, costs, model or REGION_MODEL) if sched.num_streams > 1 else one
     return RegionPlan(regions=tuple(regions), preds=tuple(tuple(p) for p in region_preds),
                       streams=sched.num_streams, width=sched.width, one_stream_ms=one,
                       estimate_ms=min(estimate, one))
