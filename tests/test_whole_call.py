@@ -221,6 +221,21 @@ def test_the_state_watch_holds_through_in_place_updates_and_values_set_to_themse
     assert watch.holds() and watch.holds() and watch.changed() == ""
 
 
+def test_the_state_watch_stays_on_its_fast_check_while_a_script_assigns_other_globals():
+    if wc._dict_tags() is None:
+        pytest.skip("no compiled dict-version check here")
+    m = Scaled().eval()
+    watch = StateWatch(m)
+
+    def compared(*args):
+        raise AssertionError("the fast check fell back to comparing every value")
+
+    watch.modules.holds = compared
+    for i in range(3):  # as a script's loop does, in the module that defines the model
+        globals()["_loop_counter"] = i
+        assert watch.holds()
+
+
 def test_the_state_watch_of_a_function_guards_its_closure_and_globals(state_checks):
     w = torch.randn(3)
 
@@ -613,6 +628,28 @@ def test_on_cuda_a_replay_on_a_side_stream_follows_the_callers_work(no_tf32, fre
         torch.cuda.current_stream().wait_stream(side)
         torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-4)
     assert c.statistics().whole_replays >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("whole_call", [True, False])
+def test_on_cuda_a_call_on_another_stream_writes_the_inputs_only_after_the_last_replay_read_them(
+        whole_call, no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).eval().cuda()
+    c = sd.compile(m, whole_call=whole_call)
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(64, 2048, device="cuda"))
+        torch.cuda.synchronize()
+        x1 = torch.randn(64, 2048, device="cuda")
+        got1 = c(x1)  # a long replay on the caller's stream
+        with torch.cuda.stream(side):  # at once on another stream, with no wait of the caller's own
+            x2 = torch.randn(64, 2048, device="cuda")
+            got2 = c(x2)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got1, m(x1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got2, m(x2), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda

@@ -211,7 +211,8 @@ class StateWatch:
         self.tensors = self._tensors(root)
         self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
         sized = self.modules.sized if self.modules is not None else []
-        self._dicts = [c for c in sized if isinstance(c, dict)] + [self.globals]
+        # (not the globals dict: a script's loop assigns its globals on every call)
+        self._dicts = [c for c in sized if isinstance(c, dict)]
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
@@ -239,7 +240,7 @@ class StateWatch:
     def holds(self) -> bool:
         """Whether the state is as it was (see the class docstring)."""
         if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags) \
-                and self._rest_holds() and self._cells_hold() and self._layouts():
+                and self._rest_holds() and self._globals_hold() and self._cells_hold() and self._layouts():
             return True
         if not self._values_hold():
             return False
@@ -253,14 +254,16 @@ class StateWatch:
         return (tuple(map(len, self._rest)) == self._rest_lengths
                 and all(map(operator.is_, itertools.chain.from_iterable(self._rest), self._rest_values)))
 
+    def _globals_hold(self) -> bool:
+        return all(map(operator.is_, map(self.globals.get, self.global_names), self.global_values))
+
     def _cells_hold(self) -> bool:
         return not self.cells or all(map(operator.is_, self._cell_contents(), self.cell_values))
 
     def _values_hold(self) -> bool:
         """The Python comparison: every value the same object, every tensor where it was."""
         return ((self.modules is None or self.modules.holds())
-                and all(map(operator.is_, map(self.globals.get, self.global_names), self.global_values))
-                and self._cells_hold() and self._layouts())
+                and self._globals_hold() and self._cells_hold() and self._layouts())
 
     def changed(self) -> str:
         """What differs from the snapshot, in words ('' where nothing does)."""
@@ -367,6 +370,8 @@ class _Entry:
         tensors = [args[i] for i in self.arg_index]
         if self.kw_names:
             tensors += [kwargs[k] for k in self.kw_names]
+        # first: the inputs are written only after the last replay (on any stream) has read them
+        self.device.order()
         if self.inference and not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 torch._foreach_copy_(self.statics, tensors)
@@ -374,7 +379,6 @@ class _Entry:
             self.statics[0].copy_(tensors[0])
         elif tensors:
             torch._foreach_copy_(self.statics, tensors)
-        self.device.order()
         self.graph.replay()
         for i in self.write_back:
             tensors[i].copy_(self.statics[i])
@@ -447,8 +451,9 @@ class WholeCall:
         if state is not None:
             entry = state.entries.get(key)
             if entry is not None and entry.global_state.check() and state.watch.holds():
-                self.replays += 1
-                return entry.replay(args, kwargs)
+                with self._lock:  # one replay at a time: they share the graph's inputs and outputs
+                    self.replays += 1
+                    return entry.replay(args, kwargs)
         return self._miss(key, args, kwargs, dynamo)
 
     # -- misses ---------------------------------------------------------------------------------------
