@@ -156,8 +156,10 @@ class CapturedGraph:
         self.graph.replay()
 
     def __call__(self, args: Sequence[Any], clone: bool = True) -> Sequence[Any]:
+        # ordered before the copy: the inputs are written only after the last replay has read them
+        self.pool.order_current(self.device, self.device.index)
         self._copy_in(args)
-        self.replay()
+        self.graph.replay()
         for i in self.copied_back:
             args[i].copy_(self.inputs[i])
         if not clone:
