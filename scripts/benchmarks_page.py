@@ -196,6 +196,13 @@ def render_replay_check(data: dict) -> str:
     return table(["argument check before a replay", "check µs", "g.run() host µs"], rows)
 
 
+def render_compile_host(data: dict) -> str:
+    rows = [[r["model"], r["variant"], r["host_us"], r["latency_ms"], r.get("replay_ms"), r.get("added_us"),
+             r.get("compile_s")] for r in data["rows"]]
+    return table(["model", "variant", "host µs per call (no sync)", "latency ms (sync)",
+                  "graph replay ms (GPU)", "latency over replay µs", "compile s"], rows)
+
+
 def render_flat(data: dict) -> str:
     """A benchmark whose result is one dict of numbers (``ms``, ``us_per_op``...): one row each."""
     for key, unit in (("ms", "ms"), ("us_per_op", "µs per op"), ("us", "µs")):
@@ -240,6 +247,9 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                      render_finish_every),
     "replay_check": ("bench/replay_check.py", "The argument check before each replay of a captured "
                      "graph.", render_replay_check),
+    "compile_host": ("bench/compile_host.py", "The host path of a compiled model's call at batch 1: "
+                     "streamdag.compile (one CUDA graph for the whole call, and per graph) against "
+                     "reduce-overhead.", render_compile_host),
     "cpu_wide": ("bench/cpu_wide.py", "The CPU suite's wide graph on worker lanes against a serial "
                  "loop.", render_cpu_wide),
     "sched_scale": ("bench/sched_scale.py", "Scheduling a random DAG of 10,000 ops (pure Python "

@@ -44,3 +44,15 @@ def test_a_flat_result_renders_one_row_per_variant(tmp_path):
     text = load_generator().page(tmp_path)
     assert "| fast | 1.500 |" in text and "| slow | 3.250 |" in text
     assert "Some GPU; Python 3.11, PyTorch 2.4, CUDA 12, streamdag 0.1.0." in text
+
+
+def test_a_compile_host_result_renders_one_row_per_model_and_variant(tmp_path):
+    env = {"gpu": "Some GPU", "gpus": 1, "python": "3.11", "torch": "2.4", "cuda": "12", "streamdag": "0.1.0"}
+    rows = [{"model": "googlenet", "variant": "streamdag", "host_us": 21.5, "latency_ms": 0.57,
+             "replay_ms": 0.55, "added_us": 20.0, "compile_s": 30.0},
+            {"model": "googlenet", "variant": "reduce_overhead", "host_us": 90.0, "latency_ms": 0.945,
+             "replay_ms": None, "compile_s": 25.0}]
+    (tmp_path / "compile_host_Some_GPU.json").write_text(json.dumps({"environment": env, "rows": rows}))
+    text = load_generator().page(tmp_path)
+    assert "| googlenet | streamdag | 21.500 | 0.570 | 0.550 | 20.000 | 30.000 |" in text
+    assert "| googlenet | reduce_overhead | 90.000 | 0.945 |" in text
