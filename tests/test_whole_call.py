@@ -388,6 +388,18 @@ def test_an_input_the_call_writes_into_is_written_back_after_each_replay(fake_de
     assert w.replays == 2
 
 
+def test_an_inference_tensor_the_call_writes_into_is_written_back_too(fake_device):
+    m = AddsInPlace()
+    w, dynamo = whole(m, fake_device)
+    with torch.inference_mode():
+        for _ in range(3):
+            x, y = torch.randn(4), torch.randn(4)
+            x_want = x.clone()
+            torch.testing.assert_close(w((x, y), {}, dynamo), m(x_want, y))
+            torch.testing.assert_close(x, x_want)
+    assert w.replays == 2
+
+
 def test_a_capture_that_fails_leaves_the_key_on_dynamos_path_and_says_why(fake_device):
     m = mlp()
     dev = fake_device(m)

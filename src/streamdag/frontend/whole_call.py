@@ -527,7 +527,6 @@ class WholeCall:
             s_args[i] = s
         for s, k in zip(statics[len(arg_index):], kw_names):
             s_kwargs[k] = s
-        versions = [s._version for s in statics]
         marks = self._marks()
         caller = dev.caller()
         gs = _global_state()
@@ -535,9 +534,11 @@ class WholeCall:
             out = dynamo(*s_args, **s_kwargs)
         leaves = pytree.tree_leaves(out)
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
+        # what the call wrote into its inputs, in a graph or in the Python between (an inference
+        # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
         written = active.mutated
-        write_back = [i for i, s in enumerate(statics)
-                      if s._version != versions[i] or s.untyped_storage().data_ptr() in written]
+        write_back = [i for i, (s, t) in enumerate(zip(statics, tensors))
+                      if s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
         for i in write_back:  # this call's writes into the caller's inputs
             tensors[i].copy_(statics[i])
         reason = active.refusal or _output_refusal(leaves, device, statics, state.watch.tensors)
