@@ -250,10 +250,14 @@ def test_the_state_watch_of_a_function_guards_its_closure_and_globals(state_chec
 
 # -- replaying --------------------------------------------------------------------------------------
 
-def test_calls_after_the_capture_replay_the_graph_without_entering_dynamo(fake_device):
+MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_calls_after_the_capture_replay_the_graph_without_entering_dynamo(fake_device, mode):
     m = mlp()
     w, dynamo = whole(m, fake_device)
-    with torch.no_grad():
+    with MODES[mode]():
         for _ in range(5):
             x = torch.randn(3, 8)
             torch.testing.assert_close(w((x,), {}, dynamo), m(x))
@@ -261,10 +265,11 @@ def test_calls_after_the_capture_replay_the_graph_without_entering_dynamo(fake_d
     assert w.captures == 1 and w.replays == 4
 
 
-def test_replayed_outputs_belong_to_the_caller(fake_device):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_replayed_outputs_belong_to_the_caller(fake_device, mode):
     m = mlp()
     w, dynamo = whole(m, fake_device)
-    with torch.no_grad():
+    with MODES[mode]():
         xs = [torch.randn(3, 8) for _ in range(4)]
         outs = [w((x,), {}, dynamo) for x in xs]
         for x, out in zip(xs, outs):  # later replays left earlier outputs alone
@@ -423,10 +428,11 @@ class Structured(nn.Module):
         return {"h": h, "both": (h, h.relu()), "n": 3, "none": None}
 
 
-def test_containers_constants_and_keyword_arguments_come_back_as_the_model_returns_them(fake_device):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_containers_constants_and_keyword_arguments_come_back_as_the_model_returns_them(fake_device, mode):
     m = Structured().eval()
     w, dynamo = whole(m, fake_device)
-    with torch.no_grad():
+    with MODES[mode]():
         for _ in range(3):
             x = torch.randn(2, 4)
             got, want = w((x,), {"scale": 2.0}, dynamo), m(x, scale=2.0)
@@ -470,7 +476,8 @@ class Broken(nn.Module):
 
 
 @pytest.mark.slow
-def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device, monkeypatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device, monkeypatch, mode):
     from streamdag.frontend.inductor_backend import GraphRunner
 
     pick = GraphRunner._uncaptured_pick
@@ -486,7 +493,7 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     m = Broken().eval()
     fake_device(m)
     c = sd.compile(m)
-    with torch.no_grad():
+    with MODES[mode]():
         for _ in range(3):
             x = torch.randn(2, 8)
             torch.testing.assert_close(c(x), m(x))
