@@ -622,9 +622,15 @@ class CompiledModel:
         return text if self.whole is None else f"{text}\n\n{self.whole.explain()}"
 
     def statistics(self) -> V2Statistics:
+        """The backend's counts; ``captures``, ``recaptures`` and ``replays`` include the whole-call
+        graphs', which ``whole_captures`` and ``whole_replays`` count alone."""
         stats = self.backend.statistics()
-        if self.whole is not None:
-            stats.whole_captures, stats.whole_replays = self.whole.captures, self.whole.replays
+        whole = self.whole
+        if whole is not None:
+            stats.whole_captures, stats.whole_replays = whole.captures, whole.replays
+            stats.captures += whole.captures
+            stats.recaptures += whole.recaptures
+            stats.replays += whole.replays
         return stats
 
     def close(self) -> None:

@@ -438,7 +438,9 @@ class WholeCall:
         self.refused: dict[Any, str] = {}  # keys that stay on Dynamo's path, and why
         self.note = ""  # why the last call that missed took Dynamo's path
         self.captures = 0
+        self.recaptures = 0  # captures for a key captured before over other tensors (parameters moved)
         self.replays = 0
+        self._captured_over: dict[Any, frozenset[int]] = {}  # each key's last capture: its tensors' ids
         self._lock = threading.Lock()
 
     # -- the hot path ---------------------------------------------------------------------------------
@@ -567,6 +569,10 @@ class WholeCall:
             state.entries[key] = entry
             state.attempts.pop(key, None)
             self.captures += 1
+            over = frozenset(map(id, state.watch.tensors))
+            if self._captured_over.get(key, over) != over:
+                self.recaptures += 1
+            self._captured_over[key] = over
             self.note = ""
         return out
 
