@@ -91,7 +91,7 @@ def fake_device(monkeypatch):
         monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
         return dev
 
-    monkeypatch.setattr(wc, "_one_cuda_device", lambda tensors, args, kwargs: (torch.device("cpu"), ""))
+    monkeypatch.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
     return make
 
 
@@ -149,6 +149,15 @@ def test_a_parameter_passed_as_an_argument_is_keyed_by_its_address():
     p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
     assert call_key((p,), {}) != call_key((q,), {})
     assert call_key((torch.randn(3),), {}) == call_key((torch.randn(3),), {})
+
+
+def test_a_call_on_the_cpu_stays_on_dynamos_path_and_says_why():
+    m = mlp()
+    w, dynamo = WholeCall(m, FakeBackend()), Dynamo(m)
+    with torch.no_grad():
+        for _ in range(3):
+            w((torch.randn(2, 8),), {}, dynamo)
+    assert dynamo.calls == 3 and w.states == [] and "whole-call graphs are CUDA graphs" in w.explain()
 
 
 def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():

@@ -467,6 +467,10 @@ class WholeCall:
         if key in self.refused:
             self.note = self.refused[key]
             return dynamo(*args, **kwargs)
+        device, why = _one_cuda_device(args, kwargs)  # before any snapshot: on the CPU there is no graph
+        if device is None:
+            self._refuse(key, why)
+            return dynamo(*args, **kwargs)
         with self._lock:
             state = self._state()
             entry = state.entries.get(key)
@@ -474,7 +478,7 @@ class WholeCall:
                 self.replays += 1
                 return entry.replay(args, kwargs)
             state.entries.pop(key, None)  # captured under other global settings
-            return self._capture(state, key, args, kwargs, dynamo)
+            return self._capture(state, key, device, args, kwargs, dynamo)
 
     def _state(self) -> _State:
         """The state the model is in now: the current one, a kept one that holds, or a new one."""
@@ -505,15 +509,11 @@ class WholeCall:
 
     # -- capturing ------------------------------------------------------------------------------------
 
-    def _capture(self, state: _State, key: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                 dynamo: Callable[..., Any]) -> Any:
+    def _capture(self, state: _State, key: Any, device: torch.device, args: Sequence[Any],
+                 kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
         arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
         kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
         tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
-        device, why = _one_cuda_device(tensors, args, kwargs)
-        if device is None:
-            self._refuse(key, why)
-            return dynamo(*args, **kwargs)
         if any(map(_overlaps, tensors)):
             self._refuse(key, "an input's elements overlap in memory (an expanded tensor): not copied into "
                               "a graph's input")
@@ -638,8 +638,8 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     return s.requires_grad_(t.requires_grad) if t.requires_grad else s
 
 
-def _one_cuda_device(tensors: list[torch.Tensor], args: Sequence[Any], kwargs: dict[str, Any]
-                     ) -> tuple[torch.device | None, str]:
+def _one_cuda_device(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[torch.device | None, str]:
+    """The one CUDA device of the call's tensors, or None and why there is none."""
     params = [a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)]
     devices = {t.device for t in params}
     if not devices:
