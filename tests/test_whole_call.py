@@ -176,9 +176,10 @@ class Scaled(nn.Module):
         self.lin = nn.Linear(4, 4)
         self.bn = nn.BatchNorm1d(4)
         self.factor = 1.0
+        self.scales = [torch.ones(4)]
 
     def forward(self, x):
-        return self.bn(self.lin(x)) * self.factor * SCALE
+        return self.bn(self.lin(x)) * self.factor * self.scales[0] * SCALE
 
 
 def _set_global(value):
@@ -201,6 +202,7 @@ CHANGES = {
     "a removed attribute": lambda m: delattr(m, "factor"),
     "a forward hook": lambda m: m.lin.register_forward_hook(lambda *a: None),
     "a global the forward reads": lambda m: _set_global(5.0),
+    "a tensor in a list attribute given other memory": lambda m: setattr(m.scales[0], "data", torch.ones(4)),
     "the module moved to another dtype": lambda m: m.double(),
 }
 

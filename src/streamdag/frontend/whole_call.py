@@ -232,9 +232,11 @@ class StateWatch:
         if root is not None:
             values += [*root.parameters(), *root.buffers()]
             values += [v for m in root.modules() for v in vars(m).values()]
-        for v in values:
-            if isinstance(v, torch.Tensor) and not v.is_meta:
-                seen.setdefault(id(v), v)
+        for v in values:  # and one level into containers (a list of tensors kept as an attribute)
+            inside = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+            for t in inside:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    seen.setdefault(id(t), t)
         return list(seen.values())
 
     def holds(self) -> bool:
