@@ -170,6 +170,11 @@ def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():
 SCALE = 2.0
 
 
+class Config:
+    def __init__(self):
+        self.relu = True
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
@@ -177,9 +182,11 @@ class Scaled(nn.Module):
         self.bn = nn.BatchNorm1d(4)
         self.factor = 1.0
         self.scales = [torch.ones(4)]
+        self.config = Config()
 
     def forward(self, x):
-        return self.bn(self.lin(x)) * self.factor * self.scales[0] * SCALE
+        y = self.bn(self.lin(x)) * self.factor * self.scales[0] * SCALE
+        return y.relu() if self.config.relu else y
 
 
 def _set_global(value):
@@ -202,6 +209,7 @@ CHANGES = {
     "a removed attribute": lambda m: delattr(m, "factor"),
     "a forward hook": lambda m: m.lin.register_forward_hook(lambda *a: None),
     "a global the forward reads": lambda m: _set_global(5.0),
+    "a field of a config object": lambda m: setattr(m.config, "relu", False),
     "a tensor in a list attribute given other memory": lambda m: setattr(m.scales[0], "data", torch.ones(4)),
     "the module moved to another dtype": lambda m: m.double(),
 }

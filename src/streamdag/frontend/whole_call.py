@@ -211,8 +211,10 @@ class StateWatch:
         self.tensors = self._tensors(root)
         self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
         sized = self.modules.sized if self.modules is not None else []
+        self.objects = _objects(root)  # (label, its __dict__) of each config-like object the modules hold
+        self._object_items = [(len(d), tuple(d.values())) for _, d in self.objects]
         # (not the globals dict: a script's loop assigns its globals on every call)
-        self._dicts = [c for c in sized if isinstance(c, dict)]
+        self._dicts = [c for c in sized if isinstance(c, dict)] + [d for _, d in self.objects]
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
@@ -256,6 +258,10 @@ class StateWatch:
         return (tuple(map(len, self._rest)) == self._rest_lengths
                 and all(map(operator.is_, itertools.chain.from_iterable(self._rest), self._rest_values)))
 
+    def _objects_hold(self) -> bool:
+        return all(len(d) == n and all(map(operator.is_, d.values(), values))
+                   for (_, d), (n, values) in zip(self.objects, self._object_items))
+
     def _globals_hold(self) -> bool:
         return all(map(operator.is_, map(self.globals.get, self.global_names), self.global_values))
 
@@ -264,7 +270,7 @@ class StateWatch:
 
     def _values_hold(self) -> bool:
         """The Python comparison: every value the same object, every tensor where it was."""
-        return ((self.modules is None or self.modules.holds())
+        return ((self.modules is None or self.modules.holds()) and self._objects_hold()
                 and self._globals_hold() and self._cells_hold() and self._layouts())
 
     def changed(self) -> str:
@@ -273,6 +279,9 @@ class StateWatch:
             where = self.modules.changed()
             if where:
                 return where
+        for (label, d), (n, values) in zip(self.objects, self._object_items):
+            if len(d) != n or not all(map(operator.is_, d.values(), values)):
+                return f"an attribute of {label}"
         for name, value in zip(self.global_names, self.global_values):
             if self.globals.get(name) is not value:
                 return f"the global {name}"
@@ -285,6 +294,25 @@ class StateWatch:
     def same_tensors(self, other: StateWatch) -> bool:
         """Whether both snapshots hold the same tensor objects (so keeping both keeps no old tensor)."""
         return {id(t) for t in self.tensors} == {id(t) for t in other.tensors}
+
+
+def _objects(root: torch.nn.Module | None) -> list[tuple[str, dict[str, Any]]]:
+    """The plain objects among the modules' attributes (a model's config), each once, with their
+    ``__dict__``: the forward reads their fields, which the modules' own dicts do not show."""
+    from .module_state import _fixed, _internals
+
+    if root is None:
+        return []
+    internals, seen, found = _internals(), set(), []
+    for m in root.modules():
+        for attr, value in vars(m).items():
+            if attr in internals or _fixed(value) or isinstance(value, (dict, list, set, tuple)):
+                continue
+            d = getattr(value, "__dict__", None)
+            if isinstance(d, dict) and id(value) not in seen:
+                seen.add(id(value))
+                found.append((f"{type(m).__name__}.{attr} ({type(value).__name__})", d))
+    return found
 
 
 # -- the device side ---------------------------------------------------------------------------------
