@@ -365,6 +365,24 @@ def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
 
 
 @pytest.mark.slow
+def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(monkeypatch):
+    import streamdag.frontend.inductor_backend as backend
+
+    def broken(*args, **kwargs):
+        raise AssertionError("the units of the graph form a cycle")
+
+    monkeypatch.setattr(backend, "plan_regions", broken)
+    torch.manual_seed(0)
+    m = Inception().eval()
+    c = sd.compile(m, regions="always")
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    assert c.statistics().fallbacks == 0
+    assert "no region plan (AssertionError: the units of the graph form a cycle)" in c.explain()
+
+
+@pytest.mark.slow
 def test_a_sequential_model_equals_eager_and_compiles_no_regions():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),

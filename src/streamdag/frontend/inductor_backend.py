@@ -190,7 +190,11 @@ def _add_regions(switch: _Switch, gm: torch.fx.GraphModule, example_inputs: Sequ
     if on_cpu and options.regions == "auto" and options.candidates is None:
         switch.region_note = "on the CPU the whole graph runs: regions pay on streams"
         return
-    plan = plan_regions(gm, options.streams)
+    try:
+        plan = plan_regions(gm, options.streams)
+    except Exception as exc:  # a planner's bug must not cost the graph Inductor's whole-graph code
+        switch.region_note = f"no region plan ({type(exc).__name__}: {exc})"
+        return
     switch.plan = plan
     if plan.streams < 2:
         switch.region_note = "no independent branches worth a stream"
