@@ -244,11 +244,13 @@ def _describe_streamdag(fast: Any, row: dict[str, Any]) -> None:
     row["streamdag"] = {"graphs": stats.graphs, "captures": stats.captures, "replays": stats.replays,
                         "uncaptured_calls": stats.uncaptured_calls, "fallbacks": stats.fallbacks,
                         "inner_compile_s": stats.compile_s,
+                        "whole_captures": getattr(stats, "whole_captures", None),
+                        "whole_replays": getattr(stats, "whole_replays", None),
                         "chosen": [None if c is None else c.label for c in chosen],
                         "candidates": [[{"label": c.label, "streams": c.streams, "ms": c.ms,
                                          "peak_mib": c.peak_mib, "error": c.error}
                                         for c in getattr(r, "candidates", [])] for r in runners],
-                        "explain": fast.explain().splitlines()[:40]}
+                        "explain": fast.explain().splitlines()[:60]}
     if stats.fallbacks:
         row["fallback"].append(f"{stats.fallbacks} graph(s) on the make_fx path")
     if stats.uncaptured_calls:
