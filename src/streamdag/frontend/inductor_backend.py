@@ -446,8 +446,11 @@ class GraphRunner:
 
 def _held_mib(args: Sequence[Any]) -> float:
     """What the graph's tensor inputs hold (each storage once), in MiB: weights, buffers, inputs."""
-    storages = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
-                for a in args if isinstance(a, torch.Tensor)}
+    storages: dict[int, int] = {}
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.layout == torch.strided:  # (sparse tensors: no one storage)
+            storage = a.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) / 2**20
 
 
