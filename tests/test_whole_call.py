@@ -165,6 +165,16 @@ def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():
     assert isinstance(why, str) and "an argument is a list" in why
 
 
+def test_a_sparse_argument_stays_on_dynamos_path_and_says_why(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.eye(3, 8).to_sparse()
+    with torch.no_grad():
+        for _ in range(2):
+            w((x,), {}, dynamo)
+    assert dynamo.calls == 2 and "an argument is a torch.sparse_coo tensor" in w.explain()
+
+
 # -- the model's state --------------------------------------------------------------------------------
 
 SCALE = 2.0

@@ -134,6 +134,8 @@ def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | s
     except _Unkeyable as exc:
         return (f"an argument is a {exc}: only tensors, numbers, strings and None are keyed "
                 "(the call runs on Dynamo's path)")
+    except RuntimeError as exc:  # a tensor without strides (sparse, nested)
+        return f"an argument's layout has no key ({exc}): the call runs on Dynamo's path"
     return (*key, torch.is_inference_mode_enabled())
 
 
@@ -544,6 +546,10 @@ class WholeCall:
         arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
         kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
         tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
+        other = next((t.layout for t in tensors if t.layout != torch.strided), None)
+        if other is not None:
+            self._refuse(key, f"an argument is a {other} tensor: only strided ones are copied into a graph")
+            return dynamo(*args, **kwargs)
         if any(map(_overlaps, tensors)):
             self._refuse(key, "an input's elements overlap in memory (an expanded tensor): not copied into "
                               "a graph's input")
@@ -690,6 +696,8 @@ def _output_refusal(leaves: list[Any], device: torch.device, statics: list[torch
     storages: dict[int, int] = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
+            if leaf.layout != torch.strided:
+                return f"an output is a {leaf.layout} tensor"
             if leaf.device != device:
                 return f"an output is on {leaf.device}, not on {device}"
             if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
