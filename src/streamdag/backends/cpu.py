@@ -99,6 +99,11 @@ class CpuBackend:
     def event(self, timing: bool = False) -> HostEvent:
         return HostEvent()
 
+    def clock_base(self) -> HostEvent:
+        """The profiler's base for these lanes: the host's clock now, not when a lane gets to it
+        (a lane may start later, or run the op that profiles, see ``Runtime.profile``)."""
+        return HostEvent.now()
+
     def launch(self, stream: _Lane, work: Callable[[], None], after_caller: bool = True) -> None:
         stream.enqueue(("run", work))
 
@@ -156,10 +161,6 @@ class HostLanes(CpuBackend):
         self.device = "host"
         self._lanes = [_Lane(first_index + i, "host", f"streamdag-host-{i}", lazy=True)
                        for i in range(streams)]
-
-    def clock_base(self) -> HostEvent:
-        """The profiler's base for these lanes: the host's clock now (a lane may start later)."""
-        return HostEvent.now()
 
     def wait_for_op(self, stream: _Lane, op: Any) -> None:
         """Run what ``stream`` gets next only once ``op``, of another backend, has finished.

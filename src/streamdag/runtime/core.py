@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -407,6 +407,16 @@ class Runtime:
 
         Raises an ``ExceptionGroup`` of the ops that failed first (not their
         dependents) since the last call; the runtime stays usable.
+
+        Inside an op (on a lane of this runtime, or in an op's function where
+        ops run inside their submit, as on CUDA) it waits for every op but
+        those that cannot finish before the calling op returns: that op, the
+        ops queued behind it on its lane, and, in turn, the ops that depend
+        on one of those, the ops queued behind one of those on its lane, and
+        the ops of a lane whose op waits for one of those. So an op may fork
+        ops and join them all with ``rt.synchronize()``. Inside a
+        done-callback it raises while ops are pending: the callback runs in a
+        thread that finishes ops, and must not wait.
         """
         self._wait_all()
         with self._lock:
@@ -472,7 +482,9 @@ class Runtime:
         """Time every op run inside the block: ``with rt.profile() as prof: ...; prof.timeline``.
 
         On leaving, the runtime synchronizes and ``prof.timeline`` holds a
-        :class:`~streamdag.Timeline` (summary, Chrome trace, PNG). ``per_op``
+        :class:`~streamdag.Timeline` (summary, Chrome trace, PNG). Inside an op
+        it waits as :meth:`synchronize` does there, and the timeline leaves
+        out the ops that cannot finish before the calling op returns. ``per_op``
         runs recorded graphs op by op instead of as one CUDA-graph replay, so
         that each op is seen; ``nvtx`` names NVTX ranges after the ops, for
         Nsight Systems.
@@ -497,9 +509,13 @@ class Runtime:
         """Wait for every op submitted so far, keeping failures for the next :meth:`synchronize`.
 
         Also for the done-callbacks of finished ops, and what they submit: a future counts
-        as done before its callbacks have run.
+        as done before its callbacks have run. Inside an op, for all but what waits for it
+        (see :meth:`_wait_all_but_the_caller`).
         """
         inside = in_done_callback()  # then one of the callbacks running is this thread's own
+        if not inside and (self._lane_here() is not None or self._launching_here()):
+            self._wait_all_but_the_caller()
+            return
         while True:
             with self._done_lock:  # (pending ops in the order of their submits)
                 newest = next(reversed(self._pending.values()), None)
@@ -541,6 +557,108 @@ class Runtime:
             with self._lock:
                 del self._recordings[me]
         graph.finish()
+
+    def _wait_all_but_the_caller(self) -> None:
+        """:meth:`_wait_all` inside an op: wait for every pending op but those of
+        :meth:`_ops_behind_the_caller`, looked for again after each wait (ops come and go).
+
+        On a lane, the wait counts as that lane waiting for all of them (``LaneWaits``), from
+        the moment they are found, so that a lane op that then waits for an op behind the
+        caller raises instead of hanging. Also for the done-callbacks running, except where this
+        thread holds the runtime's lock, which a callback that submits needs.
+        """
+        lane = self._lane_here()
+        while True:
+            with ExitStack() as waiting:
+                with self._lock, self._lane_waits.locked():
+                    behind = self._ops_behind_the_caller(lane)
+                    with self._done_lock:
+                        waited = [op for op in self._pending.values() if op.seq not in behind]
+                        calling = self._in_callbacks
+                    if waited:
+                        queued = [(op.future, self._lane_of(op)) for op in waited]
+                        waiting.enter_context(self._lane_waits.waiting_for_all(queued))
+                if waited:
+                    waited[-1].future.exception()  # the newest first, as _wait_all does
+                    continue
+            if lane is None or not calling:
+                return
+            with self._callbacks_done:
+                self._callbacks_done.wait_for(lambda: not self._in_callbacks)
+
+    def _ops_behind_the_caller(self, lane: Any) -> set[int]:
+        """The numbers of the pending ops that cannot finish before the op this thread runs
+        returns (caller holds ``_lock``).
+
+        First the ops on ``lane``, the lane this thread runs (the caller and those queued behind
+        it); or (``lane`` None) those launching in this thread and the held ops, whose launch
+        needs the lock it holds. Then, until none is added: every op that depends on one of them,
+        the ops queued behind one of them on a lane, and the ops of a lane whose op waits for one
+        of them (``LaneWaits``). An op queued after one on a device stream is not among them: the
+        device runs it without waiting for the host.
+        """
+        with self._done_lock:
+            pending = list(self._pending.values())
+        first: dict[int, int] = {}  # lane -> the position of the first op found on it (-1: all of its)
+        if lane is not None:
+            first[self._streams.index(lane)] = -1
+            behind: set[int] = set()
+        else:
+            behind = {op.seq for op in self._launching_here()} | set(self._held)
+        grew = True
+        while grew:
+            grew = self._add_ops_behind(pending, behind, first)
+            found = {id(op.future) for op in pending if op.seq in behind}
+            for waiting in self._lane_waits.lanes_waiting_for(lambda f, found=found: id(f) in found):
+                i = self._streams.index(waiting)
+                if first.get(i) != -1:
+                    first[i] = -1
+                    grew = True
+        return behind
+
+    def _add_ops_behind(self, pending: list[Op], behind: set[int], first: dict[int, int]) -> bool:
+        """One pass of :meth:`_ops_behind_the_caller` over ``pending``: add to ``behind`` the
+        ops that depend on one in it, or are queued at or after ``first``'s position on their
+        lane; whether any was added."""
+        grew = False
+        for op in pending:
+            if op.seq in behind:
+                continue
+            st = op.stamp
+            if st is not None:
+                after = st.stream in first and st.pos >= first[st.stream]
+                deps = op.deps
+            else:  # a held op: placed once it launches
+                held = self._held.get(op.seq)
+                after, deps = False, held.deps if held is not None else ()
+            if after or any(d.seq in behind for d in deps):
+                behind.add(op.seq)
+                grew = True
+                if self._lane_of(op) is not None and not first.get(st.stream, st.pos) < st.pos:
+                    first[st.stream] = st.pos
+        return grew
+
+    def _lane_of(self, op: Op) -> Any:
+        """The lane ``op`` is queued on (a stream whose ops a thread runs in order), or None."""
+        st = op.stamp
+        stream = self._streams[st.stream] if st is not None else None
+        return stream if getattr(stream, "runs_here", None) is not None else None
+
+    def _lane_here(self) -> Any:
+        """The lane of this runtime that the calling thread runs (inside an op or a done-callback
+        there), or None."""
+        if threading.get_ident() not in self._lane_threads:
+            return None
+        return self._lane_waits.lane_here()
+
+    def _launching_here(self) -> list[Op]:
+        """The ops whose functions run in this thread now, inside their launch (on a device whose
+        ops run inside their submit): the ops launched and given no completion event yet, where
+        this thread holds the runtime's lock, under which every launch runs."""
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            return []
+        with self._done_lock:
+            return [op for op in self._pending.values() if op.stamp is not None and op.event is None]
 
     def close(self) -> None:
         """Wait for pending work and stop the backend. Failures not yet raised are dropped."""
@@ -873,7 +991,10 @@ class Runtime:
             finish_ready()
         if self._slots.acquire(blocking=False):
             return True
-        if in_done_callback():  # this thread may be the one that frees slots: waiting could hang
+        # in a done-callback, this thread may be the one that frees slots; inside an op (fork and
+        # join), the ops in flight may all be parents waiting for what they submit: waiting could
+        # hang either way, so the op goes past the bound
+        if in_done_callback() or self._lane_here() is not None or self._launching_here():
             self._slots.take_over()
             return True
         self._hurry_all()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,7 +50,9 @@ class LaneWaits:
     def __init__(self, lanes: list[Any]) -> None:
         self._lanes = lanes
         self.lanes = len(lanes)
-        self._lock = threading.Lock()
+        #: re-entrant: a synchronize inside an op finds what it waits for and counts its wait under
+        #: it in one go (see ``locked``)
+        self._lock = threading.RLock()
         #: thread ident -> (the futures it waits for, whether it needs all of them, the lane it
         #: runs); None: a wait with a timeout
         self._waits: dict[int, tuple[tuple[Any, ...], bool, Any] | None] = {}
@@ -59,7 +61,7 @@ class LaneWaits:
     def waiting(self, future: Any, timeout: float | None) -> Iterator[None]:
         """Around a wait for ``future``: raises instead where the waiting thread is a lane of the
         runtime and the wait would close a cycle of lanes waiting for each other's queued ops."""
-        mine = next((lane for lane in self._lanes if lane.runs_here()), None)
+        mine = self.lane_here()
         if mine is None:  # not a lane of this runtime's
             yield
             return
@@ -83,6 +85,49 @@ class LaneWaits:
             with self._lock:
                 self._restore(me, outer)
 
+    def lane_here(self) -> Any:
+        """The lane of the runtime's that the calling thread runs, or None."""
+        return next((lane for lane in self._lanes if lane.runs_here()), None)
+
+    def locked(self) -> Any:
+        """The lock of the waits, held while a synchronize inside an op finds which ops it waits
+        for (by :meth:`lanes_waiting_for`) and counts its wait (:meth:`waiting_for_all`): no other
+        lane's wait comes in between, unseen by it while it is unseen by that wait's check."""
+        return self._lock
+
+    @contextmanager
+    def waiting_for_all(self, futures: list[tuple[Any, Any]]) -> Iterator[None]:
+        """Around a wait of the calling thread for all ``futures``, given with the lane each is
+        queued on (or None), for ``Runtime.synchronize`` inside an op, which leaves out the ops
+        that wait for that op: where the caller is a lane of the runtime, counted as that lane
+        waiting for them, so that another lane's wait that would close a cycle through it raises.
+        Each such future is marked with its lane, as a lane's submit marks those it places."""
+        mine = self.lane_here()
+        if mine is None:
+            yield
+            return
+        me = threading.get_ident()
+        with self._lock:
+            for future, lane in futures:
+                if lane is not None:
+                    future.__dict__["_lane"] = lane
+                    future.__dict__["_lanes_of"] = self
+            outer = self._waits.get(me)
+            self._waits[me] = (tuple(f for f, _ in futures), True, mine)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._restore(me, outer)
+
+    def lanes_waiting_for(self, stuck: Callable[[Any], bool]) -> list[Any]:
+        """The lanes whose ops wait (without a timeout) for futures that cannot finish while
+        those ``stuck`` says so of cannot (waiting for all: any pending one; for the first:
+        every one, none done yet)."""
+        with self._lock:
+            waits = [wait for wait in self._waits.values() if wait is not None]
+        return [lane for futures, needs_all, lane in waits if _held_up(futures, needs_all, stuck)]
+
     def check_waiter(self, waiter: Any) -> None:
         """``concurrent.futures.wait`` or ``as_completed`` installs ``waiter`` on the futures it
         waits for: raises where the caller is a lane of this runtime and the wait could never end
@@ -92,7 +137,7 @@ class LaneWaits:
         if getattr(waiter, "_streamdag_checked", False):
             return
         waiter._streamdag_checked = True
-        mine = next((lane for lane in self._lanes if lane.runs_here()), None)
+        mine = self.lane_here()
         if mine is None:
             return
         call = _waiting_call(sys._getframe(2))
@@ -175,16 +220,21 @@ class LaneWaits:
         while grew:
             grew = False
             for futures, needs_all, lane in waits:
-                if id(lane) in stuck:
-                    continue
-                pending = [f for f in futures if not f.done()]
-                if not pending or (not needs_all and len(pending) < len(futures)):
-                    continue  # its wait has ended, or is ending
-                blocked = [self._blocked(f, stuck) for f in pending]
-                if any(blocked) if needs_all else all(blocked):
+                if id(lane) not in stuck and _held_up(futures, needs_all, lambda f: self._blocked(f, stuck)):
                     stuck.add(id(lane))
                     grew = True
         return stuck
+
+
+def _held_up(futures: tuple[Any, ...], needs_all: bool, stuck: Callable[[Any], bool]) -> bool:
+    """Whether a wait for ``futures`` (all of them, or the first) cannot end while those that
+    ``stuck`` says so of cannot finish: waiting for all, any pending one is; for the first, every
+    one is, and none is done yet (a wait that has ended, or is ending, is not held up)."""
+    pending = [f for f in futures if not f.done()]
+    if not pending or (not needs_all and len(pending) < len(futures)):
+        return False
+    blocked = [stuck(f) for f in pending]
+    return any(blocked) if needs_all else all(blocked)
 
 
 class WatchedWaiters(list):

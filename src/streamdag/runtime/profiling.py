@@ -5,8 +5,9 @@ On the CPU the events are timestamps taken by the lanes; on CUDA they are
 CUDA timing events, read once profiling ends. On several devices each device
 has its own base event, recorded at the same moment on the host: times of
 different devices line up within the few microseconds between those records.
-Host lanes beside a device take their base as the host's clock at that moment
-(``HostLanes.clock_base``), not when a lane thread gets to it.
+Lanes on the host (a CPU runtime's, host lanes beside a device) take their base
+as the host's clock at that moment (``CpuBackend.clock_base``), not when a lane
+thread gets to it.
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ class Profiler:
         self.records.append((op, started[0], ev, stream, started[1]))
 
     def finish(self) -> Timeline:
-        """Read the events (after the runtime has synchronized) into a :class:`Timeline`."""
+        """Read the events (after the runtime has synchronized) into a :class:`Timeline`. An op
+        not finished by then is left out: its end would be waited for (inside an op, the ops
+        that wait for it are not waited for, see ``Runtime.synchronize``)."""
         spans = []
         for op, start, end, stream, deps in self.records:
+            if not op.done:
+                continue
             member = self.members[stream]
             base = self.bases[id(member)]
             spans.append(Span(
