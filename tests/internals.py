@@ -41,6 +41,12 @@ def lane_waits(rt: sd.Runtime) -> dict[int, Any]:
         return dict(waits._waits)
 
 
+def submitters_waiting_for_a_slot(rt: sd.Runtime) -> int:
+    """How many submitters wait for a slot at ``max_inflight`` now (``_Slots``' count): a blocked
+    submit shows no other way, and the test of close() waking them must know they all wait."""
+    return rt._counts.waiting
+
+
 def choose_stream(rt: sd.Runtime, device: str) -> int:
     """The Python submit's choice of stream for an op with no dependencies (``Runtime._choose_stream``),
     for the test of a finish that races with it, which no public call can time."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import streamdag as sd
+from internals import submitters_waiting_for_a_slot
 from streamdag.backends.inline import InlineBackend
 
 #: each test runs on the compiled hot path and on its Python reference (the path fixture)
@@ -180,6 +181,61 @@ def test_profile_inside_an_op_times_the_ops_that_finish_before_it_returns(where)
         assert rt.submit(op, **on).result(timeout=10) == ["forked"]
 
 
+# ----------------------------------------------------------------- close inside an op or a callback
+@pytest.mark.parametrize("where", LANES)
+def test_close_inside_an_op_returns_and_closes_the_runtime_once_the_op_has_returned(where):
+    before = set(threading.enumerate())
+    rt, on = runtime(where, lanes=2)
+    closed_inside = threading.Event()
+
+    def op():
+        rt.close()
+        closed_inside.set()
+        return rt.submit(lambda: "forked while closing", **on).result(timeout=10)
+
+    future = rt.submit(op, **on)
+    assert closed_inside.wait(10)
+    with pytest.raises(sd.RuntimeClosed):  # from outside: refused as soon as close() is called
+        rt.submit(lambda: None)
+    assert future.result(timeout=10) == "forked while closing"
+    assert threads_left(before) == []
+
+
+def test_close_inside_an_op_that_runs_inside_its_submit_returns():
+    before = set(threading.enumerate())
+    rt = sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=2)
+    rt.submit(lambda: 1, run_on="host").result(timeout=10)  # host lanes started
+
+    def op():
+        rt.close()
+        return "closing"
+
+    assert finishes(lambda: rt.submit(op).result(timeout=10)) == "closing"
+    assert threads_left(before) == []
+    with pytest.raises(sd.RuntimeClosed):
+        rt.submit(lambda: None)
+
+
+@pytest.mark.parametrize("where", LANES)
+def test_close_from_a_done_callback_stops_every_lane(where):
+    before = set(threading.enumerate())
+    rt, on = runtime(where, lanes=3)
+    errors = []
+
+    def close(_f):
+        try:
+            rt.close()
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+
+    futures = [rt.submit(time.sleep, 0.01, **on) for _ in range(3)]
+    futures[0].add_done_callback(close)
+    assert [f.result(timeout=10) for f in futures] == [None] * 3
+    assert threads_left(before) == [] and errors == []
+    with pytest.raises(sd.RuntimeClosed):
+        rt.submit(lambda: None)
+
+
 # ----------------------------------------------------------------- fork and join at the bound
 @pytest.mark.parametrize("max_inflight", [1, 2])
 @pytest.mark.parametrize("where", LANES)
@@ -213,3 +269,91 @@ def test_an_op_that_forks_inside_its_submit_makes_progress_at_the_bound():
 
         results = finishes(lambda: [rt.submit(parent, i).result(timeout=10) for i in range(5)])
         assert results == [0, 2, 4, 6, 8]
+
+
+# ----------------------------------------------------------------- close racing submitters
+def test_close_refuses_the_submitters_waiting_at_the_bound_at_once():
+    before = set(threading.enumerate())
+    rt = sd.Runtime("cpu", streams=1, max_inflight=1)
+    gate = threading.Event()
+    rt.submit(gate.wait, 10)  # holds the only slot until the gate opens
+    outcomes = []
+
+    def submit():
+        try:
+            outcomes.append(rt.submit(lambda: "ran"))
+        except sd.RuntimeClosed as exc:
+            outcomes.append(exc)
+
+    submitters = [threading.Thread(target=submit, daemon=True) for _ in range(4)]
+    for t in submitters:
+        t.start()
+    deadline = time.monotonic() + 10
+    while submitters_waiting_for_a_slot(rt) < 4 and time.monotonic() < deadline:  # all four wait for a slot
+        time.sleep(0.005)
+    closer = threading.Thread(target=rt.close, daemon=True)
+    closer.start()
+    for t in submitters:  # woken and refused while the gate op still runs
+        t.join(5)
+    assert not any(t.is_alive() for t in submitters), "a submitter still waits for a slot"
+    assert len(outcomes) == 4 and all(isinstance(o, sd.RuntimeClosed) for o in outcomes)
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and threads_left(before) == []
+
+
+def close_racing_submitters(threads: int, submits: int) -> list:
+    """Close a runtime of one lane and one slot while ``threads`` threads each submit ``submits``
+    ops (until refused); the futures they got."""
+    rt = sd.Runtime("cpu", streams=1, max_inflight=1)
+    rt.submit(time.sleep, 0.005)
+    futures = []
+
+    def submit():
+        for _ in range(submits):
+            try:
+                futures.append(rt.submit(lambda: "ran"))
+            except sd.RuntimeClosed:
+                return
+
+    submitters = [threading.Thread(target=submit, daemon=True) for _ in range(threads)]
+    for t in submitters:
+        t.start()
+    time.sleep(0.003)
+    finishes(rt.close)
+    for t in submitters:
+        t.join(5)
+    assert not any(t.is_alive() for t in submitters), "a submitter is stuck"
+    return futures
+
+
+def test_every_submit_racing_close_completes_or_is_refused():
+    """Whatever the order, a submit that returns a future gets it completed, never stranded on a
+    stopped lane; the others raise RuntimeClosed."""
+    for _ in range(20):
+        before = set(threading.enumerate())
+        futures = close_racing_submitters(threads=4, submits=3)
+        assert [f.result(timeout=5) for f in futures] == ["ran"] * len(futures)
+        assert threads_left(before) == []
+
+
+def test_ops_submitted_while_the_runtime_closes_are_waited_for():
+    """close() waits for what the pending ops and their done-callbacks submit meanwhile: forks run."""
+    rt = sd.Runtime("cpu", streams=2)
+    gate = threading.Event()
+    late = []
+
+    def parent():
+        assert gate.wait(10)
+        child = rt.submit(lambda: "child")
+        child.add_done_callback(lambda _f: late.append(rt.submit(lambda: "from a callback")))
+        return child.result(timeout=10)
+
+    future = rt.submit(parent)
+    closer = threading.Thread(target=rt.close, daemon=True)
+    closer.start()
+    time.sleep(0.05)
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert future.result(timeout=0) == "child" and late[0].result(timeout=0) == "from a callback"

@@ -1432,6 +1432,13 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
     }
     if (take_slot(self, blocking) < 0) goto done;
     if (lock_take(self->lock, self->lock_acquire) < 0) goto done;
+    if (parts->closed) {  /* closed since the check above (a wait for a slot, say): Runtime._submit decides */
+        int bad = lock_give(self->lock, self->lock_release) < 0;
+        PyObject *r = bad ? NULL : PyObject_CallMethodNoArgs(self->slots, s_release);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        goto in_python;
+    }
     PyObject *holders = NULL, *fence = NULL;
     if (PyDict_GET_SIZE(self->host_ops)) {  /* host-lane ops pending: may this op follow one? */
         int conflict = host_conflict(self->host_ops, accesses);

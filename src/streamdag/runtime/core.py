@@ -267,7 +267,12 @@ class Runtime:
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
         self._in_callbacks = 0  # finished ops whose done-callbacks are running now
+        #: closing: submits from outside the runtime's own work are refused (see ``close``)
         self._closed = False
+        #: closed: every submit is refused; the backends are stopped or stopping
+        self._stopped = False
+        self._close_lock = threading.Lock()  # one close drains and stops at a time
+        self._closer: threading.Thread | None = None  # a close begun where waiting could hang
         #: the graph each thread records into, inside its ``with rt.record()`` block
         self._recordings: dict[int, Any] = {}
         self._can_be_lost = hasattr(self.backend, "lost")
@@ -660,19 +665,58 @@ class Runtime:
         with self._done_lock:
             return [op for op in self._pending.values() if op.stamp is not None and op.event is None]
 
+    def _runs_own_work_here(self) -> bool:
+        """Whether the calling thread runs this runtime's own work now: an op on one of its lanes,
+        an op's function inside its launch (or a graph's run: the lock held), a done-callback.
+        There, waiting for the runtime's pending work could wait for the caller itself."""
+        return (in_done_callback() or self._lane_here() is not None
+                or self._lock._is_owned())  # type: ignore[attr-defined]
+
     def close(self) -> None:
-        """Wait for pending work and stop the backend. Failures not yet raised are dropped."""
-        if self._closed:
-            return
-        with suppress(Exception):
-            self._wait_all()
+        """Refuse new submits, wait for the pending work, and stop the backend. Failures not yet
+        raised are dropped.
+
+        From the call on, submits from other threads raise :class:`RuntimeClosed`, and so do
+        those waiting for a slot at ``max_inflight`` (they are woken). The runtime's own work may
+        still submit (ops and done-callbacks that fork and join) until no op is pending and no
+        done-callback runs; then every submit is refused and the lanes stop.
+
+        Inside an op or a done-callback of this runtime, where waiting would wait for the caller
+        itself, close() returns at once, and a thread of its own finishes the close once the
+        pending work, the caller included, is done.
+        """
         self._closed = True
-        self._launcher.stop()
-        for m in self.backends:
-            m.close()
-        if self._host is not None:
-            self._host.close()
-        self._let_go()
+        self._slots.wake_all()  # the submitters waiting for a slot: refused now
+        if self._runs_own_work_here():
+            if self._closer is None and not self._stopped:
+                self._closer = threading.Thread(target=self._close_now, name="streamdag-close", daemon=True)
+                self._closer.start()
+            return
+        self._close_now()
+
+    def _close_now(self) -> None:
+        """:meth:`close`, in a thread that may wait for the pending work."""
+        with self._close_lock:
+            if self._stopped:
+                return
+            self._drain()
+            _stop_threads(self.backends, self._host, self._launcher)
+            self._let_go()
+
+    def _drain(self) -> None:
+        """Wait until no op is pending and no done-callback runs (what they submit meanwhile
+        included); then mark the runtime stopped, under its lock, so that no op comes after."""
+        while True:
+            try:
+                self._wait_all()
+            except Exception:  # (failures stay with the futures) a wait that cannot end: stop now
+                drained = True
+            else:
+                drained = False
+            with self._lock, self._done_lock:
+                if drained or not (self._pending or self._in_callbacks):
+                    self._stopped = True
+                    return
 
     def _let_go(self) -> None:
         """Drop the runtime's references to itself (bound methods it keeps, the compiled submit,
@@ -723,7 +767,9 @@ class Runtime:
         return self._recordings.get(threading.get_ident()) if self._recordings else None
 
     def _check_open(self) -> None:
-        if self._closed:
+        """Raise :class:`RuntimeClosed` once the runtime is closed; while it closes (see
+        :meth:`close`), for all but its own work."""
+        if self._closed and (self._stopped or not self._runs_own_work_here()):
             raise RuntimeClosed(
                 "this streamdag.Runtime is closed; create a new one, or submit inside its `with` block"
             )
@@ -805,6 +851,8 @@ class Runtime:
             self._slots.release()
             raise
         try:
+            if self._stopped:  # closed since this submit began: its lanes take no more ops
+                self._check_open()
             holders = self._holders(accesses, op_name, device) if self._host_ops else ()
             fence = self._caller_fence(device) if holders and device != "host" else None
         except BaseException:  # refused: the op is not submitted
@@ -999,7 +1047,7 @@ class Runtime:
             return True
         self._hurry_all()
         if not self._lock._is_owned():  # type: ignore[attr-defined]
-            return self._slots.acquire()
+            return self._slots.acquire(check=self._check_open)  # (close() wakes it to refuse)
         # a graph's run launches its ops under the lock: let go of it while waiting, since the
         # threads that free slots run done-callbacks, and a callback that submits needs the lock.
         # (Condition does the same with these RLock methods.) Other submits may come in between
@@ -1057,6 +1105,8 @@ class Runtime:
 
         ``op.deps`` keeps what a failure check needs: the unfinished deps and the failed ones.
         """
+        if self._stopped:  # a graph's run that began before close(): its lanes take no more ops
+            self._check_open()
         live: list[Op] = []
         if deps:
             kept = []
@@ -1345,12 +1395,16 @@ class _Slots:
         self._lock = lock
         self._freed = threading.Condition(self._lock)
 
-    def acquire(self, blocking: bool = True) -> bool:
+    def acquire(self, blocking: bool = True, check: Callable[[], None] | None = None) -> bool:
+        """Take a slot; at the bound, wait for one (``blocking``), calling ``check`` first and
+        after each wake-up (it raises to give up: the runtime is closed), or return False."""
         counts = self.counts
         with self._lock:
             while counts.free <= 0:
                 if not blocking:
                     return False
+                if check is not None:
+                    check()
                 counts.waiting += 1
                 try:
                     self._freed.wait()
@@ -1358,6 +1412,11 @@ class _Slots:
                     counts.waiting -= 1
             counts.free -= 1
             return True
+
+    def wake_all(self) -> None:
+        """Wake every waiting acquire to call its ``check`` again (the runtime closes)."""
+        with self._lock:
+            self._freed.notify_all()
 
     def take_over(self) -> None:
         """Take a slot past the bound, without waiting (later acquires wait until it is back)."""
@@ -1375,6 +1434,15 @@ class _Slots:
         counts.free += 1
         if counts.waiting:
             self._freed.notify()
+
+
+def _stop_threads(backends: list[Backend], host: HostLanes | None, launcher: Launcher) -> None:
+    """Stop a runtime's threads: its launcher's, its backends', its host lanes'."""
+    launcher.stop()
+    for m in backends:
+        m.close()
+    if host is not None:
+        host.close()
 
 
 def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
