@@ -38,6 +38,7 @@ def _fresh_dynamo():
 def _warnings_of(fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ResourceWarning)  # (what an earlier test dropped, freed now)
         result = fn()
     return result, [str(w.message) for w in caught if "streamdag.compile" in str(w.message)]
 
@@ -287,6 +288,7 @@ def test_first_calls_from_several_threads_compile_once_and_all_run_compiled(engi
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ResourceWarning)  # (what an earlier test dropped, freed now)
         workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
         for w in workers:
             w.start()

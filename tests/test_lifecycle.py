@@ -5,8 +5,10 @@ Each must finish (or raise a clear error) within seconds: every wait here has a 
 a hang fails its test instead of stalling the run.
 """
 
+import gc
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -357,3 +359,28 @@ def test_ops_submitted_while_the_runtime_closes_are_waited_for():
     closer.join(10)
     assert not closer.is_alive()
     assert future.result(timeout=0) == "child" and late[0].result(timeout=0) == "from a callback"
+
+
+# ----------------------------------------------------------------- dropped without close()
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_runtimes_dropped_without_close_stop_their_threads_and_warn(device):
+    before = set(threading.enumerate())
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        for _ in range(25):
+            rt = sd.Runtime(device, streams=4)
+            rt.submit(lambda: 1).result(timeout=10)
+            if device == "sim":
+                rt.submit(lambda: 2, run_on="host").result(timeout=10)  # its host lanes started too
+            del rt
+        gc.collect()
+    assert threads_left(before) == []
+
+
+def test_a_closed_runtime_dropped_gives_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        rt = sd.Runtime("cpu", streams=2)
+        rt.submit(lambda: 1).result(timeout=10)
+        rt.close()
+        del rt
+        gc.collect()

@@ -67,6 +67,7 @@ class _Lane:
             if command is None:
                 return
             kind, payload = command
+            command = None  # (idle, the lane must hold no op's finish: it leads to the runtime)
             if kind == "wait":
                 payload.wait()  # type: ignore[union-attr]
                 continue
@@ -74,6 +75,7 @@ class _Lane:
                 payload()  # type: ignore[operator]
             except BaseException:  # a user's SystemExit, say: the ops queued after it still run
                 report_escaped(self._name)
+            payload = None  # a runtime dropped without close() is collected, and stops its lanes
 
     def stop(self) -> None:
         with self._start_lock:

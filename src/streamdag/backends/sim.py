@@ -83,6 +83,7 @@ class SimExecutor:
                     payload()  # type: ignore[operator]
                 except BaseException:  # a user's SystemExit, say: the ops queued after it still run
                     report_escaped(self._thread.name)
+            payload = None  # (idle, the thread must hold no op's finish: it leads to the runtime)
 
     def leave(self) -> None:
         with self.cond:

@@ -18,6 +18,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
@@ -306,6 +307,9 @@ class Runtime:
                 submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy)
                 self.copy = submitter.copy  # type: ignore[method-assign]
                 self._copy_pinned = submitter.copy_pinned
+        #: a runtime dropped without close() stops its threads (they hold no reference to it)
+        self._finalizer = weakref.finalize(self, _stop_dropped, self.backends, self._host, self._launcher)
+        self._finalizer.atexit = False  # at exit the threads (daemons) end with the process
 
     # ------------------------------------------------------------------ API
     @property
@@ -683,7 +687,8 @@ class Runtime:
 
         Inside an op or a done-callback of this runtime, where waiting would wait for the caller
         itself, close() returns at once, and a thread of its own finishes the close once the
-        pending work, the caller included, is done.
+        pending work, the caller included, is done. A runtime dropped without close() is closed
+        when it is collected, with a ``ResourceWarning``, as an unclosed file is.
         """
         self._closed = True
         self._slots.wake_all()  # the submitters waiting for a slot: refused now
@@ -700,6 +705,7 @@ class Runtime:
             if self._stopped:
                 return
             self._drain()
+            self._finalizer.detach()
             _stop_threads(self.backends, self._host, self._launcher)
             self._let_go()
 
@@ -1443,6 +1449,20 @@ def _stop_threads(backends: list[Backend], host: HostLanes | None, launcher: Lau
         m.close()
     if host is not None:
         host.close()
+
+
+def _stop_dropped(backends: list[Backend], host: HostLanes | None, launcher: Launcher) -> None:
+    """A runtime collected without close(): stop its threads, and warn, as an unclosed file does.
+
+    They are stopped from a thread of their own: the runtime may be dropped in one of them,
+    which cannot join itself, or in whatever thread the collector runs, which must not wait.
+    """
+    with suppress(RuntimeError):  # (no thread starts at interpreter shutdown: the daemons end with it)
+        threading.Thread(target=_stop_threads, args=(backends, host, launcher), name="streamdag-close",
+                         daemon=True).start()
+    warnings.warn("a streamdag.Runtime was dropped without close(); its threads are stopped now. Close it "
+                  "when done (rt.close() or a `with` block; a streamdag.compile function's close() closes "
+                  "the runtimes it made)", ResourceWarning, stacklevel=2)
 
 
 def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:

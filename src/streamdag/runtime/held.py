@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +37,11 @@ class Held:
 
 class Launcher:
     """A thread, started at its first use, that calls ``release(seq)`` for each number it is given:
-    the launch of the ops that op ``seq`` held last."""
+    the launch of the ops that op ``seq`` held last. ``release`` is a method of the runtime, which
+    the thread holds weakly: a runtime dropped without close() is then collected (and stops it)."""
 
     def __init__(self, release: Callable[[int], None]) -> None:
-        self._release: Callable[[int], None] | None = release
+        self._release: weakref.WeakMethod[Callable[[int], None]] | None = weakref.WeakMethod(release)
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -55,12 +57,15 @@ class Launcher:
     def _loop(self) -> None:
         while True:
             seq = self._queue.get()
-            if seq is None:
+            owner = self._release
+            release = owner() if owner is not None else None
+            if seq is None or release is None:
                 return
             try:
-                self._release(seq)  # type: ignore[misc]
+                release(seq)
             except BaseException:  # an interrupt a held op's function raised: its op failed with it
                 report_escaped("streamdag-launcher")
+            release = None  # (idle, the thread must not hold the runtime)
 
     def stop(self) -> None:
         """Stop the thread once it has launched what it was given; drop the runtime."""
