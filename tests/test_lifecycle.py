@@ -183,6 +183,27 @@ def test_profile_inside_an_op_times_the_ops_that_finish_before_it_returns(where)
         assert rt.submit(op, **on).result(timeout=10) == ["forked"]
 
 
+def test_a_done_callback_that_waits_for_an_op_queued_behind_it_on_its_lane_is_told_it_is_a_callback():
+    """The callback runs on the lane after the op that submitted both: the error names the callback,
+    not that op."""
+    raised = []
+
+    def parent():
+        first, second = rt.submit(lambda: 1), rt.submit(lambda: 2)  # one lane: queued behind this op
+
+        def wait(_f):
+            try:
+                second.result()
+            except RuntimeError as exc:
+                raised.append(str(exc))
+
+        first.add_done_callback(wait)
+
+    with sd.Runtime("cpu", streams=1) as rt:
+        rt.submit(parent).result(timeout=10)
+    assert len(raised) == 1 and "inside a done-callback" in raised[0]
+
+
 # ----------------------------------------------------------------- close inside an op or a callback
 @pytest.mark.parametrize("where", LANES)
 def test_close_inside_an_op_returns_and_closes_the_runtime_once_the_op_has_returned(where):

@@ -169,12 +169,7 @@ class Future(concurrent.futures.Future):
         """Let the waiting thread help finish this future; returns what is left of ``timeout``."""
         if self._state in _DONE_STATES:
             return timeout
-        if self.__dict__.get("_behind") == threading.get_ident():
-            raise RuntimeError(
-                f"waiting inside an op for op {self.op_name!r}, which it submitted and which is queued "
-                "behind it on the same lane, would wait forever: it runs only once the waiting op has "
-                "returned. Give the runtime another lane (streams= on a CPU runtime, host_lanes= beside "
-                "a device), so that it runs elsewhere, or add a done-callback instead of waiting")
+        # (a done-callback first: one run on a lane after an op it submitted is not that op)
         if timeout is None and in_done_callback():
             raise RuntimeError(
                 f"waiting on the unfinished streamdag future of {self.op_name!r} inside a done-callback "
@@ -182,6 +177,12 @@ class Future(concurrent.futures.Future):
                 "done-callback to this future, or submit the follow-up as an op that reads its data), "
                 "or pass a timeout"
             )
+        if self.__dict__.get("_behind") == threading.get_ident():
+            raise RuntimeError(
+                f"waiting inside an op for op {self.op_name!r}, which it submitted and which is queued "
+                "behind it on the same lane, would wait forever: it runs only once the waiting op has "
+                "returned. Give the runtime another lane (streams= on a CPU runtime, host_lanes= beside "
+                "a device), so that it runs elsewhere, or add a done-callback instead of waiting")
         if self._hurry is None:
             return timeout
         started = time.perf_counter()
