@@ -50,6 +50,7 @@ for extra in (ROOT / "tests", ROOT / "src"):
 DEFECTS = {
     "drop_waits": "every cross-stream wait dropped: a dependent may run before its producer on another lane",
     "skip_indirect": "a failure passes to direct dependents only, not to the ops that depend on those",
+    "lose_finish": "one op in 300 is never finished: its future never completes (the soak must count hangs)",
 }
 
 
@@ -67,6 +68,20 @@ def plant(defect: str) -> None:
             return direct_only(accesses, [d for d in deps if not isinstance(d.error, DependencyFailed)])
 
         ops.failed_input = failed_input
+    elif defect == "lose_finish":
+        from streamdag.backends.cpu import CpuBackend
+        from streamdag.backends.inline import InlineBackend
+        from streamdag.backends.sim import SimBackend
+
+        finished = iter(range(1 << 62))
+        for backend in (CpuBackend, InlineBackend, SimBackend):
+            def when_done(self: Any, stream: Any, event: Any, callback: Any,
+                          keep: Any = backend.when_done) -> Any:
+                if next(finished) % 300 != 299:
+                    return keep(self, stream, event, callback)
+                return None
+
+            backend.when_done = when_done
     else:
         raise SystemExit(f"--plant takes one of {sorted(DEFECTS)}, got {defect!r}")
 
@@ -458,19 +473,27 @@ def print_table(result: dict[str, Any]) -> None:
 def replay(args: argparse.Namespace) -> int:
     """Run one program in this process on a fresh runtime, and show it and what differs."""
     import logging
-    from pprint import pprint
 
-    from soak_programs import Hang, describe, generate, run_program
+    from soak_programs import describe, generate
 
     logging.getLogger("streamdag").setLevel(logging.CRITICAL)
     if args.plant:
         plant(args.plant)
     program = generate(args.seed, args.replay, args.categories.split(","))
     print(describe(program))
-    faulthandler.dump_traceback_later(args.hang_seconds + 5, exit=True)  # stacks, should it hang
+    return show_run(program, args.hang_seconds)
+
+
+def show_run(program: Any, hang_seconds: float) -> int:
+    """Run ``program`` on a fresh runtime and print what differs, or every thread's stack if it hangs."""
+    from pprint import pprint
+
+    from soak_programs import Hang, run_program
+
+    faulthandler.dump_traceback_later(hang_seconds + 5, exit=True)  # stacks, should it hang for good
     rt = program.config.make()
     try:
-        out = run_program(program, rt, time.monotonic() + args.hang_seconds)
+        out = run_program(program, rt, time.monotonic() + hang_seconds)
     except Hang as hang:
         print(f"HANG: {hang}\n{stacks()}")
         return 2
@@ -492,7 +515,10 @@ def shrink_one(args: argparse.Namespace) -> int:
     program = generate(args.seed, args.shrink, args.categories.split(","))
     small, how = shrink(program, args.hang_seconds)
     print(f"{how}:\n{describe(small)}")
-    return 0 if how == "ok" else 1
+    if how == "ok":
+        return 0
+    show_run(small, args.hang_seconds)
+    return 1
 
 
 def main() -> int:
