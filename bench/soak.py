@@ -17,7 +17,8 @@ Run: python bench/soak.py --minutes 10 [--seed S] [--native 0/1] [--categories a
      python bench/soak.py --programs 2000
      python bench/soak.py --replay INDEX --seed S    (one program, in this process, shown)
      python bench/soak.py --plant drop_waits         (the negative control: must find mismatches)
-Writes bench/results/soak_cpu.json (with --plant: soak_cpu_plant_<defect>.json).
+Writes bench/results/soak_cpu.json (soak_cpu_python.json with --native 0; with --plant, the
+defect's name is added).
 """
 
 from __future__ import annotations
@@ -553,7 +554,8 @@ def main() -> int:
         return shrink_one(args)
     result = soak(args)
     print_table(result)
-    name = f"soak_cpu_plant_{args.plant}.json" if args.plant else "soak_cpu.json"
+    name = "soak_cpu" + ("_python" if args.native == 0 else "")
+    name += f"_plant_{args.plant}.json" if args.plant else ".json"
     path = args.json or HERE / "results" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")

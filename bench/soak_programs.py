@@ -19,6 +19,7 @@ refused with a ``TypeError`` (markers it cannot track) submits nothing.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import threading
@@ -182,6 +183,9 @@ CATEGORIES = {
     "base_exc_graph": (2, ("cpu", "sim")),
 }
 
+#: how the submitting thread waits for an op in the middle of a program
+WAITS = ["result", "exception", "cf_wait", "as_completed", "current_stream_wait", "await"]
+
 #: programs in a chunk share one configuration, and one runtime where they can
 CHUNK = 25
 
@@ -228,7 +232,7 @@ class _Generator:
         empty = 0.3 if cat == "zero_size" else 0.0
         reads = tuple(self.view(arrays, empty) for _ in range(rng.randint(0, 3)))
         fail_at = frozenset(n for n in range(runs) if rng.random() < fail)
-        if cat == "base_exc":
+        if cat.startswith("base_exc"):
             error = "BaseInjected" if rng.random() < 0.5 else "ValueError"
         else:
             error = rng.choice(["ValueError", "KeyError", "ZeroDivisionError", "Injected"])
@@ -280,7 +284,7 @@ class _Generator:
             events.append(("op", spec))
             names.append(spec.name)
             if waits and rng.random() < 0.1:
-                events.append(("wait", rng.choice(names), rng.choice(["result", "exception", "cf_wait"])))
+                events.append(("wait", rng.choice(names), rng.choice(WAITS)))
             if syncs and rng.random() < 0.1:
                 events.append(("sync",))
         return events
@@ -720,15 +724,23 @@ class PartRun:
             (self.inner_graphs if g in self.part.inner_graphs else self.graphs).append(recorded)
 
     def wait(self, f: Any, how: str = "exception") -> None:
-        if how == "cf_wait":
-            done, _ = concurrent.futures.wait([f], timeout=self.left())
-            if not done:
-                raise Hang(f"concurrent.futures.wait for {f!r}")
-            return
+        """Wait for ``f`` as ``how`` says (one of ``WAITS``); its outcome is checked later."""
         try:
-            f.result(timeout=self.left()) if how == "result" else f.exception(timeout=self.left())
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            raise Hang(f"waiting for {f!r}") from None
+            if how == "cf_wait":
+                if not concurrent.futures.wait([f], timeout=self.left())[0]:
+                    raise TimeoutError
+            elif how == "as_completed":
+                next(concurrent.futures.as_completed([f], timeout=self.left()))
+            elif how == "current_stream_wait":  # on the CPU and the simulated device: waits for the op
+                self.rt.current_stream_wait(f)
+            elif how == "await":
+                asyncio.run(asyncio.wait_for(_awaited(f), self.left()))
+            elif how == "result":
+                f.result(timeout=self.left())
+            else:
+                f.exception(timeout=self.left())
+        except (TimeoutError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            raise Hang(f"waiting ({how}) for {f!r}") from None
         except (Exception, BaseInjected):  # the op's outcome: checked later
             pass
 
@@ -783,6 +795,10 @@ class PartRun:
             for f in pending:
                 self.wait(f)
                 waited.add(id(f))
+
+
+async def _awaited(f: Any) -> Any:
+    return await f
 
 
 try:
@@ -1077,7 +1093,10 @@ def _plainer(spec: OpSpec):
     for i in range(len(spec.children)):
         yield replace(spec, children=spec.children[:i] + spec.children[i + 1:])
     defaults = OpSpec("", (), (), 0)
+    waits = bool(spec.children) or spec.graph_child is not None
     for name in ("callback", "host", "form", "nowait", "sleep", "graph_child", "inner", "error", "k"):
+        if name == "host" and waits:  # (off a lane, on the simulated device, no op may wait)
+            continue
         if getattr(spec, name) != getattr(defaults, name):
             yield replace(spec, **{name: getattr(defaults, name)})
 
