@@ -483,10 +483,12 @@ class Serial:
         self.calls: Counter[str] = Counter()
         self.refused, self.skipped = refused, skipped
         self.injected = 0
+        self.ops = 0  # op runs, each run of a graph's op and each child counted
         self.children: dict[tuple, tuple] = {}  # (parent, call, j) -> outcome
 
     def execute(self, spec: OpSpec, inner_graphs: list[Graph] | None = None) -> tuple:
         """One op's outcome: ``("ok", value)``, ``("own", type, text)`` or ``("dep", roots)``."""
+        self.ops += 1
         spans = [e for e in (extent(v) for v in (*spec.reads, spec.write)) if e is not None]
         roots = frozenset().union(*(r for p, r in self.poison if any(_overlap(p, e) for e in spans)))
         written = extent(spec.write)
@@ -882,8 +884,8 @@ def _group(exc: BaseException) -> str:
 
 
 def check_part(part: Part, seen: Observed, roots: list[tuple[str, str]], closing: bool = False) -> tuple[
-        list[str], int]:
-    """What differs between the part's run and its serial run; and the failures it injected."""
+        list[str], int, int]:
+    """What differs between the part's run and its serial run; the failures it injected; its op runs."""
     serial = Serial(fresh_arrays(part), seen.refused, seen.skipped, roots)
     problems: list[str] = []
     runs = iter(seen.runs)
@@ -926,7 +928,7 @@ def check_part(part: Part, seen: Observed, roots: list[tuple[str, str]], closing
         if not np.array_equal(got_arr, want_arr):
             problems.append(f"array {a}: {got_arr.tolist()}, want {want_arr.tolist()}")
     problems += seen.unexpected
-    return problems, serial.injected
+    return problems, serial.injected, serial.ops
 
 
 # ------------------------------------------------------------------------------- one program
@@ -947,10 +949,11 @@ def run_program(program: Program, rt: sd.Runtime, deadline: float) -> dict[str, 
         final = runs[0].sync()
     problems: list[str] = []
     roots: list[tuple[str, str]] = []
-    injected = 0
+    injected = ops = 0
     for i, (part, run) in enumerate(zip(program.parts, runs)):
-        found, n = check_part(part, run.seen, roots)
+        found, n, ran = check_part(part, run.seen, roots)
         injected += n
+        ops += ran
         problems += [f"thread {i}: {p}" for p in found] if len(runs) > 1 else found
     if final is not None and final != sorted(roots):
         problems.append(f"synchronize {final}, want {sorted(roots)}")
@@ -958,6 +961,7 @@ def run_program(program: Program, rt: sd.Runtime, deadline: float) -> dict[str, 
     return {
         "problems": problems,
         "injected": injected,
+        "ops": ops,
         "refused_waits": sum(len(s.refused) for s in seen),
         "refused_submits": sum(len(s.skipped) for s in seen),
         "inner": [x for s in seen for x in s.inner],
