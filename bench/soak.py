@@ -31,6 +31,7 @@ import os
 import platform
 import queue
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -407,6 +408,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             last_print = now
             bad = sum(c["mismatches"] + c["hangs"] for c in tally.by.values())
             print(f"  {now - started:6.0f} s: {tally.done} programs, {bad} mismatches or hangs", flush=True)
+    shutil.rmtree(log_dir, ignore_errors=True)  # (the stacks of each hang are in the report)
     return report(args, tally, time.monotonic() - started, natives, disabled)
 
 
