@@ -21,70 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from programs import VIEW_KINDS, N, initial_bases, make_view, run_op, serial
 from streamdag.backends.inline import InlineBackend
 
 #: each test runs on the compiled hot path and on its Python reference (the path fixture)
 pytestmark = pytest.mark.usefixtures("path")
 
-N = 24  # elements per base buffer
 EXAMPLES = settings(max_examples=1500 if os.environ.get("CI") else 100)
-
-# a view is (base index, kind, a, b)
-VIEW_KINDS = ["slice", "step", "reverse", "matrix_T", "whole"]
-
-
-def make_view(bases, spec):
-    base, kind, a, b = spec
-    arr = bases[base]
-    lo, hi = min(a, b), max(a, b) + 1
-    if kind == "slice":
-        return arr[lo:hi]
-    if kind == "step":
-        return arr[lo:hi:2]
-    if kind == "reverse":
-        return arr[lo:hi][::-1]
-    if kind == "matrix_T":
-        return arr.reshape(4, 6).T[: (hi - lo) % 6 + 1]
-    return arr
-
-
-def elements(spec):
-    """Flat element indices a view spans by its extent (the documented conservative rule)."""
-    probe = [np.arange(N, dtype=np.int64) for _ in range(4)]
-    idx = make_view(probe, spec)
-    return spec[0], int(idx.min()), int(idx.max())
-
-
-def conflicts(op_a, op_b):
-    def spans(op):
-        return [(elements(v), False) for v in op["reads"]] + [(elements(op["write"]), True)]
-
-    for (ba, la, ha), wa in spans(op_a):
-        for (bb, lb, hb), wb in spans(op_b):
-            if ba == bb and la <= hb and lb <= ha and (wa or wb):
-                return True
-    return False
-
-
-def writes_into(op_a, op_b):
-    """Whether ``op_a`` writes memory ``op_b`` reads or writes: a failure of ``op_a`` passes to ``op_b``
-    (an op that only overwrites what a failed op read runs: the failed reader changed nothing)."""
-    ba, la, ha = elements(op_a["write"])
-    for bb, lb, hb in [elements(v) for v in op_b["reads"]] + [elements(op_b["write"])]:
-        if ba == bb and la <= hb and lb <= ha:
-            return True
-    return False
-
-
-def run_op(op, bases, fail=False):
-    if fail:
-        raise RuntimeError(f"injected failure in {op['name']}")
-    w = make_view(bases, op["write"])
-    acc = np.int64(op["k"])
-    for r in op["reads"]:
-        acc = acc + make_view(bases, r).sum() % 1009
-    w[...] = (w * 3 + acc) % 1000003
-    return int(w.sum())
 
 
 views = st.tuples(
@@ -100,28 +43,6 @@ programs = st.lists(ops, min_size=1, max_size=30)
 # some ops on the host lanes beside the device (run_on="host")
 host_programs = st.lists(st.builds(lambda op, host: {**op, "host": host}, ops, st.booleans()),
                          min_size=1, max_size=30)
-
-
-def initial_bases():
-    return [np.arange(N, dtype=np.int64) * (i + 7) for i in range(3)]
-
-
-def serial(program, failing=frozenset()):
-    bases = initial_bases()
-    results = []
-    failed, roots = set(), set()
-    for i, op in enumerate(program):
-        op["name"] = f"op{i}"
-        if any(j in failed and writes_into(program[j], op) for j in range(i)):
-            failed.add(i)  # a dependency failed: the op does not run, even if it would fail itself
-            results.append(None)
-        elif i in failing:
-            failed.add(i)
-            roots.add(i)
-            results.append(None)
-        else:
-            results.append(run_op(op, bases))
-    return bases, results, failed, roots
 
 
 def concurrent(program, device, streams, seed, failing=frozenset(), roots=frozenset()):

@@ -23,11 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamdag as sd
+from programs import initial_bases, make_view, run_op, writes_into
 from streamdag.backends.inline import InlineBackend
 from streamdag.backends.sim import SimArray
 from streamdag.errors import BaseExceptionGroup
 from streamdag.runtime.recorded import RecordedGraph
-from test_random_programs import initial_bases, make_view, ops, run_op, writes_into
+from test_random_programs import ops
 
 #: each test runs on the compiled hot path and on its Python reference (the path fixture)
 pytestmark = pytest.mark.usefixtures("path")

@@ -1,0 +1,92 @@
+"""The soak (``bench/soak.py``) in small: random programs checked against their serial run.
+
+A short soak of each category must find no mismatch and no hang; and with a defect planted in
+the runtime on purpose it must find mismatches (or count hangs), or it could not fail at all.
+Each run is a subprocess of its own, whose workers dump and replace a hung process.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+
+#: the categories that run clean
+WORKING = ["eager", "eager_fail", "graph", "graph_eager", "threads", "zero_size", "base_exc"]
+
+
+def soak(tmp_path: Path, *options: str, timeout: float = 240) -> dict:
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(SOAK), "--json", str(out), "--seed", "7", *options],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def findings(result: dict) -> str:
+    """What to show when a soak found something: the first mismatch or hang of each category."""
+    shown = {cat: ex[0] for cat, ex in {**result["mismatch_examples"], **result["hang_examples"]}.items()}
+    return json.dumps(shown, indent=1)[:6000]
+
+
+def test_a_short_soak_of_the_working_categories_finds_no_mismatch_and_no_hang(tmp_path):
+    result = soak(tmp_path, "--programs", "3000", "--categories", ",".join(WORKING))
+    assert result["programs"] == 3000
+    assert set(result["by_category"]) == set(WORKING)
+    assert result["failures_injected"] > 0
+    assert result["mismatches"] == 0 and result["hangs"] == 0, findings(result)
+
+
+def _still_failing(reason: str):
+    return pytest.mark.xfail(reason=reason, strict=False)
+
+
+@pytest.mark.parametrize("category", [
+    # a failed op's dependents in g.run() do not all fail as they do eagerly
+    pytest.param("graph_fail", marks=_still_failing("recorded graphs: a failure misses dependents")),
+    pytest.param("mixed", marks=_still_failing("recorded graphs: a failure misses dependents")),
+    # a BaseException in a graph's op leaves g.run()'s future pending for good
+    pytest.param("base_exc_graph", marks=_still_failing("recorded graphs: a BaseException hangs g.run()")),
+    # a submit from inside an op blocks at max_inflight, or queues behind a wait for that op
+    pytest.param("nested", marks=_still_failing("nested submits and waits from inside ops deadlock")),
+    # g.run().result() from inside an op never returns
+    pytest.param("nested_graph", marks=_still_failing("g.run() from inside an op hangs")),
+    # a submit racing close() returns a future that never completes (or raises TypeError)
+    pytest.param("close_race", marks=_still_failing("close() racing submitters")),
+    # synchronize() or close() from inside an op waits for that op
+    pytest.param("sync_in_op", marks=_still_failing("synchronize()/close() from inside an op hang")),
+    # inline markers nested in a list reach the op's function unwrapped and untracked
+    pytest.param("markers_nested", marks=_still_failing("markers nested in lists")),
+    # rarely (about one program in 30000), synchronize() returns before the done-callbacks of an
+    # op that has just finished have run, and so misses the failure of an op they submit
+    pytest.param("callbacks", marks=_still_failing("synchronize() racing a finishing op's callbacks")),
+])
+def test_a_short_soak_of_each_other_category_finds_no_mismatch_and_no_hang(tmp_path, category):
+    result = soak(tmp_path, "--programs", "200", "--categories", category, "--hang-seconds", "3",
+                  "--max-hangs", "1")
+    assert result["programs"] > 0
+    assert result["mismatches"] == 0 and result["hangs"] == 0, findings(result)
+
+
+@pytest.mark.parametrize("defect", ["drop_waits", "skip_indirect"])
+def test_the_soak_finds_the_mismatches_of_a_planted_defect(tmp_path, defect):
+    """The negative control: a runtime that lets a dependent run before its producer on another
+    lane, or passes a failure to direct dependents only, must be caught."""
+    result = soak(tmp_path, "--programs", "400", "--categories", "eager,eager_fail", "--plant", defect)
+    assert result["mismatches"] > 0, findings(result)
+    assert result["settings"]["plant"] == defect
+
+
+def test_the_soak_counts_a_hang_and_goes_on_with_a_fresh_worker(tmp_path):
+    """A runtime that never finishes one op in 300: each such program is a hang, with the stacks of
+    its threads, and the soak goes on past it."""
+    result = soak(tmp_path, "--programs", "100", "--categories", "eager", "--plant", "lose_finish",
+                  "--hang-seconds", "2", "--max-hangs", "100", "--workers", "1")
+    assert result["hangs"] > 0
+    assert result["programs"] == 100
+    example = result["hang_examples"]["eager"][0]
+    assert "pending" in example["hang"] or "did not return" in example["hang"]
+    assert "Thread" in example["stacks"]
