@@ -203,6 +203,28 @@ def render_compile_host(data: dict) -> str:
                   "graph replay ms (GPU)", "latency over replay µs", "compile s"], rows)
 
 
+def render_zoo(data: dict) -> str:
+    """One row per model, dtype and batch: each way's ms and streamdag against the best baseline."""
+    rows = []
+    for m in data["models"]:
+        ms = m["ms"]
+        best = min((v for k, v in ms.items() if k != "streamdag" and v is not None), default=None)
+        rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
+                     ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")),
+                     ratio(best, ms.get("streamdag")), m.get("streams")])
+    return table(["model", "dtype", "batch", "eager ms", "CUDA graph ms", "torch.compile ms",
+                  "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams"], rows)
+
+
+def render_soak(data: dict) -> str:
+    rows = [[name, c["programs"], c["ops"], c["failures_injected"], c["mismatches"], c["hangs"],
+             c["skipped"]] for name, c in sorted(data["by_category"].items())]
+    rows.append(["total", data["programs"], data["ops"], data["failures_injected"], data["mismatches"],
+                 data["hangs"], data["skipped"]])
+    return table(["category", "programs", "ops", "failures injected", "mismatches", "hangs", "skipped"],
+                 rows)
+
+
 def render_flat(data: dict) -> str:
     """A benchmark whose result is one dict of numbers (``ms``, ``us_per_op``...): one row each."""
     for key, unit in (("ms", "ms"), ("us_per_op", "µs per op"), ("us", "µs")):
@@ -250,6 +272,13 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
     "compile_host": ("bench/compile_host.py", "The host path of a compiled model's call at batch 1: "
                      "streamdag.compile (one CUDA graph for the whole call, and per graph) against "
                      "reduce-overhead.", render_compile_host),
+    "zoo": ("bench/zoo.py", "Public models with random weights (torchvision, Hugging Face configs): "
+            "streamdag.compile against eager, a CUDA graph of eager, torch.compile and its "
+            "reduce-overhead mode; the ratio is the best baseline's time over streamdag's.", render_zoo),
+    "soak": ("bench/soak.py", "Random programs of every kind (eager, recorded graphs, failures, "
+             "nested submits and waits, callbacks, close() racing submitters) checked against their "
+             "serial run; files with `_plant_` ran with a planted defect that the soak must find.",
+             render_soak),
     "cpu_wide": ("bench/cpu_wide.py", "The CPU suite's wide graph on worker lanes against a serial "
                  "loop.", render_cpu_wide),
     "sched_scale": ("bench/sched_scale.py", "Scheduling a random DAG of 10,000 ops (pure Python "
