@@ -93,6 +93,22 @@ _KEPT = ("setup", "setup_clocks", "setup_compaction", "setup_submit", "note_loss
          "use_torch")
 
 
+def rerun_as_capture_timing_does(compiled: Any) -> None:
+    """Every op of each graph that ``streamdag.compile(fn, engine="aten")`` recorded, run once more
+    between saving and restoring the tensors the ops declare written, as ``CudaGraphRunner.prepare``
+    does around the runs that time a graph before its capture. That path runs only on CUDA; here
+    the same saving and restoring is checked against a graph recorded on the CPU."""
+    from streamdag.runtime.capture import _writes_saved
+
+    for spec in compiled._entries.values():
+        for entry in spec.variants:
+            ops = entry.graph._ops
+            restore = _writes_saved(ops)
+            for rec in ops:
+                rec.fn(*rec.args, **rec.kwargs)
+            restore()
+
+
 def _python_twins(speedups: ModuleType) -> dict[int, Any]:
     """What the package uses where the compiled module is not loaded, by the ``id`` of the compiled
     part it stands for (the module itself: None, so that ``core`` makes no compiled submitter)."""

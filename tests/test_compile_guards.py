@@ -22,6 +22,7 @@ import streamdag as sd
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from internals import rerun_as_capture_timing_does  # noqa: E402
 from streamdag.frontend import Compiled  # noqa: E402
 
 ENGINES = [pytest.param("inductor", marks=pytest.mark.slow), "aten"]
@@ -64,6 +65,20 @@ def test_one_compiled_call_updates_buffers_as_one_eager_call_does(engine):
             assert int(m.num_batches_tracked) == int(ref.num_batches_tracked) == calls
             torch.testing.assert_close(m.running_mean, ref.running_mean)
             torch.testing.assert_close(m.running_var, ref.running_var)
+
+
+def test_the_runs_that_time_a_graph_before_its_capture_leave_the_running_statistics_as_they_were():
+    # on CUDA a graph's ops run again to time them before its capture: the call that captures
+    # must still update a training batch norm's statistics once, as an eager call does
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    c = sd.compile(m, engine="aten")
+    with torch.no_grad():
+        c(torch.randn(8, 4))
+        before = {name: b.clone() for name, b in m.named_buffers()}
+        rerun_as_capture_timing_does(c)
+    for name, want in before.items():
+        torch.testing.assert_close(dict(m.named_buffers())[name], want, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

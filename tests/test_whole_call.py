@@ -165,6 +165,31 @@ def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():
     assert isinstance(why, str) and "an argument is a list" in why
 
 
+@pytest.mark.parametrize("compiling_calls", [1, 5])
+def test_a_key_whose_calls_each_compile_a_graph_stays_on_dynamos_path_and_says_why(fake_device,
+                                                                                  compiling_calls):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    calls = 0
+
+    def compiling(*args, **kwargs):  # as Dynamo is where a guard fails at every call (a number from .item())
+        nonlocal calls
+        calls += 1
+        if calls <= compiling_calls:
+            w.backend.stats.graphs += 1
+        return dynamo(*args, **kwargs)
+
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(w((x,), {}, compiling), m(x))
+    if compiling_calls == 1:  # the first call compiles, the second captures
+        assert w.captures == 1 and w.replays == 3, w.explain()
+    else:
+        assert w.captures == 0 and dynamo.calls == 5
+        assert "on Dynamo's path: Dynamo compiled a graph in each of 3 calls" in w.explain(), w.explain()
+
+
 def test_a_sparse_argument_stays_on_dynamos_path_and_says_why(fake_device):
     m = mlp()
     w, dynamo = whole(m, fake_device)
@@ -623,6 +648,9 @@ def test_on_cuda_a_new_input_shape_gets_a_graph_and_the_old_one_still_replays(no
 
 
 class Syncs(nn.Module):
+    """``.item()`` breaks the graph, and Dynamo passes the number on to the code after the break,
+    specialized: a new value compiles again, so every call compiles a graph."""
+
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
@@ -634,10 +662,23 @@ class Syncs(nn.Module):
         return h.relu()
 
 
+class SyncsOnABranch(Syncs):
+    """A branch on a tensor breaks the graph too, and Python's ``bool()`` of it synchronizes between
+    the graphs; the same branch is taken at every call, so Dynamo compiles once and a capture is tried."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 1e9:
+            h = h * 0
+        return h.relu()
+
+
 @pytest.mark.cuda
-def test_on_cuda_a_forward_that_synchronizes_stays_on_dynamos_path_and_says_why(fresh_dynamo):
+@pytest.mark.parametrize("model, why", [(Syncs, "Dynamo compiled a graph in each of 3 calls"),
+                                        (SyncsOnABranch, "the call cannot be captured")])
+def test_on_cuda_a_forward_that_synchronizes_stays_on_dynamos_path_and_says_why(fresh_dynamo, model, why):
     torch.manual_seed(0)
-    m = Syncs().eval().cuda()
+    m = model().eval().cuda()
     c = sd.compile(m)
     with torch.no_grad():
         for _ in range(4):
@@ -645,7 +686,7 @@ def test_on_cuda_a_forward_that_synchronizes_stays_on_dynamos_path_and_says_why(
             torch.testing.assert_close(c(x), m(x), rtol=1e-3, atol=1e-3)
         torch.randn(2, device="cuda")  # the random generator still works after the failed capture
     assert c.statistics().whole_captures == 0
-    assert "on Dynamo's path" in c.explain(), c.explain()
+    assert f"on Dynamo's path: {why}" in c.explain(), c.explain()
 
 
 @pytest.mark.cuda

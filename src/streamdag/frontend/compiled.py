@@ -173,8 +173,9 @@ class _Entry:
         graph = RecordedGraph(self.runtime, copy_out=False)  # outputs are cloned by the caller
         graph.time_ops = True  # each op's GPU time feeds the choice between batching and streams
         env = self.env
-        for op in ops:
-            graph.add(lambda run=op.run: run(env), (), {}, op.accesses, op.node.name)
+        for op in ops:  # the real tensors it writes: capture's timing runs put them back
+            written = [self.base_env[n] for n in op.writes_roots]
+            graph.add(lambda run=op.run: run(env), (), {}, op.accesses, op.node.name, written=written)
         graph.add(lambda: torch.fx.node.map_arg(output_arg, env.__getitem__), (), {}, output_reads,
                   "outputs")
         graph.finish()

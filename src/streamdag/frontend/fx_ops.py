@@ -46,6 +46,9 @@ class NodeOp:
     accesses: list[Access]
     run: Callable[[dict], Any]
     writes_inputs: list[int] = field(default_factory=list)
+    #: the placeholders and constants (``get_attr``) whose memory it writes, through views too: the
+    #: real tensors a run changes (a module's running statistics), which repeated runs must restore
+    writes_roots: list[torch.fx.Node] = field(default_factory=list)
 
 
 def _storage_region(sid: int) -> Region:
@@ -77,6 +80,7 @@ def ops_from_graph(
     by_pointer: dict[int, int] = {}
     placeholders: list[torch.fx.Node] = []
     input_sid: dict[int, int] = {}
+    roots: dict[int, torch.fx.Node] = {}  # the storage id of each placeholder and constant: its node
     ops: list[NodeOp] = []
     output_arg: Any = None
     output_reads: list[Access] = []
@@ -86,15 +90,19 @@ def ops_from_graph(
             placeholders.append(node)
             storage[node] = next(fresh)
             input_sid[storage[node]] = len(placeholders) - 1
+            roots[storage[node]] = node
         elif node.op == "get_attr":
             value = getattr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 ptr = value.untyped_storage().data_ptr()
                 storage[node] = by_pointer.setdefault(ptr, next(fresh))
+                roots.setdefault(storage[node], node)
             else:
                 storage[node] = next(fresh)
         elif node.op == "call_function":
             op = _node_op(node, storage, fresh, input_sid)
+            op.writes_roots = [roots[a.region.start] for a in op.accesses
+                               if a.write and a.region.start in roots]
             op.accesses = _value_accesses(node, index) + op.accesses
             ops.append(op)
         elif node.op == "output":

@@ -17,7 +17,9 @@ compile; the call after it captures again. A call is captured in two steps:
    over tensors the whole-call graph owns (:data:`ACTIVE` tells the graphs).
    This call's result is the warm-up's. It finds out what would keep the call
    from being captured: a graph on the CPU or compiled for training, a graph
-   compiled just now (the next call captures), a module whose state the call
+   compiled just now (the next call captures; a key whose calls keep compiling,
+   as Dynamo's do when the code goes on with a number from ``.item()``, stays
+   on Dynamo's path), a module whose state the call
    itself changes, outputs that are not tensors in containers, outputs that
    alias an input or a parameter.
 2. *capture*: the same call again, under ``torch.cuda.graph``. A host
@@ -443,6 +445,7 @@ class _State:
     watch: StateWatch
     entries: dict[Any, _Entry] = field(default_factory=dict)
     attempts: dict[Any, int] = field(default_factory=dict)
+    compiles: dict[Any, int] = field(default_factory=dict)  # calls of each key that compiled a graph
 
 
 def _global_state() -> Any:
@@ -584,6 +587,8 @@ class WholeCall:
             self._refuse(key, reason)
             return out
         if active.compiled or self._marks() != marks:
+            if self._recompiles(state, key, marks[0]):
+                return out
             self.note = "a graph was compiled or chose its candidate in this call: the next call captures"
             return out
         if not state.watch.holds():
@@ -611,6 +616,21 @@ class WholeCall:
             self._captured_over[key] = over
             self.note = ""
         return out
+
+    def _recompiles(self, state: _State, key: Any, graphs_before: int) -> bool:
+        """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state; the key is
+        then refused. Dynamo compiles a key's graphs once per state unless its guards fail on a value
+        the key and the state do not hold (a number that ``.item()`` returns, passed on past the graph
+        break), and then it compiles at every call, so no call would ever capture."""
+        if self.backend.stats.graphs == graphs_before:
+            return False
+        state.compiles[key] = state.compiles.get(key, 0) + 1
+        if state.compiles[key] < MAX_ATTEMPTS:
+            return False
+        self._refuse(key, f"Dynamo compiled a graph in each of {MAX_ATTEMPTS} calls with these arguments: "
+                          "a value the code reads changes from call to call, such as a number from "
+                          ".item() (TORCH_LOGS=recompiles names it)")
+        return True
 
     def _marks(self) -> tuple[int, int]:
         stats = self.backend.stats

@@ -39,7 +39,7 @@ import functools
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -316,9 +316,7 @@ class CudaGraphRunner:
             candidates = {1, max_streams}
             natural = 1  # the op-by-op timing below runs on one device's stream
         best: tuple[float, _Captured] | None = None
-        # timing runs and replays must not change what the graph's buffers hold
-        written = [t for rec in self.recorded._ops for t in rec.written if isinstance(t, torch.Tensor)]
-        saved = [t.clone() for t in written]
+        restore = _writes_saved(self.recorded._ops)  # timing runs and replays must not change them
         try:
             if self.groups is None and (natural > 1 or self.recorded.time_ops):
                 durations = self._time_ops()  # for the cost model here, and for batching's choice
@@ -351,8 +349,7 @@ class CudaGraphRunner:
             if self.groups is not None:  # replays ran on the first device's stream: wait for all of them
                 for d in self.devices:
                     torch.cuda.synchronize(d)
-            for t, copy in zip(written, saved):
-                t.copy_(copy)
+            restore()
         assert best is not None
         self._captured = best[1]
         self.stats.chosen_streams = best[1].compute_streams
@@ -372,6 +369,20 @@ class CudaGraphRunner:
         cap.graph.replay()
         self.stats.replays += 1
         return cap.results(self.recorded.copy_out)
+
+
+def _writes_saved(ops: Sequence[Any]) -> Callable[[], None]:
+    """A copy of every tensor the ops declare written, and a function that puts it back: the ops
+    run more often while a graph is timed and captured than the call that captures it asks for, and
+    an op that updates a tensor in place (a batch norm's running statistics) must update it once."""
+    written = [t for rec in ops for t in rec.written if isinstance(t, torch.Tensor)]
+    saved = [t.clone() for t in written]
+
+    def restore() -> None:
+        with torch.inference_mode():  # which also allows writing inference tensors
+            for t, copy in zip(written, saved):
+                t.copy_(copy)
+    return restore
 
 
 def _never_captured() -> bool:
