@@ -6,6 +6,7 @@ import concurrent.futures
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import streamdag as sd
@@ -280,3 +281,49 @@ def test_waits_with_a_timeout_are_not_counted_as_stuck():
         assert all(e is None or isinstance(e, TimeoutError) for e in errors), errors
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
+
+
+def _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere):
+    """An op writes ``y``, then submits an op and waits for it; meanwhile an op on another lane
+    reads ``y`` (so waits for it), queued behind a gated writer of ``x`` that it also reads, and
+    ``lanes_busy_elsewhere`` gated ops fill a third lane. The waiting op returns what its wait
+    gives, or the RuntimeError that it raises."""
+    x, y, z = (np.zeros(4) for _ in range(3))
+    gate, opened = threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        inner = rt.submit(lambda: 42, name="inner")
+        opened.set()  # the gated ops may finish once the inner op is placed
+        try:
+            return inner.result(timeout=5)
+        except RuntimeError as refused:  # (the op returns it: its lane and the reader go on)
+            return refused
+
+    waiting = rt.submit(outer, writes=[y], name="outer")  # the first lane
+    rt.submit(opened.wait, 10, writes=[x], name="writer of x")  # the second
+    for _ in range(lanes_busy_elsewhere):  # a third lane, busier than the second
+        rt.submit(opened.wait, 10, writes=[z], name="busy")
+    reader = rt.submit(lambda: None, reads=[y, x], name="reader")  # after the writer of x
+    gate.set()
+    return waiting, reader
+
+
+def test_an_op_submitted_inside_an_op_is_not_queued_behind_ops_that_wait_for_that_op():
+    """The least busy other lane holds an op that depends on the submitting op: the inner op
+    queued there would run only after the submitting op returns, so it goes to the free lane."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        waiting, reader = _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere=3)
+        assert waiting.result(timeout=30) == 42
+        reader.result(timeout=30)
+
+
+def test_waiting_inside_an_op_for_an_op_only_placeable_behind_its_dependents_raises_at_once():
+    """Every other lane holds an op that depends on the submitting op: waiting there for the
+    inner op would wait forever, so the wait raises at once, saying what to do."""
+    with sd.Runtime("cpu", streams=2) as rt:
+        waiting, reader = _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere=0)
+        refused = waiting.result(timeout=30)
+        assert isinstance(refused, RuntimeError), refused
+        assert "would wait forever" in str(refused) and "streams=" in str(refused)
+        reader.result(timeout=30)
