@@ -1304,7 +1304,7 @@ class Runtime:
         behind = self._ops_behind_the_caller(self._lane_here())
         with self._done_lock:
             held = [op for op in self._pending.values() if op.seq in behind]
-        return behind, {op.stamp.stream for op in held if op.stamp is not None and self._lane_of(op) is not None}
+        return behind, {op.stamp.stream for op in held if self._lane_of(op) is not None}
 
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an
