@@ -327,3 +327,44 @@ def test_waiting_inside_an_op_for_an_op_only_placeable_behind_its_dependents_rai
         assert isinstance(refused, RuntimeError), refused
         assert "would wait forever" in str(refused) and "streams=" in str(refused)
         reader.result(timeout=30)
+
+
+def _graph_run_behind_a_dependent(rt):
+    """As ``_fork_join_behind_a_dependent``, but the op runs a recorded graph of one op and
+    waits for the run."""
+    x, y = np.zeros(4), np.zeros(4)
+    with rt.record() as graph:
+        rt.submit(lambda: 42, name="recorded")
+    rt.synchronize()
+    gate, opened = threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        run = graph.run()
+        opened.set()
+        try:
+            return run.result(timeout=5)[0]
+        except RuntimeError as refused:
+            return refused
+
+    waiting = rt.submit(outer, writes=[y], name="outer")
+    rt.submit(opened.wait, 10, writes=[x], name="writer of x")
+    reader = rt.submit(lambda: None, reads=[y, x], name="reader")
+    gate.set()
+    return waiting, reader
+
+
+def test_a_graph_run_inside_an_op_is_not_queued_behind_ops_that_wait_for_that_op():
+    with sd.Runtime("cpu", streams=3) as rt:
+        waiting, reader = _graph_run_behind_a_dependent(rt)
+        assert waiting.result(timeout=30) == 42
+        reader.result(timeout=30)
+
+
+def test_waiting_inside_an_op_for_a_graph_run_only_placeable_behind_its_dependents_raises_at_once():
+    with sd.Runtime("cpu", streams=2) as rt:
+        waiting, reader = _graph_run_behind_a_dependent(rt)
+        refused = waiting.result(timeout=30)
+        assert isinstance(refused, RuntimeError), refused
+        assert "would wait forever" in str(refused)
+        reader.result(timeout=30)
