@@ -368,3 +368,39 @@ def test_waiting_inside_an_op_for_a_graph_run_only_placeable_behind_its_dependen
         assert isinstance(refused, RuntimeError), refused
         assert "would wait forever" in str(refused)
         reader.result(timeout=30)
+
+
+def test_a_wait_for_an_op_behind_a_lane_that_waits_for_a_dependent_of_the_waiting_op_raises():
+    """The inner op goes to the second lane, free when it is placed; that lane's op then submits
+    an op reading what the outer op writes, queued on the third lane, and waits for it. Waiting
+    for the inner op now would wait forever, which only the dependency shows (no lane waits for
+    an op queued behind a waiting one): the wait raises."""
+    rt = sd.Runtime("cpu", streams=3)
+    x, y = np.zeros(4), np.zeros(4)
+    gate, placed, other_waits = threading.Event(), threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        inner = rt.submit(lambda: 42, name="inner")
+        placed.set()
+        other_waits.wait(10)
+        time.sleep(0.2)  # (the other lane's op is inside its wait)
+        try:
+            return inner.result()
+        except RuntimeError as refused:
+            return refused
+
+    def other():
+        placed.wait(10)
+        reader = rt.submit(lambda: None, reads=[y, x], name="reader")  # after the writer of x
+        other_waits.set()
+        return reader.result()
+
+    waiting = rt.submit(outer, writes=[y], name="outer")  # the first lane
+    rt.submit(other, name="other")  # the second
+    for _ in range(2):  # the third, busier than the second when the inner op is placed
+        rt.submit(placed.wait, 10, writes=[x], name="writer of x")
+    gate.set()
+    refused = waiting.result(timeout=10)  # (a TimeoutError: hung; the runtime is left open)
+    assert isinstance(refused, RuntimeError) and "would wait forever" in str(refused), refused
+    rt.close()

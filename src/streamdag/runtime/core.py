@@ -245,6 +245,8 @@ class Runtime:
         n = len(self._streams)
         self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
+        # a wait inside a lane op refuses too where what it waits for depends on ops behind the caller
+        self._lane_waits.consult(self._lock, weakref.WeakMethod(self._held_up_by_caller))
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
         #: seq (the last op's number), completed, peak; the in-flight bound's free and waiting
@@ -1296,6 +1298,17 @@ class Runtime:
             future.__dict__["_behind"] = threading.get_ident()
         future.__dict__["_lanes_of"] = self._lane_waits
         future.__dict__["_lane"] = self._streams[stream]  # where it is queued
+
+    def _held_up_by_caller(self, future: Any) -> bool:
+        """Whether ``future`` (an op's, or a graph run's: its ``_ops_of``) needs a pending op that
+        cannot finish before the op this lane thread runs returns: one queued after it on a lane,
+        depending on it, or on a lane whose op waits for it (caller holds ``_lock`` and the lane
+        waits' lock, see ``LaneWaits.waiting``)."""
+        futures = future.__dict__.get("_ops_of") or (future,)
+        behind = self._ops_behind_the_caller(self._lane_here())
+        with self._done_lock:
+            ids = {id(op.future) for op in self._pending.values() if op.seq in behind}
+        return any(id(f) in ids for f in futures)
 
     def _behind_the_caller(self) -> tuple[set[int], set[int]]:
         """For a submit from inside an op on a lane (caller holds ``_lock``): the numbers of the
