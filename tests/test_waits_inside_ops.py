@@ -6,6 +6,7 @@ import concurrent.futures
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import streamdag as sd
@@ -280,3 +281,126 @@ def test_waits_with_a_timeout_are_not_counted_as_stuck():
         assert all(e is None or isinstance(e, TimeoutError) for e in errors), errors
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
+
+
+def _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere):
+    """An op writes ``y``, then submits an op and waits for it; meanwhile an op on another lane
+    reads ``y`` (so waits for it), queued behind a gated writer of ``x`` that it also reads, and
+    ``lanes_busy_elsewhere`` gated ops fill a third lane. The waiting op returns what its wait
+    gives, or the RuntimeError that it raises."""
+    x, y, z = (np.zeros(4) for _ in range(3))
+    gate, opened = threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        inner = rt.submit(lambda: 42, name="inner")
+        opened.set()  # the gated ops may finish once the inner op is placed
+        try:
+            return inner.result(timeout=5)
+        except RuntimeError as refused:  # (the op returns it: its lane and the reader go on)
+            return refused
+
+    waiting = rt.submit(outer, writes=[y], name="outer")  # the first lane
+    rt.submit(opened.wait, 10, writes=[x], name="writer of x")  # the second
+    for _ in range(lanes_busy_elsewhere):  # a third lane, busier than the second
+        rt.submit(opened.wait, 10, writes=[z], name="busy")
+    reader = rt.submit(lambda: None, reads=[y, x], name="reader")  # after the writer of x
+    gate.set()
+    return waiting, reader
+
+
+def test_an_op_submitted_inside_an_op_is_not_queued_behind_ops_that_wait_for_that_op():
+    """The least busy other lane holds an op that depends on the submitting op: the inner op
+    queued there would run only after the submitting op returns, so it goes to the free lane."""
+    with sd.Runtime("cpu", streams=3) as rt:
+        waiting, reader = _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere=3)
+        assert waiting.result(timeout=30) == 42
+        reader.result(timeout=30)
+
+
+def test_waiting_inside_an_op_for_an_op_only_placeable_behind_its_dependents_raises_at_once():
+    """Every other lane holds an op that depends on the submitting op: waiting there for the
+    inner op would wait forever, so the wait raises at once, saying what to do."""
+    with sd.Runtime("cpu", streams=2) as rt:
+        waiting, reader = _fork_join_behind_a_dependent(rt, lanes_busy_elsewhere=0)
+        refused = waiting.result(timeout=30)
+        assert isinstance(refused, RuntimeError), refused
+        assert "would wait forever" in str(refused) and "streams=" in str(refused)
+        reader.result(timeout=30)
+
+
+def _graph_run_behind_a_dependent(rt):
+    """As ``_fork_join_behind_a_dependent``, but the op runs a recorded graph of one op and
+    waits for the run."""
+    x, y = np.zeros(4), np.zeros(4)
+    with rt.record() as graph:
+        rt.submit(lambda: 42, name="recorded")
+    rt.synchronize()
+    gate, opened = threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        run = graph.run()
+        opened.set()
+        try:
+            return run.result(timeout=5)[0]
+        except RuntimeError as refused:
+            return refused
+
+    waiting = rt.submit(outer, writes=[y], name="outer")
+    rt.submit(opened.wait, 10, writes=[x], name="writer of x")
+    reader = rt.submit(lambda: None, reads=[y, x], name="reader")
+    gate.set()
+    return waiting, reader
+
+
+def test_a_graph_run_inside_an_op_is_not_queued_behind_ops_that_wait_for_that_op():
+    with sd.Runtime("cpu", streams=3) as rt:
+        waiting, reader = _graph_run_behind_a_dependent(rt)
+        assert waiting.result(timeout=30) == 42
+        reader.result(timeout=30)
+
+
+def test_waiting_inside_an_op_for_a_graph_run_only_placeable_behind_its_dependents_raises_at_once():
+    with sd.Runtime("cpu", streams=2) as rt:
+        waiting, reader = _graph_run_behind_a_dependent(rt)
+        refused = waiting.result(timeout=30)
+        assert isinstance(refused, RuntimeError), refused
+        assert "would wait forever" in str(refused)
+        reader.result(timeout=30)
+
+
+def test_a_wait_for_an_op_behind_a_lane_that_waits_for_a_dependent_of_the_waiting_op_raises():
+    """The inner op goes to the second lane, free when it is placed; that lane's op then submits
+    an op reading what the outer op writes, queued on the third lane, and waits for it. Waiting
+    for the inner op now would wait forever, which only the dependency shows (no lane waits for
+    an op queued behind a waiting one): the wait raises."""
+    rt = sd.Runtime("cpu", streams=3)
+    x, y = np.zeros(4), np.zeros(4)
+    gate, placed, other_waits = threading.Event(), threading.Event(), threading.Event()
+
+    def outer():
+        gate.wait(10)
+        inner = rt.submit(lambda: 42, name="inner")
+        placed.set()
+        other_waits.wait(10)
+        time.sleep(0.2)  # (the other lane's op is inside its wait)
+        try:
+            return inner.result()
+        except RuntimeError as refused:
+            return refused
+
+    def other():
+        placed.wait(10)
+        reader = rt.submit(lambda: None, reads=[y, x], name="reader")  # after the writer of x
+        other_waits.set()
+        return reader.result()
+
+    waiting = rt.submit(outer, writes=[y], name="outer")  # the first lane
+    rt.submit(other, name="other")  # the second
+    for _ in range(2):  # the third, busier than the second when the inner op is placed
+        rt.submit(placed.wait, 10, writes=[x], name="writer of x")
+    gate.set()
+    refused = waiting.result(timeout=10)  # (a TimeoutError: hung; the runtime is left open)
+    assert isinstance(refused, RuntimeError) and "would wait forever" in str(refused), refused
+    rt.close()

@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -245,6 +245,8 @@ class Runtime:
         n = len(self._streams)
         self._lock = ops.new_rlock()
         self._done_lock = ops.new_lock()
+        # a wait inside a lane op refuses too where what it waits for depends on ops behind the caller
+        self._lane_waits.consult(self._lock, weakref.WeakMethod(self._held_up_by_caller))
         #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
         #: seq (the last op's number), completed, peak; the in-flight bound's free and waiting
@@ -1123,10 +1125,13 @@ class Runtime:
                 elif d.error is not None:
                     kept.append(d)
             op.deps = kept
+        nested = threading.get_ident() in self._lane_threads  # submitted from inside an op on a lane
+        behind, blocked = self._behind_the_caller() if nested else ((), ())
         if stream is None:
-            stream = self._choose_stream(live, device or self.device)
-        if threading.get_ident() in self._lane_threads:  # submitted from inside an op on a lane
-            self._mark_lane_submit(op.future, stream)
+            stream = self._choose_stream(live, device or self.device, blocked)
+        if nested:
+            stuck = stream in blocked or any(d.seq in behind for d in live)
+            self._mark_lane_submit(op.future, stream, stuck)
         op.stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         pending = self._pending
         with self._done_lock:
@@ -1251,7 +1256,7 @@ class Runtime:
         future._fence = event
         future._done_token = backend.when_done(self._streams[stream], event, finished)
 
-    def _choose_stream(self, live: list[Op], device: str) -> int:
+    def _choose_stream(self, live: list[Op], device: str, blocked: Collection[int] = ()) -> int:
         """Continue a producer's compute stream when it is that stream's last op; else the least busy one.
 
         Only compute streams of ``device`` are candidates. Copy streams are
@@ -1260,34 +1265,59 @@ class Runtime:
         compute = self._compute_of[device]
         lo, n = compute.start, len(compute)
         # an op submitted from inside an op on a lane (a host lane, a CPU runtime's) goes to another
-        # lane: queued behind the op that submits it, it would never run if that op waits for it
+        # lane: queued behind the op that submits it, it would never run if that op waits for it;
+        # nor behind ops that cannot run before that op returns (``blocked``), where a lane is free
         here = self._calling_lane(lo, n) if n > 1 else -1
+        avoid = {here} | {i for i in blocked if lo <= i < lo + n}
+        if len(avoid - {-1}) >= n:  # every lane is held up: waiting for the op raises (see _admit)
+            avoid = {here}
         for dep in reversed(live):
             st = dep.stamp
             if (st is not None and lo <= st.stream < lo + n and self._clocks.tail(st.stream) == st.pos
-                    and st.stream != here):
+                    and st.stream not in avoid):
                 return st.stream
         # one reading of the counts: a finish in another thread may lower one meanwhile (it takes
         # ``_done_lock``, not ``_lock``), and a search for a count read earlier would never end
         busy = self._busy[lo:lo + n]
-        least = min(b for i, b in enumerate(busy) if lo + i != here)
+        least = min(b for i, b in enumerate(busy) if lo + i not in avoid)
         chosen = self._next_stream[device]  # round robin among the least busy
-        while busy[chosen] != least or lo + chosen == here:
+        while busy[chosen] != least or lo + chosen in avoid:
             chosen = (chosen + 1) % n
         self._next_stream[device] = (chosen + 1) % n
         return lo + chosen
 
-    def _mark_lane_submit(self, future: Future, stream: int) -> None:
+    def _mark_lane_submit(self, future: Future, stream: int, stuck: bool = False) -> None:
         """What a wait inside the submitting op checks (see ``Future._waited_on``, ``LaneWaits``),
         for an op that a lane thread places on a lane: queued behind the submitting op itself (one
-        lane), or on a lane whose op may wait in turn."""
+        lane) or behind ops that cannot run before it returns (``stuck``), or on a lane whose op
+        may wait in turn."""
         runs_here = getattr(self._streams[stream], "runs_here", None)
         if runs_here is None:  # a device stream: its ops finish without a lane
             return
-        if runs_here():
+        if runs_here() or stuck:
             future.__dict__["_behind"] = threading.get_ident()
         future.__dict__["_lanes_of"] = self._lane_waits
         future.__dict__["_lane"] = self._streams[stream]  # where it is queued
+
+    def _held_up_by_caller(self, future: Any) -> bool:
+        """Whether ``future`` (an op's, or a graph run's: its ``_ops_of``) needs a pending op that
+        cannot finish before the op this lane thread runs returns: one queued after it on a lane,
+        depending on it, or on a lane whose op waits for it (caller holds ``_lock`` and the lane
+        waits' lock, see ``LaneWaits.waiting``)."""
+        futures = future.__dict__.get("_ops_of") or (future,)
+        behind = self._ops_behind_the_caller(self._lane_here())
+        with self._done_lock:
+            ids = {id(op.future) for op in self._pending.values() if op.seq in behind}
+        return any(id(f) in ids for f in futures)
+
+    def _behind_the_caller(self) -> tuple[set[int], set[int]]:
+        """For a submit from inside an op on a lane (caller holds ``_lock``): the numbers of the
+        pending ops that cannot finish before that op returns (:meth:`_ops_behind_the_caller`),
+        and the lanes that hold one of them, where an op queued now runs only after it returns."""
+        behind = self._ops_behind_the_caller(self._lane_here())
+        with self._done_lock:
+            held = [op for op in self._pending.values() if op.seq in behind]
+        return behind, {op.stamp.stream for op in held if self._lane_of(op) is not None}
 
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an

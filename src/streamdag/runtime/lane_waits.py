@@ -56,6 +56,20 @@ class LaneWaits:
         #: thread ident -> (the futures it waits for, whether it needs all of them, the lane it
         #: runs); None: a wait with a timeout
         self._waits: dict[int, tuple[tuple[Any, ...], bool, Any] | None] = {}
+        #: the runtime's lock, taken before ``_lock``, and whether a future needs an op that cannot
+        #: run before the waiting op returns (ops queued or depending on it, see ``consult``)
+        self._outer_lock: Any = threading.RLock()
+        self._held_up: Callable[[], Callable[[Any], bool] | None] = lambda: None
+
+    def consult(self, lock: Any, held_up: Callable[[], Callable[[Any], bool] | None]) -> None:
+        """Have a wait also ask ``held_up()`` (a weak method of the runtime's: None once it is
+        gone) whether the future needs an op that cannot run before the waiting op returns, under
+        ``lock`` then this lock: a lane is held up by a queued op waiting for another's event too,
+        which the waits between lanes alone do not show. ``lock`` is taken with a short timeout,
+        never waited for at length: a launch holding it may itself wait for this lane's op to
+        return (a device op run inside its submit); then only the waits between lanes are
+        checked."""
+        self._outer_lock, self._held_up = lock, held_up
 
     @contextmanager
     def waiting(self, future: Any, timeout: float | None) -> Iterator[None]:
@@ -66,24 +80,38 @@ class LaneWaits:
             yield
             return
         me = threading.get_ident()
-        with self._lock:
-            if timeout is None and not future.done():
-                stuck = self._stuck_lanes(mine)
-                if self._blocked(future, stuck):
-                    raise RuntimeError(
-                        f"waiting inside an op for op {future.op_name!r} would wait forever: it is "
-                        f"queued on a lane whose op waits, in turn, for ops queued behind this one "
-                        f"({len(stuck)} lanes of this runtime's {self.lanes} wait for each other), so "
-                        "none of those can run. Give the runtime more lanes (streams= on a CPU runtime, "
-                        "host_lanes= beside a device), or add a done-callback instead of waiting "
-                        "inside the op")
-            outer = self._waits.get(me)  # (a wait inside a done-callback run by a wait)
-            self._waits[me] = ((future,), True, mine) if timeout is None else None
+        outer = timeout is None and self._outer_lock.acquire(timeout=0.1)
+        try:
+            counted_inside = self._check_and_count(future, timeout, mine, me, outer)
+        finally:
+            if outer:
+                self._outer_lock.release()
         try:
             yield
         finally:
             with self._lock:
-                self._restore(me, outer)
+                self._restore(me, counted_inside)
+
+    def _check_and_count(self, future: Any, timeout: float | None, mine: Any, me: int, outer: bool) -> Any:
+        """:meth:`waiting`'s check, then its wait counted, in one go under the lock (``outer``:
+        the runtime's lock is held too, and it is asked what holds the future up); returns the
+        wait it is counted inside (a wait inside a done-callback run by a wait), or None."""
+        with self._lock:
+            if timeout is None and not future.done():
+                stuck = self._stuck_lanes(mine)
+                held_up = self._held_up() if outer else None
+                if self._blocked(future, stuck) or (held_up is not None and held_up(future)):
+                    raise RuntimeError(
+                        f"waiting inside an op for op {future.op_name!r} would wait forever: it is "
+                        f"queued on a lane whose op waits, in turn, for ops queued behind (or "
+                        f"depending on) this one ({len(stuck)} lanes of this runtime's {self.lanes} wait "
+                        "for each other), so "
+                        "none of those can run. Give the runtime more lanes (streams= on a CPU runtime, "
+                        "host_lanes= beside a device), or add a done-callback instead of waiting "
+                        "inside the op")
+            inside = self._waits.get(me)
+            self._waits[me] = ((future,), True, mine) if timeout is None else None
+            return inside
 
     def lane_here(self) -> Any:
         """The lane of the runtime's that the calling thread runs, or None."""

@@ -180,9 +180,10 @@ class Future(concurrent.futures.Future):
         if self.__dict__.get("_behind") == threading.get_ident():
             raise RuntimeError(
                 f"waiting inside an op for op {self.op_name!r}, which it submitted and which is queued "
-                "behind it on the same lane, would wait forever: it runs only once the waiting op has "
-                "returned. Give the runtime another lane (streams= on a CPU runtime, host_lanes= beside "
-                "a device), so that it runs elsewhere, or add a done-callback instead of waiting")
+                "behind it on the same lane (or behind, or after, ops that wait for it), would wait "
+                "forever: it runs only once the waiting op has returned. Give the runtime another lane "
+                "(streams= on a CPU runtime, host_lanes= beside a device), so that it runs elsewhere, "
+                "or add a done-callback instead of waiting")
         if self._hurry is None:
             return timeout
         started = time.perf_counter()

@@ -91,6 +91,19 @@ def _lane_instead(rt: Runtime) -> tuple[int, int]:
     return -1, -1
 
 
+def _free_lane(rt: Runtime, stream: int, here: int, instead: int) -> int:
+    """Where an op of a run from inside the op on lane ``here`` goes, scheduled onto ``stream``:
+    not behind the calling op (``instead``, see ``_lane_instead``), nor behind ops that cannot run
+    before it returns (``Runtime._behind_the_caller``), where a lane of the kind is free of both;
+    else where it was sent, and waiting for the run there raises (see ``Future._waited_on``)."""
+    wanted = instead if stream == here else stream
+    _, blocked = rt._behind_the_caller()
+    if wanted not in blocked:
+        return wanted
+    lanes = next((s for s in rt._compute_of.values() if wanted in s), range(wanted, wanted + 1))
+    return next((i for i in lanes if i != here and i not in blocked), wanted)
+
+
 def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
     """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
     a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
@@ -397,9 +410,8 @@ class RecordedGraph:
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
-            if stream == here:
-                stream = instead
-                behind = behind or stream == here
+            if here != -1:
+                stream = _free_lane(rt, stream, here, instead)
             device = rt._stream_device[stream]
             on_lane = device == "host"
             try:  # (before the op is linked: it raises inside the caller's capture)
@@ -421,6 +433,8 @@ class RecordedGraph:
             host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
             rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
             launched.append(op)
+            # queued where it runs only once the calling op returns (see Runtime._mark_lane_submit)
+            behind = behind or op.future.__dict__.get("_behind") == threading.get_ident()
         return behind
 
     def _run_parts(self) -> Future:
