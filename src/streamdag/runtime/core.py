@@ -1309,6 +1309,9 @@ class Runtime:
         slots = self._slots
         with self._done_lock:
             del self._pending[op.seq]
+            # counted as calling back in the same hold: synchronize() sees it pending or calling back,
+            # never neither while its done-callbacks are still to run
+            self._in_callbacks += 1
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
             slots.release_locked()
             if error is None:
@@ -1328,13 +1331,17 @@ class Runtime:
             # long, so that memory is not freed and handed to a new buffer, whose ops would fail for an
             # op that never touched it
         future = op.future
-        if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
+        if future._settle_unobserved(value, error):  # nobody waits and no callback: done
+            self._callbacks_ran()
+        else:
             self._settle(future, value, error)
 
     def _settle(self, future: Future, value: Any, error: BaseException | None) -> None:
-        """Give a finished op's future its outcome when someone waits on it or a callback is set."""
-        with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
-            self._in_callbacks += 1
+        """Give a finished op's future its outcome when someone waits on it or a callback is set.
+
+        The op is counted in ``_in_callbacks`` already (by whoever took it out of ``_pending``): its
+        done-callbacks may submit more, and synchronize() waits for them.
+        """
         later = deferring_callbacks() if future._has_callbacks() else None
         if later is not None:  # this thread finishes ops under a lock: callbacks once it is let go
             try:
