@@ -280,3 +280,29 @@ def test_waits_with_a_timeout_are_not_counted_as_stuck():
         assert all(e is None or isinstance(e, TimeoutError) for e in errors), errors
         with pytest.raises(sd.ExceptionGroup):
             rt.synchronize()
+
+
+@pytest.mark.parametrize("call", ["result", "synchronize", "close", "profile"])
+def test_a_wait_inside_an_op_on_the_simulated_device_fails_at_once_or_returns_never_hangs(call):
+    """One thread runs every stream of the simulated device, so nothing else runs while an op
+    waits: a wait for other ops raises with what to do; close() leaves the rest to a thread of its
+    own, as on lanes."""
+    rt = sd.Runtime("sim", streams=2)
+
+    def inner():
+        if call == "result":
+            rt.submit(time.sleep, 0).result()
+        elif call == "profile":
+            with rt.profile():
+                pass
+        else:
+            getattr(rt, call)()
+
+    rt.submit(time.sleep, 0.01)
+    f = rt.submit(inner)
+    error = f.exception(timeout=10)
+    if call in ("close", "profile"):  # (a profile's closing wait is best effort: it keeps no error)
+        assert error is None
+    else:
+        assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
+    rt.close()

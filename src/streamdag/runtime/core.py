@@ -674,7 +674,8 @@ class Runtime:
         an op's function inside its launch (or a graph's run: the lock held), a done-callback.
         There, waiting for the runtime's pending work could wait for the caller itself."""
         return (in_done_callback() or self._lane_here() is not None
-                or self._lock._is_owned())  # type: ignore[attr-defined]
+                or self._lock._is_owned()  # type: ignore[attr-defined]
+                or any(b.runs_here() for b in self.backends if hasattr(b, "runs_here")))  # (a simulator's)
 
     def close(self) -> None:
         """Refuse new submits, wait for the pending work, and stop the backend. Failures not yet
