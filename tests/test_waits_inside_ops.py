@@ -306,3 +306,19 @@ def test_a_wait_inside_an_op_on_the_simulated_device_fails_at_once_or_returns_ne
     else:
         assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
     rt.close()
+
+
+def test_synchronize_inside_an_op_on_the_simulated_device_raises_though_the_newest_op_is_on_a_host_lane():
+    rt = sd.Runtime("sim", streams=2, host_lanes=1)
+    gate = threading.Event()
+
+    def inner():
+        rt.submit(gate.wait, 10, run_on="host")  # the newest pending op: on a lane, not the simulator
+        try:
+            rt.synchronize()
+        finally:
+            gate.set()
+
+    error = rt.submit(inner).exception(timeout=10)
+    assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
+    rt.close()

@@ -522,6 +522,11 @@ class Runtime:
         (see :meth:`_wait_all_but_the_caller`).
         """
         inside = in_done_callback()  # then one of the callbacks running is this thread's own
+        if not inside and self._simulator_here():
+            raise RuntimeError(
+                "waiting inside an op for the runtime's pending work on the simulated device would wait "
+                "forever: one thread runs all its streams, and nothing else runs until the waiting op "
+                "returns. Synchronize outside the op, or add a done-callback instead of waiting")
         if not inside and (self._lane_here() is not None or self._launching_here()):
             self._wait_all_but_the_caller()
             return
@@ -675,7 +680,11 @@ class Runtime:
         There, waiting for the runtime's pending work could wait for the caller itself."""
         return (in_done_callback() or self._lane_here() is not None
                 or self._lock._is_owned()  # type: ignore[attr-defined]
-                or any(b.runs_here() for b in self.backends if hasattr(b, "runs_here")))  # (a simulator's)
+                or self._simulator_here())
+
+    def _simulator_here(self) -> bool:
+        """Whether the calling thread is a simulated device's, which runs all its streams."""
+        return any(b.runs_here() for b in self.backends if hasattr(b, "runs_here"))
 
     def close(self) -> None:
         """Refuse new submits, wait for the pending work, and stop the backend. Failures not yet
