@@ -56,8 +56,7 @@ def _still_failing(reason: str):
     pytest.param("nested_graph", marks=_still_failing("g.run() from inside an op hangs")),
     # a submit racing close() returns a future that never completes (or raises TypeError)
     pytest.param("close_race", marks=_still_failing("close() racing submitters")),
-    # synchronize() or close() from inside an op waits for that op
-    pytest.param("sync_in_op", marks=_still_failing("synchronize()/close() from inside an op hang")),
+    "sync_in_op",
     # inline markers nested in a list reach the op's function unwrapped and untracked
     pytest.param("markers_nested", marks=_still_failing("markers nested in lists")),
     "callbacks",
