@@ -103,6 +103,19 @@ def test_a_recording_refuses_an_empty_output_with_what_to_do(rt):
         rt.submit(_slowly_ones(10), sd.write(out))
 
 
+def test_a_recording_takes_a_write_to_a_zero_size_numpy_view_which_cannot_be_resized(rt):
+    """A view such as ``a[5:5]`` does not own its data: numpy cannot resize it, and it has no bytes to
+    conflict, so a graph records it as usual (an array that owns its data may be resized: refused)."""
+    a = np.arange(10.0)
+    with rt.record() as g:
+        rt.submit(lambda out: None, out=sd.write(a[5:5]))
+        rt.submit(np.add, a, 1, out=a, writes=[a])
+    g.run().result()
+    assert (a == np.arange(10.0) + 1).all()
+    with rt.record(), pytest.raises(sd.InvalidBuffer, match="Allocate the buffer at its final size"):
+        rt.submit(lambda out: None, out=sd.write(np.zeros(0)))
+
+
 def test_a_recording_refuses_a_buffer_that_a_pending_op_may_resize(rt):
     """Its memory at recording is not the memory the graph's runs would use."""
     out = torch.empty(0)

@@ -56,13 +56,10 @@ def _still_failing(reason: str):
     pytest.param("nested_graph", marks=_still_failing("g.run() from inside an op hangs")),
     # a submit racing close() returns a future that never completes (or raises TypeError)
     pytest.param("close_race", marks=_still_failing("close() racing submitters")),
-    # synchronize() or close() from inside an op waits for that op
-    pytest.param("sync_in_op", marks=_still_failing("synchronize()/close() from inside an op hang")),
+    "sync_in_op",
     # inline markers nested in a list reach the op's function unwrapped and untracked
     pytest.param("markers_nested", marks=_still_failing("markers nested in lists")),
-    # rarely (about one program in 30000), synchronize() returns before the done-callbacks of an
-    # op that has just finished have run, and so misses the failure of an op they submit
-    pytest.param("callbacks", marks=_still_failing("synchronize() racing a finishing op's callbacks")),
+    "callbacks",
 ])
 def test_a_short_soak_of_each_other_category_finds_no_mismatch_and_no_hang(tmp_path, category):
     result = soak(tmp_path, "--programs", "200", "--categories", category, "--hang-seconds", "3",

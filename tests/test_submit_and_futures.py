@@ -216,6 +216,26 @@ def test_synchronize_waits_for_what_done_callbacks_submit(device):
     assert len(follow_ups) == 2 and follow_ups[1].exception() is None and (a == 2).all()
 
 
+def test_synchronize_waits_for_callbacks_of_an_op_just_taken_off_pending(path, monkeypatch):
+    """Finishing an op takes it off the pending ops and then settles its future: synchronize() must
+    count it as calling back from the moment it is off, or it returns (and ``close()`` refuses the
+    callbacks' submits) in between. The gap is widened here by a slow settle."""
+    settle = sd.Runtime._settle
+
+    def slow_settle(self, *args):
+        time.sleep(0.2)
+        settle(self, *args)
+
+    monkeypatch.setattr(sd.Runtime, "_settle", slow_settle)
+    ran = []
+    with sd.Runtime("cpu", streams=2) as rt:
+        f = rt.submit(time.sleep, 0.001)
+        f.add_done_callback(lambda _f: ran.append(True))
+        time.sleep(0.05)  # finished and off pending: settling
+        rt.synchronize()
+        assert ran == [True]
+
+
 def test_futures_work_with_concurrent_futures_helpers(rt):
     """wait(), as_completed() and done-callbacks use the base class's waiter and callback lists,
     which a streamdag future makes only when first asked for."""

@@ -403,4 +403,45 @@ def test_a_wait_for_an_op_behind_a_lane_that_waits_for_a_dependent_of_the_waitin
     gate.set()
     refused = waiting.result(timeout=10)  # (a TimeoutError: hung; the runtime is left open)
     assert isinstance(refused, RuntimeError) and "would wait forever" in str(refused), refused
+
+
+@pytest.mark.parametrize("call", ["result", "synchronize", "close", "profile"])
+def test_a_wait_inside_an_op_on_the_simulated_device_fails_at_once_or_returns_never_hangs(call):
+    """One thread runs every stream of the simulated device, so nothing else runs while an op
+    waits: a wait for other ops raises with what to do; close() leaves the rest to a thread of its
+    own, as on lanes."""
+    rt = sd.Runtime("sim", streams=2)
+
+    def inner():
+        if call == "result":
+            rt.submit(time.sleep, 0).result()
+        elif call == "profile":
+            with rt.profile():
+                pass
+        else:
+            getattr(rt, call)()
+
+    rt.submit(time.sleep, 0.01)
+    f = rt.submit(inner)
+    error = f.exception(timeout=10)
+    if call in ("close", "profile"):  # (a profile's closing wait is best effort: it keeps no error)
+        assert error is None
+    else:
+        assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
+    rt.close()
+
+
+def test_synchronize_inside_an_op_on_the_simulated_device_raises_though_the_newest_op_is_on_a_host_lane():
+    rt = sd.Runtime("sim", streams=2, host_lanes=1)
+    gate = threading.Event()
+
+    def inner():
+        rt.submit(gate.wait, 10, run_on="host")  # the newest pending op: on a lane, not the simulator
+        try:
+            rt.synchronize()
+        finally:
+            gate.set()
+
+    error = rt.submit(inner).exception(timeout=10)
+    assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
     rt.close()

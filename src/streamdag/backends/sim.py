@@ -52,6 +52,10 @@ class SimExecutor:
         self._thread = threading.Thread(target=self._loop, name="streamdag-sim", daemon=True)
         self._thread.start()
 
+    def runs_here(self) -> bool:
+        """Whether the calling thread is this executor's (an op, or a finish, running now)."""
+        return threading.current_thread() is self._thread
+
     def join(self, streams: list[_SimStream]) -> None:
         with self.cond:
             self.streams += streams
@@ -129,6 +133,20 @@ class SimBackend:
 
     def when_done(self, stream: _SimStream, event: HostEvent, callback: Callable[[], None]) -> None:
         stream.enqueue(("run", callback))
+
+    def runs_here(self) -> bool:
+        """Whether the calling thread runs this device's streams (inside an op or a finish)."""
+        return self._executor.runs_here()
+
+    def hurry(self, waiter: Any = None, seconds: float | None = None, wanted: Any = None) -> None:
+        """What a wait on one of this device's ops calls first: inside an op (on the one thread
+        that runs every stream), refuse a wait without a time limit at once, since nothing else
+        runs until the op returns."""
+        if seconds is None and waiter is not None and self._executor.runs_here():
+            raise RuntimeError(
+                f"waiting inside an op for op {getattr(waiter, 'op_name', '?')!r} on the simulated "
+                "device would wait forever: one thread runs all its streams, and nothing else runs until "
+                "the waiting op returns. Add a done-callback instead of waiting, or pass a timeout")
 
     def synchronize(self) -> None:
         events = []

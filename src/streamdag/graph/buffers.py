@@ -269,9 +269,16 @@ def with_identities(accesses: list[Access], values: Sequence[Any]) -> list[Acces
     extra = []
     for ((_, start, end), write), value in zip(accesses, values):
         key = id(value)
-        if (write and start == end) or key in _RESIZING:
+        if (write and start == end and _may_get_new_memory(value)) or key in _RESIZING:
             extra.append(_new(Access, (Region(OBJECTS, key, key + 1), write)))
     return accesses + extra if extra else accesses
+
+
+def _may_get_new_memory(value: Any) -> bool:
+    """Whether an op may give empty ``value`` new memory: not a numpy array that does not own its
+    data (a view such as ``a[5:5]``), which numpy cannot resize and which has no bytes to conflict.
+    A torch tensor may be resized even as a view (an ``out=`` regrows its storage)."""
+    return not (isinstance(value, np.ndarray) and not value.flags.owndata)
 
 
 def _probe_instance(value: Any) -> Region:

@@ -524,6 +524,11 @@ class Runtime:
         (see :meth:`_wait_all_but_the_caller`).
         """
         inside = in_done_callback()  # then one of the callbacks running is this thread's own
+        if not inside and self._simulator_here():
+            raise RuntimeError(
+                "waiting inside an op for the runtime's pending work on the simulated device would wait "
+                "forever: one thread runs all its streams, and nothing else runs until the waiting op "
+                "returns. Synchronize outside the op, or add a done-callback instead of waiting")
         if not inside and (self._lane_here() is not None or self._launching_here()):
             self._wait_all_but_the_caller()
             return
@@ -676,7 +681,12 @@ class Runtime:
         an op's function inside its launch (or a graph's run: the lock held), a done-callback.
         There, waiting for the runtime's pending work could wait for the caller itself."""
         return (in_done_callback() or self._lane_here() is not None
-                or self._lock._is_owned())  # type: ignore[attr-defined]
+                or self._lock._is_owned()  # type: ignore[attr-defined]
+                or self._simulator_here())
+
+    def _simulator_here(self) -> bool:
+        """Whether the calling thread is a simulated device's, which runs all its streams."""
+        return any(b.runs_here() for b in self.backends if hasattr(b, "runs_here"))
 
     def close(self) -> None:
         """Refuse new submits, wait for the pending work, and stop the backend. Failures not yet
@@ -1339,6 +1349,9 @@ class Runtime:
         slots = self._slots
         with self._done_lock:
             del self._pending[op.seq]
+            # counted as calling back in the same hold: synchronize() sees it pending or calling back,
+            # never neither while its done-callbacks are still to run
+            self._in_callbacks += 1
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
             slots.release_locked()
             if error is None:
@@ -1358,13 +1371,17 @@ class Runtime:
             # long, so that memory is not freed and handed to a new buffer, whose ops would fail for an
             # op that never touched it
         future = op.future
-        if not future._settle_unobserved(value, error):  # else nobody waits and no callback: done
+        if future._settle_unobserved(value, error):  # nobody waits and no callback: done
+            self._callbacks_ran()
+        else:
             self._settle(future, value, error)
 
     def _settle(self, future: Future, value: Any, error: BaseException | None) -> None:
-        """Give a finished op's future its outcome when someone waits on it or a callback is set."""
-        with self._done_lock:  # its done-callbacks may submit more: synchronize() waits for them
-            self._in_callbacks += 1
+        """Give a finished op's future its outcome when someone waits on it or a callback is set.
+
+        The op is counted in ``_in_callbacks`` already (by whoever took it out of ``_pending``): its
+        done-callbacks may submit more, and synchronize() waits for them.
+        """
         later = deferring_callbacks() if future._has_callbacks() else None
         if later is not None:  # this thread finishes ops under a lock: callbacks once it is let go
             try:
