@@ -58,7 +58,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_tail, *s_place, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
-                *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_callbacks_ran, *s_name_attr, *s_reads, *s_writes,
+                *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
@@ -1583,13 +1583,17 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
                                          3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     op_set(op, OP_DONE, Py_True);
+    /* a future someone watches (``_watched`` never turns back) is counted as calling back in the
+     * same hold as it leaves pending: synchronize() never sees neither; one nobody watches costs
+     * nothing here */
+    PyObject *fut = OPF(op, OP_FUTURE);
+    int counted = Py_TYPE(fut) != sub.future_type || FUTF(fut, F_WATCHED) != Py_False;
     if (lock_take(self->done_lock, self->done_acquire) < 0) return NULL;
     Counters *counts = (Counters *)self->counts;
     Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0));
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0;
-    if (!bad) bad = calling_add(self->rt, 1);  /* counted as calling back in the same hold as it leaves
-                                                  * pending: synchronize() never sees neither */
+    if (!bad && counted) bad = calling_add(self->rt, 1);
     if (!bad) counts->free++;
     if (!bad && counts->waiting) {
         PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
@@ -1622,10 +1626,14 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
         if (lock_give(sub.lazy, self->lazy_release) < 0) { Py_XDECREF(exc); goto done; }
         if (exc != NULL) { restore_exception(exc); goto done; }
     }
-    if (settled == 1) {  /* no callbacks: not calling back after all */
-        result = PyObject_VectorcallMethod(s_callbacks_ran, (PyObject *[]){self->rt},
-                                           1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (settled == 1) {  /* nobody watches: no callbacks */
+        result = Py_NewRef(Py_None);
     } else if (settled == -1) {
+        if (!counted) {  /* watched since: counted now */
+            if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
+            int failed = calling_add(self->rt, 1);
+            if (lock_give(self->done_lock, self->done_release) < 0 || failed) goto done;
+        }
         PyObject *call[] = {self->rt, future, value, Py_None};
         result = PyObject_VectorcallMethod(s_settle, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
@@ -2318,7 +2326,7 @@ static int submit_init(PyObject *m) {
     S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
     S(s_wait, "wait") S(s_when_done, "when_done")
     S(s_freed, "_freed")
-    S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks") S(s_callbacks_ran, "_callbacks_ran")
+    S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")

@@ -1347,11 +1347,16 @@ class Runtime:
         error = op.error
         op.done = True
         slots = self._slots
+        future = op.future
+        # a future someone waits on or has callbacks for (``_watched`` never turns back) is counted
+        # as calling back in the same hold that takes it off pending: synchronize() sees it pending
+        # or calling back, never neither while its done-callbacks are still to run; one nobody
+        # watches costs nothing here
+        counted = future._watched
         with self._done_lock:
             del self._pending[op.seq]
-            # counted as calling back in the same hold: synchronize() sees it pending or calling back,
-            # never neither while its done-callbacks are still to run
-            self._in_callbacks += 1
+            if counted:
+                self._in_callbacks += 1
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
             slots.release_locked()
             if error is None:
@@ -1370,11 +1375,12 @@ class Runtime:
             op.value = None  # given and the buffers it declared written (``keep``) stay referenced as
             # long, so that memory is not freed and handed to a new buffer, whose ops would fail for an
             # op that never touched it
-        future = op.future
         if future._settle_unobserved(value, error):  # nobody waits and no callback: done
-            self._callbacks_ran()
-        else:
-            self._settle(future, value, error)
+            return
+        if not counted:  # watched since: counted now
+            with self._done_lock:
+                self._in_callbacks += 1
+        self._settle(future, value, error)
 
     def _settle(self, future: Future, value: Any, error: BaseException | None) -> None:
         """Give a finished op's future its outcome when someone waits on it or a callback is set.
