@@ -11,6 +11,7 @@ import pytest
 
 import streamdag as sd
 from internals import lane_waits, submit_to_lane
+from streamdag.backends.inline import InlineBackend
 
 #: each test runs on the compiled hot path and on its Python reference (the path fixture)
 pytestmark = pytest.mark.usefixtures("path")
@@ -84,6 +85,52 @@ def test_concurrent_futures_waits_inside_an_op_that_can_end_are_left_alone():
 
         here = submit_to_lane(rt, 0, outer, name="outer").result(timeout=30)
         assert here.result(timeout=10) == "behind"
+
+
+def test_a_device_op_inside_its_submit_waiting_for_a_host_lane_that_waits_to_submit_raises():
+    """A device op whose function runs inside its submit (as on CUDA) holds the runtime's lock
+    meanwhile. It submits an op to the only host lane and waits for it, while that lane's op is
+    submitting too, so waits for the lock: neither could ever go on, so the wait raises, saying
+    what to do. Once the device op returns, the lane's submit goes through and both host ops run."""
+    rt = sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=1)
+    started, go = threading.Event(), threading.Event()
+
+    def on_the_lane():
+        started.set()
+        go.wait(10)
+        return rt.submit(lambda: "submitted", run_on="host")  # (queued behind this op)
+
+    def device_op():
+        go.set()  # the lane now waits for the lock, which this op holds
+        inner = rt.submit(lambda: "inner", run_on="host", name="inner")
+        try:
+            return inner.result()
+        except RuntimeError as refused:
+            return refused, inner
+
+    outcome: list = []
+    lane_op = rt.submit(on_the_lane, run_on="host")
+    assert started.wait(10)
+    waiting = threading.Thread(target=lambda: outcome.append(rt.submit(device_op).result()), daemon=True)
+    began = time.perf_counter()
+    waiting.start()
+    waiting.join(10)
+    assert outcome, "the wait inside the device op hung"
+    assert time.perf_counter() - began < 2
+    refused, inner = outcome[0]
+    assert isinstance(refused, RuntimeError) and "would wait forever" in str(refused), refused
+    assert "'inner'" in str(refused) and "run_on='host'" in str(refused) and "done-callback" in str(refused)
+    assert lane_op.result(timeout=10).result(timeout=10) == "submitted"
+    assert inner.result(timeout=10) == "inner"
+    rt.close()
+
+
+def test_a_device_op_inside_its_submit_may_wait_for_a_host_lane_op_that_can_run():
+    """The same wait with the host lane free (or busy with an op that does not submit) ends."""
+    with sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=1) as rt:
+        busy = rt.submit(time.sleep, 0.2, run_on="host")
+        assert rt.submit(lambda: rt.submit(lambda: 7, run_on="host").result()).result(timeout=10) == 7
+        assert busy.done()
 
 
 def wait_for_registered_waits(rt, count, within=10.0):

@@ -1403,7 +1403,8 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
             || !(PyList_CheckExact(writes) || PyTuple_CheckExact(writes))
             || PyDict_GET_SIZE(self->recordings))
         goto in_python;
-    if (self->deferred) {
+    {  /* from a lane's thread, the Python way: it chooses the stream, and counts the lane as waiting
+        * while it waits for the runtime's lock (Runtime._wait_for_the_lock) */
         int here = lane_thread_here(self);
         if (here < 0) goto done;
         if (here) goto in_python;

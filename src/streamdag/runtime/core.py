@@ -864,7 +864,8 @@ class Runtime:
         if not self._slots.acquire(False) and not self._take_slot(blocking):
             self._would_block()
         try:
-            self._lock.acquire()
+            if not self._lock.acquire(False):
+                self._wait_for_the_lock()
         except BaseException:  # an interrupt while waiting: the op is not submitted
             self._slots.release()
             raise
@@ -896,6 +897,22 @@ class Runtime:
             for finish_ready in self._finish_ready:
                 finish_ready()
         return op.future
+
+    def _wait_for_the_lock(self) -> None:
+        """Take the runtime's lock, held by another thread. A lane thread counts meanwhile as
+        waiting for it (``LaneWaits.lock_waiters``): a thread that holds the lock while an op runs
+        inside its submit, and waits there for an op on that lane, would wait forever, and raises
+        instead (``LaneWaits.check_lock_holder``)."""
+        lane = self._lane_here()
+        if lane is None:
+            self._lock.acquire()
+            return
+        waiters = self._lane_waits.lock_waiters
+        waiters.add(id(lane))
+        try:
+            self._lock.acquire()
+        finally:
+            waiters.discard(id(lane))
 
     def _lock_unless_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> bool:
         """Take the runtime's lock and return True, unless an op of ``_host_ops`` that ``accesses``
@@ -1142,6 +1159,9 @@ class Runtime:
         if nested:
             stuck = stream in blocked or any(d.seq in behind for d in live)
             self._mark_lane_submit(op.future, stream, stuck)
+        if device == "host":  # the lane it is queued on, for a wait holding the lock (see LaneWaits)
+            marks = op.future.__dict__
+            marks["_lane"], marks["_lock_waits"] = self._streams[stream], self._lane_waits
         op.stamp, waits = self._clocks.place(stream, [d.stamp for d in live] if live else live)
         pending = self._pending
         with self._done_lock:

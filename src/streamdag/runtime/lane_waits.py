@@ -60,6 +60,9 @@ class LaneWaits:
         #: run before the waiting op returns (ops queued or depending on it, see ``consult``)
         self._outer_lock: Any = threading.RLock()
         self._held_up: Callable[[], Callable[[Any], bool] | None] = lambda: None
+        #: the ids of the lanes whose threads wait for the runtime's lock (a submit inside an op
+        #: there, see ``Runtime._wait_for_the_lock``)
+        self.lock_waiters: set[int] = set()
 
     def consult(self, lock: Any, held_up: Callable[[], Callable[[Any], bool] | None]) -> None:
         """Have a wait also ask ``held_up()`` (a weak method of the runtime's: None once it is
@@ -112,6 +115,25 @@ class LaneWaits:
             inside = self._waits.get(me)
             self._waits[me] = ((future,), True, mine) if timeout is None else None
             return inside
+
+    def holds_the_lock(self) -> bool:
+        """Whether the calling thread holds the runtime's lock: an op's function that runs inside
+        its submit (a device op on CUDA), or a graph's run."""
+        return self._outer_lock._is_owned()
+
+    def check_lock_holder(self, future: Any) -> None:
+        """For a thread that holds the runtime's lock and waits for ``future``, a host-lane op's:
+        raises where the lane it is queued on (or runs on) waits for that lock. That lane's
+        thread cannot go on before the waiting thread lets go of the lock, which it holds until
+        the op it runs returns, so neither ever would."""
+        lane = future.__dict__.get("_lane")
+        if lane is None or id(lane) not in self.lock_waiters or future.done() or not self.holds_the_lock():
+            return
+        raise RuntimeError(
+            f"waiting inside an op for op {future.op_name!r} would wait forever: the host lane it "
+            "needs is running an op that is waiting for the runtime's lock (to submit), which this "
+            "op holds while it runs inside its submit (as a device op's function does). Submit the "
+            "waiting work with run_on='host' too, or add a done-callback instead of waiting")
 
     def lane_here(self) -> Any:
         """The lane of the runtime's that the calling thread runs, or None."""

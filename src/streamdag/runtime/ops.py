@@ -47,6 +47,9 @@ class _Parts:
 
 #: a runtime's parts; where the compiled hot path is built, fields it reads in C
 new_parts: Callable[[], Any] = getattr(load_native(), "Parts", _Parts)
+#: how often a thread that holds a runtime's lock while it waits for a host-lane op checks that the
+#: op's lane is not waiting for that lock (seconds)
+_LOCK_CHECK_EVERY = 0.02
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 
 #: how long an ``await`` polls for its op before it waits to be woken
@@ -202,7 +205,9 @@ class Future(concurrent.futures.Future):
         lanes = self.__dict__.get("_lanes_of")  # submitted from a lane to a lane: see LaneWaits
         if lanes is not None and self._state not in _DONE_STATES:
             with lanes.waiting(self, timeout):
+                self._wait_holding_the_lock(timeout)
                 return super().result(timeout)
+        self._wait_holding_the_lock(timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -212,8 +217,24 @@ class Future(concurrent.futures.Future):
         lanes = self.__dict__.get("_lanes_of")
         if lanes is not None and self._state not in _DONE_STATES:
             with lanes.waiting(self, timeout):
+                self._wait_holding_the_lock(timeout)
                 return super().exception(timeout)
+        self._wait_holding_the_lock(timeout)
         return super().exception(timeout)
+
+    def _wait_holding_the_lock(self, timeout: float | None) -> None:
+        """For a host-lane op's future, waited for without a timeout by a thread that holds its
+        runtime's lock: wait in slices until it is done, checking between them that its lane is
+        not waiting for that lock (``LaneWaits.check_lock_holder``), which would never end."""
+        lanes = self.__dict__.get("_lock_waits") if timeout is None else None
+        if lanes is None or self._state in _DONE_STATES or not lanes.holds_the_lock():
+            return
+        condition = self._condition
+        while True:
+            lanes.check_lock_holder(self)
+            with condition:
+                if self._state in _DONE_STATES or condition.wait(_LOCK_CHECK_EVERY):
+                    return
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
         self._make_condition()
