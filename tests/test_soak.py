@@ -40,14 +40,9 @@ def test_a_short_soak_of_the_working_categories_finds_no_mismatch_and_no_hang(tm
     assert result["mismatches"] == 0 and result["hangs"] == 0, findings(result)
 
 
-def _still_failing(reason: str):
-    return pytest.mark.xfail(reason=reason, strict=False)
-
-
 @pytest.mark.parametrize("category", [
     "graph_fail", "mixed", "base_exc_graph",
-    # a submit from inside an op that blocks on the runtime's lock held by a device op waiting for it
-    pytest.param("nested", marks=_still_failing("a device op waiting for a host-lane op that submits")),
+    "nested",
     "nested_graph", "close_race", "sync_in_op", "markers_nested", "callbacks",
 ])
 def test_a_short_soak_of_each_other_category_finds_no_mismatch_and_no_hang(tmp_path, category):
