@@ -492,3 +492,27 @@ def test_synchronize_inside_an_op_on_the_simulated_device_raises_though_the_newe
     error = rt.submit(inner).exception(timeout=10)
     assert isinstance(error, RuntimeError) and "would wait forever" in str(error)
     rt.close()
+
+
+def test_synchronize_inside_a_host_lane_op_leaves_out_a_held_op_released_behind_it_meanwhile():
+    """On the only host lane, op ``last`` synchronizes while a device op held on an earlier host
+    op runs, and a host op held on that device op is released afterwards: it lands on the lane
+    behind ``last``, so cannot finish before ``last`` returns. The synchronize leaves it out once
+    it lands there, instead of waiting for it for good."""
+    rt = sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=1)
+    a, b, c = (np.zeros(4) for _ in range(3))
+    gate = threading.Event()
+    first = rt.submit(gate.wait, 10, writes=[a], run_on="host", name="first")
+    slow = rt.submit(lambda: time.sleep(0.3), reads=[a], writes=[b], name="slow device op")  # held on first
+    after = rt.submit(lambda: None, reads=[b], writes=[c], run_on="host", name="after")  # held on slow
+
+    def last():
+        rt.synchronize()
+        return slow.done(), after.done()
+
+    outcome = rt.submit(last, run_on="host", name="last")
+    gate.set()
+    assert outcome.result(timeout=10) == (True, False)
+    after.result(timeout=10)
+    assert first.done() and slow.done()
+    rt.close()

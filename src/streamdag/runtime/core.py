@@ -57,6 +57,9 @@ __all__ = ["Runtime", "RuntimeStatistics"]
 #: which brings its full passes (``bench/finish_every.py``: 32 against 64 halved its time in the
 #: tiny wide graph, submitted op by op; 16 gained no more).
 FINISH_EVERY = 32
+#: how often a synchronize() inside a lane op looks again for the ops queued behind it (a held op
+#: released while it waits may land there)
+_BEHIND_RECHECK_S = 0.05
 #: worker lanes on the host beside a device, for the ops submitted with ``run_on="host"``
 HOST_LANES = 2
 
@@ -594,8 +597,10 @@ class Runtime:
                     if waited:
                         queued = [(op.future, self._lane_of(op)) for op in waited]
                         waiting.enter_context(self._lane_waits.waiting_for_all(queued))
-                if waited:
-                    waited[-1].future.exception()  # the newest first, as _wait_all does
+                if waited:  # the newest first, as _wait_all does; on a lane, in slices: a held op
+                    # released meanwhile may be queued behind the caller, and is then left out
+                    with suppress(concurrent.futures.TimeoutError):
+                        waited[-1].future.exception(None if lane is None else _BEHIND_RECHECK_S)
                     continue
             if lane is None or not calling:
                 return
