@@ -591,16 +591,17 @@ class Runtime:
             with ExitStack() as waiting:
                 with self._lock, self._lane_waits.locked():
                     behind = self._ops_behind_the_caller(lane)
+                    recheck = lane is not None and bool(self._held)
                     with self._done_lock:
                         waited = [op for op in self._pending.values() if op.seq not in behind]
                         calling = self._in_callbacks
                     if waited:
                         queued = [(op.future, self._lane_of(op)) for op in waited]
                         waiting.enter_context(self._lane_waits.waiting_for_all(queued))
-                if waited:  # the newest first, as _wait_all does; on a lane, in slices: a held op
-                    # released meanwhile may be queued behind the caller, and is then left out
+                if waited:  # the newest first, as _wait_all does; on a lane with ops held, in slices:
+                    # a held op released meanwhile may be queued behind the caller, and is then left out
                     with suppress(concurrent.futures.TimeoutError):
-                        waited[-1].future.exception(None if lane is None else _BEHIND_RECHECK_S)
+                        waited[-1].future.exception(_BEHIND_RECHECK_S if recheck else None)
                     continue
             if lane is None or not calling:
                 return
