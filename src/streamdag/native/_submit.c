@@ -1811,9 +1811,9 @@ static PyObject *mark_lost(PyObject *owner) {
 }
 
 /* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
- * (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one query of its newest
- * event covers the whole queue (a stream runs in order); else its entries are queried from the head
- * until one has not completed. A finished entry's callback is called with None and its event given
+ * (backends/cuda_completions.py, the reference) without the stream sanitizer. Per queue, one query
+ * of its newest event covers the whole queue (a stream runs in order); else its entries are queried
+ * from the head until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
  * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
@@ -2312,9 +2312,9 @@ static PyType_Spec submitter_spec = {
 #define SUBMIT_METHODS \
     {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
-     "_Completions._pass, compiled for its common case (backends/cuda.py)."}, \
+     "_Completions._pass, compiled for its common case (backends/cuda_completions.py)."}, \
     {"completions_finish_one", (PyCFunction)(void (*)(void))completions_finish_one, METH_FASTCALL, \
-     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda.py)."}, \
+     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda_completions.py)."}, \
     {"note_loss", note_loss, METH_NOARGS, "A device was lost (CudaBackend.lost was set)."}, \
     {"note_losses_of", note_losses_of, METH_O, \
      "note_losses_of(backend_type): its lost notes each loss; until one, it is None without a look-up."},
