@@ -52,8 +52,8 @@ class _Completions:
     interval that grows while nothing completes (see :func:`_idle_poll`; GIL
     released in between). Its events are no blocking-sync events (see
     ``CudaEvent``), and a blocking wait would wake through an interrupt
-    anyway, later than a poll sees the event (on the H100, a ``result()``
-    after a captured replay of the medium wide graph came 0.06 ms after the
+    anyway, later than a poll sees the event (a ``result()`` after a
+    captured replay of the medium wide graph returns 0.06 ms after the
     replay with polling, 0.37 ms sleeping in a blocking event).
     Events go back to the backend's pool once their op has been finished.
 
@@ -66,7 +66,7 @@ class _Completions:
     A thread that waits on a future also finishes completed ops itself for a
     while (:meth:`help`), waiting on its op's event: handing the finish over
     from this thread would cost the waiter a sleep's overshoot and a wake-up
-    (on the H100 a ``result()`` after a tiny op took 47-52 µs that way,
+    (a ``result()`` after a tiny op takes 47-52 µs that way,
     ``torch.cuda.synchronize()`` 17-34 µs). Passes never overlap: one lock
     guards them. Done-callbacks run after the pass has let go of that lock
     (see ``callbacks_later``): a callback that blocks must not keep a
@@ -302,7 +302,7 @@ class _Completions:
                 # someone waits: poll often. Once a thread submits again after the wait (and so
                 # finishes ops as it goes), poll once per batch instead: each poll takes the GIL, and
                 # the submitter then waits for it in every PyTorch call (they let go of it); a submit
-                # loop right after a synchronize() lost ~2 µs per op that way on the H100
+                # loop right after a synchronize() loses ~2 µs per op that way
                 submitting = self._passed_at > self._hurried_at
                 time.sleep(self.BATCH_SECONDS if submitting else self.POLL_SECONDS)
                 continue

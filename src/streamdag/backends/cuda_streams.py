@@ -29,8 +29,8 @@ __all__ = ["CudaEvent", "CudaStream", "copy_on"]
 def copy_on(stream: CudaStream, dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src, non_blocking=True)`` with ``stream`` current (and its device), the caller's
     stream and device restored after, through PyTorch's C entry points: ``with
-    torch.cuda.stream(stream)`` took 30-45 µs per call on the H100, which a staged copy pays for
-    every chunk (``transfers.StagingRing``)."""
+    torch.cuda.stream(stream)`` costs 30-45 µs per call, which a staged copy would pay for every
+    chunk (``transfers.StagingRing``)."""
     device = _get_device()
     prev = _get_stream(stream.device_index)
     _set_stream(*stream.ids)  # (PyTorch makes the stream's device current too)
@@ -104,8 +104,8 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
     """A PyTorch CUDA event. ``record``, ``wait``, ``query`` and ``synchronize`` are PyTorch's own,
     in C: an op's event is recorded for every op.
 
-    Not a blocking-sync event (whose host wait sleeps until an interrupt): on the H100, recording
-    one after each launch added 1.20 µs per launch, a plain one 0.23 (``bench/cuda_calls.py``). So
+    Not a blocking-sync event (whose host wait sleeps until an interrupt): recording one after
+    each launch adds 1.20 µs per launch, a plain one 0.23 (``bench/cuda_calls.py``). So
     a host wait on it (``synchronize``) spins or yields as CUDA's scheduling flags say, and the
     completion thread polls (see ``_Completions``) rather than sleeping in it.
     """

@@ -235,8 +235,8 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
 
 #: Batch norms grouped: argument layout (input, weight, bias, running mean, running var,
 #: training, momentum, eps), normalized input as output 0. ``cudnn_batch_norm`` (what GPU traces
-#: hold) has the same layout, but grouping it made GoogLeNet's batched variant 13% slower on the
-#: H100 (bench/results/models_NVIDIA_H100_80GB_HBM3_cudnn_bn_grouped.json), so it is left alone.
+#: hold) has the same layout, but grouping it makes GoogLeNet's batched variant 13% slower
+#: (bench/results/models_NVIDIA_H100_80GB_HBM3_cudnn_bn_grouped.json), so it is left alone.
 _BATCH_NORMS = (aten.native_batch_norm.default,)
 
 
