@@ -1,6 +1,6 @@
 """Several GPUs: placement, peer copies, recorded graphs and tensor-parallel chains on real devices.
 
-Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
+Marked ``cuda``; skipped without two GPUs.
 """
 
 import textwrap

@@ -136,7 +136,7 @@ class _Completions:
 
         For someone waiting on that op: finishing the whole queue first would
         make them wait for every earlier op's bookkeeping too (after 64 tiny
-        ops, a ``result()`` took 2.6x PyTorch's synchronize that way). The
+        ops, a ``result()`` takes 2.6x PyTorch's synchronize that way). The
         others stay queued, in order. Caller holds ``_passing``. Returns True
         if it finished the entry now, False if the entry stays queued, None
         if it had left the queue already (finished). ``relaxed``: query through

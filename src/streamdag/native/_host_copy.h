@@ -4,7 +4,7 @@
 // at::parallel_for: see parallel_streaming_copy in _torch.cpp).
 //
 // Why helpers of our own rather than at::parallel_for: an OpenMP region ends at a barrier that
-// waits for every thread of the team, so a copy took as long as the slowest thread took to wake.
+// waits for every thread of the team, so a copy takes as long as the slowest thread takes to wake.
 // A 2 MiB staging copy takes 0.03 ms with PyTorch's threads awake and 0.07-0.6 ms after other work
 // has let them sleep, against 0.14-0.17 ms in one thread. Here the
 // calling thread starts at once and claims pieces from a counter; helpers claim what is left as
