@@ -1000,10 +1000,17 @@ def _in_threads(runs: list[PartRun], deadline: float, work: Any) -> None:
                for i, r in enumerate(runs)]
     for t in threads:
         t.start()
+    _join_by(deadline, threads, errors, "submitting thread {} still running")
+
+
+def _join_by(deadline: float, threads: list[threading.Thread], errors: list[BaseException],
+             hang: str) -> None:
+    """Wait for ``threads`` until ``deadline``: a thread left running is a hang (``hang``, formatted
+    with its name); then the first error a thread caught is raised again here."""
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            raise Hang(f"submitting thread {t.name} still running")
+            raise Hang(hang.format(t.name))
     if errors:
         raise errors[0]
 
@@ -1032,12 +1039,7 @@ def _race_close(program: Program, rt: sd.Runtime, runs: list[PartRun], deadline:
     time.sleep(program.close_after or 0.0)
     closing.set()
     rt.close()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            raise Hang(f"submitter {t.name} still running after close() returned")
-    if errors:
-        raise errors[0]
+    _join_by(deadline, threads, errors, "submitter {} still running after close() returned")
     for run in runs:
         run.wait_all()
 
