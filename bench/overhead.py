@@ -37,9 +37,8 @@ import streamdag as sd
 from streamdag import native
 from streamdag.backends.inline import InlineBackend
 from streamdag.graph import buffers, hazards
-from streamdag.runtime import accel
+from streamdag.runtime import accel, arguments, completion
 from streamdag.runtime import core as sd_core
-from streamdag.runtime import ops as sd_ops
 from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
@@ -197,17 +196,17 @@ def main():
     python_glue = sd.Runtime("cuda", streams=8, max_inflight=100000)
     # the same chain all in Python: what runs without a compiler
     python_path = sd.Runtime("cuda", streams=8, max_inflight=100000)
-    python_path._tracker = hazards.PyDepsTracker(retired=sd_core._finished_ok)
+    python_path._tracker = hazards.PyDepsTracker(retired=completion.finished_ok)
     python_path._clocks = waits.PyStreamClocks(len(python_path._streams))
     sd_core.COMPILED_SUBMIT = True
 
     def with_python_accesses(run):
         def python_run(n):
-            sd_ops.accesses_of = buffers._py_accesses
+            arguments.accesses_of = buffers._py_accesses
             try:
                 run(n)
             finally:
-                sd_ops.accesses_of = accel.accesses
+                arguments.accesses_of = accel.accesses
         return python_run
 
     # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run(). Its

@@ -42,7 +42,7 @@ def lane_waits(rt: sd.Runtime) -> dict[int, Any]:
 
 
 def submitters_waiting_for_a_slot(rt: sd.Runtime) -> int:
-    """How many submitters wait for a slot at ``max_inflight`` now (``_Slots``' count): a blocked
+    """How many submitters wait for a slot at ``max_inflight`` now (``completion.Slots``' count): a blocked
     submit shows no other way, and the test of close() waking them must know they all wait."""
     return rt._counts.waiting
 
@@ -114,7 +114,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
     part it stands for (the module itself: None, so that ``core`` makes no compiled submitter)."""
     from streamdag.backends import threads
     from streamdag.graph import buffers, hazards
-    from streamdag.runtime import accel, ops, transfers
+    from streamdag.runtime import accel, budgets, ops
     from streamdag.schedule import waits
 
     pairs = [
@@ -126,7 +126,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
         (speedups.RLock, threading.RLock),
         (speedups.Counters, threads._Counters),
         (speedups.Parts, ops._Parts),
-        (speedups.BudgetCounts, transfers._BudgetCounts),
+        (speedups.BudgetCounts, budgets._BudgetCounts),
         (speedups.completions_pass, None),
         (speedups.completions_finish_one, None),
         (speedups.uses_torch, None),

@@ -268,9 +268,9 @@ def test_negative_control_without_event_waits_the_random_programs_go_wrong(monke
     """The random-program check can fail: with the waits dropped, some program differs from serial."""
     import random
 
-    from streamdag.runtime import core, replay
+    from streamdag.runtime import replay, submitting
 
-    monkeypatch.setattr(core, "_DROP_WAITS", True)
+    monkeypatch.setattr(submitting, "_DROP_WAITS", True)
     monkeypatch.setattr(replay, "_DROP_WAITS", True)
     devices = ["sim:0", "sim:1", "sim:2"]
     wrong = 0

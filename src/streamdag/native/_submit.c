@@ -51,7 +51,7 @@ static struct {
     PyObject *empty_dict;  /* never added to */
     PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
     PyObject *deque_append, *deque_popleft;
-    PyObject *release_frames;  /* ops.release_frames */
+    PyObject *release_frames;  /* frames.release_frames */
 } sub;
 
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
@@ -223,7 +223,7 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
-    Py_ssize_t free, waiting;  /* the in-flight bound's (``_Slots``): slots free, submitters waiting */
+    Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
 } Counters;
 
 static PyTypeObject *counters_type;
@@ -249,7 +249,7 @@ static PyType_Spec counters_spec = {
     "streamdag.native.Counters", sizeof(Counters), 0, Py_TPFLAGS_DEFAULT, counters_slots
 };
 
-/* A byte budget's counts (``transfers.ByteBudget``): bytes in flight, the most at once, its limit,
+/* A byte budget's counts (``budgets.ByteBudget``): bytes in flight, the most at once, its limit,
  * acquirers asleep. The compiled copy counts a copy's bytes here under the budget's lock (a Lock of
  * this module) without a Python call: the budget's Python methods cost a 1 KiB copy ~2.6 µs. */
 typedef struct {
@@ -593,7 +593,7 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
     return r;
 }
 
-/* a free slot under max_inflight, taken if there is one (``_Slots.acquire(False)`` written out):
+/* a free slot under max_inflight, taken if there is one (``completion.Slots.acquire(False)`` written out):
  * ``blocking``: else the runtime's ``_take_slot``, which waits; else ``Runtime._would_block``, which
  * raises what ``submit_nowait`` raises at the bound. 0, or -1 with an exception. */
 static int take_slot(Submitter *self, int blocking) {
@@ -1183,7 +1183,7 @@ done:
     return future;
 }
 
-/* ``ops._unwrap`` for an inline marker (``sd.read(a)``, ``sd.write(b)``): its access appended to
+/* ``arguments._unwrap`` for an inline marker (``sd.read(a)``, ``sd.write(b)``): its access appended to
  * ``accesses``, and its value (a new reference), which the op receives in its place */
 static PyObject *unwrap_marker(PyObject *marker, PyObject *accesses) {
     PyObject *value = PyObject_GetAttr(marker, s_marker_value);
@@ -1201,7 +1201,7 @@ static PyObject *unwrap_marker(PyObject *marker, PyObject *accesses) {
     return value;
 }
 
-/* ``ops.collect_accesses`` for the markers among an op's arguments: unwrapped in place (``args`` and
+/* ``arguments.collect_accesses`` for the markers among an op's arguments: unwrapped in place (``args`` and
  * ``kwargs`` are this submit's own), their accesses after the declared ones, args first */
 static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
@@ -1315,7 +1315,7 @@ static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
     return found;
 }
 
-/* whether ``x`` is a list, tuple or dict (exactly), where ``ops.collect_accesses`` looks for markers */
+/* whether ``x`` is a list, tuple or dict (exactly), where ``arguments.collect_accesses`` looks for markers */
 static inline int is_container(PyObject *x) {
     return PyList_CheckExact(x) || PyTuple_CheckExact(x) || PyDict_CheckExact(x);
 }
@@ -2310,7 +2310,7 @@ static PyType_Spec submitter_spec = {
 };
 
 #define SUBMIT_METHODS \
-    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
+    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, finished_ok."}, \
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
      "_Completions._pass, compiled for its common case (backends/cuda_completions.py)."}, \
     {"completions_finish_one", (PyCFunction)(void (*)(void))completions_finish_one, METH_FASTCALL, \

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access
 from .accel import plan_waits
-from .core import _DROP_WAITS
-from .ops import Op, failed_input, release_frames
+from .frames import release_frames
+from .ops import Op, failed_input
+from .submitting import _DROP_WAITS
 
 if TYPE_CHECKING:
     from .core import Runtime
