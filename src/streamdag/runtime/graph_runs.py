@@ -14,19 +14,42 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import BaseExceptionGroup, DependencyFailed
 from .ops import Future, Op, after_all
 
-if TYPE_CHECKING:
-    from .core import Runtime
-
-__all__ = ["EagerRuns", "GraphResult", "OpNode"]
+__all__ = ["EagerRunRuntime", "EagerRuns", "GraphResult", "OpNode"]
 
 _run_ids = itertools.count(1)
+
+
+class EagerRunRuntime(Protocol):
+    """What a run op by op needs of its runtime (``core.Runtime`` and its parts provide it): the
+    submit path's steps, called under ``_lock`` as ``_enqueue`` calls them, and where the calling
+    thread runs (a lane: see ``_lane_instead``). Nothing else of it is read or written here."""
+
+    backend: Any
+    _lock: Any  #: held for all of a run's launches
+    _slots: Any  #: ``completion.Slots``: a slot given back where a launch is refused
+    _tracker: Any  #: links each op of the run to the earlier ops it conflicts with
+    _host_ops: dict[int, Op]  #: read: whether any op may be held (see ``held``)
+    _compute_of: dict[str, range]
+    _stream_device: list[str]
+    _lane_threads: Any
+    _lane_waits: Any
+    _take_slot: Callable[..., bool]
+    _new_op: Callable[..., Op]
+    _add_host_op: Callable[[Op], None]
+    _caller_fence: Callable[[str | None], Any]
+    _host_deps: Callable[..., list[Op]]
+    _launch_or_hold: Callable[..., None]
+    _enqueue: Callable[..., Future]
+    _hurry_all: Callable[..., None]
+    _calling_lane: Callable[[int, int], int]
+    _behind_the_caller: Callable[[], tuple[set[int], set[int]]]
 
 
 @dataclass(frozen=True)
@@ -61,7 +84,7 @@ class GraphResult(Sequence):
         return f"GraphResult({self._values!r})"
 
 
-def _lane_instead(rt: Runtime) -> tuple[int, int]:
+def _lane_instead(rt: EagerRunRuntime) -> tuple[int, int]:
     """Run from inside an op on a lane of ``rt`` (a CPU runtime's, a host lane): that lane, and
     the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
 
@@ -80,7 +103,7 @@ def _lane_instead(rt: Runtime) -> tuple[int, int]:
     return -1, -1
 
 
-def _free_lane(rt: Runtime, stream: int, here: int, instead: int) -> int:
+def _free_lane(rt: EagerRunRuntime, stream: int, here: int, instead: int) -> int:
     """Where an op of a run from inside the op on lane ``here`` goes, scheduled onto ``stream``:
     not behind the calling op (``instead``, see ``_lane_instead``), nor behind ops that cannot run
     before it returns (``Runtime._behind_the_caller``), where a lane of the kind is free of both;
@@ -93,7 +116,7 @@ def _free_lane(rt: Runtime, stream: int, here: int, instead: int) -> int:
     return next((i for i in lanes if i != here and i not in blocked), wanted)
 
 
-def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
+def _mark_run_from_a_lane(rt: EagerRunRuntime, result: Future, futures: list[Any], behind: bool) -> None:
     """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
     a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
     ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
@@ -158,7 +181,7 @@ class EagerRuns:
             op.future._on_done(one_done)
         return result
 
-    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> bool:
+    def _launch_ops(self, rt: EagerRunRuntime, run_id: int, probe: Any, launched: list[Op]) -> bool:
         """Launch every op of one eager run, in order; caller holds the runtime's lock. Whether an
         op is queued behind the calling op on its lane (run from inside an op there, see
         ``_lane_instead``)."""
@@ -177,14 +200,13 @@ class EagerRuns:
             except BaseException:
                 rt._slots.release()
                 raise
-            rt._counts.seq += 1
             fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
-            op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
+            op = rt._new_op(rec.name, fn, rec.args, rec.kwargs, rec.accesses)
             op.run_id = run_id
             outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
             deps = outside + [launched[u] for u in run_preds[v]]
             if on_lane:  # a host-lane op of the graph: what follows it is held until it has finished
-                rt._host_ops[op.seq] = op
+                rt._add_host_op(op)
             # host code runs now: its host inputs must be final (but on a lane, which waits for them
             # itself). Held behind the unfinished host-lane ops it follows (of this run, or one that
             # came in while this thread waited for a slot)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..backends.threads import report_escaped
 from ..graph.buffers import Access
-from .ops import Op
+from .ops import Op, wait_for_host_inputs
 
 __all__ = ["Held", "Holds", "Launcher"]
 
@@ -115,6 +115,22 @@ class Holds:
         self._launcher = Launcher(self._release_held_locking)
         #: a released held op's launch on the runtime's device: compiled, with the compiled submit
         self._launch_held: Callable[..., None] | None = None
+
+    def _add_host_op(self, op: Op) -> None:
+        """Count ``op``, a host-lane op linked just now, among ``_host_ops``: a device op that
+        follows it is held until it has finished (caller holds ``_lock``)."""
+        self._host_ops[op.seq] = op
+
+    def _host_data_written_on_lanes(self, reading: list[Access], name: str) -> bool:
+        """Whether ops of ``_host_ops`` write host memory of ``reading`` (then a copy from it must
+        run on a host lane after them); else wait until every op that writes it has, so that the
+        host data is final (the device ops that write it: on their events). For a copy staged in
+        the submitting thread."""
+        with self._lock:
+            if self._host_ops and self._host_deps(reading, name):
+                return True
+            wait_for_host_inputs(reading, self._tracker.depends_on(reading))
+            return False
 
     def _lock_unless_after_host_ops(self, accesses: Sequence[Access], op_name: str) -> bool:
         """Take the runtime's lock and return True, unless an op of ``_host_ops`` that ``accesses``

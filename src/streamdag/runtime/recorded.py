@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..graph.buffers import Access, coalesce, envelope
 from ..observe.dot import schedule_to_dot
@@ -13,13 +13,26 @@ from ..schedule.plan import Schedule
 from ..schedule.reduction import reduce_transitively
 from .accel import DepsTracker, build_schedule
 from .declared import DeclaredBuffers
-from .graph_runs import EagerRuns, GraphResult, OpNode
+from .graph_runs import EagerRunRuntime, EagerRuns, GraphResult, OpNode
 from .ops import Future, then
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["GraphResult", "GraphRuntime", "OpNode", "RecordedGraph"]
 
-__all__ = ["GraphResult", "OpNode", "RecordedGraph"]
+
+class GraphRuntime(EagerRunRuntime, Protocol):
+    """What a recorded graph needs of its runtime, beyond a run op by op's (``EagerRunRuntime``):
+    whether it may run (``_check_open``, ``_recording_here``), the submits that run it as one op
+    (a replay), and whether a profile wants it op by op."""
+
+    device: str
+    devices: list[str]
+    backends: list[Any]
+    num_streams: int
+    _multi: bool
+    _profiler: Any
+    _check_open: Callable[[], None]
+    _recording_here: Callable[[], Any]
+    _submit_on: Callable[..., Any]
 
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
 
@@ -54,7 +67,7 @@ def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
 class RecordedGraph(EagerRuns):
     """A graph of ops recorded by :meth:`Runtime.record`; :meth:`run` runs it on the runtime."""
 
-    def __init__(self, runtime: Runtime, copy_out: bool = True) -> None:
+    def __init__(self, runtime: GraphRuntime, copy_out: bool = True) -> None:
         self._rt = runtime
         self.copy_out = copy_out
         self.last_run_captured = False

@@ -152,14 +152,13 @@ class SubmitPath:
             self._slots.release()
             raise
         try:
-            self._counts.seq += 1
-            seq = self._counts.seq
-            op = Op(seq, op_name, fn, args, kwargs, accesses, numbered=not name)
+            op = self._new_op(op_name, fn, args, kwargs, accesses, numbered=not name)
+            seq = op.seq
             op.keep = written
             deps = self._tracker.link(op, accesses)
             host_inputs = on_host and device != "host" and not (device_ordered or self.backend.deferred)
             if device == "host":
-                self._host_ops[seq] = op
+                self._add_host_op(op)
             if holders:  # (found before the op was linked: its deps hold no others)
                 self._launch_or_hold(op, deps, stream, device, host_inputs, fence, holders)
             else:
@@ -170,6 +169,14 @@ class SubmitPath:
             for finish_ready in self._finish_ready:
                 finish_ready()
         return op.future
+
+    def _new_op(self, name: str, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+                accesses: list[Access], numbered: bool = False) -> Op:
+        """An op numbered after every op submitted so far, not linked yet (caller holds ``_lock``:
+        numbers follow submission order, which the tracker's links follow too). For the submit
+        and for the runs of recorded graphs."""
+        self._counts.seq += 1
+        return Op(self._counts.seq, name, fn, args, kwargs, accesses, numbered=numbered)
 
     def _wait_for_the_lock(self) -> None:
         """Take the runtime's lock, held by another thread. A lane thread counts meanwhile as

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,12 +36,34 @@ from ..backends.capture_mode import relaxed
 from ..graph.buffers import Access, Region, region_of
 from ..native import load_torch
 from . import arguments
-from .ops import Future, all_of, wait_for_host_inputs
+from .ops import Future, all_of
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["CopyRuntime", "copy", "to_device", "to_host"]
 
-__all__ = ["copy", "to_device", "to_host"]
+
+class CopyRuntime(Protocol):
+    """What copies need of their runtime: its public calls, its copy streams and host lanes, the
+    transfer bounds it owns (``budgets``), the submits onto a given stream, and whether host-lane
+    ops write a copy's source (``held``)."""
+
+    device: str
+    devices: list[str]
+    backends: list[Any]
+    submit: Callable[..., Any]
+    copy: Callable[..., Future]
+    _compute_of: dict[str, range]
+    _copy_index: dict[tuple[str, str], int]
+    _host: Any  #: the host lanes (None on a CPU runtime)
+    _busy: list[int]  #: read without a lock, as a hint: the least busy host lane
+    _bytes: Any  #: ``budgets.ByteBudget``
+    _staging: Any  #: ``budgets.PinnedPool``
+    _rings: dict[Any, Any]  #: the staging rings, by direction and device (made here)
+    _copy_pinned: Any  #: the compiled copy of pinned memory, or None
+    _submit: Callable[..., Any]
+    _submit_on: Callable[..., Any]
+    _recording_here: Callable[[], Any]
+    _calling_lane: Callable[[int, int], int]
+    _host_data_written_on_lanes: Callable[..., bool]
 
 CHUNK_BYTES = 8 << 20
 #: pageable copies of more than this many bytes are staged on a host lane through a ring of pinned
@@ -90,7 +112,7 @@ def _copy_async(dst: Any, src: Any, keep: Any = None) -> Any:
     return dst.copy_(src, non_blocking=True)
 
 
-def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
+def _device_copy(rt: CopyRuntime, dst: Any, src: Any, stream: int | None, name: str,
                  keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future:
     """One copy op on ``stream``, its bytes counted against the budget until it completes.
 
@@ -120,7 +142,7 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
     return future
 
 
-def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Region, Region]:
+def _route(rt: CopyRuntime, dst: Any, src: Any) -> tuple[str | None, int | None, Region, Region]:
     """A copy's direction ("h2d", "d2h", "p2p"; None within one memory), the copy stream it runs
     on (None: the runtime has none for it) and the regions of ``src`` and ``dst``. Both regions come
     from one call of the submit's own (compiled) look-up, whose cache the copy's submit then hits:
@@ -136,7 +158,7 @@ def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Reg
 _COPY_NAMES = {"h2d": "copy_h2d", "d2h": "copy_d2h", "p2p": "copy_p2p"}
 
 
-def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
+def copy(rt: CopyRuntime, dst: Any, src: Any, name: str | None = None) -> Future:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
     kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
@@ -159,7 +181,7 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     return _staged_d2h(rt, dst, dst_t, src_t, src_region, stream, name)
 
 
-def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
+def copier(rt: CopyRuntime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     """A copy function for many copies like ``dst`` <- ``src`` (the same memories, pinnedness, dtype,
     layout): what :func:`copy` decides per call, decided once. Between pinned host memory and a
     device it submits the copy op straight on its copy stream (through the compiled ``rt.copy``
@@ -198,7 +220,7 @@ def _check_layouts(kind: str, dst: Any, src: Any) -> None:
             "rt.to_host, which make the destination")
 
 
-def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
+def _peer_copy(rt: CopyRuntime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
                name: str) -> Future:
     if stream is None or src_space not in rt._compute_of:
         raise ValueError(
@@ -283,7 +305,7 @@ class StagingRing:
                     event.synchronize()
 
 
-def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
+def _ring(rt: CopyRuntime, kind: str, device_tensor: Any) -> StagingRing | None:
     """The staging ring of ``kind`` for the device of ``device_tensor``; None where its backend has no
     staging streams (not CUDA) or the runtime no host lanes."""
     if rt._host is None:
@@ -299,7 +321,7 @@ def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
     return ring
 
 
-def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
+def _staged_on_a_lane(rt: CopyRuntime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
                       result: Any, name: str) -> Future:
     """A pageable copy as one host-lane op (``through``: :func:`_copy_in_through` or
     :func:`_copy_out_through`) that reads ``src`` and writes ``dst``: it runs once the ops it follows
@@ -321,7 +343,7 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
     return future
 
 
-def _lane_for(rt: Runtime, ring: StagingRing) -> int:
+def _lane_for(rt: CopyRuntime, ring: StagingRing) -> int:
     """The host lane for a copy through ``ring``: the lane of its newest copy while that is pending,
     else the least busy one; never the calling thread's own lane (a copy queued behind the op that
     submits it would wait forever if that op waits for it).
@@ -391,7 +413,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     return result
 
 
-def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
+def _staged_h2d(rt: CopyRuntime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
                 stream: int | None, name: str) -> Future:
     """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``.
 
@@ -401,11 +423,8 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     calls, each of which costs microseconds on a GPU host.
     """
     reading = [Access(src_region, False)]
-    with rt._lock:  # the host data must be final before we read it
-        behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
-        if not behind:  # (device ops that write it: waited for on their events)
-            wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
-    if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
+    if rt._host_data_written_on_lanes(reading, name):  # (else the host data is final now)
+        # host-lane ops (or ops held behind them) write it: stage on a lane after them
         assert ring is not None  # (host-lane ops run beside a device, whose backend has the rings)
         return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     pool = rt._staging
@@ -427,7 +446,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
 
-def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
+def _staged_d2h(rt: CopyRuntime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
                 name: str) -> Future:
     """A small pageable copy out: a DMA into a pool buffer on the copy stream, then a host op that
     unstages it, per chunk (a copy of one chunk or less through one staging tensor of ``src``'s
@@ -440,7 +459,7 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Regi
     return all_of(pieces, user_dst, "copy")  # (a failed piece fails the copy)
 
 
-def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
+def _unstaged(rt: CopyRuntime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
               result: Any) -> Future:
     """One piece of :func:`_staged_d2h`: the future of the op that unstages it, which gives ``result``.
 
@@ -496,7 +515,7 @@ def _unstage(dst: Any, staged: Any, result: Any) -> Any:
     return result
 
 
-def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
+def to_device(rt: CopyRuntime, x: Any, name: str | None = None, device: str | None = None) -> Future:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
@@ -505,7 +524,7 @@ def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None =
     return rt.copy(dst, src, name or "to_device")
 
 
-def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
+def to_host(rt: CopyRuntime, t: Any, name: str | None = None) -> Future:
     """A Future of a host tensor holding ``t``; it exists for the caller only once the copy is done.
 
     Pinned where ``t`` is on a device (its copy out runs on a copy stream); a host tensor (or
