@@ -4,6 +4,10 @@ objects an op may give new memory.
 ``collect_accesses`` runs for every op the Python submit takes; ``native/_submit.c`` mirrors it
 for the markers it unwraps itself. ``accesses_of`` is the compiled range reader where it builds
 (the tests' Python path swaps it for the Python one).
+
+State: ``buffers._RESIZING`` (object id -> pending ops that may give it new memory), changed
+under ``_RESIZING_LOCK`` by ``hold_identities`` and the done-callback it returns. Invariant: an
+id is there exactly while such an op is pending (a count, never 0).
 """
 
 from __future__ import annotations

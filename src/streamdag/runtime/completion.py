@@ -6,7 +6,8 @@ never with ``_lock`` required, only ``_done_lock`` (the compiled finish in
 ``native/_submit.c`` does the same, and calls ``_finish`` and ``_settle`` by
 name for what it leaves to Python).
 
-State it owns, all under ``_done_lock``:
+State it owns, all changed under ``_done_lock`` (``_wait_all`` reads ``_pending`` without it, as a
+hint, and looks again under it):
 
 ======================  ===========================================================================
 state                   invariant

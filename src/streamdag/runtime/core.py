@@ -1,45 +1,69 @@
 """The runtime: turns submitted ops into backend calls and futures.
 
-:class:`Runtime` is made here, with its public API; what happens per op lives in
-the parts it is composed of, each a module that states the state it changes:
-``submitting`` (the submit path), ``held`` (ops held behind host-lane ops),
-``completion`` (finishing, the in-flight bound), ``lifecycle`` (waiting for all,
-closing). ``native/_submit.c`` reads the state below by these names.
+:class:`Runtime` is made here, with its public API. What happens per op lives in the parts it
+is composed of, each a module that states the state it changes: ``submitting`` (the submit
+path), ``held`` (ops held behind host-lane ops), ``completion`` (finishing, the in-flight
+bound), ``lifecycle`` (waiting for all, closing); ``layout`` numbers the streams. Other modules
+use a runtime through the members their ``*Runtime`` protocol lists (``tests/test_runtime_seams.py``).
+``native/_submit.c`` reads the state below, and calls the parts' methods, by these names.
 
-Two locks. ``_lock`` (re-entrant; the submit path, placement, holds, recording)
-is taken before ``_done_lock`` (finishing; taken alone by backend threads),
-never after it. ``_held_lock`` and the lane waits' lock are taken inside either.
+Locks: ``_lock`` (re-entrant: submits, placement, holds, recording, a graph's run) is taken
+before ``_done_lock`` (finishing; backend threads take it alone), never after it.
+``_held_lock`` and the lane waits' lock are taken inside either. "Changed under" a lock: reads
+without it are single loads, used as hints or looked at again under it.
 
-========================  ===================  ==================================================
-state                     guarded by           invariant
-========================  ===================  ==================================================
-``backends``, ``devices``  (set once)          one backend per device; ``backend`` is the first
-``_streams[i]``           (set once)           every stream, numbered: each device's compute
-                                               streams, then its copy streams; the host lanes last
-``_member[i]``            (set once)           the backend (or ``HostLanes``) of stream i
-``_stream_device[i]``     (set once)           the device of stream i (``"host"``: a host lane)
-``_compute_of[d]``        (set once)           the numbers of device d's compute streams
-``_copy_index[(k, d)]``   (set once)           the number of d's copy stream of kind k
-``_tracker``              ``_lock``            links each op to the earlier ops it conflicts with
-``_clocks``               ``_lock``            what each stream has waited for
-``_busy[i]``              ``_done_lock``       the pending ops placed on stream i
-``_next_stream[d]``       ``_lock``            where the round robin over d's streams resumes
-``_pending``              ``_done_lock``       ops submitted (or held), not finished, in order
-``_counts``               ``_lock`` (seq);     seq: the last op's number; completed, peak; the
-                          ``_done_lock``       in-flight bound's free and waiting
-``_slots``                ``_done_lock``       free + slots taken == ``max_inflight``
-``_failed``, ``_failures``  ``_done_lock``     failed ops; root errors since synchronize()
-``_failed_seen``          ``_lock``            ``_failed`` at the last synchronize()
-``_in_callbacks``         ``_done_lock``       finished ops whose done-callbacks still run
-``_host_ops``, ``_held``  ``_lock``            see ``held``: what a device stream cannot wait for
-``_held_on``              ``_held_lock``       see ``held``: the held ops each op holds
-``_recordings[t]``        ``_lock``            the graph thread t records into
-``_profiler``             ``_lock``            the open ``profile()`` block's, or None
-``_closed``, ``_stopped``  see ``lifecycle``   closing; closed
-``_bytes``, ``_staging``  their own locks      see ``transfers``: bytes in flight, pinned pool
-``_rings``                ``_lock``            the pinned staging rings, by device and direction
-``_stream_maps``          (weak, by function)  stream_map's captured pieces
-========================  ===================  ==================================================
+==========================  ====================  ==================================================
+state                       changed under         invariant
+==========================  ====================  ==================================================
+``backends``, ``backend``,  (set once)            one backend per device; ``backend`` the first;
+``device(s)``, ``_multi``                         ``_multi``: more than one
+``max_inflight``            (set once)            the in-flight bound (``_slots``)
+``_compute``                (set once)            ``backend``'s compute streams (``num_streams``)
+``_streams``, ``_member``,  (set once)            ``layout.StreamLayout``: every stream, numbered,
+``_stream_device``,                               its backend and device; each device's compute
+``_compute_of``,                                  streams and copy streams; the host lanes (None
+``_copy_index``, ``_host``                        on a CPU runtime)
+``_spaces``                 (set once)            the address spaces ops may touch
+``_can_be_lost``            (set once)            whether the backend may lose its device
+``_lane_threads``           (the lanes' own)      the threads of every lane (``backends.cpu``)
+``_lane_waits``             its own lock          the waits of lane ops (``LaneWaits``)
+``_tracker``                ``_lock``             links each op to the earlier ops it conflicts
+                                                  with; holds unfinished and failed ops' records
+``_clocks``                 ``_lock``             what each stream has waited for; its tail
+``_next_stream[d]``         ``_lock``             where d's round robin resumes
+``_busy[i]``                ``_done_lock``        the pending ops placed on stream i
+``_counts``                 ``_lock`` (``seq``),  seq: the last op's number; completed, peak; free,
+                            ``_done_lock``        waiting: the in-flight bound's (``_slots``)
+``_slots``                  ``_done_lock``        free + the slots held == ``max_inflight``
+``_pending``                ``_done_lock``        ops submitted or held, not finished, in order
+``_failed``, ``_failures``  ``_done_lock``        ops failed; root errors since synchronize()
+``_failed_seen``            both                  ``_failed`` at the last synchronize()
+``_in_callbacks``           ``_done_lock``        finished ops whose done-callbacks still run;
+                                                  0 notifies ``_callbacks_done``
+``_host_ops``, ``_held``,   see ``held``          what a device stream cannot wait for by an
+``_held_on``, ``_launcher``                       event; the held ops, and what holds them
+``_launch_held``            (set once)            the compiled launch of a released op, or None
+``_hurry_of[i]``            (set once)            what a wait on stream i's op calls (``Hurry``)
+``_finish_ready``,          (set once)            what a submitting thread calls every
+``_finish_every``                                 ``_finish_every`` submits to finish ops itself
+``_finish_bound``           (set once)            what an op's completion calls (the compiled
+                                                  finish where there is one)
+``_recordings[t]``          ``_lock``             the graph thread t records into (``record()``)
+``_profiler``               ``_lock``             the open ``profile()`` block's, or None
+``_closed``, ``_stopped``,  see ``lifecycle``     closing; closed; who closes
+``_closer``, ``_finalizer``
+``_bytes``, ``_staging``    their own locks       see ``budgets``: bytes in flight; pinned pool
+``_rings``                  (setdefault)          the pinned staging rings: one per direction and
+                                                  device (``transfers``)
+``_stream_maps``            (weak, by function)   stream_map's captured pieces (``streaming``)
+``_copy_pinned``            (set once)            the compiled copy of pinned memory, or None
+``_parts``                  (set once)            the fields the compiled submit reads in C:
+                                                  ``_tracker``, ``_clocks``, ``_profiler``,
+                                                  ``_finish_ready``, ``_finish_every``, ``_closed``
+==========================  ====================  ==================================================
+
+Where the compiled submit is built, ``submit``, ``submit_nowait``, ``_submit_on`` and ``copy`` are
+its methods, set on the instance; ``close()`` takes them off again.
 """
 
 from __future__ import annotations
@@ -54,7 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend, make_backend, make_backends
-from ..backends.cpu import LANE_THREADS, HostLanes
+from ..backends.cpu import LANE_THREADS
 from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
@@ -65,6 +89,7 @@ from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
 from .held import Holds
 from .lane_waits import LaneWaits
+from .layout import lay_out_streams
 from .lifecycle import Lifecycle, stop_dropped
 from .ops import Future, Op
 from .submitting import SubmitPath
@@ -218,7 +243,9 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._multi = len(members) > 1
         self.max_inflight = max_inflight
         self._compute = len(self.backend.streams)
-        self._lay_out_streams(members, host_lanes)
+        layout = lay_out_streams(members, host_lanes)
+        self._streams, self._member, self._stream_device = layout.streams, layout.member, layout.device_of
+        self._compute_of, self._copy_index, self._host = layout.compute_of, layout.copy_index, layout.host
         self._make_state(max_inflight)
         self._bytes = ByteBudget(max_inflight_bytes, on_wait=self._hurry_all)
         self._staging = PinnedPool(staging_bytes, on_wait=self._hurry_all)
@@ -233,34 +260,6 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         #: a runtime dropped without close() stops its threads (they hold no reference to it)
         self._finalizer = weakref.finalize(self, stop_dropped, self.backends, self._host, self._launcher)
         self._finalizer.atexit = False  # at exit the threads (daemons) end with the process
-
-    def _lay_out_streams(self, members: list[Backend], host_lanes: int) -> None:
-        """Number every stream of every device: each device's compute streams, then its copy
-        streams; then the host lanes beside a device."""
-        self._streams: list[Any] = []
-        self._member: list[Backend] = []  # the backend that owns each stream
-        self._stream_device: list[str] = []
-        self._compute_of: dict[str, range] = {}
-        self._copy_index: dict[tuple[str, str], int] = {}  # (kind, device) -> stream
-        for m in members:
-            base = len(self._streams)
-            self._compute_of[m.device] = range(base, base + len(m.streams))
-            copy = getattr(m, "copy_streams", {})
-            for i, kind in enumerate(copy):
-                self._copy_index[(kind, m.device)] = base + len(m.streams) + i
-            added = list(m.streams) + list(copy.values())
-            self._streams += added
-            self._member += [m] * len(added)
-            self._stream_device += [m.device] * len(added)
-        #: host lanes beside a device (streams after its own): where ``run_on="host"`` ops run, so
-        #: that a host function waiting for device work does not block the submitting thread
-        self._host: HostLanes | None = None
-        if self.device != "cpu":
-            self._host = HostLanes(host_lanes, len(self._streams))
-            self._compute_of["host"] = range(len(self._streams), len(self._streams) + host_lanes)
-            self._streams += self._host.streams
-            self._member += [self._host] * host_lanes
-            self._stream_device += ["host"] * host_lanes
 
     def _make_state(self, max_inflight: int) -> None:
         """The locks, the holds, the counters and the per-stream state (see the module's table)."""

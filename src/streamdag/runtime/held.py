@@ -85,14 +85,18 @@ class Holds:
     State it owns:
 
     ================  ===============  =============================================================
-    state             guarded by       invariant
+    state             changed under    invariant
     ================  ===============  =============================================================
     ``_host_ops``     ``_lock``        host-lane ops not finished, and held ops not launched, by
                                        number: what a device stream cannot wait for by an event
+                                       (a host-lane op's finish takes its own entry out without
+                                       the lock: one dict pop, after the op is done)
     ``_held``         ``_lock``        the held ops by number; each is in ``_pending`` too
     ``_held_on[s]``   ``_held_lock``   the held ops that op s holds; s is unfinished (a host-lane
                                        op) or held, or its finish has queued s to the launcher
     ``Held.waiting``  ``_lock``        how many holders of it have not finished (or launched)
+    ``_launcher``     (its queue)      the thread that releases the ops a finished host-lane op
+                                       held: not that lane, which must not wait for ``_lock``
     ================  ===============  =============================================================
 
     ``_held_lock`` orders a hold on a host-lane op with that op's finish, which takes no
