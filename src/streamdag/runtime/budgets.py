@@ -1,11 +1,24 @@
 """The bounds of transfers: the bytes of copies in flight (:class:`ByteBudget`) and the pool of
 pinned buffers small pageable copies are staged through (:class:`PinnedPool`).
 
-Both hold their buffers or bytes for each copy until its future is seen done, per stream, oldest
-first (a stream's copies complete in order). State, under each one's own lock:
-``ByteBudget``'s counts (``used`` <= ``limit``, except one copy alone past it, or in a
-done-callback; read and written in C by the compiled ``rt.copy``) and held copies; ``PinnedPool``'s
-free buffers and lent ones (``_held`` <= ``limit`` likewise).
+Both hold their bytes or buffers for each copy until its future is seen done, per stream, oldest
+first (a stream's copies complete in order). Their state:
+
+==========================  ================  ====================================================
+state                       changed under     invariant
+==========================  ================  ====================================================
+``ByteBudget._counts``      ``_lock``         ``used``: bytes acquired, not yet seen done;
+                                              ``used`` <= ``limit`` but for one copy alone, or
+                                              one acquired in a done-callback; ``peak``; acquirers
+                                              asleep (``waiting``). The compiled ``rt.copy`` reads
+                                              and writes them in C, under the same lock
+``ByteBudget._held[s]``     ``_lock``         stream s's copies holding bytes, oldest first
+``PinnedPool._held``        ``_cond``         bytes of buffers made, <= ``limit`` likewise
+``PinnedPool._free[size]``  ``_cond``         buffers free to take, by size class
+``PinnedPool._lent[s]``     ``_cond``         buffers lent to stream s's copies, oldest first
+``PinnedPool._views[b]``    (its taker)       typed views of buffer b, made by whoever holds b;
+                                              dropped under ``_cond`` with b
+==========================  ================  ====================================================
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
 from ..native import load_torch
-from . import arguments, ops, submitting, transfers
+from . import arguments, frames, ops, submitting, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
@@ -135,7 +135,6 @@ class RuntimeStatistics:
     peak_inflight_bytes: int
 
 
-
 def _part(name: str) -> property:
     """A runtime attribute kept in its ``_parts``: a field the compiled submit reads in C, with no
     look-up in the runtime's ``__dict__`` per submit."""
@@ -144,7 +143,6 @@ def _part(name: str) -> property:
         setattr(rt._parts, name, value)
 
     return property(operator.attrgetter(f"_parts.{name}"), put)
-
 
 
 def _check_own_backend(device: str, streams: int | None, seed: int, default_stream_sync: bool | None) -> None:
@@ -156,7 +154,6 @@ def _check_own_backend(device: str, streams: int | None, seed: int, default_stre
         raise ValueError(f"{', '.join(given)} would be ignored: with backend= the runtime runs on the "
                          "backend's own device and streams; make the backend with them instead, or "
                          "leave backend= out")
-
 
 
 class Runtime(SubmitPath, Holds, Completion, Lifecycle):
@@ -592,7 +589,6 @@ def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be at least {minimum}, got {value}" + (f" ({hint})" if hint else ""))
 
 
-
 if _speedups is not None:
     _speedups.setup_submit(Op, Future, Marker, ops._LAZY, ops._PENDING, ops._FINISHED, finished_ok,
-                           ops.release_frames)
+                           frames.release_frames)

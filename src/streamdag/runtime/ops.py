@@ -22,11 +22,9 @@ from ..schedule.waits import Stamp
 from .frames import release_frames
 from .lane_waits import WatchedWaiters
 
-__all__ = ["Future", "Op", "callbacks_later", "deferring_callbacks",
-           "in_done_callback", "then"]
+__all__ = ["Future", "Op", "callbacks_later", "deferring_callbacks", "in_done_callback", "then"]
 
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
-_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
@@ -415,8 +413,6 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
                     if lo < end and start < hi and s == space:
                         return dep
     return None
-
-
 
 
 class Op:

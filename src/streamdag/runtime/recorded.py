@@ -37,8 +37,6 @@ class GraphRuntime(EagerRunRuntime, Protocol):
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
 
 
-
-
 @dataclass
 class _Recorded:
     fn: Callable[..., Any]
@@ -49,8 +47,6 @@ class _Recorded:
     stream: int | None = None  # pinned stream (copies), else the schedule's
     written: list[Any] = field(default_factory=list)
     device: str = ""
-
-
 
 
 def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:

@@ -45,8 +45,9 @@ _DROP_WAITS = os.environ.get("STREAMDAG_TEST_DROP_WAITS") == "1"
 class SubmitPath:
     """The runtime's submit path (a part of :class:`~.core.Runtime`): check, link, place, launch.
 
-    Every method but ``_submit``, ``_submit_on`` and ``_enqueue`` runs with ``_lock`` held and a
-    slot taken (see each one's docstring)."""
+    ``_submit`` checks and collects; ``_enqueue`` takes a slot (``_take_slot``) and ``_lock``
+    (``_wait_for_the_lock``), then numbers (``_new_op``), links and launches or holds the op.
+    The steps from ``_admit`` on run with both held (see each one's docstring)."""
 
     __slots__ = ()
 
