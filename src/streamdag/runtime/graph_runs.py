@@ -29,17 +29,14 @@ _run_ids = itertools.count(1)
 class EagerRunRuntime(Protocol):
     """What a run op by op needs of its runtime (``core.Runtime`` and its parts provide it): the
     submit path's steps, called under ``_lock`` as ``_enqueue`` calls them, and where the calling
-    thread runs (a lane: see ``_lane_instead``). Nothing else of it is read or written here."""
+    thread runs (a lane: see ``SubmitPath._lane_instead``). Nothing else of it is read or written here."""
 
     backend: Any
     _lock: Any  #: held for all of a run's launches
     _slots: Any  #: ``completion.Slots``: a slot given back where a launch is refused
     _tracker: Any  #: links each op of the run to the earlier ops it conflicts with
     _host_ops: dict[int, Op]  #: read: whether any op may be held (see ``held``)
-    _compute_of: dict[str, range]
     _stream_device: list[str]
-    _lane_threads: Any
-    _lane_waits: Any
     _take_slot: Callable[..., bool]
     _new_op: Callable[..., Op]
     _add_host_op: Callable[[Op], None]
@@ -48,8 +45,9 @@ class EagerRunRuntime(Protocol):
     _launch_or_hold: Callable[..., None]
     _enqueue: Callable[..., Future]
     _hurry_all: Callable[..., None]
-    _calling_lane: Callable[[int, int], int]
-    _behind_the_caller: Callable[[], tuple[set[int], set[int]]]
+    _lane_instead: Callable[[], tuple[int, int]]
+    _free_lane: Callable[[int, int, int], int]
+    _mark_run_from_a_lane: Callable[[Future, list[Any], bool], None]
 
 
 @dataclass(frozen=True)
@@ -84,51 +82,6 @@ class GraphResult(Sequence):
         return f"GraphResult({self._values!r})"
 
 
-def _lane_instead(rt: EagerRunRuntime) -> tuple[int, int]:
-    """Run from inside an op on a lane of ``rt`` (a CPU runtime's, a host lane): that lane, and
-    the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
-
-    Queued on the calling op's lane, behind it, they would run only once it has returned: it
-    could not wait for the run. So they go to the next lane of its kind, as a nested submit
-    does (see ``Runtime._choose_stream``); with ops of their own there, in the order they are
-    launched, which keeps every dependency. Where the lane is the only one of its kind, they
-    stay on it (and waiting for the run there raises, see ``Future._waited_on``).
-    """
-    if threading.get_ident() not in rt._lane_threads:
-        return -1, -1
-    for lanes in rt._compute_of.values():
-        here = rt._calling_lane(lanes.start, len(lanes))
-        if here != -1:
-            return here, lanes[(here - lanes.start + 1) % len(lanes)]
-    return -1, -1
-
-
-def _free_lane(rt: EagerRunRuntime, stream: int, here: int, instead: int) -> int:
-    """Where an op of a run from inside the op on lane ``here`` goes, scheduled onto ``stream``:
-    not behind the calling op (``instead``, see ``_lane_instead``), nor behind ops that cannot run
-    before it returns (``Runtime._behind_the_caller``), where a lane of the kind is free of both;
-    else where it was sent, and waiting for the run there raises (see ``Future._waited_on``)."""
-    wanted = instead if stream == here else stream
-    _, blocked = rt._behind_the_caller()
-    if wanted not in blocked:
-        return wanted
-    lanes = next((s for s in rt._compute_of.values() if wanted in s), range(wanted, wanted + 1))
-    return next((i for i in lanes if i != here and i not in blocked), wanted)
-
-
-def _mark_run_from_a_lane(rt: EagerRunRuntime, result: Future, futures: list[Any], behind: bool) -> None:
-    """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
-    a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
-    ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
-    wait for the run is a wait for ``futures``, which raises where it could never end (the run's
-    settling drops them again: they keep its done-callback, which keeps ``result``)."""
-    me = threading.get_ident()
-    if behind:
-        result.__dict__["_behind"] = me
-    if me in rt._lane_threads:
-        result.__dict__.update(_lanes_of=rt._lane_waits, _ops_of=futures)
-
-
 class EagerRuns:
     """Runs of a recorded graph op by op (a part of :class:`~.recorded.RecordedGraph`)."""
 
@@ -150,7 +103,7 @@ class EagerRuns:
         def settle() -> None:
             ops = launched[:]
             launched.clear()  # each op's future holds this function: no cycle left to the collector
-            result.__dict__.pop("_ops_of", None)  # (nor through _mark_run_from_a_lane's)
+            result.__dict__.pop("_ops_of", None)  # (nor through SubmitPath._mark_run_from_a_lane's)
             failed = [op for op in ops if op.error is not None]
             # the graph's own root failures; else ops failed for a failure before the graph
             roots = [op.error for op in failed if op.root_error is op.error]
@@ -175,7 +128,7 @@ class EagerRuns:
         if self._runs == 1:  # how long the host takes to launch the graph once, op by op
             self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
-        _mark_run_from_a_lane(rt, result, [op.future for op in launched], behind)
+        rt._mark_run_from_a_lane(result, [op.future for op in launched], behind)
         one_done = after_all(n, settle)
         for op in launched:
             op.future._on_done(one_done)
@@ -184,15 +137,15 @@ class EagerRuns:
     def _launch_ops(self, rt: EagerRunRuntime, run_id: int, probe: Any, launched: list[Op]) -> bool:
         """Launch every op of one eager run, in order; caller holds the runtime's lock. Whether an
         op is queued behind the calling op on its lane (run from inside an op there, see
-        ``_lane_instead``)."""
+        ``SubmitPath._lane_instead``)."""
         run_preds = self._run_preds
-        here, instead = _lane_instead(rt)
+        here, instead = rt._lane_instead()
         behind = False
         for v, rec in enumerate(self._ops):
             rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
             stream = self._runtime_stream(v)
             if here != -1:
-                stream = _free_lane(rt, stream, here, instead)
+                stream = rt._free_lane(stream, here, instead)
             device = rt._stream_device[stream]
             on_lane = device == "host"
             try:  # (before the op is linked: it raises inside the caller's capture)
@@ -233,7 +186,7 @@ class EagerRuns:
             values: list[Any] = [None] * n_ops
             errors: list[BaseException] = []
             settled, futures[:] = futures[:], []
-            result.__dict__.pop("_ops_of", None)  # (see _mark_run_from_a_lane)
+            result.__dict__.pop("_ops_of", None)  # (see SubmitPath._mark_run_from_a_lane)
             for (is_graph, indices), f in zip(places, settled):
                 error = f.exception()
                 if error is None:
@@ -262,7 +215,7 @@ class EagerRuns:
         self.last_run_captured = bool(graphs) and all(g.last_run_captured for g in graphs)
         result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
         me = threading.get_ident()
-        _mark_run_from_a_lane(rt, result, futures, any(f.__dict__.get("_behind") == me for f in futures))
+        rt._mark_run_from_a_lane(result, futures, any(f.__dict__.get("_behind") == me for f in futures))
         one_done = after_all(len(futures), settle)
         for f in futures:
             f._on_done(one_done)

@@ -29,6 +29,7 @@ class GraphRuntime(EagerRunRuntime, Protocol):
     backends: list[Any]
     num_streams: int
     _multi: bool
+    _compute_of: dict[str, range]  #: where the schedule's streams are on the runtime
     _profiler: Any
     _check_open: Callable[[], None]
     _recording_here: Callable[[], Any]

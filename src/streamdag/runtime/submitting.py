@@ -428,6 +428,48 @@ class SubmitPath:
         future.__dict__["_lanes_of"] = self._lane_waits
         future.__dict__["_lane"] = self._streams[stream]  # where it is queued
 
+    def _lane_instead(self) -> tuple[int, int]:
+        """For a graph's run from inside an op on a lane (a CPU runtime's, a host lane): that lane,
+        and the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
+
+        Queued on the calling op's lane, behind it, they would run only once it has returned: it
+        could not wait for the run. So they go to the next lane of its kind, as a nested submit
+        does (see :meth:`_choose_stream`); with ops of their own there, in the order they are
+        launched, which keeps every dependency. Where the lane is the only one of its kind, they
+        stay on it (and waiting for the run there raises, see ``Future._waited_on``).
+        """
+        if threading.get_ident() not in self._lane_threads:
+            return -1, -1
+        for lanes in self._compute_of.values():
+            here = self._calling_lane(lanes.start, len(lanes))
+            if here != -1:
+                return here, lanes[(here - lanes.start + 1) % len(lanes)]
+        return -1, -1
+
+    def _free_lane(self, stream: int, here: int, instead: int) -> int:
+        """Where an op of a run from inside the op on lane ``here`` goes, scheduled onto ``stream``:
+        not behind the calling op (``instead``, see ``_lane_instead``), nor behind ops that cannot run
+        before it returns (:meth:`_behind_the_caller`), where a lane of the kind is free of both;
+        else where it was sent, and waiting for the run there raises (see ``Future._waited_on``)."""
+        wanted = instead if stream == here else stream
+        _, blocked = self._behind_the_caller()
+        if wanted not in blocked:
+            return wanted
+        lanes = next((s for s in self._compute_of.values() if wanted in s), range(wanted, wanted + 1))
+        return next((i for i in lanes if i != here and i not in blocked), wanted)
+
+    def _mark_run_from_a_lane(self, result: Future, futures: list[Any], behind: bool) -> None:
+        """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
+        a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
+        ``futures`` are queued behind the calling op on its lane; and, from a lane of this runtime,
+        that a wait for the run is a wait for ``futures``, which raises where it could never end (the
+        run's settling drops them again: they keep its done-callback, which keeps ``result``)."""
+        me = threading.get_ident()
+        if behind:
+            result.__dict__["_behind"] = me
+        if me in self._lane_threads:
+            result.__dict__.update(_lanes_of=self._lane_waits, _ops_of=futures)
+
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an
         op there), or -1."""
