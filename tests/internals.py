@@ -172,3 +172,21 @@ def python_reference() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         use_python_reference(monkeypatch)
         yield
+
+
+def host_lane_for(rt: sd.Runtime, pending: int | None) -> int:
+    """The host lane a large pageable copy is staged on (``Runtime._host_lane_for``), given the lane
+    of the ring's copy still pending (None: none): only CUDA runtimes stage such copies, so no
+    public call reaches the choice on the CPU."""
+    return rt._host_lane_for(pending)
+
+
+def host_lanes(rt: sd.Runtime) -> range:
+    """The numbers of the runtime's host lanes among its streams."""
+    return rt._compute_of["host"]
+
+
+def host_lane_here(rt: sd.Runtime) -> int:
+    """The number of the host lane the calling thread runs (inside an op there), or -1."""
+    lanes = host_lanes(rt)
+    return rt._calling_lane(lanes.start, len(lanes))

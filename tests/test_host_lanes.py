@@ -312,3 +312,23 @@ def test_run_on_host_on_a_cpu_runtime_runs_on_its_lanes():
     x = np.zeros(4)
     with sd.Runtime("cpu", streams=2) as rt:
         assert rt.submit(lambda: x.fill(1) or x.sum(), writes=[x], run_on="host").result(timeout=10) == 4.0
+
+
+def test_a_staged_copy_follows_the_pending_copy_on_its_lane_unless_the_caller_runs_that_lane():
+    """Copies one way queue on one lane, in order; never behind the op that submits them."""
+    from internals import host_lane_for, host_lane_here, host_lanes
+
+    with sd.Runtime("sim", host_lanes=3) as rt:
+        lanes = host_lanes(rt)
+        assert len(lanes) == 3 and host_lane_here(rt) == -1
+        assert host_lane_for(rt, lanes[2]) == lanes[2]
+        assert host_lane_for(rt, None) in lanes
+
+        def on_a_lane():
+            return host_lane_here(rt), [host_lane_for(rt, lane) for lane in lanes]
+
+        here, chosen = rt.submit(on_a_lane, run_on="host").result(timeout=10)
+        assert here in lanes
+        others = [lane for lane in lanes if lane != here]
+        assert chosen[lanes.index(here)] in others  # not the caller's own lane: the least busy other
+        assert [c for lane, c in zip(lanes, chosen) if lane != here] == others

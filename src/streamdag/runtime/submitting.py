@@ -470,6 +470,18 @@ class SubmitPath:
         if me in self._lane_threads:
             result.__dict__.update(_lanes_of=self._lane_waits, _ops_of=futures)
 
+    def _host_lane_for(self, pending: int | None) -> int:
+        """A host lane for an op that goes after the op pending on lane ``pending`` (None: none):
+        that lane, unless the calling thread runs it; else the least busy lane, never the calling
+        thread's own (an op queued behind the op that submits it would wait forever if that op
+        waits for it)."""
+        lanes = self._compute_of["host"]
+        here = self._calling_lane(lanes.start, len(lanes))
+        if pending is not None and pending != here:
+            return pending
+        busy = self._busy  # (read without the lock: a hint)
+        return min((i for i in lanes if i != here), key=busy.__getitem__, default=lanes.start)
+
     def _calling_lane(self, lo: int, n: int) -> int:
         """The stream among ``lo`` to ``lo + n`` that is the lane the calling thread runs (inside an
         op there), or -1."""

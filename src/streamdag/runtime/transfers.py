@@ -54,7 +54,6 @@ class CopyRuntime(Protocol):
     _compute_of: dict[str, range]
     _copy_index: dict[tuple[str, str], int]
     _host: Any  #: the host lanes (None on a CPU runtime)
-    _busy: list[int]  #: read without a lock, as a hint: the least busy host lane
     _bytes: Any  #: ``budgets.ByteBudget``
     _staging: Any  #: ``budgets.PinnedPool``
     _rings: dict[Any, Any]  #: the staging rings, by direction and device (made here)
@@ -62,7 +61,7 @@ class CopyRuntime(Protocol):
     _submit: Callable[..., Any]
     _submit_on: Callable[..., Any]
     _recording_here: Callable[[], Any]
-    _calling_lane: Callable[[int, int], int]
+    _host_lane_for: Callable[[int | None], int]
     _host_data_written_on_lanes: Callable[..., bool]
 
 CHUNK_BYTES = 8 << 20
@@ -353,15 +352,12 @@ def _lane_for(rt: CopyRuntime, ring: StagingRing) -> int:
     for the ring's lock: the 8 x 64 MiB copy/compute case from and into pageable memory, op by op, took
     49 ms that way against 42 (A/B on the H100, 12 interleaved rounds).
     """
-    lanes = rt._compute_of["host"]
-    here = rt._calling_lane(lanes.start, len(lanes))
-    last = ring.last
-    if last is not None and last[1] != here:
+    last, pending = ring.last, None
+    if last is not None:
         future = last[0]()
         if future is not None and not future.done():
-            return last[1]
-    busy = rt._busy  # (read without the lock: a hint)
-    return min((i for i in lanes if i != here), key=busy.__getitem__, default=lanes.start)
+            pending = last[1]
+    return rt._host_lane_for(pending)
 
 
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
