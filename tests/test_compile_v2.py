@@ -366,12 +366,12 @@ def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
 
 @pytest.mark.slow
 def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(monkeypatch):
-    import streamdag.frontend.inductor_backend as backend
+    import streamdag.frontend.inner_compile as inner
 
     def broken(*args, **kwargs):
         raise AssertionError("the units of the graph form a cycle")
 
-    monkeypatch.setattr(backend, "plan_regions", broken)
+    monkeypatch.setattr(inner, "plan_regions", broken)
     torch.manual_seed(0)
     m = Inception().eval()
     c = sd.compile(m, regions="always")
