@@ -187,6 +187,24 @@ def test_attention_draws_random_numbers_only_with_dropout():
     assert _has_random(attention_graph(0.1))
 
 
+def test_the_cost_model_counts_a_convolutions_backward_as_its_gradients_forward_convolutions():
+    """A backward's convolutions are its heavy operators: the planner must not take them for
+    free pointwise work."""
+    from streamdag.frontend.regions import _flops
+
+    x, w = torch.randn(2, 4, 8, 8, requires_grad=True), torch.randn(6, 4, 3, 3, requires_grad=True)
+
+    def fwd_bwd(x, w):
+        out = torch.nn.functional.conv2d(x, w, padding=1)
+        return torch.autograd.grad(out.sum(), (x, w))
+
+    gm = make_fx(fwd_bwd, tracing_mode="fake", _allow_non_fake_inputs=True)(x, w)
+    names = {n: getattr(n.target, "__name__", "") for n in gm.graph.nodes}
+    (bwd,) = [n for n, name in names.items() if name.startswith("convolution_backward")]
+    (fwd,) = [n for n, name in names.items() if name.startswith("convolution.")]
+    assert _flops(bwd) == pytest.approx(2 * _flops(fwd))
+
+
 # -- end to end, with Inductor's CPU code generator ------------------------------------------------
 
 
