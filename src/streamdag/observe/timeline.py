@@ -77,7 +77,7 @@ class Timeline:
     """Spans recorded by a profiled runtime (:meth:`Runtime.profile`)."""
 
     def __init__(self, spans: list[Span]) -> None:
-        self.spans = sorted(spans, key=lambda s: (s.start, s.seq))
+        self.spans: list[Span] = sorted(spans, key=lambda s: (s.start, s.seq))
 
     def __len__(self) -> int:
         return len(self.spans)

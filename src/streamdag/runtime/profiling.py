@@ -24,11 +24,13 @@ __all__ = ["Profiler"]
 
 
 class Profiler:
+    """What ``with rt.profile() as prof:`` gives: once the block is left, ``prof.timeline``."""
+
     def __init__(self, members: list[Any], streams: list[Any], per_op: bool, nvtx: bool) -> None:
         self.members = members  # the backend of each stream
         self.streams = streams
         self.per_op = per_op
-        self.nvtx = nvtx and not members[0].deferred
+        self.nvtx: bool = nvtx and not members[0].deferred
         self.records: list[tuple[Op, Any, Any, int, tuple[int, ...]]] = []
         self.bases: dict[int, Any] = {}  # per backend, on its first stream
         for i, m in enumerate(members):
@@ -39,7 +41,15 @@ class Profiler:
                 else:
                     self.bases[id(m)] = m.event(timing=True)
                     self.bases[id(m)].record(streams[i])
-        self.timeline: Timeline | None = None
+        self._timeline: Timeline | None = None
+
+    @property
+    def timeline(self) -> Timeline:
+        """The ops timed inside the ``with rt.profile()`` block, once it is left."""
+        if self._timeline is None:
+            raise RuntimeError("the profile is still running: read prof.timeline after its "
+                               "`with rt.profile() as prof:` block")
+        return self._timeline
 
     def start(self, op: Op, stream: int, deps: list[Op]) -> tuple[Any, Any]:
         ev = self.members[stream].event(timing=True)
@@ -76,6 +86,6 @@ class Profiler:
             ))
         # the base event need not be the earliest (another stream may start first): shift to 0
         origin = min((sp.start for sp in spans), default=0.0)
-        self.timeline = Timeline([replace(sp, start=sp.start - origin, end=sp.end - origin)
-                                  for sp in spans])
-        return self.timeline
+        self._timeline = Timeline([replace(sp, start=sp.start - origin, end=sp.end - origin)
+                                   for sp in spans])
+        return self._timeline

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access, coalesce, envelope
@@ -20,6 +20,7 @@ from .declared import DeclaredBuffers
 from .ops import Future, Op, after_all, then
 
 if TYPE_CHECKING:
+    from .capture import CaptureStatistics
     from .core import Runtime
 
 __all__ = ["GraphResult", "OpNode", "RecordedGraph"]
@@ -35,20 +36,24 @@ class OpNode:
     index: int
     name: str
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> NoReturn:
         raise RuntimeError(
             f"op {self.name!r} was recorded, not run: call g.run() and read its result, "
             "e.g. g.run().result()[node]"
         )
 
 
-class GraphResult(Sequence):
+class GraphResult(Sequence[Any]):
     """The return values of one run of a recorded graph, in submission order."""
 
     def __init__(self, values: list[Any]) -> None:
         self._values = values
 
-    def __getitem__(self, key):  # type: ignore[override]
+    @overload
+    def __getitem__(self, key: int | OpNode) -> Any: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[Any]: ...
+    def __getitem__(self, key: int | OpNode | slice) -> Any:
         if isinstance(key, OpNode):
             key = key.index
         return self._values[key]
@@ -104,7 +109,7 @@ def _free_lane(rt: Runtime, stream: int, here: int, instead: int) -> int:
     return next((i for i in lanes if i != here and i not in blocked), wanted)
 
 
-def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
+def _mark_run_from_a_lane(rt: Runtime, result: Future[Any], futures: list[Any], behind: bool) -> None:
     """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
     a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
     ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
@@ -134,7 +139,7 @@ class RecordedGraph:
     def __init__(self, runtime: Runtime, copy_out: bool = True) -> None:
         self._rt = runtime
         self.copy_out = copy_out
-        self.last_run_captured = False
+        self.last_run_captured: bool = False
         self._ops: list[_Recorded] = []
         self._names_used: set[str] = set()  # op names are keys (timings, explain): kept distinct
         self._preds: list[list[int]] = []
@@ -154,7 +159,7 @@ class RecordedGraph:
         self._replay_accesses: list[Access] | None = None
         self._replay_split: tuple[list[Any], list[Any]] | bool | None = None  # see _replay_regions
         self._host_replay: Any = None
-        self.capture = runtime.device.startswith("cuda")
+        self.capture: bool = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
         self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
@@ -177,7 +182,8 @@ class RecordedGraph:
     def names(self) -> list[str]:
         return [op.name for op in self._ops]
 
-    def add(self, fn, args, kwargs, accesses, name: str | None, stream: int | None = None,
+    def add(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            accesses: list[Access], name: str | None, stream: int | None = None,
             written: list[Any] | None = None, device: str | None = None) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
@@ -312,7 +318,7 @@ class RecordedGraph:
             raise RuntimeError("the graph is still being recorded: leave the `with rt.record()` block")
         return self._schedule
 
-    def run(self) -> Future:
+    def run(self) -> Future[GraphResult]:
         """Run every op once, concurrently as scheduled; returns a Future of a :class:`GraphResult`.
 
         The graph also orders itself after earlier ops of the runtime that touch
@@ -437,7 +443,7 @@ class RecordedGraph:
             behind = behind or op.future.__dict__.get("_behind") == threading.get_ident()
         return behind
 
-    def _run_parts(self) -> Future:
+    def _run_parts(self) -> Future[Any]:
         """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
         the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s."""
         rt = self._rt
@@ -501,7 +507,7 @@ class RecordedGraph:
         return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
                        for rec in self._ops)
 
-    def _run_host_replay(self) -> Future | None:
+    def _run_host_replay(self) -> Future[Any] | None:
         """A run as one host replay over several devices; None where unfinished host-lane ops (or
         ops held behind them) touch the graph's memory: the replay would wait for them in the
         submitting thread, so the caller runs the graph op by op, each op held as an eager submit is."""
@@ -528,7 +534,7 @@ class RecordedGraph:
             ) + envelope([a for a in every if a.region.space.startswith("sym:")])
         return self._replay_accesses
 
-    def _run_captured(self) -> Future | None:
+    def _run_captured(self) -> Future[Any] | None:
         """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
         from .capture import CudaGraphRunner
 
@@ -617,7 +623,7 @@ class RecordedGraph:
             raise RuntimeError("the graph has not been captured: it captures on its second run on CUDA")
         return self._runner._captured.values
 
-    def statistics(self) -> Any:
+    def statistics(self) -> CaptureStatistics | None:
         """Capture statistics on CUDA (captures, replays, recaptures, fallbacks, timing of the choice)."""
         return None if self._runner is None else self._runner.stats
 

@@ -98,7 +98,7 @@ class ByteBudget:
         self._counts.limit = limit
         self._lock = new_lock()  # taken directly where nobody waits: a Condition's is slower
         self._cond = threading.Condition(self._lock)
-        self._held: dict[Any, deque[tuple[weakref.ref[Future], int]]] = {}  # per stream, oldest first
+        self._held: dict[Any, deque[tuple[weakref.ref[Future[Any]], int]]] = {}  # per stream, oldest first
         #: called before blocking (bytes come back when ops are seen finished); None: nothing
         self.on_wait = on_wait
 
@@ -142,7 +142,7 @@ class ByteBudget:
                 self.on_wait()
             oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
 
-    def hold(self, future: Future, n: int, stream: Any) -> None:
+    def hold(self, future: Future[Any], n: int, stream: Any) -> None:
         """The ``n`` bytes acquired for a copy on ``stream`` come back once ``future`` is done."""
         with self._lock:
             held = self._held.get(stream)
@@ -170,7 +170,8 @@ class ByteBudget:
         for held in self._held.values():
             self._give_back_done(held)
 
-    def _give_back_done(self, held: deque[tuple[weakref.ref[Future], int]], most: int | None = None) -> None:
+    def _give_back_done(self, held: deque[tuple[weakref.ref[Future[Any]], int]],
+                        most: int | None = None) -> None:
         """Give back the bytes of the done copies at the head of one stream's ``held`` (at most ``most``)."""
         while held and (most is None or most > 0):
             future = held[0][0]()
@@ -180,7 +181,7 @@ class ByteBudget:
             if most is not None:
                 most -= 1
 
-    def _oldest(self) -> Future | None:
+    def _oldest(self) -> Future[Any] | None:
         for held in self._held.values():
             if held:
                 future = held[0][0]()
@@ -207,7 +208,7 @@ class PinnedPool:
     def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self._free: dict[int, list[Any]] = {}
-        self._lent: dict[Any, deque[tuple[weakref.ref[Future], Any]]] = {}  # per stream, oldest first
+        self._lent: dict[Any, deque[tuple[weakref.ref[Future[Any]], Any]]] = {}  # per stream, oldest first
         self._views: dict[int, dict[tuple[Any, Any], Any]] = {}  # by id of a buffer
         self._held = 0
         self._cond = threading.Condition()
@@ -282,7 +283,7 @@ class PinnedPool:
             self._free.setdefault(buf.numel(), []).append(buf)
             self._cond.notify_all()
 
-    def lend(self, buf: Any, future: Future, stream: Any) -> None:
+    def lend(self, buf: Any, future: Future[Any], stream: Any) -> None:
         """``buf`` is free again once ``future`` is done (of the last op to use it, on ``stream``)."""
         with self._cond:
             lent = self._lent.get(stream)
@@ -334,7 +335,7 @@ def _copy_async(dst: Any, src: Any, keep: Any = None) -> Any:
 
 
 def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
-                 keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future:
+                 keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future[Any]:
     """One copy op on ``stream``, its bytes counted against the budget until it completes.
 
     ``copier``: the op's function in place of ``copy_`` (a peer copy done the source device's way,
@@ -379,7 +380,7 @@ def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Reg
 _COPY_NAMES = {"h2d": "copy_h2d", "d2h": "copy_d2h", "p2p": "copy_p2p"}
 
 
-def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
+def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future[Any]:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
     kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
@@ -419,7 +420,7 @@ def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     default_name = _COPY_NAMES[kind]
     compiled = rt._copy_pinned
 
-    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future:
+    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future[Any]:
         if compiled is not None:  # None back inside a recording: the Python path records it
             future = compiled(d, s, name or default_name)
             if future is not None:
@@ -442,7 +443,7 @@ def _check_layouts(kind: str, dst: Any, src: Any) -> None:
 
 
 def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
-               name: str) -> Future:
+               name: str) -> Future[Any]:
     if stream is None or src_space not in rt._compute_of:
         raise ValueError(
             f"copy from {src_space} to {dst_space}: both must be devices of this runtime "
@@ -501,7 +502,7 @@ class StagingRing:
         self.stream = stream
         #: its newest copy's future (weakly: once gone, its op has finished) and host lane: the next
         #: copy queues on that lane while it is pending (see :func:`_lane_for`)
-        self.last: tuple[weakref.ref[Future], int] | None = None
+        self.last: tuple[weakref.ref[Future[Any]], int] | None = None
         self.lock = threading.Lock()
         self._buffers: list[Any] = []
         self._events: list[Any] = []
@@ -543,7 +544,7 @@ def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
 
 
 def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
-                      result: Any, name: str) -> Future:
+                      result: Any, name: str) -> Future[Any]:
     """A pageable copy as one host-lane op (``through``: :func:`_copy_in_through` or
     :func:`_copy_out_through`) that reads ``src`` and writes ``dst``: it runs once the ops it follows
     have finished, and is done once the data is in place; the submit returns at once. Its bytes
@@ -635,7 +636,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
 
 
 def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
-                stream: int | None, name: str) -> Future:
+                stream: int | None, name: str) -> Future[Any]:
     """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``.
 
     A copy of one chunk or less (every copy here, where the runtime has host
@@ -671,7 +672,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
 
 
 def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
-                name: str) -> Future:
+                name: str) -> Future[Any]:
     """A small pageable copy out: a DMA into a pool buffer on the copy stream, then a host op that
     unstages it, per chunk (a copy of one chunk or less through one staging tensor of ``src``'s
     layout, as in :func:`_staged_h2d`). A chunk's buffer is free once its host op is done, so that
@@ -684,7 +685,7 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Regi
 
 
 def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
-              result: Any) -> Future:
+              result: Any) -> Future[Any]:
     """One piece of :func:`_staged_d2h`: the future of the op that unstages it, which gives ``result``.
 
     Where the torch extension is loaded and the piece is a whole copy of up to
@@ -739,7 +740,7 @@ def _unstage(dst: Any, staged: Any, result: Any) -> Any:
     return result
 
 
-def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
+def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future[Any]:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
@@ -748,7 +749,7 @@ def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None =
     return rt.copy(dst, src, name or "to_device")
 
 
-def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
+def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future[Any]:
     """A Future of a host tensor holding ``t``; it exists for the caller only once the copy is done.
 
     Pinned where ``t`` is on a device (its copy out runs on a copy stream); a host tensor (or
