@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamdag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"streamdag {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="show streamdag's log on stderr: -v its decisions (INFO: streams, CUDA graphs, "
+                             "batching, compile candidates, fall-backs), -vv the details (DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the tables")
     bench.add_argument("--out", default="bench/results/latest", help="folder for JSON, trace and PNG")
@@ -196,7 +200,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="require a CUDA GPU and the torch extension that makes its calls in C++")
     doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
+    if args.verbose:
+        _show_log(logging.DEBUG if args.verbose > 1 else logging.INFO)
     return args.func(args)
+
+
+def _show_log(level: int) -> None:
+    """Send the ``streamdag`` logger's records at ``level`` and above to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    log = logging.getLogger("streamdag")
+    log.setLevel(level)
+    log.addHandler(handler)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._diagnostics import warn
 from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
@@ -465,8 +465,7 @@ class _Completions:
         try:
             capture_mode.exchange(capture_mode.RELAXED)  # our own thread: for good
         except RuntimeError as exc:  # a driver error: the queries stay in the default mode
-            warnings.warn(f"streamdag's completion thread keeps CUDA's global capture mode: {exc}",
-                          RuntimeWarning, stacklevel=1)
+            warn(f"streamdag's completion thread keeps CUDA's global capture mode: {exc}")
         while True:
             try:
                 return self._serve()

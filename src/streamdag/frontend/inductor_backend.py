@@ -33,7 +33,6 @@ import inspect
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
 from .regions import RegionPlan, plan_regions
 from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
@@ -53,6 +53,8 @@ ENGINES = ("inductor", "aten")
 #: and a half times the model's error on its calibration models (``regions.REGION_MODEL``), so
 #: that regions, and their compile time, go only where they are likely to pay
 MIN_GAIN = 0.15
+
+_log = get_logger(__name__)
 
 
 def engine_from(engine: str | None) -> str:
@@ -310,6 +312,7 @@ class GraphRunner:
         """Inductor's code runs without a CUDA graph of its own; ``whole``: it may still run inside
         the CUDA graph of a whole call."""
         self.note = f"{self.note}; {reason}" if self.note else reason
+        _log.info("graph %d runs without a CUDA graph of its own: %s", self.index, reason)
         if not whole:
             self.not_whole = reason
         if self.switch is not None:
@@ -362,6 +365,9 @@ class GraphRunner:
         best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio,
                       base_mib=_held_mib(args))
         self.chosen = best.candidate
+        _log.info("graph %d: candidate %s chosen (timed: %s)", self.index, best.candidate.label,
+                  ", ".join(f"{c.label} {c.ms:.3f} ms" if c.ms is not None else f"{c.label} ({c.error})"
+                            for c in cands))
         self._set_switch(best.candidate)
         if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
             del captured
@@ -380,6 +386,8 @@ class GraphRunner:
         self.candidates = cands
         pick = next((c for c in cands if c.label == "inductor"), cands[0])
         self.chosen = pick
+        _log.info("graph %d: candidate %s chosen (%s, nothing captured or timed)", self.index, pick.label,
+                  where)
         self._set_switch(pick)
         if pick.label == "eager":
             eager, stats = self.eager, self.stats
@@ -521,8 +529,7 @@ class StreamdagBackend:
         self.stats.fallbacks += 1
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"streamdag: graph {index} runs on the make_fx path: {reason}", RuntimeWarning,
-                          stacklevel=2)
+            warn(f"streamdag: graph {index} runs on the make_fx path: {reason}")
         fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index, self.ran)
         self.runners.append(fb)
         return fb
@@ -611,16 +618,13 @@ class CompiledModel:
         return out
 
     def _ran_eagerly(self) -> None:
-        from ..native import _caller_outside_streamdag
-
         self.backend.stats.eager_calls += 1
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
             # the caller's line, past the whole-call path's frames (as many as the path it took)
-            warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                          f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
-                          RuntimeWarning, stacklevel=_caller_outside_streamdag())
+            warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
+                 f"{_EAGER_WHY}; statistics().eager_calls counts such calls")
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the

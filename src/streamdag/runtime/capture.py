@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._diagnostics import get_logger
 from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..native import load_torch
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from .recorded import RecordedGraph
 
 __all__ = ["CaptureStatistics", "CudaGraphRunner"]
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -342,6 +345,7 @@ class CudaGraphRunner:
         except (CaptureFailed, _OpFailed) as exc:
             self._failed = str(exc)
             self.stats.fallbacks += 1
+            _log.info("CUDA graph capture failed, the graph runs on streams: %s", exc)
             torch.cuda.synchronize(self.device)
             _restore_random_generators(self.devices)
             return False
@@ -353,6 +357,8 @@ class CudaGraphRunner:
         assert best is not None
         self._captured = best[1]
         self.stats.chosen_streams = best[1].compute_streams
+        _log.info("CUDA graph: %d stream(s) chosen by timed replays (%s)", best[1].compute_streams,
+                  ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(self.stats.choice_ms.items())))
         seen: dict[int, torch.Tensor] = {}
         for op in self.recorded._ops:
             for t in _tensors_in((op.args, op.kwargs)):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, overload
 
+from .._diagnostics import get_logger, warn
 from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access, coalesce, envelope
 from ..observe.dot import schedule_to_dot
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GraphResult", "OpNode", "RecordedGraph"]
 
+_log = get_logger(__name__)
 _run_ids = itertools.count(1)
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
 
@@ -204,6 +207,12 @@ class RecordedGraph:
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
+        if _log.isEnabledFor(logging.DEBUG):
+            sched = self._schedule
+            _log.debug("recorded graph of %d ops: %d chains merged onto %d of %d streams, %d waits, "
+                       "%d edges removed by the transitive reduction", len(self._ops), sched.chains,
+                       sched.num_streams, rt.num_streams, sum(len(w) for w in sched.waits),
+                       sched.removed_edges)
         self._fail_preds = self._failure_preds()
         self._run_preds = [[*ps, *(u for u in fs if u not in ps)]
                            for ps, fs in zip(self._schedule.preds, self._fail_preds)]
@@ -602,8 +611,6 @@ class RecordedGraph:
         runner.stats.replays += 1
 
     def _give_up_capture(self, reason: str) -> None:
-        import warnings
-
         self.capture = False
         self.capture_fallback = reason
         message = f"running this graph eagerly on streams, without a CUDA graph: {reason}"
@@ -615,7 +622,8 @@ class RecordedGraph:
             message = (f"running a part of this graph's device ops (a stage between its host-lane ops) "
                        f"eagerly on streams, without a CUDA graph: {reason}. Other parts that cannot be "
                        "captured run eagerly too, without another warning (g.explain() lists them)")
-        warnings.warn(f"streamdag: {message}", RuntimeWarning, stacklevel=4 + self._calls_above)
+        _log.info("CUDA graph capture refused: %s", reason)
+        warn(f"streamdag: {message}")
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
