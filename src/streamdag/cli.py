@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -51,6 +52,10 @@ def _bench(args: argparse.Namespace) -> int:
     cuda = _has_cuda() and not args.cpu
     print(f"streamdag {env['streamdag']} on {env['platform']}, {env['cpu_count']} cores; "
           f"{env.get('gpu') or 'no CUDA device: the CPU suite'}")
+    if not cuda and importlib.util.find_spec("threadpoolctl") is None:
+        print("streamdag bench: the CPU suite runs BLAS on one thread with threadpoolctl, which is not "
+              "installed: pip install 'streamdag[bench]'", file=sys.stderr)
+        return 1
     several = cuda and _gpu_count() >= 2
     steps = 4 if several else 3
     _step(1, steps, "scheduler: random DAG of 10,000 ops and ~50,000 edges")
@@ -116,7 +121,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import streamdag
 
     print(f"streamdag {streamdag.__version__}, Python {platform.python_version()} on {platform.platform()}")
-    for name in ("numpy", "networkx", "torch", "matplotlib", "hypothesis"):
+    for name in ("numpy", "torch", "matplotlib", "threadpoolctl"):
         print(f"  {name:<11} {_version(name)}")
     from . import native
 
@@ -132,6 +137,8 @@ def _doctor(args: argparse.Namespace) -> int:
         missing.append("torch (pip install 'streamdag[torch]') for CUDA and streamdag.compile")
     if _version("matplotlib") == "missing":
         missing.append("matplotlib (pip install 'streamdag[plot]') for PNG timelines")
+    if _version("threadpoolctl") == "missing":
+        missing.append("threadpoolctl (pip install 'streamdag[bench]') for streamdag bench on the CPU")
     if not _has_cuda():
         (required if args.cuda else missing).append("a CUDA GPU (and a CUDA build of torch): streamdag runs "
                                                     "on CPU lanes only")

@@ -8,16 +8,27 @@ serial loop is an honest baseline for the lanes.
 from __future__ import annotations
 
 import statistics
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 import streamdag as sd
 
 from .report import format_table, median_ms
 
 __all__ = ["profile", "run"]
+
+
+def _one_blas_thread() -> AbstractContextManager[Any]:
+    """BLAS on one thread for the block (``threadpoolctl``, in the ``bench`` extra): without it the
+    serial loop would use every core and the comparison would say nothing."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError as exc:
+        raise ImportError("the CPU benchmark suite limits BLAS to one thread with threadpoolctl: "
+                          "pip install 'streamdag[bench]'") from exc
+    return threadpool_limits(limits=1)
 
 
 def _layer(h: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -65,7 +76,7 @@ def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, str
                 src = hs[b][layer]
         _join(outs, total)
 
-    with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
+    with _one_blas_thread(), sd.Runtime("cpu", streams=streams) as rt:
         def submit_all() -> None:
             work.submit_all(rt)
 
@@ -121,7 +132,7 @@ def table(result: dict[str, Any]) -> str:
 def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, streams: int = 2):
     """A timeline of one run of the recorded graph (for the trace and the PNG)."""
     work = _Workload(branches, layers, rows, dim)
-    with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
+    with _one_blas_thread(), sd.Runtime("cpu", streams=streams) as rt:
         with rt.record() as graph:
             work.submit_all(rt)
         graph.run().result()
