@@ -22,7 +22,11 @@ from pathlib import Path
 
 from . import __version__
 
-__all__ = ["main"]
+__all__ = ["DEFAULT_OUT", "main"]
+
+#: where ``streamdag bench`` writes its results unless ``--out`` says otherwise: a folder of its own
+#: in the current directory (in a clone, ``bench/results/`` holds the committed results instead)
+DEFAULT_OUT = "streamdag-results"
 
 
 def _step(i: int, n: int, text: str) -> None:
@@ -195,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                              "batching, compile candidates, fall-backs), -vv the details (DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the tables")
-    bench.add_argument("--out", default="bench/results/latest", help="folder for JSON, trace and PNG")
+    bench.add_argument("--out", default=DEFAULT_OUT,
+                       help="folder for the JSON results, trace.json and timeline.png "
+                            f"(default: {DEFAULT_OUT}, in the current directory)")
     bench.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     bench.add_argument("--cpu", action="store_true", help="the CPU suite even when a GPU is present")
     bench.set_defaults(func=_bench)
