@@ -30,7 +30,7 @@ from ..errors import DeviceLost, SubmittedInCapture
 from ..native import load as load_native
 from ..native import load_torch
 from . import capture_mode
-from .threads import callbacks_later, new_counters, report_escaped
+from .threads import callbacks_later, new_counters, report_escaped, run_named, torch_profiler_on
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 
@@ -713,7 +713,10 @@ class CudaBackend:
             _wait(self._caller_event, stream)
         _set_stream(*stream.ids)
         try:
-            work()
+            if torch_profiler_on():  # (the compiled submit launches here while PyTorch profiles)
+                run_named(work)
+            else:
+                work()
         finally:
             _set_stream(*prev)
             if caller_device != self._index:
