@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from ._progress import progress
 
 __all__ = ["DEFAULT_OUT", "main"]
 
@@ -72,8 +73,7 @@ def _bench(args: argparse.Namespace) -> int:
         cases = ["tiny", "small"] if args.quick else list(gpu_wide.CASES)
         _step(2, steps, f"wide graph on the GPU: {', '.join(cases)}")
         results = []
-        for c in cases:
-            print(f"  {c} ...", flush=True)
+        for c in progress(cases, desc="wide graph", unit="case"):
             results.append(gpu_wide.run_case(c, False, 8))
         print(gpu_wide.table(results))
         write_json(out, "wide", {"cases": results})

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._progress import progress
 from ..schedule.plan import Schedule
 from .regions import Region, RegionPlan
 
@@ -112,7 +113,7 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
     fake_mode = detect_fake_mode(list(example_inputs))
     reports = TracingContext.try_get() is not None
     compiled = []
-    for region in plan.regions:
+    for region in progress(plan.regions, desc="streamdag.compile: Inductor, regions", unit="region"):
         examples = [example_of[n] if n in example_of else n.meta["val"] for n in region.inputs]
         sub = region_graph(gm, region, examples)
         sub_out = next(n for n in sub.graph.nodes if n.op == "output")

@@ -15,6 +15,7 @@ import numpy as np
 
 import streamdag as sd
 
+from .._progress import progress
 from .report import format_table, median_ms
 
 __all__ = ["profile", "run"]
@@ -98,7 +99,7 @@ def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, str
         ok_graph = bool(np.array_equal(total, expect))
         # interleaved, so that the machine's drift hits every variant alike
         samples: dict[str, list[float]] = {"serial": [], "eager": [], "graph": []}
-        for _ in range(repeats):
+        for _ in progress(range(repeats), desc="cpu_wide", unit="round"):
             for key, fn in (("serial", serial), ("eager", eager), ("graph", replay)):
                 samples[key].append(median_ms(fn, repeats=1, warmup=0))
         t_serial, t_eager, t_graph = (statistics.median(samples[k]) for k in ("serial", "eager", "graph"))
