@@ -144,9 +144,10 @@ class CudaStream(torch.cuda.Stream):
 
     def __new__(cls, index: int, kind: str, address: int | None = None, blocking: bool = False) -> CudaStream:
         self = super().__new__(cls) if address is None else super().__new__(cls, stream_ptr=address)
-        self.index, self.kind = index, kind
-        self.blocking = blocking and address is not None
-        self.ids = (self.stream_id, self.device_index, self.device_type)
+        self.index: int = index
+        self.kind: str = kind
+        self.blocking: bool = blocking and address is not None
+        self.ids: tuple[int, int, int] = (self.stream_id, self.device_index, self.device_type)
         return self
 
 
@@ -640,8 +641,8 @@ class CudaBackend:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
-        self.torch_device = torch.device("cuda", index)
-        self.device = f"cuda:{index}"
+        self.torch_device: torch.device = torch.device("cuda", index)
+        self.device: str = f"cuda:{index}"
         self._lost: DeviceLost | None = None
         #: the runtime's own CUDA streams (None: PyTorch's pool), given back at close(). Every one
         #: that ops are launched onto is blocking where ``default_stream_sync`` (see ``Runtime``):
@@ -663,12 +664,13 @@ class CudaBackend:
             #: where PyTorch runs the DMA of a peer copy out of this device (see :meth:`peer_copy`);
             #: during a capture its fences pull it in, and a capturing blocking stream would make
             #: any use of the default stream an error
-            self.peer_out = CudaStream(-1, "peer_out", next(side, None))
+            self.peer_out: CudaStream = CudaStream(-1, "peer_out", next(side, None))
             #: where a host lane's staged copy of pageable memory runs its DMAs, one per direction
             #: (see ``transfers.StagingRing``): non-blocking, since the lane's op has waited for the
             #: ops it follows before it copies, and it waits for its own DMAs itself
-            self.staging_streams = {kind: CudaStream(-2 - i, f"staging_{kind}", next(side, None))
-                                    for i, kind in enumerate(("h2d", "d2h"))}
+            self.staging_streams: dict[str, CudaStream] = {
+                kind: CudaStream(-2 - i, f"staging_{kind}", next(side, None))
+                for i, kind in enumerate(("h2d", "d2h"))}
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -798,7 +800,7 @@ class CudaBackend:
         (0: one poll). For a waiter that only it can get finished (see ``Runtime``)."""
         self._completions.help(waiter, seconds)
 
-    is_sticky = staticmethod(is_sticky)
+    is_sticky: Callable[[BaseException], bool] = staticmethod(is_sticky)
 
     @property
     def lost(self) -> DeviceLost | None:

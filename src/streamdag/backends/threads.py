@@ -91,7 +91,7 @@ class callbacks_later:  # lower case: used like a function, ``with callbacks_lat
     __slots__ = ("calls", "outer")
 
     def __enter__(self) -> None:
-        self.outer = getattr(_LATER, "calls", None)
+        self.outer: list[Any] | None = getattr(_LATER, "calls", None)
         self.calls: list[Any] = []
         _LATER.calls = self.calls
 

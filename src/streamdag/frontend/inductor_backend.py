@@ -120,12 +120,12 @@ class _Switch:
         self.whole = whole
         self.program: Any = None  # a RegionProgram, where the graph was cut into regions
         self.plan: RegionPlan | None = None
-        self.region_note = ""
-        self.streams = 0  # 0: the whole graph; else the regions on this many streams
+        self.region_note: str = ""
+        self.streams: int = 0  # 0: the whole graph; else the regions on this many streams
         self.mutated_inputs: list[int] = []
-        self.mutates_metadata = False
-        self.aliases_inputs = False
-        self.compile_s = 0.0
+        self.mutates_metadata: bool = False
+        self.aliases_inputs: bool = False
+        self.compile_s: float = 0.0
 
     def __call__(self, args: list[Any]) -> Any:
         if self.streams == 0:
@@ -226,21 +226,21 @@ class GraphRunner:
                  options: Options, pool: SharedPool, stats: V2Statistics, index: int,
                  ran: _GraphsRun | None = None) -> None:
         self.compiled = compiled
-        self.eager = eager
+        self.eager: Any = eager
         self.switch = switch
         self.options = options
         self.pool = pool
         self.stats = stats
         self.index = index
-        self.ran = _GraphsRun() if ran is None else ran
+        self.ran: _GraphsRun = _GraphsRun() if ran is None else ran
         self.candidates: list[Candidate] = []
         self.captures: list[CapturedGraph] = []
         self.chosen: Candidate | None = None
-        self.note = ""
+        self.note: str = ""
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
-        self.captured_run = False  # whether _run replays a CUDA graph of the chosen candidate
-        self.not_whole = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
+        self.captured_run: bool = False  # whether _run replays a CUDA graph of the chosen candidate
+        self.not_whole: str = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
 
     def __call__(self, *args: Any) -> Any:
         self.stats.calls += 1
@@ -488,13 +488,13 @@ class StreamdagBackend:
 
     def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
-        self.options = Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-                               candidates=None if candidates is None else tuple(candidates),
-                               clone_outputs=clone_outputs)
-        self.pool = SharedPool()
-        self.stats = V2Statistics()
+        self.options: Options = Options(
+            streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
+            candidates=None if candidates is None else tuple(candidates), clone_outputs=clone_outputs)
+        self.pool: SharedPool = SharedPool()
+        self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
-        self.ran = _GraphsRun()
+        self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -590,7 +590,8 @@ class CompiledModel:
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
         options = backend.options
-        self.whole = WholeCall(fn, backend, options.clone_outputs) if options.whole_call else None
+        self.whole: WholeCall | None = (WholeCall(fn, backend, options.clone_outputs) if options.whole_call
+                                        else None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._called:

@@ -152,12 +152,13 @@ class RegionProgram:
         for c in compiled:
             for o in c.region.outputs:
                 slot[o] = len(slot)
-        self.num_inputs = len(placeholders)
-        self.num_slots = len(slot)
-        self.input_slots = [[slot[n] for n in c.region.inputs] for c in compiled]
-        self.output_slots = [[slot[n] for n in c.region.outputs] for c in compiled]
+        self.num_inputs: int = len(placeholders)
+        self.num_slots: int = len(slot)
+        self.input_slots: list[list[int]] = [[slot[n] for n in c.region.inputs] for c in compiled]
+        self.output_slots: list[list[int]] = [[slot[n] for n in c.region.outputs] for c in compiled]
         _, outs = _graph_outputs(gm)
-        self.result = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in outs]
+        self.result: list[tuple[int, Any]] = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o)
+                                              for o in outs]
         keep = {s for s, _ in self.result if s >= 0} | set(range(self.num_inputs))
         last_use = {}
         for r, slots in enumerate(self.input_slots):
@@ -171,7 +172,7 @@ class RegionProgram:
         for r, slots in enumerate(self.input_slots):
             for s in slots:
                 self.readers.setdefault(s, []).append(r)
-        self.producer = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
+        self.producer: dict[int, int] = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
         self._schedules: dict[int, Schedule] = {}
 
     def schedule(self, streams: int) -> Schedule:

@@ -141,13 +141,13 @@ class CudaGraphRunner:
         self.device = device
         #: for a graph over several devices: the device (index into ``devices``) of each op
         self.groups = groups
-        self.devices = devices or [device]
+        self.devices: list[Any] = devices or [device]
         #: the streams it captures on, by role; ``_own`` holds the addresses of those it made,
         #: per device, given back for other runners and runtimes once it is gone
         self._streams: dict[tuple[Any, ...], torch.cuda.Stream] = {}
         self._own: dict[int, list[int]] = {}
         weakref.finalize(self, _give_back, self._own)
-        self.stats = CaptureStatistics()
+        self.stats: CaptureStatistics = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
         self._layouts_unchanged: Callable[[], bool] = _never_captured

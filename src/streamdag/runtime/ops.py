@@ -633,7 +633,7 @@ class Op:
         #: the buffers it declares written: held while it is pending, and after a failure until
         #: ``synchronize`` (its memory must not go to a new buffer while its failure passes on)
         self.keep: Any = None
-        self.run_id = 0
+        self.run_id: int = 0
         #: what finishes it once its completion event has been observed, called as
         #: ``finish(op, device_error)`` (see ``__call__``); set by the compiled submit, else None
         self.finish: Callable[[Op, BaseException | None], Any] | None = None
@@ -681,7 +681,7 @@ class Op:
         self.deps = ()
 
 
-def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
+def refuse_coroutine(coroutine: CoroutineType[Any, Any, Any], op_name: str) -> None:
     """Fail an op whose function returned a coroutine (an ``async def`` function): an op runs its
     function to its end on a stream, inside its submit on a GPU, where the submitting code's event
     loop may be running, so there is no one place to run the coroutine; awaiting is the caller's

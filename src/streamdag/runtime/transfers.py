@@ -503,7 +503,7 @@ class StagingRing:
         #: its newest copy's future (weakly: once gone, its op has finished) and host lane: the next
         #: copy queues on that lane while it is pending (see :func:`_lane_for`)
         self.last: tuple[weakref.ref[Future[Any]], int] | None = None
-        self.lock = threading.Lock()
+        self.lock: threading.Lock = threading.Lock()
         self._buffers: list[Any] = []
         self._events: list[Any] = []
 

@@ -130,7 +130,8 @@ def table(result: dict[str, Any]) -> str:
     return format_table(["cpu_wide", "ms", "x serial"], rows)
 
 
-def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, streams: int = 2):
+def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384,
+            streams: int = 2) -> sd.Timeline:
     """A timeline of one run of the recorded graph (for the trace and the PNG)."""
     work = _Workload(branches, layers, rows, dim)
     with _one_blas_thread(), sd.Runtime("cpu", streams=streams) as rt:
