@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
-        sys.exit("bench/tp.py needs two GPUs (the lent nvidia-h200-x2 machine)")
+        sys.exit(f"bench/tp.py needs two GPUs; this machine has {torch.cuda.device_count()}")
     result = tp.run(args.quick)
     for case in result["cases"]:
         print(case["explain"], flush=True)

@@ -542,14 +542,6 @@ def test_inputs_the_model_changes_in_place_are_changed_as_eager_changes_them():
 
 # -- CUDA --------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 @pytest.mark.cuda
 def test_an_inception_block_runs_its_regions_on_several_streams_in_one_cuda_graph(no_tf32):
     torch.manual_seed(0)

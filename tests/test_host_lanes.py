@@ -10,8 +10,8 @@ inside its submit (as CUDA does); recorded graphs with host-lane ops are in
 Timing: "returns at once" is asserted as under 0.5 s against a wait of 1 s or
 more (a GPU sleep or a gate). A full cycle collection, which any allocation
 may start, takes 0.1-0.25 s in a process that has imported PyTorch and this
-suite (measured on the GPU host); a bound of 0.05 s against a 0.1 s kernel
-failed when one fell inside the submit.
+suite; a bound of 0.05 s against a 0.1 s kernel fails when one falls inside
+the submit.
 """
 
 import itertools
@@ -168,8 +168,8 @@ class _FinishesWhenAsked(InlineBackend):
 
 def test_a_held_op_waited_on_before_it_launched_is_asked_for_as_it_launches():
     """``result()`` on a held op waits before the op has launched, when there is nothing to hurry
-    yet; once it launches, its finish is asked for at once (before, it waited for the completion
-    thread's next pass: 18 ms late on the H100, bench/recorded_host_op.py)."""
+    yet; once it launches, its finish is asked for at once (else it waits for the completion
+    thread's next pass: 18 ms late, bench/recorded_host_op.py)."""
     backend = _FinishesWhenAsked("sim", 2)
     x = np.zeros(4)
     gate = threading.Event()

@@ -1,6 +1,6 @@
 """Several GPUs: placement, peer copies, recorded graphs and tensor-parallel chains on real devices.
 
-Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
+Marked ``cuda``; skipped without two GPUs.
 """
 
 import textwrap
@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 import streamdag as sd
+from programs import submitted_or_recorded
 from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
@@ -116,12 +117,7 @@ def test_random_cross_device_programs_equal_one_device(record):
             out.copy_(torch.tanh(out + sum(x.sum() for x in ins) * 1e-3))
 
         with sd.Runtime(devices=DEVICES, streams=3) as rt:
-            if record:
-                with rt.record() as g:
-                    submit_program(rt, prog, bufs, body)
-                g.run().result()
-            else:
-                submit_program(rt, prog, bufs, body)
+            submitted_or_recorded(rt, record, submit_program, prog, bufs, body)
         for got, want in zip(bufs, ref):
             torch.testing.assert_close(got.to("cuda:0"), want, rtol=1e-12, atol=1e-12)
 

@@ -118,7 +118,7 @@ _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__`
 
 
 def _torch_region(t: Any) -> Region:
-    # flags and an int, CUDA first: each call into torch costs, most on a GPU host between launches
+    # flags and an int, CUDA first: each call into torch costs, most between GPU launches
     if t.is_cuda:
         index = t.get_device()
         space = _CUDA_SPACES.get(index) or _CUDA_SPACES.setdefault(index, f"cuda:{index}")

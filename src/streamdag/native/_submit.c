@@ -1284,7 +1284,7 @@ static int accesses_conflict(PyObject *a, PyObject *b) {
 /* whether an unfinished op of ``host_ops`` (the runtime's host-lane and held ops, by number) touches memory
  * that ``accesses`` touch, one of them writing: a superset of the host-lane ops the tracker would
  * find this op depends on (each such dep conflicts with it), found without the tracker's Python
- * look-up (~5 µs on the H100 host). 1, 0, or -1 with an exception. */
+ * look-up (~5 µs). 1, 0, or -1 with an exception. */
 static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     Py_ssize_t pos = 0;
     PyObject *key, *op;
@@ -1833,9 +1833,9 @@ static PyObject *mark_lost(PyObject *owner) {
 }
 
 /* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
- * (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one query of its newest
- * event covers the whole queue (a stream runs in order); else its entries are queried from the head
- * until one has not completed. A finished entry's callback is called with None and its event given
+ * (backends/cuda_completions.py, the reference) without the stream sanitizer. Per queue, one query
+ * of its newest event covers the whole queue (a stream runs in order); else its entries are queried
+ * from the head until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
  * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
@@ -1942,8 +1942,8 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
  * one op: the entry ``token`` of ``queue`` (entries in the order of their tokens) finished ahead of
  * the ones before it if its event has completed (True), else left queued (False: not completed, or
  * the device is lost, or its query raised and marked it lost); None if it has left the queue. The
- * caller holds ``_passing``, inside ``callbacks_later``. On the H100 a ``result()`` after a tiny op
- * made ~25 Python calls, 7 of them here. */
+ * caller holds ``_passing``, inside ``callbacks_later``. In Python, a ``result()`` after a tiny op
+ * makes ~25 Python calls, 7 of them here. */
 static PyObject *completions_finish_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyLong_Check(args[2]) || !PyList_Check(args[4]) || !PyType_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError, "finish_one(completions, queue, token: int, owner, free: list, event_type)");
@@ -2163,7 +2163,7 @@ static int same_attr(PyObject *a, PyObject *b, PyObject *attr) {
  * The copy op on that stream, its bytes counted against the byte budget until it completes, as
  * ``transfers._device_copy`` makes it. None where the Python code decides instead: any other copy
  * (pageable memory, numpy, a peer copy, layouts that differ, which it refuses), and inside a
- * recording. On the H100, 4.3 µs less per 1 KiB copy than the Python path (an A/B in turns) */
+ * recording. 4.3 µs less per 1 KiB copy than the Python path, timed in turns with it. */
 static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyObject *name) {
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
@@ -2334,9 +2334,9 @@ static PyType_Spec submitter_spec = {
 #define SUBMIT_METHODS \
     {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
-     "_Completions._pass, compiled for its common case (backends/cuda.py)."}, \
+     "_Completions._pass, compiled for its common case (backends/cuda_completions.py)."}, \
     {"completions_finish_one", (PyCFunction)(void (*)(void))completions_finish_one, METH_FASTCALL, \
-     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda.py)."}, \
+     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda_completions.py)."}, \
     {"note_loss", note_loss, METH_NOARGS, "A device was lost (CudaBackend.lost was set)."}, \
     {"note_losses_of", note_losses_of, METH_O, \
      "note_losses_of(backend_type): its lost notes each loss; until one, it is None without a look-up."},
