@@ -339,7 +339,7 @@ one table rather than across tables.
 To add or refresh a result, run the benchmark's script on the device (each
 writes its JSON into `bench/results/`), then regenerate this page.
 `streamdag bench` runs the built-in suite and writes into
-`bench/results/latest/`, which this page does not read.
+`streamdag-results/` (or `--out DIR`), which this page does not read.
 """
 
 

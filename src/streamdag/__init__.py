@@ -5,6 +5,11 @@ Dependencies are inferred from memory, independent ops run on several
 streams, and recorded graphs are scheduled once and run many times.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from . import parallel
 from .errors import (
     CycleError,
@@ -24,10 +29,14 @@ from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, Runtim
 from .runtime.accel import build_schedule
 from .schedule import Schedule
 
+if TYPE_CHECKING:
+    from .frontend.compiled import Compiled
+    from .frontend.inductor_backend import CompiledModel
+
 __version__ = "0.1.0"
 
 
-def compile(fn, *, engine=None, **options):
+def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any) -> CompiledModel | Compiled:
     """Make a PyTorch function or ``nn.Module`` run fused and its independent branches concurrently.
 
     ``engine="inductor"`` (the default, or ``STREAMDAG_COMPILE_ENGINE``): Dynamo,

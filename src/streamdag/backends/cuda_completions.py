@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._diagnostics import warn
 from ..native import load as load_native
 from ..native import load_torch
 from . import capture_mode
@@ -270,8 +270,7 @@ class _Completions:
         try:
             capture_mode.exchange(capture_mode.RELAXED)  # our own thread: for good
         except RuntimeError as exc:  # a driver error: the queries stay in the default mode
-            warnings.warn(f"streamdag's completion thread keeps CUDA's global capture mode: {exc}",
-                          RuntimeWarning, stacklevel=1)
+            warn(f"streamdag's completion thread keeps CUDA's global capture mode: {exc}")
         while True:
             try:
                 return self._serve()

@@ -54,9 +54,10 @@ class CudaStream(torch.cuda.Stream):
 
     def __new__(cls, index: int, kind: str, address: int | None = None, blocking: bool = False) -> CudaStream:
         self = super().__new__(cls) if address is None else super().__new__(cls, stream_ptr=address)
-        self.index, self.kind = index, kind
-        self.blocking = blocking and address is not None
-        self.ids = (self.stream_id, self.device_index, self.device_type)
+        self.index: int = index
+        self.kind: str = kind
+        self.blocking: bool = blocking and address is not None
+        self.ids: tuple[int, int, int] = (self.stream_id, self.device_index, self.device_type)
         return self
 
 

@@ -34,7 +34,6 @@ import inspect
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
 from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
 from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
@@ -50,6 +50,8 @@ __all__ = ["MIN_GAIN", "CompiledModel", "GraphRunner", "Options", "StreamdagBack
            "compile_v2", "default_backend", "engine_from"]
 
 ENGINES = ("inductor", "aten")
+
+_log = get_logger(__name__)
 
 
 def engine_from(engine: str | None) -> str:
@@ -93,17 +95,17 @@ class GraphRunner:
                  options: Options, pool: SharedPool, stats: V2Statistics, index: int,
                  ran: _GraphsRun | None = None) -> None:
         self.compiled = compiled
-        self.eager = eager
+        self.eager: Any = eager
         self.switch = switch
         self.options = options
         self.pool = pool
         self.stats = stats
         self.index = index
-        self.ran = _GraphsRun() if ran is None else ran
+        self.ran: _GraphsRun = _GraphsRun() if ran is None else ran
         self.candidates: list[Candidate] = []
         self.captures: list[CapturedGraph] = []
         self.chosen: Candidate | None = None
-        self.note = ""
+        self.note: str = ""
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
         self.captured_run = False  # whether _run replays a CUDA graph of the chosen candidate
@@ -180,6 +182,7 @@ class GraphRunner:
         """Inductor's code runs without a CUDA graph of its own; ``whole``: it may still run inside
         the CUDA graph of a whole call."""
         self.note = f"{self.note}; {reason}" if self.note else reason
+        _log.info("graph %d runs without a CUDA graph of its own: %s", self.index, reason)
         if not whole:
             self.not_whole = reason
         if self.switch is not None:
@@ -234,6 +237,9 @@ class GraphRunner:
         best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio,
                       base_mib=_held_mib(args))
         self.chosen = best.candidate
+        _log.info("graph %d: candidate %s chosen (timed: %s)", self.index, best.candidate.label,
+                  ", ".join(f"{c.label} {c.ms:.3f} ms" if c.ms is not None else f"{c.label} ({c.error})"
+                            for c in cands))
         self._set_switch(best.candidate)
         if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
             del captured
@@ -252,6 +258,8 @@ class GraphRunner:
         self.candidates = cands
         pick = next((c for c in cands if c.label == "inductor"), cands[0])
         self.chosen = pick
+        _log.info("graph %d: candidate %s chosen (%s, nothing captured or timed)", self.index, pick.label,
+                  where)
         self._set_switch(pick)
         if pick.label == "eager":
             eager, stats = self.eager, self.stats
@@ -353,13 +361,13 @@ class StreamdagBackend:
 
     def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
-        self.options = Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-                               candidates=None if candidates is None else tuple(candidates),
-                               clone_outputs=clone_outputs)
-        self.pool = SharedPool()
-        self.stats = V2Statistics()
+        self.options: Options = Options(
+            streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
+            candidates=None if candidates is None else tuple(candidates), clone_outputs=clone_outputs)
+        self.pool: SharedPool = SharedPool()
+        self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
-        self.ran = _GraphsRun()
+        self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
         self.eager_reason = ""  # why streamdag.compile's model runs eagerly with gradients on
 
@@ -404,8 +412,7 @@ class StreamdagBackend:
         self.stats.fallbacks += 1
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"streamdag: graph {index} runs on the make_fx path: {reason}", RuntimeWarning,
-                          stacklevel=2)
+            warn(f"streamdag: graph {index} runs on the make_fx path: {reason}")
         fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index, self.ran)
         self.runners.append(fb)
         return fb
@@ -467,7 +474,8 @@ class CompiledModel:
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
         options = backend.options
-        self.whole = WholeCall(fn, backend, options.clone_outputs) if options.whole_call else None
+        self.whole: WholeCall | None = (WholeCall(fn, backend, options.clone_outputs) if options.whole_call
+                                        else None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._called:
@@ -498,16 +506,13 @@ class CompiledModel:
         return out
 
     def _ran_eagerly(self) -> None:
-        from ..native import _caller_outside_streamdag
-
         self.backend.stats.eager_calls += 1
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
             # the caller's line, past the whole-call path's frames (as many as the path it took)
-            warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                          f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
-                          RuntimeWarning, stacklevel=_caller_outside_streamdag())
+            warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
+                 f"{_EAGER_WHY}; statistics().eager_calls counts such calls")
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._progress import progress
 from ..schedule.plan import Schedule
 from .regions import Region, RegionPlan
 
@@ -129,7 +130,7 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
     fake_mode = detect_fake_mode(list(example_inputs))
     reports = TracingContext.try_get() is not None
     compiled = []
-    for region in plan.regions:
+    for region in progress(plan.regions, desc="streamdag.compile: Inductor, regions", unit="region"):
         examples = [example_of[n] if n in example_of else n.meta["val"] for n in region.inputs]
         sub = region_graph(gm, region, examples)
         sub_out = next(n for n in sub.graph.nodes if n.op == "output")
@@ -202,10 +203,10 @@ class RegionProgram:
         for c in compiled:
             for o in c.region.outputs:
                 slot[o] = len(slot)
-        self.num_inputs = len(placeholders)
-        self.num_slots = len(slot)
-        self.input_slots = [[slot[n] for n in c.region.inputs] for c in compiled]
-        self.output_slots = [[slot[n] for n in c.region.outputs] for c in compiled]
+        self.num_inputs: int = len(placeholders)
+        self.num_slots: int = len(slot)
+        self.input_slots: list[list[int]] = [[slot[n] for n in c.region.inputs] for c in compiled]
+        self.output_slots: list[list[int]] = [[slot[n] for n in c.region.outputs] for c in compiled]
         _, outs = _graph_outputs(gm)
         self.result = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in outs]
         self.restride: list[tuple[int, tuple[int, ...]]] = []  # (output index, strides) of returned inputs
@@ -230,7 +231,7 @@ class RegionProgram:
         for r, slots in enumerate(self.input_slots):
             for s in slots:
                 self.readers.setdefault(s, []).append(r)
-        self.producer = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
+        self.producer: dict[int, int] = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
         self._schedules: dict[int, Schedule] = {}
 
     def schedule(self, streams: int) -> Schedule:

@@ -79,8 +79,8 @@ class Marker:
     __slots__ = ("value", "write")
 
     def __init__(self, value: Any, write: bool) -> None:
-        self.value = value
-        self.write = write
+        self.value: Any = value
+        self.write: bool = write
 
     def __repr__(self) -> str:
         return f"{'write' if self.write else 'read'}({type(self.value).__name__})"

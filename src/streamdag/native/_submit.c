@@ -54,6 +54,7 @@ static struct {
     PyObject *release_frames;  /* frames.release_frames */
 } sub;
 
+static PyObject *s_torch_profiler, *s_is_profiler_enabled;
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_tail, *s_place, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
@@ -754,6 +755,26 @@ static int execute(PyObject *op) {
     return 0;
 }
 
+/* ``threads.torch_profiler_on()``: whether a PyTorch profiler runs (the module global it sets for every
+ * thread). Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
+ * ``torch.profiler.record_function`` around its kernels. Two look-ups; errors read as no profiler. */
+static int torch_profiling(void) {
+    PyObject *module = PyImport_GetModule(s_torch_profiler);  /* new reference; NULL: not imported */
+    if (module == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *flag = PyObject_GetAttr(module, s_is_profiler_enabled);
+    Py_DECREF(module);
+    if (flag == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int on = flag == Py_True;
+    Py_DECREF(flag);
+    return on;
+}
+
 /* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
  * op with ``s`` current, switch back. 1: the caller's stream is new to the backend (the Python
  * launch makes its object); -1: raised. */
@@ -899,7 +920,8 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
     Parts *parts = (Parts *)self->parts;
-    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
+    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live))
+                 || (self->get_device != NULL && torch_profiling());
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
     if (fence == Py_None) fence = NULL;
     if ((nwaits || fence != NULL) && (events = PyList_New(0)) == NULL) goto done;
@@ -2321,6 +2343,7 @@ static PyType_Spec submitter_spec = {
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
     S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
     S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")

@@ -190,7 +190,7 @@ class LinearChain:
         if activation not in (None, "relu"):
             raise ValueError(f"activation={activation!r}: LinearChain supports 'relu' or None")
         self.rt = rt
-        self.weights = list(weights)
+        self.weights: list[Any] = list(weights)
         self.activation = activation
         self.gather = gather
         self.capture = capture
@@ -200,7 +200,7 @@ class LinearChain:
         if exchange not in (None, "ksplit", "gathered"):
             raise ValueError(f"exchange={exchange!r}: use 'ksplit', 'gathered' or None (measured)")
         self.exchange = exchange
-        self.devices = list(rt.devices)
+        self.devices: list[str] = list(rt.devices)
         self._fast: dict[tuple[int, bool], _FastReplay] = {}  # captured graphs, by input shape
         self._plan_option = plan
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .._diagnostics import get_logger
 from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..native import load_torch
@@ -65,6 +66,8 @@ class CaptureRuntime(Protocol):
 
     backends: list[Any]
     _streams: list[Any]
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -146,13 +149,13 @@ class CudaGraphRunner:
         self.device = device
         #: for a graph over several devices: the device (index into ``devices``) of each op
         self.groups = groups
-        self.devices = devices or [device]
+        self.devices: list[Any] = devices or [device]
         #: the streams it captures on, by role; ``_own`` holds the addresses of those it made,
         #: per device, given back for other runners and runtimes once it is gone
         self._streams: dict[tuple[Any, ...], torch.cuda.Stream] = {}
         self._own: dict[int, list[int]] = {}
         weakref.finalize(self, _give_back, self._own)
-        self.stats = CaptureStatistics()
+        self.stats: CaptureStatistics = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
         self._layouts_unchanged: Callable[[], bool] = _never_captured
@@ -351,6 +354,7 @@ class CudaGraphRunner:
         except (CaptureFailed, _OpFailed) as exc:
             self._failed = str(exc)
             self.stats.fallbacks += 1
+            _log.info("CUDA graph capture failed, the graph runs on streams: %s", exc)
             torch.cuda.synchronize(self.device)
             _restore_random_generators(self.devices)
             return False
@@ -362,6 +366,8 @@ class CudaGraphRunner:
         assert best is not None
         self._captured = best[1]
         self.stats.chosen_streams = best[1].compute_streams
+        _log.info("CUDA graph: %d stream(s) chosen by timed replays (%s)", best[1].compute_streams,
+                  ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(self.stats.choice_ms.items())))
         seen: dict[int, torch.Tensor] = {}
         for op in self.recorded._ops:
             for t in _tensors_in((op.args, op.kwargs)):

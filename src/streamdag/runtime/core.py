@@ -75,7 +75,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS
@@ -93,6 +93,12 @@ from .layout import lay_out_streams
 from .lifecycle import Lifecycle, stop_dropped
 from .ops import Future, Op
 from .submitting import SubmitPath
+
+if TYPE_CHECKING:
+    from .profiling import Profiler
+    from .recorded import RecordedGraph
+
+T = TypeVar("T")
 
 __all__ = ["Runtime", "RuntimeStatistics"]
 
@@ -235,8 +241,8 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         #: one backend per device; ``backend`` is the first (the only one on one device)
         self.backends: list[Backend] = members
         self.backend: Backend = members[0]
-        self.device = self.backend.device
-        self.devices = [m.device for m in members]
+        self.device: str = self.backend.device
+        self.devices: list[str] = [m.device for m in members]
         self._multi = len(members) > 1
         self.max_inflight = max_inflight
         self._compute = len(self.backend.streams)
@@ -327,7 +333,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
 
     def submit(
         self,
-        fn: Callable[..., Any] = _NO_FUNCTION,
+        fn: Callable[..., T] = _NO_FUNCTION,  # type: ignore[assignment]
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -335,11 +341,16 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         name: str | None = None,
         run_on: str | None = None,
         **kwargs: Any,
-    ) -> Any:
+    ) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` after every earlier op it conflicts with; returns a Future at once.
 
         Inside ``with rt.record() as g`` the op is recorded instead and an
-        :class:`OpNode` is returned; ``g.run()`` runs it. ``run_on`` picks the
+        :class:`OpNode` is returned (the annotation says ``Future[T]``, the eager
+        case; ``typing.cast(sd.OpNode, ...)`` where a recorded node is kept);
+        ``g.run()`` runs it. The arguments are typed ``Any``, not ``fn``'s
+        parameters (``ParamSpec``): ``sd.read(x)``/``sd.write(x)`` markers stand in
+        for them, and ``reads``/``writes``/``name``/``run_on`` sit among ``fn``'s
+        keywords, which ``ParamSpec`` cannot express. ``run_on`` picks the
         device on a runtime of several (default: where its memory lives);
         ``run_on="host"`` runs ``fn`` on a host lane (see ``host_lanes``).
         Every other keyword goes to ``fn``; to pass ``fn`` a keyword named
@@ -352,7 +363,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
 
     def submit_nowait(
         self,
-        fn: Callable[..., Any] = _NO_FUNCTION,
+        fn: Callable[..., T] = _NO_FUNCTION,  # type: ignore[assignment]
         /,
         *args: Any,
         reads: Iterable[Any] = (),
@@ -360,25 +371,25 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         name: str | None = None,
         run_on: str | None = None,
         **kwargs: Any,
-    ) -> Future:
+    ) -> Future[T]:
         """Like :meth:`submit`, but raises :class:`WouldBlock` instead of waiting for a free slot."""
         if fn is _NO_FUNCTION:
             raise TypeError("submit_nowait() needs the function to run first: rt.submit_nowait(fn, *args)")
         return self._submit(fn, args, kwargs, reads, writes, name, blocking=False, run_on=run_on)
 
-    def copy(self, dst: Any, src: Any, name: str | None = None) -> Future:
+    def copy(self, dst: Any, src: Any, name: str | None = None) -> Future[Any]:
         """Copy ``src`` into ``dst`` as an op; host<->device copies run on the copy streams.
 
         Returns at once (a pageable copy of up to 8 MiB stages its source first). As for any op,
         ``src`` must stay as it is, and ``dst`` unread, until the Future is done."""
         return transfers.copy(self, dst, src, name)  # (compiled for pinned memory: see __init__)
 
-    def to_device(self, x: Any, name: str | None = None, device: str | None = None) -> Future:
+    def to_device(self, x: Any, name: str | None = None, device: str | None = None) -> Future[Any]:
         """A Future of a tensor on ``device`` (default: the runtime's first) holding host data ``x``,
         which must stay as it is until the Future is done."""
         return transfers.to_device(self, x, name, device)
 
-    def to_host(self, t: Any, name: str | None = None) -> Future:
+    def to_host(self, t: Any, name: str | None = None) -> Future[Any]:
         """A Future of a host copy of tensor ``t`` (pinned where ``t`` is on a device), readable once
         the Future is done."""
         return transfers.to_host(self, t, name)
@@ -446,7 +457,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
             # an ExceptionGroup, unless an op's function raised SystemExit (say) in a CPU lane
             raise BaseExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
 
-    def current_stream_wait(self, *futures: Future) -> None:
+    def current_stream_wait(self, *futures: Future[Any]) -> None:
         """Order the caller's current stream after ``futures`` (default: every op submitted so far).
 
         On CUDA the host does not wait: the caller's current stream on each
@@ -495,7 +506,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
             )
 
     @contextmanager
-    def profile(self, per_op: bool = True, nvtx: bool = False) -> Iterator[Any]:
+    def profile(self, per_op: bool = True, nvtx: bool = False) -> Iterator[Profiler]:
         """Time every op run inside the block: ``with rt.profile() as prof: ...; prof.timeline``.
 
         On leaving, the runtime synchronizes and ``prof.timeline`` holds a
@@ -523,7 +534,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
             prof.finish()
 
     @contextmanager
-    def record(self) -> Iterator[Any]:
+    def record(self) -> Iterator[RecordedGraph]:
         """Record submits into a graph instead of running them: ``with rt.record() as g: ...``.
 
         Only the submits of the thread inside the block are recorded; other

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, overload
 
 from ..errors import BaseExceptionGroup, DependencyFailed
 from .ops import Future, Op, after_all
@@ -57,20 +57,24 @@ class OpNode:
     index: int
     name: str
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> NoReturn:
         raise RuntimeError(
             f"op {self.name!r} was recorded, not run: call g.run() and read its result, "
             "e.g. g.run().result()[node]"
         )
 
 
-class GraphResult(Sequence):
+class GraphResult(Sequence[Any]):
     """The return values of one run of a recorded graph, in submission order."""
 
     def __init__(self, values: list[Any]) -> None:
         self._values = values
 
-    def __getitem__(self, key):  # type: ignore[override]
+    @overload
+    def __getitem__(self, key: int | OpNode) -> Any: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[Any]: ...
+    def __getitem__(self, key: int | OpNode | slice) -> Any:
         if isinstance(key, OpNode):
             key = key.index
         return self._values[key]

@@ -30,11 +30,14 @@ class Held:
 
     def __init__(self, op: Any, deps: list[Any], stream: int | None, device: str | None,
                  host_inputs: bool, fence: Any, waiting: int) -> None:
-        self.op, self.deps, self.stream, self.device = op, deps, stream, device
-        self.host_inputs = host_inputs
+        self.op: Any = op
+        self.deps: list[Any] = deps
+        self.stream: int | None = stream
+        self.device: str | None = device
+        self.host_inputs: bool = host_inputs
         #: an event marking what its submitter had enqueued on its own stream (or None)
-        self.fence = fence
-        self.waiting = waiting
+        self.fence: Any = fence
+        self.waiting: int = waiting
 
 
 class Launcher:

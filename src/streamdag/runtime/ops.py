@@ -11,7 +11,7 @@ from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
 from types import CoroutineType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.threads import callbacks_later, deferring_callbacks
 from ..backends.threads import new_counters as new_counters
@@ -24,6 +24,7 @@ from .lane_waits import WatchedWaiters
 
 __all__ = ["Future", "Op", "callbacks_later", "deferring_callbacks", "in_done_callback", "then"]
 
+T = TypeVar("T")
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 
 
@@ -78,8 +79,11 @@ def _numbered_name(name: str, number: int) -> str:
     return f"{name}#{number}"
 
 
-class Future(concurrent.futures.Future):
+class Future(concurrent.futures.Future[T]):
     """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
+
+    Generic in the op's return value: ``rt.submit(fn, ...)`` gives a ``Future[T]``
+    where ``fn`` returns ``T``, and ``result()`` and ``await`` give that ``T``.
 
     Its condition variable, and the lists of waiters and callbacks, are made
     only when something waits on it or adds a callback: most futures of small
@@ -134,16 +138,18 @@ class Future(concurrent.futures.Future):
     def op_name(self, name: str) -> None:
         self._op_name, self._op_number = name, None
 
-    def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
-        if name != "_condition" and name not in _LAZY_LISTS:
-            raise AttributeError(name)
-        # the condition or a list of the base class's, asked for the first time: all three made
-        if (self._make_condition() and name == "_condition" and self._hurry is not None
-                and self._state not in _DONE_STATES):
-            # someone waits in a way that does not go through result() (concurrent.futures.wait,
-            # as_completed): ask for a prompt finish
-            self._ask_first()
-        return _SLOTS[name].__get__(self, Future)
+    if not TYPE_CHECKING:  # hidden from type checkers: a misspelt attribute must fail type checking
+
+        def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
+            if name != "_condition" and name not in _LAZY_LISTS:
+                raise AttributeError(name)
+            # the condition or a list of the base class's, asked for the first time: all three made
+            if (self._make_condition() and name == "_condition" and self._hurry is not None
+                    and self._state not in _DONE_STATES):
+                # someone waits in a way that does not go through result() (concurrent.futures.wait,
+                # as_completed): ask for a prompt finish
+                self._ask_first()
+            return _SLOTS[name].__get__(self, Future)
 
     def _ask_first(self) -> None:
         """Ask whoever finishes this future to finish it promptly, ahead of others if it can."""
@@ -190,7 +196,7 @@ class Future(concurrent.futures.Future):
         self._hurry(self, timeout)
         return None if timeout is None else max(0.0, timeout - (time.perf_counter() - started))
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
         timeout = self._waited_on(timeout)
         if self._state is _FINISHED:  # (waiting helped finish it) no condition to make, to read it
             if self._exception is not None:
@@ -198,7 +204,7 @@ class Future(concurrent.futures.Future):
                     raise self._exception
                 finally:  # as the base class does: the traceback's frame must not hold this future
                     del self
-            return self._result
+            return self._result  # type: ignore[return-value]
         lanes = self.__dict__.get("_lanes_of")  # submitted from a lane to a lane: see LaneWaits
         if lanes is not None and self._state not in _DONE_STATES:
             with lanes.waiting(self, timeout):
@@ -233,13 +239,13 @@ class Future(concurrent.futures.Future):
                 if self._state in _DONE_STATES or condition.wait(_LOCK_CHECK_EVERY):
                     return
 
-    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
         self._make_condition()
         if self._hurry is not None and self._state not in _DONE_STATES:
             self._ask_first()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
-    def _on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+    def _on_done(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
         """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
         self._make_condition()
         super().add_done_callback(fn)
@@ -297,7 +303,7 @@ class Future(concurrent.futures.Future):
             self._done_callbacks = callbacks  # the future is done: nothing else adds to this list
             _running_callbacks(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: T) -> None:
         if not self._settle_unobserved(result, None):
             _running_callbacks(super().set_result, result)
 
@@ -305,7 +311,7 @@ class Future(concurrent.futures.Future):
         if not self._settle_unobserved(None, exception):
             _running_callbacks(super().set_exception, exception)
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[Any, None, T]:
         """Await in asyncio: for a short while the awaiting task finishes the op itself, as soon
         as it has completed, yielding to the other tasks between polls; then it waits for the
         finishing thread to wake the event loop (a cross-thread wake-up: slower)."""
@@ -344,13 +350,13 @@ def after_all(count: int, then_call: Callable[[], None]) -> Callable[[Any], None
     return done
 
 
-def all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
+def all_of(futures: Sequence[Future[Any]], value: Any, op_name: str) -> Future[Any]:
     """A Future of ``value`` once all ``futures`` are done; the first exception among them, if any.
 
     Waiting on it helps finish the last of them (the others are hurried too): where they run in
     order on one stream, the last is done after the rest.
     """
-    out = Future()
+    out: Future[Any] = Future()
     out.op_name = op_name
     if not futures:
         out.set_result(value)
@@ -370,7 +376,7 @@ def all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
     return out
 
 
-def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
+def then(source: concurrent.futures.Future[Any], fn: Callable[[Any], Any], op_name: str) -> Future[Any]:
     """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
     out = Future()
     out.op_name = op_name
@@ -455,26 +461,26 @@ class Op:
         accesses: list[Access],
         numbered: bool = False,
     ) -> None:
-        self.seq = seq
+        self.seq: int = seq
         self._name, self._numbered = name, numbered  # numbered: ``name#seq``, made when first read
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.accesses = accesses
+        self.fn: Callable[..., Any] = fn
+        self.args: tuple[Any, ...] = args
+        self.kwargs: dict[str, Any] = kwargs
+        self.accesses: list[Access] = accesses
         self.deps: Sequence[Op] = ()
         self.stamp: Stamp | None = None
         self.event: Any = None
-        self.future = Future()
+        self.future: Future[Any] = Future()
         self.future._op_name, self.future._op_number = name, seq if numbered else None
-        self.done = False
+        self.done: bool = False
         self.error: BaseException | None = None
-        self.root_name = ""
+        self.root_name: str = ""
         self.root_error: BaseException | None = None
         self.value: Any = None
         #: the buffers it declares written: held while it is pending, and after a failure until
         #: ``synchronize`` (its memory must not go to a new buffer while its failure passes on)
         self.keep: Any = None
-        self.run_id = 0
+        self.run_id: int = 0
         #: what finishes it once its completion event has been observed, called as
         #: ``finish(op, device_error)`` (see ``__call__``); set by the compiled submit, else None
         self.finish: Callable[[Op, BaseException | None], Any] | None = None
@@ -522,7 +528,7 @@ class Op:
         self.deps = ()
 
 
-def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
+def refuse_coroutine(coroutine: CoroutineType[Any, Any, Any], op_name: str) -> None:
     """Fail an op whose function returned a coroutine (an ``async def`` function): an op runs its
     function to its end on a stream, inside its submit on a GPU, where the submitting code's event
     loop may be running, so there is no one place to run the coroutine; awaiting is the caller's

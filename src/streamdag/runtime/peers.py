@@ -56,8 +56,8 @@ def _normalize(device: Any) -> str:
     return "cuda:0" if text == "cuda" else text
 
 
-def bring_inputs(rt: PlacementRuntime, args: tuple, kwargs: dict, accesses: list[Access], device: str,
-                 name: str) -> tuple[tuple, dict, list[Access]]:
+def bring_inputs(rt: PlacementRuntime, args: tuple[Any, ...], kwargs: dict[str, Any], accesses: list[Access],
+                 device: str, name: str) -> tuple[tuple[Any, ...], dict[str, Any], list[Access]]:
     """Swap every argument on another device for a peer copy on ``device``; accesses follow."""
     remote = [a for a in accesses if a.region.space != device and a.region.space in rt._compute_of]
     if not remote:

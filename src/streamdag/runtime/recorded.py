@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from .._diagnostics import get_logger, warn
 from ..graph.buffers import Access, coalesce, envelope
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
@@ -16,7 +18,12 @@ from .declared import DeclaredBuffers
 from .graph_runs import EagerRunRuntime, EagerRuns, GraphResult, OpNode
 from .ops import Future, then
 
+if TYPE_CHECKING:
+    from .capture import CaptureStatistics
+
 __all__ = ["GraphResult", "GraphRuntime", "OpNode", "RecordedGraph"]
+
+_log = get_logger(__name__)
 
 
 class GraphRuntime(EagerRunRuntime, Protocol):
@@ -34,6 +41,7 @@ class GraphRuntime(EagerRunRuntime, Protocol):
     _check_open: Callable[[], None]
     _recording_here: Callable[[], Any]
     _submit_on: Callable[..., Any]
+
 
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
 
@@ -67,7 +75,7 @@ class RecordedGraph(EagerRuns):
     def __init__(self, runtime: GraphRuntime, copy_out: bool = True) -> None:
         self._rt = runtime
         self.copy_out = copy_out
-        self.last_run_captured = False
+        self.last_run_captured: bool = False
         self._ops: list[_Recorded] = []
         self._names_used: set[str] = set()  # op names are keys (timings, explain): kept distinct
         self._preds: list[list[int]] = []
@@ -87,7 +95,7 @@ class RecordedGraph(EagerRuns):
         self._replay_accesses: list[Access] | None = None
         self._replay_split: tuple[list[Any], list[Any]] | bool | None = None  # see _replay_regions
         self._host_replay: Any = None
-        self.capture = runtime.device.startswith("cuda")
+        self.capture: bool = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
         self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
@@ -110,7 +118,8 @@ class RecordedGraph(EagerRuns):
     def names(self) -> list[str]:
         return [op.name for op in self._ops]
 
-    def add(self, fn, args, kwargs, accesses, name: str | None, stream: int | None = None,
+    def add(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            accesses: list[Access], name: str | None, stream: int | None = None,
             written: list[Any] | None = None, device: str | None = None) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
@@ -131,6 +140,12 @@ class RecordedGraph(EagerRuns):
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
+        if _log.isEnabledFor(logging.DEBUG):
+            sched = self._schedule
+            _log.debug("recorded graph of %d ops: %d chains merged onto %d of %d streams, %d waits, "
+                       "%d edges removed by the transitive reduction", len(self._ops), sched.chains,
+                       sched.num_streams, rt.num_streams, sum(len(w) for w in sched.waits),
+                       sched.removed_edges)
         self._fail_preds = self._failure_preds()
         self._run_preds = [[*ps, *(u for u in fs if u not in ps)]
                            for ps, fs in zip(self._schedule.preds, self._fail_preds)]
@@ -245,7 +260,7 @@ class RecordedGraph(EagerRuns):
             raise RuntimeError("the graph is still being recorded: leave the `with rt.record()` block")
         return self._schedule
 
-    def run(self) -> Future:
+    def run(self) -> Future[GraphResult]:
         """Run every op once, concurrently as scheduled; returns a Future of a :class:`GraphResult`.
 
         The graph also orders itself after earlier ops of the runtime that touch
@@ -306,7 +321,7 @@ class RecordedGraph(EagerRuns):
         return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
                        for rec in self._ops)
 
-    def _run_host_replay(self) -> Future | None:
+    def _run_host_replay(self) -> Future[Any] | None:
         """A run as one host replay over several devices; None where unfinished host-lane ops (or
         ops held behind them) touch the graph's memory: the replay would wait for them in the
         submitting thread, so the caller runs the graph op by op, each op held as an eager submit is."""
@@ -333,7 +348,7 @@ class RecordedGraph(EagerRuns):
             ) + envelope([a for a in every if a.region.space.startswith("sym:")])
         return self._replay_accesses
 
-    def _run_captured(self) -> Future | None:
+    def _run_captured(self) -> Future[Any] | None:
         """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
         from .capture import CudaGraphRunner
 
@@ -401,8 +416,6 @@ class RecordedGraph(EagerRuns):
         runner.stats.replays += 1
 
     def _give_up_capture(self, reason: str) -> None:
-        import warnings
-
         self.capture = False
         self.capture_fallback = reason
         message = f"running this graph eagerly on streams, without a CUDA graph: {reason}"
@@ -414,7 +427,8 @@ class RecordedGraph(EagerRuns):
             message = (f"running a part of this graph's device ops (a stage between its host-lane ops) "
                        f"eagerly on streams, without a CUDA graph: {reason}. Other parts that cannot be "
                        "captured run eagerly too, without another warning (g.explain() lists them)")
-        warnings.warn(f"streamdag: {message}", RuntimeWarning, stacklevel=4 + self._calls_above)
+        _log.info("CUDA graph capture refused: %s", reason)
+        warn(f"streamdag: {message}")
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
@@ -422,7 +436,7 @@ class RecordedGraph(EagerRuns):
             raise RuntimeError("the graph has not been captured: it captures on its second run on CUDA")
         return self._runner._captured.values
 
-    def statistics(self) -> Any:
+    def statistics(self) -> CaptureStatistics | None:
         """Capture statistics on CUDA (captures, replays, recaptures, fallbacks, timing of the choice)."""
         return None if self._runner is None else self._runner.stats
 

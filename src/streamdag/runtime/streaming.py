@@ -145,11 +145,11 @@ def _submit_pieces(rt: StreamMapRuntime, fn: Callable[[Any], Any], batches: list
     if kinds is not None and kinds in ring.out_kinds:  # a captured fn keeps its shapes: as last time
         trailing, dtype = ring.out_kinds[kinds]
         outs = [torch.empty((x.shape[0], *trailing), dtype=dtype, pin_memory=pinned) for x in batches]
-    copies_of: list[list[Future]] = []
-    unfinished: deque[Future] = deque()
+    copies_of: list[list[Future[Any]]] = []
+    unfinished: deque[Future[Any]] = deque()
     name_in, name_out = f"{name}_in", f"{name}_out"
     for b, x in enumerate(batches):
-        copies: list[Future] = []
+        copies: list[Future[Any]] = []
         copies_of.append(copies)
         copy_in = copy_out = None  # rt.copy's decisions, made once per input and output
         for lo in range(0, x.shape[0], rows):

@@ -197,7 +197,7 @@ def copier(rt: CopyRuntime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     default_name = _COPY_NAMES[kind]
     compiled = rt._copy_pinned
 
-    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future:
+    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future[Any]:
         if compiled is not None:  # None back inside a recording: the Python path records it
             future = compiled(d, s, name or default_name)
             if future is not None:
@@ -279,8 +279,8 @@ class StagingRing:
         self.stream = stream
         #: its newest copy's future (weakly: once gone, its op has finished) and host lane: the next
         #: copy queues on that lane while it is pending (see :func:`_lane_for`)
-        self.last: tuple[weakref.ref[Future], int] | None = None
-        self.lock = threading.Lock()
+        self.last: tuple[weakref.ref[Future[Any]], int] | None = None
+        self.lock: threading.Lock = threading.Lock()
         self._buffers: list[Any] = []
         self._events: list[Any] = []
 

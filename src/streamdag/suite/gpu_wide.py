@@ -11,6 +11,7 @@ variants and the hand-made graphs are timed in interleaved rounds
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -29,16 +30,19 @@ CASES = {
 }
 
 
-def layer(h, w, out):
+def layer(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     torch.matmul(h, w, out=out)
     return torch.relu_(out)
 
 
-def join(outs, y):
+def join(outs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return torch.sum(torch.stack(outs), 0, out=y)
 
 
-def wide_tensors(name: str, generator: torch.Generator | None = None):
+Tensors = tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], torch.Tensor]
+
+
+def wide_tensors(name: str, generator: torch.Generator | None = None) -> Tensors:
     """The case's input ``x``, weights ``W[b][l]``, layer outputs ``hs[b][l]`` and result ``y`` (GPU)."""
     B, L, rows, D = CASES[name]
     dev = torch.device("cuda")
@@ -49,7 +53,8 @@ def wide_tensors(name: str, generator: torch.Generator | None = None):
     return x, W, hs, y
 
 
-def submit_wide(rt: sd.Runtime, x, W, hs, y):
+def submit_wide(rt: sd.Runtime, x: torch.Tensor, W: list[list[torch.Tensor]], hs: list[list[torch.Tensor]],
+                y: torch.Tensor) -> sd.Future[torch.Tensor]:
     """The wide graph's ops, each with the buffers it reads and writes."""
     for b, (ws, hb) in enumerate(zip(W, hs)):
         src = x
@@ -171,7 +176,7 @@ def _time_torch_compile(eager, iters: int, results: dict) -> float:
     return t_compile
 
 
-def run_case(name: str, use_compile: bool, streams: int) -> dict:
+def run_case(name: str, use_compile: bool, streams: int) -> dict[str, Any]:
     B, L, rows, D = CASES[name]
     dev = torch.device("cuda")
     tensors = wide_tensors(name, torch.Generator(device=dev).manual_seed(0))
@@ -213,7 +218,7 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     }
 
 
-def table(cases: list[dict]) -> str:
+def table(cases: list[dict[str, Any]]) -> str:
     labels = list(cases[0]["ms"])
     rows = []
     for label in labels:
@@ -226,7 +231,7 @@ def table(cases: list[dict]) -> str:
     return format_table(["ms (speedup vs CUDA graph 1 stream)", *[c["case"] for c in cases]], rows)
 
 
-def profile_case(name: str, streams: int = 8):
+def profile_case(name: str, streams: int = 8) -> sd.Timeline:
     """A timeline of one op-by-op run of the case's graph (for the trace and the PNG)."""
     x, W, hs, y = wide_tensors(name)
     with sd.Runtime("cuda", streams=streams) as rt:

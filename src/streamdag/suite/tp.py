@@ -18,6 +18,9 @@ GPUs replayed on the caller's stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .. import Runtime
@@ -33,7 +36,7 @@ ANCHOR_GBS = 353.0
 GOALS = {8: 0.98, 512: 0.98, 4096: 1.85, 16384: 1.85}
 
 
-def hand_made(weights: list[torch.Tensor], rows: int):
+def hand_made(weights: list[torch.Tensor], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Columns of W split over two GPUs; every GPU gathers the other's half after each layer."""
     devs = [torch.device("cuda:0"), torch.device("cuda:1")]
     half = D // 2
@@ -92,12 +95,12 @@ def peer_copy_throughput(rt: Runtime, quick: bool) -> dict[str, float]:
             "anchor_GBps": ANCHOR_GBS}
 
 
-def back_to_back(fn, iters: int, n: int = 10) -> float:
+def back_to_back(fn: Callable[[], Any], iters: int, n: int = 10) -> float:
     """Throughput: ``n`` calls per synchronization, ms per call."""
     return wall_ms(lambda: [fn() for _ in range(n)], iters=max(iters // 4, 3), devices=[0, 1]) / n
 
 
-def run_case(rt: Runtime, rows: int, layers: int, iters: int) -> dict:
+def run_case(rt: Runtime, rows: int, layers: int, iters: int) -> dict[str, Any]:
     torch.manual_seed(rows)
     weights = [(torch.randn(D, D, device="cuda:0") / D ** 0.5).bfloat16() for _ in range(layers)]
     x = torch.randn(rows, D, device="cuda:0").bfloat16()
@@ -139,7 +142,7 @@ def run_case(rt: Runtime, rows: int, layers: int, iters: int) -> dict:
     return result
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False) -> dict[str, Any]:
     """Every case (the two small ones when ``quick``) and the peer-copy throughput."""
     torch.backends.cuda.matmul.allow_tf32 = True
     cases = CASES[:2] if quick else CASES
@@ -151,7 +154,7 @@ def run(quick: bool = False) -> dict:
             "peer_copy": link}
 
 
-def table(result: dict) -> str:
+def table(result: dict[str, Any]) -> str:
     """Latency and throughput tables, and the peer-copy throughput."""
     rows, thr_rows = [], []
     for r in result["cases"]:
