@@ -64,14 +64,13 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from ..errors import StreamdagWarning
+from .._diagnostics import warn
 from .candidates import Candidate, pick
 
 __all__ = ["TrainingGraph", "compile_training"]
@@ -308,6 +307,4 @@ def warn_once(seen: set[str], key: str, message: str) -> None:
     if key in seen:
         return
     seen.add(key)
-    from ..native import _caller_outside_streamdag
-
-    warnings.warn(f"streamdag: {message}", StreamdagWarning, stacklevel=_caller_outside_streamdag())
+    warn(f"streamdag: {message}")
