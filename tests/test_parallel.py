@@ -12,6 +12,7 @@ from streamdag.parallel import (
     LayerCost,
     LinearChain,
     LinkCost,
+    Links,
     choose_layout,
     column_linear,
     estimate,
@@ -133,9 +134,14 @@ def test_pipeline_runs_every_micro_batch_through_every_stage_in_order():
 LINK = LinkCost(latency_ms=0.02, ms_per_mb=1 / 350)
 
 
-def layer(single_ms, rows, d=8192, size=2):
+def layer(single_ms, rows, d=8192, size=2, n=2, floor=0.0):
+    """A layer whose block products cost 5% more than their share of the whole, and at least ``floor``
+    (a launch-bound product of a few rows costs about as much as the whole layer)."""
     mb = rows * d * size / 1e6
-    return LayerCost(single_ms=single_ms, block_ms=single_ms / 4 * 1.05, in_mb=mb, out_mb=mb)
+    products = {(p, k): max(floor, single_ms / (p * k) * 1.05) for p in (1, 2, 4, 8) for k in (1, 2, 4, 8)
+                if floor and (p, k) != (1, 1)}
+    return LayerCost(single_ms=single_ms, block_ms=max(floor, single_ms / (n * n) * 1.05), in_mb=mb,
+                     out_mb=mb, products=products)
 
 
 def test_cost_model_keeps_small_layers_on_one_device_and_splits_large_ones():
@@ -144,21 +150,33 @@ def test_cost_model_keeps_small_layers_on_one_device_and_splits_large_ones():
     assert plan == ["single"] * 8 and est == pytest.approx(0.24)
     large = [layer(3.2, 16384)] * 4  # input already split, as a previous layer leaves it
     plan, est = choose_layout(large, 2, LINK, start="split")
-    assert plan == ["split"] * 4
+    assert plan == ["split2"] * 4
     assert est < 0.6 * estimate(["single"] * 4, large, 2, LINK, start="split")
     # starting whole on one device, the first layer's input must be sent over first
     assert estimate(["split"] * 4, large, 2, LINK) > est
+    assert estimate(["split"] * 4, large, 2, LINK) == estimate(["split2"] * 4, large, 2, LINK)
 
 
-def test_cost_model_dynamic_program_finds_the_best_plan_over_all_plans():
-    rng = np.random.default_rng(3)
-    for _ in range(50):
-        layers = [layer(float(rng.uniform(0.01, 2)), int(rng.integers(8, 8192))) for _ in range(4)]
-        link = LinkCost(float(rng.uniform(0.005, 0.1)), float(rng.uniform(0.001, 0.01)))
-        plan, est = choose_layout(layers, 2, link)
-        brute = min(estimate(p, layers, 2, link) for p in itertools.product(["single", "split"], repeat=4))
-        assert est == pytest.approx(brute)
-        assert estimate(plan, layers, 2, link) == pytest.approx(est)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_cost_model_dynamic_program_finds_the_best_plan_over_all_plans(n):
+    rng = np.random.default_rng(3 + n)
+    steps = ["single"] + [f"split{k}" for k in (2, 4, 8) if k <= n]
+    for _ in range(12 if n == 8 else 30):
+        layers = [layer(float(rng.uniform(0.01, 2)), int(rng.integers(8, 8192))) for _ in range(3)]
+        links = random_links(rng, n)
+        for start in ("single", "split"):
+            plan, est = choose_layout(layers, n, links, start=start, margin=0.0)
+            brute = min(estimate(p, layers, n, links, start=start)
+                        for p in itertools.product(steps, repeat=3))
+            assert est == pytest.approx(brute)
+            assert estimate(plan, layers, n, links, start=start) == pytest.approx(est)
+
+
+def random_links(rng, n):
+    def one():
+        return LinkCost(float(rng.uniform(0.005, 0.1)), float(rng.uniform(0.001, 0.02)))
+
+    return Links([[None if i == j else one() for j in range(n)] for i in range(n)])
 
 
 def test_chain_rejects_bad_plans_and_shapes(weights):
@@ -167,9 +185,8 @@ def test_chain_rejects_bad_plans_and_shapes(weights):
             LinearChain(rt, [sim(np.ones((3, 4))), sim(np.ones((5, 2)))])
         with pytest.raises(ValueError, match="relu"):
             LinearChain(rt, [sim(w) for w in weights], activation="gelu")
-        chain = LinearChain(rt, [sim(w) for w in weights], plan=["split"])
         with pytest.raises(ValueError, match="one entry per layer"):
-            chain(sim(np.ones((2, 12))))
+            LinearChain(rt, [sim(w) for w in weights], plan=["split"])
     assert isinstance(Block(None, "sim:0", 0, 1), Block)
 
 
@@ -186,3 +203,153 @@ def test_chain_on_one_cpu_runtime_with_torch_tensors():
         got = chain(x)
     assert "one device" in chain.explain()
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------ N devices: 2, 4, 8
+
+
+def sims(n):
+    return [f"sim:{i}" for i in range(n)]
+
+
+def chain_reference(x, weights):
+    for w in weights:
+        x = relu(x @ w)
+    return x
+
+
+@pytest.fixture
+def wide_weights():
+    """Widths every split of 2, 4 and 8 divides."""
+    rng = np.random.default_rng(10)
+    return [rng.standard_normal((16, 16)) / 4 for _ in range(4)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("exchange", ["ksplit", "gathered"])
+def test_chain_over_n_simulated_devices_equals_one_device(wide_weights, n, exchange):
+    plans = ["split", "split2", ["split2", f"split{n}", "single", f"split{n}"],
+             [f"split{n}", "split2", "split2", "single"]]
+    rng = np.random.default_rng(n)
+    with sd.Runtime(devices=sims(n), streams=2, seed=n) as rt:
+        for plan in plans:
+            chain = LinearChain(rt, [sim(w) for w in wide_weights], plan=plan, exchange=exchange,
+                                row_chunks=2)
+            for _ in range(2):
+                x = rng.standard_normal((6, 16))
+                got = chain(sim(x))
+                assert got.device == "sim:0"
+                np.testing.assert_allclose(got.data, chain_reference(x, wide_weights), rtol=1e-12, atol=1e-12)
+            ((graph, _, _),) = chain._graphs.values()
+            widest = 2 if plan == "split2" else n  # without links, a split of k takes the first k devices
+            assert sorted(graph.devices) == sims(widest)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_chain_on_the_first_n_devices_of_a_larger_runtime_touches_only_those(wide_weights, n):
+    rng = np.random.default_rng(20 + n)
+    x = rng.standard_normal((5, 16))
+    with sd.Runtime(devices=sims(8), streams=2, seed=n) as rt:
+        chain = LinearChain(rt, [sim(w) for w in wide_weights], plan="split", devices=n, gather=False)
+        own = chain.input_blocks(sim(x))
+        for b in own:
+            b.value.data[:] = x[:, b.start:b.stop]
+        got = chain(own)
+        ((graph, _, _),) = chain._graphs.values()
+    full = got.data if n == 1 else np.hstack([b.value.data for b in got])
+    np.testing.assert_allclose(full, chain_reference(x, wide_weights), rtol=1e-12, atol=1e-12)
+    assert chain.devices == sims(n)
+    assert set(graph.devices) == set(sims(n))
+
+
+def test_a_plan_chosen_by_the_cost_model_on_uneven_links_runs_on_the_best_linked_devices(wide_weights):
+    links = uneven_links(4, slow=1)
+    costs = [layer(3.2, 16384, n=4)] * 4
+    plan, _ = choose_layout(costs, 4, links, start="single")
+    assert "split4" not in plan and "split2" in plan
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 16))
+    with sd.Runtime(devices=sims(4), streams=2, seed=1) as rt:
+        chain = LinearChain(rt, [sim(w) for w in wide_weights], plan=plan, links=links)
+        got = chain(sim(x))
+        ((graph, _, _),) = chain._graphs.values()
+    np.testing.assert_allclose(got.data, chain_reference(x, wide_weights), rtol=1e-12, atol=1e-12)
+    assert chain._group("split2") == ["sim:0", "sim:2"]
+    assert "sim:1" not in graph.devices  # the slowly linked device is left out
+
+
+NVLINK = LinkCost(latency_ms=0.02, ms_per_mb=1 / 350)
+PCIE = LinkCost(latency_ms=0.03, ms_per_mb=1 / 25)
+
+
+def uneven_links(n, slow):
+    """NVLink between every pair but those of device ``slow``, which go over PCIe."""
+    return Links([[None if i == j else (PCIE if slow in (i, j) else NVLINK) for j in range(n)]
+                  for i in range(n)])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_cost_model_keeps_tiny_layers_on_one_device_and_splits_big_ones_over_all_n(n):
+    tiny = [layer(0.03, 8, n=n, floor=0.02)] * 8  # block products launch-bound, as measured on an H200
+    plan, est = choose_layout(tiny, n, Links.uniform(n, NVLINK))
+    assert plan == ["single"] * 8 and est == pytest.approx(0.24)
+    big = [layer(3.2, 16384, n=n)] * 4
+    single = estimate(["single"] * 4, big, n, NVLINK, start="split")
+    plan, est = choose_layout(big, n, Links.uniform(n, NVLINK), start="split")
+    assert plan == [f"split{n}"] * 4
+    # at 350 GB/s each device's incoming copies, (n-1)/n of every input, bound the gain as n grows
+    assert single / est > {2: 1.75, 4: 3.1, 8: 3.4}[n]
+
+
+def test_uneven_links_change_the_choice():
+    big = [layer(3.2, 16384, n=4)] * 4
+    even, _ = choose_layout(big, 4, Links.uniform(4, NVLINK))
+    uneven, _ = choose_layout(big, 4, uneven_links(4, slow=1))
+    assert even == ["split4"] * 4
+    assert "split4" not in uneven  # a group of four would wait on the PCIe device's copies
+    assert Links.uniform(4, NVLINK).group(2) == (0, 1)
+    assert uneven_links(4, slow=1).group(2) == (0, 2)
+    assert uneven_links(8, slow=3).group(4) == (0, 1, 2, 4)
+
+
+def test_cost_model_keeps_one_device_when_a_split_is_estimated_to_win_too_little():
+    costs = [layer(1.0, 2048)] * 2
+    plan, est = choose_layout(costs, 2, NVLINK, margin=0.0)
+    assert plan != ["single"] * 2
+    single = estimate(["single"] * 2, costs, 2, NVLINK)
+    gain = 1 - est / single
+    plan, est = choose_layout(costs, 2, NVLINK, margin=gain + 0.01)
+    assert plan == ["single"] * 2 and est == pytest.approx(single)
+    plan, _ = choose_layout(costs, 2, NVLINK, margin=gain - 0.01)
+    assert plan != ["single"] * 2
+
+
+def test_chain_bad_device_counts_splits_and_links_get_errors_naming_the_fix(wide_weights):
+    weights = [sim(w) for w in wide_weights]
+    with sd.Runtime(devices=sims(4)) as rt:
+        with pytest.raises(ValueError, match=r"devices=8\): the runtime has 4 .*use 1 to 4"):
+            LinearChain(rt, weights, devices=8)
+        with pytest.raises(ValueError, match="not of the runtime: sim:7"):
+            LinearChain(rt, weights, devices=["sim:0", "sim:7"])
+        with pytest.raises(ValueError, match=r"'split8' of layer 0 needs 8 devices.*use split4 or less"):
+            LinearChain(rt, weights, plan="split8")
+        with pytest.raises(ValueError, match="'splitK' with K >= 2"):
+            LinearChain(rt, weights, plan="split1")
+        with pytest.raises(ValueError, match="links cover 2 devices, the chain 4"):
+            LinearChain(rt, weights, links=Links.uniform(2, NVLINK))
+    odd = [sim(np.ones((16, 12))), sim(np.ones((12, 12)))]
+    with sd.Runtime(devices=sims(8)) as rt:
+        with pytest.raises(ValueError, match=r"'split8' of layer 0: 8 devices do not divide its 12 output "
+                                             r"columns; use a split the columns divide \(split2, split3, "
+                                             r"split4, split6\) or 'single', or pad the weight to a multiple "
+                                             r"of 8 columns"):
+            LinearChain(rt, odd, plan="split8")
+        chain = LinearChain(rt, odd, plan=["split6", "split4"])  # uneven device counts that divide are fine
+        x = np.random.default_rng(0).standard_normal((3, 16))
+        np.testing.assert_allclose(chain(sim(x)).data, chain_reference(x, [w.data for w in odd]))
+    with pytest.raises(ValueError, match="square matrix"):
+        Links([[None, NVLINK]])
+    with pytest.raises(ValueError, match="has no LinkCost"):
+        Links([[None, None], [NVLINK, None]])
+    with pytest.raises(ValueError, match="needs 8 devices, the plan has 4"):
+        estimate(["split8"], [layer(1.0, 64)], 4, NVLINK)

@@ -1,7 +1,7 @@
 """Several devices at once: tensor-parallel linear layers and pipelines, on a runtime's ops and copies."""
 
 from .pipeline import pipeline
-from .plan import LayerCost, LinkCost, choose_layout, estimate
+from .plan import LayerCost, LinkCost, Links, choose_layout, estimate
 from .tensor_parallel import Block, LinearChain, column_linear, row_linear
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "LayerCost",
     "LinearChain",
     "LinkCost",
+    "Links",
     "choose_layout",
     "column_linear",
     "estimate",

@@ -1,4 +1,10 @@
-"""Measured inputs of the tensor-parallel cost model, on GPUs: layer times and the peer link."""
+"""Measured inputs of the tensor-parallel cost model, on GPUs: layer times and every peer link.
+
+The links are measured per ordered pair of devices, not assumed: NVLink and
+PCIe differ by an order of magnitude, and a machine of eight GPUs may link
+some pairs better than others. Each pair is measured alone (nothing else
+copying), once per set of devices in a process.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,14 @@ from typing import Any
 
 import torch
 
-from .plan import LayerCost, LinkCost
+from .plan import LayerCost, LinkCost, Links, split_sizes
 
-__all__ = ["measure_costs", "measure_link"]
+__all__ = ["measure_costs", "measure_link", "measure_links"]
 
 #: Allowance for the cross-device event wait in front of each peer copy in a run.
 WAIT_MS = 0.010
+#: Link matrices measured in this process, by the devices' names in order.
+_LINKS: dict[tuple[str, ...], Links] = {}
 
 
 def _gpu_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> float:
@@ -29,11 +37,18 @@ def _gpu_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> floa
         return start.elapsed_time(end) / reps
 
 
-def measure_costs(weights: Sequence[Any], rows: int, dtype: Any, devices: Sequence[str]
-                  ) -> tuple[list[LayerCost], LinkCost]:
-    """Time each distinct layer shape on the first device, whole and as one of ``k * k`` blocks."""
+def measure_costs(weights: Sequence[Any], rows: int, dtype: Any, devices: Sequence[str],
+                  sizes: Sequence[int] | None = None) -> tuple[list[LayerCost], Links]:
+    """Time each distinct layer shape on the first device, whole and as its block products.
+
+    A block product is measured for every pair of input and output block
+    counts the plan may meet: 1 (whole) and each split size in ``sizes``
+    (default: 2, 4, 8 up to the device count, and the count).
+    """
     dev = torch.device(devices[0])
-    k = len(devices)
+    n = len(devices)
+    counts = sorted({1, *(split_sizes(n) if sizes is None else sizes)})
+    size = torch.tensor([], dtype=dtype).element_size()
     seen: dict[tuple[int, ...], LayerCost] = {}
     layers = []
     for w in weights:
@@ -43,14 +58,32 @@ def measure_costs(weights: Sequence[Any], rows: int, dtype: Any, devices: Sequen
             x = torch.randn(rows, din, dtype=dtype, device=dev)
             wf = w.to(dev, dtype)
             out = torch.empty(rows, dout, dtype=dtype, device=dev)
-            xb, wb = x[:, : din // k].contiguous(), wf[: din // k, : dout // k].contiguous()
-            ob = torch.empty(rows, dout // k, dtype=dtype, device=dev)
             single = _gpu_ms(lambda x=x, wf=wf, out=out: torch.mm(x, wf, out=out).relu_(), dev)
-            block = _gpu_ms(lambda xb=xb, wb=wb, ob=ob: torch.mm(xb, wb, out=ob), dev)
-            size = torch.tensor([], dtype=dtype).element_size()
-            seen[shape] = LayerCost(single, block, rows * din * size / 1e6, rows * dout * size / 1e6)
+            products = {(p, k): _product_ms(x, wf, p, k, dev) for p in counts for k in counts
+                        if (p, k) != (1, 1)}
+            block = products.get((n, n)) or _product_ms(x, wf, n, n, dev)
+            seen[shape] = LayerCost(single, block, rows * din * size / 1e6, rows * dout * size / 1e6,
+                                    products)
         layers.append(seen[shape])
-    return layers, measure_link(devices[1], devices[0])
+    return layers, measure_links(devices)
+
+
+def _product_ms(x: torch.Tensor, w: torch.Tensor, p: int, k: int, dev: torch.device) -> float:
+    """One product of an input column block of ``p`` by an output column block of ``k``."""
+    din, dout = w.shape
+    xb = x[:, : max(din // p, 1)].contiguous()
+    wb = w[: max(din // p, 1), : max(dout // k, 1)].contiguous()
+    ob = torch.empty(x.shape[0], wb.shape[1], dtype=x.dtype, device=dev)
+    return _gpu_ms(lambda: torch.mm(xb, wb, out=ob), dev)
+
+
+def measure_links(devices: Sequence[str]) -> Links:
+    """The peer-copy cost of every ordered pair of ``devices`` (measured once per process)."""
+    key = tuple(str(d) for d in devices)
+    got = _LINKS.get(key)
+    if got is None:
+        got = _LINKS[key] = Links([[None if s == d else measure_link(s, d) for d in key] for s in key])
+    return got
 
 
 def measure_link(src: str, dst: str) -> LinkCost:

@@ -10,10 +10,11 @@
   rows: each device multiplies its own block, and the partial sums are reduced
   on one device.
 - :class:`LinearChain`: layers ``act(h @ W_l)`` one after another; each layer
-  split or kept on the first device as the cost model of :mod:`.plan` decides
-  from measured times, checked against the whole chain on one device by
-  timing both. Runs are recorded graphs: a CUDA graph when everything stays on
-  one GPU, a host replay of the recorded schedule when it spans several.
+  kept on the first device or split over a group of 2, 4, 8... devices as the
+  cost model of :mod:`.plan` decides from measured times and links, checked
+  against the whole chain on one device by timing both. Runs are recorded
+  graphs: a CUDA graph when everything stays on one GPU, a host replay of the
+  recorded schedule when it spans several.
 
 Every buffer is allocated when a layer is built; runs only write into them.
 """
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..runtime.ops import then
 from .kernels import kernels_for
-from .plan import LayerCost, LinkCost, choose_layout, estimate
+from .plan import LayerCost, Links, choose_layout, estimate, split_sizes, step_size
 
 if TYPE_CHECKING:
     from ..runtime.core import Runtime
@@ -148,16 +149,22 @@ class ChainInfo:
     estimate_ms: dict[str, float] = field(default_factory=dict)
     measured_ms: dict[str, float] = field(default_factory=dict)
     layer_costs: list[LayerCost] = field(default_factory=list)
-    link: LinkCost | None = None
+    links: Links | None = None
     chosen: str = ""
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
 
 class LinearChain:
-    """``h = act(h @ W_l)`` for each weight in turn, over the devices of ``rt``.
+    """``h = act(h @ W_l)`` for each weight in turn, over ``devices`` of ``rt``.
 
-    ``plan`` is ``"auto"`` (measure, then let the cost model decide per layer,
-    and keep a split plan only if it is measured faster than the chain on one
-    device), ``"split"``, ``"single"``, or a list with one of those per layer.
+    ``devices`` is a count (the runtime's first ``N`` devices), a list of the
+    runtime's devices, or ``None`` (all of them). ``plan`` is ``"auto"``
+    (measure, then let the cost model decide per layer, and keep a split plan
+    only if it is measured faster than the chain on one device), ``"single"``,
+    ``"split"`` (over every device), ``"splitK"`` (over a group of ``K``
+    devices), or a list with one of those per layer. A split's ``K`` must
+    divide the layer's output columns. The group of ``K`` devices follows the
+    links (``links``, measured under ``"auto"``; else the first ``K`` devices).
     ``row_chunks`` cuts split layers into row chunks, so that the next layer
     starts on the first chunk while the last is computed (``None``: measured,
     1 or 2, under ``"auto"``; else 1). ``exchange`` is how split layers pass
@@ -181,7 +188,8 @@ class LinearChain:
 
     def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
                  plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True,
-                 row_chunks: int | None = None, exchange: str | None = None) -> None:
+                 row_chunks: int | None = None, exchange: str | None = None,
+                 devices: int | Sequence[str] | None = None, links: Links | None = None) -> None:
         if not weights:
             raise ValueError("LinearChain needs at least one weight")
         for a, b in itertools.pairwise(weights):
@@ -200,9 +208,15 @@ class LinearChain:
         if exchange not in (None, "ksplit", "gathered"):
             raise ValueError(f"exchange={exchange!r}: use 'ksplit', 'gathered' or None (measured)")
         self.exchange = exchange
-        self.devices = list(rt.devices)
+        self.devices = _chain_devices(rt, devices)
+        if links is not None and links.n != len(self.devices):
+            raise ValueError(f"links cover {links.n} devices, the chain {len(self.devices)}: give the "
+                             f"link matrix of the chain's devices, in their order")
+        self.links = links
         self._fast: dict[tuple[int, bool], _FastReplay] = {}  # captured graphs, by input shape
         self._plan_option = plan
+        if plan != "auto":  # a given plan is checked now, against the weights and the devices
+            self._normalized(plan)
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         self._inputs: dict[tuple[Any, ...], Any] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
@@ -271,9 +285,10 @@ class LinearChain:
     def _explain_one(rows: int, layout: str, info: ChainInfo) -> list[str]:
         lines = [f"- {rows} rows, input {'whole' if layout == 'single' else 'split'}: "
                  f"plan {'/'.join(info.plan)} ({info.chosen})"]
-        if info.link is not None:
-            link = info.link
-            lines.append(f"  peer copy: {link.latency_ms * 1e3:.1f} us + {link.ms_per_mb * 1e3:.2f} us/MB")
+        if info.links is not None:
+            lines += _explain_links(info.links)
+        for step, group in info.groups.items():
+            lines.append(f"  {step}: {', '.join(group)}")
         for i, c in enumerate(info.layer_costs):
             lines.append(f"  layer {i}: one device {c.single_ms:.3f} ms, block product {c.block_ms:.3f} ms "
                          f"-> {info.plan[i]}")
@@ -285,14 +300,36 @@ class LinearChain:
 
     # ------------------------------------------------------------- internals
     def _normalized(self, plan: str | Sequence[str]) -> tuple[str, ...]:
-        n = len(self.weights)
+        """The plan with one ``"single"`` or ``"splitK"`` per layer; bad steps get an error with the fix."""
+        n, devices = len(self.weights), len(self.devices)
         steps = [plan] * n if isinstance(plan, str) else list(plan)
-        if len(steps) != n or any(s not in ("split", "single") for s in steps):
-            raise ValueError(f"plan={plan!r}: use 'auto', 'split', 'single' or a list of 'split'/'single' "
-                             f"with one entry per layer ({n})")
-        if len(self.devices) < 2:
-            steps = ["single"] * n
-        return tuple(steps)
+        if len(steps) != n or not all(isinstance(s, str) for s in steps):
+            raise ValueError(f"plan={plan!r}: use 'auto', 'single', 'split', 'splitK' or a list of "
+                             f"'single'/'split'/'splitK' with one entry per layer ({n})")
+        if devices < 2:
+            return ("single",) * n
+        out = []
+        for i, (step, w) in enumerate(zip(steps, self.weights)):
+            k = step_size(step, devices)
+            if k > devices:
+                raise ValueError(f"plan step {step!r} of layer {i} needs {k} devices, the chain has "
+                                 f"{devices} ({', '.join(self.devices)}): use split{devices} or less, or a "
+                                 f"runtime over {k} devices")
+            if k > 1 and w.shape[1] % k:
+                fits = [d for d in range(2, devices + 1) if w.shape[1] % d == 0]
+                raise ValueError(f"plan step {step!r} of layer {i}: {k} devices do not divide its "
+                                 f"{w.shape[1]} output columns; use a split the columns divide "
+                                 f"({', '.join(f'split{d}' for d in fits) or 'none fits'}) or 'single', or "
+                                 f"pad the weight to a multiple of {k} columns")
+            out.append("single" if k == 1 else f"split{k}")
+        return tuple(out)
+
+    def _group(self, step: str) -> list[str]:
+        """The devices of a plan step: the first one, or a group by the links (else the first ``K``)."""
+        k = step_size(step, len(self.devices))
+        if self.links is None:
+            return self.devices[:k]
+        return [self.devices[i] for i in self.links.group(k)]
 
     def _decide(self, x: Any, layout: str) -> tuple[str, ...]:
         single = ("single",) * len(self.weights)
@@ -306,12 +343,15 @@ class LinearChain:
             return single
         from .measure import measure_costs
 
-        layers, link = measure_costs(self.weights, x.shape[0], x.dtype, self.devices)
-        k = len(self.devices)
-        plan, est = choose_layout(layers, k, link, layout, self.gather, GATHER_CHUNKS)
-        info = ChainInfo(plan, layer_costs=layers, link=link)
-        info.estimate_ms = {"/".join(plan): est,
-                            "single": estimate(single, layers, k, link, layout, self.gather, GATHER_CHUNKS)}
+        n = len(self.devices)
+        sizes = [k for k in split_sizes(n) if all(w.shape[1] % k == 0 for w in self.weights)]
+        layers, links = measure_costs(self.weights, x.shape[0], x.dtype, self.devices, sizes)
+        self.links = self.links or links
+        plan, est = choose_layout(layers, n, self.links, layout, self.gather, GATHER_CHUNKS, sizes)
+        info = ChainInfo(plan, layer_costs=layers, links=self.links)
+        info.groups = {s: self._group(s) for s in dict.fromkeys(plan) if s != "single"}
+        info.estimate_ms = {"/".join(plan): est, "single": estimate(single, layers, n, self.links, layout,
+                                                                    self.gather, GATHER_CHUNKS)}
         self.infos[(x.shape[0], layout)] = info
         if tuple(plan) == single:
             info.chosen = "the cost model keeps every layer on one device"
@@ -394,7 +434,8 @@ class LinearChain:
         - ``"ksplit"``: left in column blocks; the next layer multiplies each block by
           its rows of the weight and sums (the local block first, while the others arrive);
         - ``"gathered"``: every device gathers a full copy, by row chunks, and the next
-          layer multiplies it in one product over the whole width.
+          layer multiplies it in one product over the whole width (where the next layer
+          is split over the same devices or fewer of them; else as ``"ksplit"``).
         """
         rt = self.rt
         kern = kernels_for(self.weights[0])
@@ -402,12 +443,13 @@ class LinearChain:
         rows = x.shape[0]
         inp = self._input(x, layout)
         last = len(self.weights) - 1
-        gathering = self.gather and plan[-1] == "split"
+        gathering = self.gather and plan[-1] != "single"
+        groups = [self._group(step) for step in plan]
         with rt.record() as graph:
             blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
             full: dict[str, Any] | None = None  # each device's gathered copy, in "gathered" mode
             for i, (w, step) in enumerate(zip(self.weights, plan)):
-                devices = self.devices if step == "split" else [first]
+                devices = groups[i]
                 src: Any = blocks
                 if full is not None:
                     src = {g: [Block(full[g], g, 0, full[g].shape[1])] for g in devices}
@@ -420,16 +462,18 @@ class LinearChain:
                     blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
                                            row_chunks=n, outputs={first: _view(out, 0, rows, *bounds[0])})
                     self._copy_blocks(blocks[1:], {first: out}, rows, n, "gather")
-                elif step == "split" and mode == "gathered" and i < last:
-                    full = {g: kern.empty(rows, w.shape[1], w, g) for g in devices}
-                    mine = {g: _view(full[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)}
+                elif (mode == "gathered" and i < last and step != "single" and plan[i + 1] != "single"
+                      and set(groups[i + 1]) <= set(devices)):
+                    full = {g: kern.empty(rows, w.shape[1], w, g) for g in groups[i + 1]}  # the readers
+                    mine = {g: _view(full[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)
+                            if g in full}
                     blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
                                            row_chunks=chunks, outputs=mine)
                     self._copy_blocks(blocks, full, rows, chunks, f"layer{i}.gather")
                     continue
                 else:
                     blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=chunks if step == "split" else 1)
+                                           row_chunks=chunks if step != "single" else 1)
                 full = None
             if not gathering:
                 out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
@@ -476,6 +520,37 @@ class _FastReplay:
         finally:
             if caller_device != self.index:
                 torch.cuda.set_device(caller_device)
+
+
+def _chain_devices(rt: Runtime, devices: int | Sequence[str] | None) -> list[str]:
+    """The chain's devices: the runtime's first ``devices`` of them, the ones named, or all."""
+    have = list(rt.devices)
+    if devices is None:
+        return have
+    if isinstance(devices, int):
+        if not 1 <= devices <= len(have):
+            raise ValueError(f"LinearChain(devices={devices}): the runtime has {len(have)} device(s) "
+                             f"({', '.join(have)}); use 1 to {len(have)}, or make the runtime over more "
+                             f"devices (sd.Runtime(devices=[...]))")
+        return have[:devices]
+    named = [str(d) for d in devices]
+    missing = [d for d in named if d not in have]
+    if missing or not named or len(set(named)) != len(named):
+        raise ValueError(f"LinearChain(devices={named}): name each device once, from the runtime's "
+                         f"({', '.join(have)}); not of the runtime: {', '.join(missing) or 'none'}")
+    return named
+
+
+def _explain_links(links: Links) -> list[str]:
+    """The measured peer copies: the range over all pairs, and the slowest pair."""
+    pairs = [(links(s, d), s, d) for s in range(links.n) for d in range(links.n) if s != d]
+    if not pairs:
+        return []
+    lat = [c.latency_ms * 1e3 for c, _, _ in pairs]
+    per_mb = [c.ms_per_mb * 1e3 for c, _, _ in pairs]
+    worst, s, d = max(pairs, key=lambda p: p[0].ms_per_mb)
+    return [f"  peer copies ({len(pairs)} pairs): {min(lat):.1f}-{max(lat):.1f} us + "
+            f"{min(per_mb):.2f}-{max(per_mb):.2f} us/MB; slowest {s}->{d}: {worst.ms_per_mb * 1e3:.2f} us/MB"]
 
 
 def _is_cuda(x: Any) -> bool:
