@@ -14,9 +14,11 @@ from streamdag.parallel import (
     LinkCost,
     Links,
     choose_layout,
+    choose_stages,
     column_linear,
     estimate,
     pipeline,
+    place_stages,
     row_linear,
 )
 
@@ -353,3 +355,80 @@ def test_chain_bad_device_counts_splits_and_links_get_errors_naming_the_fix(wide
         Links([[None, None], [NVLINK, None]])
     with pytest.raises(ValueError, match="needs 8 devices, the plan has 4"):
         estimate(["split8"], [layer(1.0, 64)], 4, NVLINK)
+
+
+# ------------------------------------------------------------------ pipelines placed by the cost model
+
+
+def stage_makers(count):
+    """Stage s adds s + 1 then squares; each maker builds it for the device it is placed on."""
+    def make(s):
+        return lambda device: (lambda h: SimArray(np.tanh(h.data + s + 1), h.device))
+    return [make(s) for s in range(count)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pipeline_placed_over_n_simulated_devices_equals_one_device(n):
+    makers = stage_makers(8)
+    batches = [sim(np.full(3, i / 10)) for i in range(6)]
+    stages, in_flight = place_stages(makers, sims(n), stage_ms=[1.0] * 8, out_mb=[0.1] * 8,
+                                     links=Links.uniform(n, NVLINK))
+    assert [d for _, d in stages] == [f"sim:{s * n // 8}" for s in range(8)]  # balanced runs of stages
+    assert in_flight == n + 1
+    with sd.Runtime(devices=sims(n), seed=n) as rt:
+        outs = pipeline(rt, stages, batches, max_in_flight=in_flight)
+    for x, y in zip(batches, outs):
+        want = x.data
+        for s in range(8):
+            want = np.tanh(want + s + 1)
+        np.testing.assert_allclose(y.data, want, rtol=1e-12)
+        assert y.device == stages[-1][1]
+
+
+def test_pipeline_placement_keeps_cheap_stages_on_one_device_and_avoids_a_slow_link():
+    cheap, est = choose_stages([0.005] * 4, [8.0] * 4, 4, NVLINK)  # copies cost more than the stages
+    assert cheap == [0, 0, 0, 0] and est == pytest.approx(0.02)
+    even, _ = choose_stages([1.0] * 3, [50.0] * 3, 4, Links.uniform(4, NVLINK))
+    assert even == [0, 1, 2]
+    uneven, est = choose_stages([1.0] * 3, [50.0] * 3, 4, uneven_links(4, slow=1))
+    assert uneven == [0, 2, 3] and est == pytest.approx(1.0)  # 50 MB over PCIe would take 2 ms
+    nearly, _ = choose_stages([1.0, 1.0], [0.1, 0.1], 2, LinkCost(1.97, 0.0))  # 1.5% better on paper
+    assert nearly == [0, 0]
+
+
+def test_pipeline_placement_bad_input_gets_errors_naming_the_fix():
+    makers = stage_makers(2)
+    with pytest.raises(ValueError, match="links are measured between GPUs only; pass links="):
+        place_stages(makers, sims(2), stage_ms=[1.0, 1.0], out_mb=[1.0, 1.0])
+    with pytest.raises(ValueError, match="pass stage_ms= and out_mb=, or an example"):
+        place_stages(makers, sims(2), links=Links.uniform(2, NVLINK))
+    with pytest.raises(ValueError, match="2 stages but 3 stage times"):
+        place_stages(makers, sims(2), stage_ms=[1.0] * 3, out_mb=[1.0] * 3, links=Links.uniform(2, NVLINK))
+    with pytest.raises(ValueError, match="links cover 2 devices, the stages 4"):
+        place_stages(makers, sims(4), stage_ms=[1.0] * 2, out_mb=[1.0] * 2, links=Links.uniform(2, NVLINK))
+    with pytest.raises(ValueError, match="one of each per stage"):
+        choose_stages([1.0, 1.0], [1.0], 2, NVLINK)
+
+
+def test_pipeline_placement_is_the_best_over_every_cut_into_runs_of_stages():
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        n, count = int(rng.integers(2, 6)), int(rng.integers(2, 7))
+        stage_ms = [float(v) for v in rng.uniform(0.1, 2.0, count)]
+        out_mb = [float(v) for v in rng.uniform(1.0, 200.0, count)]
+        links = random_links(rng, n)
+        placed, est = choose_stages(stage_ms, out_mb, n, links, margin=0.0)
+        best = sum(stage_ms)
+        for parts in range(2, min(n, count) + 1):
+            group = links.group(parts)
+            for cuts in itertools.combinations(range(1, count), parts - 1):
+                bounds = [0, *cuts, count]
+                busiest = 0.0
+                for j in range(parts):
+                    busy = sum(stage_ms[bounds[j]:bounds[j + 1]])
+                    if j:
+                        busy = max(busy, links(group[j - 1], group[j]).copy_ms(out_mb[bounds[j] - 1]))
+                    busiest = max(busiest, busy)
+                best = min(best, busiest)
+        assert est == pytest.approx(best)
+        assert placed == sorted(placed, key=lambda d: placed.index(d))  # runs of consecutive stages

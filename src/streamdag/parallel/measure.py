@@ -15,7 +15,7 @@ import torch
 
 from .plan import LayerCost, LinkCost, Links, split_sizes
 
-__all__ = ["measure_costs", "measure_link", "measure_links"]
+__all__ = ["measure_costs", "measure_link", "measure_links", "measure_stages"]
 
 #: Allowance for the cross-device event wait in front of each peer copy in a run.
 WAIT_MS = 0.010
@@ -97,3 +97,17 @@ def measure_link(src: str, dst: str) -> LinkCost:
     big = _gpu_ms(lambda: big_dst.copy_(big_src, non_blocking=True), s, reps=5)
     mb = (64 << 20) / 1e6
     return LinkCost(latency_ms=small + WAIT_MS, ms_per_mb=max(big - small, 1e-6) / mb)
+
+
+def measure_stages(fns: Sequence[Callable[[Any], Any]], example: Any, device: str
+                   ) -> tuple[list[float], list[float]]:
+    """Each pipeline stage's time on ``device`` and its output's size in MB, from ``example`` through all."""
+    dev = torch.device(device)
+    x = example.to(dev)
+    times, sizes = [], []
+    for fn in fns:
+        times.append(_gpu_ms(lambda fn=fn, x=x: fn(x), dev))
+        with torch.cuda.device(dev):
+            x = fn(x)
+        sizes.append(x.numel() * x.element_size() / 1e6)
+    return times, sizes

@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LayerCost", "LinkCost", "Links", "choose_layout", "estimate", "split_sizes", "step_size"]
+__all__ = ["LayerCost", "LinkCost", "Links", "choose_layout", "choose_stages", "estimate", "split_sizes",
+           "step_size"]
 
 #: Group sizes a layer may be split over: powers of two divide the usual widths (and the device count).
 SPLIT_SIZES = (2, 4, 8)
@@ -239,3 +240,47 @@ def choose_layout(layers: Sequence[LayerCost], n: int, link: LinkCost | Links, s
     if plan != single and t > single_ms * (1 - margin):
         return single, single_ms
     return plan, t
+
+
+
+def _part_ms(a: int, b: int, j: int, group: Sequence[int], stage_ms: Sequence[float],
+             out_mb: Sequence[float], links: Links) -> float:
+    """How busy the ``j``-th device of ``group`` is per micro-batch with stages ``[a, b)``: computing
+    them, or receiving their input on its copy stream (beside the compute of other micro-batches)."""
+    busy = float(sum(stage_ms[a:b]))
+    if j:
+        busy = max(busy, links(group[j - 1], group[j]).copy_ms(out_mb[a - 1]))
+    return busy
+
+
+def choose_stages(stage_ms: Sequence[float], out_mb: Sequence[float], n: int, link: LinkCost | Links,
+                  margin: float = MARGIN) -> tuple[list[int], float]:
+    """The device index of each pipeline stage, and the estimated time per micro-batch in steady state.
+
+    Stages keep their order and are cut into runs of consecutive stages, one
+    run per device of a group (:meth:`Links.group`), so that the busiest
+    device, computing its stages or receiving its input (``out_mb`` of the
+    stage before), is as little busy as possible. More than one device is used
+    only when that is estimated at least ``margin`` faster than every stage on
+    the first device.
+    """
+    if len(out_mb) != len(stage_ms):
+        raise ValueError(f"choose_stages: {len(stage_ms)} stage times but {len(out_mb)} output sizes; "
+                         f"give one of each per stage")
+    links = _links(link, n)
+    stages = len(stage_ms)
+    one = float(sum(stage_ms))
+    best_ms, best = one, [0] * stages
+    for parts in range(2, min(n, stages) + 1):
+        group = links.group(parts)
+        # cut[(j, b)]: (busiest, cuts) with the first b stages on the first j devices of the group
+        cut: dict[tuple[int, int], tuple[float, list[int]]] = {(0, 0): (0.0, [0])}
+        for j in range(1, parts + 1):
+            for b in range(j, stages - (parts - j) + 1):
+                options = [(max(cut[(j - 1, a)][0], _part_ms(a, b, j - 1, group, stage_ms, out_mb, links)),
+                            [*cut[(j - 1, a)][1], b]) for a in range(j - 1, b) if (j - 1, a) in cut]
+                cut[(j, b)] = min(options, key=lambda o: o[0])
+        t, cuts = cut[(parts, stages)]
+        if t < best_ms and t < one * (1 - margin):
+            best_ms, best = t, [group[j] for j in range(parts) for _ in range(cuts[j + 1] - cuts[j])]
+    return best, best_ms
