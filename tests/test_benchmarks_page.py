@@ -110,3 +110,17 @@ def test_the_tp_table_of_the_suite_reads_the_same_layout():
     assert "split8" in text and "met" in text
     assert "MISSED" in text  # one GPU's chain at 0.9x of PyTorch's misses the 0.98x floor
     assert "peer links (56 ordered pairs): 50-350 GB/s" in text
+
+
+def test_the_tp_benchmark_runs_every_gpu_count_that_fits_and_refuses_the_others_with_the_fix():
+    pytest.importorskip("torch")
+    from streamdag.suite import tp
+
+    assert [tp.visible_ns(g) for g in (1, 2, 3, 4, 7, 8)] == [[1], [1, 2], [1, 2], [1, 2, 4], [1, 2, 4],
+                                                              [1, 2, 4, 8]]
+    assert tp.visible_ns(4, [4, 1, 4]) == [1, 4]
+    with pytest.raises(ValueError, match=r"\[8\] do not fit the 4 GPU\(s\) visible: ask for at most 4"):
+        tp.visible_ns(4, [2, 8])
+    with pytest.raises(ValueError, match=r"GPU counts \[3\]: the benchmark runs 1, 2, 4, 8 GPUs"):
+        tp.visible_ns(4, [3])
+    assert tp.goal(8, 8) == 0.98 and tp.goal(16384, 8) == 6.5 and tp.goal(4096, 4) == 3.5

@@ -228,10 +228,14 @@ def visible_ns(gpus: int, wanted: Sequence[int] | None = None) -> list[int]:
     """The GPU counts to run: ``wanted`` (each at most ``gpus``), or every one of 1, 2, 4, 8 that fits."""
     if wanted is None:
         return [n for n in NS if n <= gpus]
-    too_many = [n for n in wanted if n > gpus or n < 1]
+    odd = [n for n in wanted if n not in NS]
+    if odd:
+        raise ValueError(f"GPU counts {odd}: the benchmark runs {', '.join(map(str, NS))} GPUs (its goals "
+                         f"are set for those); ask for some of them")
+    too_many = [n for n in wanted if n > gpus]
     if too_many:
-        raise ValueError(f"GPU counts {too_many} do not fit the {gpus} GPU(s) visible: ask for counts from "
-                         f"1 to {gpus}, or run on a machine with more GPUs")
+        raise ValueError(f"GPU counts {too_many} do not fit the {gpus} GPU(s) visible: ask for at most "
+                         f"{gpus}, or run on a machine with more GPUs")
     return sorted(set(wanted))
 
 
