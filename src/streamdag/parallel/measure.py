@@ -38,12 +38,15 @@ def _gpu_ms(fn: Callable[[], Any], device: torch.device, reps: int = 10) -> floa
 
 
 def measure_costs(weights: Sequence[Any], rows: int, dtype: Any, devices: Sequence[str],
-                  sizes: Sequence[int] | None = None) -> tuple[list[LayerCost], Links]:
-    """Time each distinct layer shape on the first device, whole and as its block products.
+                  sizes: Sequence[int] | None = None, row_sizes: Sequence[int] | None = None
+                  ) -> tuple[list[LayerCost], Links]:
+    """Time each distinct layer shape on the first device: whole, its block products and its row parts.
 
     A block product is measured for every pair of input and output block
     counts the plan may meet: 1 (whole) and each split size in ``sizes``
-    (default: 2, 4, 8 up to the device count, and the count).
+    (default: 2, 4, 8 up to the device count, and the count); a row part,
+    the whole layer on ``1/k`` of the rows, for each ``k`` in ``row_sizes``
+    (default: as ``sizes``).
     """
     dev = torch.device(devices[0])
     n = len(devices)
@@ -62,8 +65,9 @@ def measure_costs(weights: Sequence[Any], rows: int, dtype: Any, devices: Sequen
             products = {(p, k): _product_ms(x, wf, p, k, dev) for p in counts for k in counts
                         if (p, k) != (1, 1)}
             block = products.get((n, n)) or _product_ms(x, wf, n, n, dev)
+            parts = {k: _rows_ms(x, wf, k, dev) for k in (counts[1:] if row_sizes is None else row_sizes)}
             seen[shape] = LayerCost(single, block, rows * din * size / 1e6, rows * dout * size / 1e6,
-                                    products)
+                                    products, parts)
         layers.append(seen[shape])
     return layers, measure_links(devices)
 
@@ -75,6 +79,13 @@ def _product_ms(x: torch.Tensor, w: torch.Tensor, p: int, k: int, dev: torch.dev
     wb = w[: max(din // p, 1), : max(dout // k, 1)].contiguous()
     ob = torch.empty(x.shape[0], wb.shape[1], dtype=x.dtype, device=dev)
     return _gpu_ms(lambda: torch.mm(xb, wb, out=ob), dev)
+
+
+def _rows_ms(x: torch.Tensor, w: torch.Tensor, k: int, dev: torch.device) -> float:
+    """The whole layer on ``1/k`` of the rows, its activation included."""
+    xr = x[: max(x.shape[0] // k, 1)].contiguous()
+    out = torch.empty(xr.shape[0], w.shape[1], dtype=x.dtype, device=dev)
+    return _gpu_ms(lambda: torch.mm(xr, w, out=out).relu_(), dev)
 
 
 def measure_links(devices: Sequence[str]) -> Links:

@@ -1,29 +1,37 @@
-"""Whether splitting a layer over several devices pays, and over how many: a cost model. Pure code.
+"""Whether splitting a layer over several devices pays, how, and over how many: a cost model. Pure code.
 
-A layer ``y = act(x @ W)`` split over a group of ``k`` devices is split by
-the columns of ``W``: the group's device ``g`` computes the column block
-``y_g``. Its input arrives as the previous layer left it: whole on the first
-device ("single"), or in ``p`` column blocks over the previous layer's group.
-Device ``g`` computes the product with the block it holds first and adds the
-products with the other blocks as their peer copies arrive, one after
-another on its incoming copy stream, so the copies overlap those products.
+A plan names one step per layer of ``y = act(x @ W)``:
 
-A plan names one step per layer: ``"single"`` (on the first device) or
-``"splitK"`` (over a group of ``K`` devices, K = 2, 4, 8 or every device).
-Which ``K`` devices form the group follows the measured links
+- ``"single"``: the layer on the first device;
+- ``"splitK"``: split by the columns of ``W`` over a group of ``K`` devices
+  (K = 2, 4, 8 or every device): device ``g`` computes the column block
+  ``y_g`` from the whole input, so after each such layer every device of the
+  next needs the other devices' blocks;
+- ``"rowsK"``: split by the rows of ``x`` over ``K`` devices, each holding the
+  whole of ``W``: device ``g`` computes its rows of ``y``. A run of row-split
+  layers over the same devices exchanges nothing between its layers; the
+  cost is a copy of ``W`` on every device of the group.
+
+A layer's input arrives as the previous layer left it: whole on the first
+device, in column blocks, or in row blocks. Each device multiplies what it
+holds first and adds the products with the other pieces as their peer copies
+arrive, one after another on its incoming copy stream, so the copies overlap
+those products.
+
+Which ``K`` devices form a group follows the measured links
 (:meth:`Links.group`): the first device, then, one at a time, the device
 whose copies to and from the group so far are cheapest, so that an uneven
 machine (NVLink between some pairs, PCIe between others) groups the devices
 linked best.
 
 Costs come from measurement (:func:`streamdag.parallel.measure_costs` on
-GPUs): the time of the layer on one device, of its block products, and the
-latency and time per megabyte of a peer copy for every ordered pair of
-devices. A dynamic program over the layers picks each layer's step, with the
-final output gathered on the first device. A plan that splits is returned
-only when it is estimated at least ``margin`` faster than keeping every
-layer on one device: the model's error must not turn a small win on paper
-into a loss.
+GPUs): the time of the layer on one device, of its block products and of its
+row parts, and the latency and time per megabyte of a peer copy for every
+ordered pair of devices. A dynamic program over the layers picks each layer's
+step, with the final output gathered on the first device. A plan that splits
+is returned only when it is estimated at least ``margin`` faster than keeping
+every layer on one device: the model's error must not turn a small win on
+paper into a loss.
 """
 
 from __future__ import annotations
@@ -32,12 +40,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["LayerCost", "LinkCost", "Links", "choose_layout", "choose_stages", "estimate", "split_sizes",
-           "step_size"]
+           "step_kind", "step_size"]
+
+#: Where a layer's output is: ("cols" | "rows", the devices holding its blocks, by index).
+State = tuple[str, tuple[int, ...]]
 
 #: Group sizes a layer may be split over: powers of two divide the usual widths (and the device count).
 SPLIT_SIZES = (2, 4, 8)
-#: A split plan must be estimated at least this much faster than one device to be chosen.
-MARGIN = 0.02
+#: A split plan must be estimated at least this much faster than one device to be chosen: a gain
+#: smaller than the model's error is not worth the risk of a loss.
+MARGIN = 0.05
+#: Estimates closer than this (relative) count as equal; then the plan with fewer layout changes wins.
+TIE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,8 @@ class LayerCost:
     ``n`` devices; ``products[(p, k)]`` is one product of an input column
     block of ``p`` by an output column block of ``k`` (the layer's input in
     ``p`` blocks, its output in ``k``). A pair not measured is scaled from
-    ``block_ms`` by its share of the arithmetic.
+    ``block_ms`` by its share of the arithmetic. ``rows_ms[k]`` is the whole
+    layer on ``1/k`` of the rows.
     """
 
     single_ms: float
@@ -107,6 +122,7 @@ class LayerCost:
     in_mb: float  # the layer's whole input
     out_mb: float  # the layer's whole output
     products: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    rows_ms: Mapping[int, float] = field(default_factory=dict)  # K -> the whole layer on 1/K of the rows
 
     def product_ms(self, p: int, k: int, n: int) -> float:
         """One product of an input block of ``p`` by an output block of ``k`` (``n``: all devices)."""
@@ -119,17 +135,29 @@ class LayerCost:
             return self.single_ms / p
         return self.block_ms * n * n / (p * k)
 
+    def row_ms(self, k: int) -> float:
+        """The whole layer on ``1/k`` of the rows (scaled from ``single_ms`` where not measured)."""
+        got = self.rows_ms.get(k)
+        return got if got is not None else self.single_ms / k
+
+
+def step_kind(step: str) -> str:
+    """``"rows"`` for a row split, else ``"cols"`` (``"single"`` is one column block)."""
+    return "rows" if step.startswith("rows") else "cols"
+
 
 def step_size(step: str, n: int) -> int:
-    """The number of devices a plan step uses: ``"single"`` 1, ``"split"`` all ``n``, ``"splitK"`` K."""
+    """The devices a plan step uses: ``"single"`` 1, ``"split"`` all ``n``, ``"splitK"``/``"rowsK"`` K."""
     if step == "single":
         return 1
     if step == "split":
         return n
-    if step.startswith("split") and step[5:].isdigit() and int(step[5:]) >= 2:
-        return int(step[5:])
-    raise ValueError(f"plan step {step!r}: use 'single', 'split' (every device) or 'splitK' with K >= 2 "
-                     f"devices (split2, split4, split8)")
+    for prefix in ("split", "rows"):
+        if step.startswith(prefix) and step[len(prefix):].isdigit() and int(step[len(prefix):]) >= 2:
+            return int(step[len(prefix):])
+    raise ValueError(f"plan step {step!r}: use 'single', 'split' (every device), 'splitK' (by columns "
+                     f"over K >= 2 devices: split2, split4, split8) or 'rowsK' (by rows: rows2, rows4, "
+                     f"rows8)")
 
 
 def split_sizes(n: int) -> list[int]:
@@ -146,27 +174,36 @@ def _links(link: LinkCost | Links, n: int) -> Links:
     return Links.uniform(n, link)
 
 
-def _step_ms(layer: LayerCost, src: tuple[int, ...], dst: tuple[int, ...], links: Links, n: int) -> float:
-    """Finish time of a layer computed over group ``dst`` from its input in blocks over ``src``."""
-    p, k = len(src), len(dst)
-    product = layer.product_ms(p, k, n)
-    block_mb = layer.in_mb / p
+def _step_ms(layer: LayerCost, src: State, dst: State, links: Links, n: int) -> float:
+    """Finish time of a layer computed in layout ``dst`` from its input in layout ``src``."""
+    (skind, have), (dkind, group) = src, dst
+    p, k = len(have), len(group)
+    if dkind == "rows" and skind == "rows":
+        # every device already has its rows; other row blocks would have to be cut anew
+        return layer.row_ms(k) if have == group else float("inf")
+    if dkind == "cols":  # a column block from column blocks, or from full-width row blocks
+        piece_mb = layer.in_mb / p
+        product = layer.product_ms(p, k, n) if skind == "cols" else layer.product_ms(1, k, n) / p
+    else:  # its rows of every column block
+        piece_mb = layer.in_mb / (p * k)
+        product = layer.row_ms(k) / p
     finish = 0.0
-    for g in dst:
-        t = product if g in src else 0.0  # the block it holds, first
+    for g in group:
+        t = product if g in have else 0.0  # the piece it holds, first
         latency, moved = 0.0, 0.0
-        for s in src:  # the others arrive one after another on g's incoming copy stream
+        for s in have:  # the others arrive one after another on g's incoming copy stream
             if s == g:
                 continue
             link = links(s, g)
-            latency, moved = max(latency, link.latency_ms), moved + block_mb * link.ms_per_mb
+            latency, moved = max(latency, link.latency_ms), moved + piece_mb * link.ms_per_mb
             t = max(t, latency + moved) + product
         finish = max(finish, t)
     return finish
 
 
-def _gather_ms(layer: LayerCost, group: tuple[int, ...], links: Links, chunks: int) -> float:
+def _gather_ms(layer: LayerCost, state: State, links: Links, chunks: int) -> float:
     """Moving a split output's blocks to the first device; only the last row chunk of each is exposed."""
+    group = state[1]
     if group == (0,):
         return 0.0
     block_mb = layer.out_mb / len(group) / chunks
@@ -174,12 +211,19 @@ def _gather_ms(layer: LayerCost, group: tuple[int, ...], links: Links, chunks: i
     return max(c.latency_ms for c in others) + sum(block_mb * c.ms_per_mb for c in others)
 
 
-def _group(step: str, n: int, links: Links) -> tuple[int, ...]:
+def _state(step: str, n: int, links: Links) -> State:
     k = step_size(step, n)
     if k > n:
         raise ValueError(f"plan step {step!r} needs {k} devices, the plan has {n}: use a step of at most "
                          f"{n} devices, or plan over more devices")
-    return links.group(k)
+    return step_kind(step), links.group(k)
+
+
+def _start(start: str, n: int) -> State:
+    if start not in ("single", "split"):
+        raise ValueError(f"start={start!r}: use 'single' (whole on the first device) or 'split' (column "
+                         f"blocks over every device)")
+    return ("cols", (0,)) if start == "single" else ("cols", tuple(range(n)))
 
 
 def estimate(plan: Sequence[str], layers: Sequence[LayerCost], n: int, link: LinkCost | Links,
@@ -190,57 +234,71 @@ def estimate(plan: Sequence[str], layers: Sequence[LayerCost], n: int, link: Lin
     or ``"split"`` (column blocks over all ``n``); ``gather`` adds moving a
     split output to the first device, of which only the last of
     ``gather_chunks`` row chunks is exposed. ``link`` is one cost for every
-    pair, or the measured :class:`Links`.
+    pair, or the measured :class:`Links`. A plan the chain cannot run (a row
+    split after a row split over other devices) is estimated ``inf``.
     """
     links = _links(link, n)
-    group = (0,) if start == "single" else tuple(range(n))
+    state = _start(start, n)
     total = 0.0
     for step, layer in zip(plan, layers, strict=True):
-        nxt = _group(step, n, links)
-        total += _step_ms(layer, group, nxt, links, n)
-        group = nxt
+        nxt = _state(step, n, links)
+        total += _step_ms(layer, state, nxt, links, n)
+        state = nxt
     if gather and layers:
-        total += _gather_ms(layers[-1], group, links, gather_chunks)
+        total += _gather_ms(layers[-1], state, links, gather_chunks)
+    elif state[0] == "rows" and state[1] != (0,):
+        return float("inf")  # output wanted in column blocks
     return total
+
+
+def _better(a: tuple[float, int, list[str]], b: tuple[float, int, list[str]]) -> bool:
+    """Faster, or as fast with fewer layout changes."""
+    if a[0] < b[0] * (1 - TIE):
+        return True
+    return a[0] <= b[0] * (1 + TIE) and a[1] < b[1]
 
 
 def choose_layout(layers: Sequence[LayerCost], n: int, link: LinkCost | Links, start: str = "single",
                   gather: bool = True, gather_chunks: int = 1, sizes: Sequence[int] | None = None,
-                  margin: float = MARGIN) -> tuple[list[str], float]:
+                  margin: float = MARGIN, row_sizes: Sequence[int] | None = None) -> tuple[list[str], float]:
     """The plan of least estimated time over ``n`` devices, and that time.
 
-    Each layer is kept on the first device or split over a group of ``k``
-    devices, ``k`` from ``sizes`` (default: 2, 4, 8 up to ``n``, and ``n``).
-    A split plan must be estimated at least ``margin`` (a fraction) faster
-    than every layer on one device, else the plan is every layer on one device.
+    Each layer is kept on the first device, split by columns over a group of
+    ``k`` devices, ``k`` from ``sizes`` (default: 2, 4, 8 up to ``n``, and
+    ``n``), or split by rows over ``k`` from ``row_sizes`` (default: as
+    ``sizes``; ``()`` for none). A split plan must be estimated at least
+    ``margin`` (a fraction) faster than every layer on one device, else the
+    plan is every layer on one device.
     """
     links = _links(link, n)
     single = ["single"] * len(layers)
     single_ms = estimate(single, layers, n, links, start, gather, gather_chunks)
-    steps = ["single"] + [f"split{k}" for k in (split_sizes(n) if sizes is None else sizes) if 2 <= k <= n]
+    col_sizes = split_sizes(n) if sizes is None else sizes
+    steps = ["single"] + [f"split{k}" for k in col_sizes if 2 <= k <= n] + \
+        [f"rows{k}" for k in (col_sizes if row_sizes is None else row_sizes) if 2 <= k <= n]
     if n < 2 or not layers or len(steps) == 1:
         return single, single_ms
-    groups = {s: _group(s, n, links) for s in steps}
-    # best[group] = (time so far, plan) with the last layer's output in blocks over that group
-    best: dict[tuple[int, ...], tuple[float, list[str]]] = {
-        (0,) if start == "single" else tuple(range(n)): (0.0, [])}
+    states = {s: _state(s, n, links) for s in steps}
+    # best[state] = (time so far, layout changes, plan) with the last layer's output in that layout
+    best: dict[State, tuple[float, int, list[str]]] = {_start(start, n): (0.0, 0, [])}
     for layer in layers:
-        nxt: dict[tuple[int, ...], tuple[float, list[str]]] = {}
-        for src, (t, plan) in best.items():
+        nxt: dict[State, tuple[float, int, list[str]]] = {}
+        for src, (t, changes, plan) in best.items():
             for step in steps:
-                dst = groups[step]
-                total = t + _step_ms(layer, src, dst, links, n)
-                if dst not in nxt or total < nxt[dst][0]:
-                    nxt[dst] = (total, [*plan, step])
+                dst = states[step]
+                option = (t + _step_ms(layer, src, dst, links, n), changes + (dst != src), [*plan, step])
+                if dst not in nxt or _better(option, nxt[dst]):
+                    nxt[dst] = option
         best = nxt
     if gather:
-        best = {g: (t + _gather_ms(layers[-1], g, links, gather_chunks), plan)
-                for g, (t, plan) in best.items()}
-    t, plan = min(best.values(), key=lambda tp: tp[0])
+        best = {g: (t + _gather_ms(layers[-1], g, links, gather_chunks), c, plan)
+                for g, (t, c, plan) in best.items()}
+    else:  # the output is wanted in column blocks
+        best = {g: option for g, option in best.items() if g[0] == "cols" or g[1] == (0,)}
+    t, _, plan = min(best.values(), key=lambda option: (option[0], option[1]))
     if plan != single and t > single_ms * (1 - margin):
         return single, single_ms
     return plan, t
-
 
 
 def _part_ms(a: int, b: int, j: int, group: Sequence[int], stage_ms: Sequence[float],

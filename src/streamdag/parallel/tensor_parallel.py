@@ -21,8 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 from ..runtime.ops import then
 from .kernels import kernels_for
-from .layers import Block, _bounds, _clone, _view, column_linear
-from .plan import LayerCost, Links, choose_layout, estimate, split_sizes, step_size
+from .layers import (
+    Block,
+    _bounds,
+    _clone,
+    _cols_from_rows,
+    _row_chunks,
+    _RowBlock,
+    _rows_run,
+    _view,
+    column_linear,
+)
+from .plan import LayerCost, Links, choose_layout, estimate, split_sizes, step_kind, step_size
 
 if TYPE_CHECKING:
     from ..runtime.core import Runtime
@@ -31,6 +41,8 @@ __all__ = ["LinearChain"]
 
 #: Row chunks of a chain's last layer when its output is gathered: the gather of each overlaps the next.
 GATHER_CHUNKS = 2
+#: Row chunks of each device's rows in a run of row-split layers, for the same overlap.
+ROW_CHUNKS = 4
 
 
 @dataclass
@@ -196,17 +208,28 @@ class LinearChain:
         n, devices = len(self.weights), len(self.devices)
         steps = [plan] * n if isinstance(plan, str) else list(plan)
         if len(steps) != n or not all(isinstance(s, str) for s in steps):
-            raise ValueError(f"plan={plan!r}: use 'auto', 'single', 'split', 'splitK' or a list of "
-                             f"'single'/'split'/'splitK' with one entry per layer ({n})")
+            raise ValueError(f"plan={plan!r}: use 'auto', 'single', 'split', 'splitK', 'rowsK' or a list "
+                             f"of those with one entry per layer ({n})")
         if devices < 2:
             return ("single",) * n
-        out = []
+        out: list[str] = []
         for i, (step, w) in enumerate(zip(steps, self.weights)):
             k = step_size(step, devices)
             if k > devices:
                 raise ValueError(f"plan step {step!r} of layer {i} needs {k} devices, the chain has "
                                  f"{devices} ({', '.join(self.devices)}): use split{devices} or less, or a "
                                  f"runtime over {k} devices")
+            if step_kind(step) == "rows":
+                if out and out[-1].startswith("rows") and out[-1] != f"rows{k}":
+                    raise ValueError(f"plan step {step!r} of layer {i} follows {out[-1]!r}: row splits in "
+                                     f"a row share their devices; use one K for them, or put a 'splitK' "
+                                     f"or 'single' between")
+                if i == n - 1 and not self.gather:
+                    raise ValueError(f"plan step {step!r} of the last layer leaves the output in row blocks, "
+                                     f"but gather=False wants column blocks: end with 'single' or a "
+                                     f"'splitK', or gather=True")
+                out.append(f"rows{k}")
+                continue
             if k > 1 and w.shape[1] % k:
                 fits = [d for d in range(2, devices + 1) if w.shape[1] % d == 0]
                 raise ValueError(f"plan step {step!r} of layer {i}: {k} devices do not divide its "
@@ -237,9 +260,11 @@ class LinearChain:
 
         n = len(self.devices)
         sizes = [k for k in split_sizes(n) if all(w.shape[1] % k == 0 for w in self.weights)]
-        layers, links = measure_costs(self.weights, x.shape[0], x.dtype, self.devices, sizes)
+        row_sizes = [k for k in split_sizes(n) if k <= x.shape[0]]
+        layers, links = measure_costs(self.weights, x.shape[0], x.dtype, self.devices, sizes, row_sizes)
         self.links = self.links or links
-        plan, est = choose_layout(layers, n, self.links, layout, self.gather, GATHER_CHUNKS, sizes)
+        plan, est = choose_layout(layers, n, self.links, layout, self.gather, GATHER_CHUNKS, sizes,
+                                  row_sizes=row_sizes)
         info = ChainInfo(plan, layer_costs=layers, links=self.links)
         info.groups = {s: self._group(s) for s in dict.fromkeys(plan) if s != "single"}
         info.estimate_ms = {"/".join(plan): est, "single": estimate(single, layers, n, self.links, layout,
@@ -252,10 +277,13 @@ class LinearChain:
         # layers in two row chunks are measured too (the next layer starts on the first chunk)
         chunk_options = [self.row_chunks] if self.row_chunks else [1, 2]
         candidates = []
-        if self.exchange in (None, "ksplit"):
-            candidates += [(tuple(plan), n, "ksplit") for n in chunk_options]
-        if self.exchange in (None, "gathered"):
-            candidates.append((tuple(plan), max(chunk_options), "gathered"))
+        if not any(s.startswith("split") for s in plan):  # chunks and exchange change column splits only
+            candidates.append((tuple(plan), chunk_options[0], self.exchange or "ksplit"))
+        else:
+            if self.exchange in (None, "ksplit"):
+                candidates += [(tuple(plan), n, "ksplit") for n in chunk_options]
+            if self.exchange in (None, "gathered"):
+                candidates.append((tuple(plan), max(chunk_options), "gathered"))
         candidates.append((single, 1, "ksplit"))
         measured = {c: self._time(x, layout, *c) for c in candidates}
         info.measured_ms = {
@@ -293,7 +321,7 @@ class LinearChain:
             for device, matrix in into.items():
                 if device == b.device:
                     continue
-                for r0, r1 in _bounds(rows, chunks):
+                for r0, r1 in _row_chunks(rows, chunks):
                     self.rt.copy(_view(matrix, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
                                  name=f"{name}@{b.device}->{device}[{r0}:{r1}]")
 
@@ -321,54 +349,61 @@ class LinearChain:
 
     def _record(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int,
                 mode: str = "ksplit") -> tuple[Any, Any, Any]:
-        """Record one run. ``mode`` is how a split layer's output reaches the next split layer:
+        """Record one run. ``mode`` is how a column-split layer's output reaches the next one:
 
         - ``"ksplit"``: left in column blocks; the next layer multiplies each block by
           its rows of the weight and sums (the local block first, while the others arrive);
         - ``"gathered"``: every device gathers a full copy, by row chunks, and the next
           layer multiplies it in one product over the whole width (where the next layer
-          is split over the same devices or fewer of them; else as ``"ksplit"``).
+          is split by columns over the same devices or fewer of them; else as ``"ksplit"``).
+
+        A run of row-split layers goes through :func:`.layers._rows_run` at once.
         """
-        rt = self.rt
-        kern = kernels_for(self.weights[0])
-        first = self.devices[0]
-        rows = x.shape[0]
+        rt, kern, first = self.rt, kernels_for(self.weights[0]), self.devices[0]
+        rows, last = x.shape[0], len(self.weights) - 1
         inp = self._input(x, layout)
-        last = len(self.weights) - 1
         gathering = self.gather and plan[-1] != "single"
         groups = [self._group(step) for step in plan]
+        out = kern.empty(rows, self.weights[-1].shape[1], self.weights[-1], first) if gathering else None
         with rt.record() as graph:
-            blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
+            cur: Any = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
             full: dict[str, Any] | None = None  # each device's gathered copy, in "gathered" mode
-            for i, (w, step) in enumerate(zip(self.weights, plan)):
-                devices = groups[i]
-                src: Any = blocks
-                if full is not None:
-                    src = {g: [Block(full[g], g, 0, full[g].shape[1])] for g in devices}
-                bounds = _bounds(w.shape[1], len(devices))
-                if i == last and gathering:
-                    # the first device writes its block into the output; the others' blocks are
-                    # copied in by row chunks, the first chunks while the last are computed
-                    out = kern.empty(rows, w.shape[1], w, first)
-                    n = max(chunks, GATHER_CHUNKS)
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=n, outputs={first: _view(out, 0, rows, *bounds[0])})
-                    self._copy_blocks(blocks[1:], {first: out}, rows, n, "gather")
-                elif (mode == "gathered" and i < last and step != "single" and plan[i + 1] != "single"
-                      and set(groups[i + 1]) <= set(devices)):
-                    full = {g: kern.empty(rows, w.shape[1], w, g) for g in groups[i + 1]}  # the readers
-                    mine = {g: _view(full[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)
-                            if g in full}
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=chunks, outputs=mine)
-                    self._copy_blocks(blocks, full, rows, chunks, f"layer{i}.gather")
+            i = 0
+            while i <= last:
+                w, step, devices = self.weights[i], plan[i], groups[i]
+                if step_kind(step) == "rows":
+                    j = i
+                    while j < last and plan[j + 1] == step:
+                        j += 1
+                    cur = _rows_run(rt, cur, self.weights[i:j + 1], devices, self.activation, f"layer{i}",
+                                    max(chunks, ROW_CHUNKS), out if j == last else None, first)
+                    i, full = j + 1, None
                     continue
+                bounds = _bounds(w.shape[1], len(devices))
+                gather_now = i == last and gathering
+                n = max(chunks, GATHER_CHUNKS) if gather_now else chunks if step != "single" else 1
+                outputs = {first: _view(out, 0, rows, *bounds[0])} if gather_now else None
+                keep_full = (mode == "gathered" and i < last and step != "single" and plan[i + 1] != "single"
+                             and step_kind(plan[i + 1]) == "cols" and set(groups[i + 1]) <= set(devices))
+                if keep_full:
+                    full_next = {g: kern.empty(rows, w.shape[1], w, g) for g in groups[i + 1]}  # the readers
+                    outputs = {g: _view(full_next[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)
+                               if g in full_next}
+                if cur and isinstance(cur[0], _RowBlock):
+                    cur = _cols_from_rows(rt, cur, w, devices, self.activation, f"layer{i}", outputs)
                 else:
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=chunks if step != "single" else 1)
+                    src = cur if full is None else {g: [Block(full[g], g, 0, w.shape[0])] for g in devices}
+                    cur = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}", row_chunks=n,
+                                        outputs=outputs)
                 full = None
+                if gather_now:  # the others' blocks copied in by row chunks, the first while the last compute
+                    self._copy_blocks(cur[1:], {first: out}, rows, n, "gather")
+                elif keep_full:
+                    self._copy_blocks(cur, full_next, rows, chunks, f"layer{i}.gather")
+                    full = full_next
+                i += 1
             if not gathering:
-                out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
+                out = cur[0].value if len(cur) == 1 and cur[0].device == first else cur
         graph.capture = graph.capture and self.capture
         return graph, inp, out
 
