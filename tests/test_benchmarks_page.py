@@ -73,7 +73,8 @@ def tp_result(gpus):
                      "explain": "...", "graphs_captured": [True]}
             if n > 1:
                 entry.update(streamdag_input_split_ms=ms * 0.95, speedup_input_split=one / ms / 0.95,
-                             plan_input_split=entry["plan_input_whole"], hand_made_nccl_ms=ms * 1.1)
+                             plan_input_split=entry["plan_input_whole"], hand_made_nccl_ms=ms * 1.1,
+                             hand_made_rows_ms=ms * 1.25)
             by_n[str(n)] = entry
         cases.append({"rows": rows, "layers": 4, "one_gpu_ms": one, "by_n": by_n})
     links = {"devices": names,
@@ -98,6 +99,9 @@ def test_tp_results_of_several_gpus_render_a_row_per_case_and_gpu_count_and_the_
     assert f"on the first N of {gpus} GPUs" in text
     assert f"| 16384 × 8192, 4 | {gpus} | 12.800 | {12.8 / (0.9 * gpus):.3f} ({0.9 * gpus:.2f}x) |" in text
     assert f"| split{gpus} |" in text and "| 8 × 8192, 4 | 1 | 0.300 | 0.300 (1.00x) | — |" in text
+    row = ("| 8 × 8192, 4 | 2 | 0.300 | 0.300 (1.00x) | 0.285 (1.05x) | 0.98x | 0.375 (0.80x) "
+           "| 0.330 (0.91x) | — |")
+    assert row in text  # row split, NCCL, no peer-copy version
     assert f"| from {gpus - 1} |" in text and "| from 3 | 50 | 50 | 50 |" in text  # device 3 on a slow link
     assert "NCCL baseline not run: 2 GPUs: this torch build has no NCCL" in text
 

@@ -285,7 +285,8 @@ def test_tensor_parallel_chain_over_n_gpus_equals_one_gpu(n):
         want = torch.relu(want @ w)
     devices = [f"cuda:{g}" for g in range(n)]
     with sd.Runtime(devices=devices, streams=2) as rt:
-        for plan in ("auto", f"split{n}", ["split2", f"split{n}", "single", f"split{n}"]):
+        for plan in ("auto", f"split{n}", ["split2", f"split{n}", "single", f"split{n}"], f"rows{n}",
+                     [f"rows{n}", f"split{n}", "rows2", "rows2"]):
             for exchange in (("ksplit", "gathered") if plan != "auto" else (None,)):
                 chain = LinearChain(rt, weights, plan=plan, exchange=exchange)
                 for _ in range(3):  # eager, captured, replayed
@@ -365,11 +366,12 @@ def test_pipeline_placed_by_the_cost_model_over_n_gpus_equals_one_gpu(n):
         torch.testing.assert_close(y.to("cuda:0"), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("way", ["rows", "nccl"])
 @pytest.mark.parametrize("n", gpu_counts(2, 4, 8))
-def test_the_benchmarks_hand_made_nccl_chain_equals_one_gpu(n):
+def test_the_benchmarks_hand_made_chains_equal_one_gpu(n, way):
     from streamdag.suite import tp
 
-    problem = tp.nccl_problem(n)
+    problem = tp.nccl_problem(n) if way == "nccl" else None
     if problem:
         pytest.skip(problem)
     torch.manual_seed(4)
@@ -378,7 +380,7 @@ def test_the_benchmarks_hand_made_nccl_chain_equals_one_gpu(n):
     want = x
     for w in weights:
         want = torch.relu(want @ w)
-    run = tp.hand_made_nccl(weights, 64, n)
+    run = tp.hand_made_nccl(weights, 64, n) if way == "nccl" else tp.hand_made_rows(weights, 64, n)
     for _ in range(2):
         got = run(x)
         torch.cuda.synchronize()

@@ -11,10 +11,12 @@ previous tensor-parallel layer leaves it); its output is gathered on GPU 0.
 
 Baselines, in the same run: PyTorch on one GPU; on two GPUs the hand-made
 version with peer copies (split W by columns, each GPU gathers the other's
-half after every layer, streams and events); on N GPUs a hand-made version
-with NCCL collectives from one process (``torch.cuda.nccl.all_gather`` after
-every layer, activations kept transposed so each GPU's block is contiguous),
-where this torch build has NCCL. Also measured: the peer link matrix and the
+half after every layer, streams and events); on N GPUs a hand-made row split
+(every GPU holds every W and runs its rows through all layers: scatter,
+layers, gather) and a hand-made column split with NCCL collectives from one
+process (``torch.cuda.nccl.all_gather`` after every layer, activations kept
+transposed so each GPU's block is contiguous), where this torch build has
+NCCL. Also measured: the peer link matrix and the
 throughput of many peer copies in flight through ``rt.copy``.
 
 Times: median wall time per chain call, each between synchronizations of
@@ -34,7 +36,8 @@ from ..parallel.measure import measure_links
 from .cuda_timing import interleaved_wall_ms
 from .report import format_table
 
-__all__ = ["CASES", "NS", "goal", "hand_made", "hand_made_nccl", "nccl_problem", "run", "run_case", "table"]
+__all__ = ["CASES", "NS", "goal", "hand_made", "hand_made_nccl", "hand_made_rows", "nccl_problem", "run",
+           "run_case", "table"]
 
 D = 8192
 CASES = [(8, 8), (512, 8), (4096, 8), (16384, 4)]  # rows, layers
@@ -130,6 +133,34 @@ def hand_made_nccl(weights: list[torch.Tensor], rows: int, n: int) -> Callable[[
     return run
 
 
+def hand_made_rows(weights: list[torch.Tensor], rows: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rows of the input split over ``n`` GPUs, each holding every W: scatter, layers, gather.
+
+    Each GPU runs its rows through every layer with nothing exchanged in
+    between; ``copy_`` between GPUs fences both devices' current streams.
+    """
+    devs = [torch.device(f"cuda:{g}") for g in range(n)]
+    bounds = [(rows * g // n, rows * (g + 1) // n) for g in range(n)]
+    local = [[w.to(d) for w in weights] for d in devs]
+    hs = [[torch.empty(b - a, D, dtype=torch.bfloat16, device=d) for _ in range(2)]
+          for d, (a, b) in zip(devs, bounds)]
+    out = torch.empty(rows, D, dtype=torch.bfloat16, device=devs[0])
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for g, (a, b) in enumerate(bounds):
+            with torch.cuda.device(devs[g]):
+                hs[g][0].copy_(x[a:b], non_blocking=True)
+                cur = 0
+                for w in local[g]:
+                    torch.mm(hs[g][cur], w, out=hs[g][1 - cur]).relu_()
+                    cur = 1 - cur
+        for g, (a, b) in enumerate(bounds):
+            out[a:b].copy_(hs[g][len(weights) % 2], non_blocking=True)
+        return out
+
+    return run
+
+
 def peer_copy_throughput(rt: Runtime, quick: bool) -> dict[str, float]:
     n, size = (4, 64 << 20) if quick else (16, 64 << 20)
     srcs = [torch.empty(size, dtype=torch.uint8, device="cuda:1") for _ in range(n)]
@@ -187,6 +218,10 @@ def run_case(rt: Runtime, rows: int, layers: int, iters: int, ns: Sequence[int],
             hand = hand_made(weights, rows)
             _check("hand-made peer copies", hand(x), want)
             fns["2 hand-made"] = lambda hand=hand: hand(x)
+        if n > 1:
+            spread = hand_made_rows(weights, rows, n)
+            _check(f"hand-made row split over {n}", spread(x), want)
+            fns[f"{n} hand-made rows"] = lambda spread=spread: spread(x)
         if n > 1 and nccl_ok.get(n):
             coll = hand_made_nccl(weights, rows, n)
             _check(f"hand-made NCCL over {n}", coll(x), want)
@@ -206,7 +241,8 @@ def run_case(rt: Runtime, rows: int, layers: int, iters: int, ns: Sequence[int],
             entry.update(streamdag_input_split_ms=ms[f"{n} split"],
                          speedup_input_split=one / ms[f"{n} split"],
                          plan_input_split="/".join(chain._chosen[(rows, "split")]))
-        for label, key in ((f"{n} hand-made", "hand_made_ms"), (f"{n} hand-made NCCL", "hand_made_nccl_ms")):
+        for label, key in ((f"{n} hand-made", "hand_made_ms"), (f"{n} hand-made NCCL", "hand_made_nccl_ms"),
+                           (f"{n} hand-made rows", "hand_made_rows_ms")):
             if label in ms:
                 entry[key] = ms[label]
         entry["graphs_captured"] = [g.captured for g, _, _ in chain._graphs.values()]
@@ -279,16 +315,16 @@ def _rows_of_case(r: dict[str, Any]) -> list[list[Any]]:
         both = [whole] if split is None else [whole, split]
         # small inputs must not lose either way; large ones count their better layout
         judged = min(both) if r["rows"] < LARGE_ROWS else max(both)
-        hand = e.get("hand_made_nccl_ms") or e.get("hand_made_ms")
+        hand = [e.get(k) for k in ("hand_made_rows_ms", "hand_made_nccl_ms")]
         rows.append([r["rows"], n, e["streamdag_input_whole_ms"], whole,
                      "-" if split is None else e["streamdag_input_split_ms"], "-" if split is None else split,
                      e["goal_speedup"], "met" if judged >= e["goal_speedup"] else "MISSED",
-                     "-" if hand is None else r["one_gpu_ms"] / hand, e["plan_input_whole"]])
+                     *("-" if h is None else r["one_gpu_ms"] / h for h in hand), e["plan_input_whole"]])
     return rows
 
 
-HEADERS = ["rows", "N", "whole-in ms", "speedup", "split-in ms", "speedup", "goal", "", "hand-made speedup",
-           "plan (input whole)"]
+HEADERS = ["rows", "N", "whole-in ms", "speedup", "split-in ms", "speedup", "goal", "", "hand rows",
+           "hand NCCL", "plan (input whole)"]
 
 
 def table_of_case(r: dict[str, Any]) -> str:
@@ -301,7 +337,8 @@ def table(result: dict[str, Any]) -> str:
     rows = [row for r in result["cases"] for row in _rows_of_case(r)]
     parts = [format_table(HEADERS, rows),
              "speedup: one GPU's time over streamdag's; the goal counts the worse input layout for small "
-             "inputs, the better for large ones; hand-made: NCCL all-gather (else peer copies at N=2)"]
+             "inputs, the better for large ones; hand rows / hand NCCL: speedups of the hand-made row "
+             "split and NCCL column split (input whole)"]
     links = result.get("links")
     if links:
         gbs = [v for row in links["GBps"] for v in row if v is not None]
