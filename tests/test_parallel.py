@@ -382,6 +382,8 @@ def test_chain_bad_device_counts_splits_and_links_get_errors_naming_the_fix(wide
         Links([[None, None], [NVLINK, None]])
     with pytest.raises(ValueError, match="needs 8 devices, the plan has 4"):
         estimate(["split8"], [layer(1.0, 64)], 4, NVLINK)
+    with pytest.raises(ValueError, match="covers 8 devices, the plan 4: give the links of exactly"):
+        choose_layout([layer(1.0, 64)], 4, Links.uniform(8, NVLINK))
 
 
 # ------------------------------------------------------------------ pipelines placed by the cost model

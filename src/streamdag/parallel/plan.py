@@ -167,9 +167,9 @@ def split_sizes(n: int) -> list[int]:
 
 def _links(link: LinkCost | Links, n: int) -> Links:
     if isinstance(link, Links):
-        if link.n < n:
-            raise ValueError(f"the link matrix covers {link.n} devices, the plan {n}: measure the links "
-                             f"of every device the plan uses")
+        if link.n != n:
+            raise ValueError(f"the link matrix covers {link.n} devices, the plan {n}: give the links of "
+                             f"exactly the devices the plan uses, in their order")
         return link
     return Links.uniform(n, link)
 
