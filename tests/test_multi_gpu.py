@@ -1,6 +1,7 @@
 """Several GPUs: placement, peer copies, recorded graphs and tensor-parallel chains on real devices.
 
-Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
+Marked ``cuda``; skipped without two GPUs, and the tests of 4 or 8 GPUs without that many (each
+says how many it needs and how many are visible).
 """
 
 import textwrap
