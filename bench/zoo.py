@@ -22,7 +22,7 @@ Robust by construction: each model runs in a worker process with a time
 limit (a crash or a hang loses that model's remaining rows, not the run); a
 variant that fails records its error and the others go on; the JSON file is
 rewritten after every model. ``--quick`` runs 8 representative models at fp32,
-batch 1, in about 8 minutes on an H200.
+batch 1 (minutes, mostly Inductor's compiles).
 
 The whole zoo (31 models, two dtypes, two batches) compiles each model three
 ways per row, which takes hours on one GPU, so a run can be cut three ways:

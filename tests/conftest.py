@@ -56,3 +56,14 @@ def rt(request, path):
 
     with sd.Runtime(request.param, streams=3) as runtime:
         yield runtime
+
+
+@pytest.fixture
+def no_tf32():
+    """Full fp32 matmuls and convolutions (no TF32) for the test, so that results compare tightly."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 import streamdag as sd
+from programs import submitted_or_recorded
 from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
@@ -117,12 +118,7 @@ def test_random_cross_device_programs_equal_one_device(record):
             out.copy_(torch.tanh(out + sum(x.sum() for x in ins) * 1e-3))
 
         with sd.Runtime(devices=DEVICES, streams=3) as rt:
-            if record:
-                with rt.record() as g:
-                    submit_program(rt, prog, bufs, body)
-                g.run().result()
-            else:
-                submit_program(rt, prog, bufs, body)
+            submitted_or_recorded(rt, record, submit_program, prog, bufs, body)
         for got, want in zip(bufs, ref):
             torch.testing.assert_close(got.to("cuda:0"), want, rtol=1e-12, atol=1e-12)
 

@@ -30,7 +30,7 @@ def report_escaped(thread: str) -> None:
 
 class _Counters:
     """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
-    and its in-flight bound's slots free and submitters waiting for one (``core._Slots``)."""
+    and its in-flight bound's slots free and submitters waiting for one (``completion.Slots``)."""
 
     __slots__ = ("completed", "free", "peak", "seq", "waiting")
 

@@ -165,9 +165,9 @@ def load_torch() -> ModuleType | None:
     in C++ against PyTorch's headers; handed to the compiled hot path, which otherwise makes the
     same calls through PyTorch's Python bindings.
 
-    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s
-    on the lent H100), then cached per torch version, Python version and source. None (with one
-    warning) where it cannot be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
+    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s),
+    then cached per torch version, Python version and source. None (with one warning) where it
+    cannot be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
     ``STREAMDAG_NATIVE=0`` skips it; ``STREAMDAG_NATIVE=1`` makes a failed build an error.
     """
     global _torch_loaded, _torch_tried, _torch_why_not
@@ -189,7 +189,7 @@ def load_torch() -> ModuleType | None:
         return None
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
-        # one folder per source: two versions of streamdag (an A/B run) must not rebuild each other's
+        # one folder per source: two versions of streamdag timed side by side build one each
         source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes() + _HOST_COPY.read_bytes()
                                 + repr(_TORCH_FLAGS).encode()).hexdigest()[:12]
         tag = f"torch-{torch.__version__}-{python}-{source}".replace("+", "_")

@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -56,7 +56,15 @@ from .accel import build_schedule, pin_ops
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
 
-__all__ = ["CaptureStatistics", "CudaGraphRunner"]
+__all__ = ["CaptureRuntime", "CaptureStatistics", "CudaGraphRunner"]
+
+
+class CaptureRuntime(Protocol):
+    """What a capture needs of the runtime of the graph it captures (``RecordedGraph._rt``): its
+    backends (their peer-copy streams) and its streams (a copy stream's kind)."""
+
+    backends: list[Any]
+    _streams: list[Any]
 
 
 @dataclass
@@ -191,7 +199,8 @@ class CudaGraphRunner:
 
     def _copy_keys(self) -> list[tuple[str, str] | None]:
         """Per op: the (device, kind) of the copy stream it is pinned to, or None for compute."""
-        streams = self.recorded._rt._streams
+        runtime: CaptureRuntime = self.recorded._rt
+        streams = runtime._streams
         return [None if rec.stream is None else (rec.device, streams[rec.stream].kind)
                 for rec in self.recorded._ops]
 
@@ -505,7 +514,8 @@ def _allocations(device: torch.device) -> int:
 def _capturing_peer_streams(recorded: Any) -> list[torch.cuda.Stream]:
     """The source-side streams of peer copies that joined the capture (through PyTorch's fences)."""
     out = []
-    for backend in getattr(recorded._rt, "backends", ()):
+    runtime: CaptureRuntime = recorded._rt
+    for backend in getattr(runtime, "backends", ()):
         peer = getattr(backend, "peer_out", None)
         if peer is None:
             continue

@@ -20,25 +20,42 @@ not those that touch only what the graph's other ops did.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access
 from .accel import plan_waits
-from .core import _DROP_WAITS
-from .ops import Op, failed_input, release_frames
+from .frames import release_frames
+from .ops import Op, failed_input
+from .submitting import _DROP_WAITS
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["HostReplay", "ReplayRuntime"]
 
-__all__ = ["HostReplay"]
+
+class ReplayRuntime(Protocol):
+    """What a host replay needs of its runtime: its streams, and the submit path's steps for one
+    op (a slot, the lock unless host-lane ops come first, a number, the links, a place, a watch for
+    its completion, or a finish where it fails at launch)."""
+
+    _lock: Any
+    _slots: Any  #: ``completion.Slots``
+    _tracker: Any
+    _streams: list[Any]
+    _member: list[Any]
+    _check_open: Callable[[], None]
+    _take_slot: Callable[..., bool]
+    _lock_unless_after_host_ops: Callable[..., bool]
+    _new_op: Callable[..., Op]
+    _admit: Callable[..., tuple[int, list[Op], list[int]]]
+    _watch: Callable[..., None]
+    _finish: Callable[..., None]
 
 
 class HostReplay:
     """The stream program of one recorded graph: streams, waits and events, planned once."""
 
-    def __init__(self, rt: Runtime, fns: Sequence[Any], args: Sequence[tuple], kwargs: Sequence[dict],
+    def __init__(self, rt: ReplayRuntime, fns: Sequence[Any], args: Sequence[tuple], kwargs: Sequence[dict],
                  names: Sequence[str], streams: Sequence[int], preds: Sequence[Sequence[int]],
                  accesses: list[Access], fail_preds: Sequence[Sequence[int]],
                  op_accesses: Sequence[list[Access]]) -> None:
@@ -81,8 +98,7 @@ class HostReplay:
             return None
         self.launched += 1
         try:
-            rt._counts.seq += 1
-            op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
+            op = rt._new_op("graph_run", None, (), {}, self.accesses)
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
             try:
                 self._launch_ops(op, live)
