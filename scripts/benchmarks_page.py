@@ -141,6 +141,44 @@ def render_wait_latency(data: dict) -> str:
 
 
 def render_tp(data: dict) -> str:
+    """The chain over 1, 2, 4, 8 GPUs side by side (``by_n``), or the two-GPU layout of older files."""
+    if not data["cases"] or "by_n" not in data["cases"][0]:
+        return render_tp_two(data)
+    headers = ["rows × D, layers", "GPUs", "one GPU", "**streamdag**, input whole",
+               "**streamdag**, input split", "goal", "hand-made row split", "hand-made NCCL",
+               "hand-made peer copies", "plan (input whole)"]
+    rows = []
+    for c in data["cases"]:
+        one = c["one_gpu_ms"]
+        for n, e in c["by_n"].items():
+            rows.append([f"{c['rows']} × {data['D']}, {c['layers']}", n, one,
+                         ratio(one, e["streamdag_input_whole_ms"]),
+                         ratio(one, e.get("streamdag_input_split_ms")),
+                         f"{e['goal_speedup']:.2f}x", ratio(one, e.get("hand_made_rows_ms")),
+                         ratio(one, e.get("hand_made_nccl_ms")),
+                         ratio(one, e.get("hand_made_ms")), e["plan_input_whole"]])
+    parts = [f"`relu(h @ W)` in {data['dtype']} on the first N of {data['gpus']} GPUs, ms per call "
+             f"(speedup over one GPU); goals: large inputs 1.85x (2), 3.5x (4), 6.5x (8), small ones "
+             f"never below 0.98x.", table(headers, rows)]
+    links = data.get("links")
+    if links:
+        names = [d.split(":")[-1] for d in links["devices"]]
+        matrix = [[f"from {a}", *(fmt(v) if v is None else f"{v:.0f}" for v in row)]
+                  for a, row in zip(names, links["GBps"])]
+        parts += ["Peer links measured per ordered pair, GB/s:",
+                  table(["", *(f"to {b}" for b in names)], matrix)]
+    problems = {n: p for n, p in data.get("nccl", {}).get("problems", {}).items() if p}
+    if problems:
+        parts.append("NCCL baseline not run: "
+                     + "; ".join(f"{n} GPUs: {p}" for n, p in problems.items()) + ".")
+    peer = data.get("peer_copy")
+    if peer:
+        parts.append(f"Peer copies, many in flight: `rt.copy` {peer['streamdag_GBps']:.0f} GB/s, "
+                     f"back-to-back `copy_` {peer['raw_GBps']:.0f} GB/s.")
+    return "\n\n".join(parts)
+
+
+def render_tp_two(data: dict) -> str:
     headers = ["rows × D, layers", "one GPU", "hand-made 2 GPUs", "**streamdag**, input whole",
                "**streamdag**, input split", "plan (input whole)"]
     rows = []
@@ -252,7 +290,8 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                 "`torch.cuda.synchronize()`.", render_latency),
     "wait_latency": ("bench/wait_latency.py", "Waiting for longer work: `result()` against "
                      "`torch.cuda.synchronize()`.", render_wait_latency),
-    "tp": ("bench/tp.py", "Tensor-parallel chain on two GPUs (`LinearChain`).", render_tp),
+    "tp": ("bench/tp.py", "Tensor-parallel chain on 1, 2, 4 and 8 GPUs (`LinearChain`); the file "
+           "name says how many GPUs the machine had.", render_tp),
     "host_lanes": ("bench/host_lanes.py", "Host functions on GPU results: inside their submit "
                    "against `run_on=\"host\"`.", render_flat),
     "host_feed": ("bench/host_feed.py", "Host-lane ops preparing each step's input while the GPU "

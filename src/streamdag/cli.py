@@ -97,7 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
     if several:
         from .suite import tp
 
-        _step(4, steps, "tensor-parallel chain over two GPUs: one GPU, hand-made, streamdag")
+        _step(4, steps, "tensor-parallel chain over 1, 2, 4, 8 GPUs (those visible) against one GPU")
         chain = tp.run(quick=args.quick)
         print(tp.table(chain))
         write_json(out, "tp", chain)
