@@ -37,7 +37,8 @@ def main() -> None:
     if not cases:
         sys.exit(f"bench/tp.py: no case has rows {args.rows}; the cases are {tp.CASES}")
     print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}; GPU counts {counts}", flush=True)
-    result = tp.run(args.quick, counts, cases)
+    result = tp.run(args.quick, counts, cases,
+                    on_case=lambda case: print(tp.table_of_case(case), flush=True))
     for case in result["cases"]:
         for entry in case["by_n"].values():
             print(entry["explain"], flush=True)

@@ -98,7 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .suite import tp
 
         _step(4, steps, "tensor-parallel chain over 1, 2, 4, 8 GPUs (those visible) against one GPU")
-        chain = tp.run(quick=args.quick)
+        chain = tp.run(quick=args.quick, on_case=lambda case: print(tp.table_of_case(case), flush=True))
         print(tp.table(chain))
         write_json(out, "tp", chain)
     try:

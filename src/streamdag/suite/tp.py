@@ -276,8 +276,10 @@ def visible_ns(gpus: int, wanted: Sequence[int] | None = None) -> list[int]:
 
 
 def run(quick: bool = False, ns: Sequence[int] | None = None,
-        cases: Sequence[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Every case (the two small ones when ``quick``) over every GPU count, and the peer links."""
+        cases: Sequence[tuple[int, int]] | None = None,
+        on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every case (the two small ones when ``quick``) over every GPU count, and the peer links;
+    ``on_case`` sees each case's result as it is measured (a long run shows its progress)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     gpus = torch.cuda.device_count()
     counts = visible_ns(gpus, ns)
@@ -290,7 +292,8 @@ def run(quick: bool = False, ns: Sequence[int] | None = None,
         results = []
         for rows, layers in todo:
             results.append(run_case(rt, rows, layers, iters, counts, nccl_ok))
-            print(table_of_case(results[-1]), flush=True)
+            if on_case is not None:
+                on_case(results[-1])
         peer = peer_copy_throughput(rt, quick) if len(devices) > 1 else None
     return {"benchmark": "tp", "dtype": "bfloat16", "D": D, "iters": iters, "gpus": gpus, "ns": counts,
             "device_names": [torch.cuda.get_device_name(g) for g in range(gpus)],
