@@ -59,6 +59,28 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
     return compile_v2(fn, **options)
 
 
+def decoder(model, *, max_length: int, compile: bool | None = None, lookahead: int = 2, **options):
+    """A greedy decoder for a Hugging Face causal LM: a static KV cache of ``max_length`` positions
+    and each decode step one captured graph, replayed for every token
+    (:class:`streamdag.frontend.decode.Decoder`). ``compile`` (default: on CUDA) compiles the step
+    with ``streamdag.compile``, which takes ``options`` (``streams``, ``regions``, ...). Needs
+    ``transformers``; imports torch.
+    """
+    from .frontend.decode import Decoder
+
+    return Decoder(model, max_length=max_length, compile=compile, lookahead=lookahead, **options)
+
+
+def generate(model, input_ids, max_new_tokens: int, **options):
+    """Greedy generation in one call: the prompt followed by the new tokens, as
+    ``model.generate(input_ids, do_sample=False)`` returns them
+    (:func:`streamdag.frontend.decode.generate`; keep a :func:`decoder` to decode several prompts).
+    """
+    from .frontend.decode import generate as _generate
+
+    return _generate(model, input_ids, max_new_tokens, **options)
+
+
 __all__ = [
     "CycleError",
     "DependencyFailed",
@@ -83,6 +105,8 @@ __all__ = [
     "__version__",
     "build_schedule",
     "compile",
+    "decoder",
+    "generate",
     "parallel",
     "read",
     "write",

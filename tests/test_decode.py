@@ -1,0 +1,166 @@
+"""Greedy decoding with a static KV cache (streamdag.decoder / streamdag.generate): the tokens are
+Hugging Face's own greedy ``generate``'s, the prefill and every step reuse one cache, and on a GPU
+every step after the first few replays one captured graph."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import streamdag as sd
+
+tf = pytest.importorskip("transformers")
+
+
+def _llama(hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
+           dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024)
+    return tf.LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+
+
+def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int, eos: int | None = None,
+               pad: int = 0) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              eos_token_id=eos, pad_token_id=pad)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tokens_equal_hugging_face_generate(batch):
+    model = _llama()
+    ids = torch.randint(0, 128, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    dec = sd.decoder(model, max_length=48)
+    assert torch.equal(dec.generate(ids, 16), _hf_greedy(model, ids, 16))
+
+
+def test_a_decoder_decodes_prompt_after_prompt_with_one_cache():
+    model = _llama()
+    dec = sd.decoder(model, max_length=40)
+    gen = torch.Generator().manual_seed(1)
+    for length in (5, 11, 3):  # prompts of other lengths reuse the cache from position 0
+        ids = torch.randint(0, 128, (2, length), generator=gen)
+        assert torch.equal(dec.generate(ids, 10), _hf_greedy(model, ids, 10))
+    assert len(dec._slots) == 1
+
+
+def test_stream_yields_each_steps_tokens_as_batch_vectors_sync_and_async():
+    model = _llama()
+    ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    ref = _hf_greedy(model, ids, 8)[:, 6:]
+    dec = sd.decoder(model, max_length=32)
+    toks = list(dec.stream(ids, 8))
+    assert len(toks) == 8 and all(t.shape == (3,) and t.dtype == torch.long and t.device.type == "cpu"
+                                  for t in toks)
+    assert torch.equal(torch.stack(toks, 1), ref)
+
+    async def read() -> list[torch.Tensor]:
+        return [t async for t in dec.stream(ids, 8)]
+    assert torch.equal(torch.stack(asyncio.run(read()), 1), ref)
+
+
+def test_end_of_sequence_pads_finished_sequences_and_stops_as_generate_does():
+    model = _llama()
+    ids = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    free = _hf_greedy(model, ids, 12)
+    eos = int(free[0, 5 + 3])  # a token sequence 0 makes at step 3: it finishes there
+    ref = _hf_greedy(model, ids, 12, eos=eos, pad=7)
+    out = sd.decoder(model, max_length=32).generate(ids, 12, eos_token_id=eos, pad_token_id=7)
+    assert torch.equal(out, ref)
+    assert (out[0, 5 + 4:] == 7).all()
+
+
+def test_generate_in_one_call_equals_hugging_face():
+    model = _llama(seed=4)
+    ids = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(sd.generate(model, ids, 6), _hf_greedy(model, ids, 6))
+
+
+def test_a_new_stream_ends_the_unread_one_with_a_clear_error():
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+    dec = sd.decoder(model, max_length=32)
+    first = dec.stream(ids, 8)
+    next(first)
+    dec.stream(ids, 8)
+    with pytest.raises(RuntimeError, match="later stream of the same decoder took its cache"):
+        next(first)
+
+
+def test_bad_arguments_are_refused_with_the_fix_named():
+    model = _llama()
+    dec = sd.decoder(model, max_length=16)
+    ids = torch.zeros((1, 10), dtype=torch.long)
+    with pytest.raises(ValueError, match="larger max_length"):
+        dec.generate(ids, 8)
+    with pytest.raises(ValueError, match="2-d int64"):
+        dec.generate(ids.float(), 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        dec.generate(ids, 0)
+    with pytest.raises(TypeError, match="Hugging Face causal language model"):
+        sd.decoder(torch.nn.Linear(2, 2), max_length=8)
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        sd.decoder(_llama().train(), max_length=8)
+
+
+@pytest.mark.slow
+def test_compiled_step_on_the_cpu_gives_the_same_tokens():
+    model = _llama()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    dec = sd.decoder(model, max_length=32, compile=True)
+    assert torch.equal(dec.generate(ids, 10), _hf_greedy(model, ids, 10))
+    assert torch.equal(dec.generate(ids[:, :4], 10), _hf_greedy(model, ids[:, :4], 10))
+    stats = dec.statistics()[2]
+    assert stats.graphs == 1  # positions are data: no recompile as the sequence grows
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_every_step_replays_one_whole_call_graph_and_tokens_equal_generate(batch):
+    model = _llama(hidden=256, layers=4, vocab=2048, device="cuda")
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, 2048, (batch, 64), generator=gen).cuda()
+    new = 48
+    dec = sd.decoder(model, max_length=160)
+    assert torch.equal(dec.generate(ids, new), _hf_greedy(model, ids, new))
+    stats = dec.statistics()[batch]
+    assert stats.graphs == 1  # one compile: the position is data
+    assert stats.whole_captures == 1 and stats.recaptures == 0
+    # the first step compiles, the second is captured after its warm-up, every later one replays
+    assert stats.whole_replays == new - 1 - 2
+    ids2 = torch.randint(0, 2048, (batch, 30), generator=gen).cuda()
+    assert torch.equal(dec.generate(ids2, new), _hf_greedy(model, ids2, new))
+    stats = dec.statistics()[batch]
+    assert stats.whole_captures == 1 and stats.graphs == 1
+    assert stats.whole_replays == 2 * (new - 1) - 2
+
+
+@pytest.mark.cuda
+def test_cuda_steps_are_queued_ahead_of_the_token_being_read():
+    model = _llama(hidden=256, layers=4, vocab=2048, device="cuda")
+    ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
+    dec = sd.decoder(model, max_length=64, lookahead=3)
+    dec.generate(ids, 8)  # compile and capture first
+    stream = dec.stream(ids, 20)
+    first = next(stream)
+    assert stream.enqueued == 1 + 3 and stream.read == 1
+    assert stream.host.is_pinned() and first.shape == (1,)
+    rest = list(stream)
+    assert len(rest) == 19 and stream.enqueued == 20
+
+
+@pytest.mark.cuda
+def test_cuda_regions_of_a_decode_step_run_on_streams_inside_the_whole_call_graph():
+    model = _llama(hidden=256, layers=2, vocab=2048, device="cuda")
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(8)).cuda()
+    dec = sd.decoder(model, max_length=64, regions="always")
+    assert torch.equal(dec.generate(ids, 24), _hf_greedy(model, ids, 24))
+    text = dec.explain()
+    assert "its regions on" in text, text
+    assert dec.statistics()[2].whole_captures == 1
