@@ -80,7 +80,8 @@ def _check_transformers() -> None:
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError("streamdag's decoder runs Hugging Face models: pip install 'transformers>=5'") from exc
+        raise ImportError("streamdag's decoder runs Hugging Face models: "
+                          "pip install 'transformers>=5'") from exc
     if int(transformers.__version__.split(".")[0]) < 5:  # the cache keeps its length on the device from 5 on
         raise ImportError(f"streamdag's decoder needs transformers 5 or newer (its static cache keeps the "
                           f"positions on the device), found {transformers.__version__}: "
