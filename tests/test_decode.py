@@ -107,6 +107,15 @@ def test_bad_arguments_are_refused_with_the_fix_named():
         sd.decoder(_llama().train(), max_length=8)
 
 
+def test_a_model_with_sliding_window_layers_is_refused_by_name():
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = tf.MistralForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+        sd.decoder(model, max_length=32).generate(torch.zeros((1, 4), dtype=torch.long), 2)
+
+
 @pytest.mark.slow
 def test_compiled_step_on_the_cpu_gives_the_same_tokens():
     model = _llama()

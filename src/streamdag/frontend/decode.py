@@ -64,9 +64,14 @@ class _Slot:
 
     def __init__(self, model: torch.nn.Module, max_length: int, compile_step: bool,
                  options: dict[str, Any]) -> None:
-        from transformers import StaticCache
+        from transformers.cache_utils import StaticCache, StaticLayer
 
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        other = sorted({type(x).__name__ for x in self.cache.layers if type(x) is not StaticLayer})
+        if other:  # a sliding window keeps its length as a Python int: each step would compile again
+            raise ValueError(f"the model's static cache has {', '.join(other)} layers: streamdag.decoder "
+                             "decodes models whose every layer is full attention (StaticLayer, positions on "
+                             "the device); use model.generate for this one")
         self.step_module = _Step(model, self.cache)
         self.step: Any = self.step_module
         if compile_step:
