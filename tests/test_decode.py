@@ -5,6 +5,8 @@ every step after the first few replays one captured graph."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import types
 
 import pytest
 import torch
@@ -125,6 +127,66 @@ def test_compiled_step_on_the_cpu_gives_the_same_tokens():
     assert torch.equal(dec.generate(ids[:, :4], 10), _hf_greedy(model, ids[:, :4], 10))
     stats = dec.statistics()[2]
     assert stats.graphs == 1  # positions are data: no recompile as the sequence grows
+
+
+class _CacheKeepingDevice:
+    """A whole-call graph's CUDA calls on the CPU: a capture runs the step but leaves the cache as it
+    was (a capture runs nothing), and a replay runs the step eagerly into the captured outputs."""
+
+    def __init__(self, slot_of):
+        self.slot_of, self.device, self.replays = slot_of, torch.device("cpu"), 0
+
+    def caller(self):
+        return None
+
+    def on_capture_stream(self):
+        return contextlib.nullcontext()
+
+    def join(self, caller, outputs):
+        pass
+
+    def capture(self, fn, args, kwargs):
+        slot = self.slot_of()
+        state = [t for x in slot.cache.layers for t in (x.keys, x.values, x.cumulative_length)]
+        saved = [t.clone() for t in state]
+        out = fn(*args, **kwargs)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+
+        def replay():
+            self.replays += 1
+            out.copy_(slot.step_module(*args, **kwargs))
+        return types.SimpleNamespace(replay=replay), out
+
+    def order(self):
+        pass
+
+
+@pytest.mark.slow
+def test_through_the_whole_call_path_every_step_after_the_second_replays_and_tokens_hold(monkeypatch):
+    from streamdag.frontend import inductor_backend
+    from streamdag.frontend import whole_call as wc
+
+    pick = inductor_backend.GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(inductor_backend.GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    monkeypatch.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
+    model = _llama(seed=9)
+    dec = sd.decoder(model, max_length=48, compile=True)
+    dev = _CacheKeepingDevice(lambda: dec._slots[2])
+    monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
+    gen = torch.Generator().manual_seed(9)
+    for length in (7, 12):
+        ids = torch.randint(0, 128, (2, length), generator=gen)
+        assert torch.equal(dec.generate(ids, 14), _hf_greedy(model, ids, 14))
+    stats = dec.statistics()[2]
+    assert stats.graphs == 1 and stats.whole_captures == 1
+    assert stats.whole_replays == dev.replays == 2 * 13 - 2, dec.explain()
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------
