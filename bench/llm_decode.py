@@ -10,7 +10,10 @@ batch:
   ``torch.compile(mode="reduce-overhead")`` (Hugging Face's own automatic compile
   for a static cache on a GPU; on the CPU it does not compile, and the row says so);
 * ``streamdag``: ``streamdag.decoder(model, max_length=prompt + new)``: the same
-  static cache, each decode step one whole-call CUDA graph replayed.
+  static cache, each decode step one whole-call CUDA graph replayed;
+* with ``--regions``, ``streamdag_regions``: the same with ``regions="always"``:
+  the step's regions on several streams inside its graph, whatever the cost
+  model predicts.
 
 Times are medians of ``--repeats`` generate calls of each variant after its
 warm-up calls (compiles and captures), with the device synchronized around
@@ -39,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("hf_eager", "inductor_ro_static_cache", "streamdag")
-SHORT = {"hf_eager": "hf", "inductor_ro_static_cache": "ro", "streamdag": "sd"}  # the table's labels
+#: with --regions: streamdag's decoder with the step cut into regions on streams whatever the cost model says
+REGIONS = "streamdag_regions"
+SHORT = {"hf_eager": "hf", "inductor_ro_static_cache": "ro", "streamdag": "sd", REGIONS: "sd_regions"}
 H200_TBS = 4.8
 
 # name: LlamaConfig fields; "1b" as Llama 3.2 1B, "wide" as Llama 3 8B (wider layers, fills the GPU better)
@@ -92,10 +97,11 @@ class Variant:
 
         self.name, self.model, self.compiled = name, model, True
         self.notes: dict[str, Any] = {}
-        if name == "streamdag":
+        if name.startswith("streamdag"):
             import streamdag as sd
 
-            self.decoder = sd.decoder(model, max_length=prompt + new)
+            options = {"regions": "always"} if name == REGIONS else {}
+            self.decoder = sd.decoder(model, max_length=prompt + new, **options)
         elif name == "inductor_ro_static_cache":
             self.cache = StaticCache(config=model.config, max_cache_len=prompt + new)
             self.compiled = next(model.parameters()).device.type == "cuda"  # Hugging Face compiles on GPUs
@@ -106,7 +112,7 @@ class Variant:
     def run(self, ids: Any, new: int) -> Any:
         torch = self.torch
         with torch.inference_mode():
-            if self.name == "streamdag":
+            if self.name.startswith("streamdag"):
                 return self.decoder.generate(ids, new)
             kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                           do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -171,7 +177,7 @@ def run_row(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
                   "kv_bytes_at_end": kv_bytes(model, batch, args.prompt + args.new, dtype.itemsize)},
     }
     tokens: dict[str, Any] = {}
-    for vname in VARIANTS:
+    for vname in args.variants:
         try:
             v = Variant(vname, model, args.prompt, args.new)
             r = time_variant(v, ids, args.new, args.repeats, args.warmup, args.device)
@@ -180,10 +186,10 @@ def run_row(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
                 row[key][vname] = r[key]
             if vname == "inductor_ro_static_cache":
                 row["inductor_ro_compiled"] = v.compiled
-            if vname == "streamdag":
+            if vname.startswith("streamdag"):
                 stats = v.decoder.statistics().get(batch)
-                row["streamdag_statistics"] = vars(stats) if stats is not None else None
-                row["streamdag_explain"] = v.decoder.explain()
+                row[f"{vname}_statistics"] = vars(stats) if stats is not None else None
+                row[f"{vname}_explain"] = v.decoder.explain()
             del v
         except Exception as exc:  # one variant's failure keeps the others' numbers
             row["errors"][vname] = f"{type(exc).__name__}: {exc}"
@@ -216,7 +222,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) -> str:
     from streamdag.suite.report import format_table
 
     out = []
@@ -224,15 +230,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         c, ms, tps = r["config"], r["ms_per_token"], r["tokens_per_s"]
         same = [f"{SHORT[k]}:{'same' if e.get('equal') else 'differs@' + str(e.get('first_difference'))}"
                 for k, e in r["tokens_equal"].items()]
-        out.append([c["name"], c["batch"], *[f"{ms.get(v, float('nan')):.3f}" for v in VARIANTS],
+        out.append([c["name"], c["batch"], *[f"{ms.get(v, float('nan')):.3f}" for v in variants],
                     f"{r['bound']['ms_per_token']:.4f}",
-                    *[f"{tps.get(v) or float('nan'):.0f}" for v in VARIANTS],
-                    *[f"{r['prefill_ms'].get(v, float('nan')):.1f}" for v in VARIANTS],
+                    *[f"{tps.get(v) or float('nan'):.0f}" for v in variants],
+                    *[f"{r['prefill_ms'].get(v, float('nan')):.1f}" for v in variants],
                     " ".join(same), "; ".join(r["errors"]) or "-"])
-    return format_table(["config", "batch", *[f"{SHORT[v]} ms/tok" for v in VARIANTS], "bound ms/tok",
-                         *[f"{SHORT[v]} tok/s" for v in VARIANTS],
-                         *[f"{SHORT[v]} prefill ms" for v in VARIANTS], "tokens vs hf", "errors"], out) + (
-        f"\n(hf: {VARIANTS[0]}, ro: {VARIANTS[1]}, sd: {VARIANTS[2]}; tok/s: the batch's tokens)")
+    legend = ", ".join(f"{SHORT[v]}: {v}" for v in variants)
+    return format_table(["config", "batch", *[f"{SHORT[v]} ms/tok" for v in variants], "bound ms/tok",
+                         *[f"{SHORT[v]} tok/s" for v in variants],
+                         *[f"{SHORT[v]} prefill ms" for v in variants], "tokens vs hf", "errors"], out) + (
+        f"\n({legend}; tok/s: the batch's tokens)")
 
 
 def main() -> int:
@@ -251,7 +258,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true",
                    help="the tiny config, a short prompt, on the CPU: a smoke check")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/llm_decode_<device>.json)")
+    p.add_argument("--regions", action="store_true",
+                   help=f"also {REGIONS}: the decode step's regions on streams (regions='always')")
     args = p.parse_args()
+    args.variants = (*VARIANTS, REGIONS) if args.regions else VARIANTS
     import torch
 
     if args.quick:
@@ -273,8 +283,8 @@ def main() -> int:
         for batch in map(int, args.batches.split(",")):
             result["rows"].append(run_row(name, batch, args))
             path.write_text(json.dumps(result, indent=1))
-            print(table(result["rows"][-1:]), flush=True)
-    print(table(result["rows"]))
+            print(table(result["rows"][-1:], args.variants), flush=True)
+    print(table(result["rows"], args.variants))
     print(path)
     return 0
 
