@@ -15,6 +15,8 @@ import streamdag as sd
 
 tf = pytest.importorskip("transformers")
 
+EVERY = {"eos_token_id": None}  # every token asked for: no end of sequence (the counts below need them all)
+
 
 def _llama(hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
            dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
@@ -25,11 +27,10 @@ def _llama(hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
     return tf.LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
 
 
-def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int, eos: int | None = None,
-               pad: int = 0) -> torch.Tensor:
+def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
     with torch.inference_mode():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                              eos_token_id=eos, pad_token_id=pad)
+                              **kwargs)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -65,15 +66,34 @@ def test_stream_yields_each_steps_tokens_as_batch_vectors_sync_and_async():
     assert torch.equal(torch.stack(asyncio.run(read()), 1), ref)
 
 
+def _eos_at_step_3(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """A token that sequence 0 makes at its fourth step and not before (it finishes there)."""
+    free = _hf_greedy(model, ids, 12, eos_token_id=None)[0, ids.shape[1]:]
+    assert int(free[3]) not in free[:3].tolist(), "pick another seed: the token comes earlier too"
+    return int(free[3])
+
+
 def test_end_of_sequence_pads_finished_sequences_and_stops_as_generate_does():
     model = _llama()
     ids = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
-    free = _hf_greedy(model, ids, 12)
-    eos = int(free[0, 5 + 3])  # a token sequence 0 makes at step 3: it finishes there
-    ref = _hf_greedy(model, ids, 12, eos=eos, pad=7)
-    out = sd.decoder(model, max_length=32).generate(ids, 12, eos_token_id=eos, pad_token_id=7)
+    eos = _eos_at_step_3(model, ids)
+    ref = _hf_greedy(model, ids, 12, eos_token_id=[eos, 127], pad_token_id=7)
+    out = sd.decoder(model, max_length=32).generate(ids, 12, eos_token_id=[eos, 127], pad_token_id=7)
     assert torch.equal(out, ref)
     assert (out[0, 5 + 4:] == 7).all()
+
+
+def test_the_models_generation_config_gives_the_default_end_of_sequence_and_none_turns_it_off():
+    model = _llama()
+    ids = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    eos = _eos_at_step_3(model, ids)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, None
+    dec = sd.decoder(model, max_length=32)
+    out = dec.generate(ids, 12)
+    assert torch.equal(out, _hf_greedy(model, ids, 12))
+    assert (out[0, 5 + 3:] == eos).all()  # no padding id: the end-of-sequence id pads
+    full = dec.generate(ids, 12, eos_token_id=None)
+    assert full.shape == (4, 5 + 12) and torch.equal(full, _hf_greedy(model, ids, 12, eos_token_id=None))
 
 
 def test_generate_in_one_call_equals_hugging_face():
@@ -183,7 +203,7 @@ def test_through_the_whole_call_path_every_step_after_the_second_replays_and_tok
     gen = torch.Generator().manual_seed(9)
     for length in (7, 12):
         ids = torch.randint(0, 128, (2, length), generator=gen)
-        assert torch.equal(dec.generate(ids, 14), _hf_greedy(model, ids, 14))
+        assert torch.equal(dec.generate(ids, 14, **EVERY), _hf_greedy(model, ids, 14, **EVERY))
     stats = dec.statistics()[2]
     assert stats.graphs == 1 and stats.whole_captures == 1
     assert stats.whole_replays == dev.replays == 2 * 13 - 2, dec.explain()
@@ -199,14 +219,14 @@ def test_cuda_every_step_replays_one_whole_call_graph_and_tokens_equal_generate(
     ids = torch.randint(0, 2048, (batch, 64), generator=gen).cuda()
     new = 48
     dec = sd.decoder(model, max_length=160)
-    assert torch.equal(dec.generate(ids, new), _hf_greedy(model, ids, new))
+    assert torch.equal(dec.generate(ids, new, **EVERY), _hf_greedy(model, ids, new, **EVERY))
     stats = dec.statistics()[batch]
     assert stats.graphs == 1  # one compile: the position is data
     assert stats.whole_captures == 1 and stats.recaptures == 0
     # the first step compiles, the second is captured after its warm-up, every later one replays
     assert stats.whole_replays == new - 1 - 2
     ids2 = torch.randint(0, 2048, (batch, 30), generator=gen).cuda()
-    assert torch.equal(dec.generate(ids2, new), _hf_greedy(model, ids2, new))
+    assert torch.equal(dec.generate(ids2, new, **EVERY), _hf_greedy(model, ids2, new, **EVERY))
     stats = dec.statistics()[batch]
     assert stats.whole_captures == 1 and stats.graphs == 1
     assert stats.whole_replays == 2 * (new - 1) - 2
@@ -218,7 +238,7 @@ def test_cuda_steps_are_queued_ahead_of_the_token_being_read():
     ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
     dec = sd.decoder(model, max_length=64, lookahead=3)
     dec.generate(ids, 8)  # compile and capture first
-    stream = dec.stream(ids, 20)
+    stream = dec.stream(ids, 20, eos_token_id=None)  # every token, whatever it is
     first = next(stream)
     assert stream.enqueued == 1 + 3 and stream.read == 1
     assert stream.host.is_pinned() and first.shape == (1,)
@@ -231,7 +251,7 @@ def test_cuda_regions_of_a_decode_step_run_on_streams_inside_the_whole_call_grap
     model = _llama(hidden=256, layers=2, vocab=2048, device="cuda")
     ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(8)).cuda()
     dec = sd.decoder(model, max_length=64, regions="always")
-    assert torch.equal(dec.generate(ids, 24), _hf_greedy(model, ids, 24))
+    assert torch.equal(dec.generate(ids, 24, **EVERY), _hf_greedy(model, ids, 24, **EVERY))
     text = dec.explain()
     assert "its regions on" in text, text
     assert dec.statistics()[2].whole_captures == 1

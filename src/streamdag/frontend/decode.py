@@ -44,6 +44,25 @@ __all__ = ["Decoder", "TokenStream", "generate"]
 #: how many decode steps a stream keeps queued ahead of the token being read (on CUDA)
 LOOKAHEAD = 2
 
+#: the default of ``eos_token_id`` and ``pad_token_id``: the model's ``generation_config``, as
+#: ``model.generate`` takes them (an explicit ``eos_token_id=None`` generates every token asked for)
+FROM_MODEL: Any = "from the model's generation_config"
+
+
+def _special_tokens(model: torch.nn.Module, eos: Any, pad: Any) -> tuple[list[int] | None, int | None]:
+    """The end-of-sequence ids (or None: no end) and the padding id, as ``model.generate`` takes them."""
+    config = getattr(model, "generation_config", None)
+    if eos is FROM_MODEL:
+        eos = getattr(config, "eos_token_id", None)
+    if pad is FROM_MODEL:
+        pad = getattr(config, "pad_token_id", None)
+    if eos is None:
+        return None, pad
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    if not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    return ids, ids[0] if pad is None else pad
+
 
 class _Step(torch.nn.Module):
     """One decode step: the model over the newest tokens, then the greedy choice of the next ones."""
@@ -133,25 +152,28 @@ class Decoder:
             slot = self._slots[batch] = _Slot(self.model, self.max_length, compile_step, self.compile_options)
         return slot
 
-    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
-               pad_token_id: int | None = None) -> TokenStream:
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+               eos_token_id: int | list[int] | None = FROM_MODEL,
+               pad_token_id: int | None = FROM_MODEL) -> TokenStream:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch, prompt length), greedily.
 
         The prefill runs at once; the stream yields each step's tokens, a CPU ``int64`` tensor of
-        shape (batch,), as it is read. With ``eos_token_id``, a sequence that produced it gets
-        ``pad_token_id`` (default: ``eos_token_id``) from then on, and the stream ends once every
-        sequence has, as ``model.generate`` does.
+        shape (batch,), as it is read. A sequence that produced an ``eos_token_id`` gets
+        ``pad_token_id`` from then on, and the stream ends once every sequence has, as
+        ``model.generate`` does; both default to the model's ``generation_config`` (the padding
+        to the first end-of-sequence id), and ``eos_token_id=None`` generates every token.
         """
         batch, _ = _check_prompt(input_ids, self.model, max_new_tokens, self.max_length)
         if self._current is not None:
             self._current._end("a later stream of the same decoder took its cache")
         slot = self._slot(batch, input_ids.device)
-        self._current = TokenStream(self, slot, input_ids, max_new_tokens, eos_token_id,
-                                    eos_token_id if pad_token_id is None else pad_token_id)
+        eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
+        self._current = TokenStream(self, slot, input_ids, max_new_tokens, eos, pad)
         return self._current
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                 eos_token_id: int | list[int] | None = FROM_MODEL,
+                 pad_token_id: int | None = FROM_MODEL) -> torch.Tensor:
         """The prompt followed by the new tokens, (batch, length), on the prompt's device: what
         ``model.generate(input_ids, do_sample=False, max_new_tokens=...)`` returns."""
         return self.stream(input_ids, max_new_tokens, eos_token_id=eos_token_id,
@@ -202,12 +224,14 @@ class TokenStream:
     """
 
     def __init__(self, decoder: Decoder, slot: _Slot, input_ids: torch.Tensor, max_new_tokens: int,
-                 eos: int | None, pad: int | None) -> None:
+                 eos: list[int] | None, pad: int | None) -> None:
         self.decoder = decoder
         self.slot = slot
         self.prompt = input_ids
         self.max_new_tokens = max_new_tokens
-        self.eos, self.pad = eos, pad
+        self.pad = pad
+        self.eos = None if eos is None else torch.tensor(eos, device=input_ids.device)
+        self._host_eos = None if eos is None else torch.tensor(eos)
         self.cuda = input_ids.device.type == "cuda"
         batch = input_ids.shape[0]
         self.host = torch.empty((max_new_tokens, batch), dtype=torch.long, pin_memory=self.cuda)
@@ -234,7 +258,7 @@ class TokenStream:
         """Record this step's tokens (after the end-of-sequence rule) and queue their copy to the host."""
         if self._finished is not None:
             tokens = torch.where(self._finished, torch.full_like(tokens, self.pad), tokens)
-            self._finished |= tokens == self.eos
+            self._finished |= torch.isin(tokens, self.eos)
         self.tokens = tokens
         i = self.enqueued
         self.host[i].copy_(tokens.view(-1), non_blocking=self.cuda)
@@ -269,8 +293,8 @@ class TokenStream:
     def _take(self, i: int) -> torch.Tensor:
         tok = self.host[i]
         self.read = i + 1
-        if self.eos is not None:
-            self._host_finished |= tok == self.eos
+        if self._host_eos is not None:
+            self._host_finished |= torch.isin(tok, self._host_eos)
             if bool(self._host_finished.all()):
                 self.done = True
         if self.read == self.max_new_tokens:
@@ -315,7 +339,7 @@ def _why(reason: str) -> str:
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
-             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             eos_token_id: int | list[int] | None = FROM_MODEL, pad_token_id: int | None = FROM_MODEL,
              **options: Any) -> torch.Tensor:
     """Greedy generation in one call: a :class:`Decoder` sized for this prompt (see :meth:`Decoder.generate`).
 
