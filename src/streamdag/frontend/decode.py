@@ -106,7 +106,7 @@ def _check_transformers() -> None:
     except ImportError as exc:
         raise ImportError("streamdag's decoder runs Hugging Face models: "
                           "pip install 'transformers>=5'") from exc
-    if int(transformers.__version__.split(".")[0]) < 5:  # the cache keeps its length on the device from 5 on
+    if int(transformers.__version__.split(".")[0]) < 5:  # the static cache and model interface used here
         raise ImportError(f"streamdag's decoder needs transformers 5 or newer (its static cache keeps the "
                           f"positions on the device), found {transformers.__version__}: "
                           "pip install 'transformers>=5'")
@@ -164,10 +164,10 @@ class Decoder:
         to the first end-of-sequence id), and ``eos_token_id=None`` generates every token.
         """
         batch, _ = _check_prompt(input_ids, self.model, max_new_tokens, self.max_length)
+        eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
         if self._current is not None:
             self._current._end("a later stream of the same decoder took its cache")
         slot = self._slot(batch, input_ids.device)
-        eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
         self._current = TokenStream(self, slot, input_ids, max_new_tokens, eos, pad)
         return self._current
 
@@ -187,7 +187,8 @@ class Decoder:
         """Per batch size: how the step runs (its graphs, region plan and whole-call graph)."""
         parts = []
         for b, s in sorted(self._slots.items()):
-            how = s.step.explain() if s.step is not s.step_module else "the step runs eagerly (compile=False)"
+            how = (s.step.explain() if s.step is not s.step_module
+                   else "the step runs eagerly (not compiled; compile=True compiles it)")
             parts.append(f"batch {b}:\n{how}")
         return "\n\n".join(parts) or "nothing decoded yet"
 
