@@ -254,6 +254,27 @@ def render_zoo(data: dict) -> str:
                   "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams"], rows)
 
 
+def render_llm_decode(data: dict) -> str:
+    """One row per config and batch: ms per decode step of each way (and its tokens/s), the
+    bandwidth bound, the prefill, and whether the token ids equal Hugging Face eager's."""
+    ways = ("hf_eager", "inductor_ro_static_cache", "streamdag")
+    rows = []
+    for r in data["rows"]:
+        c, ms, tps, bound = r["config"], r["ms_per_token"], r["tokens_per_s"], r["bound"]
+        same = ", ".join(f"{k}: same" if e.get("equal")
+                         else f"{k}: differs from token {e.get('first_difference')}"
+                         for k, e in r.get("tokens_equal", {}).items())
+        rows.append([c["name"], f"{c['params'] / 1e9:.2f}B", c["dtype"], c["batch"],
+                     *(f"{fmt(ms.get(k))} ({fmt(tps.get(k))})" for k in ways),
+                     f"{fmt(bound['ms_per_token'])} ({fmt(bound['tokens_per_s'])})",
+                     *(r["prefill_ms"].get(k) for k in ways), same or "—"])
+    return ("ms per decode step (tokens/s of the batch); the bound: weight bytes over "
+            f"{data['rows'][0]['bound']['bandwidth_tbs'] if data['rows'] else '?'} TB/s.\n\n"
+            + table(["config", "params", "dtype", "batch", "HF eager", "HF static + reduce-overhead",
+                     "**streamdag**", "bandwidth bound", "HF eager prefill ms",
+                     "reduce-overhead prefill ms", "streamdag prefill ms", "token ids vs HF eager"], rows))
+
+
 def render_soak(data: dict) -> str:
     rows = [[name, c["programs"], c["ops"], c["failures_injected"], c["mismatches"], c["hangs"],
              c["skipped"]] for name, c in sorted(data["by_category"].items())]
@@ -314,6 +335,10 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
     "zoo": ("bench/zoo.py", "Public models with random weights (torchvision, Hugging Face configs): "
             "streamdag.compile against eager, a CUDA graph of eager, torch.compile and its "
             "reduce-overhead mode; the ratio is the best baseline's time over streamdag's.", render_zoo),
+    "llm_decode": ("bench/llm_decode.py", "Greedy token generation with Llama-style configs (random "
+                   "weights), a 512-token prompt and 256 new tokens: Hugging Face's generate eager, with a "
+                   "static cache under torch.compile reduce-overhead, and `streamdag.decoder`.",
+                   render_llm_decode),
     "soak": ("bench/soak.py", "Random programs of every kind (eager, recorded graphs, failures, "
              "nested submits and waits, callbacks, close() racing submitters) checked against their "
              "serial run; files with `_plant_` ran with a planted defect that the soak must find.",

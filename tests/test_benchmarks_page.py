@@ -128,3 +128,18 @@ def test_the_tp_benchmark_runs_every_gpu_count_that_fits_and_refuses_the_others_
     with pytest.raises(ValueError, match=r"GPU counts \[3\]: the benchmark runs 1, 2, 4, 8 GPUs"):
         tp.visible_ns(4, [3])
     assert tp.goal(8, 8) == 0.98 and tp.goal(16384, 8) == 6.5 and tp.goal(4096, 4) == 3.5
+
+
+def test_an_llm_decode_result_renders_one_row_per_config_and_batch(tmp_path):
+    env = {"gpu": "Some GPU", "gpus": 1, "python": "3.11", "torch": "2.4", "cuda": "12", "streamdag": "0.1.0"}
+    row = {"config": {"name": "1b", "params": 1.24e9, "dtype": "bf16", "batch": 8},
+           "ms_per_token": {"hf_eager": 20.0, "inductor_ro_static_cache": 6.5, "streamdag": 6.25},
+           "tokens_per_s": {"hf_eager": 400.0, "inductor_ro_static_cache": 1230.0, "streamdag": 1280.0},
+           "prefill_ms": {"hf_eager": 30.0, "inductor_ro_static_cache": 31.0, "streamdag": 29.5},
+           "bound": {"ms_per_token": 0.5, "tokens_per_s": 16000.0, "bandwidth_tbs": 4.8},
+           "tokens_equal": {"streamdag": {"equal": False, "first_difference": 17}}}
+    (tmp_path / "llm_decode_Some_GPU.json").write_text(json.dumps({"environment": env, "rows": [row]}))
+    text = load_generator().page(tmp_path)
+    assert ("| 1b | 1.24B | bf16 | 8 | 20.000 (400.0) | 6.500 (1230.0) | 6.250 (1280.0) | 0.500 (16000.0) "
+            "| 30.000 | 31.000 | 29.500 | streamdag: differs from token 17 |") in text
+    assert "over 4.8 TB/s" in text

@@ -218,9 +218,13 @@ class GraphRunner:
                                     whole=not sw.mutates_metadata)
         static = static_indices(args)
         if set(static) & set(sw.mutated_inputs):
-            # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once
+            # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once.
+            # Untimed, the regions run where they were compiled (the planner's gain reached min_gain)
+            streams = min(self.options.streams, sw.program.plan.streams) if sw.program is not None else 0
             return self._uncaptured("the graph updates a parameter or buffer in place (warm-up runs would "
-                                    "repeat the update): run uncaptured", whole=True)
+                                    "repeat the update): run uncaptured" +
+                                    (f", its regions on {streams} streams" if streams else ""),
+                                    streams, whole=True)
         device = next(iter(devices))
         captured = []
         for c in cands:
