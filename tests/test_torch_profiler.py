@@ -76,6 +76,47 @@ def test_ops_on_cpu_lanes_appear_by_name_in_torchs_trace_on_the_same_clock_and_t
         assert inner, f"torch's trace has no aten::mm inside {name}"
 
 
+def test_merged_traces_keep_each_events_moment_and_track(tmp_path, path):
+    names, torch_events, torch_base, ours, our_base = _run_profiled(
+        tmp_path, "cpu", [ProfilerActivity.CPU], **_all_threads())
+    merged = sd.merge_traces(tmp_path / "torch.json", tmp_path / "streamdag.json", out=tmp_path / "both.json")
+    base = merged["baseTimeNanoseconds"]
+    assert base == min(torch_base, our_base)
+    assert json.loads((tmp_path / "both.json").read_text())["traceEvents"] == merged["traceEvents"]
+    for name in names:
+        (mine,) = [e for e in ours if e.get("ph") == "X" and e["name"] == name]
+        (theirs,) = [e for e in torch_events if e.get("ph") == "X" and e["name"] == name]
+        both = [e for e in merged["traceEvents"] if e.get("ph") == "X" and e["name"] == name]
+        assert len(both) == 2 and len({(e["pid"], e["tid"]) for e in both}) == 1, "one track, both events"
+        for original, original_base in ((mine, our_base), (theirs, torch_base)):
+            (moved,) = [e for e in both if e.get("cat") == original.get("cat")]
+            assert _absolute(moved, base)[0] == pytest.approx(_absolute(original, original_base)[0], abs=0.01)
+
+
+def test_a_trace_without_a_clock_is_not_merged_with_one_that_has_it():
+    with pytest.raises(ValueError, match="baseTimeNanoseconds"):
+        sd.merge_traces({"traceEvents": [], "baseTimeNanoseconds": 5}, {"traceEvents": []})
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        sd.merge_traces(Path(__file__))
+
+
+def test_a_merged_trace_draws_as_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from streamdag.observe.plot import trace_png
+
+    trace = sd.merge_traces(
+        {"baseTimeNanoseconds": 1_000_000, "traceEvents": [
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "streamdag cpu lane 0"}},
+            {"ph": "X", "name": "op", "cat": "streamdag compute", "pid": 1, "tid": 2, "ts": 0.0,
+             "dur": 50.0}]},
+        {"baseTimeNanoseconds": 1_010_000, "traceEvents": [
+            {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 1, "tid": 2, "ts": 0.0, "dur": 30.0}]})
+    (inner,) = [e for e in trace["traceEvents"] if e.get("name") == "aten::mm"]
+    assert inner["ts"] == 10.0, "the later base's times move by the bases' difference"
+    png = trace_png(trace, tmp_path / "merged.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_lane_tracks_are_named_after_streamdag_not_a_main_thread(tmp_path):
     x = torch.ones(8)
     with sd.Runtime("cpu", streams=2) as rt:

@@ -24,6 +24,7 @@ from .errors import (
     WouldBlock,
 )
 from .graph.buffers import read, write
+from .observe.merge import merge_traces
 from .observe.timeline import Span, Summary, Timeline
 from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, RuntimeStatistics
 from .runtime.accel import build_schedule
@@ -112,6 +113,7 @@ __all__ = [
     "compile",
     "decoder",
     "generate",
+    "merge_traces",
     "parallel",
     "read",
     "write",
