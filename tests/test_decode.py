@@ -5,13 +5,13 @@ every step after the first few replays one captured graph."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import types
 
 import pytest
 import torch
 
 import streamdag as sd
+from stand_in_device import StandInDevice
 
 tf = pytest.importorskip("transformers")
 
@@ -149,21 +149,13 @@ def test_compiled_step_on_the_cpu_gives_the_same_tokens():
     assert stats.graphs == 1  # positions are data: no recompile as the sequence grows
 
 
-class _CacheKeepingDevice:
-    """A whole-call graph's CUDA calls on the CPU: a capture runs the step but leaves the cache as it
-    was (a capture runs nothing), and a replay runs the step eagerly into the captured outputs."""
+class _CacheKeepingDevice(StandInDevice):
+    """A capture runs the step but leaves the cache as it was, and a replay runs the step eagerly
+    into the captured outputs."""
 
     def __init__(self, slot_of):
-        self.slot_of, self.device, self.replays = slot_of, torch.device("cpu"), 0
-
-    def caller(self):
-        return None
-
-    def on_capture_stream(self):
-        return contextlib.nullcontext()
-
-    def join(self, caller, outputs):
-        pass
+        super().__init__()
+        self.slot_of = slot_of
 
     def capture(self, fn, args, kwargs):
         slot = self.slot_of()
@@ -177,9 +169,6 @@ class _CacheKeepingDevice:
             self.replays += 1
             out.copy_(slot.step_module(*args, **kwargs))
         return types.SimpleNamespace(replay=replay), out
-
-    def order(self):
-        pass
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ calls. The ``slow`` tests go through Dynamo and Inductor's CPU code; the
 ``cuda`` tests capture real CUDA graphs.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -20,6 +19,7 @@ nn = torch.nn
 
 from torch.utils import _pytree as pytree  # noqa: E402
 
+from stand_in_device import StandInDevice  # noqa: E402
 from streamdag.frontend import whole_call as wc  # noqa: E402
 from streamdag.frontend.whole_call import StateWatch, WholeCall, call_key  # noqa: E402
 
@@ -29,23 +29,13 @@ class FakeGraph:
         self.replay = replay
 
 
-class FakeDevice:
-    """The CUDA calls of a whole-call graph, on the CPU: a replay computes ``eager`` into the outputs."""
+class FakeDevice(StandInDevice):
+    """A replay computes ``eager`` into the captured outputs."""
 
     def __init__(self, eager):
+        super().__init__()
         self.eager = eager
-        self.device = torch.device("cpu")
         self.fail = None
-        self.replays = 0
-
-    def caller(self):
-        return None
-
-    def on_capture_stream(self):
-        return contextlib.nullcontext()
-
-    def join(self, caller, outputs):
-        pass
 
     def capture(self, fn, args, kwargs):
         buffers = list(self.eager.buffers()) if isinstance(self.eager, nn.Module) else []
@@ -64,9 +54,6 @@ class FakeDevice:
                 if isinstance(o, torch.Tensor):
                     o.copy_(f)
         return FakeGraph(replay), out
-
-    def order(self):
-        pass
 
 
 class FakeStats:

@@ -46,6 +46,14 @@ class Candidate:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def describe(self, chosen: bool, memory: str = "capture") -> str:
+        """One line of ``explain()``: how it ran, its time and memory, why it failed, if it was chosen."""
+        timing = "" if self.ms is None else f" {self.ms:.4f} ms"
+        peak = "" if self.peak_mib is None else f", {memory} {self.peak_mib:.1f} MiB"
+        extra = (f" ({self.error})" if self.error else "") + "".join(f" ({n})" for n in self.notes)
+        mark = " <- chosen" if chosen else ""
+        return f"candidate {self.label} on {self.streams} stream(s):{timing}{peak}{extra}{mark}"
+
 
 def static_indices(args: Sequence[Any]) -> list[int]:
     """Inputs the graph may read in place: parameters, and the buffers Dynamo marks as static."""

@@ -314,13 +314,7 @@ class GraphRunner:
                 lines.append(f"  plan: {sw.plan}")
             if sw.region_note:
                 lines.append(f"  regions: {sw.region_note}")
-        for c in self.candidates:
-            timing = "" if c.ms is None else f" {c.ms:.4f} ms"
-            memory = "" if c.peak_mib is None else f", capture {c.peak_mib:.1f} MiB"
-            extra = f" ({c.error})" if c.error else ""
-            extra += "".join(f" ({n})" for n in c.notes)
-            mark = " <- chosen" if c is self.chosen else ""
-            lines.append(f"  candidate {c.label} on {c.streams} stream(s):{timing}{memory}{extra}{mark}")
+        lines += [f"  {c.describe(c is self.chosen)}" for c in self.candidates]
         if self.note:
             lines.append(f"  {self.note}")
         lines += [t.explain() for t in self.training]

@@ -168,12 +168,7 @@ class TrainingGraph:
             lines.append(f"    plan: {self.plan}")
         if self.region_note:
             lines.append(f"    regions: {self.region_note}")
-        for c in self.candidates:
-            timing = "" if c.ms is None else f" {c.ms:.4f} ms"
-            memory = "" if c.peak_mib is None else f", peak {c.peak_mib:.1f} MiB"
-            extra = "".join(f" ({n})" for n in c.notes)
-            mark = " <- chosen" if c is self.chosen else ""
-            lines.append(f"    candidate {c.label} on {c.streams} stream(s):{timing}{memory}{extra}{mark}")
+        lines += [f"    {c.describe(c is self.chosen, memory='peak')}" for c in self.candidates]
         if self.note:
             lines.append(f"    {self.note}")
         if self._streams is None:

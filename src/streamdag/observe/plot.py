@@ -49,13 +49,19 @@ def timeline_png(timeline: Timeline, path: str | Path, title: str = "") -> Path:
                 ax.annotate("", xy=(s.start, row[(s.device, s.stream)]),
                             xytext=(src.end, row[(src.device, src.stream)]),
                             arrowprops={"arrowstyle": "->", "color": "#f28e2b", "lw": 0.6, "alpha": 0.7})
-    ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([f"{d} s{st}" for d, st in tracks])
+    summary = timeline.summary()
+    return _finish(plt, fig, ax, [f"{d} s{st}" for d, st in tracks], path,
+                   title or f"makespan {summary.makespan_ms:.3f} ms, concurrency {summary.concurrency:.2f}")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, labels: list[str], path: str | Path, title: str,
+            fontsize: int | None = None) -> Path:
+    """Label the rows (top to bottom) and the axes, and write the figure to ``path``."""
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=fontsize)
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    summary = timeline.summary()
-    ax.set_title(title or f"makespan {summary.makespan_ms:.3f} ms, concurrency {summary.concurrency:.2f}",
-                 fontsize=10)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,15 +99,6 @@ def trace_png(trace: Mapping[str, Any], path: str | Path, title: str = "") -> Pa
         if ours:
             ax.text(x0 + width / 2, y - 0.15, str(e.get("name", "")), ha="center", va="center", fontsize=6,
                     color="white", clip_on=True)
-    ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([names.get(t, f"pid {t[0]} tid {t[1]}")[:48] for t in tracks], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.set_title(title or "merged trace: streamdag ops (tall) over PyTorch ops and kernels (short)",
-                 fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, [names.get(t, f"pid {t[0]} tid {t[1]}")[:48] for t in tracks], path,
+                   title or "merged trace: streamdag ops (tall) over PyTorch ops and kernels (short)",
+                   fontsize=7)

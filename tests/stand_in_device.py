@@ -1,0 +1,29 @@
+"""The CUDA calls of a whole-call graph, on the CPU: what tests of the whole-call path run on.
+
+A subclass says what a capture leaves behind (a capture runs nothing, so what
+the call updated in place goes back as it was) and what a replay computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class StandInDevice:
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.replays = 0
+
+    def caller(self):
+        return None
+
+    def on_capture_stream(self):
+        return contextlib.nullcontext()
+
+    def join(self, caller, outputs):
+        pass
+
+    def order(self):
+        pass
