@@ -16,6 +16,7 @@ from .errors import (
     StreamdagError,
     StreamdagWarning,
     SubmittedInCapture,
+    WorkerLost,
     WouldBlock,
 )
 from .graph.buffers import read, write
@@ -70,6 +71,7 @@ __all__ = [
     "SubmittedInCapture",
     "Summary",
     "Timeline",
+    "WorkerLost",
     "WouldBlock",
     "__version__",
     "build_schedule",

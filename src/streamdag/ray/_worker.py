@@ -1,0 +1,276 @@
+"""What runs inside each Ray worker actor: its buffers, eager ops, transfers out, and graph segments.
+
+The driver (``runtime.py``) decides everything: where an op runs, which earlier ops' failures it
+inherits (``fail_if``), which values arrive from other workers. A worker only runs what it is sent,
+in the order it is sent (a Ray actor runs one caller's calls in order), and remembers which of its
+ops failed, so that a later op that inherits a failure fails without running. Arguments name the
+worker's buffers by number (:class:`Buf`) and transferred values by position (:class:`Incoming`).
+
+Every result goes back as a plain tuple ``(status, a, b, t0, t_in, t1)``: ``("ok", value, None, ...)``,
+``("err", exception, None, ...)`` or ``("dep", root op name, root exception, ...)``; ``t0`` when the
+worker took the op, ``t_in`` when its inputs from other workers had arrived, ``t1`` when it ended, in
+seconds of ``time.time()`` (one clock for every worker of a host, and NTP's across hosts). A failure
+is data, never a Ray task error that would hide which op failed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import WorkerLost
+
+__all__ = ["Buf", "Failed", "Incoming", "OpSpec", "SegmentSpec", "Store", "Worker"]
+
+
+class Buf(NamedTuple):
+    """An argument that is the worker's buffer number ``id``."""
+
+    id: int
+
+
+class Incoming(NamedTuple):
+    """An argument that is the value transferred in under ``key``."""
+
+    key: Any
+
+
+class Store(NamedTuple):
+    """The function of ``rt.put``: its one argument becomes buffer ``buf`` (made again if the worker
+    was restarted since)."""
+
+    buf: int
+
+
+class Failed(NamedTuple):
+    """A transferred value that does not exist: the op that was to write it failed."""
+
+    root_name: str
+    root_error: BaseException
+
+
+@dataclass
+class OpSpec:
+    """One op of a recorded graph, as its worker runs it."""
+
+    index: int
+    name: str
+    fn: Any
+    args: tuple
+    kwargs: dict
+    fail_if: tuple[int, ...]  # graph ops on this worker whose failure this op inherits
+    incoming: tuple[Any, ...] = ()  # the keys of the values it reads from other workers
+    snapshots: tuple[Any, ...] = ()  # export keys whose buffer must be copied right after this op
+
+
+@dataclass
+class SegmentSpec:
+    """A run of one worker's ops that waits for nothing from another worker once it has begun.
+
+    ``first`` segments of a worker take the run's input; the others the carry of the one before.
+    ``exports[i]`` lists the keys ``(buffer, writer op or -1, buffer number)`` its ``i``-th
+    consumer segment reads; ``start_snapshots`` are taken before its first op.
+    """
+
+    worker: int
+    ops: list[OpSpec] = field(default_factory=list)
+    exports: list[list[tuple]] = field(default_factory=list)
+    start_snapshots: list[tuple] = field(default_factory=list)
+    first: bool = False
+
+
+def _resolve(value: Any, buffers: dict[int, Any], incoming: dict[Any, Any], worker: str) -> Any:
+    kind = type(value)
+    if kind is Buf:
+        try:
+            return buffers[value.id]
+        except KeyError:
+            raise WorkerLost(worker, f"buffer {value.id} is not on it: it was restarted since the "
+                                     "buffer was written") from None
+    if kind is Incoming:
+        return incoming[value.key]
+    if kind in (list, tuple):
+        return kind(_resolve(v, buffers, incoming, worker) for v in value)
+    if kind is dict:
+        return {k: _resolve(v, buffers, incoming, worker) for k, v in value.items()}
+    return value
+
+
+def _result(value: Any, buffers: dict[int, Any]) -> Any:
+    """What goes back for an op's return value: a buffer of the worker goes back as its number."""
+    if isinstance(value, np.ndarray) or hasattr(value, "untyped_storage"):
+        for key, buf in buffers.items():
+            if buf is value:
+                return Buf(key)
+    return value
+
+
+class Worker:
+    """The state of one worker: its buffers by number and its failed ops (with their root)."""
+
+    def __init__(self, name: str, device: str) -> None:
+        self.name = name
+        self.device = device
+        self.buffers: dict[int, Any] = {}
+        self.failed: dict[int, tuple[str, BaseException]] = {}
+        self.graph_failed: dict[int, tuple[str, BaseException]] = {}
+        self.token = uuid.uuid4().hex
+
+    # --- plain calls -------------------------------------------------------------------------
+    def where(self) -> tuple[int, str, str, str]:
+        """The worker's process, host, Ray node, and a token of this incarnation (a restarted worker
+        has lost its buffers: the driver tells it by the token)."""
+        import ray
+
+        return os.getpid(), socket.gethostname(), ray.get_runtime_context().get_node_id(), self.token
+
+    def alloc(self, buf: int, shape: tuple[int, ...], dtype: str) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            self.buffers[buf] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        else:
+            self.buffers[buf] = np.empty(shape, dtype=dtype)
+
+    def free(self, bufs: Sequence[int]) -> None:
+        for b in bufs:
+            self.buffers.pop(b, None)
+
+    def forget_failures(self) -> None:
+        self.failed.clear()
+
+    def export(self, buf: int, fail_if: Sequence[int], name: str) -> Any:
+        """The value of buffer ``buf`` now, for another worker (Ray copies it as it returns)."""
+        for u in fail_if:
+            root = self.failed.get(u)
+            if root is not None:
+                return Failed(*root)
+        value = _resolve(Buf(buf), self.buffers, {}, self.name)
+        return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+
+    def run_op(self, op: int, name: str, fn: Any, args: tuple, kwargs: dict, fail_if: Sequence[int],
+               incoming: Sequence[tuple[Any, Any]], timeout: float) -> tuple:
+        """Run one eager op, after the values it reads from other workers have arrived."""
+        import ray
+
+        t0 = time.time()
+        root = next((self.failed[u] for u in fail_if if u in self.failed), None)
+        values: dict[Any, Any] = {}
+        for key, ref in incoming:  # ([ref] wrapped: fetched here, so that a failure is this op's)
+            if root is not None:
+                break
+            try:
+                got = ray.get(ref[0], timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                root = (name, TimeoutError(f"op {name!r}: its input from another worker did not "
+                                           f"arrive within {timeout} s (the runtime's timeout_s)"))
+                self.failed[op] = root
+                now = time.time()
+                return ("err", root[1], None, t0, now, now)
+            except ray.exceptions.RayError as e:
+                root = ("transfer", WorkerLost(f"holding input {key}", type(e).__name__))
+                break
+            if type(got) is Failed:
+                root = (got.root_name, got.root_error)
+            else:
+                values[key] = self._arrive(got)
+        t_in = time.time()
+        if root is not None:
+            self.failed[op] = root
+            return ("dep", root[0], root[1], t0, t_in, t_in)
+        try:
+            result = self._call(fn, args, kwargs, values)
+        except Exception as e:  # the op's own failure: data for the driver
+            self.failed[op] = (name, e)
+            return ("err", e, None, t0, t_in, time.time())
+        return ("ok", _result(result, self.buffers), None, t0, t_in, time.time())
+
+    def _call(self, fn: Any, args: tuple, kwargs: dict, values: dict[Any, Any]) -> Any:
+        if type(fn) is Store:
+            value = _resolve(args[0], {}, values, self.name)
+            have = self.buffers.get(fn.buf)
+            if have is None:  # a copy: Ray hands arguments over as read-only views of its store
+                self.buffers[fn.buf] = self._arrive(np.array(value))
+            elif hasattr(have, "copy_"):  # in place: a captured CUDA graph keeps its addresses
+                have.copy_(self._arrive(value))
+            else:
+                np.copyto(have, value)
+            return None
+        result = fn(*_resolve(args, self.buffers, values, self.name),
+                    **_resolve(kwargs, self.buffers, values, self.name))
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return result
+
+    def _arrive(self, value: Any) -> Any:
+        """A value from another worker, on this worker's device."""
+        if self.device.startswith("cuda") and isinstance(value, np.ndarray):
+            import torch
+
+            return torch.as_tensor(value).to(self.device, non_blocking=False)
+        return value
+
+    # --- compiled graphs ---------------------------------------------------------------------
+    def run_segment(self, spec: SegmentSpec, head: Any, *incoming: dict) -> Any:
+        """Run one segment of a recorded graph (a task of its Ray Compiled Graph).
+
+        ``head`` is the run's input for a worker's first segment, else the carry of the segment
+        before: ``{op index: result tuple}`` of this run so far on this worker. Returns the carry,
+        then one dict of transferred values per consumer segment.
+        """
+        carry: dict[int, tuple] = {} if spec.first else head
+        if spec.first:
+            self.graph_failed.clear()
+        arrived: dict[Any, Any] = {}
+        for values in incoming:
+            for key, value in values.items():
+                arrived[key] = value if type(value) is Failed else self._arrive(value)
+        snaps: dict[Any, Any] = {}
+        for key in spec.start_snapshots:
+            snaps[key] = self._snapshot(key, copy=bool(spec.ops))
+        for op in spec.ops:
+            carry[op.index] = self._run_graph_op(op, arrived)
+            for key in op.snapshots:
+                snaps[key] = self._snapshot(key, copy=True)
+        outs = [{key: snaps[key] if key in snaps else self._snapshot(key, copy=False) for key in keys}
+                for keys in spec.exports]
+        return (carry, *outs) if outs else carry
+
+    def _run_graph_op(self, op: OpSpec, arrived: dict[Any, Any]) -> tuple:
+        t0 = time.time()
+        root = next((self.graph_failed[u] for u in op.fail_if if u in self.graph_failed), None)
+        if root is None:
+            for key in op.incoming:
+                got = arrived[key]
+                if type(got) is Failed:
+                    root = (got.root_name, got.root_error)
+                    break
+        if root is not None:
+            self.graph_failed[op.index] = root
+            return ("dep", root[0], root[1], t0, t0, t0)
+        try:
+            result = self._call(op.fn, op.args, op.kwargs, arrived)
+        except Exception as e:
+            self.graph_failed[op.index] = (op.name, e)
+            return ("err", e, None, t0, t0, time.time())
+        return ("ok", _result(result, self.buffers), None, t0, t0, time.time())
+
+    def _snapshot(self, key: tuple, copy: bool) -> Any:
+        """The value a consumer reads under ``key`` = (buffer, writer op or -1)."""
+        buf, writer = key
+        if writer >= 0 and writer in self.graph_failed:
+            return Failed(*self.graph_failed[writer])
+        value = _resolve(Buf(buf), self.buffers, {}, self.name)
+        if hasattr(value, "detach"):
+            return value.detach().cpu().numpy()
+        return value.copy() if copy else value
+
