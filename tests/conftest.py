@@ -56,3 +56,22 @@ def rt(request, path):
 
     with sd.Runtime(request.param, streams=3) as runtime:
         yield runtime
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of two CPU nodes (one CPU and 100 MB of object store each), shared by
+    every ``ray`` test: starting one takes seconds. Skips where ray is not installed."""
+    ray = pytest.importorskip("ray", reason="streamdag.ray needs ray: pip install 'streamdag[ray]'")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**node)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -156,14 +156,14 @@ class Worker:
         return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
     def run_op(self, op: int, name: str, fn: Any, args: tuple, kwargs: dict, fail_if: Sequence[int],
-               incoming: Sequence[tuple[Any, Any]], timeout: float) -> tuple:
+               incoming: Sequence[tuple[Any, Any, str]], timeout: float) -> tuple:
         """Run one eager op, after the values it reads from other workers have arrived."""
         import ray
 
         t0 = time.time()
         root = next((self.failed[u] for u in fail_if if u in self.failed), None)
         values: dict[Any, Any] = {}
-        for key, ref in incoming:  # ([ref] wrapped: fetched here, so that a failure is this op's)
+        for key, ref, owner in incoming:  # ([ref] wrapped: fetched here, so a failure is this op's)
             if root is not None:
                 break
             try:
@@ -174,8 +174,8 @@ class Worker:
                 self.failed[op] = root
                 now = time.time()
                 return ("err", root[1], None, t0, now, now)
-            except ray.exceptions.RayError as e:
-                root = ("transfer", WorkerLost(f"holding input {key}", type(e).__name__))
+            except ray.exceptions.RayActorError as e:  # the owner died before sending it
+                root = (f"transfer from {owner}", WorkerLost(owner, type(e).__name__))
                 break
             if type(got) is Failed:
                 root = (got.root_name, got.root_error)
@@ -188,6 +188,7 @@ class Worker:
         try:
             result = self._call(fn, args, kwargs, values)
         except Exception as e:  # the op's own failure: data for the driver
+            e = e.with_traceback(None)
             self.failed[op] = (name, e)
             return ("err", e, None, t0, t_in, time.time())
         return ("ok", _result(result, self.buffers), None, t0, t_in, time.time())
@@ -259,7 +260,8 @@ class Worker:
             return ("dep", root[0], root[1], t0, t0, t0)
         try:
             result = self._call(op.fn, op.args, op.kwargs, arrived)
-        except Exception as e:
+        except Exception as e:  # its traceback would hold the op's inputs: views of Ray's channels
+            e = e.with_traceback(None)
             self.graph_failed[op.index] = (op.name, e)
             return ("err", e, None, t0, t0, time.time())
         return ("ok", _result(result, self.buffers), None, t0, t0, time.time())

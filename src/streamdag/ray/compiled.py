@@ -355,7 +355,7 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
             # taken where valid: after ``after`` if a later op of its segment writes the buffer, else
             # at the segment's end (no copy)
             if any(plan.seg_of[u] == src and u > after and any(r.overlaps(b.region) for r in ops[u].writes)
-                   for u in order[b.worker]):
+                   for u in order.get(b.worker, [])):
                 if after >= 0:
                     snaps.setdefault(after, []).append(key)
                 else:

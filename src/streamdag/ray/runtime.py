@@ -255,7 +255,7 @@ class Runtime:
         deps = self._tracker.link(op, accesses)
         op.deps = tuple(d.seq for d in deps)
         fail_if = [d.seq for d in deps if d.worker == worker and _writes_any(d, accesses)]
-        incoming = [(b.id, [self._export(b, deps)]) for b in remote.values()]
+        incoming = [(b.id, [self._export(b, deps)], b.device) for b in remote.values()]
         for bid in written:  # a transfer of it made before this op is not of its new value
             self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
         self._inflight.add(op)
@@ -282,10 +282,11 @@ class Runtime:
         t_done = time.time()
         try:
             status, a, b, t0, t_in, t1 = done.result()
-        except ray.exceptions.RayError as e:  # the worker died (or Ray could not reach it)
+        except ray.exceptions.RayActorError as e:  # the worker died (or Ray cannot reach it)
             status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(e).__name__), None
             t0 = t_in = t1 = t_done
-        except Exception as e:  # anything else Ray raises fails this op, visibly
+        except Exception as e:  # anything else Ray raises (say, the function cannot be unpickled
+            # there: its module is not on the worker) fails this op, visibly
             status, a, b, t0, t_in, t1 = "err", e, None, t_done, t_done, t_done
         with self._lock:
             op.done = True
