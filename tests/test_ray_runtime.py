@@ -101,6 +101,15 @@ def test_a_recorded_graph_runs_as_one_compiled_graph_again_and_again(rt):
     assert g.compiles == 1
 
 
+def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
+    a = rt.put(np.arange(3.0), on=0)
+    with rt.record() as g:
+        node = rt.submit(lambda x: x * 2, sd.read(a), run_on=1)  # reads a transfer, returns an array
+    kept = [g.run().result(timeout=60)[node] for _ in range(3)]  # a kept view would block the next run
+    for got in kept:
+        np.testing.assert_array_equal(got, [0.0, 2.0, 4.0])
+
+
 def test_a_failed_op_in_a_recorded_graph_fails_its_dependents_and_the_run(rt):
     def maybe_boom(x, out):
         if x[0] < 0:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import WorkerLost
 
-__all__ = ["Buf", "Failed", "Incoming", "OpSpec", "SegmentSpec", "Store", "Worker"]
+__all__ = ["Buf", "Failed", "Incoming", "OpSpec", "Packed", "SegmentSpec", "Store", "Worker"]
 
 
 class Buf(NamedTuple):
@@ -47,6 +47,23 @@ class Store(NamedTuple):
     was restarted since)."""
 
     buf: int
+
+
+class Packed(NamedTuple):
+    """A graph op's return value, pickled in band: unpickled on the driver into memory of its own.
+
+    Values that come out of a compiled graph's channel are views of the channel's buffer, which
+    the next run cannot write while they live: a result kept by the caller would block it."""
+
+    data: bytes
+
+
+def _pack(value: Any) -> Any:
+    if value is None or type(value) in (Buf, bool, int, float, str):
+        return value
+    import ray
+
+    return Packed(ray.cloudpickle.dumps(value))
 
 
 class Failed(NamedTuple):
@@ -257,14 +274,14 @@ class Worker:
                     break
         if root is not None:
             self.graph_failed[op.index] = root
-            return ("dep", root[0], root[1], t0, t0, t0)
+            return ("dep", root[0], _pack(root[1]), t0, t0, t0)
         try:
             result = self._call(op.fn, op.args, op.kwargs, arrived)
         except Exception as e:  # its traceback would hold the op's inputs: views of Ray's channels
             e = e.with_traceback(None)
             self.graph_failed[op.index] = (op.name, e)
-            return ("err", e, None, t0, t0, time.time())
-        return ("ok", _result(result, self.buffers), None, t0, t0, time.time())
+            return ("err", _pack(e), None, t0, t0, time.time())
+        return ("ok", _pack(_result(result, self.buffers)), None, t0, t0, time.time())
 
     def _snapshot(self, key: tuple, copy: bool) -> Any:
         """The value a consumer reads under ``key`` = (buffer, writer op or -1)."""

@@ -36,7 +36,7 @@ from ..observe.explain import explain_schedule
 from ..runtime import Future, GraphResult, OpNode
 from ..runtime.accel import DepsTracker, build_schedule
 from ..schedule.plan import Schedule
-from ._worker import Incoming, OpSpec, SegmentSpec
+from ._worker import Incoming, OpSpec, Packed, SegmentSpec
 
 if TYPE_CHECKING:
     from .runtime import RemoteBuffer, Runtime
@@ -175,6 +175,10 @@ class RayGraph:
         prof = rt._profile
         for v, op in enumerate(self._ops):
             status, a, b, t0, t_in, t1 = results[v]
+            if type(a) is Packed:
+                a = ray.cloudpickle.loads(a.data)
+            if type(b) is Packed:
+                b = ray.cloudpickle.loads(b.data)
             if status == "ok":
                 values.append(rt._handle(a, None))
             elif status == "err":
