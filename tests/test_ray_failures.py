@@ -54,6 +54,7 @@ def test_a_worker_killed_mid_run_fails_its_ops_and_their_dependents_and_the_runt
     assert {type(e) for e in group.value.exceptions} == {WorkerLost}
 
     # the restarted worker has lost its buffers: reading one says so; writing it again brings it back
+    assert rt.wait_for_workers() == ["ray:1"]
     with pytest.raises(WorkerLost, match="restarted"):
         rt.get(remote).result(timeout=60)
     with pytest.raises(sd.ExceptionGroup):
@@ -85,6 +86,7 @@ def test_a_worker_killed_during_a_compiled_run_fails_the_run_and_the_next_run_co
         run.result(timeout=90)
     assert any(isinstance(e, WorkerLost) and e.worker == "ray:1" for e in group.value.exceptions)
 
+    rt.wait_for_workers()
     rt.put(np.zeros(1), out=seconds)  # the restarted worker's buffers, written again
     rt.put(np.zeros(4), out=remote)
     g.run().result(timeout=90)

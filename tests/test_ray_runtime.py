@@ -110,6 +110,17 @@ def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
         np.testing.assert_array_equal(got, [0.0, 2.0, 4.0])
 
 
+def test_a_graph_run_follows_eager_writes_on_a_worker_that_only_sends_it_values(rt):
+    a = rt.put(np.zeros(2), on=0)
+    with rt.record() as g:  # ray:0 has no op of the graph: it only sends `a`
+        node = rt.submit(lambda x: x.copy(), sd.read(a), run_on=1)
+    got = []
+    for i in range(20):
+        rt.put(np.full(2, float(i)), out=a)
+        got.append(g.run().result(timeout=60)[node][0])
+    assert got == [float(i) for i in range(20)]
+
+
 def test_a_failed_op_in_a_recorded_graph_fails_its_dependents_and_the_run(rt):
     def maybe_boom(x, out):
         if x[0] < 0:

@@ -172,19 +172,26 @@ class Worker:
         value = _resolve(Buf(buf), self.buffers, {}, self.name)
         return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
-    def run_op(self, op: int, name: str, fn: Any, args: tuple, kwargs: dict, fail_if: Sequence[int],
-               incoming: Sequence[tuple[Any, Any, str]], timeout: float) -> tuple:
-        """Run one eager op, after the values it reads from other workers have arrived."""
+    def run_op(self, call: tuple) -> tuple:
+        """Run one eager op, after the values it reads from other workers have arrived.
+
+        ``call`` is ``(op number, name, fn, args, kwargs, fail_if, incoming, timeout)``, one
+        argument: Ray serializes each argument of a call on its own, and one costs less than eight.
+        ``incoming`` holds ``(key, transfer ref, owner)``: a ref inside an argument is not fetched
+        by Ray before the call, so that a failed transfer fails this op here, as data.
+        """
         import ray
+
+        op, name, fn, args, kwargs, fail_if, incoming, timeout = call
 
         t0 = time.time()
         root = next((self.failed[u] for u in fail_if if u in self.failed), None)
         values: dict[Any, Any] = {}
-        for key, ref, owner in incoming:  # ([ref] wrapped: fetched here, so a failure is this op's)
+        for key, ref, owner in incoming:
             if root is not None:
                 break
             try:
-                got = ray.get(ref[0], timeout=timeout)
+                got = ray.get(ref, timeout=timeout)
             except ray.exceptions.GetTimeoutError:
                 root = (name, TimeoutError(f"op {name!r}: its input from another worker did not "
                                            f"arrive within {timeout} s (the runtime's timeout_s)"))

@@ -108,7 +108,8 @@ class RayGraph:
         groups = [op.worker for op in self._ops]
         self._schedule = build_schedule(deps, 1, groups=groups) if self._ops else build_schedule([], 1)
         self._plan = _segments(self._ops, deps, self._schedule)
-        self._workers_used = set(groups)
+        # every worker with a task in the compiled graph: one that only sends a buffer's value too
+        self._workers_used = {seg.worker for seg in self._plan.segments}
 
     # --- running -------------------------------------------------------------------------------
     def run(self) -> Future:

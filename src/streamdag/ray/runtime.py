@@ -255,13 +255,13 @@ class Runtime:
         deps = self._tracker.link(op, accesses)
         op.deps = tuple(d.seq for d in deps)
         fail_if = [d.seq for d in deps if d.worker == worker and _writes_any(d, accesses)]
-        incoming = [(b.id, [self._export(b, deps)], b.device) for b in remote.values()]
+        incoming = [(b.id, self._export(b, deps), b.device) for b in remote.values()]
         for bid in written:  # a transfer of it made before this op is not of its new value
             self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
         self._inflight.add(op)
         self._pending[worker] += 1
-        ref = self._workers[worker].run_op.remote(op.seq, name, fn, args, kwargs, fail_if, incoming,
-                                                  self.timeout_s)
+        ref = self._workers[worker].run_op.remote((op.seq, name, fn, args, kwargs, fail_if, incoming,
+                                                   self.timeout_s))
         ref.future().add_done_callback(lambda f, op=op: self._finish(op, f))
         return future
 
@@ -380,6 +380,32 @@ class Runtime:
                 del self._recording[me]
         graph._finish_recording()
         self._graphs.append(graph)
+
+    def wait_for_workers(self) -> list[str]:
+        """Wait until every worker answers (Ray restarts a lost one); returns the restarted ones.
+
+        Ops submitted to a worker while Ray restarts it fail with :class:`WorkerLost`: call this
+        first where that matters. Raises ``TimeoutError`` after ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        restarted = []
+        for i, h in enumerate(self._workers):
+            while True:
+                try:
+                    token = ray.get(h.where.remote(), timeout=max(deadline - time.monotonic(), 0.1))[3]
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"worker ray:{i} did not answer within timeout_s={self.timeout_s} s") \
+                        from None
+                except ray.exceptions.RayActorError:  # restarting: ask again
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"worker ray:{i} did not come back within timeout_s="
+                                           f"{self.timeout_s} s") from None
+                    time.sleep(0.05)
+            if token != self._tokens[i]:
+                restarted.append(f"ray:{i}")
+                self._tokens[i] = token
+        return restarted
 
     def worker(self, device: str | int) -> Any:
         """The Ray actor handle of a worker (to call it, or ``ray.kill`` it in a test of failures)."""
