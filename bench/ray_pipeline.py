@@ -119,16 +119,20 @@ def streamdag_runs(rt, weights, batches_shape):
         for buf, x in zip(inputs, batches):
             rt.put(x, out=buf)
 
+    def results():
+        gets = [rt.get(outs[-1][i]) for i in range(MICRO_BATCHES)]
+        return [f.result() for f in gets]
+
     def recorded(batches):
         fill(batches)
         g.run().result()
-        return [rt.get(outs[-1][i]).result() for i in range(MICRO_BATCHES)]
+        return results()
 
     def eager(batches):
         fill(batches)
         for f in submit_all():
             f.result()
-        return [rt.get(outs[-1][i]).result() for i in range(MICRO_BATCHES)]
+        return results()
 
     def recorded_run_only(_batches):  # the run alone: inputs stay as they are
         g.run().result()
@@ -227,8 +231,10 @@ def main() -> None:
     results["goals"] = {
         "recorded per-op time vs hand-written compiled graph (goal <= 1.2x)":
             per_op[sd_key] / per_op[dag_key],
-        "recorded throughput vs hand-written compiled graph (goal >= 0.95x)":
-            throughput["streamdag.ray recorded (g.run)"] / throughput[dag_key],
+        "recorded throughput, inputs put and outputs got around each run, vs hand-written "
+        "compiled graph (goal >= 0.95x)": throughput["streamdag.ray recorded (g.run)"] / throughput[dag_key],
+        "recorded throughput, the run alone, vs hand-written compiled graph":
+            throughput[sd_key] / throughput[dag_key],
         "eager submit host time vs actor .remote(), local op (goal <= 1.2x)":
             sub["streamdag submit, local op"] / sub["ray actor .remote()"],
         "eager submit host time vs actor .remote(), op with a transfer":

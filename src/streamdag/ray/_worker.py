@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import WorkerLost
+from ._captured import CapturedSegment
 
 __all__ = ["Buf", "Failed", "Incoming", "OpSpec", "Packed", "SegmentSpec", "Store", "Worker"]
 
@@ -85,6 +86,8 @@ class OpSpec:
     fail_if: tuple[int, ...]  # graph ops on this worker whose failure this op inherits
     incoming: tuple[Any, ...] = ()  # the keys of the values it reads from other workers
     snapshots: tuple[Any, ...] = ()  # export keys whose buffer must be copied right after this op
+    reads: tuple[int, ...] = ()  # the worker's buffers it declares it reads
+    writes: tuple[int, ...] = ()  # and writes (a GPU worker records them into a local graph)
 
 
 @dataclass
@@ -139,6 +142,8 @@ class Worker:
         self.failed: dict[int, tuple[str, BaseException]] = {}
         self.graph_failed: dict[int, tuple[str, BaseException]] = {}
         self.token = uuid.uuid4().hex
+        self.local: Any = None  # a GPU worker's local streamdag runtime (see _captured.py)
+        self.captured: list[CapturedSegment] = []
 
     # --- plain calls -------------------------------------------------------------------------
     def where(self) -> tuple[int, str, str, str]:
@@ -159,6 +164,11 @@ class Worker:
     def free(self, bufs: Sequence[int]) -> None:
         for b in bufs:
             self.buffers.pop(b, None)
+
+    def captured_statistics(self) -> list[tuple[int, int]]:
+        """``(captures, replays)`` of each segment this GPU worker runs as a local recorded graph."""
+        return [(stats.captures, stats.replays) for seg in self.captured
+                if seg.graph is not None and (stats := seg.graph.statistics()) is not None]
 
     def forget_failures(self) -> None:
         self.failed.clear()
@@ -225,6 +235,9 @@ class Worker:
                 self.buffers[fn.buf] = self._arrive(np.array(value))
             elif hasattr(have, "copy_"):  # in place: a captured CUDA graph keeps its addresses
                 have.copy_(self._arrive(value))
+                import torch
+
+                torch.cuda.synchronize(self.device)  # before a graph on other streams reads it
             else:
                 np.copyto(have, value)
             return None
@@ -262,10 +275,21 @@ class Worker:
         snaps: dict[Any, Any] = {}
         for key in spec.start_snapshots:
             snaps[key] = self._snapshot(key, copy=bool(spec.ops))
-        for op in spec.ops:
-            carry[op.index] = self._run_graph_op(op, arrived)
-            for key in op.snapshots:
-                snaps[key] = self._snapshot(key, copy=True)
+        ran = None
+        if self.device.startswith("cuda") and CapturedSegment.fits(spec):
+            captured = spec.__dict__.get("_captured")  # one per compile: the spec is bound once
+            if captured is None:
+                captured = spec.__dict__["_captured"] = CapturedSegment(self, spec)
+                self.captured.append(captured)
+            ran = captured.run(arrived)
+        if ran is not None:
+            for op, result in zip(spec.ops, ran):
+                carry[op.index] = result
+        else:
+            for op in spec.ops:
+                carry[op.index] = self._run_graph_op(op, arrived)
+                for key in op.snapshots:
+                    snaps[key] = self._snapshot(key, copy=True)
         outs = [{key: snaps[key] if key in snaps else self._snapshot(key, copy=False) for key in keys}
                 for keys in spec.exports]
         return (carry, *outs) if outs else carry

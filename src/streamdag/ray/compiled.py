@@ -54,6 +54,7 @@ class _Rec:
     worker: int
     remote: dict[int, RemoteBuffer]
     name: str
+    ids: dict[bool, tuple[int, ...]]  # the worker's own buffers it reads (False) and writes (True)
 
 
 @dataclass
@@ -84,10 +85,11 @@ class RayGraph:
 
     # --- recording -----------------------------------------------------------------------------
     def _add(self, fn: Any, args: tuple, kwargs: dict, accesses: list[Access], writes: list[Region],
-             worker: int, remote: dict[int, RemoteBuffer], name: str) -> OpNode:
+             worker: int, remote: dict[int, RemoteBuffer], name: str,
+             ids: dict[bool, tuple[int, ...]]) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph was recorded already: record a new one")
-        self._ops.append(_Rec(fn, args, kwargs, accesses, writes, worker, dict(remote), name))
+        self._ops.append(_Rec(fn, args, kwargs, accesses, writes, worker, dict(remote), name, ids))
         return OpNode(len(self._ops) - 1, name)
 
     @property
@@ -376,7 +378,7 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
                         and any(r.overlaps(a.region) for r in ops[u].writes for a in op.accesses))
         plan.segments[plan.seg_of[v]].ops.append(
             OpSpec(v, op.name, op.fn, _rekey(op.args, ids), _rekey(op.kwargs, ids), fail_if,
-                   tuple(reads[v]), tuple(snaps.get(v, ()))))
+                   tuple(reads[v]), tuple(snaps.get(v, ())), op.ids[False], op.ids[True]))
     return plan
 
 

@@ -241,7 +241,10 @@ class Runtime:
         with self._lock:
             graph = self._recording.get(threading.get_ident())
             if graph is not None:
-                return graph._add(fn, args, kwargs, accesses, write_regions, worker, remote, name)
+                mine = [(b, False) for b in reads_l] + [(b, True) for b in writes_l]
+                ids = {w: tuple(b.id for b, wr in mine if isinstance(b, RemoteBuffer) and b.worker == worker
+                                and wr == w) for w in (False, True)}
+                return graph._add(fn, args, kwargs, accesses, write_regions, worker, remote, name, ids)
             return self._submit_eager(fn, args, kwargs, accesses, write_regions, worker, remote, name,
                                       written)
 
