@@ -144,6 +144,8 @@ class Worker:
         self.token = uuid.uuid4().hex
         self.local: Any = None  # a GPU worker's local streamdag runtime (see _captured.py)
         self.captured: list[CapturedSegment] = []
+        self.graph_run = 0
+        self.graph_results: dict[int, tuple] = {}
 
     # --- plain calls -------------------------------------------------------------------------
     def where(self) -> tuple[int, str, str, str]:
@@ -169,6 +171,11 @@ class Worker:
         """``(captures, replays)`` of each segment this GPU worker runs as a local recorded graph."""
         return [(stats.captures, stats.replays) for seg in self.captured
                 if seg.graph is not None and (stats := seg.graph.statistics()) is not None]
+
+    def graph_outcome(self, run: int) -> dict[int, tuple]:
+        """The results of the ops of compiled run ``run`` that ran here (asked after a lost worker
+        tore the compiled graph down)."""
+        return dict(self.graph_results) if self.graph_run == run else {}
 
     def forget_failures(self) -> None:
         self.failed.clear()
@@ -266,8 +273,10 @@ class Worker:
         then one dict of transferred values per consumer segment.
         """
         carry: dict[int, tuple] = {} if spec.first else head
-        if spec.first:
+        if spec.first:  # ``head`` is the run's number
             self.graph_failed.clear()
+            self.graph_run = head
+        self.graph_results = carry  # what ran of this run, for the driver if the graph is torn down
         arrived: dict[Any, Any] = {}
         for values in incoming:
             for key, value in values.items():

@@ -22,8 +22,8 @@ run compiles the graph again on the restarted worker.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +66,13 @@ class _Plan:
     inputs: list[list[tuple[int, int]]] = field(default_factory=list)  # (source segment, its output slot)
     seg_of: dict[int, int] = field(default_factory=dict)  # op index -> segment
     transfers: int = 0
+
+
+_run_numbers = itertools.count(1)
+
+
+def _unpack(value: Any) -> Any:
+    return ray.cloudpickle.loads(value.data) if type(value) is Packed else value
 
 
 class RayGraph:
@@ -140,19 +147,19 @@ class RayGraph:
                         other._teardown()
             if self._compiled is None:
                 self._compile()
-            profiling = rt._profile is not None
+            run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
             try:
-                ref = self._compiled.execute(profiling)
+                ref = self._compiled.execute(run_no)
             except Exception:  # torn down meanwhile (a worker was lost): set up again
                 self._teardown()
                 self._compile()
-                ref = self._compiled.execute(profiling)
+                ref = self._compiled.execute(run_no)
             self._runs_in_flight.append((ref, future))
-        threading.Thread(target=self._settle, args=(ref, future, time.time()), daemon=True,
+        threading.Thread(target=self._settle, args=(ref, future, run_no), daemon=True,
                          name="streamdag-ray-run").start()
         return future
 
-    def _settle(self, ref: Any, future: Future, t_submit: float) -> None:
+    def _settle(self, ref: Any, future: Future, run_no: int) -> None:
         try:
             carries = ray.get(ref, timeout=self._rt.timeout_s)
         except Exception as e:  # a lost worker, a timeout: mapped to the ops below
@@ -163,7 +170,7 @@ class RayGraph:
             if carries is None:
                 self._teardown()
         if carries is None:
-            results = self._lost(cause)
+            results = self._lost(cause, run_no)
         else:
             results = {}
             for carry in carries:
@@ -178,10 +185,7 @@ class RayGraph:
         prof = rt._profile
         for v, op in enumerate(self._ops):
             status, a, b, t0, t_in, t1 = results[v]
-            if type(a) is Packed:
-                a = ray.cloudpickle.loads(a.data)
-            if type(b) is Packed:
-                b = ray.cloudpickle.loads(b.data)
+            a, b = _unpack(a), _unpack(b)
             if status == "ok":
                 values.append(rt._handle(a, None))
             elif status == "err":
@@ -200,14 +204,27 @@ class RayGraph:
         else:
             future.set_result(GraphResult(values))
 
-    def _lost(self, cause: BaseException) -> dict[int, tuple]:
-        """The outcome of each op of a run whose compiled graph failed: the dead workers' ops fail,
-        with their dependents; the others' outcome is unknown, and they fail as not run."""
+    def _lost(self, cause: BaseException, run_no: int) -> dict[int, tuple]:
+        """The outcome of each op of a run whose compiled graph failed: what the workers that kept
+        their state ran, as they report it; the dead workers' other ops fail with WorkerLost, and
+        the ops that depend on one with DependencyFailed. An op that did not run for neither (it
+        waited behind one on its worker when Ray tore the graph down) fails with WorkerLost too."""
         rt = self._rt
         alive = _alive(rt, self._workers_used)
+        ran: dict[int, tuple] = {}
+        refs = [rt._workers[w].graph_outcome.remote(run_no) for w in alive]
+        for ref in refs:
+            with contextlib.suppress(Exception):  # lost meanwhile: its ops count as not run
+                ran.update(ray.get(ref, timeout=min(rt.timeout_s, 60)))
         results: dict[int, tuple] = {}
         roots: dict[int, tuple[str, BaseException]] = {}
         for v, op in enumerate(self._ops):
+            if v in ran:
+                results[v] = ran[v]
+                if ran[v][0] != "ok":
+                    a, b = (_unpack(x) for x in ran[v][1:3])
+                    roots[v] = (op.name, a) if ran[v][0] == "err" else (a, b)
+                continue
             if op.worker not in alive:
                 err = WorkerLost(f"ray:{op.worker}", type(cause).__name__)
                 results[v] = ("err", err, None, None, None, None)
