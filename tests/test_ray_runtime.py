@@ -159,8 +159,12 @@ def test_the_timeline_has_every_worker_and_its_transfers(rt):
     assert spans["inc"].device == "ray:0" and spans["double"].device == "ray:1"
     assert spans["inc"].end <= spans["double"].start + 1e-3
     assert spans["transfer_for_eager_add"].kind == "copy"
-    trace = prof.timeline.to_chrome_trace()
-    assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"ray:0", "ray:1"} or trace
+    assert spans["double"].deps == (spans["inc"].seq,)  # numbered apart from the eager ops
+    assert spans["eager_add"].seq not in {spans["inc"].seq, spans["double"].seq}
+    events = prof.timeline.to_chrome_trace()["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+        "streamdag ray:0", "streamdag ray:1"}
+    assert any(e["ph"] == "s" for e in events)  # the dependency across workers, as a flow arrow
 
 
 def _program(seed: int, n_bufs: int = 6, n_ops: int = 24, workers: int = 3):

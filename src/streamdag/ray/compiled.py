@@ -183,6 +183,7 @@ class RayGraph:
         failures: list[BaseException] = []
         first_dep: BaseException | None = None
         prof = rt._profile
+        first = rt._reserve(len(self._ops)) if prof is not None else 0  # the run's ops' numbers
         for v, op in enumerate(self._ops):
             status, a, b, t0, t_in, t1 = results[v]
             a, b = _unpack(a), _unpack(b)
@@ -195,8 +196,8 @@ class RayGraph:
                 values.append(None)
                 first_dep = first_dep or DependencyFailed(op.name, a, b)
             if prof is not None and t0 is not None:
-                rt._add_spans(prof, _SpanOp(v, op), t0, t_in, t1, status != "ok",
-                              self.schedule.preds[v])
+                rt._add_spans(prof, _SpanOp(first + v, op), t0, t_in, t1, status != "ok",
+                              [first + u for u in self.schedule.preds[v]])
         if failures:
             future.set_exception(BaseExceptionGroup(f"{len(failures)} op(s) of the graph failed", failures))
         elif first_dep is not None:

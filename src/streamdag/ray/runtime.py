@@ -337,9 +337,10 @@ class Runtime:
     def profile(self) -> Iterator[Any]:
         """Time every op run inside the block, on every worker: ``prof.timeline`` once it is left.
 
-        The timeline is the local runtime's (:class:`streamdag.Timeline`): one track per worker
-        (``device`` ``ray:N``, stream 0), an op's transfer in as a ``copy`` span before it, and a
-        recorded graph's ops as they ran in its compiled graph.
+        The timeline is the local runtime's (:class:`streamdag.Timeline`): a process per worker
+        (``device`` ``ray:N``), its ops on stream 0, the wait for an eager op's inputs from other
+        workers as a ``copy`` span on stream 1, and a recorded graph's ops as they ran in its
+        compiled graph.
         """
         prof = _Profile()
         with self._lock:
@@ -354,12 +355,20 @@ class Runtime:
                 self._profile = None
             prof.timeline = Timeline(sorted(prof.spans, key=lambda s: s.start))
 
+    def _reserve(self, n: int) -> int:
+        """The first of ``n`` op numbers of their own (a graph run's ops, on the timeline)."""
+        with self._lock:
+            first = next(self._seq)
+            for _ in range(n - 1):
+                next(self._seq)
+        return first
+
     def _add_spans(self, prof: dict[str, Any], op: Any, t0: float, t_in: float, t1: float,
                    failed: bool, deps: Sequence[int] | None = None) -> None:
         base = prof["t0"]
         device = f"ray:{op.worker}"
-        if t_in - t0 > 1e-6:
-            prof["spans"].append(Span(-1 - op.seq, f"transfer_for_{op.name}", device, 0, "copy",
+        if t_in - t0 > 1e-6:  # the wait for its inputs from other workers: a track of its own
+            prof["spans"].append(Span(-1 - op.seq, f"transfer_for_{op.name}", device, 1, "copy",
                                       (t0 - base) * 1e3, (t_in - base) * 1e3))
         prof["spans"].append(Span(op.seq, op.name, device, 0, "compute", (t_in - base) * 1e3,
                                   (t1 - base) * 1e3, tuple(op.deps if deps is None else deps), failed))
