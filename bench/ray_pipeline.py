@@ -59,6 +59,10 @@ class Stage:
     def noop(self):
         return None
 
+    def apply(self, call):
+        fn, args = call
+        return fn(*args)
+
 
 def _node_options(s: int) -> dict:
     return {"resources": {f"bench_node{s * 2 // STAGES}": 0.01}}
@@ -152,13 +156,18 @@ def time_rounds(variants: dict, batches, rounds: int) -> dict[str, list[float]]:
 
 def submit_overhead(rt, actors) -> dict[str, float]:
     """Driver host time per call, not waiting: an eager submit (local op; op reading another
-    worker's buffer) against a bare actor method's ``.remote()``."""
+    worker's buffer) against a bare actor method's ``.remote()``, and against an actor method that
+    applies a function it is sent (the same function and arguments: Ray's own way to do what a
+    submit does)."""
     a = rt.put(np.zeros(4, np.float32), on=0)
     b = rt.put(np.zeros(4, np.float32), on=1)
     rt.synchronize()
+    small = np.zeros(4, np.float32)
     out = {}
     for label, call in {
         "ray actor .remote()": lambda: actors[0].noop.remote(),
+        "ray actor .remote((fn, args)), the same op by hand": lambda: actors[0].apply.remote(
+            (np.add, (small, 1.0))),
         "streamdag submit, local op": lambda: rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a)),
         "streamdag submit, reads another worker's buffer": lambda: rt.submit(
             np.add, sd.read(a), sd.read(b), out=sd.write(a)),
@@ -239,6 +248,8 @@ def main() -> None:
             sub["streamdag submit, local op"] / sub["ray actor .remote()"],
         "eager submit host time vs actor .remote(), op with a transfer":
             sub["streamdag submit, reads another worker's buffer"] / sub["ray actor .remote()"],
+        "eager submit host time vs the same op by hand, .remote((fn, args))":
+            sub["streamdag submit, local op"] / sub["ray actor .remote((fn, args)), the same op by hand"],
     }
     rows_ = [[k, tiny[k], per_op[k], work[k], throughput[k]] for k in tiny]
     print(format_table(["way", "tiny: ms per run", "tiny: µs per op", "work: ms per run",
