@@ -57,6 +57,9 @@ def test_bad_buffers_are_refused_with_the_fix(rt):
         rt.submit(np.add, a, 1.0)
     with pytest.raises(ValueError, match="not a worker"):
         rt.empty(3, on="ray:7")
+    rt.free(a)
+    with pytest.raises(sd.InvalidBuffer, match="free"):
+        rt.get(a)
 
 
 def test_a_failed_op_fails_its_dependents_on_other_workers_and_not_the_others(rt):

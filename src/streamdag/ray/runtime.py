@@ -53,13 +53,14 @@ class RemoteBuffer:
     a remote buffer are not tracked.
     """
 
-    __slots__ = ("__weakref__", "dtype", "id", "region", "shape", "worker")
+    __slots__ = ("__weakref__", "dtype", "freed", "id", "region", "shape", "worker")
 
     def __init__(self, worker: int, shape: tuple[int, ...], dtype: np.dtype, start: int) -> None:
         self.worker = worker
         self.shape = shape
         self.dtype = dtype
         self.id = next(_buffer_ids)
+        self.freed = False
         nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
         self.region = Region(f"ray:{worker}", start, start + nbytes)
 
@@ -207,7 +208,10 @@ class Runtime:
         return self.submit(_copy_of, buf, reads=[buf], name=f"get<-{buf.device}")
 
     def free(self, *bufs: RemoteBuffer) -> None:
-        """Let the workers drop these buffers (after the ops submitted so far that use them)."""
+        """Let the workers drop these buffers (after the ops submitted so far that use them); a later
+        submit that names one is refused."""
+        for b in bufs:
+            b.freed = True
         for w in {b.worker for b in bufs}:
             self._workers[w].free.remote([b.id for b in bufs if b.worker == w])
 
@@ -461,6 +465,9 @@ class Runtime:
         out: list[Access] = []
         for value, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
             if isinstance(value, RemoteBuffer):
+                if value.freed:
+                    raise InvalidBuffer(f"op {name!r} uses {value!r}, which rt.free() let go: make a new "
+                                        "buffer (rt.empty / rt.put)")
                 out.append(Access(value.region, write))
             elif write:
                 raise InvalidBuffer(
