@@ -104,6 +104,37 @@ def test_a_recorded_graph_runs_as_one_compiled_graph_again_and_again(rt):
     assert g.compiles == 1
 
 
+def _stage(x, w, out):
+    np.tanh(x @ w, out=out)
+
+
+def test_a_pipeline_of_micro_batches_over_the_nodes_matches_serial_execution(rt):
+    rng = np.random.default_rng(1)
+    stages = [0, 1, 2, 0]  # a stage per worker, back to the first: the workers are on both nodes
+    assert len({rt.nodes[w] for w in stages}) == 2
+    weights = [rng.standard_normal((8, 8)) / 3 for _ in stages]
+    ws = [rt.put(w, on=s) for w, s in zip(weights, stages)]
+    inputs = [rt.empty((4, 8), on=0) for _ in range(3)]
+    outs = [[rt.empty((4, 8), on=s) for _ in inputs] for s in stages]
+    with rt.record() as g:
+        for i, x in enumerate(inputs):
+            h = x
+            for s in range(len(stages)):
+                rt.submit(_stage, sd.read(h), sd.read(ws[s]), sd.write(outs[s][i]), name=f"s{s}[{i}]")
+                h = outs[s][i]
+    for _ in range(2):  # new micro-batches each run
+        batches = [rng.standard_normal((4, 8)) for _ in inputs]
+        for buf, b in zip(inputs, batches):
+            rt.put(b, out=buf)
+        g.run().result(timeout=60)
+        for i, b in enumerate(batches):
+            want = b
+            for w in weights:
+                want = np.tanh(want @ w)
+            np.testing.assert_allclose(rt.get(outs[-1][i]).result(timeout=60), want, rtol=1e-12)
+    assert g.compiles == 1
+
+
 def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
     a = rt.put(np.arange(3.0), on=0)
     with rt.record() as g:
