@@ -9,7 +9,7 @@ before that order); and the launch on a blocking stream instead, which CUDA itse
 the legacy default stream, the caller's (a runtime's streams with ``default_stream_sync``);
 and the current device asked before and after the launch, through the runtime API or the driver's
 current context.
-The lent host's speed drifts by tens of percent within seconds, so the variants run in short
+A GPU machine's CPU speed can drift by tens of percent within seconds, so the variants run in short
 rounds of 2,000 launches in alternating order, and each row is the median over rounds of the time
 added to the first variant's in the same round.
 

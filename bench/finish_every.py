@@ -5,7 +5,7 @@ their objects live through a young collection of Python's cycle collector
 and get promoted: in the tiny wide graph (129 ops between synchronizations)
 those promotions bring full collections, each a stall of tens of ms with
 torch loaded. Finishing less often batches the bookkeeping. The settings are
-timed in turns, round after round (the lent host drifts): the tiny wide graph
+timed in turns, round after round (a machine's speed drifts): the tiny wide graph
 submitted op by op (median ms per graph, with the cycle collector's passes
 and time) and a chain of tiny ops (median µs per op). The last setting
 repeats 32 with ``gc.freeze()`` around its rounds: what a user can add, since

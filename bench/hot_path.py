@@ -23,8 +23,7 @@ import streamdag as sd
 from streamdag import native
 from streamdag.backends.inline import InlineBackend
 from streamdag.graph import buffers, hazards
-from streamdag.runtime import accel, core
-from streamdag.runtime import ops as runtime_ops
+from streamdag.runtime import accel, arguments, completion, core
 from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
@@ -43,19 +42,19 @@ def chain_on(kind: str):
     finally:
         core.COMPILED_SUBMIT = True
     if kind == "python":
-        rt._tracker = hazards.PyDepsTracker(retired=core._finished_ok)
+        rt._tracker = hazards.PyDepsTracker(retired=completion.finished_ok)
         rt._clocks = waits.PyStreamClocks(len(rt._streams))
     accesses = buffers._py_accesses if kind == "python" else accel.accesses
     bufs = [torch.zeros(256) for _ in range(64)]
 
     def chain(n):
-        runtime_ops.accesses_of = accesses
+        arguments.accesses_of = accesses
         try:
             for i in range(n):
                 a, b = bufs[i % 64], bufs[(i + 1) % 64]
                 rt.submit(nothing, a, 1, out=b, reads=[a], writes=[b])
         finally:
-            runtime_ops.accesses_of = accel.accesses
+            arguments.accesses_of = accel.accesses
     return chain
 
 

@@ -8,7 +8,7 @@ after a burst of 64 submits (each compared with PyTorch's synchronize after
 64 adds): ``result()`` of the last, ``concurrent.futures.wait`` for the last
 and for all 64, and ``await``, which wait in other ways than ``result()``.
 The variants are timed in turns, sample after sample and in a shuffled
-order, so that the lent host's drift (and each variant's after-effects) hit
+order, so that the machine's drift (and each variant's after-effects) hit
 them alike.
 
 Run on a GPU machine: PYTHONPATH=src python bench/latency.py

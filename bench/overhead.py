@@ -11,8 +11,8 @@ chain recorded once and replayed as a captured CUDA graph; and a transfer,
 ``rt.copy`` of 1 KiB from pinned host memory, and the same through the copy
 function ``stream_map`` makes once per input (``transfers.copier``: ``rt.copy``'s
 checks decided once), against PyTorch's own ``copy_(non_blocking=True)`` (their
-baseline, not the launch). The lent host's
-speed drifts by tens of percent within a minute, so the variants are timed in
+baseline, not the launch). A GPU machine's CPU
+speed can drift by tens of percent within a minute, so the variants are timed in
 turns, in short rounds whose order alternates, and each reports its median
 round and its median over rounds of the time added to PyTorch's launch in
 the same round.
@@ -37,16 +37,15 @@ import streamdag as sd
 from streamdag import native
 from streamdag.backends.inline import InlineBackend
 from streamdag.graph import buffers, hazards
-from streamdag.runtime import accel
+from streamdag.runtime import accel, arguments, completion
 from streamdag.runtime import core as sd_core
-from streamdag.runtime import ops as sd_ops
 from streamdag.schedule import waits
 from streamdag.suite.report import format_table, write_json
 
 GRAPH_OPS = 1000
 COPY_BASELINE = "PyTorch copy_, pinned 1 KiB host to device"
-#: short rounds, many of them, in alternating order: the lent host switches between a fast and a slow
-#: state every few seconds, and variants timed within tens of ms of each other compare fairly
+#: short rounds, many of them, in alternating order: a machine that switches between a fast and a
+#: slow state every few seconds still compares variants timed within tens of ms of each other fairly
 OPS_PER_ROUND = 1000
 ROUNDS = 60
 
@@ -176,7 +175,7 @@ def main():
 
     rt = sd.Runtime("cuda", streams=8, max_inflight=100000)
     # the same chain while a host-lane op that no op of it follows is pending: each submit checks its
-    # accesses against the pending host ops' (before, every submit took the Python path then)
+    # accesses against the pending host ops' in C (a Python path there would show here)
     host_pending = sd.Runtime("cuda", streams=8, max_inflight=100000)
     release_lane = threading.Event()
     held_op = host_pending.submit(release_lane.wait, run_on="host", name="pending_host_op")
@@ -197,17 +196,17 @@ def main():
     python_glue = sd.Runtime("cuda", streams=8, max_inflight=100000)
     # the same chain all in Python: what runs without a compiler
     python_path = sd.Runtime("cuda", streams=8, max_inflight=100000)
-    python_path._tracker = hazards.PyDepsTracker(retired=sd_core._finished_ok)
+    python_path._tracker = hazards.PyDepsTracker(retired=completion.finished_ok)
     python_path._clocks = waits.PyStreamClocks(len(python_path._streams))
     sd_core.COMPILED_SUBMIT = True
 
     def with_python_accesses(run):
         def python_run(n):
-            sd_ops.accesses_of = buffers._py_accesses
+            arguments.accesses_of = buffers._py_accesses
             try:
                 run(n)
             finally:
-                sd_ops.accesses_of = accel.accesses
+                arguments.accesses_of = accel.accesses
         return python_run
 
     # the same chain recorded once and run as a captured CUDA graph: host cost per op of g.run(). Its

@@ -9,8 +9,8 @@ overlap: the last chunk's compute and copy out come after all copies in (and
 the first chunk's copy in before all copies out). The link model adds that
 the link is shared: while both directions run, each gets less than alone
 (see ``link_model_ms``). It is an estimate from rates measured apart, not a
-strict bound: the hand-made pipeline has come within -3% to +2% of it. Times are medians of wall time between
-torch.cuda.synchronize(); the pipelines are timed in interleaved rounds (each round runs every
+strict bound: the hand-made pipeline comes within -3% to +2% of it. Times are medians of wall time
+between torch.cuda.synchronize(); the pipelines are timed in interleaved rounds (each round runs every
 variant once), so that the link's drift falls on all of them alike.
 
 ``rt.stream_map`` runs the same work, given that the compute maps each of a
@@ -138,7 +138,7 @@ def main() -> None:
     t_compute = wall_ms(lambda: [compute(a, b) for a, b in zip(dev_in, dev_out)])
 
     t_both_chunks, both_active_gbs = both_ways(dev_in, host_in, dev_out, host_out, nbytes)
-    # the link has moved more both ways in 8 MiB pieces than in 64 MiB chunks on some hosts: the
+    # on some machines the link moves more both ways in 8 MiB pieces than in 64 MiB chunks: the
     # bound takes the faster of the two, so that no variant beats it
     piece = 2 << 20  # floats: 8 MiB
     cut = [_cut(ts, piece) for ts in (dev_in, host_in, dev_out, host_out)]

@@ -3,8 +3,9 @@
 A recorded graph's CUDA graph baked in its tensor arguments' addresses, sizes and strides; before
 every replay ``CudaGraphRunner._still_valid`` checks that none changed. Two ways, swapped in turn
 on one runner of the tiny wide graph (129 ops, 258 tensors): the torch extension's loop over a
-snapshot of them (``_torch.cpp``: ``same_layouts``), and PyTorch's own C++ checks that ran before it
-(``torch._C._tensors_data_ptrs_at_indices_equal``, then Dynamo's ``TensorGuards``). Alternating
+snapshot of them (``_torch.cpp``: ``same_layouts``), and PyTorch's own C++ checks, the library
+way it stands in for (``torch._C._tensors_data_ptrs_at_indices_equal``, then Dynamo's
+``TensorGuards``). Alternating
 rounds: the check alone, and g.run()'s host time after a synchronize (its result() after the
 timing). Medians.
 

@@ -59,10 +59,10 @@ DEFECTS = {
 def plant(defect: str) -> None:
     """Break the runtime on purpose (the soak's negative control): it must then find mismatches."""
     from streamdag.errors import DependencyFailed
-    from streamdag.runtime import core, ops
+    from streamdag.runtime import ops, submitting
 
     if defect == "drop_waits":
-        core._DROP_WAITS = True  # (read at each launch, and by the compiled submit at a runtime's start)
+        submitting._DROP_WAITS = True  # (read per launch, and by the compiled submit at its start)
     elif defect == "skip_indirect":
         direct_only = ops.failed_input
 

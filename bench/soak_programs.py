@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -817,19 +818,34 @@ except NameError:  # Python 3.10
 
 
 # ------------------------------------------------------------------------------------ checks
+def _done(name: str, f: Any, want: Any, problems: list[str]) -> bool:
+    """Whether ``f`` is done; a problem noted where it is not."""
+    done = f.done()
+    if not done:
+        problems.append(f"{name}: not done (want {want})")
+    return done
+
+
+def _check_value(name: str, f: Any, want: Any, problems: list[str], shown: Callable[[BaseException], str],
+                 noun: str = "value", as_got: Callable[[Any], Any] = lambda value: value) -> None:
+    """``f`` (done) has the value ``want`` (``as_got`` of its result); a problem noted where it raised
+    (its error as ``shown`` says) or has another value."""
+    exc = f.exception(timeout=0)
+    if exc is not None:
+        problems.append(f"{name}: raised {shown(exc)}, want {noun} {want}")
+    elif as_got(f.result(timeout=0)) != want:
+        problems.append(f"{name}: {noun} {as_got(f.result(timeout=0))}, want {want}")
+
+
 def _check_future(name: str, f: Any, want: tuple, problems: list[str]) -> None:
     if f is None:
         problems.append(f"{name}: no future (want {want})")
         return
-    if not f.done():
-        problems.append(f"{name}: not done (want {want})")
+    if not _done(name, f, want, problems):
         return
     exc = f.exception(timeout=0)
     if want[0] == "ok":
-        if exc is not None:
-            problems.append(f"{name}: raised {seen_error(exc)}, want value {want[1]}")
-        elif f.result(timeout=0) != want[1]:
-            problems.append(f"{name}: value {f.result(timeout=0)}, want {want[1]}")
+        _check_value(name, f, want[1], problems, seen_error)
     elif want[0] == "own":
         if exc is None or seen_error(exc) != want[1:]:
             problems.append(f"{name}: got {_show(f)}, want its own error {want[1:]}")
@@ -847,16 +863,12 @@ def _show(f: Any) -> str:
 
 def _check_run(i: int, f: Any, want: tuple, problems: list[str]) -> None:
     name = f"graph run {i}"
-    if not f.done():
-        problems.append(f"{name}: not done (want {want[0]})")
+    if not _done(name, f, want[0], problems):
+        return
+    if want[0] == "ok":
+        _check_value(name, f, want[1], problems, _group, noun="values", as_got=list)
         return
     exc = f.exception(timeout=0)
-    if want[0] == "ok":
-        if exc is not None:
-            problems.append(f"{name}: raised {_group(exc)}, want values {want[1]}")
-        elif list(f.result(timeout=0)) != want[1]:
-            problems.append(f"{name}: values {list(f.result(timeout=0))}, want {want[1]}")
-        return
     if not isinstance(exc, BaseExceptionGroup):
         problems.append(f"{name}: got {_show(f)}, want a group of {want[1:]}")
         return
@@ -988,10 +1000,17 @@ def _in_threads(runs: list[PartRun], deadline: float, work: Any) -> None:
                for i, r in enumerate(runs)]
     for t in threads:
         t.start()
+    _join_by(deadline, threads, errors, "submitting thread {} still running")
+
+
+def _join_by(deadline: float, threads: list[threading.Thread], errors: list[BaseException],
+             hang: str) -> None:
+    """Wait for ``threads`` until ``deadline``: a thread left running is a hang (``hang``, formatted
+    with its name); then the first error a thread caught is raised again here."""
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            raise Hang(f"submitting thread {t.name} still running")
+            raise Hang(hang.format(t.name))
     if errors:
         raise errors[0]
 
@@ -1020,12 +1039,7 @@ def _race_close(program: Program, rt: sd.Runtime, runs: list[PartRun], deadline:
     time.sleep(program.close_after or 0.0)
     closing.set()
     rt.close()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            raise Hang(f"submitter {t.name} still running after close() returned")
-    if errors:
-        raise errors[0]
+    _join_by(deadline, threads, errors, "submitter {} still running after close() returned")
     for run in runs:
         run.wait_all()
 

@@ -25,7 +25,7 @@ from streamdag.suite.report import format_table, write_json
 
 BLOCKS, ROUNDS = 16, 5
 COPY_MIB = (2, 16, 256)
-SLEEP_CYCLES = 8_000_000  # torch.cuda._sleep: a few ms on an H100
+SLEEP_CYCLES = 8_000_000  # torch.cuda._sleep: a few ms of GPU time
 
 
 def main() -> None:

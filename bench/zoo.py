@@ -22,17 +22,32 @@ Robust by construction: each model runs in a worker process with a time
 limit (a crash or a hang loses that model's remaining rows, not the run); a
 variant that fails records its error and the others go on; the JSON file is
 rewritten after every model. ``--quick`` runs 8 representative models at fp32,
-batch 1, in about 8 minutes on an H200.
+batch 1 (minutes, mostly Inductor's compiles).
+
+The whole zoo (31 models, two dtypes, two batches) compiles each model three
+ways per row, which takes hours on one GPU, so a run can be cut three ways:
+``--gpus N`` times N models at once, one per GPU (identical GPUs, each model
+timed alone on its own); ``--prewarm J`` first compiles every row J processes
+at a time, untimed, so that the timed rows hit Inductor's caches (their
+``compile_s`` is then a warm-cache figure; use ``--cold-compile`` on a
+separate run to measure cold compiles); and ``--merge`` keeps the rows of the
+existing result file that this run does not redo, so a table fills over
+several runs (each row names the commit and time it was measured at).
 
     PYTHONPATH=src python bench/zoo.py --quick
     PYTHONPATH=src python bench/zoo.py --models resnet50,bert --dtypes bf16 --batches 1,8
+    PYTHONPATH=src python bench/zoo.py --gpus 8 --prewarm 16 --merge
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import itertools
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -261,6 +276,29 @@ def _describe_streamdag(fast: Any, row: dict[str, Any]) -> None:
 
 # -- worker and orchestration ----------------------------------------------------------------------
 
+def warm(name: str, dtypes: str, batches: str, variant_s: float) -> None:
+    """Compile each compiled variant of each row once, untimed: fills Inductor's caches."""
+    import torch
+
+    model, make_inputs = build(name)
+    for dtype_name in dtypes.split(","):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        typed = model.cuda().to(dtype)
+        for batch in (int(b) for b in batches.split(",")):
+            args, kwargs = make_inputs(batch, dtype)
+            with torch.inference_mode():
+                for label in ("inductor", "inductor_ro", "streamdag"):
+                    try:
+                        _alarm(variant_s)
+                        _setup(label, typed, args, kwargs)
+                    except Exception as exc:  # the timed run records it
+                        print(f"warm {name} {dtype_name} b{batch} {label}: {type(exc).__name__}", flush=True)
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    torch._dynamo.reset()
+            torch.cuda.empty_cache()
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -272,6 +310,9 @@ def worker(args: argparse.Namespace) -> int:
     if args.cold_compile:
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
+    if args.warm_only:
+        warm(args.worker, args.dtypes, args.batches, args.variant_s)
+        return 0
     with open(args.worker_out, "a") as out:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
@@ -281,6 +322,7 @@ def worker(args: argparse.Namespace) -> int:
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
                            "traceback": traceback.format_exc()[-3000:]}
+                row["measured"] = {"commit": _commit(), "utc": _utc_now()}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 torch._dynamo.reset()
@@ -302,12 +344,20 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
             env[mod] = __import__(mod).__version__
         except Exception:
             env[mod] = None
-    try:
-        env["streamdag_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        env["streamdag_commit"] = None
+    env["streamdag_commit"] = _commit()
     return env
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        return None
 
 
 def ratio(row: dict[str, Any]) -> float | None:
@@ -348,7 +398,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--cold-compile", action="store_true", help="no FX-graph or AOTAutograd cache hits")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/zoo_<device>.json)")
+    p.add_argument("--gpus", type=int, default=1, help="time this many models at once, one per GPU")
+    p.add_argument("--prewarm", type=int, default=0, metavar="J",
+                   help="first compile every row untimed, J processes at a time (fills Inductor's caches)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the existing result file that this run does not redo")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -371,15 +427,26 @@ def main() -> int:
     device = torch.cuda.get_device_name().replace(" ", "_")
     path = Path(args.out) if args.out else Path(__file__).parent / "results" / f"zoo_{device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(args), "models": []}
+    if args.gpus > torch.cuda.device_count():
+        p.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
+    kept = _kept_rows(path, models, args) if args.merge else []
+    result = {"environment": environment(args), "models": list(kept)}
+    if args.prewarm:
+        _prewarm(models, args)
     t_start = time.perf_counter()
-    for name in models:
-        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
-            result["models"].append({"model": name, "skipped": f"over the {args.budget_s:.0f} s budget"})
-            continue
-        result["models"] += _run_worker(name, args)
-        path.write_text(json.dumps(result, indent=1))
-        print(table([r for r in result["models"] if "dtype" in r][-4:]), flush=True)
+    free_gpus: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for gpu in range(args.gpus):
+        free_gpus.put(gpu)
+    with concurrent.futures.ThreadPoolExecutor(args.gpus) as pool:
+        slots = [pool.submit(_timed_model, name, free_gpus, t_start, args) for name in models]
+        for done_model in concurrent.futures.as_completed(slots):
+            rows = done_model.result()
+            result["models"] += rows
+            path.write_text(json.dumps(result, indent=1))
+            print(table([r for r in rows if "dtype" in r]), flush=True)
+    order = {m: i for i, m in enumerate(MODELS)}
+    result["models"].sort(key=lambda r: (order.get(r["model"], len(order)), r.get("dtype", ""),
+                                         r.get("batch", 0)))
     path.write_text(json.dumps(result, indent=1))
     done = [r for r in result["models"] if "dtype" in r]
     print(table(done))
@@ -392,7 +459,51 @@ def main() -> int:
     return 0
 
 
-def _run_worker(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _timed_model(name: str, free_gpus: queue.SimpleQueue[int], t_start: float,
+                 args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One model's rows, timed alone on a free GPU (models on the other GPUs run meanwhile)."""
+    gpu = free_gpus.get()
+    try:
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            return [{"model": name, "skipped": f"over the {args.budget_s:.0f} s budget"}]
+        return _run_worker(name, args, gpu)
+    finally:
+        free_gpus.put(gpu)
+
+
+def _prewarm(models: list[str], args: argparse.Namespace) -> None:
+    """Compile every row untimed, ``args.prewarm`` processes at a time spread over the GPUs."""
+    t0 = time.perf_counter()
+    gpus = itertools.cycle(range(args.gpus))
+
+    def one(name: str, gpu: int) -> None:
+        cmd = [sys.executable, __file__, "--worker", name, "--warm-only", "--dtypes", args.dtypes,
+               "--batches", args.batches, "--variant-s", str(args.variant_s), "--worker-out", os.devnull]
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the timed run meets it and records it
+            subprocess.run(cmd, timeout=args.model_s, capture_output=True, env=_gpu_env(gpu))
+
+    with concurrent.futures.ThreadPoolExecutor(args.prewarm) as pool:
+        list(pool.map(one, models, [next(gpus) for _ in models]))
+    print(f"prewarmed {len(models)} models in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _gpu_env(gpu: int) -> dict[str, str]:
+    env = dict(os.environ)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+    return env
+
+
+def _kept_rows(path: Path, models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of an earlier result file that this run does not redo."""
+    if not path.exists():
+        return []
+    redo = {(m, d, int(b)) for m in models for d in args.dtypes.split(",") for b in args.batches.split(",")}
+    rows = json.loads(path.read_text()).get("models", [])
+    return [r for r in rows if "dtype" in r and (r["model"], r["dtype"], r["batch"]) not in redo]
+
+
+def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[str, Any]]:
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as tmp:
         out_path = tmp.name
     cmd = [sys.executable, __file__, "--worker", name, "--worker-out", out_path, "--dtypes", args.dtypes,
@@ -402,7 +513,7 @@ def _run_worker(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     note = None
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=dict(os.environ))
+        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=_gpu_env(gpu))
         if proc.returncode != 0:
             note = f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"
     except subprocess.TimeoutExpired:

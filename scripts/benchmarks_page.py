@@ -141,6 +141,44 @@ def render_wait_latency(data: dict) -> str:
 
 
 def render_tp(data: dict) -> str:
+    """The chain over 1, 2, 4, 8 GPUs side by side (``by_n``), or the two-GPU layout of older files."""
+    if not data["cases"] or "by_n" not in data["cases"][0]:
+        return render_tp_two(data)
+    headers = ["rows × D, layers", "GPUs", "one GPU", "**streamdag**, input whole",
+               "**streamdag**, input split", "goal", "hand-made row split", "hand-made NCCL",
+               "hand-made peer copies", "plan (input whole)"]
+    rows = []
+    for c in data["cases"]:
+        one = c["one_gpu_ms"]
+        for n, e in c["by_n"].items():
+            rows.append([f"{c['rows']} × {data['D']}, {c['layers']}", n, one,
+                         ratio(one, e["streamdag_input_whole_ms"]),
+                         ratio(one, e.get("streamdag_input_split_ms")),
+                         f"{e['goal_speedup']:.2f}x", ratio(one, e.get("hand_made_rows_ms")),
+                         ratio(one, e.get("hand_made_nccl_ms")),
+                         ratio(one, e.get("hand_made_ms")), e["plan_input_whole"]])
+    parts = [f"`relu(h @ W)` in {data['dtype']} on the first N of {data['gpus']} GPUs, ms per call "
+             f"(speedup over one GPU); goals: large inputs 1.85x (2), 3.5x (4), 6.5x (8), small ones "
+             f"never below 0.98x.", table(headers, rows)]
+    links = data.get("links")
+    if links:
+        names = [d.split(":")[-1] for d in links["devices"]]
+        matrix = [[f"from {a}", *(fmt(v) if v is None else f"{v:.0f}" for v in row)]
+                  for a, row in zip(names, links["GBps"])]
+        parts += ["Peer links measured per ordered pair, GB/s:",
+                  table(["", *(f"to {b}" for b in names)], matrix)]
+    problems = {n: p for n, p in data.get("nccl", {}).get("problems", {}).items() if p}
+    if problems:
+        parts.append("NCCL baseline not run: "
+                     + "; ".join(f"{n} GPUs: {p}" for n, p in problems.items()) + ".")
+    peer = data.get("peer_copy")
+    if peer:
+        parts.append(f"Peer copies, many in flight: `rt.copy` {peer['streamdag_GBps']:.0f} GB/s, "
+                     f"back-to-back `copy_` {peer['raw_GBps']:.0f} GB/s.")
+    return "\n\n".join(parts)
+
+
+def render_tp_two(data: dict) -> str:
     headers = ["rows × D, layers", "one GPU", "hand-made 2 GPUs", "**streamdag**, input whole",
                "**streamdag**, input split", "plan (input whole)"]
     rows = []
@@ -216,6 +254,27 @@ def render_zoo(data: dict) -> str:
                   "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams"], rows)
 
 
+def render_llm_decode(data: dict) -> str:
+    """One row per config and batch: ms per decode step of each way (and its tokens/s), the
+    bandwidth bound, the prefill, and whether the token ids equal Hugging Face eager's."""
+    ways = ("hf_eager", "inductor_ro_static_cache", "streamdag")
+    rows = []
+    for r in data["rows"]:
+        c, ms, tps, bound = r["config"], r["ms_per_token"], r["tokens_per_s"], r["bound"]
+        same = ", ".join(f"{k}: same" if e.get("equal")
+                         else f"{k}: differs from token {e.get('first_difference')}"
+                         for k, e in r.get("tokens_equal", {}).items())
+        rows.append([c["name"], f"{c['params'] / 1e9:.2f}B", c["dtype"], c["batch"],
+                     *(f"{fmt(ms.get(k))} ({fmt(tps.get(k))})" for k in ways),
+                     f"{fmt(bound['ms_per_token'])} ({fmt(bound['tokens_per_s'])})",
+                     *(r["prefill_ms"].get(k) for k in ways), same or "—"])
+    return ("ms per decode step (tokens/s of the batch); the bound: weight bytes over "
+            f"{data['rows'][0]['bound']['bandwidth_tbs'] if data['rows'] else '?'} TB/s.\n\n"
+            + table(["config", "params", "dtype", "batch", "HF eager", "HF static + reduce-overhead",
+                     "**streamdag**", "bandwidth bound", "HF eager prefill ms",
+                     "reduce-overhead prefill ms", "streamdag prefill ms", "token ids vs HF eager"], rows))
+
+
 def render_soak(data: dict) -> str:
     rows = [[name, c["programs"], c["ops"], c["failures_injected"], c["mismatches"], c["hangs"],
              c["skipped"]] for name, c in sorted(data["by_category"].items())]
@@ -264,7 +323,8 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                 "`torch.cuda.synchronize()`.", render_latency),
     "wait_latency": ("bench/wait_latency.py", "Waiting for longer work: `result()` against "
                      "`torch.cuda.synchronize()`.", render_wait_latency),
-    "tp": ("bench/tp.py", "Tensor-parallel chain on two GPUs (`LinearChain`).", render_tp),
+    "tp": ("bench/tp.py", "Tensor-parallel chain on 1, 2, 4 and 8 GPUs (`LinearChain`); the file "
+           "name says how many GPUs the machine had.", render_tp),
     "host_lanes": ("bench/host_lanes.py", "Host functions on GPU results: inside their submit "
                    "against `run_on=\"host\"`.", render_flat),
     "host_feed": ("bench/host_feed.py", "Host-lane ops preparing each step's input while the GPU "
@@ -287,6 +347,10 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
     "zoo": ("bench/zoo.py", "Public models with random weights (torchvision, Hugging Face configs): "
             "streamdag.compile against eager, a CUDA graph of eager, torch.compile and its "
             "reduce-overhead mode; the ratio is the best baseline's time over streamdag's.", render_zoo),
+    "llm_decode": ("bench/llm_decode.py", "Greedy token generation with Llama-style configs (random "
+                   "weights), a 512-token prompt and 256 new tokens: Hugging Face's generate eager, with a "
+                   "static cache under torch.compile reduce-overhead, and `streamdag.decoder`.",
+                   render_llm_decode),
     "soak": ("bench/soak.py", "Random programs of every kind (eager, recorded graphs, failures, "
              "nested submits and waits, callbacks, close() racing submitters) checked against their "
              "serial run; files with `_plant_` ran with a planted defect that the soak must find.",
@@ -354,7 +418,7 @@ one table rather than across tables.
 To add or refresh a result, run the benchmark's script on the device (each
 writes its JSON into `bench/results/`), then regenerate this page.
 `streamdag bench` runs the built-in suite and writes into
-`bench/results/latest/`, which this page does not read.
+`streamdag-results/` (or `--out DIR`), which this page does not read.
 """
 
 

@@ -58,6 +58,17 @@ def rt(request, path):
         yield runtime
 
 
+@pytest.fixture
+def no_tf32():
+    """Full fp32 matmuls and convolutions (no TF32) for the test, so that results compare tightly."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster of two nodes (one CPU and 100 MB of object store each; the head has the

@@ -42,7 +42,7 @@ def lane_waits(rt: sd.Runtime) -> dict[int, Any]:
 
 
 def submitters_waiting_for_a_slot(rt: sd.Runtime) -> int:
-    """How many submitters wait for a slot at ``max_inflight`` now (``_Slots``' count): a blocked
+    """How many submitters wait for a slot at ``max_inflight`` now (``completion.Slots``' count): a blocked
     submit shows no other way, and the test of close() waking them must know they all wait."""
     return rt._counts.waiting
 
@@ -114,7 +114,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
     part it stands for (the module itself: None, so that ``core`` makes no compiled submitter)."""
     from streamdag.backends import threads
     from streamdag.graph import buffers, hazards
-    from streamdag.runtime import accel, ops, transfers
+    from streamdag.runtime import accel, budgets, ops
     from streamdag.schedule import waits
 
     pairs = [
@@ -126,7 +126,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
         (speedups.RLock, threading.RLock),
         (speedups.Counters, threads._Counters),
         (speedups.Parts, ops._Parts),
-        (speedups.BudgetCounts, transfers._BudgetCounts),
+        (speedups.BudgetCounts, budgets._BudgetCounts),
         (speedups.completions_pass, None),
         (speedups.completions_finish_one, None),
         (speedups.uses_torch, None),
@@ -172,3 +172,21 @@ def python_reference() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         use_python_reference(monkeypatch)
         yield
+
+
+def host_lane_for(rt: sd.Runtime, pending: int | None) -> int:
+    """The host lane a large pageable copy is staged on (``Runtime._host_lane_for``), given the lane
+    of the ring's copy still pending (None: none): only CUDA runtimes stage such copies, so no
+    public call reaches the choice on the CPU."""
+    return rt._host_lane_for(pending)
+
+
+def host_lanes(rt: sd.Runtime) -> range:
+    """The numbers of the runtime's host lanes among its streams."""
+    return rt._compute_of["host"]
+
+
+def host_lane_here(rt: sd.Runtime) -> int:
+    """The number of the host lane the calling thread runs (inside an op there), or -1."""
+    lanes = host_lanes(rt)
+    return rt._calling_lane(lanes.start, len(lanes))

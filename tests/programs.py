@@ -22,6 +22,17 @@ def make(kind: str, streams: int = 2, max_inflight: int = 256):
     return sd.Runtime(kind, streams=streams, max_inflight=max_inflight)
 
 
+def submitted_or_recorded(rt, record: bool, submit, *args) -> None:
+    """``submit(rt, *args)``: its ops run eagerly, or (``record``) are recorded once and the graph
+    run, its result waited for."""
+    if record:
+        with rt.record() as g:
+            submit(rt, *args)
+        g.run().result()
+    else:
+        submit(rt, *args)
+
+
 def wide_fn(ws):
     """Branches of ``relu(h @ w)`` layers over one input (``ws[branch][layer]``), summed at the end."""
     import torch

@@ -185,18 +185,22 @@ def test_a_replaced_parameter_buffer_submodule_or_attribute_is_seen(engine, chan
     assert c.statistics().eager_calls == 0
 
 
+class Config:
+    scale = 2.0
+
+
+class WithConfig(nn.Module):
+    """A module whose forward reads a value inside a plain object it holds (its own ``Config``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = Config()
+
+    def forward(self, x):
+        return x * self.config.scale
+
+
 def test_on_the_aten_engine_attributes_whose_insides_are_not_guarded_are_named_in_one_warning():
-    class Config:
-        scale = 2.0
-
-    class WithConfig(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = Config()
-
-        def forward(self, x):
-            return x * self.config.scale
-
     c = sd.compile(WithConfig(), engine="aten")
     with torch.no_grad():
         _, caught = _warnings_of(lambda: (c(torch.ones(2)), c(torch.ones(2))))
@@ -206,17 +210,6 @@ def test_on_the_aten_engine_attributes_whose_insides_are_not_guarded_are_named_i
 
 @pytest.mark.slow
 def test_on_the_inductor_engine_a_value_changed_inside_an_attribute_object_is_seen():
-    class Config:
-        scale = 2.0
-
-    class WithConfig(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = Config()
-
-        def forward(self, x):
-            return x * self.config.scale
-
     m = WithConfig()
     c = sd.compile(m)
 

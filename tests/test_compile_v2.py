@@ -366,12 +366,12 @@ def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
 
 @pytest.mark.slow
 def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(monkeypatch):
-    import streamdag.frontend.inductor_backend as backend
+    import streamdag.frontend.inner_compile as inner
 
     def broken(*args, **kwargs):
         raise AssertionError("the units of the graph form a cycle")
 
-    monkeypatch.setattr(backend, "plan_regions", broken)
+    monkeypatch.setattr(inner, "plan_regions", broken)
     torch.manual_seed(0)
     m = Inception().eval()
     c = sd.compile(m, regions="always")
@@ -541,14 +541,6 @@ def test_inputs_the_model_changes_in_place_are_changed_as_eager_changes_them():
 
 
 # -- CUDA --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
 
 @pytest.mark.cuda
 def test_an_inception_block_runs_its_regions_on_several_streams_in_one_cuda_graph(no_tf32):

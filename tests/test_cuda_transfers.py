@@ -402,8 +402,8 @@ def test_a_small_pageable_copy_in_behind_a_running_kernel_does_not_hold_the_subm
     """A pageable copy in of a few MiB whose destination a long kernel still reads returns at once:
     it is staged through the pool and its DMA waits for the reader on the GPU, where the CUDA
     driver's own copy from pageable memory would first wait in the submitting thread for
-    everything queued on its stream (a 2 MiB copy the driver staged on an idle stream was slower
-    than ours anyway: 0.27 against 0.20 ms on the H100). It lands exactly, after the reader read
+    everything queued on its stream (a 2 MiB copy the driver stages on an idle stream is slower
+    than ours anyway: 0.27 against 0.20 ms). It lands exactly, after the reader read
     the old data, and so does the next one, on an idle copy stream."""
     n = 1 << 19  # 2 MiB of floats
     with sd.Runtime("cuda", streams=2) as rt:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import streamdag as sd
 from internals import copy_stream, stream_count, submit_on
+from programs import submitted_or_recorded
 from streamdag.backends.sim import SimArray
 from streamdag.schedule.plan import build_schedule
 
@@ -150,12 +151,7 @@ def test_random_programs_over_three_devices_equal_serial_execution(program, seed
     expected = serial_result(program, initial)
     arrays = [SimArray(initial[i].copy(), devices[i % 3]) for i in range(6)]
     with sd.Runtime(devices=devices, streams=2, seed=seed) as rt:
-        if record:
-            with rt.record() as g:
-                submit_program(rt, program, arrays, devices)
-            g.run().result()
-        else:
-            submit_program(rt, program, arrays, devices)
+        submitted_or_recorded(rt, record, submit_program, program, arrays, devices)
     for got, want in zip(arrays, expected):
         np.testing.assert_array_equal(got.data, want)
 
@@ -272,9 +268,9 @@ def test_negative_control_without_event_waits_the_random_programs_go_wrong(monke
     """The random-program check can fail: with the waits dropped, some program differs from serial."""
     import random
 
-    from streamdag.runtime import core, replay
+    from streamdag.runtime import replay, submitting
 
-    monkeypatch.setattr(core, "_DROP_WAITS", True)
+    monkeypatch.setattr(submitting, "_DROP_WAITS", True)
     monkeypatch.setattr(replay, "_DROP_WAITS", True)
     devices = ["sim:0", "sim:1", "sim:2"]
     wrong = 0

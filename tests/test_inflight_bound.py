@@ -61,7 +61,7 @@ def test_submit_nowait_raises_would_block_at_the_bound():
 
 
 def test_byte_budget_blocks_until_earlier_transfers_complete():
-    from streamdag.runtime.transfers import ByteBudget
+    from streamdag.runtime.budgets import ByteBudget
 
     budget = ByteBudget(100)
     budget.acquire(60)
@@ -83,8 +83,8 @@ def test_byte_budget_blocks_until_earlier_transfers_complete():
 
 
 def test_byte_budget_takes_back_a_held_copys_bytes_once_its_future_is_done_or_dropped():
+    from streamdag.runtime.budgets import ByteBudget
     from streamdag.runtime.ops import Future
-    from streamdag.runtime.transfers import ByteBudget
 
     budget = ByteBudget(100)
     first = Future()

@@ -1,6 +1,7 @@
 """Several GPUs: placement, peer copies, recorded graphs and tensor-parallel chains on real devices.
 
-Marked ``cuda``; skipped without two GPUs (run on the lent two-GPU machine).
+Marked ``cuda``; skipped without two GPUs, and the tests of 4 or 8 GPUs without that many (each
+says how many it needs and how many are visible).
 """
 
 import textwrap
@@ -8,6 +9,7 @@ import textwrap
 import pytest
 
 import streamdag as sd
+from programs import submitted_or_recorded
 from sanitizer import reports_race
 
 torch = pytest.importorskip("torch")
@@ -116,12 +118,7 @@ def test_random_cross_device_programs_equal_one_device(record):
             out.copy_(torch.tanh(out + sum(x.sum() for x in ins) * 1e-3))
 
         with sd.Runtime(devices=DEVICES, streams=3) as rt:
-            if record:
-                with rt.record() as g:
-                    submit_program(rt, prog, bufs, body)
-                g.run().result()
-            else:
-                submit_program(rt, prog, bufs, body)
+            submitted_or_recorded(rt, record, submit_program, prog, bufs, body)
         for got, want in zip(bufs, ref):
             torch.testing.assert_close(got.to("cuda:0"), want, rtol=1e-12, atol=1e-12)
 
@@ -259,3 +256,130 @@ def test_host_lanes_beside_two_gpus():
             got = f.result(timeout=30)
             assert got.device == t.device
             assert bool((got == factor * total).all())
+
+
+# ------------------------------------------------------------------ every visible GPU count: 2, 4, 8
+
+VISIBLE = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_counts(*counts):
+    """One parameter per GPU count; a count above the GPUs visible skips, saying how many it needs."""
+    return [pytest.param(n, marks=pytest.mark.skipif(n > VISIBLE, reason=f"needs {n} GPUs, {VISIBLE} "
+                                                                          f"visible"))
+            for n in counts]
+
+
+@pytest.mark.parametrize("n", gpu_counts(2, 4, 8))
+def test_tensor_parallel_chain_over_n_gpus_equals_one_gpu(n):
+    from streamdag.parallel import LinearChain
+
+    torch.manual_seed(n)
+    weights = [torch.randn(512, 512, device="cuda:0", dtype=torch.float64) / 20 for _ in range(4)]
+    x = torch.randn(64, 512, device="cuda:0", dtype=torch.float64)
+    want = x
+    for w in weights:
+        want = torch.relu(want @ w)
+    devices = [f"cuda:{g}" for g in range(n)]
+    with sd.Runtime(devices=devices, streams=2) as rt:
+        for plan in ("auto", f"split{n}", ["split2", f"split{n}", "single", f"split{n}"], f"rows{n}",
+                     [f"rows{n}", f"split{n}", "rows2", "rows2"]):
+            for exchange in (("ksplit", "gathered") if plan != "auto" else (None,)):
+                chain = LinearChain(rt, weights, plan=plan, exchange=exchange)
+                for _ in range(3):  # eager, captured, replayed
+                    torch.testing.assert_close(chain(x), want, rtol=1e-10, atol=1e-10)
+                blocks = chain.input_blocks(x)
+                for b in blocks:
+                    b.value.copy_(x[:, b.start:b.stop])
+                torch.testing.assert_close(chain(blocks), want, rtol=1e-10, atol=1e-10)
+                assert chain.explain()
+
+
+@pytest.mark.parametrize("n", gpu_counts(2, 4, 8))
+def test_a_chain_on_the_first_n_gpus_of_a_runtime_over_all_of_them_equals_one_gpu(n):
+    from streamdag.parallel import LinearChain
+
+    torch.manual_seed(10 + n)
+    weights = [torch.randn(256, 256, device="cuda:0", dtype=torch.float64) / 16 for _ in range(3)]
+    x = torch.randn(32, 256, device="cuda:0", dtype=torch.float64)
+    want = x
+    for w in weights:
+        want = torch.relu(want @ w)
+    with sd.Runtime(devices=[f"cuda:{g}" for g in range(VISIBLE)], streams=2) as rt:
+        chain = LinearChain(rt, weights, plan="split", devices=n)
+        torch.testing.assert_close(chain(x), want, rtol=1e-10, atol=1e-10)
+        ((graph, _, _),) = chain._graphs.values()
+        assert sorted(graph.touched_devices) == [f"cuda:{g}" for g in range(n)]
+
+
+def test_measured_links_cover_every_ordered_pair_of_the_visible_gpus():
+    from streamdag.parallel.measure import measure_links
+
+    devices = [f"cuda:{g}" for g in range(VISIBLE)]
+    links = measure_links(devices)
+    assert links.n == VISIBLE and measure_links(devices) is links  # measured once per process
+    for s in range(VISIBLE):
+        for d in range(VISIBLE):
+            if s != d:
+                assert links(s, d).latency_ms > 0 and links(s, d).ms_per_mb > 0
+    for k in range(1, VISIBLE + 1):
+        group = links.group(k)
+        assert group[0] == 0 and len(set(group)) == k
+
+
+def test_a_chain_of_few_rows_stays_on_one_gpu_under_auto():
+    from streamdag.parallel import LinearChain
+
+    weights = [torch.randn(1024, 1024, device="cuda:0").bfloat16() / 32 for _ in range(4)]
+    x = torch.randn(8, 1024, device="cuda:0").bfloat16()
+    with sd.Runtime(devices=[f"cuda:{g}" for g in range(VISIBLE)], streams=2) as rt:
+        chain = LinearChain(rt, weights)
+        chain(x)
+    assert chain._chosen[(8, "single")] == ("single",) * 4, chain.explain()
+
+
+@pytest.mark.parametrize("n", gpu_counts(2, 4, 8))
+def test_pipeline_placed_by_the_cost_model_over_n_gpus_equals_one_gpu(n):
+    from streamdag.parallel import pipeline, place_stages
+
+    torch.manual_seed(3)
+    ws = [torch.randn(1024, 1024, dtype=torch.float64) / 32 for _ in range(2 * n)]
+
+    def maker(w):
+        def make(device):
+            there = w.to(device)
+            return lambda h: torch.tanh(h @ there)
+        return make
+
+    devices = [f"cuda:{g}" for g in range(n)]
+    batches = [torch.randn(256, 1024, device="cuda:0", dtype=torch.float64) for _ in range(6)]
+    stages, in_flight = place_stages([maker(w) for w in ws], devices, example=batches[0])
+    with sd.Runtime(devices=devices, streams=2) as rt:
+        outs = pipeline(rt, stages, batches, max_in_flight=in_flight)
+    for x, y in zip(batches, outs):
+        want = x
+        for w in ws:
+            want = torch.tanh(want @ w.to("cuda:0"))
+        torch.testing.assert_close(y.to("cuda:0"), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("way", ["rows", "nccl"])
+@pytest.mark.parametrize("n", gpu_counts(2, 4, 8))
+def test_the_benchmarks_hand_made_chains_equal_one_gpu(n, way):
+    from streamdag.suite import tp
+
+    problem = tp.nccl_problem(n) if way == "nccl" else None
+    if problem:
+        pytest.skip(problem)
+    torch.manual_seed(4)
+    weights = [(torch.randn(tp.D, tp.D, device="cuda:0") / tp.D ** 0.5).bfloat16() for _ in range(2)]
+    x = torch.randn(64, tp.D, device="cuda:0").bfloat16()
+    want = x
+    for w in weights:
+        want = torch.relu(want @ w)
+    run = tp.hand_made_nccl(weights, 64, n) if way == "nccl" else tp.hand_made_rows(weights, 64, n)
+    for _ in range(2):
+        got = run(x)
+        torch.cuda.synchronize()
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 0.05 * want.float().abs().max().item() + 1e-3

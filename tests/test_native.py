@@ -51,7 +51,7 @@ def test_the_path_fixture_makes_runtimes_run_the_hot_path_it_names(path):
     import numpy as np
 
     from streamdag import Runtime
-    from streamdag.runtime import ops
+    from streamdag.runtime import arguments, ops
 
     on_python = path == "python"
     with Runtime("cpu", streams=2) as rt:
@@ -62,7 +62,7 @@ def test_the_path_fixture_makes_runtimes_run_the_hot_path_it_names(path):
         assert (type(rt._clocks) is waits.PyStreamClocks) == on_python
         assert (type(rt._parts) is ops._Parts) == on_python
         assert (type(rt._done_lock) is type(threading.Lock())) == on_python
-        assert (ops.accesses_of is buffers._py_accesses) == on_python
+        assert (arguments.accesses_of is buffers._py_accesses) == on_python
 
 
 @compiled
@@ -70,13 +70,13 @@ def test_the_python_path_refuses_a_compiled_part_it_has_no_python_twin_for(monke
     """A compiled part added to the package without a twin in tests/internals.py would stay in the
     runtimes of the Python path, which would then not be the Python code: the swap says so."""
     from internals import python_reference
-    from streamdag.runtime import ops
+    from streamdag.runtime import arguments, ops
 
     monkeypatch.setattr(ops, "new_record", native.load().Record, raising=False)
     refused = pytest.raises(AssertionError, match=r"ops.new_record is the compiled Record.*add it")
     with refused, python_reference():
         pass
-    assert ops.accesses_of is accel.accesses  # and what it had swapped is back
+    assert arguments.accesses_of is accel.accesses  # and what it had swapped is back
 
 
 def test_the_pure_layers_load_no_compiled_code():

@@ -60,11 +60,11 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
     event's query says done, the event times, what its callback does, what its query raises."""
     from collections import deque
 
-    from streamdag.backends import cuda
+    from streamdag.backends import cuda_completions
 
     def run(compiled):
         owner, log = _Owner(), []
-        completions = object.__new__(cuda._Completions)
+        completions = object.__new__(cuda_completions._Completions)
         completions._owner = owner
 
         def callback_for(name, does):
@@ -81,14 +81,14 @@ def test_the_compiled_completion_pass_finishes_as_the_python_one(queues):
                   for j, (done, timing, does, raises) in enumerate(entries))
             for i, entries in enumerate(queues)
         ]
-        saved = cuda._compiled_pass
-        cuda._compiled_pass = native.load().completions_pass if compiled else None
+        saved = cuda_completions._compiled_pass
+        cuda_completions._compiled_pass = native.load().completions_pass if compiled else None
         try:
             outcome = completions._pass()
         except ValueError as exc:
             outcome = str(exc)
         finally:
-            cuda._compiled_pass = saved
+            cuda_completions._compiled_pass = saved
         left = [[entry[0] for entry in q] for q in completions._queues]
         return outcome, log, [e.name for e in owner._free_events], left, owner.lost
 
@@ -105,11 +105,11 @@ def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, l
     as in the pass's test; ``pick``: the entry waited on (past the end: one finished already)."""
     from collections import deque
 
-    from streamdag.backends import cuda
+    from streamdag.backends import cuda, cuda_completions
 
     def run(compiled):
         owner, log = _Owner("lost before" if lost_before and pick % 3 == 0 else None), []
-        completions = object.__new__(cuda._Completions)
+        completions = object.__new__(cuda_completions._Completions)
         completions._owner = owner
         completions._query_relaxed = lambda event: event.query()
         # tokens as put() makes them for queue 1 of 3: 3k + 1, in order
@@ -124,8 +124,8 @@ def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, l
             (3 * j + 1, _Event(j, done, timing, raises), callback_for(j, does))
             for j, (done, timing, does, raises) in enumerate(entries)), deque()]
         token = 3 * pick + 1
-        saved = cuda._compiled_finish_one
-        cuda._compiled_finish_one = None
+        saved = cuda_completions._compiled_finish_one
+        cuda_completions._compiled_finish_one = None
         try:
             if compiled:
                 outcome = native.load().completions_finish_one(
@@ -135,7 +135,7 @@ def test_the_compiled_finish_of_one_waited_op_is_the_python_one(entries, pick, l
         except ValueError as exc:
             outcome = str(exc)
         finally:
-            cuda._compiled_finish_one = saved
+            cuda_completions._compiled_finish_one = saved
         left = [entry[0] for entry in completions._queues[1]]
         return outcome, log, [e.name for e in owner._free_events], left, owner.lost
 

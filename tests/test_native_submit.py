@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import streamdag as sd
 from internals import python_reference
 from streamdag import native
-from streamdag.runtime import core
+from streamdag.runtime import completion, core
 
 compiled = pytest.mark.skipif(native.load() is None, reason=f"no compiled hot path: {native.status()}")
 
@@ -188,10 +188,10 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     try:
         with pytest.raises(TypeError, match=f"{which} has a slot added_later .* native/_submit.c"):
             speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                                  core._finished_ok, ops.release_frames)
+                                  completion.finished_ok, ops.release_frames)
     finally:  # the module's state is global: the runtime's own classes again
         speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                              core._finished_ok, ops.release_frames)
+                              completion.finished_ok, ops.release_frames)
 
 
 @compiled

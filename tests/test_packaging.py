@@ -111,3 +111,14 @@ def test_doctor_fails_where_the_compiled_hot_path_is_asked_for_and_python_runs()
     done = _python(code.replace("'--native'", ""), STREAMDAG_NATIVE="")
     assert done.returncode == 0, done.stderr  # not asked for: it runs, slower, and says why
     assert "missing: the compiled hot path" in done.stdout
+
+
+def test_import_streamdag_loads_no_optional_dependency():
+    """The core needs numpy alone: the scheduler's graphs use the standard library (graphlib), the
+    benchmark suite's threadpoolctl and the plots' matplotlib load only where used."""
+    optional = "{'networkx', 'threadpoolctl', 'matplotlib', 'torch', 'tqdm'}"
+    script = f"import sys, streamdag\nprint(sorted({optional} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

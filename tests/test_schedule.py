@@ -118,8 +118,32 @@ def test_backward_edge_is_refused():
 
 
 def test_from_edges_names_the_cycle():
-    with pytest.raises(CycleError, match="cycle"):
-        from_edges("abc", [("a", "b"), ("b", "c"), ("c", "a")])
+    with pytest.raises(CycleError, match="cycle") as caught:
+        from_edges("abcd", [("d", "a"), ("a", "b"), ("b", "c"), ("c", "a")])
+    cycle = caught.value.cycle
+    assert sorted(cycle) == ["a", "b", "c"]
+    edges = {("a", "b"), ("b", "c"), ("c", "a")}
+    assert all((u, v) in edges for u, v in zip(cycle, [*cycle[1:], cycle[0]]))
+
+
+def test_from_edges_names_a_self_loop_as_a_cycle():
+    with pytest.raises(CycleError) as caught:
+        from_edges("ab", [("a", "b"), ("b", "b")])
+    assert caught.value.cycle == ["b"]
+
+
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=30))))
+def test_from_edges_numbers_as_networkx_lexicographic_topological_sort_does(case):
+    n, pairs = case
+    edges = [(f"n{min(u, v)}", f"n{max(u, v)}") for u, v in pairs if u != v]  # acyclic: low to high
+    nodes = [f"n{i}" for i in reversed(range(n))]
+    g = nx.DiGraph()
+    g.add_nodes_from(nodes)
+    g.add_edges_from(edges)
+    order, preds = from_edges(nodes, edges)
+    assert order == list(nx.lexicographical_topological_sort(g, key=str))
+    assert preds == [sorted(order.index(p) for p in g.predecessors(v)) for v in order]
 
 
 def test_from_edges_numbers_topologically():

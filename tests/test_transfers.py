@@ -12,8 +12,8 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamdag.runtime.budgets import ByteBudget
 from streamdag.runtime.ops import Future
-from streamdag.runtime.transfers import ByteBudget
 
 LIMIT = 100
 EXAMPLES = settings(max_examples=300 if os.environ.get("CI") else 60, deadline=None)

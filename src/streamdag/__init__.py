@@ -5,6 +5,11 @@ Dependencies are inferred from memory, independent ops run on several
 streams, and recorded graphs are scheduled once and run many times.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from . import parallel
 from .errors import (
     CycleError,
@@ -25,10 +30,17 @@ from .runtime import Future, GraphResult, OpNode, RecordedGraph, Runtime, Runtim
 from .runtime.accel import build_schedule
 from .schedule import Schedule
 
+if TYPE_CHECKING:  # importing streamdag imports no torch
+    import torch
+
+    from .frontend.compiled import Compiled
+    from .frontend.decode import Decoder
+    from .frontend.inductor_backend import CompiledModel
+
 __version__ = "0.1.0"
 
 
-def compile(fn, *, engine=None, **options):
+def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any) -> CompiledModel | Compiled:
     """Make a PyTorch function or ``nn.Module`` run fused and its independent branches concurrently.
 
     ``engine="inductor"`` (the default, or ``STREAMDAG_COMPILE_ENGINE``): Dynamo,
@@ -49,6 +61,30 @@ def compile(fn, *, engine=None, **options):
         raise TypeError(f"streamdag.compile: {', '.join(aten_only)} belong to the make_fx path: "
                         "pass engine='aten' with them")
     return compile_v2(fn, **options)
+
+
+def decoder(model: torch.nn.Module, *, max_length: int, compile: bool | None = None, lookahead: int = 2,
+            **options: Any) -> Decoder:
+    """A greedy decoder for a Hugging Face causal LM: a static KV cache of ``max_length`` positions
+    and each decode step one captured graph, replayed for every token
+    (:class:`streamdag.frontend.decode.Decoder`). ``compile`` (default: on CUDA) compiles the step
+    with ``streamdag.compile``, which takes ``options`` (``streams``, ``regions``, ...). Needs
+    ``transformers``; imports torch.
+    """
+    from .frontend.decode import Decoder
+
+    return Decoder(model, max_length=max_length, compile=compile, lookahead=lookahead, **options)
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+             **options: Any) -> torch.Tensor:
+    """Greedy generation in one call: the prompt followed by the new tokens, as
+    ``model.generate(input_ids, do_sample=False)`` returns them
+    (:func:`streamdag.frontend.decode.generate`; keep a :func:`decoder` to decode several prompts).
+    """
+    from .frontend.decode import generate as _generate
+
+    return _generate(model, input_ids, max_new_tokens, **options)
 
 
 __all__ = [
@@ -76,6 +112,8 @@ __all__ = [
     "__version__",
     "build_schedule",
     "compile",
+    "decoder",
+    "generate",
     "parallel",
     "read",
     "write",

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 
 from . import __version__
+from ._progress import progress
 
-__all__ = ["main"]
+__all__ = ["DEFAULT_OUT", "main"]
+
+#: where ``streamdag bench`` writes its results unless ``--out`` says otherwise: a folder of its own
+#: in the current directory (in a clone, ``bench/results/`` holds the committed results instead)
+DEFAULT_OUT = "streamdag-results"
 
 
 def _step(i: int, n: int, text: str) -> None:
@@ -50,6 +57,10 @@ def _bench(args: argparse.Namespace) -> int:
     cuda = _has_cuda() and not args.cpu
     print(f"streamdag {env['streamdag']} on {env['platform']}, {env['cpu_count']} cores; "
           f"{env.get('gpu') or 'no CUDA device: the CPU suite'}")
+    if not cuda and importlib.util.find_spec("threadpoolctl") is None:
+        print("streamdag bench: the CPU suite runs BLAS on one thread with threadpoolctl, which is not "
+              "installed: pip install 'streamdag[bench]'", file=sys.stderr)
+        return 1
     several = cuda and _gpu_count() >= 2
     steps = 4 if several else 3
     _step(1, steps, "scheduler: random DAG of 10,000 ops and ~50,000 edges")
@@ -62,8 +73,7 @@ def _bench(args: argparse.Namespace) -> int:
         cases = ["tiny", "small"] if args.quick else list(gpu_wide.CASES)
         _step(2, steps, f"wide graph on the GPU: {', '.join(cases)}")
         results = []
-        for c in cases:
-            print(f"  {c} ...", flush=True)
+        for c in progress(cases, desc="wide graph", unit="case"):
             results.append(gpu_wide.run_case(c, False, 8))
         print(gpu_wide.table(results))
         write_json(out, "wide", {"cases": results})
@@ -87,8 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     if several:
         from .suite import tp
 
-        _step(4, steps, "tensor-parallel chain over two GPUs: one GPU, hand-made, streamdag")
-        chain = tp.run(quick=args.quick)
+        _step(4, steps, "tensor-parallel chain over 1, 2, 4, 8 GPUs (those visible) against one GPU")
+        chain = tp.run(quick=args.quick, on_case=lambda case: print(tp.table_of_case(case), flush=True))
         print(tp.table(chain))
         write_json(out, "tp", chain)
     try:
@@ -115,7 +125,7 @@ def _doctor(args: argparse.Namespace) -> int:
     import streamdag
 
     print(f"streamdag {streamdag.__version__}, Python {platform.python_version()} on {platform.platform()}")
-    for name in ("numpy", "networkx", "torch", "matplotlib", "hypothesis"):
+    for name in ("numpy", "torch", "matplotlib", "threadpoolctl"):
         print(f"  {name:<11} {_version(name)}")
     from . import native
 
@@ -131,6 +141,8 @@ def _doctor(args: argparse.Namespace) -> int:
         missing.append("torch (pip install 'streamdag[torch]') for CUDA and streamdag.compile")
     if _version("matplotlib") == "missing":
         missing.append("matplotlib (pip install 'streamdag[plot]') for PNG timelines")
+    if _version("threadpoolctl") == "missing":
+        missing.append("threadpoolctl (pip install 'streamdag[bench]') for streamdag bench on the CPU")
     if not _has_cuda():
         (required if args.cuda else missing).append("a CUDA GPU (and a CUDA build of torch): streamdag runs "
                                                     "on CPU lanes only")
@@ -182,9 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamdag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"streamdag {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="show streamdag's log on stderr: -v its decisions (INFO: streams, CUDA graphs, "
+                             "batching, compile candidates, fall-backs), -vv the details (DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the built-in benchmark suite and print the tables")
-    bench.add_argument("--out", default="bench/results/latest", help="folder for JSON, trace and PNG")
+    bench.add_argument("--out", default=DEFAULT_OUT,
+                       help="folder for the JSON results, trace.json and timeline.png "
+                            f"(default: {DEFAULT_OUT}, in the current directory)")
     bench.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     bench.add_argument("--cpu", action="store_true", help="the CPU suite even when a GPU is present")
     bench.set_defaults(func=_bench)
@@ -196,7 +213,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="require a CUDA GPU and the torch extension that makes its calls in C++")
     doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
+    if args.verbose:
+        _show_log(logging.DEBUG if args.verbose > 1 else logging.INFO)
     return args.func(args)
+
+
+def _show_log(level: int) -> None:
+    """Send the ``streamdag`` logger's records at ``level`` and above to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    log = logging.getLogger("streamdag")
+    log.setLevel(level)
+    log.addHandler(handler)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ class StreamdagError(Exception):
 
 
 class StreamdagWarning(RuntimeWarning):
-    """Something streamdag runs slower than it could, and the warning says how to fix it (for
-    example, the compiled hot path is not installed and the Python code runs instead)."""
+    """The category of every warning streamdag gives: something runs slower than it could, or
+    otherwise than asked (the compiled hot path is not installed, a graph runs without a CUDA graph,
+    a compiled model runs eagerly), and the warning says how to fix it. It names the user's line."""
 
 
 class WouldBlock(StreamdagError):

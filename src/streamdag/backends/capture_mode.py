@@ -18,9 +18,10 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from .._diagnostics import warn
 
 __all__ = ["RELAXED", "exchange", "relaxed"]
 
@@ -38,10 +39,9 @@ def _driver_exchange():  # -> the driver's function (loaded once), or False
         try:
             fn = ctypes.CDLL(name).cuThreadExchangeStreamCaptureMode
         except (OSError, AttributeError) as exc:
-            warnings.warn(f"streamdag cannot set a thread's CUDA capture mode ({exc}): a CUDA graph you "
-                          "capture in PyTorch's default (global) mode while a runtime has ops pending "
-                          "may fail; capture with capture_error_mode='relaxed' or 'thread_local'",
-                          RuntimeWarning, stacklevel=3)
+            warn(f"streamdag cannot set a thread's CUDA capture mode ({exc}): a CUDA graph you "
+                 "capture in PyTorch's default (global) mode while a runtime has ops pending "
+                 "may fail; capture with capture_error_mode='relaxed' or 'thread_local'")
             _exchange_fn = False
             return False
         fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int

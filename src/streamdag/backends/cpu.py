@@ -9,12 +9,13 @@ host lanes too (:class:`HostLanes`), for the ops submitted with
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .host import Command, HostEvent
-from .threads import report_escaped
+from .threads import TORCH_PROFILER, report_escaped, run_named
 
 __all__ = ["LANE_THREADS", "CpuBackend", "HostLanes"]
 
@@ -61,7 +62,13 @@ class _Lane:
         finally:
             LANE_THREADS.discard(ident)
 
+    @property
+    def native_id(self) -> int | None:
+        """The lane thread's id in the operating system (as profilers name threads), once started."""
+        return self._thread.native_id if self._thread is not None else None
+
     def _run_commands(self) -> None:
+        modules = sys.modules
         while True:
             command = self._queue.get()
             if command is None:
@@ -72,7 +79,11 @@ class _Lane:
                 payload.wait()  # type: ignore[union-attr]
                 continue
             try:
-                payload()  # type: ignore[operator]
+                profiler = modules.get(TORCH_PROFILER)  # (an op names itself while torch profiles)
+                if profiler is not None and profiler._is_profiler_enabled:
+                    run_named(payload)  # type: ignore[arg-type]
+                else:
+                    payload()  # type: ignore[operator]
             except BaseException:  # a user's SystemExit, say: the ops queued after it still run
                 report_escaped(self._name)
             payload = None  # a runtime dropped without close() is collected, and stops its lanes

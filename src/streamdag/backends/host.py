@@ -25,7 +25,7 @@ class Marker:
         self.time = 0.0
 
     def set(self) -> None:
-        self.time = time.perf_counter()
+        self.time: float = time.perf_counter()
         self._is_set = True
         self._lock.release()
 

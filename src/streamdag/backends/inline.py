@@ -39,7 +39,7 @@ class InlineBackend:
 
     def __init__(self, device: str = "cpu", streams: int = 2) -> None:
         self.device = device
-        self.streams = [_Lane(i) for i in range(streams)]
+        self.streams: list[_Lane] = [_Lane(i) for i in range(streams)]
 
     def event(self, timing: bool = False) -> _DoneEvent:
         return _DoneEvent()

@@ -44,8 +44,8 @@ class SimExecutor:
     """
 
     def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.cond = threading.Condition()
+        self.rng: random.Random = random.Random(seed)
+        self.cond: threading.Condition = threading.Condition()
         self.streams: list[_SimStream] = []
         self._users = 0
         self._closed = False
@@ -170,7 +170,7 @@ class SimArray:
     """
 
     def __init__(self, data: Any, device: str) -> None:
-        self.data = np.asarray(data)
+        self.data: np.ndarray = np.asarray(data)
         self.device = device
 
     @property

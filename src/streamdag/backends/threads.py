@@ -4,13 +4,15 @@ runtime that drives them: the counts they update, and the done-callbacks they de
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ..native import load as load_native
 
-__all__ = ["callbacks_later", "deferring_callbacks", "new_counters", "report_escaped"]
+__all__ = ["callbacks_later", "deferring_callbacks", "new_counters", "report_escaped", "run_named",
+           "torch_profiler_on"]
 
 _log = logging.getLogger("streamdag")
 
@@ -28,9 +30,35 @@ def report_escaped(thread: str) -> None:
     _log.exception("streamdag: user code raised in the runtime's thread %r; the thread goes on", thread)
 
 
+#: the module whose global ``_is_profiler_enabled`` PyTorch's profilers set for every thread while they
+#: run (``torch._C._autograd._profiler_enabled()`` answers for the calling thread alone)
+TORCH_PROFILER = "torch.autograd.profiler"
+
+
+def torch_profiler_on() -> bool:
+    """Whether a PyTorch profiler (``torch.profiler.profile``) runs now: two look-ups, and nothing
+    imported where torch is not."""
+    module = sys.modules.get(TORCH_PROFILER)
+    return module is not None and module._is_profiler_enabled
+
+
+def run_named(work: Callable[[], Any]) -> None:
+    """Run ``work`` (an op's ``execute``, or other work) inside ``torch.profiler.record_function``
+    named after its op, so that PyTorch's profiler shows the op, around the kernels it launches.
+    Called only while a profiler runs (:func:`torch_profiler_on`): the range costs microseconds."""
+    name = getattr(getattr(work, "__self__", None), "name", None)
+    if not isinstance(name, str):
+        work()
+        return
+    from torch.profiler import record_function
+
+    with record_function(name):
+        work()
+
+
 class _Counters:
     """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
-    and its in-flight bound's slots free and submitters waiting for one (``core._Slots``)."""
+    and its in-flight bound's slots free and submitters waiting for one (``completion.Slots``)."""
 
     __slots__ = ("completed", "free", "peak", "seq", "waiting")
 
@@ -63,7 +91,7 @@ class callbacks_later:  # lower case: used like a function, ``with callbacks_lat
     __slots__ = ("calls", "outer")
 
     def __enter__(self) -> None:
-        self.outer = getattr(_LATER, "calls", None)
+        self.outer: list[Any] | None = getattr(_LATER, "calls", None)
         self.calls: list[Any] = []
         _LATER.calls = self.calls
 

@@ -27,6 +27,10 @@ in place, so results are never stale and captured graphs stay valid.
 Inference tensors (made, moved or cast under ``torch.inference_mode()``) have
 no version counter that in-place updates bump, so constants that are
 inference tensors are never stacked; the report names how many were left.
+
+This module holds the passes that stack constants (matmuls, convolutions, batch
+norms) and the driver; ``batch_elementwise.py`` the passes over elementwise ops
+and stacks; ``batch_graph.py`` the graph surgery they share.
 """
 
 from __future__ import annotations
@@ -34,17 +38,27 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx
 
+from .batch_elementwise import _batch_binary, _batch_foreach, _batch_unary, _fold_stacks
+from .batch_graph import (
+    _channel_slices_of,
+    _groups_by_key,
+    _one_group_at_a_time,
+    _record_and_erase,
+    _slices_of,
+    _split_channels,
+    _stackable,
+    _topological,
+    _unbind,
+    _val,
+)
+
 __all__ = ["BatchGroup", "BatchReport", "StackedConstants", "batch_independent_ops"]
 
 aten = torch.ops.aten
-
-_UNARY = {aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.silu.default,
-          aten.gelu.default, aten.neg.default, aten.exp.default}
 
 
 @dataclass
@@ -131,132 +145,12 @@ class BatchReport:
         return text
 
 
-def _stackable(gm: torch.fx.GraphModule, report: BatchReport, *nodes: Any) -> bool:
-    """Whether the constants behind these get_attr nodes can be stacked (None: no constant)."""
-    ok = True
-    for node in nodes:
-        if node is not None and getattr(gm, node.target).is_inference():
-            report.inference_constants.add(node.target)
-            ok = False
-    return ok
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _descendants(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
-    """Bit set of the nodes reachable from each node (bits by position in ``nodes``)."""
-    index = {n: i for i, n in enumerate(nodes)}
-    reach: dict[torch.fx.Node, int] = {}
-    for n in reversed(nodes):
-        bits = 0
-        for user in n.users:
-            if user in index:
-                bits |= reach[user] | (1 << index[user])
-        reach[n] = bits
-    return reach
-
-
-def _independent_groups(candidates: list[torch.fx.Node], reach: dict, index: dict) -> list[list]:
-    """Greedy groups of candidates with no path between any two of them."""
-    groups: list[tuple[list[torch.fx.Node], int, int]] = []  # members, their bits, their reach
-    for n in candidates:
-        bit = 1 << index[n]
-        for g in groups:
-            members, bits, reached = g
-            if not (reached & bit) and not (reach[n] & bits):
-                members.append(n)
-                groups[groups.index(g)] = (members, bits | bit, reached | reach[n])
-                break
-        else:
-            groups.append(([n], bit, reach[n]))
-    return [members for members, _, _ in groups if len(members) > 1]
-
-
-def _slices_of(args: list[Any]) -> torch.fx.Node | None:
-    """The tensor whose ``unbind`` slices ``args`` are, all of them and in order; else None."""
-    found = _slice_range_of(args)
-    if found is None or found[1:] != (0, 1) or len(_val(args[0].args[0]) or ()) != len(args):
-        return None
-    return found[0]
-
-
-def _slice_range_of(args: list[Any]) -> tuple[torch.fx.Node, int, int] | None:
-    """``(tensor, k, step)`` when ``args`` are its ``unbind`` slices ``k, k+step, ...``; else None."""
-    if not args or not all(isinstance(a, torch.fx.Node) and a.target is operator.getitem for a in args):
-        return None
-    source = args[0].args[0]
-    if not (isinstance(source, torch.fx.Node) and source.target is aten.unbind.int
-            and (len(source.args) < 2 or source.args[1] == 0)):
-        return None
-    k = args[0].args[1]
-    step = args[1].args[1] - k if len(args) > 1 else 1
-    if step < 1 or [a.args[0] for a in args] != [source] * len(args) or \
-            [a.args[1] for a in args] != list(range(k, k + step * len(args), step)):
-        return None
-    return source.args[0], k, step
-
-
-def _unbind(graph: torch.fx.Graph, batched: torch.fx.Node, members: list[torch.fx.Node]) -> None:
-    """Replace each member's uses by its slice of ``batched``."""
-    with graph.inserting_after(batched):
-        parts = graph.call_function(aten.unbind.int, (batched, 0))
-    _replace_by_items(graph, parts, members)
-
-
-def _replace_by_items(graph: torch.fx.Graph, listing: torch.fx.Node, members: list[torch.fx.Node]) -> None:
-    """Replace member ``i``'s uses by item ``i`` of ``listing`` (a node whose value is a list)."""
-    listing.meta["val"] = [_val(m) for m in members]
-    previous = listing
-    for i, member in enumerate(members):
-        with graph.inserting_after(previous):
-            piece = graph.call_function(operator.getitem, (listing, i))
-        piece.meta["val"] = _val(member)
-        member.replace_all_uses_with(piece)
-        previous = piece
-
-
-def _groups_by_key(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any
-                   ) -> tuple[list[list[torch.fx.Node]], dict[torch.fx.Node, int]]:
-    """Groups of mutually independent nodes with one ``key_of(node)`` (None: not a candidate)
-    that the report admits, and every node's position."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    reach = _descendants(nodes)
-    by_key: dict[Any, list[torch.fx.Node]] = {}
-    for n in nodes:
-        key = key_of(n)
-        if key is not None:
-            by_key.setdefault(key, []).append(n)
-    groups = [g for cands in by_key.values() for g in _independent_groups(cands, reach, index)]
-    return [g for g in groups if report.admits(g)], index
-
-
 def _matmul_key(gm: torch.fx.GraphModule, report: BatchReport, n: torch.fx.Node) -> tuple | None:
     if n.target is aten.mm.default and n.args[1].op == "get_attr" and _stackable(gm, report, n.args[1]):
         a, b = _val(n.args[0]), _val(n.args[1])
         if a is not None and b is not None:
             return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, str(a.device))
     return None
-
-
-def _one_group_at_a_time(gm: torch.fx.GraphModule, report: BatchReport, key_of: Any, rewrite: Any) -> bool:
-    """Rewrite groups one by one, finding them again after each.
-
-    Groups whose members read arbitrary inputs cannot all be merged at once:
-    with a member of each feeding the other's inputs, two groups are each
-    independent, but merged they would wait on each other (a cycle).
-    """
-    changed = False
-    for _ in range(len(gm.graph.nodes)):  # every rewrite removes at least two candidates
-        groups, index = _groups_by_key(gm, report, key_of)
-        if not groups:
-            break
-        rewrite(groups[0], index)
-        gm.graph = _topological(gm.graph)
-        changed = True
-    return changed
 
 
 def _batch_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report: BatchReport) -> bool:
@@ -290,18 +184,6 @@ def _merge_matmuls(gm: torch.fx.GraphModule, constants: StackedConstants, report
     _record_and_erase(graph, report, "matmul", members, [batched, *stacked_left])
 
 
-def _record_and_erase(graph: torch.fx.Graph, report: BatchReport, kind: str, members: list[torch.fx.Node],
-                      ops: list[torch.fx.Node]) -> None:
-    """The group is rewritten: report it, then drop its members (their uses are replaced)."""
-    report.add(kind, members, ops)
-    for m in members:
-        graph.erase_node(m)
-
-
-def _op_name(target: Any) -> str:
-    return str(target).split(".")[1]  # aten.relu.default -> relu
-
-
 def _constant(gm: torch.fx.GraphModule, constants: StackedConstants, value: torch.Tensor,
               parts: list[torch.Tensor], sources: list[torch.Tensor], after: torch.fx.Node) -> torch.fx.Node:
     """Register a combined constant on ``gm``; its get_attr node goes after ``after``."""
@@ -312,40 +194,6 @@ def _constant(gm: torch.fx.GraphModule, constants: StackedConstants, value: torc
         node = gm.graph.get_attr(name)
     node.meta["val"] = value
     return node
-
-
-def _channels(node: torch.fx.Node) -> int | None:
-    if "channels" in node.meta:
-        return node.meta["channels"]
-    val = _val(node)
-    return int(val.shape[1]) if val is not None and val.dim() > 1 else None
-
-
-def _channel_slices_of(args: list[Any]) -> torch.fx.Node | None:
-    """The tensor that ``args`` slice along dim 1, all of it and in order; else None."""
-    if not args or not all(isinstance(a, torch.fx.Node) and a.target is aten.slice.Tensor
-                           and len(a.args) == 4 and a.args[1] == 1 for a in args):
-        return None
-    base = args[0].args[0]
-    end = 0
-    for a in args:
-        if a.args[0] is not base or a.args[2] != end:
-            return None
-        end = a.args[3]
-    return base if end == _channels(base) else None
-
-
-def _split_channels(graph: torch.fx.Graph, combined: torch.fx.Node, members: list[torch.fx.Node],
-                    widths: list[int]) -> None:
-    """Replace each member's uses by its channel slice of ``combined``."""
-    combined.meta["channels"] = sum(widths)
-    start, previous = 0, combined
-    for member, width in zip(members, widths):
-        with graph.inserting_after(previous):
-            piece = graph.call_function(aten.slice.Tensor, (combined, 1, start, start + width))
-        piece.meta["val"] = _val(member)
-        member.replace_all_uses_with(piece)
-        start, previous = start + width, piece
 
 
 def _conv_key(gm: torch.fx.GraphModule, report: BatchReport, n: torch.fx.Node) -> tuple | None:
@@ -387,8 +235,8 @@ def _batch_convs(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
 
 #: Batch norms grouped: argument layout (input, weight, bias, running mean, running var,
 #: training, momentum, eps), normalized input as output 0. ``cudnn_batch_norm`` (what GPU traces
-#: hold) has the same layout, but grouping it made GoogLeNet's batched variant 13% slower on the
-#: H100 (bench/results/models_NVIDIA_H100_80GB_HBM3_cudnn_bn_grouped.json), so it is left alone.
+#: hold) has the same layout, but grouping it makes GoogLeNet's batched variant 13% slower
+#: (bench/results/models_NVIDIA_H100_80GB_HBM3_cudnn_bn_grouped.json), so it is left alone.
 _BATCH_NORMS = (aten.native_batch_norm.default,)
 
 
@@ -436,184 +284,6 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
         _record_and_erase(graph, report, "batch_norm", members, [bn])
         changed = True
     return changed
-
-
-def _batch_unary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
-    """The same unary op on every slice of one tensor (by ``unbind`` or along channels): one op."""
-    graph = gm.graph
-    by_source: dict[tuple, list[torch.fx.Node]] = {}
-    for n in graph.nodes:
-        if (n.target in _UNARY or n.target is aten.relu_.default) and len(n.args) == 1 and not n.kwargs:
-            arg = n.args[0]
-            if isinstance(arg, torch.fx.Node) and arg.target in (operator.getitem, aten.slice.Tensor):
-                by_source.setdefault((n.target, arg.target, arg.args[0]), []).append(n)
-    changed = False
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for (target, kind, _), members in by_source.items():
-        channels = kind is aten.slice.Tensor
-        members.sort(key=lambda m: m.args[0].args[2] if channels else m.args[0].args[1])
-        args = [m.args[0] for m in members]
-        base = _channel_slices_of(args) if channels else _slices_of(args)
-        if base is None or len(members) < 2 or not report.admits(members):
-            continue
-        with graph.inserting_after(max(members, key=position.__getitem__)):
-            whole = graph.call_function(target, (base,))
-        if channels:
-            _split_channels(graph, whole, members, [a.args[3] - a.args[2] for a in args])
-        else:
-            _unbind(graph, whole, members)
-        _record_and_erase(graph, report, _op_name(target), members, [whole])
-        changed = True
-    return changed
-
-
-_BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
-           aten.minimum.default}
-
-
-def _batch_binary(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
-    """The same two-operand op on consecutive ``unbind`` slices of one tensor, with consecutive
-    slices of another (or the same) tensor index for index, or with one value shared by all:
-    one op over the two ranges (broadcasting the shared value)."""
-    graph = gm.graph
-    by_key: dict[tuple, list[torch.fx.Node]] = {}
-    for n in graph.nodes:
-        if n.target not in _BINARY or len(n.args) != 2 or n.kwargs:
-            continue
-        a, b = n.args
-        if not (isinstance(a, torch.fx.Node) and a.target is operator.getitem):
-            continue
-        if isinstance(b, torch.fx.Node) and b.target is operator.getitem:
-            other: Any = ("slices", b.args[0], b.args[1] - a.args[1])  # pairs at one offset
-        elif isinstance(b, torch.fx.Node) and b.op == "get_attr":  # tracing lifts a constant per use
-            other = ("shared", id(getattr(gm, b.target)), 0)
-        elif isinstance(b, torch.fx.Node | int | float):
-            other = ("shared", b, 0)
-        else:
-            continue
-        by_key.setdefault((n.target, a.args[0], other), []).append(n)
-    changed = False
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for (target, _, (kind, _, _)), members in by_key.items():
-        members.sort(key=lambda m: m.args[0].args[1])
-        b_source = members[0].args[1]
-        range_a = _slice_range_of([m.args[0] for m in members])
-        if range_a is None or len(members) < 2 or not report.admits(members):
-            continue
-        # every result has the shape of its left slice: no operand broadcasts a slice up
-        piece, result = _val(members[0].args[0]), _val(members[0])
-        if piece is None or result is None or tuple(result.shape) != tuple(piece.shape):
-            continue
-        if kind == "slices":
-            range_b = _slice_range_of([m.args[1] for m in members])
-            right = _val(members[0].args[1])
-            if range_b is None or right is None or tuple(right.shape) != tuple(piece.shape):
-                continue
-        elif isinstance(b_source, torch.fx.Node):  # broadcast over the stacked dimension
-            shared = _val(b_source) if b_source.op != "get_attr" else getattr(gm, b_source.target)
-            if shared is None or shared.dim() > piece.dim():
-                continue
-        after = max(members, key=position.__getitem__)
-        operands = []
-        for source, k, step in ([range_a, range_b] if kind == "slices" else [range_a]):
-            with graph.inserting_after(after):
-                after = graph.call_function(aten.slice.Tensor,
-                                            (source, 0, k, k + step * (len(members) - 1) + 1, step))
-            operands.append(after)
-        if kind == "shared":
-            operands.append(b_source)
-        with graph.inserting_after(after):
-            whole = graph.call_function(target, tuple(operands))
-        _unbind(graph, whole, members)
-        _record_and_erase(graph, report, _op_name(target), members, [whole])
-        changed = True
-    return changed
-
-
-#: unary op -> its multi-tensor form (one kernel over a list of tensors) and extra arguments
-_FOREACH = {
-    aten.relu.default: (aten._foreach_clamp_min.Scalar, (0.0,)),  # NaN stays NaN in both
-    aten.tanh.default: (aten._foreach_tanh.default, ()),
-    aten.sigmoid.default: (aten._foreach_sigmoid.default, ()),
-    aten.exp.default: (aten._foreach_exp.default, ()),
-    aten.neg.default: (aten._foreach_neg.default, ()),
-}
-
-
-def _foreach_key(n: torch.fx.Node) -> tuple | None:
-    if n.target not in _FOREACH or len(n.args) != 1 or n.kwargs:
-        return None
-    val = _val(n.args[0])
-    if val is None or not val.is_floating_point():
-        return None
-    return (n.target, val.dtype, str(val.device))
-
-
-def _batch_foreach(gm: torch.fx.GraphModule, report: BatchReport) -> bool:
-    """The same unary op on independent tensors that are not slices of one: one multi-tensor kernel.
-
-    Runs once the other passes are done, so that ops they could batch over
-    one tensor (cheaper still) go to them first. Shapes may differ.
-    """
-    return _one_group_at_a_time(gm, report, _foreach_key,
-                                lambda members, index: _merge_foreach(gm.graph, report, members, index))
-
-
-def _merge_foreach(graph: torch.fx.Graph, report: BatchReport, members: list[torch.fx.Node],
-                   index: dict[torch.fx.Node, int]) -> None:
-    target = members[0].target
-    foreach, extra = _FOREACH[target]
-    with graph.inserting_after(max(members, key=index.__getitem__)):
-        whole = graph.call_function(foreach, ([m.args[0] for m in members], *extra))
-    _replace_by_items(graph, whole, members)
-    _record_and_erase(graph, report, "foreach " + _op_name(target), members, [whole])
-
-
-def _fold_stacks(gm: torch.fx.GraphModule) -> bool:
-    changed = False
-    for n in list(gm.graph.nodes):
-        if n.target is aten.stack.default and (len(n.args) < 2 or n.args[1] == 0):
-            base = _slices_of(list(n.args[0]))
-            if base is not None:
-                n.replace_all_uses_with(base)
-                gm.graph.erase_node(n)
-                changed = True
-    return changed
-
-
-def _topological(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """The same graph with its nodes in an order where every input comes first."""
-    placed: set[torch.fx.Node] = set()
-    order: list[torch.fx.Node] = []
-
-    def inputs(n: torch.fx.Node) -> Iterable[torch.fx.Node]:
-        found: list[torch.fx.Node] = []
-        torch.fx.node.map_arg((n.args, n.kwargs), found.append)
-        return found
-
-    open_: set[torch.fx.Node] = set()  # expanded, inputs not all placed yet
-    for root in graph.nodes:
-        stack = [(root, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if n in placed:
-                continue
-            if expanded:
-                placed.add(n)
-                open_.discard(n)
-                order.append(n)
-                continue
-            if n in open_:
-                raise RuntimeError(f"batching made a cycle through {n.name!r}: this is a streamdag bug; "
-                                   "pass batch=False to streamdag.compile meanwhile")
-            open_.add(n)
-            stack.append((n, True))
-            stack.extend((i, False) for i in inputs(n) if i not in placed)
-    new = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for n in order:
-        env[n] = new.node_copy(n, lambda x: env[x])
-    return new
 
 
 def batch_independent_ops(

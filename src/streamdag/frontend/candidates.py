@@ -60,7 +60,7 @@ class SharedPool:
         self._pools: dict[torch.device, Any] = {}
         self._last: dict[torch.device, torch.cuda.Stream] = {}
         self._last_raw: dict[torch.device, int] = {}  # the last replay's stream, as its CUDA handle
-        self.lock = threading.Lock()
+        self.lock: threading.Lock = threading.Lock()
 
     def handle(self, device: torch.device) -> Any:
         if device not in self._pools:
@@ -105,12 +105,14 @@ class CapturedGraph:
         self.pool = pool
         static_set = set(static)
         with torch.inference_mode(False):  # written by later calls in any mode
-            self.inputs = [a if i in static_set or not isinstance(a, torch.Tensor)
-                           else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                           for i, a in enumerate(args)]
-        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static_set]
-        self.copied_back = [i for i in mutated if i not in static_set]
-        self.static = list(static)
+            self.inputs: list[Any] = [a if i in static_set or not isinstance(a, torch.Tensor)
+                                      else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
+                                                               device=a.device)
+                                      for i, a in enumerate(args)]
+        self.copied: list[int] = [i for i, a in enumerate(args)
+                                  if isinstance(a, torch.Tensor) and i not in static_set]
+        self.copied_back: list[int] = [i for i in mutated if i not in static_set]
+        self.static: list[int] = list(static)
         self.static_ptrs: list[int | None] = [None] * len(args)
         for i in static:
             self.static_ptrs[i] = args[i].data_ptr()
@@ -129,12 +131,12 @@ class CapturedGraph:
         if private:
             torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved(device)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: Any = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=handle, stream=stream):
             outs = candidate.run(list(self.inputs))
-        self.outputs = list(outs)
-        self.out_type = tuple if isinstance(outs, tuple) else list
-        self.out_tensors = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
+        self.outputs: list[Any] = list(outs)
+        self.out_type: type[tuple[Any, ...]] | type[list[Any]] = tuple if isinstance(outs, tuple) else list
+        self.out_tensors: list[int] = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]
         self.peak_bytes = torch.cuda.memory_reserved(device) - base if private else 0
         caller.wait_stream(stream)
 

@@ -24,7 +24,6 @@ waiting for the GPU. Inputs the function mutates are written back.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._diagnostics import get_logger, warn
 from ..runtime.core import Runtime
 from ..runtime.recorded import RecordedGraph
 from .batch_choice import GroupEstimate, estimate_groups, paying_groups
@@ -43,6 +43,8 @@ from .module_state import ModuleState
 from .outputs import CannotRebuild, flatten_outputs
 
 __all__ = ["CompileStatistics", "Compiled", "compile"]
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -281,7 +283,9 @@ class _Specialization:
                                                plain_stats.chosen_streams or 1)
         inputs_of = {n.name: [a.name for a in n.all_input_nodes] for n in plain.gm.graph.nodes}
         only = paying_groups(self.group_estimates, groups, inputs_of)
+        _log.info("batching: %s", "; ".join(str(e) for e in self.group_estimates))
         if only is None:
+            _log.info("batching: no variant batching only the paying groups (all or none of them pay)")
             return False
         mixed = make(flat, only)
         if not mixed.batch_report.groups:
@@ -326,15 +330,15 @@ class Compiled:
             self._runtimes[name] = Runtime(name, streams=self._streams, max_inflight=100_000)
         return self._runtimes[name]
 
-    def _warn(self, reason: str, stacklevel: int = 4) -> None:
+    def _warn(self, reason: str) -> None:
         """Say once why calls run eagerly; ``explain()`` says it too."""
         self._eager_reasons[reason] = None
-        self._note(f"running eagerly: {reason}", reason, stacklevel + 1)
+        self._note(f"running eagerly: {reason}", reason)
 
-    def _note(self, message: str, once_key: str, stacklevel: int = 4) -> None:
+    def _note(self, message: str, once_key: str) -> None:
         if once_key not in self._warned:
             self._warned.add(once_key)
-            warnings.warn(f"streamdag.compile: {message}", RuntimeWarning, stacklevel=stacklevel)
+            warn(f"streamdag.compile: {message}")
 
     def statistics(self) -> CompileStatistics:
         return CompileStatistics(**vars(self._stats))
@@ -373,10 +377,10 @@ class Compiled:
                 entries[key] = self._specialize(flat, spec)
             except CannotRebuild as exc:
                 entries[key] = None
-                self._warn(str(exc), stacklevel=5)
+                self._warn(str(exc))
             except Exception as exc:  # not traceable: say why once, then run as written
                 entries[key] = None
-                self._warn(f"tracing failed ({type(exc).__name__}: {exc})", stacklevel=5)
+                self._warn(f"tracing failed ({type(exc).__name__}: {exc})")
             if self._state is not None and entries is self._entries and not self._state.holds():
                 self._state.take()  # the forward set attributes while it was traced
             return entries[key]

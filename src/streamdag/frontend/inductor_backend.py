@@ -5,8 +5,8 @@ mode, ``training``, the code's constants), so a call whose guards fail
 compiles a new specialization and outputs come back in the structure the code
 returns (dicts, dataclasses, ``ModelOutput``). :class:`StreamdagBackend` gets
 each graph Dynamo captures and hands it to Inductor's ``compile_fx``, which runs
-AOTAutograd and then our inner compiler on the aten graph. For an inference
-graph the inner compiler compiles:
+AOTAutograd and then our inner compiler (:mod:`.inner_compile`) on the aten
+graph. For an inference graph the inner compiler compiles:
 
 * Inductor's own code for the whole graph (one stream, fused), and
 * where streamdag's schedule finds independent branches worth their events
@@ -14,7 +14,8 @@ graph the inner compiler compiles:
   cover, each region compiled by Inductor (:mod:`.inductor_regions`).
 
 and returns a :class:`_Switch` that runs whichever of them is selected.
-Training graphs (gradients needed) are Inductor's, unchanged.
+Training graphs (gradients needed) get the same treatment, forward and
+backward, and choose their own candidates at their first calls (:mod:`.training`).
 
 At the first call with real tensors, :class:`GraphRunner` builds the candidates
 (the graph run eagerly, Inductor on one stream, the regions on 2..N streams),
@@ -33,7 +34,6 @@ import inspect
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,18 +41,17 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
-from .regions import RegionPlan, plan_regions
+from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
 from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
 
-__all__ = ["CompiledModel", "GraphRunner", "StreamdagBackend", "V2Statistics", "compile_v2",
-           "default_backend", "engine_from"]
+__all__ = ["MIN_GAIN", "CompiledModel", "GraphRunner", "Options", "StreamdagBackend", "V2Statistics",
+           "compile_v2", "default_backend", "engine_from"]
 
 ENGINES = ("inductor", "aten")
-#: the least gain the region cost model must predict before a graph's regions are compiled: two
-#: and a half times the model's error on its calibration models (``regions.REGION_MODEL``), so
-#: that regions, and their compile time, go only where they are likely to pay
-MIN_GAIN = 0.15
+
+_log = get_logger(__name__)
 
 
 def engine_from(engine: str | None) -> str:
@@ -89,134 +88,6 @@ class _GraphsRun(threading.local):
     count = 0
 
 
-@dataclass
-class Options:
-    streams: int = 4
-    regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
-    min_gain: float = MIN_GAIN
-    candidates: tuple[str, ...] | None = None  # labels to keep, e.g. ("regions",) in tests
-    clone_outputs: bool = True
-    max_captures: int = 4
-    rounds: int = 10
-    tie: float = 0.02
-    memory_ratio: float = 1.1
-    whole_call: bool = True
-
-    def __post_init__(self) -> None:
-        if self.regions not in ("auto", "always", "never"):
-            raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
-        if self.streams < 1:
-            raise ValueError(f"streams must be at least 1, got {self.streams}")
-
-
-class _Switch:
-    """What AOTAutograd calls for an inference graph: Inductor's whole graph, or its regions."""
-
-    _boxed_call = True
-
-    def __init__(self, whole: Callable[[list[Any]], Any]) -> None:
-        self.whole = whole
-        self.program: Any = None  # a RegionProgram, where the graph was cut into regions
-        self.plan: RegionPlan | None = None
-        self.region_note = ""
-        self.streams = 0  # 0: the whole graph; else the regions on this many streams
-        self.mutated_inputs: list[int] = []
-        self.mutates_metadata = False
-        self.aliases_inputs = False
-        self.compile_s = 0.0
-
-    def __call__(self, args: list[Any]) -> Any:
-        if self.streams == 0:
-            return self.whole(args)
-        inputs = list(args)
-        args.clear()  # the boxed convention: the callee owns the inputs
-        return self.program.run(inputs, self.streams)
-
-
-def _pristine(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm``'s graph (meta shared): Inductor's passes rewrite the graph they compile in place."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return torch.fx.GraphModule(gm, graph)
-
-
-def _is_dynamic(example_inputs: Sequence[Any]) -> bool:
-    for e in example_inputs:
-        if isinstance(e, torch.SymInt):
-            return True
-        if isinstance(e, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in e.shape):
-            return True
-    return False
-
-
-def _inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: Options,
-           switches: list[_Switch], **kwargs: Any) -> Any:
-    """Inductor's inner compiler, plus the regions of an inference graph (see the module docstring)."""
-    from torch._guards import TracingContext
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.utils import BoxedBool
-
-    if kwargs.get("is_backward") or not kwargs.get("is_inference"):
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-    t0 = time.perf_counter()
-    pristine = None if options.regions == "never" or _is_dynamic(example_inputs) else _pristine(gm)
-    kwargs["cudagraphs"] = BoxedBool(False)  # the runner captures, with every candidate's streams
-    switch = _Switch(compile_fx_inner(gm, list(example_inputs), **kwargs))
-    ctx = TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    if meta is not None:
-        switch.mutated_inputs = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
-        switch.mutates_metadata = any(info.mutates_metadata for info in meta.input_info)
-        switch.aliases_inputs = any(o.output_type.name in ("is_input", "alias_of_input")
-                                    for o in meta.output_info)
-    if pristine is not None:
-        _add_regions(switch, pristine, example_inputs, options, kwargs)
-    elif options.regions != "never":
-        switch.region_note = "symbolic shapes: the whole graph only"
-    switch.compile_s = time.perf_counter() - t0
-    switches.append(switch)
-    return switch
-
-
-def _add_regions(switch: _Switch, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                 options: Options, kwargs: dict[str, Any]) -> None:
-    from .inductor_regions import RegionProgram, compile_regions
-
-    if options.streams < 2:
-        switch.region_note = "one stream asked for"
-        return
-    on_cpu = all(e.device.type == "cpu" for e in example_inputs if isinstance(e, torch.Tensor))
-    if on_cpu and options.regions == "auto" and options.candidates is None:
-        switch.region_note = "on the CPU the whole graph runs: regions pay on streams"
-        return
-    try:
-        plan = plan_regions(gm, options.streams)
-    except Exception as exc:  # a planner's bug must not cost the graph Inductor's whole-graph code
-        switch.region_note = f"no region plan ({type(exc).__name__}: {exc})"
-        return
-    switch.plan = plan
-    if plan.streams < 2:
-        switch.region_note = "no independent branches worth a stream"
-        return
-    if options.regions == "auto" and plan.gain < options.min_gain:
-        switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {options.min_gain:.0%}"
-        return
-    try:
-        from torch._inductor.graph import GraphLowering
-
-        region_kwargs = {k: v for k, v in kwargs.items() if k not in ("static_input_idxs", "graph_id")}
-        # one layout decision for the whole graph: a region deciding alone could convert to
-        # channels-last and back at each of its boundaries
-        region_kwargs["layout_opt"] = GraphLowering.decide_layout_opt(gm, is_inference=True)
-        compiled = compile_regions(gm, example_inputs, plan, kwargs.get("static_input_idxs", ()),
-                                   region_kwargs)
-    except Exception as exc:  # the whole graph still runs: say why the regions do not
-        switch.region_note = f"regions not compiled ({type(exc).__name__}: {exc})"
-        return
-    switch.program = RegionProgram(gm, plan, compiled)
-
-
 class GraphRunner:
     """The callable Dynamo gets for one graph: chooses a candidate at the first call, then runs it."""
 
@@ -224,21 +95,22 @@ class GraphRunner:
                  options: Options, pool: SharedPool, stats: V2Statistics, index: int,
                  ran: _GraphsRun | None = None) -> None:
         self.compiled = compiled
-        self.eager = eager
+        self.eager: Any = eager
         self.switch = switch
         self.options = options
         self.pool = pool
         self.stats = stats
         self.index = index
-        self.ran = _GraphsRun() if ran is None else ran
+        self.ran: _GraphsRun = _GraphsRun() if ran is None else ran
         self.candidates: list[Candidate] = []
         self.captures: list[CapturedGraph] = []
         self.chosen: Candidate | None = None
-        self.note = ""
+        self.note: str = ""
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
         self.captured_run = False  # whether _run replays a CUDA graph of the chosen candidate
         self.not_whole = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
+        self.training: list[Any] = []  # a training graph's forward and backward (:mod:`.training`)
 
     def __call__(self, *args: Any) -> Any:
         self.stats.calls += 1
@@ -310,6 +182,7 @@ class GraphRunner:
         """Inductor's code runs without a CUDA graph of its own; ``whole``: it may still run inside
         the CUDA graph of a whole call."""
         self.note = f"{self.note}; {reason}" if self.note else reason
+        _log.info("graph %d runs without a CUDA graph of its own: %s", self.index, reason)
         if not whole:
             self.not_whole = reason
         if self.switch is not None:
@@ -324,7 +197,9 @@ class GraphRunner:
     def _first(self, args: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
         sw = self.switch
         if sw is None:
-            return self._uncaptured("a training graph or one AOTAutograd compiled elsewhere: Inductor as is")
+            return self._uncaptured("a training graph: its forward and backward choose their own "
+                                    "candidates" if self.training else
+                                    "a graph AOTAutograd compiled elsewhere: Inductor as is")
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         cands = self._candidates()
         if not cands:
@@ -343,9 +218,13 @@ class GraphRunner:
                                     whole=not sw.mutates_metadata)
         static = static_indices(args)
         if set(static) & set(sw.mutated_inputs):
-            # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once
+            # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once.
+            # Untimed, the regions run where they were compiled (the planner's gain reached min_gain)
+            streams = min(self.options.streams, sw.program.plan.streams) if sw.program is not None else 0
             return self._uncaptured("the graph updates a parameter or buffer in place (warm-up runs would "
-                                    "repeat the update): run uncaptured", whole=True)
+                                    "repeat the update): run uncaptured" +
+                                    (f", its regions on {streams} streams" if streams else ""),
+                                    streams, whole=True)
         device = next(iter(devices))
         captured = []
         for c in cands:
@@ -362,6 +241,9 @@ class GraphRunner:
         best = choose(captured, self.options.rounds, self.options.tie, self.options.memory_ratio,
                       base_mib=_held_mib(args))
         self.chosen = best.candidate
+        _log.info("graph %d: candidate %s chosen (timed: %s)", self.index, best.candidate.label,
+                  ", ".join(f"{c.label} {c.ms:.3f} ms" if c.ms is not None else f"{c.label} ({c.error})"
+                            for c in cands))
         self._set_switch(best.candidate)
         if len(cands) > 1:  # the private pools go; the one kept joins the shared pool
             del captured
@@ -380,6 +262,8 @@ class GraphRunner:
         self.candidates = cands
         pick = next((c for c in cands if c.label == "inductor"), cands[0])
         self.chosen = pick
+        _log.info("graph %d: candidate %s chosen (%s, nothing captured or timed)", self.index, pick.label,
+                  where)
         self._set_switch(pick)
         if pick.label == "eager":
             eager, stats = self.eager, self.stats
@@ -439,6 +323,7 @@ class GraphRunner:
             lines.append(f"  candidate {c.label} on {c.streams} stream(s):{timing}{memory}{extra}{mark}")
         if self.note:
             lines.append(f"  {self.note}")
+        lines += [t.explain() for t in self.training]
         if self._run is None:
             lines.append("  not called yet")
         return "\n".join(lines)
@@ -480,14 +365,15 @@ class StreamdagBackend:
 
     def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
-        self.options = Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-                               candidates=None if candidates is None else tuple(candidates),
-                               clone_outputs=clone_outputs)
-        self.pool = SharedPool()
-        self.stats = V2Statistics()
+        self.options: Options = Options(
+            streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
+            candidates=None if candidates is None else tuple(candidates), clone_outputs=clone_outputs)
+        self.pool: SharedPool = SharedPool()
+        self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
-        self.ran = _GraphsRun()
+        self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
+        self.eager_reason = ""  # why streamdag.compile's model runs eagerly with gradients on
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -497,9 +383,11 @@ class StreamdagBackend:
         index = len(self.runners)
         eager = _pristine(gm)
         switches: list[_Switch] = []
+        trained: list[Any] = []
 
         def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
-            return _inner(g, ex, options=self.options, switches=switches, **kwargs)
+            return inner_compile(g, ex, options=self.options, switches=switches, trained=trained,
+                                 on_double_backward=self._double_backward, **kwargs)
 
         try:
             # AOTAutograd's cache would hand back a plain Inductor result and skip the inner compiler
@@ -511,8 +399,15 @@ class StreamdagBackend:
             self.stats.compile_s += time.perf_counter() - t0
         runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
                              self.pool, self.stats, index, self.ran)
+        runner.training = trained  # the backward joins it when autograd first needs it
         self.runners.append(runner)
         return runner
+
+    def _double_backward(self, message: str) -> None:
+        from .training import warn_once
+
+        self.eager_reason = message
+        warn_once(self._warned, "double backward", message)
 
     def _fallback(self, eager: torch.fx.GraphModule, exc: Exception, index: int) -> Callable[..., Any]:
         from .compiled import Compiled
@@ -521,8 +416,7 @@ class StreamdagBackend:
         self.stats.fallbacks += 1
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"streamdag: graph {index} runs on the make_fx path: {reason}", RuntimeWarning,
-                          stacklevel=2)
+            warn(f"streamdag: graph {index} runs on the make_fx path: {reason}")
         fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index, self.ran)
         self.runners.append(fb)
         return fb
@@ -531,7 +425,8 @@ class StreamdagBackend:
         parts = [r.explain() for r in self.runners]
         n = self.stats.eager_calls
         if n:
-            parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {_EAGER_WHY}")
+            why = self.eager_reason or _EAGER_WHY
+            parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {why}")
         return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
     def statistics(self) -> V2Statistics:
@@ -583,7 +478,8 @@ class CompiledModel:
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
         options = backend.options
-        self.whole = WholeCall(fn, backend, options.clone_outputs) if options.whole_call else None
+        self.whole: WholeCall | None = (WholeCall(fn, backend, options.clone_outputs) if options.whole_call
+                                        else None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._called:
@@ -603,6 +499,9 @@ class CompiledModel:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.backend.eager_reason and torch.is_grad_enabled():  # (explain() says why)
+            self.backend.stats.eager_calls += 1
+            return self.__wrapped__(*args, **kwargs)
         ran = self.backend.ran
         before = ran.count
         out = self._compiled(*args, **kwargs)
@@ -611,16 +510,13 @@ class CompiledModel:
         return out
 
     def _ran_eagerly(self) -> None:
-        from ..native import _caller_outside_streamdag
-
         self.backend.stats.eager_calls += 1
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
             # the caller's line, past the whole-call path's frames (as many as the path it took)
-            warnings.warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                          f"{_EAGER_WHY}; statistics().eager_calls counts such calls",
-                          RuntimeWarning, stacklevel=_caller_outside_streamdag())
+            warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
+                 f"{_EAGER_WHY}; statistics().eager_calls counts such calls")
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the

@@ -20,6 +20,16 @@ graph. A value made on one stream and read on another is marked with
 hand its memory to the next region of the making stream while a reader may still
 run (during a capture that memory is not reused at all). On the CPU the regions
 run one after another, in graph order or in any order the waits allow.
+
+Memory: every value the regions make is dropped after the last region that
+reads it, in graph order, as Inductor's whole graph frees its buffers. A
+program that owns its inputs (a training graph's: AOTAutograd hands the
+backward its saved activations and keeps no reference) drops each input after
+its last reader too, so no activation outlives its last use by more than the
+region that reads it. With ``record_stream``, a dropped value's memory goes
+back to the allocator once the streams that read it have done the work queued
+so far: what several streams hold at once beyond one stream's order is the
+values of regions that overlap, which the candidates' memory rule bounds.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .._progress import progress
 from ..schedule.plan import Schedule
 from .regions import Region, RegionPlan
 
@@ -89,9 +100,14 @@ def _int_strides(strides: Any) -> tuple[int, ...] | None:
 
 
 def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], plan: RegionPlan,
-                    static_input_idxs: Sequence[int], compile_kwargs: dict[str, Any]
-                    ) -> list[CompiledRegion]:
-    """Compile every region of ``plan`` with Inductor (see the module docstring); in region order."""
+                    static_input_idxs: Sequence[int], compile_kwargs: dict[str, Any],
+                    output_strides: Sequence[Any] | None = None) -> list[CompiledRegion]:
+    """Compile every region of ``plan`` with Inductor (see the module docstring); in region order.
+
+    ``output_strides``: the strides every output of the graph must have (a training forward's,
+    whose saved activations the backward was compiled for), instead of eager's for the outputs
+    the user sees. ``compile_kwargs`` may say ``is_inference`` and ``is_backward``.
+    """
     from torch._guards import TracingContext, detect_fake_mode
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
@@ -102,6 +118,8 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
     out_node, outs = _graph_outputs(gm)
     visible = set(out_node.meta.get("user_visible_output_idxs", range(len(outs))))
     original = out_node.meta.get("original_output_strides")
+    if output_strides is not None:
+        visible, original = set(range(len(outs))), [_int_strides(s) if s else None for s in output_strides]
     kept_strides: dict[torch.fx.Node, Any] = {}
     for i, o in enumerate(outs):
         if isinstance(o, torch.fx.Node) and i in visible:
@@ -112,7 +130,7 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
     fake_mode = detect_fake_mode(list(example_inputs))
     reports = TracingContext.try_get() is not None
     compiled = []
-    for region in plan.regions:
+    for region in progress(plan.regions, desc="streamdag.compile: Inductor, regions", unit="region"):
         examples = [example_of[n] if n in example_of else n.meta["val"] for n in region.inputs]
         sub = region_graph(gm, region, examples)
         sub_out = next(n for n in sub.graph.nodes if n.op == "output")
@@ -123,9 +141,11 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
         sub_out.meta["original_output_strides"] = [
             kept_strides.get(o) or (o.meta["val"].stride() if isinstance(o.meta.get("val"), torch.Tensor)
                                     else None) for o in region.outputs]
-        kwargs = dict(compile_kwargs)
+        if output_strides is not None and fake_mode is not None:
+            _force_strides(sub, region.outputs, kept_strides, fake_mode)
+        kwargs = {"is_inference": True, "is_backward": False, **compile_kwargs}
         kwargs.update(static_input_idxs=[i for i, n in enumerate(region.inputs) if n in static],
-                      cudagraphs=BoxedBool(False), is_inference=True, is_backward=False)
+                      cudagraphs=BoxedBool(False))
         with TracingContext.report_output_strides() as strides:
             fn = compile_fx_inner(sub, list(examples), **kwargs)
         for i, o in enumerate(region.outputs):
@@ -140,24 +160,65 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pla
     return compiled
 
 
-class RegionProgram:
-    """The compiled regions of one graph and how to run them (see the module docstring)."""
+def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
+                   wanted: dict[torch.fx.Node, Any], fake_mode: Any) -> None:
+    """Each output of ``sub`` whose strides are not ``wanted`` goes through Inductor's
+    ``force_stride_order``: Inductor takes an output's strides from what its operators make
+    (it propagates fake tensors again), not from the output node's metadata."""
+    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: RegionPlan, compiled: list[CompiledRegion]) -> None:
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    args = list(out.args[0])
+    changed = False
+    for i, (o, a) in enumerate(zip(outputs, args)):
+        stride, val = wanted.get(o), a.meta.get("val")
+        if stride is None or not isinstance(val, torch.Tensor) or tuple(val.stride()) == tuple(stride):
+            continue
+        with sub.graph.inserting_before(out):
+            forced = sub.graph.call_function(torch.ops.prims.inductor_force_stride_order.default,
+                                             (a, list(stride)))
+        with fake_mode:
+            forced.meta["val"] = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
+        args[i] = forced
+        changed = True
+    if changed:
+        out.args = (tuple(args),)
+        sub.recompile()
+
+
+class RegionProgram:
+    """The compiled regions of one graph and how to run them (see the module docstring).
+
+    ``output_strides``: the strides the graph's outputs must have (see :func:`compile_regions`);
+    an input the graph returns with other strides is returned as a copy with them, as
+    Inductor's whole graph returns it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: RegionPlan, compiled: list[CompiledRegion],
+                 owns_inputs: bool = False, output_strides: Sequence[Any] | None = None) -> None:
         self.plan = plan
+        self.owns_inputs = owns_inputs
         self.compiled = compiled
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         slot: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
         for c in compiled:
             for o in c.region.outputs:
                 slot[o] = len(slot)
-        self.num_inputs = len(placeholders)
-        self.num_slots = len(slot)
-        self.input_slots = [[slot[n] for n in c.region.inputs] for c in compiled]
-        self.output_slots = [[slot[n] for n in c.region.outputs] for c in compiled]
+        self.num_inputs: int = len(placeholders)
+        self.num_slots: int = len(slot)
+        self.input_slots: list[list[int]] = [[slot[n] for n in c.region.inputs] for c in compiled]
+        self.output_slots: list[list[int]] = [[slot[n] for n in c.region.outputs] for c in compiled]
         _, outs = _graph_outputs(gm)
         self.result = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in outs]
-        keep = {s for s, _ in self.result if s >= 0} | set(range(self.num_inputs))
+        self.restride: list[tuple[int, tuple[int, ...]]] = []  # (output index, strides) of returned inputs
+        for i, o in enumerate(outs):
+            stride = _int_strides(output_strides[i]) if output_strides and i < len(output_strides) \
+                and output_strides[i] else None
+            val = o.meta.get("val") if isinstance(o, torch.fx.Node) and o.op == "placeholder" else None
+            if stride is not None and isinstance(val, torch.Tensor) and tuple(val.stride()) != stride:
+                self.restride.append((i, stride))
+        # an input is the caller's to free, unless the program owns it (a training graph's: the
+        # backward's saved activations are freed after their last reader, as Inductor frees them)
+        keep = {s for s, _ in self.result if s >= 0} | (set() if owns_inputs else set(range(self.num_inputs)))
         last_use = {}
         for r, slots in enumerate(self.input_slots):
             for s in slots:
@@ -170,7 +231,7 @@ class RegionProgram:
         for r, slots in enumerate(self.input_slots):
             for s in slots:
                 self.readers.setdefault(s, []).append(r)
-        self.producer = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
+        self.producer: dict[int, int] = {s: r for r, slots in enumerate(self.output_slots) for s in slots}
         self._schedules: dict[int, Schedule] = {}
 
     def schedule(self, streams: int) -> Schedule:
@@ -179,21 +240,40 @@ class RegionProgram:
         return self._schedules[streams]
 
     def run(self, args: list[Any], streams: int = 1, order: Sequence[int] | None = None) -> list[Any]:
-        """Run every region on ``args`` (the graph's inputs); returns the graph's outputs."""
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
-        if streams > 1 and tensors and tensors[0].is_cuda:
-            return self._run_cuda(args, self.schedule(streams), tensors[0].device)
-        return self._run_serial(args, range(len(self.compiled)) if order is None else order)
+        """Run every region on ``args`` (the graph's inputs); returns the graph's outputs.
+
+        A program that owns its inputs empties ``args`` (the boxed convention) and drops each input
+        after its last reader, where it runs the regions in index order."""
+        first = next((t for t in args if isinstance(t, torch.Tensor)), None)
+        device = None if first is None else first.device
+        del first  # no reference of ours may outlive the input's last reader
+        if streams > 1 and device is not None and device.type == "cuda":
+            return self._run_cuda(args, self.schedule(streams), device)
+        return self._run_serial(args, order)
 
     def _finish(self, env: list[Any]) -> list[Any]:
-        return [env[s] if s >= 0 else const for s, const in self.result]
+        out = [env[s] if s >= 0 else const for s, const in self.result]
+        for i, stride in self.restride:
+            t = out[i]
+            if isinstance(t, torch.Tensor) and tuple(t.stride()) != stride:
+                out[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+        return out
 
-    def _run_serial(self, args: list[Any], order: Sequence[int]) -> list[Any]:
+    def _env(self, args: list[Any]) -> list[Any]:
         env: list[Any] = list(args) + [None] * (self.num_slots - self.num_inputs)
-        for r in order:
+        if self.owns_inputs:
+            args.clear()
+        return env
+
+    def _run_serial(self, args: list[Any], order: Sequence[int] | None) -> list[Any]:
+        env = self._env(args)
+        for r in range(len(self.compiled)) if order is None else order:
             outs = self.compiled[r].fn([env[s] for s in self.input_slots[r]])
             for s, v in zip(self.output_slots[r], outs):
                 env[s] = v
+            if order is None:  # last uses are counted in index order
+                for s in self.free_after[r]:
+                    env[s] = None
         return self._finish(env)
 
     def interleaving(self, streams: int, seed: int) -> list[int]:
@@ -226,7 +306,7 @@ class RegionProgram:
         for s in streams[1:]:  # fork: the side streams start after what the caller queued
             s.wait_stream(main)
         events = [torch.cuda.Event() if needed else None for needed in _waited_on(sched)]
-        env: list[Any] = list(args) + [None] * (self.num_slots - self.num_inputs)
+        env = self._env(args)
         stream_of = sched.stream
         try:
             for r in range(len(self.compiled)):  # index order is a topological order
@@ -253,9 +333,11 @@ class RegionProgram:
 
     def _mark_readers(self, value: Any, slot: int, stream_of: Sequence[int],
                       streams: list[torch.cuda.Stream]) -> None:
-        if not isinstance(value, torch.Tensor) or slot < self.num_inputs:
-            return  # inputs belong to the caller, who holds them past the join
-        made_on = stream_of[self.producer[slot]]
+        if not isinstance(value, torch.Tensor):
+            return
+        # an input was made on the caller's stream before the fork; one the program owns may be
+        # its last reference, so each side stream that read it marks it as the made values are
+        made_on = stream_of[self.producer[slot]] if slot >= self.num_inputs else 0
         for r in {stream_of[r] for r in self.readers[slot]} - {made_on}:
             value.record_stream(streams[r])
 

@@ -77,8 +77,8 @@ class ModuleState:
         internals = _internals()
         self.sized: list[Any] = []  # every submodule's __dict__, and every container that counts
         self.sized_labels: list[str] = []
-        self.getters: list[operator.itemgetter] = []  # per submodule: its training flag and own attributes
-        self.getter_dicts: list[dict] = []
+        self.getters: list[operator.itemgetter[Any]] = []  # per submodule: its training flag, own attributes
+        self.getter_dicts: list[dict[str, Any]] = []
         self.names: list[str] = []  # each submodule's type name
         self.keys: list[tuple[str, ...]] = []  # what each getter gets (two or more keys: it returns a tuple)
         self.opaque: list[str] = []  # attributes whose insides are not compared
@@ -105,11 +105,11 @@ class ModuleState:
         # contents compared by identity: only of containers with any (the others' lengths say enough)
         dicts = [(c, label) for c, label in containers if isinstance(c, dict) and c]
         others = [(c, label) for c, label in containers if not isinstance(c, dict) and c]
-        self.dicts: list[dict] = [c for c, _ in dicts]
-        self.others: list[list | set] = [c for c, _ in others]
-        self.labels = [label for _, label in dicts + others]
-        self.lengths = tuple(map(len, self.sized))
-        self.values = tuple(self._values())
+        self.dicts: list[dict[Any, Any]] = [c for c, _ in dicts]
+        self.others: list[list[Any] | set[Any]] = [c for c, _ in others]
+        self.labels: list[str] = [label for _, label in dicts + others]
+        self.lengths: tuple[int, ...] = tuple(map(len, self.sized))
+        self.values: tuple[Any, ...] = tuple(self._values())
 
     def _values(self) -> Any:
         chain = itertools.chain.from_iterable

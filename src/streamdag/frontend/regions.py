@@ -152,10 +152,16 @@ def _flops(node: torch.fx.Node) -> float:
         w = _val(node.args[1])  # (out channels, in channels / groups, *kernel)
         if isinstance(out, torch.Tensor) and isinstance(w, torch.Tensor):
             return 2.0 * _numel(out.shape) * _numel(w.shape[1:])
+    if name == "convolution_backward":  # each gradient asked for costs about one forward convolution
+        grad_out, w = _val(node.args[0]), _val(node.args[2])
+        mask = node.args[10] if len(node.args) > 10 else (True, True, True)
+        if isinstance(grad_out, torch.Tensor) and isinstance(w, torch.Tensor):
+            return 2.0 * _numel(grad_out.shape) * _numel(w.shape[1:]) * sum(map(bool, mask[:2]))
     if "scaled_dot_product" in name:
         q, k = _val(node.args[0]), _val(node.args[1])
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
-            return 4.0 * _numel(q.shape) * int(k.shape[-2])
+            # the backward computes the scores again and three products: about 2.5 forwards
+            return (10.0 if name.endswith("_backward") else 4.0) * _numel(q.shape) * int(k.shape[-2])
     return 0.0
 
 

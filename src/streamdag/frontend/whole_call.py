@@ -204,18 +204,19 @@ class StateWatch:
         from ..runtime.capture import _layout_check
 
         root = _root_module(fn)
-        self.modules = ModuleState(root) if root is not None else None
+        self.modules: ModuleState | None = ModuleState(root) if root is not None else None
         code = _code_of(fn)
         self.globals: dict[str, Any] = code.__globals__ if code is not None else {}
-        self.global_names = [n for n in (code.__code__.co_names if code is not None else ())
-                             if n in self.globals]
-        self.global_values = tuple(map(self.globals.get, self.global_names))
-        self.cells = list(code.__closure__ or ()) if code is not None else []
-        self.cell_values = tuple(self._cell_contents())
-        self.tensors = self._tensors(root)
+        self.global_names: list[str] = [n for n in (code.__code__.co_names if code is not None else ())
+                                        if n in self.globals]
+        self.global_values: tuple[Any, ...] = tuple(map(self.globals.get, self.global_names))
+        self.cells: list[Any] = list(code.__closure__ or ()) if code is not None else []
+        self.cell_values: tuple[Any, ...] = tuple(self._cell_contents())
+        self.tensors: list[torch.Tensor] = self._tensors(root)
         self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
         sized = self.modules.sized if self.modules is not None else []
-        self.objects = _objects(root)  # (label, its __dict__) of each config-like object the modules hold
+        #: (label, its __dict__) of each config-like object the modules hold
+        self.objects: list[tuple[str, dict[str, Any]]] = _objects(root)
         self._object_items = [(len(d), tuple(d.values())) for _, d in self.objects]
         # (not the globals dict: a script's loop assigns its globals on every call)
         self._dicts = [c for c in sized if isinstance(c, dict)] + [d for _, d in self.objects]
@@ -471,10 +472,10 @@ class WholeCall:
         self.states: list[_State] = []
         self.current: _State | None = None
         self.refused: dict[Any, str] = {}  # keys that stay on Dynamo's path, and why
-        self.note = ""  # why the last call that missed took Dynamo's path
-        self.captures = 0
-        self.recaptures = 0  # captures for a key captured before over other tensors (parameters moved)
-        self.replays = 0
+        self.note: str = ""  # why the last call that missed took Dynamo's path
+        self.captures: int = 0
+        self.recaptures: int = 0  # captures for a key captured before over other tensors (parameters moved)
+        self.replays: int = 0
         self._captured_over: dict[Any, frozenset[int]] = {}  # each key's last capture: its tensors' ids
         self._lock = threading.Lock()
 

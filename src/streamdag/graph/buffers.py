@@ -13,7 +13,7 @@ placeholder of a PyTorch ``out=``, which the op resizes.
 
 This module reads attributes of arrays and never touches a device; its one
 state is the objects that pending ops may give new memory (``_RESIZING``),
-which the runtime counts as those ops come and go (``runtime.ops.hold_identities``).
+which the runtime counts as those ops come and go (``runtime.arguments.hold_identities``).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Marker:
     __slots__ = ("value", "write")
 
     def __init__(self, value: Any, write: bool) -> None:
-        self.value = value
-        self.write = write
+        self.value: Any = value
+        self.write: bool = write
 
     def __repr__(self) -> str:
         return f"{'write' if self.write else 'read'}({type(self.value).__name__})"
@@ -118,7 +118,7 @@ _new = tuple.__new__  # builds a named tuple without its Python-level ``__new__`
 
 
 def _torch_region(t: Any) -> Region:
-    # flags and an int, CUDA first: each call into torch costs, most on a GPU host between launches
+    # flags and an int, CUDA first: each call into torch costs, most between GPU launches
     if t.is_cuda:
         index = t.get_device()
         space = _CUDA_SPACES.get(index) or _CUDA_SPACES.setdefault(index, f"cuda:{index}")
@@ -244,7 +244,7 @@ OBJECTS = "object"
 #: The objects (by id) that pending ops write while empty, each with how many such ops: an access to
 #: one of them is also an access to the object (see :func:`with_identities`). Such an op holds what
 #: it writes (``Op.keep``), so no other object takes the id meanwhile. Counted by the runtime
-#: (``runtime.ops.hold_identities``, under a lock: ops finish on other threads); read by the compiled
+#: (``runtime.arguments.hold_identities``, under a lock: ops finish on other threads); read by the compiled
 #: submit, which leaves every op to the Python code while it is not empty.
 _RESIZING: dict[int, int] = {}
 
@@ -262,8 +262,8 @@ def with_identities(accesses: list[Access], values: Sequence[Any]) -> list[Acces
     An empty write declares no bytes, and the memory the op gives the buffer (PyTorch's ``out=``
     resizes an empty tensor; numpy's ``resize`` an array) is known only once it has run: by memory,
     no later access would follow it. By the object, one does: while the op is pending (see
-    ``runtime.ops.hold_identities``), every access to that object follows it, whether the object is still
-    empty or has its new memory already. A buffer that is not empty keeps its memory: an op must
+    ``runtime.arguments.hold_identities``), every access to that object follows it, whether the object
+    is still empty or has its new memory already. A buffer that is not empty keeps its memory: an op must
     not resize it (PyTorch warns where an ``out=`` does).
     """
     extra = []

@@ -32,11 +32,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import StreamdagWarning
+from .._diagnostics import get_logger, warn
 
 __all__ = ["NativeBuildError", "load", "load_torch", "status", "torch_status"]
 
 _HERE = Path(__file__).parent
+_log = get_logger(__name__)
 _MODULE = f"{__name__}._speedups"
 #: what ``_speedups.c`` is compiled from (it includes the others); a source checkout has them
 _SOURCES = ("_speedups.c", "_submit.c", "_lock.c", "_torch_hooks.h")
@@ -128,23 +129,7 @@ def _failed(error: str, warning: str, exc: Exception) -> None:
     """A part is missing: ``error`` under ``STREAMDAG_NATIVE=1``, else one ``warning``; each says the fix."""
     if os.environ.get("STREAMDAG_NATIVE", "") == "1":
         raise NativeBuildError(f"STREAMDAG_NATIVE=1, but {error}") from exc
-    warnings.warn(warning, StreamdagWarning, stacklevel=_caller_outside_streamdag())
-
-
-def _caller_outside_streamdag() -> int:
-    """The ``stacklevel`` of the first caller outside streamdag (the user's ``import streamdag``
-    or call): the frames of the import machinery, which :mod:`warnings` skips, do not count."""
-    package = str(_HERE.parent) + os.sep
-    frame, level = sys._getframe(1), 1  # the frame that calls warnings.warn is level 1
-    while frame.f_back is not None:
-        frame = frame.f_back
-        name = frame.f_code.co_filename
-        if "importlib" in name and "_bootstrap" in name:
-            continue
-        level += 1
-        if not name.startswith(package):
-            break
-    return level
+    warn(warning)
 
 
 def torch_status() -> str:
@@ -165,9 +150,9 @@ def load_torch() -> ModuleType | None:
     in C++ against PyTorch's headers; handed to the compiled hot path, which otherwise makes the
     same calls through PyTorch's Python bindings.
 
-    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s
-    on the lent H100), then cached per torch version, Python version and source. None (with one
-    warning) where it cannot be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
+    Built the first time a GPU runtime is made (``torch.utils.cpp_extension``, with CUDA: ~20 s),
+    then cached per torch version, Python version and source. None (with one warning) where it
+    cannot be built: no compiled hot path, no CUDA, no compiler or CUDA headers.
     ``STREAMDAG_NATIVE=0`` skips it; ``STREAMDAG_NATIVE=1`` makes a failed build an error.
     """
     global _torch_loaded, _torch_tried, _torch_why_not
@@ -189,28 +174,34 @@ def load_torch() -> ModuleType | None:
         return None
     try:
         python = f"py{sys.version_info.major}{sys.version_info.minor}"
-        # one folder per source: two versions of streamdag (an A/B run) must not rebuild each other's
+        # one folder per source: two versions of streamdag timed side by side build one each
         source = hashlib.sha256(_TORCH_SOURCE.read_bytes() + _HOOKS.read_bytes() + _HOST_COPY.read_bytes()
                                 + repr(_TORCH_FLAGS).encode()).hexdigest()[:12]
         tag = f"torch-{torch.__version__}-{python}-{source}".replace("+", "_")
         build = _cache_dir() / tag
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            print(f"streamdag: building its CUDA calls against torch {torch.__version__} "
-                  f"(once, cached in {build}; ~20 s)", file=sys.stderr, flush=True)
-        with _exclusive_build(build), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the extension build's notes on compiler versions
+            _log.info("building the torch extension (the CUDA calls in C++) against torch %s, once, "
+                      "cached in %s (~20 s)", torch.__version__, build)
+        # the build's notes (compiler versions) go to the log, not to the user's warnings; its
+        # compiler output (verbose=False: kept by PyTorch, never printed) comes with a failure
+        with _exclusive_build(build), warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
             ext = cpp_extension.load(
                 name="_streamdag_torch", sources=[str(_TORCH_SOURCE)], extra_cflags=_TORCH_FLAGS,
                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_HERE)], with_cuda=True,
                 build_directory=str(build),
                 verbose=False)
+        for note in notes:
+            _log.debug("the torch extension's build: %s", note.message)
         from ..errors import SubmittedInCapture
 
         ext.set_submitted_in_capture(SubmittedInCapture)  # what its launch raises inside a capture
         module.use_torch(ext)
         _torch_loaded = ext
     except Exception as exc:
+        # the build's whole output (PyTorch keeps the compiler's output in the error) to the log
+        _log.debug("the torch extension's build failed:\n%s", exc)
         last = str(exc).strip().splitlines()[-1:]  # a failed build's message ends with the reason
         _torch_why_not = f"{type(exc).__name__}: {last[0] if last else ''}"
         _failed(f"the torch extension failed to build: {_torch_why_not}. {_HOW_TO_BUILD_TORCH}",
@@ -239,8 +230,7 @@ def _exclusive_build(build: Path) -> Iterator[None]:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process's build or load: wait for it
         stale = build / "lock"
         if stale.exists():
-            print(f"streamdag: removing {stale}, left by a build that did not finish", file=sys.stderr,
-                  flush=True)
+            _log.warning("removing %s, left by a build of the torch extension that did not finish", stale)
             stale.unlink(missing_ok=True)
         try:
             yield

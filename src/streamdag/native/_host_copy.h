@@ -4,9 +4,9 @@
 // at::parallel_for: see parallel_streaming_copy in _torch.cpp).
 //
 // Why helpers of our own rather than at::parallel_for: an OpenMP region ends at a barrier that
-// waits for every thread of the team, so a copy took as long as the slowest thread took to wake.
-// On the lent H100 hosts a 2 MiB staging copy took 0.03 ms with PyTorch's threads awake and
-// 0.07-0.6 ms after other work had let them sleep, against 0.14-0.17 ms in one thread. Here the
+// waits for every thread of the team, so a copy takes as long as the slowest thread takes to wake.
+// A 2 MiB staging copy takes 0.03 ms with PyTorch's threads awake and 0.07-0.6 ms after other work
+// has let them sleep, against 0.14-0.17 ms in one thread. Here the
 // calling thread starts at once and claims pieces from a counter; helpers claim what is left as
 // they wake, and the call returns once every claimed piece is copied: a helper that wakes late
 // finds nothing left and goes back to sleep. The caller waits for claimed pieces by spinning a
@@ -36,7 +36,7 @@ namespace streamdag_host_copy {
 // n bytes from src to dst with non-temporal (streaming) stores where the CPU has them: the bytes
 // go to memory, not into the caches. A DMA then reads them at full speed, where from a buffer that
 // the CPU has just written through its caches it reads at a third to a half of it (16-22 against
-// 35-47 GB/s on the H100 host): the copy engine must take the dirty lines from the caches.
+// 35-47 GB/s): the copy engine must take the dirty lines from the caches.
 inline void streaming_copy(char* dst, const char* src, size_t n) {
 #ifdef STREAMDAG_STREAMING_STORES
   size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;  // to dst's first 16-byte line

@@ -10,8 +10,8 @@
  *
  * On Linux the lock is a POSIX semaphore of its own: CPython's lock (3.11, 3.12) reads the
  * monotonic clock at every acquire, even one that does not wait, to make a deadline it then does
- * not use, and on the lent GPU hosts such clock reads were ~1.3% of a chain's samples
- * (perf). Elsewhere it is CPython's lock.
+ * not use, and such clock reads are ~1.3% of a chain's samples under perf. Elsewhere it is
+ * CPython's lock.
  *
  * ``RLock`` is the re-entrant kind, as ``threading.RLock`` (with the methods ``threading.Condition``
  * uses on one): the runtime's central lock, taken once per submit. A blocking acquire of it can be

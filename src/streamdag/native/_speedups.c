@@ -219,7 +219,7 @@ static PyObject *record_key(Record *rec) {
     return key;
 }
 
-/* the runtime's ``_finished_ok`` and where an Op keeps ``done`` and ``error`` (setup_submit() sets
+/* the runtime's ``completion.finished_ok`` and where an Op keeps ``done`` and ``error`` (setup_submit() sets
  * them): compaction asks it of every node it visits, answered here without the Python call */
 static struct { PyObject *fn; PyTypeObject *op_type; Py_ssize_t done, error; } finished_ok;
 

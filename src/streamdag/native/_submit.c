@@ -51,9 +51,10 @@ static struct {
     PyObject *empty_dict;  /* never added to */
     PyTypeObject *deque_type;  /* collections.deque, and its methods' descriptors (no look-up per call) */
     PyObject *deque_append, *deque_popleft;
-    PyObject *release_frames;  /* ops.release_frames */
+    PyObject *release_frames;  /* frames.release_frames */
 } sub;
 
+static PyObject *s_torch_profiler, *s_is_profiler_enabled;
 static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_tail, *s_place, *s_take_slot,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
@@ -223,7 +224,7 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
-    Py_ssize_t free, waiting;  /* the in-flight bound's (``_Slots``): slots free, submitters waiting */
+    Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
 } Counters;
 
 static PyTypeObject *counters_type;
@@ -249,7 +250,7 @@ static PyType_Spec counters_spec = {
     "streamdag.native.Counters", sizeof(Counters), 0, Py_TPFLAGS_DEFAULT, counters_slots
 };
 
-/* A byte budget's counts (``transfers.ByteBudget``): bytes in flight, the most at once, its limit,
+/* A byte budget's counts (``budgets.ByteBudget``): bytes in flight, the most at once, its limit,
  * acquirers asleep. The compiled copy counts a copy's bytes here under the budget's lock (a Lock of
  * this module) without a Python call: the budget's Python methods cost a 1 KiB copy ~2.6 µs. */
 typedef struct {
@@ -593,7 +594,7 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
     return r;
 }
 
-/* a free slot under max_inflight, taken if there is one (``_Slots.acquire(False)`` written out):
+/* a free slot under max_inflight, taken if there is one (``completion.Slots.acquire(False)`` written out):
  * ``blocking``: else the runtime's ``_take_slot``, which waits; else ``Runtime._would_block``, which
  * raises what ``submit_nowait`` raises at the bound. 0, or -1 with an exception. */
 static int take_slot(Submitter *self, int blocking) {
@@ -754,6 +755,26 @@ static int execute(PyObject *op) {
     return 0;
 }
 
+/* ``threads.torch_profiler_on()``: whether a PyTorch profiler runs (the module global it sets for every
+ * thread). Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
+ * ``torch.profiler.record_function`` around its kernels. Two look-ups; errors read as no profiler. */
+static int torch_profiling(void) {
+    PyObject *module = PyImport_GetModule(s_torch_profiler);  /* new reference; NULL: not imported */
+    if (module == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *flag = PyObject_GetAttr(module, s_is_profiler_enabled);
+    Py_DECREF(module);
+    if (flag == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int on = flag == Py_True;
+    Py_DECREF(flag);
+    return on;
+}
+
 /* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
  * op with ``s`` current, switch back. 1: the caller's stream is new to the backend (the Python
  * launch makes its object); -1: raised. */
@@ -899,7 +920,8 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
     Parts *parts = (Parts *)self->parts;
-    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
+    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live))
+                 || (self->get_device != NULL && torch_profiling());
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
     if (fence == Py_None) fence = NULL;
     if ((nwaits || fence != NULL) && (events = PyList_New(0)) == NULL) goto done;
@@ -1183,7 +1205,7 @@ done:
     return future;
 }
 
-/* ``ops._unwrap`` for an inline marker (``sd.read(a)``, ``sd.write(b)``): its access appended to
+/* ``arguments._unwrap`` for an inline marker (``sd.read(a)``, ``sd.write(b)``): its access appended to
  * ``accesses``, and its value (a new reference), which the op receives in its place */
 static PyObject *unwrap_marker(PyObject *marker, PyObject *accesses) {
     PyObject *value = PyObject_GetAttr(marker, s_marker_value);
@@ -1201,7 +1223,7 @@ static PyObject *unwrap_marker(PyObject *marker, PyObject *accesses) {
     return value;
 }
 
-/* ``ops.collect_accesses`` for the markers among an op's arguments: unwrapped in place (``args`` and
+/* ``arguments.collect_accesses`` for the markers among an op's arguments: unwrapped in place (``args`` and
  * ``kwargs`` are this submit's own), their accesses after the declared ones, args first */
 static int unwrap_markers(PyObject *args, PyObject *kwargs, PyObject *accesses) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
@@ -1262,7 +1284,7 @@ static int accesses_conflict(PyObject *a, PyObject *b) {
 /* whether an unfinished op of ``host_ops`` (the runtime's host-lane and held ops, by number) touches memory
  * that ``accesses`` touch, one of them writing: a superset of the host-lane ops the tracker would
  * find this op depends on (each such dep conflicts with it), found without the tracker's Python
- * look-up (~5 µs on the H100 host). 1, 0, or -1 with an exception. */
+ * look-up (~5 µs). 1, 0, or -1 with an exception. */
 static int host_conflict(PyObject *host_ops, PyObject *accesses) {
     Py_ssize_t pos = 0;
     PyObject *key, *op;
@@ -1315,7 +1337,7 @@ static PyObject *host_deps_among(PyObject *host_ops, PyObject *deps) {
     return found;
 }
 
-/* whether ``x`` is a list, tuple or dict (exactly), where ``ops.collect_accesses`` looks for markers */
+/* whether ``x`` is a list, tuple or dict (exactly), where ``arguments.collect_accesses`` looks for markers */
 static inline int is_container(PyObject *x) {
     return PyList_CheckExact(x) || PyTuple_CheckExact(x) || PyDict_CheckExact(x);
 }
@@ -1811,9 +1833,9 @@ static PyObject *mark_lost(PyObject *owner) {
 }
 
 /* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
- * (backends/cuda.py, the reference) without the stream sanitizer. Per queue, one query of its newest
- * event covers the whole queue (a stream runs in order); else its entries are queried from the head
- * until one has not completed. A finished entry's callback is called with None and its event given
+ * (backends/cuda_completions.py, the reference) without the stream sanitizer. Per queue, one query
+ * of its newest event covers the whole queue (a stream runs in order); else its entries are queried
+ * from the head until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
  * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
@@ -1920,8 +1942,8 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
  * one op: the entry ``token`` of ``queue`` (entries in the order of their tokens) finished ahead of
  * the ones before it if its event has completed (True), else left queued (False: not completed, or
  * the device is lost, or its query raised and marked it lost); None if it has left the queue. The
- * caller holds ``_passing``, inside ``callbacks_later``. On the H100 a ``result()`` after a tiny op
- * made ~25 Python calls, 7 of them here. */
+ * caller holds ``_passing``, inside ``callbacks_later``. In Python, a ``result()`` after a tiny op
+ * makes ~25 Python calls, 7 of them here. */
 static PyObject *completions_finish_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyLong_Check(args[2]) || !PyList_Check(args[4]) || !PyType_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError, "finish_one(completions, queue, token: int, owner, free: list, event_type)");
@@ -2141,7 +2163,7 @@ static int same_attr(PyObject *a, PyObject *b, PyObject *attr) {
  * The copy op on that stream, its bytes counted against the byte budget until it completes, as
  * ``transfers._device_copy`` makes it. None where the Python code decides instead: any other copy
  * (pageable memory, numpy, a peer copy, layouts that differ, which it refuses), and inside a
- * recording. On the H100, 4.3 µs less per 1 KiB copy than the Python path (an A/B in turns) */
+ * recording. 4.3 µs less per 1 KiB copy than the Python path, timed in turns with it. */
 static PyObject *copy_pinned(Submitter *self, PyObject *dst, PyObject *src, PyObject *name) {
     int own_accesses = PyCFunction_Check(self->accesses_fn)
         && PyCFunction_GET_FUNCTION(self->accesses_fn) == (PyCFunction)(void (*)(void))accesses_of;
@@ -2310,17 +2332,18 @@ static PyType_Spec submitter_spec = {
 };
 
 #define SUBMIT_METHODS \
-    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, _finished_ok."}, \
+    {"setup_submit", setup_submit, METH_VARARGS, "Hand over Op, Future, Marker, _LAZY, PENDING, FINISHED, finished_ok."}, \
     {"completions_pass", (PyCFunction)(void (*)(void))completions_pass, METH_FASTCALL, \
-     "_Completions._pass, compiled for its common case (backends/cuda.py)."}, \
+     "_Completions._pass, compiled for its common case (backends/cuda_completions.py)."}, \
     {"completions_finish_one", (PyCFunction)(void (*)(void))completions_finish_one, METH_FASTCALL, \
-     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda.py)."}, \
+     "_Completions._finish_one with the torch extension's relaxed query, compiled (backends/cuda_completions.py)."}, \
     {"note_loss", note_loss, METH_NOARGS, "A device was lost (CudaBackend.lost was set)."}, \
     {"note_losses_of", note_losses_of, METH_O, \
      "note_losses_of(backend_type): its lost notes each loss; until one, it is None without a look-up."},
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
     S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
     S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
     S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")

@@ -133,7 +133,7 @@ bool ordered_by_cuda(const c10::cuda::CUDAStream& caller, const c10::cuda::CUDAS
 }
 
 // The calling thread's current CUDA context (the driver's cuCtxGetCurrent, a thread-local read:
-// ~0.01 µs on the H100 against ~0.13 for cudaGetDevice, bench/cuda_calls.py), or nullptr where it
+// ~0.01 µs against ~0.13 for cudaGetDevice, bench/cuda_calls.py), or nullptr where it
 // cannot tell: before CUDA 12 a cudaSetDevice made its context current only at the next call.
 using CtxGetCurrent = int (*)(void**);
 CtxGetCurrent ctx_get_current = nullptr;
@@ -318,8 +318,8 @@ PyObject* layouts(PyObject*, PyObject* list) {
 
 // same_layouts(tensors: list, snapshot: bytes) -> bool: whether every tensor still has the address,
 // sizes and strides layouts() saw. One loop in C++: PyTorch's own checks (its data-pointer check
-// and Dynamo's TensorGuards) took 60 µs for the 258 tensors of a small graph on the H100, more
-// than its replay; this loop 3.8 µs.
+// and Dynamo's TensorGuards) take 60 µs for the 258 tensors of a small graph, more than its
+// replay; this loop 3.8 µs.
 PyObject* same_layouts(PyObject*, PyObject* args) {
   PyObject *list, *snapshot;
   if (!PyArg_ParseTuple(args, "OO!", &list, &PyBytes_Type, &snapshot)) return nullptr;
@@ -344,8 +344,8 @@ int copy_threads() {
 
 // streaming_copy over PyTorch's CPU threads (at::parallel_for, pieces of 128 KiB; one piece runs in
 // the calling thread): the staging copies, in the submitting thread and on the host lanes. (Helper
-// threads of our own, as the copy stream's host function uses, made copies through the lanes' rings
-// several times slower on the H100 host, for a reason not found: 16 MiB in 1.1 -> 1.8-6.8 ms.)
+// threads of our own, as the copy stream's host function uses, make copies through the lanes' rings
+// several times slower, for a reason not found: 16 MiB in 1.1 -> 1.8-6.8 ms.)
 void parallel_streaming_copy(char* dst, const char* src, size_t n) {
   at::parallel_for(0, static_cast<int64_t>(n), 128 << 10, [&](int64_t begin, int64_t end) {
     streamdag_host_copy::streaming_copy(dst + begin, src + begin, static_cast<size_t>(end - begin));
@@ -365,7 +365,7 @@ struct HostCopy {
 void CUDART_CB run_host_copy(void* arg) {
   auto* copy = static_cast<HostCopy*>(arg);
   try {  // over helper threads that join as they wake (_host_copy.h): where an OpenMP team's wake-up
-         // held each copy out (2-8 MiB out 0.1-0.2 ms slower, in turns on the H100)
+         // holds each copy out (2-8 MiB out 0.1-0.2 ms slower, timed in turns)
     streamdag_host_copy::parallel_streaming_copy(static_cast<char*>(copy->dst),
                                                  static_cast<const char*>(copy->src), copy->n, copy->threads);
   } catch (...) {  // (nothing may leave a host function) the helpers could not start: this one alone
@@ -440,7 +440,7 @@ PyObject* spin_wait(PyObject*, PyObject* args) {
 
 // query_relaxed(event) -> bool: event.query(), made in relaxed capture mode (as every query of
 // ours): a thread that waits on one op finishes it without switching its own mode around the query
-// (two driver calls through ctypes, some µs on the H100 host), and a CUDA graph capture in global
+// (two driver calls through ctypes, some µs), and a CUDA graph capture in global
 // mode in another thread is neither refused nor ended by it.
 PyObject* query_relaxed(PyObject*, PyObject* event) {
   try {
@@ -455,8 +455,8 @@ PyObject* query_relaxed(PyObject*, PyObject* event) {
 // stage_copy(dst, src, nbytes): copy nbytes from address src to address dst (into a pinned staging
 // buffer, or out of one into a large destination), over PyTorch's CPU threads (at::parallel_for,
 // pieces of 128 KiB) with streaming stores, the GIL released. A pageable copy in stages its data so
-// before its DMA: on the H100 host, 2 MiB staged and copied in 0.09 ms against 0.13 with PyTorch's
-// copy_ (0.20 for PyTorch's own pageable copy), 8 MiB 0.33 against 0.46 (0.70). The caller keeps
+// before its DMA: 2 MiB staged and copied in 0.09 ms against 0.13 with PyTorch's copy_ (0.20 for
+// PyTorch's own pageable copy), 8 MiB 0.33 against 0.46 (0.70). The caller keeps
 // both buffers alive.
 PyObject* stage_copy(PyObject*, PyObject* args) {
   unsigned long long dst, src, n;

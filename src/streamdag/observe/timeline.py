@@ -1,10 +1,13 @@
 """What ran where and when: spans of ops on streams, their summary, and a Chrome/Perfetto trace.
 
 Pure data and arithmetic; times are milliseconds from the start of profiling.
-The trace follows the layout of PyTorch's profiler: one process per device,
-one thread (track) per stream, ops as complete events (``"ph": "X"``), and a
-flow arrow (``"s"``/``"f"``) for every dependency between ops on different
-streams.
+The trace follows the conventions of PyTorch's profiler (Kineto), so that the two
+traces of one run, opened together or merged, line up: a lane's ops on the
+process and its thread's id, a CUDA stream's on the device ordinal and the
+stream's handle; timestamps in µs of the Unix clock after ``baseTimeNanoseconds``
+(Kineto's base: the start of the current 7,889,238-second period). Ops are
+complete events (``"ph": "X"``), and each dependency between ops on different
+streams is a flow arrow (``"s"``/``"f"``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ class Span:
     end: float
     deps: tuple[int, ...] = ()
     failed: bool = False
+    #: the process and thread ids PyTorch's profiler gives this stream's work (see the module's
+    #: docstring); None: none known (a hand-made span, the simulated device)
+    pid: int | None = None
+    tid: int | None = None
 
     @property
     def duration(self) -> float:
@@ -73,11 +80,18 @@ def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, floa
     return _union_length(a) + _union_length(b) - _union_length(a + b)
 
 
-class Timeline:
-    """Spans recorded by a profiled runtime (:meth:`Runtime.profile`)."""
+#: Kineto's trace base: the Unix time rounded down to a multiple of this many seconds (about three
+#: months), which keeps the µs timestamps small enough for a double's precision
+KINETO_BASE_PERIOD_S = 7_889_238
 
-    def __init__(self, spans: list[Span]) -> None:
-        self.spans = sorted(spans, key=lambda s: (s.start, s.seq))
+
+class Timeline:
+    """Spans recorded by a profiled runtime (:meth:`Runtime.profile`); ``origin_ns``: the Unix time
+    (ns, ``time.time_ns``) of time 0, where known."""
+
+    def __init__(self, spans: list[Span], origin_ns: int | None = None) -> None:
+        self.spans: list[Span] = sorted(spans, key=lambda s: (s.start, s.seq))
+        self.origin_ns = origin_ns
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -125,22 +139,45 @@ class Timeline:
         )
 
     def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace JSON (opens in Perfetto and chrome://tracing); times in microseconds."""
+        """Chrome trace JSON (opens in Perfetto and chrome://tracing; merges with PyTorch's profiler
+        trace of the same run, see the module's docstring); times in microseconds."""
         devices = sorted({s.device for s in self.spans})
-        pid = {d: i for i, d in enumerate(devices)}
+        rank = {d: i for i, d in enumerate(devices)}
+        base_ns = None
+        offset_us = 0.0
+        if self.origin_ns is not None:
+            period_ns = KINETO_BASE_PERIOD_S * 1_000_000_000
+            base_ns = self.origin_ns // period_ns * period_ns
+            offset_us = (self.origin_ns - base_ns) / 1e3
+
+        def track(s: Span) -> tuple[int, int]:
+            if s.pid is not None and s.tid is not None:
+                return s.pid, s.tid
+            return rank[s.device], s.stream  # no ids known: one process per device, by rank
+
+        def ts(ms: float) -> float:
+            return round(offset_us + ms * 1e3, 3)
+
         events: list[dict[str, Any]] = []
-        for d in devices:
-            events.append({"ph": "M", "name": "process_name", "pid": pid[d], "tid": 0,
-                           "args": {"name": f"streamdag {d}"}})
+        named: set[int] = set()
         for (d, stream), spans in self.tracks().items():
-            events.append({"ph": "M", "name": "thread_name", "pid": pid[d], "tid": stream,
-                           "args": {"name": f"stream {stream} ({spans[0].kind})"}})
+            pid, tid = track(spans[0])
+            if pid not in named:
+                named.add(pid)
+                label = f"streamdag {d}" if spans[0].pid is None or d.startswith("cuda") else "streamdag host"
+                events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                               "args": {"name": label}})
+            lane = "lane" if d in ("cpu", "host") else "stream"
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                           "args": {"name": f"streamdag {d} {lane} {stream} ({spans[0].kind})"}})
         by_seq = {s.seq: s for s in self.spans}
         for s in self.spans:
+            pid, tid = track(s)
             events.append({
-                "ph": "X", "name": s.name, "cat": s.kind, "pid": pid[s.device], "tid": s.stream,
-                "ts": round(s.start * 1e3, 4), "dur": round(max(s.duration, 0.0) * 1e3, 4),
-                "args": {"op": s.seq, "deps": list(s.deps), "failed": s.failed},
+                "ph": "X", "name": s.name, "cat": f"streamdag {s.kind}", "pid": pid, "tid": tid,
+                "ts": ts(s.start), "dur": round(max(s.duration, 0.0) * 1e3, 3),
+                "args": {"op": s.seq, "deps": list(s.deps), "failed": s.failed, "device": s.device,
+                         "stream": s.stream},
             })
         flow = 0
         for s in self.spans:
@@ -149,13 +186,16 @@ class Timeline:
                 if src is None or (src.device, src.stream) == (s.device, s.stream):
                     continue
                 flow += 1
-                inside_end = src.end * 1e3 - min(0.001, src.duration * 1e3 / 2)  # within the slice
-                events.append({"ph": "s", "id": flow, "name": "wait", "cat": "dependency",
-                               "pid": pid[src.device], "tid": src.stream,
-                               "ts": round(inside_end, 4)})
-                events.append({"ph": "f", "bp": "e", "id": flow, "name": "wait", "cat": "dependency",
-                               "pid": pid[s.device], "tid": s.stream, "ts": round(s.start * 1e3, 4)})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+                inside_end = src.end - min(1e-6, src.duration / 2)  # within the slice
+                events.append({"ph": "s", "id": flow, "name": "wait", "cat": "streamdag dependency",
+                               "pid": track(src)[0], "tid": track(src)[1], "ts": ts(inside_end)})
+                events.append({"ph": "f", "bp": "e", "id": flow, "name": "wait",
+                               "cat": "streamdag dependency", "pid": track(s)[0], "tid": track(s)[1],
+                               "ts": ts(s.start)})
+        trace: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if base_ns is not None:
+            trace["baseTimeNanoseconds"] = base_ns
+        return trace
 
     def save_trace(self, path: str | Path) -> Path:
         path = Path(path)

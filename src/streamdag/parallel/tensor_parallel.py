@@ -1,21 +1,14 @@
-"""Tensor-parallel linear layers over the devices of a runtime, built from ops and peer copies.
+"""A chain of linear layers over several devices, each layer planned by the cost model.
 
-- :func:`column_linear`: ``act(x @ W)`` split by the columns of ``W``: device
-  ``g`` computes column block ``g``. ``x`` may come whole or as column blocks
-  spread over the devices (a previous column layer's output); then each device
-  multiplies the block it holds first, and adds the products with the other
-  blocks as their peer copies arrive, so that the gather of one layer overlaps
-  the compute of the next.
-- :func:`row_linear`: ``x @ W`` with ``x`` in column blocks and ``W`` split by
-  rows: each device multiplies its own block, and the partial sums are reduced
-  on one device.
-- :class:`LinearChain`: layers ``act(h @ W_l)`` one after another; each layer
-  split or kept on the first device as the cost model of :mod:`.plan` decides
-  from measured times, checked against the whole chain on one device by
-  timing both. Runs are recorded graphs: a CUDA graph when everything stays on
-  one GPU, a host replay of the recorded schedule when it spans several.
+:class:`LinearChain`: layers ``act(h @ W_l)`` one after another; each layer
+kept on the first device or split over a group of 2, 4, 8... devices as the
+cost model of :mod:`.plan` decides from measured times and links, checked
+against the whole chain on one device by timing both. Runs are recorded
+graphs: a CUDA graph when everything stays on one GPU, a host replay of the
+recorded schedule when it spans several. The layers are built from
+:mod:`.layers`.
 
-Every buffer is allocated when a layer is built; runs only write into them.
+Every buffer is allocated when the chain records a plan; runs only write into them.
 """
 
 from __future__ import annotations
@@ -28,116 +21,28 @@ from typing import TYPE_CHECKING, Any
 
 from ..runtime.ops import then
 from .kernels import kernels_for
-from .plan import LayerCost, LinkCost, choose_layout, estimate
+from .layers import (
+    Block,
+    _bounds,
+    _clone,
+    _cols_from_rows,
+    _row_chunks,
+    _RowBlock,
+    _rows_run,
+    _view,
+    column_linear,
+)
+from .plan import LayerCost, Links, choose_layout, estimate, split_sizes, step_kind, step_size
 
 if TYPE_CHECKING:
     from ..runtime.core import Runtime
 
-__all__ = ["Block", "LinearChain", "column_linear", "row_linear"]
+__all__ = ["LinearChain"]
 
 #: Row chunks of a chain's last layer when its output is gathered: the gather of each overlaps the next.
 GATHER_CHUNKS = 2
-
-
-@dataclass(frozen=True)
-class Block:
-    """Columns ``[start, stop)`` of a matrix, held on ``device``."""
-
-    value: Any
-    device: str
-    start: int
-    stop: int
-
-
-def _bounds(n: int, k: int) -> list[tuple[int, int]]:
-    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
-
-
-def _as_blocks(x: Any) -> list[Block]:
-    if isinstance(x, list | tuple):
-        return list(x)
-    kern = kernels_for(x)
-    return [Block(x, kern.device_of(x), 0, x.shape[1])]
-
-
-def _product(rt: Runtime, blocks: Sequence[Block], weight_blocks: Sequence[Any], out: Any, device: str,
-             activation: str | None, name: str) -> None:
-    """``out = act(sum_j blocks[j] @ weight_blocks[j])`` on ``device``, local blocks first."""
-    kern = kernels_for(out)
-    order = sorted(range(len(blocks)), key=lambda j: blocks[j].device != device)
-    for i, j in enumerate(order):
-        x, w = blocks[j].value, weight_blocks[j]
-        fn = kern.mm_into if i == 0 else kern.addmm_into
-        rt.submit(fn, out, x, w, reads=[x, w], writes=[out], run_on=device, name=f"{name}.mm{j}")
-    if activation == "relu":
-        rt.submit(kern.relu_, out, writes=[out], run_on=device, name=f"{name}.relu")
-    elif activation is not None:
-        raise ValueError(f"activation={activation!r}: use 'relu' or None")
-
-
-def _weight_blocks(w: Any, in_bounds: Sequence[tuple[int, int]], cols: tuple[int, int],
-                   device: str) -> list[Any]:
-    kern = kernels_for(w)
-    return [kern.block(w, slice(a, b), slice(*cols), device) for a, b in in_bounds]
-
-
-def column_linear(rt: Runtime, x: Any, w: Any, devices: Sequence[str] | None = None,
-                  activation: str | None = None, name: str = "column_linear", row_chunks: int = 1,
-                  outputs: dict[str, Any] | None = None) -> list[Block]:
-    """``act(x @ w)`` split by the columns of ``w`` over ``devices``; returns one column block per device.
-
-    ``x`` is a matrix on one device, a list of :class:`Block`, or a dict giving
-    each device the blocks it reads (a full copy of its own, say). Weight
-    blocks are copied to their devices here, once; record the call in
-    ``rt.record()`` to run it many times. ``row_chunks`` computes each block
-    in that many row chunks, so that whatever consumes the first chunks (a
-    gather, say) overlaps the computing of the last. ``outputs`` gives the
-    buffer of a device's block (a column slice of a larger matrix, say).
-    """
-    devices = list(devices or rt.devices)
-    per_device = {g: _as_blocks(x[g] if isinstance(x, dict) else x) for g in devices}
-    kern = kernels_for(w)
-    out_blocks = []
-    for g, cols in zip(devices, _bounds(w.shape[1], len(devices))):
-        blocks = per_device[g]
-        rows = blocks[0].value.shape[0]
-        in_bounds = [(b.start, b.stop) for b in blocks]
-        given = (outputs or {}).get(g)
-        out = given if given is not None else kern.empty(rows, cols[1] - cols[0], w, g)
-        weights = _weight_blocks(w, in_bounds, cols, g)
-        for r0, r1 in _bounds(rows, row_chunks):
-            part = [Block(_view(b.value, r0, r1), b.device, b.start, b.stop) for b in blocks]
-            label = f"{name}@{g}" if row_chunks == 1 else f"{name}@{g}[{r0}:{r1}]"
-            _product(rt, part, weights, _view(out, r0, r1), g, activation, label)
-        out_blocks.append(Block(out, g, *cols))
-    return out_blocks
-
-
-def row_linear(rt: Runtime, x: Sequence[Block], w: Any, out_device: str | None = None,
-               name: str = "row_linear") -> Any:
-    """``x @ w`` with ``x`` in column blocks: each device multiplies its block by its rows of ``w``.
-
-    The partial products are summed on ``out_device`` (default: the runtime's
-    first device) as their peer copies arrive.
-    """
-    out_device = out_device or rt.device
-    kern = kernels_for(w)
-    rows, cols = x[0].value.shape[0], w.shape[1]
-    partials = []
-    for b in x:
-        part = kern.empty(rows, cols, w, b.device)
-        wb = kern.block(w, slice(b.start, b.stop), slice(0, cols), b.device)
-        rt.submit(kern.mm_into, part, b.value, wb, reads=[b.value, wb], writes=[part], run_on=b.device,
-                  name=f"{name}.partial@{b.device}")
-        partials.append(part)
-    local = sorted(partials, key=lambda p: kern.device_of(p) != out_device)
-    out = local[0] if kern.device_of(local[0]) == out_device else None
-    if out is None:
-        out = kern.empty(rows, cols, w, out_device)
-        rt.copy(out, local[0], name=f"{name}.first")
-    for p in local[1:]:
-        rt.submit(kern.add_into, out, p, reads=[p], writes=[out], run_on=out_device, name=f"{name}.reduce")
-    return out
+#: Row chunks of each device's rows in a run of row-split layers, for the same overlap.
+ROW_CHUNKS = 4
 
 
 @dataclass
@@ -148,16 +53,22 @@ class ChainInfo:
     estimate_ms: dict[str, float] = field(default_factory=dict)
     measured_ms: dict[str, float] = field(default_factory=dict)
     layer_costs: list[LayerCost] = field(default_factory=list)
-    link: LinkCost | None = None
+    links: Links | None = None
     chosen: str = ""
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
 
 class LinearChain:
-    """``h = act(h @ W_l)`` for each weight in turn, over the devices of ``rt``.
+    """``h = act(h @ W_l)`` for each weight in turn, over ``devices`` of ``rt``.
 
-    ``plan`` is ``"auto"`` (measure, then let the cost model decide per layer,
-    and keep a split plan only if it is measured faster than the chain on one
-    device), ``"split"``, ``"single"``, or a list with one of those per layer.
+    ``devices`` is a count (the runtime's first ``N`` devices), a list of the
+    runtime's devices, or ``None`` (all of them). ``plan`` is ``"auto"``
+    (measure, then let the cost model decide per layer, and keep a split plan
+    only if it is measured faster than the chain on one device), ``"single"``,
+    ``"split"`` (over every device), ``"splitK"`` (over a group of ``K``
+    devices), or a list with one of those per layer. A split's ``K`` must
+    divide the layer's output columns. The group of ``K`` devices follows the
+    links (``links``, measured under ``"auto"``; else the first ``K`` devices).
     ``row_chunks`` cuts split layers into row chunks, so that the next layer
     starts on the first chunk while the last is computed (``None``: measured,
     1 or 2, under ``"auto"``; else 1). ``exchange`` is how split layers pass
@@ -181,7 +92,8 @@ class LinearChain:
 
     def __init__(self, rt: Runtime, weights: Sequence[Any], activation: str | None = "relu",
                  plan: str | Sequence[str] = "auto", gather: bool = True, capture: bool = True,
-                 row_chunks: int | None = None, exchange: str | None = None) -> None:
+                 row_chunks: int | None = None, exchange: str | None = None,
+                 devices: int | Sequence[str] | None = None, links: Links | None = None) -> None:
         if not weights:
             raise ValueError("LinearChain needs at least one weight")
         for a, b in itertools.pairwise(weights):
@@ -190,7 +102,7 @@ class LinearChain:
         if activation not in (None, "relu"):
             raise ValueError(f"activation={activation!r}: LinearChain supports 'relu' or None")
         self.rt = rt
-        self.weights = list(weights)
+        self.weights: list[Any] = list(weights)
         self.activation = activation
         self.gather = gather
         self.capture = capture
@@ -200,9 +112,15 @@ class LinearChain:
         if exchange not in (None, "ksplit", "gathered"):
             raise ValueError(f"exchange={exchange!r}: use 'ksplit', 'gathered' or None (measured)")
         self.exchange = exchange
-        self.devices = list(rt.devices)
+        self.devices: list[str] = _chain_devices(rt, devices)
+        if links is not None and links.n != len(self.devices):
+            raise ValueError(f"links cover {links.n} devices, the chain {len(self.devices)}: give the "
+                             f"link matrix of the chain's devices, in their order")
+        self.links = links
         self._fast: dict[tuple[int, bool], _FastReplay] = {}  # captured graphs, by input shape
         self._plan_option = plan
+        if plan != "auto":  # a given plan is checked now, against the weights and the devices
+            self._normalized(plan)
         self._graphs: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
         self._inputs: dict[tuple[Any, ...], Any] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, ...]] = {}
@@ -271,9 +189,10 @@ class LinearChain:
     def _explain_one(rows: int, layout: str, info: ChainInfo) -> list[str]:
         lines = [f"- {rows} rows, input {'whole' if layout == 'single' else 'split'}: "
                  f"plan {'/'.join(info.plan)} ({info.chosen})"]
-        if info.link is not None:
-            link = info.link
-            lines.append(f"  peer copy: {link.latency_ms * 1e3:.1f} us + {link.ms_per_mb * 1e3:.2f} us/MB")
+        if info.links is not None:
+            lines += _explain_links(info.links)
+        for step, group in info.groups.items():
+            lines.append(f"  {step}: {', '.join(group)}")
         for i, c in enumerate(info.layer_costs):
             lines.append(f"  layer {i}: one device {c.single_ms:.3f} ms, block product {c.block_ms:.3f} ms "
                          f"-> {info.plan[i]}")
@@ -285,14 +204,47 @@ class LinearChain:
 
     # ------------------------------------------------------------- internals
     def _normalized(self, plan: str | Sequence[str]) -> tuple[str, ...]:
-        n = len(self.weights)
+        """The plan with one ``"single"`` or ``"splitK"`` per layer; bad steps get an error with the fix."""
+        n, devices = len(self.weights), len(self.devices)
         steps = [plan] * n if isinstance(plan, str) else list(plan)
-        if len(steps) != n or any(s not in ("split", "single") for s in steps):
-            raise ValueError(f"plan={plan!r}: use 'auto', 'split', 'single' or a list of 'split'/'single' "
-                             f"with one entry per layer ({n})")
-        if len(self.devices) < 2:
-            steps = ["single"] * n
-        return tuple(steps)
+        if len(steps) != n or not all(isinstance(s, str) for s in steps):
+            raise ValueError(f"plan={plan!r}: use 'auto', 'single', 'split', 'splitK', 'rowsK' or a list "
+                             f"of those with one entry per layer ({n})")
+        if devices < 2:
+            return ("single",) * n
+        out: list[str] = []
+        for i, (step, w) in enumerate(zip(steps, self.weights)):
+            k = step_size(step, devices)
+            if k > devices:
+                raise ValueError(f"plan step {step!r} of layer {i} needs {k} devices, the chain has "
+                                 f"{devices} ({', '.join(self.devices)}): use split{devices} or less, or a "
+                                 f"runtime over {k} devices")
+            if step_kind(step) == "rows":
+                if out and out[-1].startswith("rows") and out[-1] != f"rows{k}":
+                    raise ValueError(f"plan step {step!r} of layer {i} follows {out[-1]!r}: row splits in "
+                                     f"a row share their devices; use one K for them, or put a 'splitK' "
+                                     f"or 'single' between")
+                if i == n - 1 and not self.gather:
+                    raise ValueError(f"plan step {step!r} of the last layer leaves the output in row blocks, "
+                                     f"but gather=False wants column blocks: end with 'single' or a "
+                                     f"'splitK', or gather=True")
+                out.append(f"rows{k}")
+                continue
+            if k > 1 and w.shape[1] % k:
+                fits = [d for d in range(2, devices + 1) if w.shape[1] % d == 0]
+                raise ValueError(f"plan step {step!r} of layer {i}: {k} devices do not divide its "
+                                 f"{w.shape[1]} output columns; use a split the columns divide "
+                                 f"({', '.join(f'split{d}' for d in fits) or 'none fits'}) or 'single', or "
+                                 f"pad the weight to a multiple of {k} columns")
+            out.append("single" if k == 1 else f"split{k}")
+        return tuple(out)
+
+    def _group(self, step: str) -> list[str]:
+        """The devices of a plan step: the first one, or a group by the links (else the first ``K``)."""
+        k = step_size(step, len(self.devices))
+        if self.links is None:
+            return self.devices[:k]
+        return [self.devices[i] for i in self.links.group(k)]
 
     def _decide(self, x: Any, layout: str) -> tuple[str, ...]:
         single = ("single",) * len(self.weights)
@@ -306,12 +258,17 @@ class LinearChain:
             return single
         from .measure import measure_costs
 
-        layers, link = measure_costs(self.weights, x.shape[0], x.dtype, self.devices)
-        k = len(self.devices)
-        plan, est = choose_layout(layers, k, link, layout, self.gather, GATHER_CHUNKS)
-        info = ChainInfo(plan, layer_costs=layers, link=link)
-        info.estimate_ms = {"/".join(plan): est,
-                            "single": estimate(single, layers, k, link, layout, self.gather, GATHER_CHUNKS)}
+        n = len(self.devices)
+        sizes = [k for k in split_sizes(n) if all(w.shape[1] % k == 0 for w in self.weights)]
+        row_sizes = [k for k in split_sizes(n) if k <= x.shape[0]]
+        layers, links = measure_costs(self.weights, x.shape[0], x.dtype, self.devices, sizes, row_sizes)
+        self.links = self.links or links
+        plan, est = choose_layout(layers, n, self.links, layout, self.gather, GATHER_CHUNKS, sizes,
+                                  row_sizes=row_sizes)
+        info = ChainInfo(plan, layer_costs=layers, links=self.links)
+        info.groups = {s: self._group(s) for s in dict.fromkeys(plan) if s != "single"}
+        info.estimate_ms = {"/".join(plan): est, "single": estimate(single, layers, n, self.links, layout,
+                                                                    self.gather, GATHER_CHUNKS)}
         self.infos[(x.shape[0], layout)] = info
         if tuple(plan) == single:
             info.chosen = "the cost model keeps every layer on one device"
@@ -320,10 +277,13 @@ class LinearChain:
         # layers in two row chunks are measured too (the next layer starts on the first chunk)
         chunk_options = [self.row_chunks] if self.row_chunks else [1, 2]
         candidates = []
-        if self.exchange in (None, "ksplit"):
-            candidates += [(tuple(plan), n, "ksplit") for n in chunk_options]
-        if self.exchange in (None, "gathered"):
-            candidates.append((tuple(plan), max(chunk_options), "gathered"))
+        if not any(s.startswith("split") for s in plan):  # chunks and exchange change column splits only
+            candidates.append((tuple(plan), chunk_options[0], self.exchange or "ksplit"))
+        else:
+            if self.exchange in (None, "ksplit"):
+                candidates += [(tuple(plan), n, "ksplit") for n in chunk_options]
+            if self.exchange in (None, "gathered"):
+                candidates.append((tuple(plan), max(chunk_options), "gathered"))
         candidates.append((single, 1, "ksplit"))
         measured = {c: self._time(x, layout, *c) for c in candidates}
         info.measured_ms = {
@@ -361,7 +321,7 @@ class LinearChain:
             for device, matrix in into.items():
                 if device == b.device:
                     continue
-                for r0, r1 in _bounds(rows, chunks):
+                for r0, r1 in _row_chunks(rows, chunks):
                     self.rt.copy(_view(matrix, r0, r1, b.start, b.stop), _view(b.value, r0, r1),
                                  name=f"{name}@{b.device}->{device}[{r0}:{r1}]")
 
@@ -389,50 +349,61 @@ class LinearChain:
 
     def _record(self, x: Any, layout: str, plan: tuple[str, ...], chunks: int,
                 mode: str = "ksplit") -> tuple[Any, Any, Any]:
-        """Record one run. ``mode`` is how a split layer's output reaches the next split layer:
+        """Record one run. ``mode`` is how a column-split layer's output reaches the next one:
 
         - ``"ksplit"``: left in column blocks; the next layer multiplies each block by
           its rows of the weight and sums (the local block first, while the others arrive);
         - ``"gathered"``: every device gathers a full copy, by row chunks, and the next
-          layer multiplies it in one product over the whole width.
+          layer multiplies it in one product over the whole width (where the next layer
+          is split by columns over the same devices or fewer of them; else as ``"ksplit"``).
+
+        A run of row-split layers goes through :func:`.layers._rows_run` at once.
         """
-        rt = self.rt
-        kern = kernels_for(self.weights[0])
-        first = self.devices[0]
-        rows = x.shape[0]
+        rt, kern, first = self.rt, kernels_for(self.weights[0]), self.devices[0]
+        rows, last = x.shape[0], len(self.weights) - 1
         inp = self._input(x, layout)
-        last = len(self.weights) - 1
-        gathering = self.gather and plan[-1] == "split"
+        gathering = self.gather and plan[-1] != "single"
+        groups = [self._group(step) for step in plan]
+        out = kern.empty(rows, self.weights[-1].shape[1], self.weights[-1], first) if gathering else None
         with rt.record() as graph:
-            blocks = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
+            cur: Any = [Block(inp, first, 0, inp.shape[1])] if layout == "single" else list(inp)
             full: dict[str, Any] | None = None  # each device's gathered copy, in "gathered" mode
-            for i, (w, step) in enumerate(zip(self.weights, plan)):
-                devices = self.devices if step == "split" else [first]
-                src: Any = blocks
-                if full is not None:
-                    src = {g: [Block(full[g], g, 0, full[g].shape[1])] for g in devices}
-                bounds = _bounds(w.shape[1], len(devices))
-                if i == last and gathering:
-                    # the first device writes its block into the output; the others' blocks are
-                    # copied in by row chunks, the first chunks while the last are computed
-                    out = kern.empty(rows, w.shape[1], w, first)
-                    n = max(chunks, GATHER_CHUNKS)
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=n, outputs={first: _view(out, 0, rows, *bounds[0])})
-                    self._copy_blocks(blocks[1:], {first: out}, rows, n, "gather")
-                elif step == "split" and mode == "gathered" and i < last:
-                    full = {g: kern.empty(rows, w.shape[1], w, g) for g in devices}
-                    mine = {g: _view(full[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)}
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=chunks, outputs=mine)
-                    self._copy_blocks(blocks, full, rows, chunks, f"layer{i}.gather")
+            i = 0
+            while i <= last:
+                w, step, devices = self.weights[i], plan[i], groups[i]
+                if step_kind(step) == "rows":
+                    j = i
+                    while j < last and plan[j + 1] == step:
+                        j += 1
+                    cur = _rows_run(rt, cur, self.weights[i:j + 1], devices, self.activation, f"layer{i}",
+                                    max(chunks, ROW_CHUNKS), out if j == last else None, first)
+                    i, full = j + 1, None
                     continue
+                bounds = _bounds(w.shape[1], len(devices))
+                gather_now = i == last and gathering
+                n = max(chunks, GATHER_CHUNKS) if gather_now else chunks if step != "single" else 1
+                outputs = {first: _view(out, 0, rows, *bounds[0])} if gather_now else None
+                keep_full = (mode == "gathered" and i < last and step != "single" and plan[i + 1] != "single"
+                             and step_kind(plan[i + 1]) == "cols" and set(groups[i + 1]) <= set(devices))
+                if keep_full:
+                    full_next = {g: kern.empty(rows, w.shape[1], w, g) for g in groups[i + 1]}  # the readers
+                    outputs = {g: _view(full_next[g], 0, rows, *bounds[j]) for j, g in enumerate(devices)
+                               if g in full_next}
+                if cur and isinstance(cur[0], _RowBlock):
+                    cur = _cols_from_rows(rt, cur, w, devices, self.activation, f"layer{i}", outputs)
                 else:
-                    blocks = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}",
-                                           row_chunks=chunks if step == "split" else 1)
+                    src = cur if full is None else {g: [Block(full[g], g, 0, w.shape[0])] for g in devices}
+                    cur = column_linear(rt, src, w, devices, self.activation, name=f"layer{i}", row_chunks=n,
+                                        outputs=outputs)
                 full = None
+                if gather_now:  # the others' blocks copied in by row chunks, the first while the last compute
+                    self._copy_blocks(cur[1:], {first: out}, rows, n, "gather")
+                elif keep_full:
+                    self._copy_blocks(cur, full_next, rows, chunks, f"layer{i}.gather")
+                    full = full_next
+                i += 1
             if not gathering:
-                out = blocks[0].value if len(blocks) == 1 and blocks[0].device == first else blocks
+                out = cur[0].value if len(cur) == 1 and cur[0].device == first else cur
         graph.capture = graph.capture and self.capture
         return graph, inp, out
 
@@ -478,16 +449,36 @@ class _FastReplay:
                 torch.cuda.set_device(caller_device)
 
 
+def _chain_devices(rt: Runtime, devices: int | Sequence[str] | None) -> list[str]:
+    """The chain's devices: the runtime's first ``devices`` of them, the ones named, or all."""
+    have = list(rt.devices)
+    if devices is None:
+        return have
+    if isinstance(devices, int):
+        if not 1 <= devices <= len(have):
+            raise ValueError(f"LinearChain(devices={devices}): the runtime has {len(have)} device(s) "
+                             f"({', '.join(have)}); use 1 to {len(have)}, or make the runtime over more "
+                             f"devices (sd.Runtime(devices=[...]))")
+        return have[:devices]
+    named = [str(d) for d in devices]
+    missing = [d for d in named if d not in have]
+    if missing or not named or len(set(named)) != len(named):
+        raise ValueError(f"LinearChain(devices={named}): name each device once, from the runtime's "
+                         f"({', '.join(have)}); not of the runtime: {', '.join(missing) or 'none'}")
+    return named
+
+
+def _explain_links(links: Links) -> list[str]:
+    """The measured peer copies: the range over all pairs, and the slowest pair."""
+    pairs = [(links(s, d), s, d) for s in range(links.n) for d in range(links.n) if s != d]
+    if not pairs:
+        return []
+    lat = [c.latency_ms * 1e3 for c, _, _ in pairs]
+    per_mb = [c.ms_per_mb * 1e3 for c, _, _ in pairs]
+    worst, s, d = max(pairs, key=lambda p: p[0].ms_per_mb)
+    return [f"  peer copies ({len(pairs)} pairs): {min(lat):.1f}-{max(lat):.1f} us + "
+            f"{min(per_mb):.2f}-{max(per_mb):.2f} us/MB; slowest {s}->{d}: {worst.ms_per_mb * 1e3:.2f} us/MB"]
+
+
 def _is_cuda(x: Any) -> bool:
     return getattr(getattr(x, "device", None), "type", None) == "cuda"
-
-
-def _view(m: Any, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> Any:
-    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a matrix, as a view."""
-    if r0 == 0 and r1 == m.shape[0] and c0 == 0 and c1 in (None, m.shape[1]):
-        return m
-    return kernels_for(m).view(m, r0, r1, c0, c1)
-
-
-def _clone(value: Any) -> Any:
-    return kernels_for(value).clone(value)

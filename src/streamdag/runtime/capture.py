@@ -42,10 +42,11 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .._diagnostics import get_logger
 from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..native import load_torch
@@ -56,7 +57,17 @@ from .accel import build_schedule, pin_ops
 if TYPE_CHECKING:
     from .recorded import RecordedGraph
 
-__all__ = ["CaptureStatistics", "CudaGraphRunner"]
+__all__ = ["CaptureRuntime", "CaptureStatistics", "CudaGraphRunner"]
+
+
+class CaptureRuntime(Protocol):
+    """What a capture needs of the runtime of the graph it captures (``RecordedGraph._rt``): its
+    backends (their peer-copy streams) and its streams (a copy stream's kind)."""
+
+    backends: list[Any]
+    _streams: list[Any]
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -138,13 +149,13 @@ class CudaGraphRunner:
         self.device = device
         #: for a graph over several devices: the device (index into ``devices``) of each op
         self.groups = groups
-        self.devices = devices or [device]
+        self.devices: list[Any] = devices or [device]
         #: the streams it captures on, by role; ``_own`` holds the addresses of those it made,
         #: per device, given back for other runners and runtimes once it is gone
         self._streams: dict[tuple[Any, ...], torch.cuda.Stream] = {}
         self._own: dict[int, list[int]] = {}
         weakref.finalize(self, _give_back, self._own)
-        self.stats = CaptureStatistics()
+        self.stats: CaptureStatistics = CaptureStatistics()
         self._captured: _Captured | None = None
         self._tensors: list[torch.Tensor] = []
         self._layouts_unchanged: Callable[[], bool] = _never_captured
@@ -191,7 +202,8 @@ class CudaGraphRunner:
 
     def _copy_keys(self) -> list[tuple[str, str] | None]:
         """Per op: the (device, kind) of the copy stream it is pinned to, or None for compute."""
-        streams = self.recorded._rt._streams
+        runtime: CaptureRuntime = self.recorded._rt
+        streams = runtime._streams
         return [None if rec.stream is None else (rec.device, streams[rec.stream].kind)
                 for rec in self.recorded._ops]
 
@@ -342,6 +354,7 @@ class CudaGraphRunner:
         except (CaptureFailed, _OpFailed) as exc:
             self._failed = str(exc)
             self.stats.fallbacks += 1
+            _log.info("CUDA graph capture failed, the graph runs on streams: %s", exc)
             torch.cuda.synchronize(self.device)
             _restore_random_generators(self.devices)
             return False
@@ -353,6 +366,8 @@ class CudaGraphRunner:
         assert best is not None
         self._captured = best[1]
         self.stats.chosen_streams = best[1].compute_streams
+        _log.info("CUDA graph: %d stream(s) chosen by timed replays (%s)", best[1].compute_streams,
+                  ", ".join(f"{k} stream(s) {ms:.3f} ms" for k, ms in sorted(self.stats.choice_ms.items())))
         seen: dict[int, torch.Tensor] = {}
         for op in self.recorded._ops:
             for t in _tensors_in((op.args, op.kwargs)):
@@ -505,7 +520,8 @@ def _allocations(device: torch.device) -> int:
 def _capturing_peer_streams(recorded: Any) -> list[torch.cuda.Stream]:
     """The source-side streams of peer copies that joined the capture (through PyTorch's fences)."""
     out = []
-    for backend in getattr(recorded._rt, "backends", ()):
+    runtime: CaptureRuntime = recorded._rt
+    for backend in getattr(runtime, "backends", ()):
         peer = getattr(backend, "peer_out", None)
         if peer is None:
             continue

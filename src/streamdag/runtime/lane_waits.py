@@ -49,7 +49,7 @@ class LaneWaits:
 
     def __init__(self, lanes: list[Any]) -> None:
         self._lanes = lanes
-        self.lanes = len(lanes)
+        self.lanes: int = len(lanes)
         #: re-entrant: a synchronize inside an op finds what it waits for and counts its wait under
         #: it in one go (see ``locked``)
         self._lock = threading.RLock()

@@ -6,28 +6,26 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-import traceback
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from concurrent.futures._base import FINISHED as _FINISHED
 from concurrent.futures._base import PENDING as _PENDING
 from types import CoroutineType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.threads import callbacks_later, deferring_callbacks
 from ..backends.threads import new_counters as new_counters
 from ..errors import DependencyFailed
-from ..graph.buffers import _RESIZING, Access, Marker, needs_identities, region_of, with_identities
+from ..graph.buffers import Access
 from ..native import load as load_native
 from ..schedule.waits import Stamp
-from .accel import accesses as accesses_of
+from .frames import release_frames
 from .lane_waits import WatchedWaiters
 
-__all__ = ["Future", "Op", "callbacks_later", "collect_accesses", "deferring_callbacks", "hold_identities",
-           "in_done_callback", "then"]
+__all__ = ["Future", "Op", "callbacks_later", "deferring_callbacks", "in_done_callback", "then"]
 
+T = TypeVar("T")
 _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
-_new = tuple.__new__  # builds a named tuple without its Python-level ``__new__``
 
 
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
@@ -81,8 +79,11 @@ def _numbered_name(name: str, number: int) -> str:
     return f"{name}#{number}"
 
 
-class Future(concurrent.futures.Future):
+class Future(concurrent.futures.Future[T]):
     """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
+
+    Generic in the op's return value: ``rt.submit(fn, ...)`` gives a ``Future[T]``
+    where ``fn`` returns ``T``, and ``result()`` and ``await`` give that ``T``.
 
     Its condition variable, and the lists of waiters and callbacks, are made
     only when something waits on it or adds a callback: most futures of small
@@ -137,16 +138,18 @@ class Future(concurrent.futures.Future):
     def op_name(self, name: str) -> None:
         self._op_name, self._op_number = name, None
 
-    def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
-        if name != "_condition" and name not in _LAZY_LISTS:
-            raise AttributeError(name)
-        # the condition or a list of the base class's, asked for the first time: all three made
-        if (self._make_condition() and name == "_condition" and self._hurry is not None
-                and self._state not in _DONE_STATES):
-            # someone waits in a way that does not go through result() (concurrent.futures.wait,
-            # as_completed): ask for a prompt finish
-            self._ask_first()
-        return _SLOTS[name].__get__(self, Future)
+    if not TYPE_CHECKING:  # hidden from type checkers: a misspelt attribute must fail type checking
+
+        def __getattr__(self, name: str) -> Any:  # an unset slot (or no such attribute)
+            if name != "_condition" and name not in _LAZY_LISTS:
+                raise AttributeError(name)
+            # the condition or a list of the base class's, asked for the first time: all three made
+            if (self._make_condition() and name == "_condition" and self._hurry is not None
+                    and self._state not in _DONE_STATES):
+                # someone waits in a way that does not go through result() (concurrent.futures.wait,
+                # as_completed): ask for a prompt finish
+                self._ask_first()
+            return _SLOTS[name].__get__(self, Future)
 
     def _ask_first(self) -> None:
         """Ask whoever finishes this future to finish it promptly, ahead of others if it can."""
@@ -193,7 +196,7 @@ class Future(concurrent.futures.Future):
         self._hurry(self, timeout)
         return None if timeout is None else max(0.0, timeout - (time.perf_counter() - started))
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
         timeout = self._waited_on(timeout)
         if self._state is _FINISHED:  # (waiting helped finish it) no condition to make, to read it
             if self._exception is not None:
@@ -201,7 +204,7 @@ class Future(concurrent.futures.Future):
                     raise self._exception
                 finally:  # as the base class does: the traceback's frame must not hold this future
                     del self
-            return self._result
+            return self._result  # type: ignore[return-value]
         lanes = self.__dict__.get("_lanes_of")  # submitted from a lane to a lane: see LaneWaits
         if lanes is not None and self._state not in _DONE_STATES:
             with lanes.waiting(self, timeout):
@@ -236,13 +239,13 @@ class Future(concurrent.futures.Future):
                 if self._state in _DONE_STATES or condition.wait(_LOCK_CHECK_EVERY):
                     return
 
-    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
         self._make_condition()
         if self._hurry is not None and self._state not in _DONE_STATES:
             self._ask_first()  # a callback waits too, but nobody here can finish ops for it
         super().add_done_callback(fn)
 
-    def _on_done(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+    def _on_done(self, fn: Callable[[concurrent.futures.Future[T]], object]) -> None:
         """``add_done_callback`` for the runtime's own bookkeeping: nobody waits, so no hurry."""
         self._make_condition()
         super().add_done_callback(fn)
@@ -300,7 +303,7 @@ class Future(concurrent.futures.Future):
             self._done_callbacks = callbacks  # the future is done: nothing else adds to this list
             _running_callbacks(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: T) -> None:
         if not self._settle_unobserved(result, None):
             _running_callbacks(super().set_result, result)
 
@@ -308,7 +311,7 @@ class Future(concurrent.futures.Future):
         if not self._settle_unobserved(None, exception):
             _running_callbacks(super().set_exception, exception)
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[Any, None, T]:
         """Await in asyncio: for a short while the awaiting task finishes the op itself, as soon
         as it has completed, yielding to the other tasks between polls; then it waits for the
         finishing thread to wake the event loop (a cross-thread wake-up: slower)."""
@@ -347,13 +350,13 @@ def after_all(count: int, then_call: Callable[[], None]) -> Callable[[Any], None
     return done
 
 
-def all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
+def all_of(futures: Sequence[Future[Any]], value: Any, op_name: str) -> Future[Any]:
     """A Future of ``value`` once all ``futures`` are done; the first exception among them, if any.
 
     Waiting on it helps finish the last of them (the others are hurried too): where they run in
     order on one stream, the last is done after the rest.
     """
-    out = Future()
+    out: Future[Any] = Future()
     out.op_name = op_name
     if not futures:
         out.set_result(value)
@@ -373,7 +376,7 @@ def all_of(futures: Sequence[Future], value: Any, op_name: str) -> Future:
     return out
 
 
-def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: str) -> Future:
+def then(source: concurrent.futures.Future[Any], fn: Callable[[Any], Any], op_name: str) -> Future[Any]:
     """A Future of ``fn(result)`` once ``source`` is done; its exception passes through as it is."""
     out = Future()
     out.op_name = op_name
@@ -399,51 +402,6 @@ def then(source: concurrent.futures.Future, fn: Callable[[Any], Any], op_name: s
     return out
 
 
-_RAISED_AT = "raised at (the traceback's frames are not kept):\n"
-
-
-def release_frames(exc: BaseException, caught_here: bool = False) -> BaseException:
-    """``exc`` without the frames of its traceback, where it was raised kept as text in a note; so
-    too the exceptions it chains that were raised inside the op (not one the submitting code was
-    handling, say, which is the user's). A failed op's error lives as long as its future, or a
-    dependent's, is referenced; a traceback's frames would keep alive the locals of every function
-    it passed through and, through each frame's caller, of the whole stack that ran the op (the op
-    itself, its arguments, the submitting code's variables), GPU tensors too. ``caught_here``: the
-    traceback's first entry is the caller's own frame, which the note leaves out."""
-    tb = exc.__traceback__
-    if caught_here and tb is not None:
-        tb = tb.tb_next
-    inside = tb.tb_frame if tb is not None else None  # the outermost frame of the op's own code
-    _drop_traceback(exc, tb)
-    pending, seen = [exc.__cause__, exc.__context__, *getattr(exc, "exceptions", ())], {id(exc)}
-    while pending and inside is not None:
-        error = pending.pop()
-        if error is None or id(error) in seen or not _raised_under(error.__traceback__, inside):
-            continue
-        seen.add(id(error))
-        _drop_traceback(error, error.__traceback__)
-        pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]
-    return exc
-
-
-def _raised_under(tb: Any, frame: Any) -> bool:
-    """Whether the traceback ``tb`` begins in ``frame`` or in a function it called."""
-    caller = tb.tb_frame if tb is not None else None
-    while caller is not None and caller is not frame:
-        caller = caller.f_back
-    return caller is not None
-
-
-def _drop_traceback(error: BaseException, tb: Any) -> None:
-    if not hasattr(error, "add_note"):  # Python 3.10: no notes; at least the locals go
-        traceback.clear_frames(tb)
-        return
-    lines = "".join(traceback.format_list(traceback.extract_tb(tb))).rstrip()
-    if lines and not any(str(n).startswith(_RAISED_AT) for n in getattr(error, "__notes__", ())):
-        error.add_note(_RAISED_AT + lines)  # (one: an error raised again keeps where it began)
-    error.__traceback__ = None
-
-
 def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     """The first failed dep whose failure passes to an op with ``accesses``, or None.
 
@@ -461,111 +419,6 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
                     if lo < end and start < hi and s == space:
                         return dep
     return None
-
-
-def _unwrap(value: Any, found: list[Marker], seen: dict[int, Any]) -> Any:
-    """``value`` with the inline markers in it replaced by their values, which go to ``found``: a
-    marker itself, or one in a list, tuple or dict, at any depth (a container with a marker is
-    copied, others are kept as they are). ``seen``: each container met, by id, unwrapped (one met
-    inside itself is kept as it is)."""
-    kind = type(value)
-    if kind is Marker:
-        found.append(value)
-        return value.value
-    if kind is not list and kind is not tuple and kind is not dict:
-        return value
-    key = id(value)
-    if key in seen:
-        return seen[key]
-    seen[key] = value
-    if kind is dict:
-        items = {k: _unwrap(v, found, seen) for k, v in value.items()}
-        changed = any(items[k] is not v for k, v in value.items())
-    else:
-        items = [_unwrap(v, found, seen) for v in value]
-        changed = any(new is not old for new, old in zip(items, value))
-    if changed:
-        seen[key] = items if kind is not tuple else tuple(items)
-    return seen[key]
-
-
-def collect_accesses(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    reads: Iterable[Any],
-    writes: Iterable[Any],
-) -> tuple[tuple[Any, ...], dict[str, Any], list[Access], Sequence[Any]]:
-    """Accesses declared by ``reads``/``writes`` and by inline markers; markers are unwrapped,
-    in lists, tuples and dicts among the arguments too.
-
-    Also returns the objects written, for graphs that must save and restore them.
-    Runs for every submitted op: the common case (tensors, no markers, no containers)
-    takes the fewest Python steps.
-    """
-    if type(reads) is not list and type(reads) is not tuple:
-        reads = _as_list(reads, "reads=[a, b]")
-    if type(writes) is not list and type(writes) is not tuple:
-        writes = _as_list(writes, "writes=[c]")
-    accesses = accesses_of(reads, writes)
-    for v in args:
-        kind = type(v)
-        if kind is Marker or kind is list or kind is tuple or kind is dict:
-            break
-    else:
-        for v in kwargs.values():
-            kind = type(v)
-            if kind is Marker or kind is list or kind is tuple or kind is dict:
-                break
-        else:
-            if needs_identities(accesses):
-                accesses = with_identities(accesses, [*reads, *writes])
-            return args, kwargs, accesses, writes
-    found: list[Marker] = []
-    seen: dict[int, Any] = {}
-    unwrapped = tuple(_unwrap(a, found, seen) for a in args)
-    unwrapped_kwargs = {k: _unwrap(v, found, seen) for k, v in kwargs.items()}
-    if found:
-        args, kwargs = unwrapped, unwrapped_kwargs  # (else containers without markers, as they are)
-        accesses += [_new(Access, (region_of(m.value), m.write)) for m in found]
-    if needs_identities(accesses):
-        accesses = with_identities(accesses, [*reads, *writes, *(m.value for m in found)])
-    return args, kwargs, accesses, [*writes, *(m.value for m in found if m.write)] if found else writes
-
-
-def _as_list(value: Any, example: str) -> list[Any]:
-    if type(value) is list or type(value) is tuple:  # the common case, checked cheaply
-        return list(value)
-    if isinstance(value, Marker) or not isinstance(value, Iterable) or _is_buffer(value):
-        raise TypeError(f"{example.split('=')[0]}= takes a list of buffers, e.g. {example}")
-    if isinstance(value, Mapping):  # (listed, it would be its keys)
-        keyword = example.split("=")[0]
-        raise TypeError(f"{keyword}= takes a list of buffers, not a dict: e.g. {example}, "
-                        f"or {keyword}=list(d.values()) for the buffers of a dict d")
-    return list(value)
-
-
-def _is_buffer(value: Any) -> bool:
-    return hasattr(value, "__array_interface__") or hasattr(value, "untyped_storage")
-
-
-_RESIZING_LOCK = threading.Lock()  # orders the counts of ``_RESIZING`` (ops finish on other threads)
-
-
-def hold_identities(keys: list[int]) -> Callable[[Any], None]:
-    """Count the objects of ids ``keys`` as given new memory by a pending op (see ``buffers._RESIZING``)
-    until the function returned is called (the op's done-callback)."""
-    with _RESIZING_LOCK:
-        for key in keys:
-            _RESIZING[key] = _RESIZING.get(key, 0) + 1
-
-    def done(_: Any = None) -> None:
-        with _RESIZING_LOCK:
-            for key in keys:
-                left = _RESIZING.pop(key) - 1
-                if left:
-                    _RESIZING[key] = left
-
-    return done
 
 
 class Op:
@@ -608,26 +461,26 @@ class Op:
         accesses: list[Access],
         numbered: bool = False,
     ) -> None:
-        self.seq = seq
+        self.seq: int = seq
         self._name, self._numbered = name, numbered  # numbered: ``name#seq``, made when first read
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.accesses = accesses
+        self.fn: Callable[..., Any] = fn
+        self.args: tuple[Any, ...] = args
+        self.kwargs: dict[str, Any] = kwargs
+        self.accesses: list[Access] = accesses
         self.deps: Sequence[Op] = ()
         self.stamp: Stamp | None = None
         self.event: Any = None
-        self.future = Future()
+        self.future: Future[Any] = Future()
         self.future._op_name, self.future._op_number = name, seq if numbered else None
-        self.done = False
+        self.done: bool = False
         self.error: BaseException | None = None
-        self.root_name = ""
+        self.root_name: str = ""
         self.root_error: BaseException | None = None
         self.value: Any = None
         #: the buffers it declares written: held while it is pending, and after a failure until
         #: ``synchronize`` (its memory must not go to a new buffer while its failure passes on)
         self.keep: Any = None
-        self.run_id = 0
+        self.run_id: int = 0
         #: what finishes it once its completion event has been observed, called as
         #: ``finish(op, device_error)`` (see ``__call__``); set by the compiled submit, else None
         self.finish: Callable[[Op, BaseException | None], Any] | None = None
@@ -675,7 +528,7 @@ class Op:
         self.deps = ()
 
 
-def refuse_coroutine(coroutine: CoroutineType, op_name: str) -> None:
+def refuse_coroutine(coroutine: CoroutineType[Any, Any, Any], op_name: str) -> None:
     """Fail an op whose function returned a coroutine (an ``async def`` function): an op runs its
     function to its end on a stream, inside its submit on a GPU, where the submitting code's event
     loop may be running, so there is no one place to run the coroutine; awaiting is the caller's

@@ -11,18 +11,28 @@ should run there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..errors import InvalidBuffer
 from ..graph.buffers import Access, region_of
 
-if TYPE_CHECKING:
-    from .core import Runtime
-
-__all__ = ["bring_inputs", "empty_on", "empty_tensor", "place"]
+__all__ = ["PlacementRuntime", "bring_inputs", "empty_on", "empty_tensor", "place"]
 
 
-def place(rt: Runtime, accesses: list[Access], run_on: str | None, stream: int | None, name: str) -> str:
+class PlacementRuntime(Protocol):
+    """What placement over several devices needs of the runtime: its devices and streams, and its
+    copies."""
+
+    device: str
+    devices: list[str]
+    copy: Callable[..., Any]
+    _compute_of: dict[str, range]
+    _stream_device: list[str]
+
+
+def place(rt: PlacementRuntime, accesses: list[Access], run_on: str | None, stream: int | None,
+          name: str) -> str:
     """The device an op runs on."""
     if stream is not None:
         return rt._stream_device[stream]
@@ -46,8 +56,8 @@ def _normalize(device: Any) -> str:
     return "cuda:0" if text == "cuda" else text
 
 
-def bring_inputs(rt: Runtime, args: tuple, kwargs: dict, accesses: list[Access], device: str,
-                 name: str) -> tuple[tuple, dict, list[Access]]:
+def bring_inputs(rt: PlacementRuntime, args: tuple[Any, ...], kwargs: dict[str, Any], accesses: list[Access],
+                 device: str, name: str) -> tuple[tuple[Any, ...], dict[str, Any], list[Access]]:
     """Swap every argument on another device for a peer copy on ``device``; accesses follow."""
     remote = [a for a in accesses if a.region.space != device and a.region.space in rt._compute_of]
     if not remote:

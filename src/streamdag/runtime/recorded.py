@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import BaseExceptionGroup, DependencyFailed
+from .._diagnostics import get_logger, warn
 from ..graph.buffers import Access, coalesce, envelope
 from ..observe.dot import schedule_to_dot
 from ..observe.explain import explain_schedule
@@ -17,47 +15,35 @@ from ..schedule.plan import Schedule
 from ..schedule.reduction import reduce_transitively
 from .accel import DepsTracker, build_schedule
 from .declared import DeclaredBuffers
-from .ops import Future, Op, after_all, then
+from .graph_runs import EagerRunRuntime, EagerRuns, GraphResult, OpNode
+from .ops import Future, then
 
 if TYPE_CHECKING:
-    from .core import Runtime
+    from .capture import CaptureStatistics
 
-__all__ = ["GraphResult", "OpNode", "RecordedGraph"]
+__all__ = ["GraphResult", "GraphRuntime", "OpNode", "RecordedGraph"]
 
-_run_ids = itertools.count(1)
+_log = get_logger(__name__)
+
+
+class GraphRuntime(EagerRunRuntime, Protocol):
+    """What a recorded graph needs of its runtime, beyond a run op by op's (``EagerRunRuntime``):
+    whether it may run (``_check_open``, ``_recording_here``), the submits that run it as one op
+    (a replay), and whether a profile wants it op by op."""
+
+    device: str
+    devices: list[str]
+    backends: list[Any]
+    num_streams: int
+    _multi: bool
+    _compute_of: dict[str, range]  #: where the schedule's streams are on the runtime
+    _profiler: Any
+    _check_open: Callable[[], None]
+    _recording_here: Callable[[], Any]
+    _submit_on: Callable[..., Any]
+
+
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
-
-
-@dataclass(frozen=True)
-class OpNode:
-    """The handle ``submit`` returns while recording: index a :class:`GraphResult` with it."""
-
-    index: int
-    name: str
-
-    def result(self, timeout: float | None = None) -> Any:
-        raise RuntimeError(
-            f"op {self.name!r} was recorded, not run: call g.run() and read its result, "
-            "e.g. g.run().result()[node]"
-        )
-
-
-class GraphResult(Sequence):
-    """The return values of one run of a recorded graph, in submission order."""
-
-    def __init__(self, values: list[Any]) -> None:
-        self._values = values
-
-    def __getitem__(self, key):  # type: ignore[override]
-        if isinstance(key, OpNode):
-            key = key.index
-        return self._values[key]
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"GraphResult({self._values!r})"
 
 
 @dataclass
@@ -72,51 +58,6 @@ class _Recorded:
     device: str = ""
 
 
-def _lane_instead(rt: Runtime) -> tuple[int, int]:
-    """Run from inside an op on a lane of ``rt`` (a CPU runtime's, a host lane): that lane, and
-    the lane that the run's ops scheduled onto it go to instead; else ``(-1, -1)``.
-
-    Queued on the calling op's lane, behind it, they would run only once it has returned: it
-    could not wait for the run. So they go to the next lane of its kind, as a nested submit
-    does (see ``Runtime._choose_stream``); with ops of their own there, in the order they are
-    launched, which keeps every dependency. Where the lane is the only one of its kind, they
-    stay on it (and waiting for the run there raises, see ``Future._waited_on``).
-    """
-    if threading.get_ident() not in rt._lane_threads:
-        return -1, -1
-    for lanes in rt._compute_of.values():
-        here = rt._calling_lane(lanes.start, len(lanes))
-        if here != -1:
-            return here, lanes[(here - lanes.start + 1) % len(lanes)]
-    return -1, -1
-
-
-def _free_lane(rt: Runtime, stream: int, here: int, instead: int) -> int:
-    """Where an op of a run from inside the op on lane ``here`` goes, scheduled onto ``stream``:
-    not behind the calling op (``instead``, see ``_lane_instead``), nor behind ops that cannot run
-    before it returns (``Runtime._behind_the_caller``), where a lane of the kind is free of both;
-    else where it was sent, and waiting for the run there raises (see ``Future._waited_on``)."""
-    wanted = instead if stream == here else stream
-    _, blocked = rt._behind_the_caller()
-    if wanted not in blocked:
-        return wanted
-    lanes = next((s for s in rt._compute_of.values() if wanted in s), range(wanted, wanted + 1))
-    return next((i for i in lanes if i != here and i not in blocked), wanted)
-
-
-def _mark_run_from_a_lane(rt: Runtime, result: Future, futures: list[Any], behind: bool) -> None:
-    """What a wait for a run's ``result`` inside the op that started it checks, as for an op that
-    a lane op submits (see ``Future._waited_on``, ``LaneWaits``): ``behind``, some of the run's
-    ``futures`` are queued behind the calling op on its lane; and, from a lane of ``rt``, that a
-    wait for the run is a wait for ``futures``, which raises where it could never end (the run's
-    settling drops them again: they keep its done-callback, which keeps ``result``)."""
-    me = threading.get_ident()
-    if behind:
-        result.__dict__["_behind"] = me
-    if me in rt._lane_threads:
-        result.__dict__.update(_lanes_of=rt._lane_waits, _ops_of=futures)
-
-
 def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
     """Whether an op with accesses ``writer`` writes memory an op with ``accesses`` reads or writes:
     then a failure of the first fails the second (``ops.failed_input``'s rule)."""
@@ -128,13 +69,13 @@ def _writes_into(writer: list[Access], accesses: list[Access]) -> bool:
     return False
 
 
-class RecordedGraph:
+class RecordedGraph(EagerRuns):
     """A graph of ops recorded by :meth:`Runtime.record`; :meth:`run` runs it on the runtime."""
 
-    def __init__(self, runtime: Runtime, copy_out: bool = True) -> None:
+    def __init__(self, runtime: GraphRuntime, copy_out: bool = True) -> None:
         self._rt = runtime
         self.copy_out = copy_out
-        self.last_run_captured = False
+        self.last_run_captured: bool = False
         self._ops: list[_Recorded] = []
         self._names_used: set[str] = set()  # op names are keys (timings, explain): kept distinct
         self._preds: list[list[int]] = []
@@ -154,7 +95,7 @@ class RecordedGraph:
         self._replay_accesses: list[Access] | None = None
         self._replay_split: tuple[list[Any], list[Any]] | bool | None = None  # see _replay_regions
         self._host_replay: Any = None
-        self.capture = runtime.device.startswith("cuda")
+        self.capture: bool = runtime.device.startswith("cuda")
         self.devices: list[str] = []  # the devices its ops run on, once finished
         self._spans_devices = False
         self._has_host_ops = False  # a run_on="host" op among its ops (see ``_parts``)
@@ -177,7 +118,8 @@ class RecordedGraph:
     def names(self) -> list[str]:
         return [op.name for op in self._ops]
 
-    def add(self, fn, args, kwargs, accesses, name: str | None, stream: int | None = None,
+    def add(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            accesses: list[Access], name: str | None, stream: int | None = None,
             written: list[Any] | None = None, device: str | None = None) -> OpNode:
         if self._schedule is not None:
             raise RuntimeError("this graph is finished; record a new one with rt.record()")
@@ -198,6 +140,12 @@ class RecordedGraph:
         self._schedule = build_schedule(self._preds, rt.num_streams,
                                         groups=self._groups if rt._multi else None)
         self._tracker = DepsTracker()
+        if _log.isEnabledFor(logging.DEBUG):
+            sched = self._schedule
+            _log.debug("recorded graph of %d ops: %d chains merged onto %d of %d streams, %d waits, "
+                       "%d edges removed by the transitive reduction", len(self._ops), sched.chains,
+                       sched.num_streams, rt.num_streams, sum(len(w) for w in sched.waits),
+                       sched.removed_edges)
         self._fail_preds = self._failure_preds()
         self._run_preds = [[*ps, *(u for u in fs if u not in ps)]
                            for ps, fs in zip(self._schedule.preds, self._fail_preds)]
@@ -312,7 +260,7 @@ class RecordedGraph:
             raise RuntimeError("the graph is still being recorded: leave the `with rt.record()` block")
         return self._schedule
 
-    def run(self) -> Future:
+    def run(self) -> Future[GraphResult]:
         """Run every op once, concurrently as scheduled; returns a Future of a :class:`GraphResult`.
 
         The graph also orders itself after earlier ops of the runtime that touch
@@ -357,136 +305,8 @@ class RecordedGraph:
         probe = None
         if self.capture and self._runs == 1:
             from .sync_probe import probe_host_syncs as probe
-        result = Future()
-        result.op_name = "graph"
-        n = len(self._ops)
-        if n == 0:
-            result.set_result(GraphResult([]))
-            return result
-        run_id = next(_run_ids)
-        launched: list[Op] = []
+        return self._run_eager(probe)
 
-        def settle() -> None:
-            ops = launched[:]
-            launched.clear()  # each op's future holds this function: no cycle left to the collector
-            result.__dict__.pop("_ops_of", None)  # (nor through _mark_run_from_a_lane's)
-            failed = [op for op in ops if op.error is not None]
-            # the graph's own root failures; else ops failed for a failure before the graph
-            roots = [op.error for op in failed if op.root_error is op.error]
-            roots = roots or [op.error for op in failed[:1]]
-            if roots:  # (an ExceptionGroup, unless an op raised SystemExit, say: see run())
-                result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
-            else:
-                result.set_result(GraphResult([op.future.result() for op in ops]))
-
-        rt._lock.acquire()  # ops after unfinished host-lane ops are held (see Runtime._hold)
-        try:
-            if rt._host_ops:  # refuses a run from the host lane of an op it follows
-                rt._host_deps(self._graph_accesses(), "graph")
-        except BaseException:
-            rt._lock.release()
-            raise
-        t0 = time.perf_counter()
-        try:
-            behind = self._launch_ops(rt, run_id, probe, launched)
-        finally:
-            rt._lock.release()
-        if self._runs == 1:  # how long the host takes to launch the graph once, op by op
-            self.first_run_host_ms = (time.perf_counter() - t0) * 1e3
-        result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
-        _mark_run_from_a_lane(rt, result, [op.future for op in launched], behind)
-        one_done = after_all(n, settle)
-        for op in launched:
-            op.future._on_done(one_done)
-        return result
-
-    def _launch_ops(self, rt: Any, run_id: int, probe: Any, launched: list[Op]) -> bool:
-        """Launch every op of one eager run, in order; caller holds the runtime's lock. Whether an
-        op is queued behind the calling op on its lane (run from inside an op there, see
-        ``_lane_instead``)."""
-        run_preds = self._run_preds
-        here, instead = _lane_instead(rt)
-        behind = False
-        for v, rec in enumerate(self._ops):
-            rt._take_slot()  # (at the bound the lock is let go meanwhile: other submits may come in)
-            stream = self._runtime_stream(v)
-            if here != -1:
-                stream = _free_lane(rt, stream, here, instead)
-            device = rt._stream_device[stream]
-            on_lane = device == "host"
-            try:  # (before the op is linked: it raises inside the caller's capture)
-                fence = rt._caller_fence(device) if rt._host_ops and not on_lane else None
-            except BaseException:
-                rt._slots.release()
-                raise
-            rt._counts.seq += 1
-            fn = rec.fn if probe is None else probe(rec.fn, rec.name, self._syncing_ops)
-            op = Op(rt._counts.seq, rec.name, fn, rec.args, rec.kwargs, rec.accesses)
-            op.run_id = run_id
-            outside = [d for d in rt._tracker.link(op, rec.accesses) if d.run_id != run_id]
-            deps = outside + [launched[u] for u in run_preds[v]]
-            if on_lane:  # a host-lane op of the graph: what follows it is held until it has finished
-                rt._host_ops[op.seq] = op
-            # host code runs now: its host inputs must be final (but on a lane, which waits for them
-            # itself). Held behind the unfinished host-lane ops it follows (of this run, or one that
-            # came in while this thread waited for a slot)
-            host_inputs = rec.stream is None and not on_lane and not rt.backend.deferred
-            rt._launch_or_hold(op, deps, stream, device, host_inputs, fence)
-            launched.append(op)
-            # queued where it runs only once the calling op returns (see Runtime._mark_lane_submit)
-            behind = behind or op.future.__dict__.get("_behind") == threading.get_ident()
-        return behind
-
-    def _run_parts(self) -> Future:
-        """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
-        the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s."""
-        rt = self._rt
-        parts = self._parts or []
-        result = Future()
-        result.op_name = "graph"
-        futures: list[Any] = []
-        # what settle() needs, and no more: the parts' futures keep it as a done-callback, and
-        # the graph, its parts or the futures list (cleared once read) would make a reference cycle
-        n_ops, places = len(self._ops), [(graph is not None, indices) for graph, indices in parts]
-
-        def settle() -> None:
-            values: list[Any] = [None] * n_ops
-            errors: list[BaseException] = []
-            settled, futures[:] = futures[:], []
-            result.__dict__.pop("_ops_of", None)  # (see _mark_run_from_a_lane)
-            for (is_graph, indices), f in zip(places, settled):
-                error = f.exception()
-                if error is None:
-                    got = f.result() if is_graph else [f.result()]
-                    for v, value in zip(indices, got):
-                        values[v] = value
-                else:
-                    errors.extend(error.exceptions if isinstance(error, BaseExceptionGroup) else [error])
-            if not errors:
-                result.set_result(GraphResult(values))
-                return
-            # the graph's own root failures, as a run in one piece reports them; else the first
-            own = [e for e in errors if not isinstance(e, DependencyFailed)]
-            roots = own or errors[:1]
-            result.set_exception(BaseExceptionGroup(f"{len(roots)} op(s) of the graph failed", roots))
-
-        with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
-            for graph, indices in parts:
-                if graph is not None:
-                    futures.append(graph.run())
-                else:
-                    rec = self._ops[indices[0]]
-                    futures.append(rt._enqueue(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.name,
-                                               blocking=True, stream=None, device="host"))
-        graphs = [graph for graph, _ in parts if graph is not None]
-        self.last_run_captured = bool(graphs) and all(g.last_run_captured for g in graphs)
-        result._hurry = rt._hurry_all  # waiting on the graph hurries the finishing of its ops
-        me = threading.get_ident()
-        _mark_run_from_a_lane(rt, result, futures, any(f.__dict__.get("_behind") == me for f in futures))
-        one_done = after_all(len(futures), settle)
-        for f in futures:
-            f._on_done(one_done)
-        return result
 
     def _host_replay_allowed(self, per_op: bool) -> bool:
         """Graphs over several devices run as host replays, unless profiled op by op.
@@ -501,7 +321,7 @@ class RecordedGraph:
         return not any(rec.stream is None and any(a.region.space == "cpu" for a in rec.accesses)
                        for rec in self._ops)
 
-    def _run_host_replay(self) -> Future | None:
+    def _run_host_replay(self) -> Future[Any] | None:
         """A run as one host replay over several devices; None where unfinished host-lane ops (or
         ops held behind them) touch the graph's memory: the replay would wait for them in the
         submitting thread, so the caller runs the graph op by op, each op held as an eager submit is."""
@@ -528,7 +348,7 @@ class RecordedGraph:
             ) + envelope([a for a in every if a.region.space.startswith("sym:")])
         return self._replay_accesses
 
-    def _run_captured(self) -> Future | None:
+    def _run_captured(self) -> Future[Any] | None:
         """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
         from .capture import CudaGraphRunner
 
@@ -596,8 +416,6 @@ class RecordedGraph:
         runner.stats.replays += 1
 
     def _give_up_capture(self, reason: str) -> None:
-        import warnings
-
         self.capture = False
         self.capture_fallback = reason
         message = f"running this graph eagerly on streams, without a CUDA graph: {reason}"
@@ -609,7 +427,8 @@ class RecordedGraph:
             message = (f"running a part of this graph's device ops (a stage between its host-lane ops) "
                        f"eagerly on streams, without a CUDA graph: {reason}. Other parts that cannot be "
                        "captured run eagerly too, without another warning (g.explain() lists them)")
-        warnings.warn(f"streamdag: {message}", RuntimeWarning, stacklevel=4 + self._calls_above)
+        _log.info("CUDA graph capture refused: %s", reason)
+        warn(f"streamdag: {message}")
 
     def static_values(self) -> list[Any]:
         """The values each op returned while being captured: the graph's own, rewritten by every replay."""
@@ -617,7 +436,7 @@ class RecordedGraph:
             raise RuntimeError("the graph has not been captured: it captures on its second run on CUDA")
         return self._runner._captured.values
 
-    def statistics(self) -> Any:
+    def statistics(self) -> CaptureStatistics | None:
         """Capture statistics on CUDA (captures, replays, recaptures, fallbacks, timing of the choice)."""
         return None if self._runner is None else self._runner.stats
 

@@ -20,25 +20,43 @@ not those that touch only what the graph's other ops did.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ..errors import BaseExceptionGroup, DependencyFailed
 from ..graph.buffers import Access
 from .accel import plan_waits
-from .core import _DROP_WAITS
-from .ops import Op, failed_input, release_frames
+from .frames import release_frames
+from .ops import Op, failed_input
+from .submitting import _DROP_WAITS
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["HostReplay", "ReplayRuntime"]
 
-__all__ = ["HostReplay"]
+
+class ReplayRuntime(Protocol):
+    """What a host replay needs of its runtime: its streams, and the submit path's steps for one
+    op (a slot, the lock unless host-lane ops come first, a number, the links, a place, a watch for
+    its completion, or a finish where it fails at launch)."""
+
+    _lock: Any
+    _slots: Any  #: ``completion.Slots``
+    _tracker: Any
+    _streams: list[Any]
+    _member: list[Any]
+    _check_open: Callable[[], None]
+    _take_slot: Callable[..., bool]
+    _lock_unless_after_host_ops: Callable[..., bool]
+    _new_op: Callable[..., Op]
+    _admit: Callable[..., tuple[int, list[Op], list[int]]]
+    _watch: Callable[..., None]
+    _finish: Callable[..., None]
 
 
 class HostReplay:
     """The stream program of one recorded graph: streams, waits and events, planned once."""
 
-    def __init__(self, rt: Runtime, fns: Sequence[Any], args: Sequence[tuple], kwargs: Sequence[dict],
+    def __init__(self, rt: ReplayRuntime, fns: Sequence[Any], args: Sequence[tuple[Any, ...]],
+                 kwargs: Sequence[dict[str, Any]],
                  names: Sequence[str], streams: Sequence[int], preds: Sequence[Sequence[int]],
                  accesses: list[Access], fail_preds: Sequence[Sequence[int]],
                  op_accesses: Sequence[list[Access]]) -> None:
@@ -46,23 +64,27 @@ class HostReplay:
         few accesses; ``fail_preds``: the ops whose failure fails each op (see
         ``RecordedGraph._failure_preds``); ``op_accesses``: each op's own accesses."""
         self.rt = rt
-        self.fns, self.args, self.kwargs, self.names = list(fns), list(args), list(kwargs), list(names)
-        self.streams = list(streams)
-        self.preds = [tuple(p) for p in preds]
+        self.fns: list[Any] = list(fns)
+        self.args: list[tuple[Any, ...]] = list(args)
+        self.kwargs: list[dict[str, Any]] = list(kwargs)
+        self.names: list[str] = list(names)
+        self.streams: list[int] = list(streams)
+        self.preds: list[tuple[int, ...]] = [tuple(p) for p in preds]
         self.accesses = accesses
-        self.fail_preds = [tuple(p) for p in fail_preds]
-        self.op_accesses = list(op_accesses)
+        self.fail_preds: list[tuple[int, ...]] = [tuple(p) for p in fail_preds]
+        self.op_accesses: list[list[Access]] = list(op_accesses)
         n = len(self.streams)
-        self.waits = plan_waits(self.preds, self.streams, len(rt._streams))
-        self.used = sorted(set(self.streams))
-        self.first = {s: self.streams.index(s) for s in self.used}
-        self.last = {s: n - 1 - self.streams[::-1].index(s) for s in self.used}
-        self.join = self.streams[n - 1]  # the last op's stream: its tail needs no wait
+        self.waits: list[Any] = plan_waits(self.preds, self.streams, len(rt._streams))
+        self.used: list[int] = sorted(set(self.streams))
+        self.first: dict[int, int] = {s: self.streams.index(s) for s in self.used}
+        self.last: dict[int, int] = {s: n - 1 - self.streams[::-1].index(s) for s in self.used}
+        self.join: int = self.streams[n - 1]  # the last op's stream: its tail needs no wait
         needed = {u for w in self.waits for u in w} | {self.last[s] for s in self.used if s != self.join}
         # one event per op that another stream waits on; reused by every run (runs are ordered)
-        self.events = [rt._member[self.streams[v]].event() if v in needed else None for v in range(n)]
-        self.waits_of_join = [self.last[s] for s in self.used if s != self.join]
-        self.launched = 0  # runs launched (not those left to run op by op, see launch)
+        self.events: list[Any] = [rt._member[self.streams[v]].event() if v in needed else None
+                                  for v in range(n)]
+        self.waits_of_join: list[int] = [self.last[s] for s in self.used if s != self.join]
+        self.launched: int = 0  # runs launched (not those left to run op by op, see launch)
 
     def launch(self) -> Op | None:
         """Launch one run; returns its runtime op (its future gets the list of values). Takes the
@@ -81,8 +103,7 @@ class HostReplay:
             return None
         self.launched += 1
         try:
-            rt._counts.seq += 1
-            op = Op(rt._counts.seq, "graph_run", None, (), {}, self.accesses)  # type: ignore[arg-type]
+            op = rt._new_op("graph_run", None, (), {}, self.accesses)
             _, live, _ = rt._admit(op, rt._tracker.link(op, self.accesses), self.join)
             try:
                 self._launch_ops(op, live)

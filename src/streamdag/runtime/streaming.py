@@ -39,16 +39,26 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..graph.buffers import region_of
 from .ops import Future, all_of
 from .transfers import copier
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["StreamMapRuntime", "stream_map"]
 
-__all__ = ["stream_map"]
+
+class StreamMapRuntime(Protocol):
+    """What ``stream_map`` needs of the runtime: its public calls, whether this thread records, and
+    where it keeps the captured pieces of each function."""
+
+    device: str
+    backend: Any
+    submit: Callable[..., Any]
+    copy: Callable[..., Any]
+    record: Callable[[], Any]
+    _recording_here: Callable[[], Any]
+    _stream_maps: Any  #: a weak dictionary, by function: dropped with it
 
 # A piece's copies must take longer than the host's submit of the piece, or the host sets the pace:
 # on an H100 host, the 14 kernels of bench/overlap.py's compute took 0.45 ms of host time per piece,
@@ -67,7 +77,7 @@ MIN_PIECES = 16  # a small input is still cut into this many pieces, down to
 MIN_PIECE_BYTES = 256 << 10  # pieces this small, below which per-copy costs dominate
 
 
-def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
+def stream_map(rt: StreamMapRuntime, fn: Callable[[Any], Any], inputs: Any, out: Any = None, *,
                piece_bytes: int | None = None, buffers: int = 4, reads: Iterable[Any] = (),
                capture: bool = False, name: str = "stream_map") -> Any:
     """Futures of ``fn`` applied to host tensors on the runtime's device, piece by piece.
@@ -116,7 +126,7 @@ def stream_map(rt: Runtime, fn: Callable[[Any], Any], inputs: Any, out: Any = No
             kept[key] = ring
 
 
-def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], outs: list[Any] | None,
+def _submit_pieces(rt: StreamMapRuntime, fn: Callable[[Any], Any], batches: list[Any], outs: list[Any] | None,
                    rows: int, ring: _Ring, extra_reads: list[Any], name: str, single: bool,
                    capture: bool = False, recording: bool = False) -> Any:
     """stream_map's submits, through ``ring``'s buffers: a Future per input (one if ``single``).
@@ -135,11 +145,11 @@ def _submit_pieces(rt: Runtime, fn: Callable[[Any], Any], batches: list[Any], ou
     if kinds is not None and kinds in ring.out_kinds:  # a captured fn keeps its shapes: as last time
         trailing, dtype = ring.out_kinds[kinds]
         outs = [torch.empty((x.shape[0], *trailing), dtype=dtype, pin_memory=pinned) for x in batches]
-    copies_of: list[list[Future]] = []
-    unfinished: deque[Future] = deque()
+    copies_of: list[list[Future[Any]]] = []
+    unfinished: deque[Future[Any]] = deque()
     name_in, name_out = f"{name}_in", f"{name}_out"
     for b, x in enumerate(batches):
-        copies: list[Future] = []
+        copies: list[Future[Any]] = []
         copies_of.append(copies)
         copy_in = copy_out = None  # rt.copy's decisions, made once per input and output
         for lo in range(0, x.shape[0], rows):
@@ -308,7 +318,7 @@ class _Ring:
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return buf
 
-    def graph(self, rt: Runtime, slot: int, fn: Callable[[Any], Any], dev_in: Any, dev_out: Any,
+    def graph(self, rt: StreamMapRuntime, slot: int, fn: Callable[[Any], Any], dev_in: Any, dev_out: Any,
               extra_reads: list[Any], name: str) -> Any:
         key = (slot, dev_in.shape, dev_in.dtype, dev_out.shape, dev_out.dtype)
         graph = self._graphs.get(key)
@@ -320,7 +330,7 @@ class _Ring:
         return graph
 
 
-def _kept_rings(rt: Runtime, fn: Callable[[Any], Any], device: str, buffers: int,
+def _kept_rings(rt: StreamMapRuntime, fn: Callable[[Any], Any], device: str, buffers: int,
                 extra_reads: list[Any]) -> tuple[dict[Any, _Ring] | None, Any]:
     """Where the rings of earlier captured calls with ``fn`` are kept, and the key of this call's
     (the same device, buffers and extra reads): their graphs are captured already, on the ring's

@@ -22,28 +22,47 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..backends.capture_mode import relaxed
 from ..graph.buffers import Access, Region, region_of
-from ..native import load as load_native
 from ..native import load_torch
-from . import ops
-from .ops import Future, all_of, in_done_callback, new_lock, wait_for_host_inputs
+from . import arguments
+from .ops import Future, all_of
 
-if TYPE_CHECKING:
-    from .core import Runtime
+__all__ = ["CopyRuntime", "copy", "to_device", "to_host"]
 
-__all__ = ["ByteBudget", "PinnedPool", "copy", "to_device", "to_host"]
+
+class CopyRuntime(Protocol):
+    """What copies need of their runtime: its public calls, its copy streams and host lanes, the
+    transfer bounds it owns (``budgets``), the submits onto a given stream, and whether host-lane
+    ops write a copy's source (``held``)."""
+
+    device: str
+    devices: list[str]
+    backends: list[Any]
+    submit: Callable[..., Any]
+    copy: Callable[..., Future]
+    _compute_of: dict[str, range]
+    _copy_index: dict[tuple[str, str], int]
+    _host: Any  #: the host lanes (None on a CPU runtime)
+    _bytes: Any  #: ``budgets.ByteBudget``
+    _staging: Any  #: ``budgets.PinnedPool``
+    _rings: dict[Any, Any]  #: the staging rings, by direction and device (made here)
+    _copy_pinned: Any  #: the compiled copy of pinned memory, or None
+    _submit: Callable[..., Any]
+    _submit_on: Callable[..., Any]
+    _recording_here: Callable[[], Any]
+    _host_lane_for: Callable[[int | None], int]
+    _host_data_written_on_lanes: Callable[..., bool]
 
 CHUNK_BYTES = 8 << 20
 #: pageable copies of more than this many bytes are staged on a host lane through a ring of pinned
@@ -60,247 +79,6 @@ STREAM_UNSTAGING_BYTES = CHUNK_BYTES
 #: the ring's buffers (of CHUNK_BYTES) per device and direction: a chunk's copy on the host overlaps
 #: the DMAs of the chunks before it
 RING_DEPTH = 3
-
-
-class _BudgetCounts:
-    """A byte budget's counts: its limit, the bytes in flight (``used``), the most at once
-    (``peak``), and acquirers asleep (``waiting``)."""
-
-    __slots__ = ("limit", "peak", "used", "waiting")
-
-    def __init__(self) -> None:
-        self.limit = self.peak = self.used = self.waiting = 0
-
-
-#: a budget's counts; where the compiled hot path is built, fields the compiled ``rt.copy`` reads and
-#: writes in C under the budget's lock (``native/_submit.c``: ``budget_take``, ``budget_hold``)
-new_budget_counts: Callable[[], Any] = getattr(load_native(), "BudgetCounts", _BudgetCounts)
-
-
-class ByteBudget:
-    """Blocks while ``limit`` bytes are in flight; one transfer larger than the limit runs alone.
-
-    A copy's bytes come back once its future is seen done. The budget keeps the
-    copies it counts (:meth:`hold`), per stream, and looks at the oldest of each
-    stream (a stream finishes its copies in order): a hold gives back the bytes
-    of up to two done copies at its stream's head, and an acquire that does not
-    fit looks at every stream. No done-callback per copy, which cost more than
-    the copy's submit. A submitter that must wait helps finish the oldest copy.
-    A copy's future is held weakly: once nobody holds it, its op has finished
-    (a pending op keeps its future), and the tensor it resolves to is not kept
-    alive here. The compiled ``rt.copy`` makes the common case of
-    :meth:`acquire` and :meth:`hold` itself, in C, on the same counts, lock and
-    held copies (on the H100 these methods cost a 1 KiB copy ~2.6 µs).
-    """
-
-    def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
-        self._counts = new_budget_counts()
-        self._counts.limit = limit
-        self._lock = new_lock()  # taken directly where nobody waits: a Condition's is slower
-        self._cond = threading.Condition(self._lock)
-        self._held: dict[Any, deque[tuple[weakref.ref[Future], int]]] = {}  # per stream, oldest first
-        #: called before blocking (bytes come back when ops are seen finished); None: nothing
-        self.on_wait = on_wait
-
-    @property
-    def limit(self) -> int:
-        """Bytes in flight before :meth:`acquire` waits (one larger transfer runs alone)."""
-        return self._counts.limit
-
-    @property
-    def used(self) -> int:
-        """Bytes in flight: acquired, and not yet seen done."""
-        return self._counts.used
-
-    @property
-    def peak(self) -> int:
-        """The most bytes in flight at once."""
-        return self._counts.peak
-
-    def acquire(self, n: int) -> None:
-        """Count ``n`` bytes, once they fit; then :meth:`hold` them with their copy, or :meth:`release`."""
-        counts = self._counts
-        while True:
-            with self._lock:
-                if counts.used and counts.used + n > counts.limit:
-                    self._reclaim()
-                # a done-callback's thread may be the one that brings bytes back: it goes over the limit
-                if not counts.used or counts.used + n <= counts.limit or in_done_callback():
-                    counts.used += n
-                    if counts.used > counts.peak:
-                        counts.peak = counts.used
-                    return
-                oldest = self._oldest()
-                if oldest is None:  # counted by a submit that holds them in a moment, or releases them
-                    counts.waiting += 1
-                    try:
-                        self._cond.wait()
-                    finally:
-                        counts.waiting -= 1
-                    continue
-            if self.on_wait is not None:
-                self.on_wait()
-            oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
-
-    def hold(self, future: Future, n: int, stream: Any) -> None:
-        """The ``n`` bytes acquired for a copy on ``stream`` come back once ``future`` is done."""
-        with self._lock:
-            held = self._held.get(stream)
-            if held is None:
-                held = self._held[stream] = deque()
-            self._give_back_done(held, most=2)  # a little per copy: no long pass at a later one
-            held.append((weakref.ref(future), n))
-            if self._counts.waiting:
-                self._cond.notify_all()
-
-    def release(self, n: int) -> None:
-        """Give back ``n`` bytes acquired for a copy that was not made (or is known to be done)."""
-        with self._lock:
-            self._counts.used -= n
-            if self._counts.waiting:
-                self._cond.notify_all()
-
-    def reclaim(self) -> int:
-        """Give back the bytes of the copies seen done; returns the bytes still in flight."""
-        with self._lock:
-            self._reclaim()
-            return self._counts.used
-
-    def _reclaim(self) -> None:
-        for held in self._held.values():
-            self._give_back_done(held)
-
-    def _give_back_done(self, held: deque[tuple[weakref.ref[Future], int]], most: int | None = None) -> None:
-        """Give back the bytes of the done copies at the head of one stream's ``held`` (at most ``most``)."""
-        while held and (most is None or most > 0):
-            future = held[0][0]()
-            if future is not None and not future.done():
-                break
-            self._counts.used -= held.popleft()[1]
-            if most is not None:
-                most -= 1
-
-    def _oldest(self) -> Future | None:
-        for held in self._held.values():
-            if held:
-                future = held[0][0]()
-                if future is not None:
-                    return future
-        return None
-
-
-class PinnedPool:
-    """Reused pinned host buffers, at most ``limit`` bytes in all; ``take`` blocks when spent.
-
-    A taken buffer comes back by :meth:`give` (its user knows it is free) or
-    by :meth:`lend` with the future of the op that uses it last: free once
-    that future is done, which ``take`` looks at, oldest first per stream (a
-    stream finishes its ops in order). No done-callback per copy: on the H100
-    the callback and the condition it makes cost ~50 µs of a 2 MiB copy's
-    submit and wait. A lent buffer's future is held weakly: once nobody holds
-    it, its op has finished (a pending op keeps its future).
-    """
-
-    #: typed views kept per buffer (see :meth:`typed`)
-    VIEWS_PER_BUFFER = 8
-
-    def __init__(self, limit: int, on_wait: Callable[[], None] | None = None) -> None:
-        self.limit = limit
-        self._free: dict[int, list[Any]] = {}
-        self._lent: dict[Any, deque[tuple[weakref.ref[Future], Any]]] = {}  # per stream, oldest first
-        self._views: dict[int, dict[tuple[Any, Any], Any]] = {}  # by id of a buffer
-        self._held = 0
-        self._cond = threading.Condition()
-        #: called before blocking (buffers come back when ops are seen finished); None: nothing
-        self.on_wait = on_wait
-
-    def take(self, nbytes: int) -> Any:
-        import torch
-
-        size = 1 << max(nbytes - 1, 0).bit_length()  # size classes: powers of two
-        while True:
-            with self._cond:
-                self._reclaim()
-                free = self._free.get(size)
-                if free:
-                    return free.pop()
-                if self._held + size <= self.limit or self._held == 0 or in_done_callback():
-                    self._held += size
-                    break
-                if self._drop_one_free():
-                    continue
-                heads = [lent[0][0]() for lent in self._lent.values() if lent]
-                if not heads:  # taken and not yet lent or given back: by a copy under way
-                    if self.on_wait is not None:
-                        self.on_wait()
-                    self._cond.wait()
-                    continue
-                oldest = heads[0]
-                if any(f is None or f.done() for f in heads):  # done since _reclaim looked
-                    continue
-            if self.on_wait is not None:
-                self.on_wait()
-            oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
-        with relaxed():  # a pinned allocation: refused during a CUDA graph capture in global mode
-            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
-    @contextmanager
-    def taken(self, nbytes: int) -> Iterator[Any]:
-        """:meth:`take`, given back if the block raises (before its user lends it)."""
-        buf = self.take(nbytes)
-        try:
-            yield buf
-        except BaseException:
-            self.give(buf)
-            raise
-
-    def typed(self, buf: Any, dtype: Any, shape: Any) -> Any:
-        """The start of ``buf`` as a contiguous tensor of ``dtype`` and ``shape``, made once per buffer
-        and layout: each of the three views costs microseconds per copy on a GPU host. Only the
-        buffer's taker calls it, between ``take`` and ``give`` or ``lend``."""
-        views = self._views.get(id(buf))
-        if views is None:
-            views = self._views[id(buf)] = {}
-        view = views.get((dtype, shape))
-        if view is None:
-            if len(views) >= self.VIEWS_PER_BUFFER:
-                views.clear()
-            nbytes = dtype.itemsize * math.prod(shape)
-            view = views[(dtype, shape)] = buf[:nbytes].view(dtype).view(shape)
-        return view
-
-    def _drop_one_free(self) -> bool:
-        for size, bufs in self._free.items():
-            if bufs:
-                self._views.pop(id(bufs.pop()), None)
-                self._held -= size
-                return True
-        return False
-
-    def give(self, buf: Any) -> None:
-        with self._cond:
-            self._free.setdefault(buf.numel(), []).append(buf)
-            self._cond.notify_all()
-
-    def lend(self, buf: Any, future: Future, stream: Any) -> None:
-        """``buf`` is free again once ``future`` is done (of the last op to use it, on ``stream``)."""
-        with self._cond:
-            lent = self._lent.get(stream)
-            if lent is None:
-                lent = self._lent[stream] = deque()
-            lent.append((weakref.ref(future), buf))
-            self._cond.notify_all()
-
-    def _reclaim(self) -> None:
-        """Back to the free lists: the lent buffers at each stream's head whose ops are done. Holds
-        ``_cond``."""
-        for lent in self._lent.values():
-            while lent:
-                future = lent[0][0]()
-                if future is not None and not future.done():
-                    break
-                buf = lent.popleft()[1]
-                self._free.setdefault(buf.numel(), []).append(buf)
 
 
 def _copy_into(dst: Any, src: Any) -> Any:
@@ -333,7 +111,7 @@ def _copy_async(dst: Any, src: Any, keep: Any = None) -> Any:
     return dst.copy_(src, non_blocking=True)
 
 
-def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
+def _device_copy(rt: CopyRuntime, dst: Any, src: Any, stream: int | None, name: str,
                  keep: Any = None, copier: Any = None, nbytes: int | None = None) -> Future:
     """One copy op on ``stream``, its bytes counted against the budget until it completes.
 
@@ -363,12 +141,12 @@ def _device_copy(rt: Runtime, dst: Any, src: Any, stream: int | None, name: str,
     return future
 
 
-def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Region, Region]:
+def _route(rt: CopyRuntime, dst: Any, src: Any) -> tuple[str | None, int | None, Region, Region]:
     """A copy's direction ("h2d", "d2h", "p2p"; None within one memory), the copy stream it runs
     on (None: the runtime has none for it) and the regions of ``src`` and ``dst``. Both regions come
     from one call of the submit's own (compiled) look-up, whose cache the copy's submit then hits:
     region_of in Python costs microseconds per tensor on a GPU host."""
-    read, written = ops.accesses_of((src,), (dst,))
+    read, written = arguments.accesses_of((src,), (dst,))
     src_space, dst_space = read.region.space, written.region.space
     kind = _direction(src_space, dst_space)
     stream = rt._copy_index.get((kind, src_space if kind == "d2h" else dst_space))
@@ -379,7 +157,7 @@ def _route(rt: Runtime, dst: Any, src: Any) -> tuple[str | None, int | None, Reg
 _COPY_NAMES = {"h2d": "copy_h2d", "d2h": "copy_d2h", "p2p": "copy_p2p"}
 
 
-def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
+def copy(rt: CopyRuntime, dst: Any, src: Any, name: str | None = None) -> Future:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
     kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
@@ -402,7 +180,7 @@ def copy(rt: Runtime, dst: Any, src: Any, name: str | None = None) -> Future:
     return _staged_d2h(rt, dst, dst_t, src_t, src_region, stream, name)
 
 
-def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
+def copier(rt: CopyRuntime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     """A copy function for many copies like ``dst`` <- ``src`` (the same memories, pinnedness, dtype,
     layout): what :func:`copy` decides per call, decided once. Between pinned host memory and a
     device it submits the copy op straight on its copy stream (through the compiled ``rt.copy``
@@ -419,7 +197,7 @@ def copier(rt: Runtime, dst: Any, src: Any) -> Callable[[Any, Any], Future]:
     default_name = _COPY_NAMES[kind]
     compiled = rt._copy_pinned
 
-    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future:
+    def pinned_copy(d: Any, s: Any, name: str | None = None) -> Future[Any]:
         if compiled is not None:  # None back inside a recording: the Python path records it
             future = compiled(d, s, name or default_name)
             if future is not None:
@@ -441,7 +219,7 @@ def _check_layouts(kind: str, dst: Any, src: Any) -> None:
             "rt.to_host, which make the destination")
 
 
-def _peer_copy(rt: Runtime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
+def _peer_copy(rt: CopyRuntime, dst: Any, src: Any, src_space: str, dst_space: str, stream: int | None,
                name: str) -> Future:
     if stream is None or src_space not in rt._compute_of:
         raise ValueError(
@@ -501,8 +279,8 @@ class StagingRing:
         self.stream = stream
         #: its newest copy's future (weakly: once gone, its op has finished) and host lane: the next
         #: copy queues on that lane while it is pending (see :func:`_lane_for`)
-        self.last: tuple[weakref.ref[Future], int] | None = None
-        self.lock = threading.Lock()
+        self.last: tuple[weakref.ref[Future[Any]], int] | None = None
+        self.lock: threading.Lock = threading.Lock()
         self._buffers: list[Any] = []
         self._events: list[Any] = []
 
@@ -526,7 +304,7 @@ class StagingRing:
                     event.synchronize()
 
 
-def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
+def _ring(rt: CopyRuntime, kind: str, device_tensor: Any) -> StagingRing | None:
     """The staging ring of ``kind`` for the device of ``device_tensor``; None where its backend has no
     staging streams (not CUDA) or the runtime no host lanes."""
     if rt._host is None:
@@ -542,7 +320,7 @@ def _ring(rt: Runtime, kind: str, device_tensor: Any) -> StagingRing | None:
     return ring
 
 
-def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
+def _staged_on_a_lane(rt: CopyRuntime, ring: StagingRing, through: Callable[..., Any], dst: Any, src: Any,
                       result: Any, name: str) -> Future:
     """A pageable copy as one host-lane op (``through``: :func:`_copy_in_through` or
     :func:`_copy_out_through`) that reads ``src`` and writes ``dst``: it runs once the ops it follows
@@ -564,7 +342,7 @@ def _staged_on_a_lane(rt: Runtime, ring: StagingRing, through: Callable[..., Any
     return future
 
 
-def _lane_for(rt: Runtime, ring: StagingRing) -> int:
+def _lane_for(rt: CopyRuntime, ring: StagingRing) -> int:
     """The host lane for a copy through ``ring``: the lane of its newest copy while that is pending,
     else the least busy one; never the calling thread's own lane (a copy queued behind the op that
     submits it would wait forever if that op waits for it).
@@ -574,15 +352,12 @@ def _lane_for(rt: Runtime, ring: StagingRing) -> int:
     for the ring's lock: the 8 x 64 MiB copy/compute case from and into pageable memory, op by op, took
     49 ms that way against 42 (A/B on the H100, 12 interleaved rounds).
     """
-    lanes = rt._compute_of["host"]
-    here = rt._calling_lane(lanes.start, len(lanes))
-    last = ring.last
-    if last is not None and last[1] != here:
+    last, pending = ring.last, None
+    if last is not None:
         future = last[0]()
         if future is not None and not future.done():
-            return last[1]
-    busy = rt._busy  # (read without the lock: a hint)
-    return min((i for i in lanes if i != here), key=busy.__getitem__, default=lanes.start)
+            pending = last[1]
+    return rt._host_lane_for(pending)
 
 
 def _copy_in_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any:
@@ -634,7 +409,7 @@ def _copy_out_through(ring: StagingRing, dst: Any, src: Any, result: Any) -> Any
     return result
 
 
-def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
+def _staged_h2d(rt: CopyRuntime, ring: StagingRing | None, dst: Any, src: Any, src_region: Region,
                 stream: int | None, name: str) -> Future:
     """A small pageable copy in: staged here, through the pool, unless host-lane ops write ``src``.
 
@@ -644,11 +419,8 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     calls, each of which costs microseconds on a GPU host.
     """
     reading = [Access(src_region, False)]
-    with rt._lock:  # the host data must be final before we read it
-        behind = bool(rt._host_ops) and bool(rt._host_deps(reading, name))
-        if not behind:  # (device ops that write it: waited for on their events)
-            wait_for_host_inputs(reading, rt._tracker.depends_on(reading))
-    if behind:  # host-lane ops (or ops held behind them) write it: stage on a lane after them
+    if rt._host_data_written_on_lanes(reading, name):  # (else the host data is final now)
+        # host-lane ops (or ops held behind them) write it: stage on a lane after them
         assert ring is not None  # (host-lane ops run beside a device, whose backend has the rings)
         return _staged_on_a_lane(rt, ring, _copy_in_through, dst, src, dst, name)
     pool = rt._staging
@@ -670,7 +442,7 @@ def _staged_h2d(rt: Runtime, ring: StagingRing | None, dst: Any, src: Any, src_r
     return all_of(chunks, dst, "copy")  # (a failed chunk fails the copy)
 
 
-def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
+def _staged_d2h(rt: CopyRuntime, user_dst: Any, dst: Any, src: Any, src_region: Region, stream: int | None,
                 name: str) -> Future:
     """A small pageable copy out: a DMA into a pool buffer on the copy stream, then a host op that
     unstages it, per chunk (a copy of one chunk or less through one staging tensor of ``src``'s
@@ -683,7 +455,7 @@ def _staged_d2h(rt: Runtime, user_dst: Any, dst: Any, src: Any, src_region: Regi
     return all_of(pieces, user_dst, "copy")  # (a failed piece fails the copy)
 
 
-def _unstaged(rt: Runtime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
+def _unstaged(rt: CopyRuntime, dst: Any, src: Any, nbytes: int, whole: bool, stream: int | None, name: str,
               result: Any) -> Future:
     """One piece of :func:`_staged_d2h`: the future of the op that unstages it, which gives ``result``.
 
@@ -739,7 +511,7 @@ def _unstage(dst: Any, staged: Any, result: Any) -> Any:
     return result
 
 
-def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None = None) -> Future:
+def to_device(rt: CopyRuntime, x: Any, name: str | None = None, device: str | None = None) -> Future:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
@@ -748,7 +520,7 @@ def to_device(rt: Runtime, x: Any, name: str | None = None, device: str | None =
     return rt.copy(dst, src, name or "to_device")
 
 
-def to_host(rt: Runtime, t: Any, name: str | None = None) -> Future:
+def to_host(rt: CopyRuntime, t: Any, name: str | None = None) -> Future:
     """A Future of a host tensor holding ``t``; it exists for the caller only once the copy is done.
 
     Pinned where ``t`` is on a device (its copy out runs on a copy stream); a host tensor (or

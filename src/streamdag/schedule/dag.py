@@ -8,9 +8,10 @@ other DAG into that form, or says where its cycle is.
 
 from __future__ import annotations
 
+import graphlib
+import heapq
+import itertools
 from collections.abc import Hashable, Iterable, Sequence
-
-import networkx as nx
 
 from ..errors import CycleError
 
@@ -37,19 +38,35 @@ def from_edges(
 ) -> tuple[list[Hashable], list[list[int]]]:
     """Number an arbitrary DAG topologically: returns ``(order, preds)``.
 
-    ``order[i]`` is the node that became op ``i``. A cycle raises
-    :class:`CycleError` naming it.
+    ``order[i]`` is the node that became op ``i``; among the nodes ready at each step the one whose
+    ``str`` sorts first comes first, so the numbering does not depend on the order of ``nodes`` and
+    ``edges``. An edge may name a node not in ``nodes``. A cycle raises :class:`CycleError` naming it.
     """
-    g = nx.DiGraph()
-    g.add_nodes_from(nodes)
-    g.add_edges_from(edges)
+    sorter: graphlib.TopologicalSorter[Hashable] = graphlib.TopologicalSorter()
+    preds_of: dict[Hashable, set[Hashable]] = {}
+    for n in nodes:
+        sorter.add(n)
+        preds_of.setdefault(n, set())
+    for u, v in edges:
+        sorter.add(v, u)
+        preds_of.setdefault(u, set())
+        preds_of.setdefault(v, set()).add(u)
     try:
-        order = list(nx.lexicographical_topological_sort(g, key=str))
-    except nx.NetworkXUnfeasible:
-        cycle = [u for u, _ in nx.find_cycle(g)]
-        raise CycleError(cycle) from None
+        sorter.prepare()
+    except graphlib.CycleError as exc:
+        cycle = list(exc.args[1])  # each node a predecessor of the next, the first repeated last
+        raise CycleError(cycle[:-1]) from None
+    ready: list[tuple[str, int, Hashable]] = []
+    tie = itertools.count()  # nodes whose str is equal keep their first-seen order
+    order: list[Hashable] = []
+    while sorter.is_active():
+        for n in sorter.get_ready():
+            heapq.heappush(ready, (str(n), next(tie), n))
+        n = heapq.heappop(ready)[2]
+        order.append(n)
+        sorter.done(n)
     index = {n: i for i, n in enumerate(order)}
-    preds = [sorted(index[p] for p in g.predecessors(n)) for n in order]
+    preds = [sorted(index[p] for p in preds_of[n]) for n in order]
     return order, preds
 
 

@@ -8,16 +8,28 @@ serial loop is an honest baseline for the lanes.
 from __future__ import annotations
 
 import statistics
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 import streamdag as sd
 
+from .._progress import progress
 from .report import format_table, median_ms
 
 __all__ = ["profile", "run"]
+
+
+def _one_blas_thread() -> AbstractContextManager[Any]:
+    """BLAS on one thread for the block (``threadpoolctl``, in the ``bench`` extra): without it the
+    serial loop would use every core and the comparison would say nothing."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError as exc:
+        raise ImportError("the CPU benchmark suite limits BLAS to one thread with threadpoolctl: "
+                          "pip install 'streamdag[bench]'") from exc
+    return threadpool_limits(limits=1)
 
 
 def _layer(h: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -65,7 +77,7 @@ def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, str
                 src = hs[b][layer]
         _join(outs, total)
 
-    with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
+    with _one_blas_thread(), sd.Runtime("cpu", streams=streams) as rt:
         def submit_all() -> None:
             work.submit_all(rt)
 
@@ -87,7 +99,7 @@ def run(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, str
         ok_graph = bool(np.array_equal(total, expect))
         # interleaved, so that the machine's drift hits every variant alike
         samples: dict[str, list[float]] = {"serial": [], "eager": [], "graph": []}
-        for _ in range(repeats):
+        for _ in progress(range(repeats), desc="cpu_wide", unit="round"):
             for key, fn in (("serial", serial), ("eager", eager), ("graph", replay)):
                 samples[key].append(median_ms(fn, repeats=1, warmup=0))
         t_serial, t_eager, t_graph = (statistics.median(samples[k]) for k in ("serial", "eager", "graph"))
@@ -118,10 +130,11 @@ def table(result: dict[str, Any]) -> str:
     return format_table(["cpu_wide", "ms", "x serial"], rows)
 
 
-def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384, streams: int = 2):
+def profile(branches: int = 8, layers: int = 4, rows: int = 256, dim: int = 384,
+            streams: int = 2) -> sd.Timeline:
     """A timeline of one run of the recorded graph (for the trace and the PNG)."""
     work = _Workload(branches, layers, rows, dim)
-    with threadpool_limits(limits=1), sd.Runtime("cpu", streams=streams) as rt:
+    with _one_blas_thread(), sd.Runtime("cpu", streams=streams) as rt:
         with rt.record() as graph:
             work.submit_all(rt)
         graph.run().result()

@@ -26,8 +26,8 @@ def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, war
     """:func:`wall_ms` of several variants, timed in rounds: each round runs every variant once, in
     an order that rotates from round to round. The median per variant.
 
-    Timed one after another instead, variants compared across seconds of the host's and the
-    link's drift: on the lent H100 the same pipeline moved by several percent between them.
+    Timed one after another instead, variants would be compared across seconds of the CPU's and
+    the link's drift, which moves one pipeline's time by several percent.
     """
     times = interleaved_rounds_ms(fns, rounds, warmup, devices)
     return {label: statistics.median(ts) for label, ts in times.items()}

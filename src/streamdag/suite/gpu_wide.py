@@ -11,6 +11,7 @@ variants and the hand-made graphs are timed in interleaved rounds
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -29,16 +30,19 @@ CASES = {
 }
 
 
-def layer(h, w, out):
+def layer(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     torch.matmul(h, w, out=out)
     return torch.relu_(out)
 
 
-def join(outs, y):
+def join(outs: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return torch.sum(torch.stack(outs), 0, out=y)
 
 
-def wide_tensors(name: str, generator: torch.Generator | None = None):
+Tensors = tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], torch.Tensor]
+
+
+def wide_tensors(name: str, generator: torch.Generator | None = None) -> Tensors:
     """The case's input ``x``, weights ``W[b][l]``, layer outputs ``hs[b][l]`` and result ``y`` (GPU)."""
     B, L, rows, D = CASES[name]
     dev = torch.device("cuda")
@@ -49,7 +53,8 @@ def wide_tensors(name: str, generator: torch.Generator | None = None):
     return x, W, hs, y
 
 
-def submit_wide(rt: sd.Runtime, x, W, hs, y):
+def submit_wide(rt: sd.Runtime, x: torch.Tensor, W: list[list[torch.Tensor]], hs: list[list[torch.Tensor]],
+                y: torch.Tensor) -> sd.Future[torch.Tensor]:
     """The wide graph's ops, each with the buffers it reads and writes."""
     for b, (ws, hb) in enumerate(zip(W, hs)):
         src = x
@@ -60,11 +65,9 @@ def submit_wide(rt: sd.Runtime, x, W, hs, y):
     return rt.submit(join, outs, y, reads=outs, writes=[y], name="join")
 
 
-def run_case(name: str, use_compile: bool, streams: int) -> dict:
-    B, L, rows, D = CASES[name]
-    dev = torch.device("cuda")
-    x, W, hs, y = wide_tensors(name, torch.Generator(device=dev).manual_seed(0))
-    iters = 20 if name == "large" else 100
+def _eager_baselines(x, W, B: int):
+    """The case's eager forms: one branch, the whole graph on one stream, the whole graph on 8 side
+    streams by hand; and the eager result that every variant is checked against."""
 
     def eager_branch(b):
         h = x
@@ -90,16 +93,16 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
             main.wait_stream(s)
         return torch.stack(outs).sum(0)
 
-    g1, g1_out = graph_of(eager)
-    g8, g8_out = graph_of(eager_streams)
+    return eager_branch, eager, eager_streams, ref
 
-    results: dict[str, float] = {}
-    checks: dict[str, float] = {}
 
-    def check(label, got):
-        checks[label] = float((got - ref).norm() / ref.norm())
-
-    # streamdag: the same ops submitted with what they read and write (into hs and y)
+def _time_runtime(tensors, streams: int, iters: int, baselines: dict, graphs_out: dict,
+                  results: dict, check) -> dict:
+    """Time the runtime (ops submitted with what they read and write, into ``hs`` and ``y``; then
+    recorded, captured and replayed) against ``baselines``, timed in the same interleaved rounds,
+    so that the host's drift falls on all. ``graphs_out``: the baselines' CUDA graph outputs, checked.
+    Returns the recorded graph's timings and capture statistics."""
+    x, W, hs, y = tensors
     with sd.Runtime("cuda", streams=streams, max_inflight=1024) as rt:
         def submit_all():
             return submit_wide(rt, x, W, hs, y)
@@ -107,16 +110,9 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
         def sd_eager():
             submit_all()
 
-        # in interleaved rounds (each round times every one once): the host's drift falls on all
-        results.update(interleaved_wall_ms({
-            "eager 1 stream": eager,
-            "eager 8 streams, hand-made": eager_streams,
-            "CUDA graph 1 stream": g1.replay,
-            "CUDA graph 8 streams, hand-made": g8.replay,
-            "streamdag eager, multi-stream": sd_eager,
-        }, iters))
-        check("CUDA graph 1 stream", g1_out)
-        check("CUDA graph 8 streams, hand-made", g8_out)
+        results.update(interleaved_wall_ms({**baselines, "streamdag eager, multi-stream": sd_eager}, iters))
+        for label, out in graphs_out.items():
+            check(label, out)
         rt.synchronize()
         check("streamdag eager, multi-stream", y)
 
@@ -135,8 +131,18 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
         results["streamdag captured, result() latency"] = wall_ms(lambda: graph.run().result(), iters)
         explain = graph.explain()
         cap_stats = graph.statistics()
+    return {
+        "record_and_first_run_s": t_rec, "capture_and_choice_s": t_cap,
+        "capture": {"chosen_streams": cap_stats.chosen_streams, "choice_ms": cap_stats.choice_ms,
+                    "estimate_ms": cap_stats.estimate_ms,
+                    "captures": cap_stats.captures, "replays": cap_stats.replays},
+        "explain_head": explain.splitlines()[:3],
+    }
 
-    # streamdag.compile of the same eager function: traced, batched or not as timing decides
+
+def _time_streamdag_compile(eager, iters: int, results: dict, check) -> dict:
+    """Time ``streamdag.compile`` of the eager function: traced, batched or not as timing decides.
+    Returns the variant it chose and why."""
     with torch.no_grad():
         t0 = time.perf_counter()
         fast = sd.compile(eager, engine="aten")
@@ -155,17 +161,45 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
                          "group_estimates": [str(e) for e in spec.group_estimates],
                          "seconds": t_sd_compile}
         fast.close()
+    return compiled_info
 
-    if use_compile:
-        torch._dynamo.reset()
-        t0 = time.perf_counter()
-        compiled = torch.compile(eager, mode="reduce-overhead")
-        for _ in range(3):
-            compiled()
-        t_compile = time.perf_counter() - t0
-        results["torch.compile reduce-overhead"] = wall_ms(compiled, iters)
-    else:
-        t_compile = None
+
+def _time_torch_compile(eager, iters: int, results: dict) -> float:
+    """Time ``torch.compile(mode="reduce-overhead")`` of the eager function; returns its compile time."""
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    compiled = torch.compile(eager, mode="reduce-overhead")
+    for _ in range(3):
+        compiled()
+    t_compile = time.perf_counter() - t0
+    results["torch.compile reduce-overhead"] = wall_ms(compiled, iters)
+    return t_compile
+
+
+def run_case(name: str, use_compile: bool, streams: int) -> dict[str, Any]:
+    B, L, rows, D = CASES[name]
+    dev = torch.device("cuda")
+    tensors = wide_tensors(name, torch.Generator(device=dev).manual_seed(0))
+    x, W, _, _ = tensors
+    iters = 20 if name == "large" else 100
+    eager_branch, eager, eager_streams, ref = _eager_baselines(x, W, B)
+    g1, g1_out = graph_of(eager)
+    g8, g8_out = graph_of(eager_streams)
+
+    results: dict[str, float] = {}
+    checks: dict[str, float] = {}
+
+    def check(label, got):
+        checks[label] = float((got - ref).norm() / ref.norm())
+
+    recorded = _time_runtime(tensors, streams, iters, {
+        "eager 1 stream": eager,
+        "eager 8 streams, hand-made": eager_streams,
+        "CUDA graph 1 stream": g1.replay,
+        "CUDA graph 8 streams, hand-made": g8.replay,
+    }, {"CUDA graph 1 stream": g1_out, "CUDA graph 8 streams, hand-made": g8_out}, results, check)
+    compiled_info = _time_streamdag_compile(eager, iters, results, check)
+    t_compile = _time_torch_compile(eager, iters, results) if use_compile else None
 
     def branch_alone():
         return eager_branch(0)
@@ -175,19 +209,16 @@ def run_case(name: str, use_compile: bool, streams: int) -> dict:
     return {
         "case": name, "B": B, "L": L, "rows": rows, "D": D, "iters": iters,
         "ms": results, "rel_error_vs_eager": checks,
-        "record_and_first_run_s": t_rec, "capture_and_choice_s": t_cap,
+        "record_and_first_run_s": recorded["record_and_first_run_s"],
+        "capture_and_choice_s": recorded["capture_and_choice_s"],
         "torch_compile_s": t_compile,
-        "capture": {"chosen_streams": cap_stats.chosen_streams, "choice_ms": cap_stats.choice_ms,
-                    "estimate_ms": cap_stats.estimate_ms,
-                    "captures": cap_stats.captures, "replays": cap_stats.replays},
-        "explain_head": explain.splitlines()[:3],
+        "capture": recorded["capture"],
+        "explain_head": recorded["explain_head"],
         "streamdag_compile": compiled_info,
     }
 
 
-
-
-def table(cases: list[dict]) -> str:
+def table(cases: list[dict[str, Any]]) -> str:
     labels = list(cases[0]["ms"])
     rows = []
     for label in labels:
@@ -200,7 +231,7 @@ def table(cases: list[dict]) -> str:
     return format_table(["ms (speedup vs CUDA graph 1 stream)", *[c["case"] for c in cases]], rows)
 
 
-def profile_case(name: str, streams: int = 8):
+def profile_case(name: str, streams: int = 8) -> sd.Timeline:
     """A timeline of one op-by-op run of the case's graph (for the trace and the PNG)."""
     x, W, hs, y = wide_tensors(name)
     with sd.Runtime("cuda", streams=streams) as rt:

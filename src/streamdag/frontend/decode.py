@@ -1,0 +1,354 @@
+"""Greedy token generation with one captured graph for every decode step.
+
+A decoder-only transformer generates a token per forward pass, each over one
+new token per sequence: at batch 1 a step is a few hundred small kernels whose
+launches take longer than their work. :class:`Decoder` makes each step a replay
+of one CUDA graph:
+
+* **A static KV cache.** A Hugging Face ``StaticCache`` preallocates every
+  layer's keys and values for ``max_length`` tokens and writes each step's at a
+  position it keeps as a device tensor (its ``cumulative_length``, advanced in
+  place); the model takes its positions and attention mask from that counter.
+  So a decode step has the same shapes at every position: the position and the
+  sequence length are data, not shapes, and nothing is compiled or captured
+  again as the sequence grows.
+* **The step compiled once.** The step (the model over one token per sequence
+  and the greedy choice, ``argmax`` over the last logits) goes through
+  ``streamdag.compile``: Dynamo, Inductor, the region planner, and on a GPU the
+  whole call captured into one CUDA graph (:mod:`.whole_call`) that every later
+  step replays. A call copies the previous step's tokens into the graph's input
+  and replays it; the cache is read and written in place.
+* **Tokens stream out without stalls.** :class:`TokenStream` keeps
+  ``lookahead`` steps queued ahead of the token being read: each step's tokens
+  are copied into a pinned host buffer and an event is recorded after the copy,
+  so reading a token waits for that event only, while the next steps are already
+  queued on the GPU. Nothing else waits for the device between tokens.
+
+The prompt (the *prefill*) runs eagerly, as under Hugging Face's own
+``generate(cache_implementation="static")``: its length changes from prompt to
+prompt, and compiling it would compile once per length. On the CPU the steps
+run eagerly by default (``compile=True`` compiles them with Inductor's CPU code
+generator); the tokens are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Decoder", "TokenStream", "generate"]
+
+#: how many decode steps a stream keeps queued ahead of the token being read (on CUDA)
+LOOKAHEAD = 2
+
+#: the default of ``eos_token_id`` and ``pad_token_id``: the model's ``generation_config``, as
+#: ``model.generate`` takes them (an explicit ``eos_token_id=None`` generates every token asked for)
+FROM_MODEL: Any = "from the model's generation_config"
+
+
+def _special_tokens(model: torch.nn.Module, eos: Any, pad: Any) -> tuple[list[int] | None, int | None]:
+    """The end-of-sequence ids (or None: no end) and the padding id, as ``model.generate`` takes them."""
+    config = getattr(model, "generation_config", None)
+    if eos is FROM_MODEL:
+        eos = getattr(config, "eos_token_id", None)
+    if pad is FROM_MODEL:
+        pad = getattr(config, "pad_token_id", None)
+    if eos is None:
+        return None, pad
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    if not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    return ids, ids[0] if pad is None else pad
+
+
+class _Step(torch.nn.Module):
+    """One decode step: the model over the newest tokens, then the greedy choice of the next ones."""
+
+    def __init__(self, model: torch.nn.Module, cache: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = cache
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=1).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+
+class _Slot:
+    """What one batch size needs: its static cache and its (compiled) step."""
+
+    def __init__(self, model: torch.nn.Module, max_length: int, compile_step: bool,
+                 options: dict[str, Any]) -> None:
+        from transformers.cache_utils import StaticCache, StaticLayer
+
+        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        other = sorted({type(x).__name__ for x in self.cache.layers if type(x) is not StaticLayer})
+        if other:  # a sliding window keeps its length as a Python int: each step would compile again
+            raise ValueError(f"the model's static cache has {', '.join(other)} layers: streamdag.decoder "
+                             "decodes models whose every layer is full attention (StaticLayer, positions on "
+                             "the device); use model.generate for this one")
+        self.step_module = _Step(model, self.cache)
+        self.step: Any = self.step_module
+        if compile_step:
+            from .inductor_backend import compile_v2
+
+            # the stream copies each step's tokens out before the next replay overwrites them
+            self.step = compile_v2(self.step_module, **{"clone_outputs": False, **options})
+
+
+def _check_transformers() -> None:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("streamdag's decoder runs Hugging Face models: "
+                          "pip install 'transformers>=5'") from exc
+    if int(transformers.__version__.split(".")[0]) < 5:  # the static cache and model interface used here
+        raise ImportError(f"streamdag's decoder needs transformers 5 or newer (its static cache keeps the "
+                          f"positions on the device), found {transformers.__version__}: "
+                          "pip install 'transformers>=5'")
+
+
+def _check_model(model: Any) -> None:
+    _check_transformers()
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError("streamdag.decoder needs a Hugging Face causal language model (a torch.nn.Module "
+                        f"with a config, such as LlamaForCausalLM), got {type(model).__name__}")
+    if model.training:
+        raise ValueError("the model is in training mode: call model.eval() before decoding "
+                         "(dropout would make the tokens random)")
+
+
+class Decoder:
+    """Greedy decoding of a Hugging Face causal LM with a static KV cache (see the module docstring).
+
+    One decoder keeps a cache and a compiled step per batch size, so later prompts of a batch
+    size reuse its graph. One stream decodes at a time: starting another ends the one before.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_length: int, compile: bool | None = None,
+                 lookahead: int = LOOKAHEAD, **compile_options: Any) -> None:
+        _check_model(model)
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError("max_length must be an int of at least 2 (the prompt plus the new tokens), "
+                             f"got {max_length!r}")
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be 0 or more, got {lookahead}")
+        self.model = model
+        self.max_length = max_length
+        self.compile = compile
+        self.lookahead = lookahead
+        self.compile_options = compile_options
+        self._slots: dict[int, _Slot] = {}
+        self._current: TokenStream | None = None
+
+    def _slot(self, batch: int, device: torch.device) -> _Slot:
+        slot = self._slots.get(batch)
+        if slot is None:
+            compile_step = device.type == "cuda" if self.compile is None else self.compile
+            slot = self._slots[batch] = _Slot(self.model, self.max_length, compile_step, self.compile_options)
+        return slot
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+               eos_token_id: int | list[int] | None = FROM_MODEL,
+               pad_token_id: int | None = FROM_MODEL) -> TokenStream:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch, prompt length), greedily.
+
+        The prefill runs at once; the stream yields each step's tokens, a CPU ``int64`` tensor of
+        shape (batch,), as it is read. A sequence that produced an ``eos_token_id`` gets
+        ``pad_token_id`` from then on, and the stream ends once every sequence has, as
+        ``model.generate`` does; both default to the model's ``generation_config`` (the padding
+        to the first end-of-sequence id), and ``eos_token_id=None`` generates every token.
+        """
+        batch, _ = _check_prompt(input_ids, self.model, max_new_tokens, self.max_length)
+        eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
+        if self._current is not None:
+            self._current._end("a later stream of the same decoder took its cache")
+        slot = self._slot(batch, input_ids.device)
+        self._current = TokenStream(self, slot, input_ids, max_new_tokens, eos, pad)
+        return self._current
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                 eos_token_id: int | list[int] | None = FROM_MODEL,
+                 pad_token_id: int | None = FROM_MODEL) -> torch.Tensor:
+        """The prompt followed by the new tokens, (batch, length), on the prompt's device: what
+        ``model.generate(input_ids, do_sample=False, max_new_tokens=...)`` returns."""
+        return self.stream(input_ids, max_new_tokens, eos_token_id=eos_token_id,
+                           pad_token_id=pad_token_id).result()
+
+    def statistics(self) -> dict[int, Any]:
+        """Per batch size: the compiled step's counts (``streamdag.compile``'s statistics), where compiled."""
+        return {b: s.step.statistics() for b, s in self._slots.items() if s.step is not s.step_module}
+
+    def explain(self) -> str:
+        """Per batch size: how the step runs (its graphs, region plan and whole-call graph)."""
+        parts = []
+        for b, s in sorted(self._slots.items()):
+            how = (s.step.explain() if s.step is not s.step_module
+                   else "the step runs eagerly (not compiled; compile=True compiles it)")
+            parts.append(f"batch {b}:\n{how}")
+        return "\n\n".join(parts) or "nothing decoded yet"
+
+
+def _check_prompt(input_ids: Any, model: torch.nn.Module, max_new_tokens: int,
+                  max_length: int) -> tuple[int, int]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = (f"a {input_ids.dim()}-d {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        raise ValueError(f"input_ids must be a 2-d int64 tensor (batch, prompt length), got {got}")
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise ValueError("input_ids must hold at least one token per sequence, "
+                         f"got shape {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if length + max_new_tokens > max_length:
+        raise ValueError(f"a prompt of {length} tokens and {max_new_tokens} new ones need a cache of "
+                         f"{length + max_new_tokens} positions; the decoder has max_length={max_length}: "
+                         "make a decoder with a larger max_length")
+    weights = next(model.parameters(), None)
+    if weights is not None and weights.device != input_ids.device:
+        raise ValueError(f"input_ids are on {input_ids.device}, the model on {weights.device}: "
+                         "move them to the model's device")
+    return batch, length
+
+
+class TokenStream:
+    """The tokens of one prompt, step by step: iterate (``for``/``async for``) or take ``result()``.
+
+    Each item is the step's tokens, a CPU ``int64`` tensor of shape (batch,). On CUDA, the steps
+    run ``lookahead`` ahead of the reader (see the module docstring); on the CPU each runs when
+    its token is asked for.
+    """
+
+    def __init__(self, decoder: Decoder, slot: _Slot, input_ids: torch.Tensor, max_new_tokens: int,
+                 eos: list[int] | None, pad: int | None) -> None:
+        self.decoder = decoder
+        self.slot = slot
+        self.prompt = input_ids
+        self.max_new_tokens = max_new_tokens
+        self.pad = pad
+        self.eos = None if eos is None else torch.tensor(eos, device=input_ids.device)
+        self._host_eos = None if eos is None else torch.tensor(eos)
+        self.cuda = input_ids.device.type == "cuda"
+        batch = input_ids.shape[0]
+        self.host = torch.empty((max_new_tokens, batch), dtype=torch.long, pin_memory=self.cuda)
+        self.events: list[Any] = []
+        self.enqueued = 0  # steps whose tokens are queued for the host buffer
+        self.read = 0  # tokens handed to the reader
+        self.ended = ""  # why the stream ended early ('' while it runs)
+        self.done = False
+        self._host_finished = torch.zeros(batch, dtype=torch.bool)
+        with torch.inference_mode():
+            self._prefill()
+
+    # -- the device side ------------------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        self.slot.cache.reset()  # in place: the captured step reads the cache where it is
+        logits = self.decoder.model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
+                                    logits_to_keep=1).logits
+        tokens = logits[:, -1].argmax(-1, keepdim=True)
+        self._finished = torch.zeros_like(tokens, dtype=torch.bool) if self.eos is not None else None
+        self._emit(tokens)
+
+    def _emit(self, tokens: torch.Tensor) -> None:
+        """Record this step's tokens (after the end-of-sequence rule) and queue their copy to the host."""
+        if self._finished is not None:
+            tokens = torch.where(self._finished, torch.full_like(tokens, self.pad), tokens)
+            self._finished |= torch.isin(tokens, self.eos)
+        self.tokens = tokens
+        i = self.enqueued
+        self.host[i].copy_(tokens.view(-1), non_blocking=self.cuda)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events.append(event)
+        self.enqueued += 1
+
+    def _enqueue_to(self, target: int) -> None:
+        target = min(target, self.max_new_tokens)
+        if self.enqueued >= target:
+            return
+        with torch.inference_mode():
+            while self.enqueued < target:
+                self._emit(self.slot.step(self.tokens))
+
+    # -- the reader's side ----------------------------------------------------------------------------
+
+    def _end(self, why: str) -> None:
+        self.ended = why
+
+    def _token(self) -> torch.Tensor:
+        if self.ended:
+            raise RuntimeError(f"this token stream ended early: {_why(self.ended)}")
+        i = self.read
+        self._enqueue_to(i + 1 + (self.decoder.lookahead if self.cuda else 0))
+        if self.cuda:
+            self.events[i].synchronize()
+        return self._take(i)
+
+    def _take(self, i: int) -> torch.Tensor:
+        tok = self.host[i]
+        self.read = i + 1
+        if self._host_eos is not None:
+            self._host_finished |= torch.isin(tok, self._host_eos)
+            if bool(self._host_finished.all()):
+                self.done = True
+        if self.read == self.max_new_tokens:
+            self.done = True
+        return tok
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.done:
+            raise StopIteration
+        return self._token()
+
+    def __aiter__(self) -> AsyncIterator[torch.Tensor]:
+        return self
+
+    async def __anext__(self) -> torch.Tensor:
+        """The next token without blocking the event loop: the steps are queued from the loop's
+        thread (CUDA's current stream is per thread), and the wait polls the token's event."""
+        if self.done:
+            raise StopAsyncIteration
+        if self.ended:
+            raise RuntimeError(f"this token stream ended early: {_why(self.ended)}")
+        i = self.read
+        self._enqueue_to(i + 1 + (self.decoder.lookahead if self.cuda else 0))
+        if self.cuda:
+            while not self.events[i].query():
+                await asyncio.sleep(0)
+        return self._take(i)
+
+    def result(self) -> torch.Tensor:
+        """Read the remaining tokens; the prompt followed by every token, on the prompt's device."""
+        for _ in self:
+            pass
+        new = self.host[:self.read].T
+        return torch.cat([self.prompt, new.to(self.prompt.device)], dim=1)
+
+
+def _why(reason: str) -> str:
+    return f"{reason} (read a stream to its end, or keep one decoder per concurrent stream)"
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
+             eos_token_id: int | list[int] | None = FROM_MODEL, pad_token_id: int | None = FROM_MODEL,
+             **options: Any) -> torch.Tensor:
+    """Greedy generation in one call: a :class:`Decoder` sized for this prompt (see :meth:`Decoder.generate`).
+
+    Each call compiles the step anew: to decode several prompts, keep a decoder
+    (``streamdag.decoder(model, max_length=...)``), which reuses its graphs.
+    """
+    length = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0
+    _check_model(model)
+    _check_prompt(input_ids, model, max_new_tokens, length + max(max_new_tokens, 1))
+    decoder = Decoder(model, max_length=max(length + max_new_tokens, 2), **options)
+    return decoder.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -1,0 +1,170 @@
+"""The inner compiler ``compile_fx`` calls on each aten graph AOTAutograd makes (see
+:mod:`.inductor_backend`).
+
+For an inference graph it compiles Inductor's code for the whole graph and, where the
+region planner finds independent branches worth their events, the graph cut into regions
+(:mod:`.inductor_regions`), and returns a :class:`_Switch` that runs whichever is selected.
+A training graph (AOTAutograd's forward, and its backward when autograd first needs it)
+gets the same treatment through :mod:`.training`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from .regions import RegionPlan, plan_regions
+
+__all__ = ["MIN_GAIN", "Options", "inner_compile"]
+
+#: the least gain the region cost model must predict before a graph's regions are compiled: two
+#: and a half times the model's error on its calibration models (``regions.REGION_MODEL``), so
+#: that regions, and their compile time, go only where they are likely to pay
+MIN_GAIN = 0.15
+
+@dataclass
+class Options:
+    streams: int = 4
+    regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
+    min_gain: float = MIN_GAIN
+    candidates: tuple[str, ...] | None = None  # labels to keep, e.g. ("regions",) in tests
+    clone_outputs: bool = True
+    max_captures: int = 4
+    rounds: int = 10
+    tie: float = 0.02
+    memory_ratio: float = 1.1
+    whole_call: bool = True
+
+    def __post_init__(self) -> None:
+        if self.regions not in ("auto", "always", "never"):
+            raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
+        if self.streams < 1:
+            raise ValueError(f"streams must be at least 1, got {self.streams}")
+
+
+class _Switch:
+    """What AOTAutograd calls for an inference graph: Inductor's whole graph, or its regions."""
+
+    _boxed_call = True
+
+    def __init__(self, whole: Callable[[list[Any]], Any]) -> None:
+        self.whole = whole
+        self.program: Any = None  # a RegionProgram, where the graph was cut into regions
+        self.plan: RegionPlan | None = None
+        self.region_note = ""
+        self.streams = 0  # 0: the whole graph; else the regions on this many streams
+        self.mutated_inputs: list[int] = []
+        self.mutates_metadata = False
+        self.aliases_inputs = False
+        self.compile_s = 0.0
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.streams == 0:
+            return self.whole(args)
+        inputs = list(args)
+        args.clear()  # the boxed convention: the callee owns the inputs
+        return self.program.run(inputs, self.streams)
+
+
+def _pristine(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (meta shared): Inductor's passes rewrite the graph they compile in place."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _is_dynamic(example_inputs: Sequence[Any]) -> bool:
+    for e in example_inputs:
+        if isinstance(e, torch.SymInt):
+            return True
+        if isinstance(e, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in e.shape):
+            return True
+    return False
+
+
+def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: Options,
+                  switches: list[_Switch], trained: list[Any],
+                  on_double_backward: Callable[[str], None] | None = None, **kwargs: Any) -> Any:
+    """Inductor's inner compiler, plus the regions of the graph (see the module docstring)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    if kwargs.get("is_backward") or not kwargs.get("is_inference"):
+        from .training import compile_training
+
+        graph = compile_training(gm, example_inputs, options, kwargs, len(trained), on_double_backward)
+        trained.append(graph)
+        return graph
+    t0 = time.perf_counter()
+    pristine = None if options.regions == "never" or _is_dynamic(example_inputs) else _pristine(gm)
+    kwargs["cudagraphs"] = BoxedBool(False)  # the runner captures, with every candidate's streams
+    switch = _Switch(compile_fx_inner(gm, list(example_inputs), **kwargs))
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None:
+        switch.mutated_inputs = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        switch.mutates_metadata = any(info.mutates_metadata for info in meta.input_info)
+        switch.aliases_inputs = any(o.output_type.name in ("is_input", "alias_of_input")
+                                    for o in meta.output_info)
+    if pristine is not None:
+        _add_regions(switch, pristine, example_inputs, options, kwargs)
+    elif options.regions != "never":
+        switch.region_note = "symbolic shapes: the whole graph only"
+    switch.compile_s = time.perf_counter() - t0
+    switches.append(switch)
+    return switch
+
+
+def _add_regions(switch: Any, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 options: Options, kwargs: dict[str, Any], training: bool = False,
+                 output_strides: Sequence[Any] | None = None) -> None:
+    """Sets ``switch.plan``, ``switch.program`` (where the regions compile) and ``switch.region_note``.
+
+    ``training``: AOTAutograd's forward or backward (``kwargs["is_backward"]`` says which): its
+    regions are compiled as such, every graph output gets the strides in ``output_strides``
+    (the whole graph's: the backward was compiled for the saved activations' strides), and the
+    program drops each input after its last reader, as Inductor's whole graph frees its inputs.
+    """
+    from .inductor_regions import RegionProgram, compile_regions
+
+    if options.streams < 2:
+        switch.region_note = "one stream asked for"
+        return
+    on_cpu = all(e.device.type == "cpu" for e in example_inputs if isinstance(e, torch.Tensor))
+    if on_cpu and options.regions == "auto" and options.candidates is None:
+        switch.region_note = "on the CPU the whole graph runs: regions pay on streams"
+        return
+    try:
+        plan = plan_regions(gm, options.streams)
+    except Exception as exc:  # a planner's bug must not cost the graph Inductor's whole-graph code
+        switch.region_note = f"no region plan ({type(exc).__name__}: {exc})"
+        return
+    switch.plan = plan
+    if plan.streams < 2:
+        switch.region_note = "no independent branches worth a stream"
+        return
+    if options.regions == "auto" and plan.gain < options.min_gain:
+        switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {options.min_gain:.0%}"
+        return
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        region_kwargs = {k: v for k, v in kwargs.items() if k not in ("static_input_idxs", "graph_id")}
+        # one layout decision for the whole graph: a region deciding alone could convert to
+        # channels-last and back at each of its boundaries
+        region_kwargs["layout_opt"] = GraphLowering.decide_layout_opt(gm, is_inference=not training)
+        if training:
+            region_kwargs.update(is_inference=False, is_backward=bool(kwargs.get("is_backward")))
+        compiled = compile_regions(gm, example_inputs, plan, kwargs.get("static_input_idxs", ()),
+                                   region_kwargs, output_strides=output_strides)
+    except Exception as exc:  # the whole graph still runs: say why the regions do not
+        switch.region_note = f"regions not compiled ({type(exc).__name__}: {exc})"
+        return
+    switch.program = RegionProgram(gm, plan, compiled, owns_inputs=training, output_strides=output_strides)

@@ -1,0 +1,310 @@
+"""Training graphs: AOTAutograd's forward and backward, each compiled by Inductor and cut into regions.
+
+With gradients on, AOTAutograd splits each graph Dynamo captures into a forward
+(which returns the outputs and the activations saved for the backward) and a
+backward (which takes those activations and the outputs' gradients), and calls
+the inner compiler on each: the forward at once, the backward at the first
+``loss.backward()`` that reaches it. Each becomes a :class:`TrainingGraph`:
+
+* Inductor's code for the whole graph, one stream, as ``torch.compile`` runs it;
+* where the region planner finds independent branches (a backward's weight and
+  input gradients, a forward's parallel convolutions), the graph cut into regions,
+  each compiled by Inductor, run on several streams on CUDA
+  (:class:`~.inductor_regions.RegionProgram`).
+
+Activations pass from the forward to the backward as AOTAutograd passes them:
+the forward's outputs are the tensors its code made, not copies. Every output
+of a forward's regions gets the strides Inductor's whole graph gave it, since
+the backward is compiled (once) for the saved activations' strides, so either
+forward candidate feeds either backward candidate.
+
+**Choosing.** At a graph's first call on one CUDA device, each candidate runs
+``rounds`` times, interleaved, timed by CUDA events on the caller's stream, and
+``candidates.pick`` keeps the fastest: the one-stream Inductor graph is always a
+candidate, a candidate on more streams must beat the best on fewer by more than
+``tie``, and one whose peak memory exceeds ``memory_ratio`` times the one-stream
+peak (the graph's inputs counted with each) is not kept. The timing runs repeat
+the graph: inputs it writes in place (batch norm's running statistics) are put
+back after each run, and the random number generators' states after the last,
+so the call that follows computes what a call without the timing would. Peaks are
+read with ``torch.cuda.reset_peak_memory_stats``: the first call of a training
+graph on CUDA resets the device's peak memory statistics. Nothing is captured
+into a CUDA graph: a captured forward's outputs would live in the graph's pool
+and be overwritten by the next replay while a backward still needs them. Off a
+single CUDA device the whole graph runs (or the regions, where ``candidates``
+keeps only them, as tests do).
+
+**Memory.** A region program frees what it made after its last reader, and, as
+Inductor's whole graph does with the inputs AOTAutograd hands it, drops each
+input (a saved activation) after its last reader, so no activation lives longer
+than one-stream order would keep it. A value dropped by a stream other than the
+one that read it is marked with ``record_stream`` for each reading stream: the
+caching allocator gives its memory back only once those streams' queued work
+is done, which bounds the extra lifetime by the overlap the streams add, and the
+memory rule above rejects a candidate whose overlap costs more than
+``memory_ratio``.
+
+**Random numbers.** A graph with random operators (dropout) is not cut into
+regions: Inductor draws one seed per graph call and derives every random
+operator's numbers from it, so regions, each a graph of its own, would draw
+different numbers than the whole graph. With the whole graph the numbers are
+``torch.compile``'s for the same seed (they differ from eager's, as Inductor's
+random kernels differ from eager's).
+
+**Double backward.** AOTAutograd's compiled backward is not differentiable: a
+backward with ``create_graph=True`` through it gives correct first gradients,
+but a second backward through them raises. Such a backward warns
+(:class:`~streamdag.errors.StreamdagWarning`) and makes ``streamdag.compile``'s
+model run eagerly, with gradients on, from its next call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from .._diagnostics import warn
+from .candidates import Candidate, pick
+
+__all__ = ["TrainingGraph", "compile_training"]
+
+
+class TrainingGraph:
+    """What AOTAutograd calls for a training forward or backward (see the module docstring)."""
+
+    def __init__(self, kind: str, index: int, whole: Callable[[list[Any]], Any], options: Any,
+                 written: list[int], on_double_backward: Callable[[str], None] | None) -> None:
+        # an attribute of the instance: Dynamo's ``disable`` wraps the backward, keeping the
+        # instance's attributes (which AOTAutograd reads to call it boxed), not its class's
+        self._boxed_call = True
+        self.kind = kind  # "forward" or "backward"
+        self.index = index
+        self.whole = whole
+        self.options = options
+        self.written = written  # inputs the graph writes in place: put back after each timing run
+        self.on_double_backward = on_double_backward
+        self.program: Any = None  # a RegionProgram, where the graph was cut into regions
+        self.plan: Any = None
+        self.region_note = ""
+        self.compile_s = 0.0
+        self.candidates: list[Candidate] = []
+        self.chosen: Candidate | None = None
+        self.note = ""
+        self.calls = 0
+        self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
+        self._lock = threading.Lock()
+
+    def __call__(self, args: list[Any]) -> Any:
+        self.calls += 1
+        if self.kind == "backward" and _in_double_backward():
+            self._double_backward()
+        streams = self._streams
+        if streams is None:
+            with self._lock:
+                if self._streams is None:
+                    self._streams = self._choose(args)
+                streams = self._streams
+        return self._run(args, streams)
+
+    def _run(self, args: list[Any], streams: int) -> Any:
+        if streams == 0:
+            return self.whole(args)
+        inputs = list(args)
+        args.clear()  # the boxed convention: the callee owns the inputs and frees them after use
+        return self.program.run(inputs, streams)
+
+    def _double_backward(self) -> None:
+        message = ("a backward with create_graph=True ran through a compiled training graph: its "
+                   "gradients are right, but a second backward through them raises, as AOTAutograd's "
+                   "compiled backward is not differentiable. streamdag.compile's model runs eagerly "
+                   "with gradients on from its next call; with torch.compile, wrap the code that needs "
+                   "double backward in torch._dynamo.disable")
+        if self.on_double_backward is not None:
+            self.on_double_backward(message)
+
+    # -- choosing ---------------------------------------------------------------------------------
+
+    def _candidates(self) -> list[Candidate]:
+        def use(streams: int) -> Callable[[list[Any]], Any]:
+            return lambda args: self._run(args, streams)
+
+        cands = [Candidate("inductor", 1, use(0))]
+        wanted = self.options.candidates
+        if self.program is not None:
+            top = min(self.options.streams, self.program.plan.streams)
+            cands += [Candidate(f"regions x{k}", k, use(k)) for k in range(2, top + 1)]
+            if wanted is not None and "regions" in wanted:
+                cands.append(Candidate("regions x1", 1, use(1)))
+        if wanted is not None:
+            kept = [c for c in cands if c.label.split(" ")[0] in wanted]
+            if not kept:
+                self.note = f"no candidate of {wanted!r} for this graph ({self.region_note}): Inductor's runs"
+            cands = kept or cands[:1]
+        return cands
+
+    def _choose(self, args: list[Any]) -> int:
+        cands = self._candidates()
+        self.candidates = cands
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if len(cands) == 1 or len(devices) != 1 or next(iter(devices)).type != "cuda":
+            best = next((c for c in cands if c.label == "inductor"), cands[0])
+            if len(cands) > 1:
+                self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
+        else:
+            best = cands[_time(cands, args, next(iter(devices)), self.written, self.options)]
+        self.chosen = best
+        return 0 if best.label == "inductor" else best.streams
+
+    def explain(self) -> str:
+        lines = [f"  {self.kind} (training) {self.index}: compiled in {self.compile_s:.2f} s"]
+        if self.plan is not None:
+            lines.append(f"    plan: {self.plan}")
+        if self.region_note:
+            lines.append(f"    regions: {self.region_note}")
+        for c in self.candidates:
+            timing = "" if c.ms is None else f" {c.ms:.4f} ms"
+            memory = "" if c.peak_mib is None else f", peak {c.peak_mib:.1f} MiB"
+            extra = "".join(f" ({n})" for n in c.notes)
+            mark = " <- chosen" if c is self.chosen else ""
+            lines.append(f"    candidate {c.label} on {c.streams} stream(s):{timing}{memory}{extra}{mark}")
+        if self.note:
+            lines.append(f"    {self.note}")
+        if self._streams is None:
+            lines.append("    not called yet")
+        return "\n".join(lines)
+
+
+def _time(cands: list[Candidate], args: list[Any], device: torch.device, written: Sequence[int],
+          options: Any) -> int:
+    """Each candidate run ``options.rounds`` times, interleaved; the index :func:`pick` keeps."""
+    from .inductor_backend import _held_mib
+
+    saved = [args[i].clone() for i in written]
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
+
+    def run(c: Candidate) -> None:
+        c.run(list(args))  # the outputs (activations, gradients) are dropped at once
+        for i, t in zip(written, saved):
+            args[i].copy_(t)
+
+    torch.cuda.synchronize(device)
+    for c in cands:  # one untimed run each (first-launch costs), which also gives its peak memory
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run(c)
+        c.peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in cands]
+    for r in range(options.rounds):
+        k = r % len(cands)
+        for i in list(range(k, len(cands))) + list(range(k)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            cands[i].run(list(args))
+            end.record()
+            for j, t in zip(written, saved):
+                args[j].copy_(t)
+            times[i].append((start, end))
+    torch.cuda.synchronize(device)
+    torch.set_rng_state(rng[0])
+    torch.cuda.set_rng_state(rng[1], device)
+    for c, ts in zip(cands, times):
+        c.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
+    return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args))
+
+
+def _in_double_backward() -> bool:
+    """Whether AOTAutograd calls this backward for a ``create_graph=True`` backward: it then runs it
+    inside the forward of its non-differentiable ``CompiledFunctionBackward``."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if getattr(code, "co_qualname", code.co_name).endswith("CompiledFunctionBackward.forward"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The placeholders an operator of ``gm`` writes in place (their schema marks the write)."""
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        values = list(zip(positional, node.args))
+        values += [(a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs]
+        for arg, value in values:
+            if arg.alias_info is not None and arg.alias_info.is_write and value in placeholders:
+                written.add(placeholders[value])
+    return sorted(written)
+
+
+def _has_random(gm: torch.fx.GraphModule) -> bool:
+    """Whether an operator of ``gm`` draws random numbers: one tagged as seeded, unless its
+    ``dropout_p`` is 0 (attention kernels are tagged for their dropout)."""
+    return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) and _dropout_p(n) != 0
+               for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _dropout_p(node: torch.fx.Node) -> Any:
+    """The node's ``dropout_p`` argument (None where its operator has none)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                return node.kwargs[arg.name]
+            return node.args[i] if i < len(node.args) and not arg.kwarg_only else arg.default_value
+    return None
+
+
+def compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any,
+                     kwargs: dict[str, Any], index: int,
+                     on_double_backward: Callable[[str], None] | None = None) -> TrainingGraph:
+    """Inductor's code for a training forward or backward, and its regions (see the module docstring)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from .inner_compile import _add_regions, _is_dynamic, _pristine
+
+    t0 = time.perf_counter()
+    kind = "backward" if kwargs.get("is_backward") else "forward"
+    dynamic = _is_dynamic(example_inputs)
+    pristine = None if options.regions == "never" or dynamic else _pristine(gm)
+    # the strides of the whole graph's outputs, reported to AOTAutograd as Inductor reports them
+    # (the backward is compiled for the saved activations' strides), kept for the regions
+    with TracingContext.report_output_strides() as strides:
+        whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
+    ctx = TracingContext.try_get()
+    if strides is not None and ctx is not None and ctx.output_strides is not None:
+        ctx.output_strides.extend(strides)
+    graph = TrainingGraph(kind, index, whole, options, [] if pristine is None else _written_inputs(pristine),
+                          on_double_backward)
+    if pristine is None:
+        graph.region_note = "symbolic shapes: the whole graph only" if dynamic else ""
+    elif _has_random(pristine):
+        graph.region_note = ("random operators: the whole graph only (regions would draw other random "
+                             "numbers than Inductor's whole graph)")
+    else:
+        _add_regions(graph, pristine, example_inputs, options, kwargs, training=True,
+                     output_strides=strides)
+    graph.compile_s = time.perf_counter() - t0
+    return graph
+
+
+def warn_once(seen: set[str], key: str, message: str) -> None:
+    """One :class:`StreamdagWarning` per ``key`` for a backend, pointing at the user's code."""
+    if key in seen:
+        return
+    seen.add(key)
+    warn(f"streamdag: {message}")

@@ -1,0 +1,427 @@
+"""Training through the compile path: AOTAutograd's forward and backward, compiled, on regions.
+
+The end-to-end tests compile with Inductor's CPU code generator and are marked
+``slow``; each compiles one model (a forward and a backward), with regions forced
+where the test is about them (on the CPU regions are not compiled by default).
+The ``cuda`` tests need a GPU.
+"""
+
+import copy
+import gc
+import warnings
+import weakref
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from streamdag.errors import StreamdagWarning  # noqa: E402
+from streamdag.frontend.inductor_regions import CompiledRegion, RegionProgram, region_graph  # noqa: E402
+from streamdag.frontend.regions import plan_regions  # noqa: E402
+from streamdag.frontend.training import _has_random, _written_inputs  # noqa: E402
+
+REGIONS = {"regions": "always", "candidates": ["regions"]}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class BranchyNet(torch.nn.Module):
+    """Two convolution branches of one input, batch norm on their join, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.b = torch.nn.Conv2d(3, 8, 1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)
+        return self.fc(torch.relu(self.bn(y)).mean((2, 3)))
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: attention (its q, k, v projections are independent) and an MLP."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        # no key bias: its gradient is zero in exact arithmetic (softmax ignores a shift shared by
+        # every key), so Adam would turn rounding noise into full-size updates
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=(i != 1)) for i in range(3))
+        self.o = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
+        # (dropout at 0 still draws random numbers, which keeps a graph whole: leave it out)
+        self.drop = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, -1)
+        x = x + self.drop(self.o((att @ v).transpose(1, 2).reshape(b, t, d)))
+        return x + self.mlp(self.ln2(x))
+
+
+def train_steps(model, step_model, batches, make_opt, accumulate=1):
+    """``len(batches)`` micro-batches, an optimizer step every ``accumulate``; the losses."""
+    opt = make_opt(model.parameters())
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.mse_loss(step_model(x), y) / accumulate
+        loss.backward()
+        losses.append(loss.detach())
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def assert_same_state(model, ref, rtol=1e-4, atol=1e-5):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def explained_chosen(fast) -> list[str]:
+    """The chosen candidate's line of each training graph's explanation."""
+    return [line.strip() for line in fast.explain().splitlines() if "<- chosen" in line]
+
+
+# -- the pieces, without Inductor -----------------------------------------------------------------
+
+
+def test_a_program_that_owns_its_inputs_drops_each_after_its_last_reader():
+    """A backward's saved activations are its inputs: kept to the end, they would outlive their
+    last use, which Inductor's whole graph does not let them."""
+    def fn(x, y, w):
+        a = (x @ w).relu()  # x's last reader
+        b = (y @ w).tanh()
+        return (a @ w).sum() + (b @ w).sum()
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 16, generator=g) for _ in range(3)]
+    gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    plan = plan_regions(gm, 2, min_stream_share=0.0)
+    assert len(plan.regions) >= 2
+    alive_at = []
+    refs: list[weakref.ref] = []
+
+    def region_fn(sub):
+        def run(inputs):
+            gc.collect()
+            alive_at.append(refs[0]() is not None)  # is x alive as this region starts?
+            out = sub(*inputs)
+            inputs.clear()
+            return out
+        return run
+
+    compiled = [CompiledRegion(r, region_fn(region_graph(gm, r, [n.meta["val"] for n in r.inputs])))
+                for r in plan.regions]
+    program = RegionProgram(gm, plan, compiled, owns_inputs=True)
+    x = args[0].clone()
+    refs.append(weakref.ref(x))
+    inputs = [x, args[1], args[2]]
+    del x
+    out = program.run(inputs, 1)
+    assert inputs == []  # the boxed convention: the program took the inputs
+    torch.testing.assert_close(out[0], fn(*args))
+    readers_of_x = max(i for i, c in enumerate(compiled) if gm.graph.find_nodes(op="placeholder")[0]
+                       in c.region.inputs)
+    assert readers_of_x < len(compiled) - 1, "the plan should read x before its last region"
+    assert alive_at[readers_of_x] and not alive_at[-1]
+
+
+def test_a_program_of_the_callers_inputs_keeps_them():
+    def fn(x, w):
+        return (x @ w).relu() + (x @ w.t()).tanh()
+
+    args = [torch.randn(8, 8), torch.randn(8, 8)]
+    gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    plan = plan_regions(gm, 2, min_stream_share=0.0)
+    subs = [region_graph(gm, r, [n.meta["val"] for n in r.inputs]) for r in plan.regions]
+    compiled = [CompiledRegion(r, lambda a, s=sub: s(*a)) for r, sub in zip(plan.regions, subs)]
+    inputs = list(args)
+    RegionProgram(gm, plan, compiled).run(inputs, 1)
+    assert inputs == args
+
+
+def test_written_inputs_are_the_placeholders_an_operator_writes_in_place():
+    def fn(x, running, w):
+        running.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x @ w
+
+    gm = make_fx(fn)(torch.randn(4, 4), torch.zeros(4), torch.randn(4, 4))
+    assert _written_inputs(gm) == [1]
+
+
+def test_graphs_with_random_operators_are_found():
+    gm = make_fx(lambda x: torch.nn.functional.dropout(x, 0.5) + x)(torch.randn(4))
+    assert _has_random(gm)
+    assert not _has_random(make_fx(lambda x: x.relu() + x)(torch.randn(4)))
+
+
+def test_attention_draws_random_numbers_only_with_dropout():
+    """Attention kernels are tagged as seeded for their dropout: at 0 they draw nothing."""
+    def attention_graph(dropout_p):
+        graph = torch.fx.Graph()
+        q = graph.placeholder("q")
+        graph.output(graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                          (q, q, q), {"dropout_p": dropout_p}))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    assert not _has_random(attention_graph(0.0))
+    assert _has_random(attention_graph(0.1))
+
+
+def test_the_cost_model_counts_a_convolutions_backward_as_its_gradients_forward_convolutions():
+    """A backward's convolutions are its heavy operators: the planner must not take them for
+    free pointwise work."""
+    from streamdag.frontend.regions import _flops
+
+    x, w = torch.randn(2, 4, 8, 8, requires_grad=True), torch.randn(6, 4, 3, 3, requires_grad=True)
+
+    def fwd_bwd(x, w):
+        out = torch.nn.functional.conv2d(x, w, padding=1)
+        return torch.autograd.grad(out.sum(), (x, w))
+
+    gm = make_fx(fwd_bwd, tracing_mode="fake", _allow_non_fake_inputs=True)(x, w)
+    names = {n: getattr(n.target, "__name__", "") for n in gm.graph.nodes}
+    (bwd,) = [n for n, name in names.items() if name.startswith("convolution_backward")]
+    (fwd,) = [n for n, name in names.items() if name.startswith("convolution.")]
+    assert _flops(bwd) == pytest.approx(2 * _flops(fwd))
+
+
+# -- end to end, with Inductor's CPU code generator ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_branchy_conv_net_with_batch_norm_trains_on_regions_as_eager_does():
+    """Forward and backward both cut into regions; SGD with momentum (foreach), gradient
+    accumulation over two micro-batches, batch norm's running statistics: as eager, step by step."""
+    torch.manual_seed(0)
+    ref = BranchyNet()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, **REGIONS)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(6)]
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+
+    losses = train_steps(model, fast, batches, sgd, accumulate=2)
+    ref_losses = train_steps(ref, ref, batches, sgd, accumulate=2)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    assert_same_state(model, ref)
+    chosen = explained_chosen(fast)
+    assert any(c.startswith("candidate regions") for c in chosen), fast.explain()
+    assert "backward (training)" in fast.explain()
+    assert fast.statistics().eager_calls == 0
+
+
+@pytest.mark.slow
+def test_a_transformer_block_trains_on_regions_with_adam_as_eager_does():
+    torch.manual_seed(0)
+    ref = Block()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, **REGIONS)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g)) for _ in range(3)]
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=1e-2, foreach=True)
+
+    losses = train_steps(model, fast, batches, adam)
+    ref_losses = train_steps(ref, ref, batches, adam)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    text = fast.explain()
+    assert "forward (training)" in text and "backward (training)" in text
+    assert sum(c.startswith("candidate regions") for c in explained_chosen(fast)) == 2, text
+
+
+@pytest.mark.slow
+def test_dropout_draws_the_numbers_torch_compile_draws_for_the_same_seed():
+    """Inductor's random kernels are not eager's, so the reference is ``torch.compile``: with the
+    same seed, the same masks, so the same outputs and gradients."""
+    torch.manual_seed(0)
+    ref = Block(dropout=0.3)
+    model = copy.deepcopy(ref)
+    fast = torch.compile(model, backend="streamdag")
+    default = torch.compile(ref)
+    x = torch.randn(2, 8, 32)
+    for _ in range(2):
+        torch.manual_seed(3)
+        out = fast(x)
+        out.square().sum().backward()
+        torch.manual_seed(3)
+        ref_out = default(x)
+        ref_out.square().sum().backward()
+        torch.testing.assert_close(out, ref_out)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.slow
+def test_autocast_bf16_on_the_cpu_trains_as_eager_autocast_does():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model)
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    for f in (fast, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = f(x)
+        assert out.dtype == torch.bfloat16
+        torch.nn.functional.mse_loss(out.float(), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_double_backward_warns_then_runs_eagerly_with_eagers_gradients():
+    """The compiled backward is not differentiable: the first create_graph backward warns (its
+    first-order gradients are right, a second backward through them raises torch's error), and
+    from the next call the model runs eagerly, so double backward is right."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def penalty(f):
+        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        return gx
+
+    with pytest.warns(StreamdagWarning, match="create_graph=True"):
+        gx = penalty(fast)
+    torch.testing.assert_close(gx, penalty(ref))
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.square().sum().backward()
+    model.zero_grad()
+    penalty(fast).square().sum().backward()
+    penalty(ref).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert fast.statistics().eager_calls >= 1
+    assert "create_graph=True" in fast.explain()
+
+
+@pytest.mark.slow
+def test_module_backward_hooks_fire_as_in_eager():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    seen: dict[str, list[torch.Tensor]] = {"eager": [], "compiled": []}
+    ref[2].register_full_backward_hook(lambda m, gi, go: seen["eager"].append(go[0].clone()))
+    model[2].register_full_backward_hook(lambda m, gi, go: seen["compiled"].append(go[0].clone()))
+    fast = sd.compile(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note on full backward hooks' inputs
+        for f in (fast, ref):
+            f(x).square().sum().backward()
+    assert len(seen["compiled"]) == len(seen["eager"]) == 1
+    torch.testing.assert_close(seen["compiled"][0], seen["eager"][0])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_backward_runs_its_regions_on_streams_with_eagers_gradients():
+    torch.manual_seed(0)
+    ref = BranchyNet().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, **REGIONS)
+    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randn(8, 4, device="cuda")
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+
+    train_steps(model, fast, [(x, y)] * 3, sgd)
+    train_steps(ref, ref, [(x, y)] * 3, sgd)
+    torch.cuda.synchronize()
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    assert any(c.startswith("candidate regions x2") for c in explained_chosen(fast)), fast.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_timing_the_candidates_leaves_batch_norm_and_the_generator_as_one_call_would():
+    """The first call times each candidate by running it: the running statistics it updates and the
+    random generators' states are put back, so one step equals eager's (and draws what it would)."""
+    torch.manual_seed(0)
+    ref = BranchyNet().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, regions="always")
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    torch.cuda.manual_seed(5)
+    fast(x).sum().backward()
+    after = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(5)
+    ref(x).sum().backward()
+    assert torch.equal(after, torch.cuda.get_rng_state())
+    assert_same_state(model, ref, rtol=1e-3, atol=1e-4)
+    text = fast.explain()
+    assert "candidate inductor on 1 stream(s)" in text  # the one-stream graph is always a candidate
+    assert text.count(" ms") >= 2  # timed
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_step_on_regions_peaks_within_the_memory_rule_of_one_stream():
+    """Regions free what they made and the saved activations after their last readers: a step on
+    them holds no more than the rule lets a candidate hold over Inductor's one-stream graph."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(BranchyNet(), torch.nn.Linear(4, 4)).cuda()
+    x = torch.randn(64, 3, 64, 64, device="cuda")
+    peaks = {}
+    for label in ("inductor", "regions"):
+        model = copy.deepcopy(ref)
+        fast = sd.compile(model, regions="always", candidates=[label])
+        for _ in range(2):
+            fast(x).sum().backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=False)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fast(x).sum().backward()
+        torch.cuda.synchronize()
+        peaks[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        if label == "regions":
+            assert sum(c.startswith("candidate regions") for c in explained_chosen(fast)) == 2
+    assert peaks["regions"] <= 1.1 * peaks["inductor"] + 8, peaks
+
+
+@pytest.mark.cuda
+def test_on_cuda_training_captures_nothing_and_inference_still_captures_the_whole_call():
+    """Training graphs run uncaptured (a replay would overwrite activations a backward needs);
+    the same model in inference captures its whole call as before."""
+    torch.manual_seed(0)
+    model = BranchyNet().cuda()
+    fast = sd.compile(model)
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    for _ in range(3):
+        fast(x).sum().backward()
+    assert fast.statistics().captures == 0
+    model.eval()
+    with torch.inference_mode():
+        for _ in range(3):
+            out = fast(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-3, atol=1e-3)
+    assert fast.statistics().whole_captures >= 1

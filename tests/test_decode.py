@@ -1,0 +1,257 @@
+"""Greedy decoding with a static KV cache (streamdag.decoder / streamdag.generate): the tokens are
+Hugging Face's own greedy ``generate``'s, the prefill and every step reuse one cache, and on a GPU
+every step after the first few replays one captured graph."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import types
+
+import pytest
+import torch
+
+import streamdag as sd
+
+tf = pytest.importorskip("transformers")
+
+EVERY = {"eos_token_id": None}  # every token asked for: no end of sequence (the counts below need them all)
+
+
+def _llama(hidden: int = 64, layers: int = 2, vocab: int = 128, seed: int = 0,
+           dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024)
+    return tf.LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+
+
+def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int, **kwargs) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tokens_equal_hugging_face_generate(batch):
+    model = _llama()
+    ids = torch.randint(0, 128, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    dec = sd.decoder(model, max_length=48)
+    assert torch.equal(dec.generate(ids, 16), _hf_greedy(model, ids, 16))
+
+
+def test_a_decoder_decodes_prompt_after_prompt_with_one_cache():
+    model = _llama()
+    dec = sd.decoder(model, max_length=40)
+    gen = torch.Generator().manual_seed(1)
+    for length in (5, 11, 3):  # prompts of other lengths reuse the cache from position 0
+        ids = torch.randint(0, 128, (2, length), generator=gen)
+        assert torch.equal(dec.generate(ids, 10), _hf_greedy(model, ids, 10))
+    assert len(dec._slots) == 1
+
+
+def test_stream_yields_each_steps_tokens_as_batch_vectors_sync_and_async():
+    model = _llama()
+    ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    ref = _hf_greedy(model, ids, 8)[:, 6:]
+    dec = sd.decoder(model, max_length=32)
+    toks = list(dec.stream(ids, 8))
+    assert len(toks) == 8 and all(t.shape == (3,) and t.dtype == torch.long and t.device.type == "cpu"
+                                  for t in toks)
+    assert torch.equal(torch.stack(toks, 1), ref)
+
+    async def read() -> list[torch.Tensor]:
+        return [t async for t in dec.stream(ids, 8)]
+    assert torch.equal(torch.stack(asyncio.run(read()), 1), ref)
+
+
+def _eos_at_step_3(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """A token that sequence 0 makes at its fourth step and not before (it finishes there)."""
+    free = _hf_greedy(model, ids, 12, eos_token_id=None)[0, ids.shape[1]:]
+    assert int(free[3]) not in free[:3].tolist(), "pick another seed: the token comes earlier too"
+    return int(free[3])
+
+
+def test_end_of_sequence_pads_finished_sequences_and_stops_as_generate_does():
+    model = _llama()
+    ids = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    eos = _eos_at_step_3(model, ids)
+    ref = _hf_greedy(model, ids, 12, eos_token_id=[eos, 127], pad_token_id=7)
+    out = sd.decoder(model, max_length=32).generate(ids, 12, eos_token_id=[eos, 127], pad_token_id=7)
+    assert torch.equal(out, ref)
+    assert (out[0, 5 + 4:] == 7).all()
+
+
+def test_the_models_generation_config_gives_the_default_end_of_sequence_and_none_turns_it_off():
+    model = _llama()
+    ids = torch.randint(0, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    eos = _eos_at_step_3(model, ids)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, None
+    dec = sd.decoder(model, max_length=32)
+    out = dec.generate(ids, 12)
+    assert torch.equal(out, _hf_greedy(model, ids, 12))
+    assert (out[0, 5 + 3:] == eos).all()  # no padding id: the end-of-sequence id pads
+    full = dec.generate(ids, 12, eos_token_id=None)
+    assert full.shape == (4, 5 + 12) and torch.equal(full, _hf_greedy(model, ids, 12, eos_token_id=None))
+
+
+def test_generate_in_one_call_equals_hugging_face():
+    model = _llama(seed=4)
+    ids = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(sd.generate(model, ids, 6), _hf_greedy(model, ids, 6))
+
+
+def test_a_new_stream_ends_the_unread_one_with_a_clear_error():
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(5))
+    dec = sd.decoder(model, max_length=32)
+    first = dec.stream(ids, 8)
+    next(first)
+    dec.stream(ids, 8)
+    with pytest.raises(RuntimeError, match="later stream of the same decoder took its cache"):
+        next(first)
+
+
+def test_bad_arguments_are_refused_with_the_fix_named():
+    model = _llama()
+    dec = sd.decoder(model, max_length=16)
+    ids = torch.zeros((1, 10), dtype=torch.long)
+    with pytest.raises(ValueError, match="larger max_length"):
+        dec.generate(ids, 8)
+    with pytest.raises(ValueError, match="2-d int64"):
+        dec.generate(ids.float(), 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        dec.generate(ids, 0)
+    with pytest.raises(TypeError, match="Hugging Face causal language model"):
+        sd.decoder(torch.nn.Linear(2, 2), max_length=8)
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        sd.decoder(_llama().train(), max_length=8)
+
+
+def test_a_model_with_sliding_window_layers_is_refused_by_name():
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = tf.MistralForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+        sd.decoder(model, max_length=32).generate(torch.zeros((1, 4), dtype=torch.long), 2)
+
+
+@pytest.mark.slow
+def test_compiled_step_on_the_cpu_gives_the_same_tokens():
+    model = _llama()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    dec = sd.decoder(model, max_length=32, compile=True)
+    assert torch.equal(dec.generate(ids, 10), _hf_greedy(model, ids, 10))
+    assert torch.equal(dec.generate(ids[:, :4], 10), _hf_greedy(model, ids[:, :4], 10))
+    stats = dec.statistics()[2]
+    assert stats.graphs == 1  # positions are data: no recompile as the sequence grows
+
+
+class _CacheKeepingDevice:
+    """A whole-call graph's CUDA calls on the CPU: a capture runs the step but leaves the cache as it
+    was (a capture runs nothing), and a replay runs the step eagerly into the captured outputs."""
+
+    def __init__(self, slot_of):
+        self.slot_of, self.device, self.replays = slot_of, torch.device("cpu"), 0
+
+    def caller(self):
+        return None
+
+    def on_capture_stream(self):
+        return contextlib.nullcontext()
+
+    def join(self, caller, outputs):
+        pass
+
+    def capture(self, fn, args, kwargs):
+        slot = self.slot_of()
+        state = [t for x in slot.cache.layers for t in (x.keys, x.values, x.cumulative_length)]
+        saved = [t.clone() for t in state]
+        out = fn(*args, **kwargs)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+
+        def replay():
+            self.replays += 1
+            out.copy_(slot.step_module(*args, **kwargs))
+        return types.SimpleNamespace(replay=replay), out
+
+    def order(self):
+        pass
+
+
+@pytest.mark.slow
+def test_through_the_whole_call_path_every_step_after_the_second_replays_and_tokens_hold(monkeypatch):
+    from streamdag.frontend import inductor_backend
+    from streamdag.frontend import whole_call as wc
+
+    pick = inductor_backend.GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(inductor_backend.GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    monkeypatch.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
+    model = _llama(seed=9)
+    dec = sd.decoder(model, max_length=48, compile=True)
+    dev = _CacheKeepingDevice(lambda: dec._slots[2])
+    monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
+    gen = torch.Generator().manual_seed(9)
+    for length in (7, 12):
+        ids = torch.randint(0, 128, (2, length), generator=gen)
+        assert torch.equal(dec.generate(ids, 14, **EVERY), _hf_greedy(model, ids, 14, **EVERY))
+    stats = dec.statistics()[2]
+    assert stats.graphs == 1 and stats.whole_captures == 1
+    assert stats.whole_replays == dev.replays == 2 * 13 - 2, dec.explain()
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_every_step_replays_one_whole_call_graph_and_tokens_equal_generate(batch):
+    model = _llama(hidden=256, layers=4, vocab=2048, device="cuda")
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, 2048, (batch, 64), generator=gen).cuda()
+    new = 48
+    dec = sd.decoder(model, max_length=160)
+    assert torch.equal(dec.generate(ids, new, **EVERY), _hf_greedy(model, ids, new, **EVERY))
+    stats = dec.statistics()[batch]
+    assert stats.graphs == 1  # one compile: the position is data
+    assert stats.whole_captures == 1 and stats.recaptures == 0
+    # the first step compiles, the second is captured after its warm-up, every later one replays
+    assert stats.whole_replays == new - 1 - 2
+    ids2 = torch.randint(0, 2048, (batch, 30), generator=gen).cuda()
+    assert torch.equal(dec.generate(ids2, new, **EVERY), _hf_greedy(model, ids2, new, **EVERY))
+    stats = dec.statistics()[batch]
+    assert stats.whole_captures == 1 and stats.graphs == 1
+    assert stats.whole_replays == 2 * (new - 1) - 2
+
+
+@pytest.mark.cuda
+def test_cuda_steps_are_queued_ahead_of_the_token_being_read():
+    model = _llama(hidden=256, layers=4, vocab=2048, device="cuda")
+    ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
+    dec = sd.decoder(model, max_length=64, lookahead=3)
+    dec.generate(ids, 8)  # compile and capture first
+    stream = dec.stream(ids, 20, eos_token_id=None)  # every token, whatever it is
+    first = next(stream)
+    assert stream.enqueued == 1 + 3 and stream.read == 1
+    assert stream.host.is_pinned() and first.shape == (1,)
+    rest = list(stream)
+    assert len(rest) == 19 and stream.enqueued == 20
+
+
+@pytest.mark.cuda
+def test_cuda_regions_of_a_decode_step_run_on_streams_inside_the_whole_call_graph():
+    model = _llama(hidden=256, layers=2, vocab=2048, device="cuda")
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(8)).cuda()
+    dec = sd.decoder(model, max_length=64, regions="always")
+    assert torch.equal(dec.generate(ids, 24, **EVERY), _hf_greedy(model, ids, 24, **EVERY))
+    text = dec.explain()
+    assert "its regions on" in text, text
+    assert dec.statistics()[2].whole_captures == 1
