@@ -284,6 +284,18 @@ def render_soak(data: dict) -> str:
                  rows)
 
 
+def render_ray_pipeline(data: dict) -> str:
+    """Per way: tiny and real work per run, per op and per micro-batch; the driver's time per call;
+    the goals' ratios."""
+    tiny, work = data["ms"]["tiny"], data["ms"]["work"]
+    rows = [[k, tiny[k], data["per_op_us_tiny"][k], work[k], data["micro_batches_per_s"][k]] for k in tiny]
+    parts = [table(["way", "tiny: ms per run", "tiny: µs per op", "work: ms per run",
+                    "work: micro-batches/s"], rows),
+             table(["driver host time per call", "µs"], list(data["submit_us"].items())),
+             table(["streamdag.ray against Ray", "ratio"], list(data["goals"].items()))]
+    return "\n\n".join(parts)
+
+
 def render_flat(data: dict) -> str:
     """A benchmark whose result is one dict of numbers (``ms``, ``us_per_op``...): one row each."""
     for key, unit in (("ms", "ms"), ("us_per_op", "µs per op"), ("us", "µs")):
@@ -343,6 +355,9 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
              "nested submits and waits, callbacks, close() racing submitters) checked against their "
              "serial run; files with `_plant_` ran with a planted defect that the soak must find.",
              render_soak),
+    "ray_pipeline": ("bench/ray_pipeline.py", "A 4-stage numpy pipeline of 8 micro-batches over two "
+                     "local Ray nodes: `streamdag.ray` recorded and eager against the same pipeline "
+                     "written with Ray actors and with a Ray Compiled Graph.", render_ray_pipeline),
     "cpu_wide": ("bench/cpu_wide.py", "The CPU suite's wide graph on worker lanes against a serial "
                  "loop.", render_cpu_wide),
     "sched_scale": ("bench/sched_scale.py", "Scheduling a random DAG of 10,000 ops (pure Python "

@@ -67,3 +67,26 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of two nodes (one CPU and 100 MB of object store each; the head has the
+    GPU, if there is one), shared by every ``ray`` test: starting one takes seconds. Skips where ray
+    is not installed."""
+    ray = pytest.importorskip("ray", reason="streamdag.ray needs ray: pip install 'streamdag[ray]'")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    # the head node has this machine's GPU, if any, for the cuda tests of GPU workers
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "num_gpus": int(_has_cuda())})
+    cluster.add_node(**node)
+    if ray.is_initialized():  # a test outside these started its own
+        ray.shutdown()
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

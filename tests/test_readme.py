@@ -66,6 +66,13 @@ def test_the_stream_map_example_returns_fn_of_each_input():
         torch.testing.assert_close(out, torch.tanh(x.cuda() @ w).cpu(), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.ray
+def test_the_ray_example_runs_on_a_local_cluster(ray_cluster, capsys):
+    (block,) = [b for b in python_blocks() if "streamdag.ray" in b]
+    exec(compile(block, str(README), "exec"), {"__name__": "readme_example"})
+    assert float(capsys.readouterr().out) > 0
+
+
 def test_each_gpu_example_of_the_readme_is_found_by_its_test():
     """The GPU tests above pick their example by what it calls; each must find exactly one (checked
     here on the CPU too, where those tests skip)."""
@@ -82,11 +89,14 @@ def cpu_examples_of_the_guides() -> list:
     for guide in sorted(DOCS.glob("guide-*.md")):
         for i, block in enumerate(re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)):
             if "cuda" not in block:  # the GPU examples need a GPU (and the README's are tested above)
-                examples.append(pytest.param(guide, block, id=f"{guide.stem}-{i}"))
+                marks = [pytest.mark.ray] if "streamdag.ray" in block else []
+                examples.append(pytest.param(guide, block, id=f"{guide.stem}-{i}", marks=marks))
     return examples
 
 
 @pytest.mark.parametrize(("guide", "block"), cpu_examples_of_the_guides())
-def test_the_cpu_examples_of_the_guides_run_as_written(guide, block, tmp_path, monkeypatch):
+def test_the_cpu_examples_of_the_guides_run_as_written(guide, block, tmp_path, monkeypatch, request):
+    if "streamdag.ray" in block:  # on the tests' shared local cluster (skips without ray)
+        request.getfixturevalue("ray_cluster")
     monkeypatch.chdir(tmp_path)  # an example may write a trace
     exec(compile(block, str(guide), "exec"), {"__name__": "guide_example"})

@@ -21,6 +21,7 @@ from .errors import (
     StreamdagError,
     StreamdagWarning,
     SubmittedInCapture,
+    WorkerLost,
     WouldBlock,
 )
 from .graph.buffers import read, write
@@ -107,6 +108,7 @@ __all__ = [
     "SubmittedInCapture",
     "Summary",
     "Timeline",
+    "WorkerLost",
     "WouldBlock",
     "__version__",
     "build_schedule",

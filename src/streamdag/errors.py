@@ -24,6 +24,7 @@ __all__ = [
     "StreamdagError",
     "StreamdagWarning",
     "SubmittedInCapture",
+    "WorkerLost",
     "WouldBlock",
 ]
 
@@ -108,3 +109,24 @@ class DeviceLost(StreamdagError):
             "run with CUDA_LAUNCH_BLOCKING=1 to find the op that caused it"
         )
         self.__cause__ = cause
+
+
+class WorkerLost(StreamdagError):
+    """A Ray worker of a :class:`streamdag.ray.Runtime` died (its process or node was lost).
+
+    The ops placed on it that had not finished fail with it; ops that read their results fail with
+    :class:`DependencyFailed`. The buffers it held are gone with its memory: Ray restarts the
+    worker, and the runtime stays usable once they are written again (``rt.put(..., out=buf)``).
+    """
+
+    def __init__(self, worker: str, detail: str) -> None:
+        self.worker = worker
+        self.detail = detail
+        super().__init__(
+            f"ray worker {worker} was lost ({detail}); the ops placed on it that had not finished "
+            "fail, and its buffers are gone: write them again (rt.put(value, out=buf)) before reading "
+            "them; the runtime's other workers are unaffected"
+        )
+
+    def __reduce__(self) -> tuple:  # raised inside workers too: pickled by its arguments
+        return (type(self), (self.worker, self.detail))

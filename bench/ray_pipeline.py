@@ -1,0 +1,268 @@
+"""A 4-stage pipeline of CPU work over two Ray nodes: streamdag.ray against hand-written Ray code.
+
+Each micro-batch goes through four stages, ``tanh(x @ W_s)`` in numpy, each stage on its own
+worker actor; stages 0 and 1 on one node, 2 and 3 on the other (a local ``ray.cluster_utils``
+cluster). Ways to run it, timed in turns in one process:
+
+- Ray actors, by hand: per micro-batch, four chained ``.remote()`` calls passing ObjectRefs;
+- a Ray Compiled Graph, by hand: the four stages bound into one DAG, one ``execute`` per micro-batch;
+- streamdag.ray, recorded: every micro-batch's four ops recorded once (each stage writes a buffer on
+  its worker, the next stage reads it from there), ``g.run()`` per run: one compiled-graph
+  ``execute`` for all micro-batches;
+- streamdag.ray, eager: the same ops submitted every run.
+
+Measured: per-op time of a run with tiny work (the runtime's and Ray's own overhead), throughput
+with real work, and the driver's host time per eager submit against a bare actor call's
+``.remote()``.
+
+Run: PYTHONPATH=src python bench/ray_pipeline.py  (writes bench/results/ray_pipeline_cpu.json)
+"""
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+from ray.dag import InputNode
+
+import streamdag as sd
+from streamdag.ray import Runtime
+from streamdag.suite.report import format_table, write_json
+
+STAGES = 4
+MICRO_BATCHES = 8
+ROUNDS = 15
+SHAPES = {"tiny": (1, 16), "work": (64, 384)}  # (rows of a micro-batch, width of each stage)
+SUBMITS = 400
+
+
+def stage(x, w, out=None):
+    y = np.tanh(x @ w)
+    if out is None:
+        return y
+    out[...] = y
+    return None
+
+
+@ray.remote
+class Stage:
+    def __init__(self, w):
+        self.w = w
+
+    def f(self, x):
+        return stage(x, self.w)
+
+    def noop(self):
+        return None
+
+    def apply(self, call):
+        fn, args = call
+        return fn(*args)
+
+
+def _node_options(s: int) -> dict:
+    return {"resources": {f"bench_node{s * 2 // STAGES}": 0.01}}
+
+
+def hand_actors(weights):
+    actors = [Stage.options(num_cpus=0.25, **_node_options(s)).remote(w) for s, w in enumerate(weights)]
+
+    def run(batches):
+        outs = []
+        for x in batches:
+            ref = x
+            for a in actors:
+                ref = a.f.remote(ref)
+            outs.append(ref)
+        return ray.get(outs)
+
+    return actors, run
+
+
+def hand_compiled(actors):
+    with InputNode() as inp:
+        node = inp
+        for a in actors:
+            node = a.f.bind(node)
+    dag = node.experimental_compile(_max_inflight_executions=MICRO_BATCHES)
+
+    def run(batches):
+        refs = [dag.execute(x) for x in batches]
+        # copied: a value read from a compiled graph is a view of its channel, which the next
+        # execute cannot write while the view lives
+        return [ray.get(r).copy() for r in refs]
+
+    return dag, run
+
+
+def streamdag_runs(rt, weights, batches_shape):
+    ws = [rt.put(w, on=s) for s, w in enumerate(weights)]
+    rows, width = batches_shape
+    inputs = [rt.empty((rows, width), np.float32, on=0) for _ in range(MICRO_BATCHES)]
+    outs = [[rt.empty((rows, width), np.float32, on=s) for _ in range(MICRO_BATCHES)]
+            for s in range(STAGES)]
+
+    def submit_all():
+        last = []
+        for i in range(MICRO_BATCHES):
+            h = inputs[i]
+            for s in range(STAGES):
+                f = rt.submit(stage, sd.read(h), sd.read(ws[s]), sd.write(outs[s][i]), name=f"s{s}[{i}]")
+                h = outs[s][i]
+            last.append(f)
+        return last
+
+    with rt.record() as g:
+        submit_all()
+
+    def fill(batches):
+        for buf, x in zip(inputs, batches):
+            rt.put(x, out=buf)
+
+    def results():
+        gets = [rt.get(outs[-1][i]) for i in range(MICRO_BATCHES)]
+        return [f.result() for f in gets]
+
+    def recorded(batches):
+        fill(batches)
+        g.run().result()
+        return results()
+
+    def eager(batches):
+        fill(batches)
+        for f in submit_all():
+            f.result()
+        return results()
+
+    def recorded_run_only(_batches):  # the run alone: inputs stay as they are
+        g.run().result()
+
+    return g, recorded, eager, recorded_run_only
+
+
+def time_rounds(variants: dict, batches, rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(batches)
+            times[label].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def submit_overhead(rt, actors) -> dict[str, float]:
+    """Driver host time per call, not waiting: an eager submit (local op; op reading another
+    worker's buffer) against a bare actor method's ``.remote()``, and against an actor method that
+    applies a function it is sent (the same function and arguments: Ray's own way to do what a
+    submit does)."""
+    a = rt.put(np.zeros(4, np.float32), on=0)
+    b = rt.put(np.zeros(4, np.float32), on=1)
+    rt.synchronize()
+    small = np.zeros(4, np.float32)
+    out = {}
+    for label, call in {
+        "ray actor .remote()": lambda: actors[0].noop.remote(),
+        "ray actor .remote((fn, args)), the same op by hand": lambda: actors[0].apply.remote(
+            (np.add, (small, 1.0))),
+        "streamdag submit, local op": lambda: rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a)),
+        "streamdag submit, reads another worker's buffer": lambda: rt.submit(
+            np.add, sd.read(a), sd.read(b), out=sd.write(a)),
+    }.items():
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            refs = [call() for _ in range(SUBMITS)]
+            samples.append((time.perf_counter() - t0) / SUBMITS * 1e6)
+            if label.startswith("ray"):
+                ray.get(refs)
+            else:
+                rt.synchronize()
+        out[label] = statistics.median(samples)
+    return out
+
+
+def main() -> None:
+    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "resources": {"bench_node0": 1}})
+    cluster.add_node(**node, resources={"bench_node1": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    rng = np.random.default_rng(0)
+    results: dict = {"ms": {}, "rounds_ms": {}}
+    try:
+        for case, (rows, width) in SHAPES.items():
+            weights = [(rng.standard_normal((width, width)) / width**0.5).astype(np.float32)
+                       for _ in range(STAGES)]
+            batches = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(MICRO_BATCHES)]
+            expected = batches
+            for w in weights:
+                expected = [stage(x, w) for x in expected]
+            actors, by_actors = hand_actors(weights)
+            dag, by_dag = hand_compiled(actors)
+            rt = Runtime(STAGES, num_cpus=0.25, worker_options=[_node_options(s) for s in range(STAGES)])
+            g, recorded, eager, run_only = streamdag_runs(rt, weights, (rows, width))
+            variants = {"ray actors (hand-written)": by_actors,
+                        "ray compiled graph (hand-written)": by_dag,
+                        "streamdag.ray recorded (g.run)": recorded,
+                        "streamdag.ray recorded, run alone": run_only,
+                        "streamdag.ray eager": eager}
+            for label, fn in variants.items():  # warm up, and check every way's outputs
+                got = fn(batches)
+                if got is not None:
+                    for a, b in zip(got, expected):
+                        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=label)
+            rounds = time_rounds(variants, batches, ROUNDS)
+            ms = {k: statistics.median(v) for k, v in rounds.items()}
+            results["ms"][case] = ms
+            results["rounds_ms"][case] = rounds
+            if case == "tiny":
+                results["submit_us"] = submit_overhead(rt, actors)
+                results["explain"] = g.explain().splitlines()[:2]
+            dag.teardown()
+            rt.close()
+            for a in actors:
+                ray.kill(a)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    ops = STAGES * MICRO_BATCHES
+    tiny, work = results["ms"]["tiny"], results["ms"]["work"]
+    dag_key, sd_key = "ray compiled graph (hand-written)", "streamdag.ray recorded, run alone"
+    per_op = {k: v / ops * 1e3 for k, v in tiny.items()}
+    throughput = {k: MICRO_BATCHES / (v / 1e3) for k, v in work.items()}
+    sub = results["submit_us"]
+    results["per_op_us_tiny"] = per_op
+    results["micro_batches_per_s"] = throughput
+    results["goals"] = {
+        "recorded per-op time vs hand-written compiled graph (goal <= 1.2x)":
+            per_op[sd_key] / per_op[dag_key],
+        "recorded throughput, inputs put and outputs got around each run, vs hand-written "
+        "compiled graph (goal >= 0.95x)": throughput["streamdag.ray recorded (g.run)"] / throughput[dag_key],
+        "recorded throughput, the run alone, vs hand-written compiled graph":
+            throughput[sd_key] / throughput[dag_key],
+        "eager submit host time vs actor .remote(), local op (goal <= 1.2x)":
+            sub["streamdag submit, local op"] / sub["ray actor .remote()"],
+        "eager submit host time vs actor .remote(), op with a transfer":
+            sub["streamdag submit, reads another worker's buffer"] / sub["ray actor .remote()"],
+        "eager submit host time vs the same op by hand, .remote((fn, args))":
+            sub["streamdag submit, local op"] / sub["ray actor .remote((fn, args)), the same op by hand"],
+    }
+    rows_ = [[k, tiny[k], per_op[k], work[k], throughput[k]] for k in tiny]
+    print(format_table(["way", "tiny: ms per run", "tiny: µs per op", "work: ms per run",
+                        "work: micro-batches/s"], rows_))
+    print(format_table(["driver host time per call", "µs"], list(sub.items())))
+    print(format_table(["goal", "ratio"], list(results["goals"].items())))
+    settings = {"stages": STAGES, "micro_batches": MICRO_BATCHES, "rounds": ROUNDS, "shapes": SHAPES,
+                "nodes": 2, "node_cpus": 1, "actor_cpus": 0.25, "object_store_mb": 100,
+                "submits_timed": SUBMITS, "ray": ray.__version__,
+                "native": os.environ.get("STREAMDAG_NATIVE")}
+    print(write_json(Path(__file__).parent / "results", "ray_pipeline_cpu",
+                     {"settings": settings, **results}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

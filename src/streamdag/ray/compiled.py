@@ -1,0 +1,412 @@
+"""Recorded graphs of a ray :class:`~streamdag.ray.Runtime`, run as one Ray Compiled Graph.
+
+Leaving ``rt.record()`` finds the graph's dependencies with the project's hazard tracker and
+schedules it with :func:`streamdag.build_schedule`, one group (and one stream) per worker: the
+schedule's order per stream is each worker's program, and its reduced edges between streams are
+what must cross workers. Each worker's program is cut into *segments*: a new segment begins at an
+op that follows an op of another worker or reads a value from another worker. A segment then
+waits for nothing once it has begun, and becomes one task of a Ray Compiled Graph on its worker
+(``Worker.run_segment``), with a channel from each segment it follows: the values it reads (the
+buffers of another worker as they are after their writer, or before the run), or only the order.
+A graph whose workers feed each other one way is one task per worker; a pipeline whose stages
+alternate between workers is one task per op that waits. A segment's edges all come from segments
+that begin earlier, so the tasks form a DAG.
+
+``g.run()`` is one ``execute`` of the compiled graph (several may be in flight, as Ray allows):
+Ray's channels carry the values, and the driver does no work per op. A worker lost during a run
+tears the compiled graph down (Ray's own monitor does): that run's ops on that worker fail with
+:class:`WorkerLost`, those that read what they wrote with :class:`DependencyFailed`, and the next
+run compiles the graph again on the restarted worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ..errors import BaseExceptionGroup, DependencyFailed, WorkerLost
+from ..graph.buffers import Access, Region
+from ..observe.explain import explain_schedule
+from ..runtime import Future, GraphResult, OpNode
+from ..runtime.accel import DepsTracker, build_schedule
+from ..schedule.plan import Schedule
+from ._worker import Incoming, OpSpec, Packed, SegmentSpec
+
+if TYPE_CHECKING:
+    from .runtime import RemoteBuffer, Runtime
+
+__all__ = ["RayGraph"]
+
+
+@dataclass
+class _Rec:
+    fn: Any
+    args: tuple
+    kwargs: dict
+    accesses: list[Access]
+    writes: list[Region]
+    worker: int
+    remote: dict[int, RemoteBuffer]
+    name: str
+    ids: dict[bool, tuple[int, ...]]  # the worker's own buffers it reads (False) and writes (True)
+
+
+@dataclass
+class _Plan:
+    """Segments of every worker, with their edges, from a schedule."""
+
+    segments: list[SegmentSpec] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)  # the index of each segment's first op (or -1)
+    inputs: list[list[tuple[int, int]]] = field(default_factory=list)  # (source segment, its output slot)
+    seg_of: dict[int, int] = field(default_factory=dict)  # op index -> segment
+    transfers: int = 0
+
+
+_run_numbers = itertools.count(1)
+
+
+def _unpack(value: Any) -> Any:
+    return ray.cloudpickle.loads(value.data) if type(value) is Packed else value
+
+
+class RayGraph:
+    """A recorded graph of a ray runtime: ``run()``, ``explain()``, ``schedule``."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._ops: list[_Rec] = []
+        self._schedule: Schedule | None = None
+        self._plan: _Plan | None = None
+        self._compiled: Any = None
+        self._outputs: list[int] = []  # the worker of each output of the compiled graph
+        self._lock = threading.Lock()
+        self._runs_in_flight: list[tuple[Any, Future]] = []
+        self._workers_used: set[int] = set()
+        self.compiles = 0
+
+    # --- recording -----------------------------------------------------------------------------
+    def _add(self, fn: Any, args: tuple, kwargs: dict, accesses: list[Access], writes: list[Region],
+             worker: int, remote: dict[int, RemoteBuffer], name: str,
+             ids: dict[bool, tuple[int, ...]]) -> OpNode:
+        if self._schedule is not None:
+            raise RuntimeError("this graph was recorded already: record a new one")
+        self._ops.append(_Rec(fn, args, kwargs, accesses, writes, worker, dict(remote), name, ids))
+        return OpNode(len(self._ops) - 1, name)
+
+    @property
+    def names(self) -> list[str]:
+        return [op.name for op in self._ops]
+
+    @property
+    def schedule(self) -> Schedule:
+        if self._schedule is None:
+            raise RuntimeError("the graph is still being recorded: leave the `with rt.record()` block")
+        return self._schedule
+
+    def _finish_recording(self) -> None:
+        tracker = DepsTracker()
+        deps: list[list[int]] = []
+        for v, op in enumerate(self._ops):
+            deps.append(sorted(tracker.link(v, op.accesses)))
+        groups = [op.worker for op in self._ops]
+        self._schedule = build_schedule(deps, 1, groups=groups) if self._ops else build_schedule([], 1)
+        self._plan = _segments(self._ops, deps, self._schedule)
+        # every worker with a task in the compiled graph: one that only sends a buffer's value too
+        self._workers_used = {seg.worker for seg in self._plan.segments}
+
+    # --- running -------------------------------------------------------------------------------
+    def run(self) -> Future:
+        """Run every op once, as one execute of the graph's Ray Compiled Graph.
+
+        Returns a :class:`streamdag.Future` of a :class:`streamdag.GraphResult` (the ops' return
+        values in submission order). Where ops fail, the future fails with an ``ExceptionGroup`` of
+        the graph's own failures (an op's exception, or :class:`WorkerLost`); their dependents fail
+        with :class:`DependencyFailed`, and the other ops run. The run follows the eager ops
+        submitted before it on its workers, and eager ops submitted after it follow the run.
+        """
+        rt = self._rt
+        rt._check_open()
+        self.schedule  # noqa: B018 (raises while recording)
+        future = Future()
+        future.op_name = "graph run"
+        if not self._ops:
+            future.set_result(GraphResult([]))
+            return future
+        rt._wait_eager(self._workers_used)
+        with self._lock:
+            for other in rt._graphs:  # one compiled graph per worker at a time runs
+                if other is not self and other._workers_used & self._workers_used:
+                    other._wait_runs(rt.timeout_s)
+                    if other._compiled is not None and not other._runs_in_flight:
+                        other._teardown()
+            if self._compiled is None:
+                self._compile()
+            run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
+            try:
+                ref = self._compiled.execute(run_no)
+            except Exception:  # torn down meanwhile (a worker was lost): set up again
+                self._teardown()
+                self._compile()
+                ref = self._compiled.execute(run_no)
+            self._runs_in_flight.append((ref, future))
+        threading.Thread(target=self._settle, args=(ref, future, run_no), daemon=True,
+                         name="streamdag-ray-run").start()
+        return future
+
+    def _settle(self, ref: Any, future: Future, run_no: int) -> None:
+        try:
+            carries = ray.get(ref, timeout=self._rt.timeout_s)
+        except Exception as e:  # a lost worker, a timeout: mapped to the ops below
+            carries = None
+            cause = e
+        with self._lock:
+            self._runs_in_flight = [(r, f) for r, f in self._runs_in_flight if f is not future]
+            if carries is None:
+                self._teardown()
+        if carries is None:
+            results = self._lost(cause, run_no)
+        else:
+            results = {}
+            for carry in carries:
+                results.update(carry)
+        self._deliver(results, future)
+
+    def _deliver(self, results: dict[int, tuple], future: Future) -> None:
+        rt = self._rt
+        values: list[Any] = []
+        failures: list[BaseException] = []
+        first_dep: BaseException | None = None
+        prof = rt._profile
+        first = rt._reserve(len(self._ops)) if prof is not None else 0  # the run's ops' numbers
+        for v, op in enumerate(self._ops):
+            status, a, b, t0, t_in, t1 = results[v]
+            a, b = _unpack(a), _unpack(b)
+            if status == "ok":
+                values.append(rt._handle(a, None))
+            elif status == "err":
+                values.append(None)
+                failures.append(a)
+            else:
+                values.append(None)
+                first_dep = first_dep or DependencyFailed(op.name, a, b)
+            if prof is not None and t0 is not None:
+                rt._add_spans(prof, _SpanOp(first + v, op), t0, t_in, t1, status != "ok",
+                              [first + u for u in self.schedule.preds[v]])
+        if failures:
+            future.set_exception(BaseExceptionGroup(f"{len(failures)} op(s) of the graph failed", failures))
+        elif first_dep is not None:
+            future.set_exception(first_dep)
+        else:
+            future.set_result(GraphResult(values))
+
+    def _lost(self, cause: BaseException, run_no: int) -> dict[int, tuple]:
+        """The outcome of each op of a run whose compiled graph failed: what the workers that kept
+        their state ran, as they report it; the dead workers' other ops fail with WorkerLost, and
+        the ops that depend on one with DependencyFailed. An op that did not run for neither (it
+        waited behind one on its worker when Ray tore the graph down) fails with WorkerLost too."""
+        rt = self._rt
+        alive = _alive(rt, self._workers_used)
+        ran: dict[int, tuple] = {}
+        refs = [rt._workers[w].graph_outcome.remote(run_no) for w in alive]
+        for ref in refs:
+            with contextlib.suppress(Exception):  # lost meanwhile: its ops count as not run
+                ran.update(ray.get(ref, timeout=min(rt.timeout_s, 60)))
+        results: dict[int, tuple] = {}
+        roots: dict[int, tuple[str, BaseException]] = {}
+        for v, op in enumerate(self._ops):
+            if v in ran:
+                results[v] = ran[v]
+                if ran[v][0] != "ok":
+                    a, b = (_unpack(x) for x in ran[v][1:3])
+                    roots[v] = (op.name, a) if ran[v][0] == "err" else (a, b)
+                continue
+            if op.worker not in alive:
+                err = WorkerLost(f"ray:{op.worker}", type(cause).__name__)
+                results[v] = ("err", err, None, None, None, None)
+                roots[v] = (op.name, err)
+                continue
+            root = next((roots[u] for u in self._preds_full[v] if u in roots), None)
+            if root is not None:
+                results[v] = ("dep", root[0], root[1], None, None, None)
+                roots[v] = root
+            else:  # the compiled graph was torn down before this op's outcome reached the driver
+                err = WorkerLost(f"ray:{op.worker}", f"the run was torn down ({type(cause).__name__}: "
+                                                     f"{cause}); this op may not have run")
+                results[v] = ("err", err, None, None, None, None)
+        return results
+
+    @property
+    def _preds_full(self) -> tuple[tuple[int, ...], ...]:
+        return self.schedule.preds
+
+    def _compile(self) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        plan = self._plan
+        assert plan is not None
+        workers = self._rt._workers
+        outs: list[Any] = []
+        last: dict[int, Any] = {}
+        with InputNode() as inp:
+            for s, seg in enumerate(plan.segments):
+                head = inp if seg.first else last[seg.worker]
+                ins = [outs[src][slot] for src, slot in plan.inputs[s]]
+                n = 1 + len(seg.exports)
+                node = workers[seg.worker].run_segment.options(num_returns=n).bind(seg, head, *ins)
+                nodes = list(node) if n > 1 else [node]
+                outs.append(nodes)  # slot 0: the carry, for the worker's next segment; then the exports
+                last[seg.worker] = nodes[0]
+            dag = MultiOutputNode([last[w] for w in sorted(last)])
+        self._outputs = sorted(last)
+        self._compiled = dag.experimental_compile(_submit_timeout=self._rt.timeout_s)
+        self.compiles += 1
+
+    def _wait_runs(self, timeout: float) -> None:
+        for _, f in list(self._runs_in_flight):
+            with contextlib.suppress(Exception):  # its outcome is its own future's
+                f.exception(timeout=timeout)
+
+    def _teardown(self) -> None:
+        compiled, self._compiled = self._compiled, None
+        if compiled is not None:
+            with contextlib.suppress(Exception):  # a torn-down graph (a lost worker) needs no more
+                compiled.teardown()
+
+    # --- reading -------------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Levels, workers, cross-worker edges and the compiled graph's tasks, as text."""
+        plan = self._plan
+        assert plan is not None
+        per = {}
+        for seg in plan.segments:
+            per[seg.worker] = per.get(seg.worker, 0) + 1
+        tasks = ", ".join(f"ray:{w} {n}" for w, n in sorted(per.items()))
+        extra = [
+            f"workers: stream sN is worker ray:N; a Ray Compiled Graph of {len(plan.segments)} task(s) "
+            f"({tasks}) and {sum(len(i) for i in plan.inputs)} channel(s) between workers, "
+            f"{plan.transfers} buffer transfer(s) per run; compiled {self.compiles} time(s)",
+        ]
+        return explain_schedule(self.names, self.schedule, extra)
+
+
+@dataclass
+class _SpanOp:
+    seq: int
+    rec: _Rec
+
+    @property
+    def name(self) -> str:
+        return self.rec.name
+
+    @property
+    def worker(self) -> int:
+        return self.rec.worker
+
+
+def _alive(rt: Runtime, workers: set[int]) -> set[int]:
+    """The workers that kept their state: they answer, as the same process as before. (A restarted
+    one answers too, but its ops of the run were lost with its memory.) Learns the new ones."""
+    refs = {w: rt._workers[w].where.remote() for w in workers}
+    alive = set()
+    for w, ref in refs.items():
+        try:
+            token = ray.get(ref, timeout=min(rt.timeout_s, 60))[3]
+        except Exception:  # dead or unreachable
+            continue
+        if token == rt._tokens[w]:
+            alive.add(w)
+        rt._tokens[w] = token
+    return alive
+
+
+def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _Plan:
+    """Cut each worker's program where an op waits for another worker; plan the transfers."""
+    n = len(ops)
+    worker_of = [op.worker for op in ops]
+    # the value each op reads from another worker: (buffer, its last writer before the op, or -1)
+    reads: list[list[tuple[int, int]]] = []
+    for v, op in enumerate(ops):
+        reads.append([(b.id, max((u for u in deps[v] if worker_of[u] == b.worker
+                                  and any(r.overlaps(b.region) for r in ops[u].writes)), default=-1))
+                      for b in op.remote.values()])
+    cut = [bool(keys) or any(worker_of[u] != worker_of[v] for u in sched.preds[v])
+           for v, keys in enumerate(reads)]
+    order = {w: [v for v in range(n) if worker_of[v] == w] for w in sorted(set(worker_of))}
+    # an initial value read before the owner's first op comes from a segment of no ops before it
+    prefix = {ops[v].remote[bid].worker for v in range(n) for bid, writer in reads[v]
+              if writer < 0 and not any(u < v for u in order.get(ops[v].remote[bid].worker, []))}
+    runs: list[tuple[int, int, list[int]]] = []  # (first op or -1, worker, ops)
+    for w in sorted(set(order) | prefix):
+        mine: list[tuple[int, int, list[int]]] = [(-1, w, [])] if w in prefix else []
+        for v in order.get(w, []):
+            if not mine or cut[v]:
+                mine.append((v, w, []))
+            mine[-1][2].append(v)
+        runs += mine
+    # every edge goes from a segment that begins earlier to one that begins later: bind in that order
+    runs.sort(key=lambda r: r[0])
+    plan = _Plan()
+    seen: set[int] = set()
+    for start, w, members in runs:
+        plan.segments.append(SegmentSpec(worker=w, first=w not in seen))
+        plan.start.append(start)
+        seen.add(w)
+        for v in members:
+            plan.seg_of[v] = len(plan.segments) - 1
+    prefix_of = {plan.segments[s].worker: s for s in range(len(plan.segments)) if plan.start[s] < 0}
+    edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    snaps: dict[int, list[tuple[int, int]]] = {}
+    for v in range(n):
+        dst = plan.seg_of[v]
+        for u in sched.preds[v]:
+            if worker_of[u] != worker_of[v]:
+                edges.setdefault((plan.seg_of[u], dst), [])
+        for b, key in zip(ops[v].remote.values(), reads[v]):
+            writer = key[1]
+            before = [u for u in order.get(b.worker, []) if u < v]
+            after = writer if writer >= 0 else (before[-1] if before else -1)
+            src = plan.seg_of[after] if after >= 0 else prefix_of[b.worker]
+            keys = edges.setdefault((src, dst), [])
+            if key in keys:
+                continue
+            keys.append(key)
+            plan.transfers += 1
+            # taken where valid: after ``after`` if a later op of its segment writes the buffer, else
+            # at the segment's end (no copy)
+            if any(plan.seg_of[u] == src and u > after and any(r.overlaps(b.region) for r in ops[u].writes)
+                   for u in order.get(b.worker, [])):
+                if after >= 0:
+                    snaps.setdefault(after, []).append(key)
+                else:
+                    plan.segments[src].start_snapshots.append(key)
+    plan.inputs = [[] for _ in plan.segments]
+    for (src, dst), keys in sorted(edges.items()):
+        assert src < dst, "segment edges go forward"
+        plan.segments[src].exports.append(keys)
+        plan.inputs[dst].append((src, len(plan.segments[src].exports)))
+    for v, op in enumerate(ops):
+        ids = dict(zip(op.remote, reads[v]))
+        fail_if = tuple(u for u in deps[v] if worker_of[u] == op.worker
+                        and any(r.overlaps(a.region) for r in ops[u].writes for a in op.accesses))
+        plan.segments[plan.seg_of[v]].ops.append(
+            OpSpec(v, op.name, op.fn, _rekey(op.args, ids), _rekey(op.kwargs, ids), fail_if,
+                   tuple(reads[v]), tuple(snaps.get(v, ())), op.ids[False], op.ids[True]))
+    return plan
+
+
+def _rekey(value: Any, ids: dict[int, tuple[int, int]]) -> Any:
+    """Recorded arguments with each transferred buffer keyed by (buffer, writer)."""
+    kind = type(value)
+    if kind is Incoming:
+        return Incoming(ids[value.key])
+    if kind in (list, tuple):
+        return kind(_rekey(v, ids) for v in value)
+    if kind is dict:
+        return {k: _rekey(v, ids) for k, v in value.items()}
+    return value

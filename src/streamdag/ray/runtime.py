@@ -1,0 +1,550 @@
+"""A streamdag runtime over a Ray cluster: devices are Ray worker actors, buffers live on them.
+
+The same rules as the local runtime, one level up. An op's dependencies come from the memory it
+reads and writes, found by the project's own hazard tracker (``DepsTracker``) over the buffers'
+byte ranges: each worker is an address space (``"ray:0"``, ``"ray:1"``, ...) and each buffer a range
+in it. An op runs on the worker whose memory it writes, else whose memory it reads, else where
+``run_on`` says, else on the least busy one. A buffer of another worker that it reads arrives as a
+transfer: the owner returns its value into Ray's object store (ordered after its writers, since a
+worker runs its calls in order) and the op's worker fetches it before running the op.
+
+So every dependency between ops of different workers is a transfer, or is kept by the order of
+one worker's calls: a write after a read on another worker follows that read's transfer, which the
+owner ran first. Nothing waits on the driver: ``submit`` returns a streamdag :class:`Future` at once.
+
+Failures are the local runtime's: an op that raises fails its future; an op that depends on what
+a failed op wrote fails with :class:`DependencyFailed` (the worker remembers its failed ops, and a
+transfer of a buffer whose writer failed carries the failure); a worker that dies fails its
+unfinished ops with :class:`WorkerLost` and their dependents in turn; Ray restarts it
+(``max_restarts``), and the runtime stays usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import ray
+
+from ..errors import BaseExceptionGroup, DependencyFailed, InvalidBuffer, RuntimeClosed, WorkerLost
+from ..graph.buffers import Access, Marker, Region
+from ..observe.timeline import Span, Timeline
+from ..runtime import Future
+from ..runtime.accel import DepsTracker
+from ._worker import Buf, Incoming, Store, Worker
+
+__all__ = ["RemoteBuffer", "Runtime"]
+
+_buffer_ids = itertools.count(1)
+
+
+class RemoteBuffer:
+    """An array that lives on a worker of a :class:`Runtime`: a handle naming the worker.
+
+    Pass it to ``submit`` (``sd.read(buf)``, ``sd.write(buf)``) as a local array; read its value
+    with ``rt.get(buf)``. It spans ``region`` in its worker's address space, so that the hazard
+    tracker orders the ops on it as it orders ops on local memory. Whole buffers only: slices of
+    a remote buffer are not tracked.
+    """
+
+    __slots__ = ("__weakref__", "dtype", "freed", "id", "region", "shape", "worker")
+
+    def __init__(self, worker: int, shape: tuple[int, ...], dtype: np.dtype, start: int) -> None:
+        self.worker = worker
+        self.shape = shape
+        self.dtype = dtype
+        self.id = next(_buffer_ids)
+        self.freed = False
+        nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+        self.region = Region(f"ray:{worker}", start, start + nbytes)
+
+    @property
+    def device(self) -> str:
+        return self.region.space
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.end - self.region.start
+
+    def __repr__(self) -> str:
+        return f"RemoteBuffer({self.device}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _Op:
+    """The driver's record of an eager op: the tracker's node."""
+
+    __slots__ = ("deps", "done", "failed", "future", "name", "seq", "worker", "writes")
+
+    def __init__(self, seq: int, name: str, worker: int, writes: list[Region], future: Future) -> None:
+        self.seq = seq
+        self.name = name
+        self.worker = worker
+        self.writes = writes
+        self.future = future
+        self.done = self.failed = False
+        self.deps: tuple[int, ...] = ()
+
+
+def _unmark(value: Any, reads: list[Any], writes: list[Any]) -> Any:
+    """``value`` with its ``sd.read``/``sd.write`` markers taken off (into ``reads``/``writes``)."""
+    kind = type(value)
+    if kind is Marker:
+        (writes if value.write else reads).append(value.value)
+        return value.value
+    if kind in (list, tuple):
+        return kind(_unmark(v, reads, writes) for v in value)
+    if kind is dict:
+        return {k: _unmark(v, reads, writes) for k, v in value.items()}
+    return value
+
+
+def _swap(value: Any, worker: int, remote: dict[int, RemoteBuffer]) -> Any:
+    """``value`` with each buffer named for the worker: its own as :class:`Buf`, another's as the
+    :class:`Incoming` value of a transfer (collected in ``remote``)."""
+    kind = type(value)
+    if kind is RemoteBuffer:
+        if value.worker == worker:
+            return Buf(value.id)
+        remote[value.id] = value
+        return Incoming(value.id)
+    if kind in (list, tuple):
+        return kind(_swap(v, worker, remote) for v in value)
+    if kind is dict:
+        return {k: _swap(v, worker, remote) for k, v in value.items()}
+    return value
+
+
+class Runtime:
+    """Run streamdag ops on the workers of a Ray cluster: ``submit``, ``record``, ``profile``.
+
+    ``workers`` worker actors are made, each with ``num_cpus`` CPUs and ``num_gpus`` GPUs (a GPU
+    worker runs its ops on ``cuda``; its buffers are torch tensors), spread over the cluster's nodes
+    (``worker_options[i]`` adds Ray options for worker ``i``: resources, a node's scheduling
+    strategy). Connects to a running Ray (``ray.init`` first, or ``address``), else starts one.
+    ``timeout_s`` bounds every wait on a worker: a hung transfer or run fails instead of hanging.
+    """
+
+    def __init__(self, workers: int = 2, *, num_cpus: float = 1, num_gpus: float = 0,
+                 worker_options: Sequence[dict[str, Any]] | None = None, address: str | None = None,
+                 timeout_s: float = 300.0, max_restarts: int = -1) -> None:
+        if workers < 1:
+            raise ValueError(f"a ray Runtime needs at least one worker, got workers={workers}")
+        if worker_options is not None and len(worker_options) != workers:
+            raise ValueError(f"worker_options has {len(worker_options)} entries for {workers} workers: "
+                             "give one dict per worker")
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        self.timeout_s = float(timeout_s)
+        device = "cuda:0" if num_gpus else "cpu"  # Ray makes a GPU worker's own GPUs visible from 0
+        actor = ray.remote(Worker)
+        self._workers = []
+        for i in range(workers):
+            options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
+                                       "max_restarts": max_restarts, "max_task_retries": 0,
+                                       "scheduling_strategy": "SPREAD"}
+            options.update(worker_options[i] if worker_options else {})
+            self._workers.append(actor.options(**options).remote(f"ray:{i}", device))
+        self.devices = [f"ray:{i}" for i in range(workers)]
+        self.device_kind = device
+        self._lock = threading.RLock()
+        self._tracker = DepsTracker(lambda op: op.done and not op.failed)
+        self._seq = itertools.count()
+        self._next_start = [0] * workers
+        self._pending = [0] * workers
+        self._inflight: set[_Op] = set()
+        self._failures: list[BaseException] = []
+        self._exports: dict[int, tuple[int, Any]] = {}  # buffer id -> (its writes so far, transfer ref)
+        self._writes_of: dict[int, int] = {}
+        self._buffers: weakref.WeakValueDictionary[int, RemoteBuffer] = weakref.WeakValueDictionary()
+        self._recording: dict[int, Any] = {}
+        self._graphs: list[Any] = []  # recorded graphs, to tear their compiled graphs down on close
+        self._profile: dict[str, Any] | None = None
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        try:
+            where = ray.get([h.where.remote() for h in self._workers], timeout=self.timeout_s)
+            self.nodes = [w[2] for w in where]
+            self._tokens = [w[3] for w in where]
+        except Exception:
+            self.close()
+            raise
+
+    # --- buffers -------------------------------------------------------------------------------
+    def empty(self, shape: int | Sequence[int], dtype: Any = np.float64, on: str | int = 0) -> RemoteBuffer:
+        """A new uninitialized buffer on worker ``on`` (``"ray:1"`` or ``1``)."""
+        self._check_open()
+        w = self._worker_index(on)
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        with self._lock:
+            buf = RemoteBuffer(w, shape, np.dtype(dtype), self._next_start[w])
+            self._next_start[w] = buf.region.end
+            self._buffers[buf.id] = buf
+        self._workers[w].alloc.remote(buf.id, shape, str(buf.dtype))
+        return buf
+
+    def put(self, value: Any, on: str | int = 0, out: RemoteBuffer | None = None) -> RemoteBuffer:
+        """``value`` (an array on the driver) copied into ``out``, or into a new buffer on ``on``.
+
+        An op that writes the buffer: ordered after the ops that read or wrote it before, and
+        returning at once. It also makes the buffer again on a worker restarted since.
+        """
+        value = np.asarray(value)
+        if out is None:
+            out = self.empty(value.shape, value.dtype, on)
+        elif out.shape != value.shape:
+            raise ValueError(f"put: value of shape {value.shape} into {out!r}: the shapes must match")
+        self.submit(Store(out.id), value.astype(out.dtype, copy=False), writes=[out],
+                    name=f"put->{out.device}")
+        return out
+
+    def get(self, buf: RemoteBuffer) -> Future:
+        """A future of a copy of ``buf``'s value on the driver, once the ops before that write it are done."""
+        return self.submit(_copy_of, buf, reads=[buf], name=f"get<-{buf.device}")
+
+    def free(self, *bufs: RemoteBuffer) -> None:
+        """Let the workers drop these buffers (after the ops submitted so far that use them); a later
+        submit that names one is refused."""
+        for b in bufs:
+            b.freed = True
+        for w in {b.worker for b in bufs}:
+            self._workers[w].free.remote([b.id for b in bufs if b.worker == w])
+
+    # --- submit --------------------------------------------------------------------------------
+    def submit(self, fn: Any, *args: Any, reads: Sequence[Any] = (), writes: Sequence[Any] = (),
+               run_on: str | int | None = None, name: str | None = None, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on a worker; returns a :class:`streamdag.Future` at once.
+
+        The buffers it reads and writes are declared as on the local runtime (``reads=``/``writes=``
+        or ``sd.read``/``sd.write`` around arguments). A buffer of another worker among its
+        arguments arrives as a copy; driver arrays are sent by value (as they are at the submit).
+        Inside ``rt.record()`` it records instead and returns an :class:`streamdag.OpNode`.
+        """
+        self._check_open()
+        name = name or getattr(fn, "__name__", "op")
+        reads_l, writes_l = list(reads), list(writes)
+        args = _unmark(args, reads_l, writes_l)
+        kwargs = _unmark(kwargs, reads_l, writes_l)
+        accesses, write_regions = self._accesses(reads_l, writes_l, name)
+        written = [b.id for b in writes_l if isinstance(b, RemoteBuffer)]
+        worker = self._place(accesses, run_on, name)
+        for b in writes_l:
+            if isinstance(b, RemoteBuffer) and b.worker != worker:
+                raise InvalidBuffer(f"op {name!r} runs on ray:{worker} but writes {b!r}: run it there "
+                                    f"(run_on={b.device!r}), or write into a buffer on ray:{worker}")
+        declared = {b.id for b in (*reads_l, *writes_l) if isinstance(b, RemoteBuffer)}
+        remote: dict[int, RemoteBuffer] = {}
+        args = _swap(args, worker, remote)
+        kwargs = _swap(kwargs, worker, remote)
+        self._check_declared(args, kwargs, declared, name)
+        with self._lock:
+            graph = self._recording.get(threading.get_ident())
+            if graph is not None:
+                mine = [(b, False) for b in reads_l] + [(b, True) for b in writes_l]
+                ids = {w: tuple(b.id for b, wr in mine if isinstance(b, RemoteBuffer) and b.worker == worker
+                                and wr == w) for w in (False, True)}
+                return graph._add(fn, args, kwargs, accesses, write_regions, worker, remote, name, ids)
+            return self._submit_eager(fn, args, kwargs, accesses, write_regions, worker, remote, name,
+                                      written)
+
+    def _submit_eager(self, fn: Any, args: tuple, kwargs: dict, accesses: list[Access],
+                      write_regions: list[Region], worker: int, remote: dict[int, RemoteBuffer],
+                      name: str, written: list[int]) -> Future:
+        self._wait_graphs(worker, remote)
+        future = Future()
+        future.op_name = name
+        op = _Op(next(self._seq), name, worker, write_regions, future)
+        deps = self._tracker.link(op, accesses)
+        op.deps = tuple(d.seq for d in deps)
+        fail_if = [d.seq for d in deps if d.worker == worker and _writes_any(d, accesses)]
+        incoming = [(b.id, self._export(b, deps), b.device) for b in remote.values()]
+        for bid in written:  # a transfer of it made before this op is not of its new value
+            self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
+        self._inflight.add(op)
+        self._pending[worker] += 1
+        ref = self._workers[worker].run_op.remote((op.seq, name, fn, args, kwargs, fail_if, incoming,
+                                                   self.timeout_s))
+        ref.future().add_done_callback(lambda f, op=op: self._finish(op, f))
+        return future
+
+    def _export(self, buf: RemoteBuffer, deps: list[_Op]) -> Any:
+        """The transfer of ``buf``'s value as it is after the ops submitted so far (one per version)."""
+        version = self._writes_of.get(buf.id, 0)
+        cached = self._exports.get(buf.id)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        fail_if = [d.seq for d in deps if d.worker == buf.worker
+                   and any(r.overlaps(buf.region) for r in d.writes)]
+        ref = self._workers[buf.worker].export.remote(buf.id, fail_if, f"transfer of {buf!r}")
+        self._exports[buf.id] = (version, ref)
+        return ref
+
+    def _finish(self, op: _Op, done: Any) -> None:
+        """Settle ``op``'s future from its worker's answer (a Ray callback thread)."""
+        t_done = time.time()
+        try:
+            status, a, b, t0, t_in, t1 = done.result()
+        except ray.exceptions.RayActorError as e:  # the worker died (or Ray cannot reach it)
+            status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(e).__name__), None
+            t0 = t_in = t1 = t_done
+        except Exception as e:  # anything else Ray raises (say, the function cannot be unpickled
+            # there: its module is not on the worker) fails this op, visibly
+            status, a, b, t0, t_in, t1 = "err", e, None, t_done, t_done, t_done
+        with self._lock:
+            op.done = True
+            op.failed = status != "ok"
+            self._inflight.discard(op)
+            self._pending[op.worker] -= 1
+            if status == "err":
+                self._failures.append(a)
+            prof = self._profile
+            if prof is not None:
+                self._add_spans(prof, op, t0, t_in, t1, op.failed)
+            self._idle.notify_all()
+        if status == "ok":
+            op.future.set_result(self._handle(a, op))
+        elif status == "err":
+            op.future.set_exception(a)
+        else:
+            op.future.set_exception(DependencyFailed(op.name, a, b))
+
+    def _handle(self, value: Any, op: _Op) -> Any:
+        """An op's return value for the driver: a buffer it returned becomes its handle."""
+        return self._buffers.get(value.id, value) if type(value) is Buf else value
+
+    # --- waiting, profiling, recording ---------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every op submitted so far; raise an ``ExceptionGroup`` of the ops that failed first
+        (not their dependents) since the last call. Later ops no longer inherit those failures."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._inflight)} op(s) still running after timeout_s="
+                                       f"{self.timeout_s} s (the first: {next(iter(self._inflight)).name!r})")
+                self._idle.wait(left)
+            failures, self._failures = self._failures, []
+            if failures:
+                self._tracker.forget(lambda op: op.done)
+        for g in list(self._graphs):
+            g._wait_runs(self.timeout_s)
+        if failures:
+            raise BaseExceptionGroup(f"{len(failures)} streamdag op(s) failed", failures)
+
+    @contextmanager
+    def profile(self) -> Iterator[Any]:
+        """Time every op run inside the block, on every worker: ``prof.timeline`` once it is left.
+
+        The timeline is the local runtime's (:class:`streamdag.Timeline`): a process per worker
+        (``device`` ``ray:N``), its ops on stream 0, the wait for an eager op's inputs from other
+        workers as a ``copy`` span on stream 1, and a recorded graph's ops as they ran in its
+        compiled graph.
+        """
+        prof = _Profile()
+        with self._lock:
+            if self._profile is not None:
+                raise RuntimeError("rt.profile() is already active on this runtime: nest no second one")
+            self._profile = {"t0": time.time(), "spans": prof.spans}
+        try:
+            yield prof
+            self.synchronize()
+        finally:
+            with self._lock:
+                self._profile = None
+            prof.timeline = Timeline(sorted(prof.spans, key=lambda s: s.start))
+
+    def _reserve(self, n: int) -> int:
+        """The first of ``n`` op numbers of their own (a graph run's ops, on the timeline)."""
+        with self._lock:
+            first = next(self._seq)
+            for _ in range(n - 1):
+                next(self._seq)
+        return first
+
+    def _add_spans(self, prof: dict[str, Any], op: Any, t0: float, t_in: float, t1: float,
+                   failed: bool, deps: Sequence[int] | None = None) -> None:
+        base = prof["t0"]
+        device = f"ray:{op.worker}"
+        if t_in - t0 > 1e-6:  # the wait for its inputs from other workers: a track of its own
+            prof["spans"].append(Span(-1 - op.seq, f"transfer_for_{op.name}", device, 1, "copy",
+                                      (t0 - base) * 1e3, (t_in - base) * 1e3))
+        prof["spans"].append(Span(op.seq, op.name, device, 0, "compute", (t_in - base) * 1e3,
+                                  (t1 - base) * 1e3, tuple(op.deps if deps is None else deps), failed))
+
+    @contextmanager
+    def record(self) -> Iterator[Any]:
+        """Record the submits of this thread into a graph that runs as one Ray Compiled Graph."""
+        from .compiled import RayGraph
+
+        self._check_open()
+        me = threading.get_ident()
+        graph = RayGraph(self)
+        with self._lock:
+            if me in self._recording:
+                raise RuntimeError("rt.record() blocks do not nest: leave the first before the second")
+            self._recording[me] = graph
+        try:
+            yield graph
+        finally:
+            with self._lock:
+                del self._recording[me]
+        graph._finish_recording()
+        self._graphs.append(graph)
+
+    def wait_for_workers(self) -> list[str]:
+        """Wait until every worker answers (Ray restarts a lost one); returns the restarted ones.
+
+        Ops submitted to a worker while Ray restarts it fail with :class:`WorkerLost`: call this
+        first where that matters. Raises ``TimeoutError`` after ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        restarted = []
+        for i, h in enumerate(self._workers):
+            while True:
+                try:
+                    token = ray.get(h.where.remote(), timeout=max(deadline - time.monotonic(), 0.1))[3]
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"worker ray:{i} did not answer within timeout_s={self.timeout_s} s") \
+                        from None
+                except ray.exceptions.RayActorError:  # restarting: ask again
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"worker ray:{i} did not come back within timeout_s="
+                                           f"{self.timeout_s} s") from None
+                    time.sleep(0.05)
+            if token != self._tokens[i]:
+                restarted.append(f"ray:{i}")
+                self._tokens[i] = token
+        return restarted
+
+    def worker(self, device: str | int) -> Any:
+        """The Ray actor handle of a worker (to call it, or ``ray.kill`` it in a test of failures)."""
+        return self._workers[self._worker_index(device)]
+
+    def close(self) -> None:
+        """Tear the compiled graphs down and end the workers (waiting for the ops in flight first)."""
+        if self._closed:
+            return
+        try:
+            if getattr(self, "_inflight", None):
+                self.synchronize()
+        except BaseException:  # close still ends the workers; failures were reported
+            pass
+        finally:
+            self._closed = True
+            for g in getattr(self, "_graphs", []):
+                g._teardown()
+            for h in self._workers:
+                ray.kill(h)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosed("this ray Runtime was closed: make a new one")
+
+    def _worker_index(self, on: str | int) -> int:
+        i = int(on.split(":", 1)[1]) if isinstance(on, str) and on.startswith("ray:") else on
+        if not isinstance(i, int) or not 0 <= i < len(self._workers):
+            raise ValueError(f"{on!r} is not a worker of this runtime: one of {', '.join(self.devices)} "
+                             f"(or its number)")
+        return i
+
+    def _accesses(self, reads: list[Any], writes: list[Any], name: str) -> tuple[list[Access], list[Region]]:
+        out: list[Access] = []
+        for value, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
+            if isinstance(value, RemoteBuffer):
+                if value.freed:
+                    raise InvalidBuffer(f"op {name!r} uses {value!r}, which rt.free() let go: make a new "
+                                        "buffer (rt.empty / rt.put)")
+                out.append(Access(value.region, write))
+            elif write:
+                raise InvalidBuffer(
+                    f"op {name!r} writes a {type(value).__name__} of the driver: a worker cannot write "
+                    "driver memory; write into a buffer on a worker (rt.empty / rt.put) and read it back "
+                    "with rt.get(buf).result()")
+            elif not (isinstance(value, np.ndarray) or hasattr(value, "__array_interface__")
+                      or hasattr(value, "untyped_storage")):
+                raise InvalidBuffer(f"op {name!r} reads a {type(value).__name__}: declare RemoteBuffers "
+                                    "or arrays; plain values need no declaration")
+            # a driver array is sent by value, as it is at the submit: nothing to order
+        return out, [a.region for a in out if a.write]
+
+    def _place(self, accesses: list[Access], run_on: str | int | None, name: str) -> int:
+        if run_on is not None:
+            return self._worker_index(run_on)
+        for want_write in (True, False):
+            for a in accesses:
+                if a.write == want_write:
+                    return int(a.region.space[4:])
+        return min(range(len(self._workers)), key=self._pending.__getitem__)
+
+    @staticmethod
+    def _check_declared(args: Any, kwargs: Any, declared: set[int], name: str) -> None:
+        found: list[int] = []
+        _collect_buffers((args, kwargs), found)
+        missing = [b for b in found if b not in declared]
+        if missing:
+            raise InvalidBuffer(f"op {name!r} takes a RemoteBuffer it does not declare: mark it "
+                                "sd.read(buf)/sd.write(buf), or list it in reads=/writes=, so that its "
+                                "order with the other ops on it is known")
+
+    def _wait_eager(self, workers: set[int]) -> None:
+        """A graph run waits for the eager ops in flight on its workers (see :meth:`_wait_graphs`)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            while any(self._pending[w] for w in workers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"eager ops on workers {sorted(workers)} still running after "
+                                       f"timeout_s={self.timeout_s} s")
+                self._idle.wait(left)
+
+    def _wait_graphs(self, worker: int, remote: dict[int, RemoteBuffer]) -> None:
+        """An eager op on a worker waits for runs of recorded graphs in flight there (they run on the
+        worker's compiled-graph thread, beside its eager calls)."""
+        workers = {worker, *(b.worker for b in remote.values())}
+        for g in self._graphs:
+            if g._runs_in_flight and workers & g._workers_used:
+                g._wait_runs(self.timeout_s)
+
+
+def _writes_any(op: _Op, accesses: list[Access]) -> bool:
+    return any(r.overlaps(a.region) for r in op.writes for a in accesses)
+
+
+def _collect_buffers(value: Any, found: list[int]) -> None:
+    kind = type(value)
+    if kind is Buf:
+        found.append(value.id)
+    elif kind is Incoming:
+        found.append(value.key)
+    elif kind in (list, tuple):
+        for v in value:
+            _collect_buffers(v, found)
+    elif kind is dict:
+        for v in value.values():
+            _collect_buffers(v, found)
+
+
+def _copy_of(x: Any) -> Any:
+    return x.detach().cpu().numpy().copy() if hasattr(x, "detach") else np.array(x, copy=True)
+
+
+class _Profile:
+    """What ``rt.profile()`` yields: ``timeline`` once the block is left."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.timeline: Timeline | None = None

@@ -1,0 +1,313 @@
+"""streamdag.ray on a local two-node Ray cluster: placement, transfers, failures, recorded graphs as
+Ray Compiled Graphs, the timeline, and random programs against serial execution."""
+
+import random
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray", reason="streamdag.ray needs ray: pip install 'streamdag[ray]'")
+
+import ray
+
+import streamdag as sd
+from streamdag.ray import Runtime
+
+pytestmark = pytest.mark.ray
+# the workers unpickle this module's functions by value: it is not importable where they run
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def rt(ray_cluster):
+    with Runtime(3, num_cpus=0.25, timeout_s=60) as runtime:
+        yield runtime
+
+
+def test_workers_spread_over_the_nodes(rt):
+    assert len(set(rt.nodes)) == 2
+
+
+def test_an_op_runs_where_it_writes_and_reads_other_workers_buffers_as_transfers(rt):
+    a = rt.put(np.arange(4.0), on=0)
+    b = rt.empty(4, on=1)
+    where = rt.submit(lambda x, out: (np.multiply(x, 2.0, out=out), __import__("os").getpid())[1],
+                      sd.read(a), sd.write(b)).result()
+    assert where == ray.get(rt.worker(1).where.remote())[0]
+    np.testing.assert_array_equal(rt.get(b).result(), [0.0, 2.0, 4.0, 6.0])
+    # a later write of `a` does not change what the earlier read received
+    rt.put(np.full(4, 9.0), out=a)
+    np.testing.assert_array_equal(rt.get(b).result(), [0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(rt.get(a).result(), np.full(4, 9.0))
+
+
+def test_an_op_returning_its_buffer_gives_back_the_handle(rt):
+    a = rt.put(np.ones(3), on=2)
+    assert rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a)).result() is a
+
+
+def test_bad_buffers_are_refused_with_the_fix(rt):
+    a = rt.put(np.ones(3), on=0)
+    with pytest.raises(sd.InvalidBuffer, match="run it there"):
+        rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a), run_on=1)
+    with pytest.raises(sd.InvalidBuffer, match="driver"):
+        rt.submit(np.add, sd.read(a), 1.0, out=sd.write(np.zeros(3)))
+    with pytest.raises(sd.InvalidBuffer, match="does not declare"):
+        rt.submit(np.add, a, 1.0)
+    with pytest.raises(ValueError, match="not a worker"):
+        rt.empty(3, on="ray:7")
+    rt.free(a)
+    with pytest.raises(sd.InvalidBuffer, match="free"):
+        rt.get(a)
+
+
+def test_a_failed_op_fails_its_dependents_on_other_workers_and_not_the_others(rt):
+    def boom(out):
+        raise ValueError("boom")
+
+    a = rt.empty(4, on=0)
+    b = rt.empty(4, on=1)
+    ok = rt.put(np.ones(4), on=1)
+    failed = rt.submit(boom, sd.write(a))
+    dependent = rt.submit(np.add, sd.read(a), 1.0, out=sd.write(b))  # on ray:1, via a transfer
+    second = rt.submit(np.add, sd.read(b), 1.0, out=sd.write(b))
+    independent = rt.submit(np.add, sd.read(ok), 1.0, out=sd.write(ok))
+    with pytest.raises(ValueError, match="boom"):
+        failed.result()
+    for f in (dependent, second):
+        with pytest.raises(sd.DependencyFailed, match="boom"):
+            f.result()
+    assert independent.result() is ok
+    with pytest.raises(sd.ExceptionGroup) as group:
+        rt.synchronize()
+    assert [type(e) for e in group.value.exceptions] == [ValueError]
+    # the failure is reported once; later writes start afresh
+    rt.put(np.zeros(4), out=a)
+    rt.submit(np.add, sd.read(a), 2.0, out=sd.write(b)).result()
+    np.testing.assert_array_equal(rt.get(b).result(), np.full(4, 2.0))
+
+
+def test_a_recorded_graph_runs_as_one_compiled_graph_again_and_again(rt):
+    a = rt.put(np.arange(4.0), on=0)
+    b = rt.empty(4, on=1)
+    c = rt.empty(4, on=0)
+    with rt.record() as g:
+        n0 = rt.submit(np.add, sd.read(a), 1.0, out=sd.write(c))
+        rt.submit(np.multiply, sd.read(c), 3.0, out=sd.write(b))
+        rt.submit(np.add, sd.read(b), sd.read(a), out=sd.write(c))
+    assert "Ray Compiled Graph of 3 task(s)" in g.explain()
+    for _ in range(3):
+        result = g.run().result()
+        np.testing.assert_array_equal(rt.get(c).result(), 3 * (np.arange(4.0) + 1) + np.arange(4.0))
+    assert result[n0] is c
+    assert g.compiles == 1
+
+
+def _stage(x, w, out):
+    np.tanh(x @ w, out=out)
+
+
+def test_a_pipeline_of_micro_batches_over_the_nodes_matches_serial_execution(rt):
+    rng = np.random.default_rng(1)
+    stages = [0, 1, 2, 0]  # a stage per worker, back to the first: the workers are on both nodes
+    assert len({rt.nodes[w] for w in stages}) == 2
+    weights = [rng.standard_normal((8, 8)) / 3 for _ in stages]
+    ws = [rt.put(w, on=s) for w, s in zip(weights, stages)]
+    inputs = [rt.empty((4, 8), on=0) for _ in range(3)]
+    outs = [[rt.empty((4, 8), on=s) for _ in inputs] for s in stages]
+    with rt.record() as g:
+        for i, x in enumerate(inputs):
+            h = x
+            for s in range(len(stages)):
+                rt.submit(_stage, sd.read(h), sd.read(ws[s]), sd.write(outs[s][i]), name=f"s{s}[{i}]")
+                h = outs[s][i]
+    for _ in range(2):  # new micro-batches each run
+        batches = [rng.standard_normal((4, 8)) for _ in inputs]
+        for buf, b in zip(inputs, batches):
+            rt.put(b, out=buf)
+        g.run().result(timeout=60)
+        for i, b in enumerate(batches):
+            want = b
+            for w in weights:
+                want = np.tanh(want @ w)
+            np.testing.assert_allclose(rt.get(outs[-1][i]).result(timeout=60), want, rtol=1e-12)
+    assert g.compiles == 1
+
+
+def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
+    a = rt.put(np.arange(3.0), on=0)
+    with rt.record() as g:
+        node = rt.submit(lambda x: x * 2, sd.read(a), run_on=1)  # reads a transfer, returns an array
+    kept = [g.run().result(timeout=60)[node] for _ in range(3)]  # a kept view would block the next run
+    for got in kept:
+        np.testing.assert_array_equal(got, [0.0, 2.0, 4.0])
+
+
+def test_a_graph_run_follows_eager_writes_on_a_worker_that_only_sends_it_values(rt):
+    a = rt.put(np.zeros(2), on=0)
+    with rt.record() as g:  # ray:0 has no op of the graph: it only sends `a`
+        node = rt.submit(lambda x: x.copy(), sd.read(a), run_on=1)
+    got = []
+    for i in range(20):
+        rt.put(np.full(2, float(i)), out=a)
+        got.append(g.run().result(timeout=60)[node][0])
+    assert got == [float(i) for i in range(20)]
+
+
+def test_a_failed_op_in_a_recorded_graph_fails_its_dependents_and_the_run(rt):
+    def maybe_boom(x, out):
+        if x[0] < 0:
+            raise ValueError("negative")
+        np.copyto(out, x)
+
+    a = rt.put(np.ones(2), on=0)
+    b = rt.empty(2, on=1)
+    other = rt.put(np.zeros(2), on=2)
+    with rt.record() as g:
+        rt.submit(maybe_boom, sd.read(a), sd.write(b))
+        rt.submit(np.add, sd.read(b), 1.0, out=sd.write(b))
+        rt.submit(np.add, sd.read(other), 1.0, out=sd.write(other))
+    g.run().result()
+    rt.put(-np.ones(2), out=a)
+    with pytest.raises(sd.ExceptionGroup) as group:
+        g.run().result()
+    assert [type(e) for e in group.value.exceptions] == [ValueError]
+    np.testing.assert_array_equal(rt.get(other).result(), [2.0, 2.0])  # the independent op ran
+    rt.put(np.ones(2), out=a)
+    g.run().result()
+    np.testing.assert_array_equal(rt.get(b).result(), [2.0, 2.0])
+
+
+def test_the_timeline_has_every_worker_and_its_transfers(rt):
+    a = rt.put(np.ones(1000), on=0)
+    b = rt.empty(1000, on=1)
+    with rt.record() as g:
+        rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a), name="inc")
+        rt.submit(np.multiply, sd.read(a), 2.0, out=sd.write(b), name="double")
+    with rt.profile() as prof:
+        g.run().result()
+        rt.submit(np.add, sd.read(b), sd.read(a), out=sd.write(b), name="eager_add").result()
+    spans = {s.name: s for s in prof.timeline.spans}
+    assert {"inc", "double", "eager_add", "transfer_for_eager_add"} <= set(spans)
+    assert spans["inc"].device == "ray:0" and spans["double"].device == "ray:1"
+    assert spans["inc"].end <= spans["double"].start + 1e-3
+    assert spans["transfer_for_eager_add"].kind == "copy"
+    assert spans["double"].deps == (spans["inc"].seq,)  # numbered apart from the eager ops
+    assert spans["eager_add"].seq not in {spans["inc"].seq, spans["double"].seq}
+    events = prof.timeline.to_chrome_trace()["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+        "streamdag ray:0", "streamdag ray:1"}
+    assert any(e["ph"] == "s" for e in events)  # the dependency across workers, as a flow arrow
+
+
+def _program(seed: int, n_bufs: int = 6, n_ops: int = 24, workers: int = 3):
+    """A random program over small buffers on random workers: (owner of each buffer, ops), each op
+    ``(kind, out, x, y, k)``; kinds ``axpy`` (out = x * k + y), ``scale`` (out *= k), ``boom`` (raises)."""
+    rng = random.Random(seed)
+    owner = [rng.randrange(workers) for _ in range(n_bufs)]
+    ops = []
+    for _ in range(n_ops):
+        kind = rng.choices(["axpy", "scale", "boom"], [6, 3, 1 if seed % 2 else 0])[0]
+        ops.append((kind, rng.randrange(n_bufs), rng.randrange(n_bufs), rng.randrange(n_bufs),
+                    rng.choice([0.5, 2.0, -1.0])))
+    return owner, ops
+
+
+def _axpy(x, y, k, out):
+    np.add(x * k, y, out=out)
+
+
+def _scale(k, out):
+    out *= k
+
+
+def _boom(out):
+    raise ArithmeticError("boom")
+
+
+def _serial(ops, values, poisoned):
+    """The program run op by op on numpy arrays; which ops fail (root or inherited)."""
+    outcome = []
+    for kind, o, x, y, k in ops:
+        touched = {o} if kind in ("scale", "boom") else {o, x, y}
+        if touched & poisoned:
+            outcome.append("dep")
+            poisoned.add(o)
+        elif kind == "boom":
+            outcome.append("err")
+            poisoned.add(o)
+        else:
+            if kind == "axpy":
+                values[o] = values[x] * k + values[y]
+            else:
+                values[o] = values[o] * k
+            outcome.append("ok")
+    return outcome
+
+
+def _submit_all(rt, ops, bufs):
+    out = []
+    for kind, o, x, y, k in ops:
+        if kind == "axpy":
+            out.append(rt.submit(_axpy, sd.read(bufs[x]), sd.read(bufs[y]), k, sd.write(bufs[o])))
+        elif kind == "scale":
+            out.append(rt.submit(_scale, k, sd.write(bufs[o])))
+        else:
+            out.append(rt.submit(_boom, sd.write(bufs[o])))
+    return out
+
+
+def _status(future):
+    try:
+        future.result(timeout=60)
+    except sd.DependencyFailed:
+        return "dep"
+    except ArithmeticError:
+        return "err"
+    return "ok"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_match_serial_execution_eagerly_and_recorded(rt, seed):
+    owner, ops = _program(seed)
+    start = [np.arange(4.0) + i for i in range(len(owner))]
+    bufs = [rt.put(v, on=w) for v, w in zip(start, owner)]
+    expected = [v.copy() for v in start]
+    poisoned: set[int] = set()
+    outcome = _serial(ops, expected, poisoned)
+    assert [_status(f) for f in _submit_all(rt, ops, bufs)] == outcome
+    for i, buf in enumerate(bufs):
+        if i not in poisoned:
+            np.testing.assert_allclose(rt.get(buf).result(), expected[i])
+    with pytest.raises(sd.ExceptionGroup) if "err" in outcome else _nothing():
+        rt.synchronize()
+
+    # recorded: the same program, run twice from fresh values (the second run continues the first)
+    for buf, v in zip(bufs, start):
+        rt.put(v, out=buf)
+    with rt.record() as g:
+        _submit_all(rt, ops, bufs)
+    expected = [v.copy() for v in start]
+    for _ in range(2):
+        poisoned = set()
+        outcome = _serial(ops, expected, poisoned)
+        run = g.run()
+        if "err" in outcome:
+            with pytest.raises(sd.ExceptionGroup):
+                run.result(timeout=60)
+        else:
+            run.result(timeout=60)
+        for i, buf in enumerate(bufs):
+            if i not in poisoned:
+                np.testing.assert_allclose(rt.get(buf).result(), expected[i])
+        if poisoned:
+            break
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
