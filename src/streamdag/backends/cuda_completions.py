@@ -98,8 +98,9 @@ class _Completions:
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
-        #: ``seq``: the last entry's token (see ``put``), a C field the compiled submit reads and
-        #: writes (``native/_submit.c``: ``completions_put``)
+        #: ``seq``: the last entry's token (see ``put``); ``woken``: ``_wake`` is set and the thread
+        #: has not yet cleared it. C fields the compiled submit reads and writes
+        #: (``native/_submit.c``: ``completions_put``)
         self._counts = new_counters()
         self._wake = threading.Event()
         self._hurry = threading.Event()
@@ -127,7 +128,8 @@ class _Completions:
         counts = self._counts
         token = counts.seq = (counts.seq // n + 1) * n + stream
         self._queues[stream].append((token, event, callback))
-        if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
+        if not counts.woken:  # setting the event takes a Python-level condition: only when needed
+            counts.woken = True
             self._wake.set()
         return token
 
@@ -316,7 +318,9 @@ class _Completions:
             if self._stopping:
                 return
             self._wake.wait()
+            # cleared before ``woken``: a put in between skips the set, and the drain above sees it
             self._wake.clear()
+            self._counts.woken = False
 
     def hurry(self) -> None:
         """Someone waits for a finish: end the pause between passes now, and poll for a while."""

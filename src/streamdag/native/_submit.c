@@ -60,7 +60,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
-                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
+                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
                 *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
@@ -220,11 +220,13 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
 /* the runtime's counts (``rt._counts``): ops submitted (the last op's number), completed, and the
  * most pending at once. Python code reads and writes them as attributes; the compiled submit and
  * finish as C fields, with no dictionary and no int object per op. A CUDA backend's completion
- * queues count in one too (``_Completions._counts``: ``seq`` is their last entry's token). */
+ * queues count in one too (``_Completions._counts``: ``seq`` is their last entry's token, ``woken``
+ * whether a wake-up of their thread is pending). */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
     Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
+    char woken;  /* completion queues: their thread's wake-up is set and not yet taken */
 } Counters;
 
 static PyTypeObject *counters_type;
@@ -235,14 +237,15 @@ static PyMemberDef counters_members[] = {
     {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
     {"free", T_PYSSIZET, offsetof(Counters, free), 0, "slots free under max_inflight"},
     {"waiting", T_PYSSIZET, offsetof(Counters, waiting), 0, "submitters waiting for a slot"},
+    {"woken", T_BOOL, offsetof(Counters, woken), 0, "completion queues: a wake-up of their thread is pending"},
     {NULL}
 };
 
 static PyType_Slot counters_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_members, counters_members},
-    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting), read "
-                "and written by the compiled submit in C."},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; a "
+                "completion thread's woken), read and written by the compiled submit in C."},
     {0, NULL}
 };
 
@@ -356,7 +359,7 @@ typedef struct {
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
-             *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake_dict,
+             *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake,
              *refuse_in_capture;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
@@ -379,7 +382,7 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
     X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
-    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
+    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake) \
     X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
     X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py) \
@@ -481,18 +484,13 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         Py_INCREF(self->completions);
         self->torch = state.torch;
         if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
-        /* their token counter is a C field; their wake-up event's flag is read in its __dict__ (the
-         * event is made once, with them) */
+        /* their token counter and whether their thread's wake-up is pending are C fields */
         if ((self->completion_counts = PyObject_GetAttrString(self->completions, "_counts")) == NULL) return -1;
         if (Py_TYPE(self->completion_counts) != counters_type) {
             PyErr_SetString(PyExc_TypeError, "Submitter: the completions must count in a native Counters");
             return -1;
         }
-        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
-        if (wake == NULL) return -1;
-        self->wake_dict = PyObject_GenericGetDict(wake, NULL);
-        Py_DECREF(wake);
-        if (self->wake_dict == NULL) return -1;
+        if ((self->wake = PyObject_GetAttr(self->completions, s_wake)) == NULL) return -1;
         if (!PyList_CheckExact(self->queues)) {
             PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
             return -1;
@@ -868,13 +866,9 @@ static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream
     }
     Py_XDECREF(entry);
     if (bad) { Py_DECREF(token); return NULL; }
-    PyObject *flag = PyDict_GetItemWithError(self->wake_dict, s_flag);  /* threading.Event.is_set() reads it */
-    if (flag == NULL && PyErr_Occurred()) { Py_DECREF(token); return NULL; }
-    if (flag != Py_True) {  /* the completion thread sleeps: wake it */
-        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
-        bad = wake == NULL || call_method0(wake, s_set) < 0;
-        Py_XDECREF(wake);
-        if (bad) { Py_DECREF(token); return NULL; }
+    if (!tokens->woken) {  /* no wake-up pending: the completion thread may sleep */
+        tokens->woken = 1;
+        if (call_method0(self->wake, s_set) < 0) { Py_DECREF(token); return NULL; }
     }
     return token;
 }
@@ -2353,7 +2347,7 @@ static int submit_init(PyObject *m) {
     S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
-    S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
+    S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
