@@ -126,6 +126,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
         (speedups.RLock, threading.RLock),
         (speedups.Counters, threads._Counters),
         (speedups.Parts, ops._Parts),
+        (speedups.OpFields, ops._PyOpFields),  # (ops.Op, made on it at import, keeps its record)
         (speedups.BudgetCounts, budgets._BudgetCounts),
         (speedups.completions_pass, None),
         (speedups.completions_finish_one, None),

@@ -175,8 +175,8 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
 @compiled
 @pytest.mark.parametrize("which", ["Op", "Future"])
 def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
-    """An op or future made in C has only the slots the C sets: one added in Python alone would be
-    missing from every op (an AttributeError far from its cause). The setup names it instead."""
+    """An op or future made in C has only the fields the C sets: one added in Python alone would be
+    missing from every op (an AttributeError far from its cause). The setup refuses it instead."""
     from streamdag.runtime import ops
 
     def with_extra(cls):
@@ -185,13 +185,31 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     op_type = with_extra(ops.Op) if which == "Op" else ops.Op
     future_type = with_extra(ops.Future) if which == "Future" else ops.Future
     speedups = native.load()
+    refusal = ("Op must subclass native OpFields and add no fields .* native/_submit.c" if which == "Op"
+               else "Future has a slot added_later .* native/_submit.c")
     try:
-        with pytest.raises(TypeError, match=f"{which} has a slot added_later .* native/_submit.c"):
+        with pytest.raises(TypeError, match=refusal):
             speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
                                   completion.finished_ok, ops.release_frames)
     finally:  # the module's state is global: the runtime's own classes again
         speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
                               completion.finished_ok, ops.release_frames)
+
+
+@compiled
+def test_the_compiled_op_record_has_the_fields_of_the_python_one():
+    """``native.OpFields`` (the op record in C) and ``ops._PyOpFields`` declare the same fields, and
+    an Op made by ``Op.__init__`` on the compiled record has every one of them set."""
+    import types
+
+    from streamdag.runtime import ops
+
+    record = native.load().OpFields
+    compiled = {name for name, d in vars(record).items() if isinstance(d, types.MemberDescriptorType)}
+    assert compiled == set(ops._PyOpFields.__slots__)
+    assert ops.Op.__bases__ == (record,) and ops.Op.__slots__ == ()
+    op = ops.Op(7, "f", print, (), {}, [])
+    assert all(hasattr(op, name) for name in compiled)
 
 
 @compiled

@@ -14,26 +14,22 @@
  * Included by _speedups.c (one module). Plain CPython API.
  */
 
-/* Op's slots, read and written at the offsets of its member descriptors */
-enum {
-    OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
-    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FINISH, OP_NUMBERED,
-    OP_FIELDS
-};
 /* the slots of a Future the compiled code sets and reads (ops.Future.__slots__) */
 enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_OP_NUMBER,
        F_FIELDS };
 static const char *future_field_names[F_FIELDS] = {
     "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "_op_name", "_op_number"
 };
+/* the op record's fields by name, in the order of the OP_ enum (_speedups.c) */
 static const char *op_field_names[OP_FIELDS] = {
     "seq", "_name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
     "done", "error", "root_name", "root_error", "value", "keep", "run_id", "finish", "_numbered"
 };
 
+static PyTypeObject *op_fields_type;  /* OpFields, the op record's type */
+
 static struct {
-    PyTypeObject *op_type;
-    Py_ssize_t op_offset[OP_FIELDS];
+    PyTypeObject *op_type;  /* ops.Op: a subclass of OpFields that adds no fields */
     PyObject *op_names[OP_FIELDS];  /* interned */
     PyTypeObject *future_type;
     Py_ssize_t future_offset[F_FIELDS];
@@ -65,7 +61,6 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
                 *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
-#define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
 #define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
 
 /* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
@@ -86,7 +81,7 @@ static void future_set(PyObject *future, int f, PyObject *value) {
     Py_XDECREF(old);
 }
 
-/* a field of a tracker node: an Op's slot directly, anything else by name */
+/* a field of a tracker node: an Op's directly, anything else by name */
 static PyObject *field(PyObject *node, int f) {
     if (Py_TYPE(node) == sub.op_type) {
         PyObject *v = OPF(node, f);
@@ -168,7 +163,7 @@ static int all_slots_known(PyTypeObject *tp, const char *what, const char *const
             PyErr_Format(PyExc_TypeError,
                          "setup_submit: %s has a slot %s that the compiled submit does not set: set it in "
                          "native/_submit.c too (%s)", what, name,
-                         what[0] == 'O' ? "op_field_names and new_op" : "future_field_names and new_future");
+                         "future_field_names and new_future");
             return -1;
         }
     }
@@ -184,23 +179,21 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
                           &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn,
                           &release_frames))
         return NULL;
-    if (all_slots_known((PyTypeObject *)op_type, "Op", op_field_names, OP_FIELDS, NULL, 0) < 0
-            || all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
-                               future_lazy_names, 3) < 0)
+    /* an Op made in C has the record's fields and no others: a field added in Python alone would be
+     * missing from every op (an AttributeError far from its cause) */
+    if (!PyType_IsSubtype((PyTypeObject *)op_type, op_fields_type)
+            || ((PyTypeObject *)op_type)->tp_basicsize != op_fields_type->tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError,
+                        "setup_submit: Op must subclass native OpFields and add no fields (__slots__ = ()): "
+                        "declare a new field in the op record in native/_submit.c (op_field_names, new_op)");
         return NULL;
-    for (int f = 0; f < OP_FIELDS; f++) {
-        if ((sub.op_offset[f] = type_slot_offset((PyTypeObject *)op_type, op_field_names[f])) < 0) {
-            PyErr_Format(PyExc_TypeError, "setup_submit: Op has no slot %s", op_field_names[f]);
-            return NULL;
-        }
-        if (sub.op_names[f] == NULL && (sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL)
-            return NULL;
     }
+    if (all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
+                        future_lazy_names, 3) < 0)
+        return NULL;
     Py_XSETREF(sub.op_type, (PyTypeObject *)Py_NewRef(op_type));
     Py_XSETREF(finished_ok.fn, Py_NewRef(finished_ok_fn));
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
-    finished_ok.done = sub.op_offset[OP_DONE];
-    finished_ok.error = sub.op_offset[OP_ERROR];
     for (int f = 0; f < F_FIELDS; f++)
         if ((sub.future_offset[f] = type_slot_offset((PyTypeObject *)future_type, future_field_names[f])) < 0) {
             PyErr_Format(PyExc_TypeError, "setup_submit: Future has no slot %s", future_field_names[f]);
@@ -214,6 +207,45 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_XSETREF(sub.release_frames, Py_NewRef(release_frames));
     Py_RETURN_NONE;
 }
+
+/* ------------------------------------------------------------------ the op record */
+
+static PyMemberDef op_fields_members[OP_FIELDS + 1];  /* from op_field_names (submit_init) */
+
+static int op_fields_traverse(OpRecord *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    for (int f = 0; f < OP_FIELDS; f++) Py_VISIT(self->fields[f]);
+    return 0;
+}
+
+static int op_fields_clear(OpRecord *self) {
+    for (int f = 0; f < OP_FIELDS; f++) Py_CLEAR(self->fields[f]);
+    return 0;
+}
+
+static void op_fields_dealloc(OpRecord *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    op_fields_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot op_fields_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, op_fields_members},
+    {Py_tp_traverse, op_fields_traverse},
+    {Py_tp_clear, op_fields_clear},
+    {Py_tp_dealloc, op_fields_dealloc},
+    {Py_tp_doc, "The fields of a submitted op (ops.Op adds its methods), read and written by the "
+                "compiled submit in C."},
+    {0, NULL}
+};
+
+static PyType_Spec op_fields_spec = {
+    "streamdag.native.OpFields", sizeof(OpRecord), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, op_fields_slots
+};
 
 /* ------------------------------------------------------------------ Counters */
 
@@ -2367,6 +2399,13 @@ static int submit_init(PyObject *m) {
             || (sub.deque_append = PyObject_GetAttr((PyObject *)sub.deque_type, s_append)) == NULL
             || (sub.deque_popleft = PyObject_GetAttr((PyObject *)sub.deque_type, s_popleft)) == NULL)
         return -1;
+    for (int f = 0; f < OP_FIELDS; f++) {
+        op_fields_members[f] = (PyMemberDef){op_field_names[f], T_OBJECT_EX,
+                                             offsetof(OpRecord, fields) + f * sizeof(PyObject *), 0, NULL};
+        if ((sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL) return -1;
+    }
+    op_fields_type = (PyTypeObject *)PyType_FromSpec(&op_fields_spec);
+    if (op_fields_type == NULL || PyModule_AddObjectRef(m, "OpFields", (PyObject *)op_fields_type) < 0) return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
     budget_counts_type = (PyTypeObject *)PyType_FromSpec(&budget_counts_spec);

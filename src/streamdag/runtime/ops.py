@@ -421,13 +421,9 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     return None
 
 
-class Op:
-    """One submitted op. References to its arguments are dropped once it has finished.
-
-    The compiled submit (``native/_submit.c``) makes ops without calling ``__init__``: it fills
-    the slots itself, at the offsets of their descriptors. A slot added here must be set there too
-    (its setup refuses an Op that lacks one it knows, or has one it does not).
-    """
+class _PyOpFields:
+    """The fields of an op where the compiled hot path is not built; where it is, the op record
+    ``native.OpFields`` declares the same fields in C."""
 
     __slots__ = (
         "_name",
@@ -450,6 +446,21 @@ class Op:
         "stamp",
         "value",
     )
+
+
+#: the op record Op builds on: compiled (``native/_submit.c``), else Python; the same fields
+_OpFields: Any = getattr(load_native(), "OpFields", _PyOpFields)
+
+
+class Op(_OpFields):
+    """One submitted op. References to its arguments are dropped once it has finished.
+
+    Its fields are the op record's (``_OpFields``); the compiled submit (``native/_submit.c``) makes
+    ops without calling ``__init__`` and sets each field itself. A field is added to both records,
+    and set there too: its setup refuses an Op that adds fields of its own.
+    """
+
+    __slots__ = ()
 
     def __init__(
         self,
