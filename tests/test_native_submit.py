@@ -197,19 +197,23 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
 
 
 @compiled
-def test_the_compiled_op_record_has_the_fields_of_the_python_one():
-    """``native.OpFields`` (the op record in C) and ``ops._PyOpFields`` declare the same fields, and
-    an Op made by ``Op.__init__`` on the compiled record has every one of them set."""
+@pytest.mark.parametrize("which", ["Op", "Future"])
+def test_the_compiled_records_have_the_fields_of_the_python_ones(which):
+    """``native.OpFields`` and ``native.FutureFields`` (the records in C) declare the fields of
+    ``ops._PyOpFields`` and ``ops._PyFutureFields``; Op adds none, Future only its lazy ones; and
+    one made by ``__init__`` on the compiled record has every field set."""
     import types
 
     from streamdag.runtime import ops
 
-    record = native.load().OpFields
+    record = getattr(native.load(), f"{which}Fields")
     compiled = {name for name, d in vars(record).items() if isinstance(d, types.MemberDescriptorType)}
-    assert compiled == set(ops._PyOpFields.__slots__)
-    assert ops.Op.__bases__ == (record,) and ops.Op.__slots__ == ()
-    op = ops.Op(7, "f", print, (), {}, [])
-    assert all(hasattr(op, name) for name in compiled)
+    assert compiled == set(getattr(ops, f"_Py{which}Fields").__slots__)
+    cls = getattr(ops, which)
+    assert cls.__bases__[0] is record
+    assert set(cls.__slots__) == (set() if which == "Op" else {"_condition", "_done_callbacks", "_waiters"})
+    made = ops.Op(7, "f", print, (), {}, []) if which == "Op" else ops.Future()
+    assert all(hasattr(made, name) for name in compiled)
 
 
 @compiled

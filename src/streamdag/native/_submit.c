@@ -14,9 +14,18 @@
  * Included by _speedups.c (one module). Plain CPython API.
  */
 
-/* the slots of a Future the compiled code sets and reads (ops.Future.__slots__) */
+/* The future record: the fields of a Future that the compiled code sets and reads (``ops.Future``
+ * subclasses its type, ``FutureFields``, adding only the fields made lazily, and its methods). */
 enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_OP_NUMBER,
        F_FIELDS };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fields[F_FIELDS];
+} FutureRecord;
+
+#define FUTF(future, f) (((FutureRecord *)(future))->fields[f])
+
 static const char *future_field_names[F_FIELDS] = {
     "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "_op_name", "_op_number"
 };
@@ -26,13 +35,12 @@ static const char *op_field_names[OP_FIELDS] = {
     "done", "error", "root_name", "root_error", "value", "keep", "run_id", "finish", "_numbered"
 };
 
-static PyTypeObject *op_fields_type;  /* OpFields, the op record's type */
+static PyTypeObject *op_fields_type, *future_fields_type;  /* the records' types: OpFields, FutureFields */
 
 static struct {
     PyTypeObject *op_type;  /* ops.Op: a subclass of OpFields that adds no fields */
     PyObject *op_names[OP_FIELDS];  /* interned */
-    PyTypeObject *future_type;
-    Py_ssize_t future_offset[F_FIELDS];
+    PyTypeObject *future_type;  /* ops.Future: a subclass of FutureFields */
     PyTypeObject *marker_type;
     PyObject *lazy;      /* ops._LAZY: orders a future's condition against setting its outcome */
     PyObject *pending;   /* concurrent.futures' PENDING and FINISHED */
@@ -61,7 +69,6 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
                 *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
-#define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
 
 /* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
 static PyObject *queue_append(PyObject *q, PyObject *item) {
@@ -74,7 +81,7 @@ static PyObject *queue_popleft(PyObject *q) {
     return PyObject_CallMethodNoArgs(q, s_popleft);
 }
 
-/* set a Future's slot (its type checked by the caller: sub.future_type exactly) */
+/* set a Future's field (its type checked by the caller: sub.future_type exactly) */
 static void future_set(PyObject *future, int f, PyObject *value) {
     PyObject *old = FUTF(future, f);
     FUTF(future, f) = Py_NewRef(value);
@@ -112,15 +119,6 @@ static int get_int(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* where ``tp`` keeps the slot ``name`` (a member descriptor of its own), or -1 */
-static Py_ssize_t type_slot_offset(PyTypeObject *tp, const char *name) {
-    PyObject *d = PyDict_GetItemString(tp->tp_dict, name);
-    if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
-            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
-        return -1;
-    return ((PyMemberDescrObject *)d)->d_member->offset;
-}
-
 /* whether two str are equal: by identity where both are interned (keywords and names are) */
 static int same_str(PyObject *a, PyObject *b) {
     if (a == b) return 1;
@@ -145,33 +143,35 @@ static void restore_exception(PyObject *exc) {
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 }
 
-/* 0 if every slot ``tp`` declares (a member descriptor in its own dict) is one of ``known`` or
- * ``unset``; else -1 with a TypeError that names it: a slot added in Python that the compiled
- * submit does not set would be missing from every op (or future) it makes */
-static int all_slots_known(PyTypeObject *tp, const char *what, const char *const *known, int n_known,
-                           const char *const *unset, int n_unset) {
-    PyObject *key, *value;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(tp->tp_dict, &pos, &key, &value)) {
-        if (!PyObject_TypeCheck(value, &PyMemberDescr_Type) || !PyUnicode_Check(key)) continue;
-        const char *name = PyUnicode_AsUTF8(key);
-        if (name == NULL) return -1;
-        int found = 0;
-        for (int i = 0; i < n_known && !found; i++) found = strcmp(name, known[i]) == 0;
-        for (int i = 0; i < n_unset && !found; i++) found = strcmp(name, unset[i]) == 0;
-        if (!found) {
-            PyErr_Format(PyExc_TypeError,
-                         "setup_submit: %s has a slot %s that the compiled submit does not set: set it in "
-                         "native/_submit.c too (%s)", what, name,
-                         "future_field_names and new_future");
-            return -1;
+/* a Future's fields that stay unset until first asked for (its ``__getattr__`` makes them): the only
+ * slots ops.Future may add to the record, as the compiled code leaves them unset */
+static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
+
+/* 0 where the slots ``future_type`` declares (its ``__slots__``) are lazy ones; else -1 with a
+ * TypeError that names the first other one */
+static int only_lazy_slots(PyObject *future_type) {
+    PyObject *slots = PyObject_GetAttrString(future_type, "__slots__");
+    if (slots == NULL) return -1;
+    PyObject *seq = PySequence_Fast(slots, "Future.__slots__ must be a tuple of names");
+    Py_DECREF(slots);
+    if (seq == NULL) return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
+        const char *name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+        int lazy = 0;
+        for (size_t k = 0; name != NULL && k < sizeof(future_lazy_names) / sizeof(*future_lazy_names); k++)
+            lazy |= strcmp(name, future_lazy_names[k]) == 0;
+        if (name == NULL) rc = -1;
+        else if (!lazy) {
+            PyErr_Format(PyExc_TypeError, "setup_submit: Future has a slot %s that the compiled submit does not "
+                         "set: declare it in the future record in native/_submit.c (future_field_names, "
+                         "new_future)", name);
+            rc = -1;
         }
     }
-    return 0;
+    Py_DECREF(seq);
+    return rc;
 }
-
-/* a Future's slots that stay unset until first asked for (its ``__getattr__`` makes them) */
-static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
 
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
     PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn, *release_frames;
@@ -188,17 +188,14 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
                         "declare a new field in the op record in native/_submit.c (op_field_names, new_op)");
         return NULL;
     }
-    if (all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
-                        future_lazy_names, 3) < 0)
+    if (!PyType_IsSubtype((PyTypeObject *)future_type, future_fields_type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_submit: Future must subclass native FutureFields");
         return NULL;
+    }
+    if (only_lazy_slots(future_type) < 0) return NULL;
     Py_XSETREF(sub.op_type, (PyTypeObject *)Py_NewRef(op_type));
     Py_XSETREF(finished_ok.fn, Py_NewRef(finished_ok_fn));
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
-    for (int f = 0; f < F_FIELDS; f++)
-        if ((sub.future_offset[f] = type_slot_offset((PyTypeObject *)future_type, future_field_names[f])) < 0) {
-            PyErr_Format(PyExc_TypeError, "setup_submit: Future has no slot %s", future_field_names[f]);
-            return NULL;
-        }
     Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
     Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
@@ -208,28 +205,32 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------------------------------ the op record */
+/* ------------------------------------------------------------------ the records */
 
-static PyMemberDef op_fields_members[OP_FIELDS + 1];  /* from op_field_names (submit_init) */
+/* a record type's traverse, clear and dealloc: ``n`` object fields, each NULL until set */
+#define RECORD_FUNCTIONS(prefix, Record, n) \
+    static int prefix##_traverse(Record *self, visitproc visit, void *arg) { \
+        Py_VISIT(Py_TYPE(self)); \
+        for (int f = 0; f < (n); f++) Py_VISIT(self->fields[f]); \
+        return 0; \
+    } \
+    static int prefix##_clear(Record *self) { \
+        for (int f = 0; f < (n); f++) Py_CLEAR(self->fields[f]); \
+        return 0; \
+    } \
+    static void prefix##_dealloc(Record *self) { \
+        PyTypeObject *tp = Py_TYPE(self); \
+        PyObject_GC_UnTrack(self); \
+        prefix##_clear(self); \
+        tp->tp_free((PyObject *)self); \
+        Py_DECREF(tp); \
+    }
 
-static int op_fields_traverse(OpRecord *self, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(self));
-    for (int f = 0; f < OP_FIELDS; f++) Py_VISIT(self->fields[f]);
-    return 0;
-}
+RECORD_FUNCTIONS(op_fields, OpRecord, OP_FIELDS)
+RECORD_FUNCTIONS(future_fields, FutureRecord, F_FIELDS)
 
-static int op_fields_clear(OpRecord *self) {
-    for (int f = 0; f < OP_FIELDS; f++) Py_CLEAR(self->fields[f]);
-    return 0;
-}
-
-static void op_fields_dealloc(OpRecord *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    op_fields_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
+/* their members, from op_field_names and future_field_names (submit_init) */
+static PyMemberDef op_fields_members[OP_FIELDS + 1], future_fields_members[F_FIELDS + 1];
 
 static PyType_Slot op_fields_slots[] = {
     {Py_tp_new, PyType_GenericNew},
@@ -245,6 +246,22 @@ static PyType_Slot op_fields_slots[] = {
 static PyType_Spec op_fields_spec = {
     "streamdag.native.OpFields", sizeof(OpRecord), 0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, op_fields_slots
+};
+
+static PyType_Slot future_fields_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, future_fields_members},
+    {Py_tp_traverse, future_fields_traverse},
+    {Py_tp_clear, future_fields_clear},
+    {Py_tp_dealloc, future_fields_dealloc},
+    {Py_tp_doc, "The fields of an op's future that the compiled submit and finish set and read in C "
+                "(ops.Future adds the lazily made ones and its methods)."},
+    {0, NULL}
+};
+
+static PyType_Spec future_fields_spec = {
+    "streamdag.native.FutureFields", sizeof(FutureRecord), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, future_fields_slots
 };
 
 /* ------------------------------------------------------------------ Counters */
@@ -2404,8 +2421,14 @@ static int submit_init(PyObject *m) {
                                              offsetof(OpRecord, fields) + f * sizeof(PyObject *), 0, NULL};
         if ((sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL) return -1;
     }
+    for (int f = 0; f < F_FIELDS; f++)
+        future_fields_members[f] = (PyMemberDef){future_field_names[f], T_OBJECT_EX,
+                                                 offsetof(FutureRecord, fields) + f * sizeof(PyObject *), 0, NULL};
     op_fields_type = (PyTypeObject *)PyType_FromSpec(&op_fields_spec);
     if (op_fields_type == NULL || PyModule_AddObjectRef(m, "OpFields", (PyObject *)op_fields_type) < 0) return -1;
+    future_fields_type = (PyTypeObject *)PyType_FromSpec(&future_fields_spec);
+    if (future_fields_type == NULL || PyModule_AddObjectRef(m, "FutureFields", (PyObject *)future_fields_type) < 0)
+        return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;
     budget_counts_type = (PyTypeObject *)PyType_FromSpec(&budget_counts_spec);
