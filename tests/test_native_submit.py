@@ -243,3 +243,22 @@ def test_ops_are_named_after_their_functions_builtins_included():
     assert compiled_names == names(False)
     assert compiled_names[:6] == ["sqrt#1", "floor#2", "sum#3", "mean#4", "abs#5", "<lambda>#6"]
     assert compiled_names[-2:] == ["root", "sqrt#18"]
+
+
+@compiled
+def test_cuda_launch_parts_whose_completion_queues_are_not_a_counted_list_are_refused():
+    """The compiled submit takes what a CUDA put touches from ``launch_parts`` (queues, counts, wake-up
+    event), not from the completion queues' own attributes: anything but (a list, a native Counters,
+    an event) there is refused when the submitter is made, and a well-formed tuple is taken."""
+    import threading
+
+    from streamdag.runtime import accel
+
+    speedups = native.load()
+    put = ([], speedups.Counters(), threading.Event())
+    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print)
+    with sd.Runtime(streams=2) as rt:
+        speedups.Submitter(rt, accel.accesses, False, parts)
+        for bad in (((), put[1], put[2]), ([], object(), put[2]), put[:2]):
+            with pytest.raises(TypeError):
+                speedups.Submitter(rt, accel.accesses, False, (*parts[:11], bad, *parts[12:]))

@@ -133,6 +133,12 @@ class _Completions:
             self._wake.set()
         return token
 
+    def put_parts(self) -> tuple[list[deque[Any]], Any, threading.Event]:
+        """What :meth:`put` touches: the queues, the counts (``seq``, ``woken``) and the wake-up
+        event, for the compiled submit's put (``native/_submit.c``: ``completions_put``), which
+        does as ``put`` does."""
+        return self._queues, self._counts, self._wake
+
     def _finish_one(self, token: int, relaxed: bool = False) -> bool | None:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
 

@@ -64,7 +64,7 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
-                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_set, *s_popleft,
+                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
                 *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
@@ -524,36 +524,31 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
             || (self->lazy_release = PyObject_GetAttr(sub.lazy, s_release)) == NULL)
         return -1;
     if (cuda != Py_None) {
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OOO", &self->get_device, &self->get_stream, &self->set_stream,
-                              &self->set_device, &self->record, &self->wait, &self->caller_event,
+        /* the completion queues, and what their put() touches (``_Completions.put_parts``): the
+         * queues, their counts (the last entry's token, whether their thread's wake-up is pending:
+         * C fields) and the wake-up event */
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)O", &self->get_device, &self->get_stream,
+                              &self->set_stream, &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
-                              &self->device_index, &self->completions, &self->refuse_in_capture))
+                              &self->device_index, &self->completions, &PyList_Type, &self->queues,
+                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture)) {
+            self->get_device = self->get_stream = self->set_stream = self->set_device = self->record = NULL;
+            self->wait = self->caller_event = self->callers = self->free_events = self->device_index = NULL;
+            self->completions = self->queues = self->completion_counts = self->wake = self->refuse_in_capture = NULL;
             return -1;
-        Py_INCREF(self->refuse_in_capture);
-        Py_INCREF(self->completions);
+        }
+        Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
+        Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
+        Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
+        Py_INCREF(self->device_index); Py_INCREF(self->completions); Py_INCREF(self->queues);
+        Py_INCREF(self->completion_counts); Py_INCREF(self->wake); Py_INCREF(self->refuse_in_capture);
         self->torch = state.torch;
-        if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
-        /* their token counter and whether their thread's wake-up is pending are C fields */
-        if ((self->completion_counts = PyObject_GetAttrString(self->completions, "_counts")) == NULL) return -1;
-        if (Py_TYPE(self->completion_counts) != counters_type) {
-            PyErr_SetString(PyExc_TypeError, "Submitter: the completions must count in a native Counters");
-            return -1;
-        }
-        if ((self->wake = PyObject_GetAttr(self->completions, s_wake)) == NULL) return -1;
-        if (!PyList_CheckExact(self->queues)) {
-            PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
-            return -1;
-        }
         self->streams_indexed = 1;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->streams); i++) {
             Py_ssize_t index;
             if (get_int(PyList_GET_ITEM(self->streams, i), s_index, &index) < 0) return -1;
             self->streams_indexed &= index == i;
         }
-        Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
-        Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
-        Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
-        Py_INCREF(self->device_index);
     }
     return 0;
 }
@@ -2396,7 +2391,7 @@ static int submit_init(PyObject *m) {
     S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
-    S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_set, "set")
+    S(s_index, "index") S(s_append, "append") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
