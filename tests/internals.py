@@ -126,6 +126,9 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
         (speedups.RLock, threading.RLock),
         (speedups.Counters, threads._Counters),
         (speedups.Parts, ops._Parts),
+        # (ops.Op and ops.Future, made on them at import, keep their records: fields only)
+        (speedups.OpFields, ops._PyOpFields),
+        (speedups.FutureFields, ops._PyFutureFields),
         (speedups.BudgetCounts, budgets._BudgetCounts),
         (speedups.completions_pass, None),
         (speedups.completions_finish_one, None),

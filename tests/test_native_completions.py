@@ -184,3 +184,30 @@ def test_cuda_errors_are_told_by_their_own_words_not_pytorchs_advice(words, stic
     exc = RuntimeError(words + PYTORCH_ADVICE)
     assert cuda.is_sticky(exc) == sticky
     assert cuda.refused_during_capture(exc) == refused
+
+
+@pytest.mark.cuda
+def test_an_op_submitted_while_the_completion_thread_sleeps_wakes_it_and_finishes_unwaited():
+    """The submit's put wakes a sleeping completion thread (``woken``, compiled or in Python): each
+    op finishes with nobody waiting on it, and the thread then sleeps again with no wake-up pending."""
+    import threading
+    import time
+
+    import torch
+
+    import streamdag as sd
+
+    rounds = 3
+    with sd.Runtime("cuda", streams=2) as rt:
+        completions = rt.backend._completions
+        x = torch.zeros(16, device="cuda")
+        for _ in range(rounds):
+            deadline = time.monotonic() + 10
+            while completions._counts.woken or any(completions._queues):  # the thread goes to sleep
+                assert time.monotonic() < deadline, "the completion thread never went back to sleep"
+                time.sleep(0.01)
+            done = threading.Event()
+            f = rt.submit(torch.add, x, 1, out=x, reads=[x], writes=[x])
+            f.add_done_callback(lambda _, done=done: done.set())
+            assert done.wait(10), "an op submitted while the completion thread slept never finished"
+    assert x.cpu().eq(rounds).all()

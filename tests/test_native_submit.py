@@ -175,8 +175,8 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
 @compiled
 @pytest.mark.parametrize("which", ["Op", "Future"])
 def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
-    """An op or future made in C has only the slots the C sets: one added in Python alone would be
-    missing from every op (an AttributeError far from its cause). The setup names it instead."""
+    """An op or future made in C has only the fields the C sets: one added in Python alone would be
+    missing from every op (an AttributeError far from its cause). The setup refuses it instead."""
     from streamdag.runtime import ops
 
     def with_extra(cls):
@@ -185,13 +185,35 @@ def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     op_type = with_extra(ops.Op) if which == "Op" else ops.Op
     future_type = with_extra(ops.Future) if which == "Future" else ops.Future
     speedups = native.load()
+    refusal = ("Op must subclass native OpFields and add no fields .* native/_submit.c" if which == "Op"
+               else "Future has a slot added_later .* native/_submit.c")
     try:
-        with pytest.raises(TypeError, match=f"{which} has a slot added_later .* native/_submit.c"):
+        with pytest.raises(TypeError, match=refusal):
             speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
                                   completion.finished_ok, ops.release_frames)
     finally:  # the module's state is global: the runtime's own classes again
         speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
                               completion.finished_ok, ops.release_frames)
+
+
+@compiled
+@pytest.mark.parametrize("which", ["Op", "Future"])
+def test_the_compiled_records_have_the_fields_of_the_python_ones(which):
+    """``native.OpFields`` and ``native.FutureFields`` (the records in C) declare the fields of
+    ``ops._PyOpFields`` and ``ops._PyFutureFields``; Op adds none, Future only its lazy ones; and
+    one made by ``__init__`` on the compiled record has every field set."""
+    import types
+
+    from streamdag.runtime import ops
+
+    record = getattr(native.load(), f"{which}Fields")
+    compiled = {name for name, d in vars(record).items() if isinstance(d, types.MemberDescriptorType)}
+    assert compiled == set(getattr(ops, f"_Py{which}Fields").__slots__)
+    cls = getattr(ops, which)
+    assert cls.__bases__[0] is record
+    assert set(cls.__slots__) == (set() if which == "Op" else {"_condition", "_done_callbacks", "_waiters"})
+    made = ops.Op(7, "f", print, (), {}, []) if which == "Op" else ops.Future()
+    assert all(hasattr(made, name) for name in compiled)
 
 
 @compiled
@@ -221,3 +243,22 @@ def test_ops_are_named_after_their_functions_builtins_included():
     assert compiled_names == names(False)
     assert compiled_names[:6] == ["sqrt#1", "floor#2", "sum#3", "mean#4", "abs#5", "<lambda>#6"]
     assert compiled_names[-2:] == ["root", "sqrt#18"]
+
+
+@compiled
+def test_cuda_launch_parts_whose_completion_queues_are_not_a_counted_list_are_refused():
+    """The compiled submit takes what a CUDA put touches from ``launch_parts`` (queues, counts, wake-up
+    event), not from the completion queues' own attributes: anything but (a list, a native Counters,
+    an event) there is refused when the submitter is made, and a well-formed tuple is taken."""
+    import threading
+
+    from streamdag.runtime import accel
+
+    speedups = native.load()
+    put = ([], speedups.Counters(), threading.Event())
+    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print)
+    with sd.Runtime(streams=2) as rt:
+        speedups.Submitter(rt, accel.accesses, False, parts)
+        for bad in (((), put[1], put[2]), ([], object(), put[2]), put[:2]):
+            with pytest.raises(TypeError):
+                speedups.Submitter(rt, accel.accesses, False, (*parts[:11], bad, *parts[12:]))

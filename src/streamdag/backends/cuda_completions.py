@@ -98,8 +98,9 @@ class _Completions:
         self._queues: list[deque[tuple[int, CudaEvent, Callable[..., None]]]] = [
             deque() for _ in range(streams)
         ]
-        #: ``seq``: the last entry's token (see ``put``), a C field the compiled submit reads and
-        #: writes (``native/_submit.c``: ``completions_put``)
+        #: ``seq``: the last entry's token (see ``put``); ``woken``: ``_wake`` is set and the thread
+        #: has not yet cleared it. C fields the compiled submit reads and writes
+        #: (``native/_submit.c``: ``completions_put``)
         self._counts = new_counters()
         self._wake = threading.Event()
         self._hurry = threading.Event()
@@ -127,9 +128,16 @@ class _Completions:
         counts = self._counts
         token = counts.seq = (counts.seq // n + 1) * n + stream
         self._queues[stream].append((token, event, callback))
-        if not self._wake.is_set():  # setting it takes a Python-level condition: only when needed
+        if not counts.woken:  # setting the event takes a Python-level condition: only when needed
+            counts.woken = True
             self._wake.set()
         return token
+
+    def put_parts(self) -> tuple[list[deque[Any]], Any, threading.Event]:
+        """What :meth:`put` touches: the queues, the counts (``seq``, ``woken``) and the wake-up
+        event, for the compiled submit's put (``native/_submit.c``: ``completions_put``), which
+        does as ``put`` does."""
+        return self._queues, self._counts, self._wake
 
     def _finish_one(self, token: int, relaxed: bool = False) -> bool | None:
         """Finish one queued entry ahead of the ones before it, if its event has completed.
@@ -316,7 +324,9 @@ class _Completions:
             if self._stopping:
                 return
             self._wake.wait()
+            # cleared before ``woken``: a put in between skips the set, and the drain above sees it
             self._wake.clear()
+            self._counts.woken = False
 
     def hurry(self) -> None:
         """Someone waits for a finish: end the pause between passes now, and poll for a while."""

@@ -58,12 +58,14 @@ def run_named(work: Callable[[], Any]) -> None:
 
 class _Counters:
     """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
-    and its in-flight bound's slots free and submitters waiting for one (``completion.Slots``)."""
+    and its in-flight bound's slots free and submitters waiting for one (``completion.Slots``). A
+    CUDA completion thread's: ``seq`` and ``woken`` (see ``_Completions.put``)."""
 
-    __slots__ = ("completed", "free", "peak", "seq", "waiting")
+    __slots__ = ("completed", "free", "peak", "seq", "waiting", "woken")
 
     def __init__(self) -> None:
         self.seq = self.completed = self.peak = self.free = self.waiting = 0
+        self.woken = False
 
 
 #: a runtime's counts (and a CUDA completion thread's entry count); where the compiled hot path is

@@ -219,9 +219,24 @@ static PyObject *record_key(Record *rec) {
     return key;
 }
 
-/* the runtime's ``completion.finished_ok`` and where an Op keeps ``done`` and ``error`` (setup_submit() sets
- * them): compaction asks it of every node it visits, answered here without the Python call */
-static struct { PyObject *fn; PyTypeObject *op_type; Py_ssize_t done, error; } finished_ok;
+/* The op record: the fields of every submitted op (``ops.Op`` is a Python subclass that adds
+ * methods, no fields). Its type, ``OpFields``, is made in _submit.c from ``op_field_names``. */
+enum {
+    OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
+    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FINISH, OP_NUMBERED,
+    OP_FIELDS
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fields[OP_FIELDS];  /* NULL: unset (reading it raises AttributeError, as a slot) */
+} OpRecord;
+
+#define OPF(op, f) (((OpRecord *)(op))->fields[f])
+
+/* the runtime's ``completion.finished_ok``, and its Op type (setup_submit() sets them): compaction
+ * asks it of every node it visits, answered here from the op's fields without the Python call */
+static struct { PyObject *fn; PyTypeObject *op_type; } finished_ok;
 
 /* whether ``gone(entry[0])`` for an entry (node, order) */
 static int entry_gone(PyObject *gone, PyObject *entry) {
@@ -231,8 +246,7 @@ static int entry_gone(PyObject *gone, PyObject *entry) {
     }
     PyObject *node = PyTuple_GET_ITEM(entry, 0);
     if (gone == finished_ok.fn && Py_TYPE(node) == finished_ok.op_type) {
-        PyObject *done = *(PyObject **)((char *)node + finished_ok.done);
-        PyObject *error = *(PyObject **)((char *)node + finished_ok.error);
+        PyObject *done = OPF(node, OP_DONE), *error = OPF(node, OP_ERROR);
         if (done != NULL && error != NULL) return done == Py_True && error == Py_None;
     }
     PyObject *out = PyObject_CallOneArg(gone, node);

@@ -14,29 +14,33 @@
  * Included by _speedups.c (one module). Plain CPython API.
  */
 
-/* Op's slots, read and written at the offsets of its member descriptors */
-enum {
-    OP_SEQ, OP_NAME, OP_FN, OP_ARGS, OP_KWARGS, OP_ACCESSES, OP_DEPS, OP_STAMP, OP_EVENT, OP_FUTURE,
-    OP_DONE, OP_ERROR, OP_ROOT_NAME, OP_ROOT_ERROR, OP_VALUE, OP_KEEP, OP_RUN_ID, OP_FINISH, OP_NUMBERED,
-    OP_FIELDS
-};
-/* the slots of a Future the compiled code sets and reads (ops.Future.__slots__) */
+/* The future record: the fields of a Future that the compiled code sets and reads (``ops.Future``
+ * subclasses its type, ``FutureFields``, adding only the fields made lazily, and its methods). */
 enum { F_STATE, F_RESULT, F_EXCEPTION, F_WATCHED, F_HURRY, F_DONE_TOKEN, F_FENCE, F_OP_NAME, F_OP_NUMBER,
        F_FIELDS };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fields[F_FIELDS];
+} FutureRecord;
+
+#define FUTF(future, f) (((FutureRecord *)(future))->fields[f])
+
 static const char *future_field_names[F_FIELDS] = {
     "_state", "_result", "_exception", "_watched", "_hurry", "_done_token", "_fence", "_op_name", "_op_number"
 };
+/* the op record's fields by name, in the order of the OP_ enum (_speedups.c) */
 static const char *op_field_names[OP_FIELDS] = {
     "seq", "_name", "fn", "args", "kwargs", "accesses", "deps", "stamp", "event", "future",
     "done", "error", "root_name", "root_error", "value", "keep", "run_id", "finish", "_numbered"
 };
 
+static PyTypeObject *op_fields_type, *future_fields_type;  /* the records' types: OpFields, FutureFields */
+
 static struct {
-    PyTypeObject *op_type;
-    Py_ssize_t op_offset[OP_FIELDS];
+    PyTypeObject *op_type;  /* ops.Op: a subclass of OpFields that adds no fields */
     PyObject *op_names[OP_FIELDS];  /* interned */
-    PyTypeObject *future_type;
-    Py_ssize_t future_offset[F_FIELDS];
+    PyTypeObject *future_type;  /* ops.Future: a subclass of FutureFields */
     PyTypeObject *marker_type;
     PyObject *lazy;      /* ops._LAZY: orders a future's condition against setting its outcome */
     PyObject *pending;   /* concurrent.futures' PENDING and FINISHED */
@@ -60,13 +64,11 @@ static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
                 *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_freed,
                 *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
-                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_wake, *s_flag, *s_set, *s_popleft,
+                *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
                 *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
                 *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
-#define OPF(op, f) (*(PyObject **)((char *)(op) + sub.op_offset[f]))
-#define FUTF(future, f) (*(PyObject **)((char *)(future) + sub.future_offset[f]))
 
 /* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
 static PyObject *queue_append(PyObject *q, PyObject *item) {
@@ -79,14 +81,14 @@ static PyObject *queue_popleft(PyObject *q) {
     return PyObject_CallMethodNoArgs(q, s_popleft);
 }
 
-/* set a Future's slot (its type checked by the caller: sub.future_type exactly) */
+/* set a Future's field (its type checked by the caller: sub.future_type exactly) */
 static void future_set(PyObject *future, int f, PyObject *value) {
     PyObject *old = FUTF(future, f);
     FUTF(future, f) = Py_NewRef(value);
     Py_XDECREF(old);
 }
 
-/* a field of a tracker node: an Op's slot directly, anything else by name */
+/* a field of a tracker node: an Op's directly, anything else by name */
 static PyObject *field(PyObject *node, int f) {
     if (Py_TYPE(node) == sub.op_type) {
         PyObject *v = OPF(node, f);
@@ -117,15 +119,6 @@ static int get_int(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* where ``tp`` keeps the slot ``name`` (a member descriptor of its own), or -1 */
-static Py_ssize_t type_slot_offset(PyTypeObject *tp, const char *name) {
-    PyObject *d = PyDict_GetItemString(tp->tp_dict, name);
-    if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
-            || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX)
-        return -1;
-    return ((PyMemberDescrObject *)d)->d_member->offset;
-}
-
 /* whether two str are equal: by identity where both are interned (keywords and names are) */
 static int same_str(PyObject *a, PyObject *b) {
     if (a == b) return 1;
@@ -150,33 +143,35 @@ static void restore_exception(PyObject *exc) {
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 }
 
-/* 0 if every slot ``tp`` declares (a member descriptor in its own dict) is one of ``known`` or
- * ``unset``; else -1 with a TypeError that names it: a slot added in Python that the compiled
- * submit does not set would be missing from every op (or future) it makes */
-static int all_slots_known(PyTypeObject *tp, const char *what, const char *const *known, int n_known,
-                           const char *const *unset, int n_unset) {
-    PyObject *key, *value;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(tp->tp_dict, &pos, &key, &value)) {
-        if (!PyObject_TypeCheck(value, &PyMemberDescr_Type) || !PyUnicode_Check(key)) continue;
-        const char *name = PyUnicode_AsUTF8(key);
-        if (name == NULL) return -1;
-        int found = 0;
-        for (int i = 0; i < n_known && !found; i++) found = strcmp(name, known[i]) == 0;
-        for (int i = 0; i < n_unset && !found; i++) found = strcmp(name, unset[i]) == 0;
-        if (!found) {
-            PyErr_Format(PyExc_TypeError,
-                         "setup_submit: %s has a slot %s that the compiled submit does not set: set it in "
-                         "native/_submit.c too (%s)", what, name,
-                         what[0] == 'O' ? "op_field_names and new_op" : "future_field_names and new_future");
-            return -1;
+/* a Future's fields that stay unset until first asked for (its ``__getattr__`` makes them): the only
+ * slots ops.Future may add to the record, as the compiled code leaves them unset */
+static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
+
+/* 0 where the slots ``future_type`` declares (its ``__slots__``) are lazy ones; else -1 with a
+ * TypeError that names the first other one */
+static int only_lazy_slots(PyObject *future_type) {
+    PyObject *slots = PyObject_GetAttrString(future_type, "__slots__");
+    if (slots == NULL) return -1;
+    PyObject *seq = PySequence_Fast(slots, "Future.__slots__ must be a tuple of names");
+    Py_DECREF(slots);
+    if (seq == NULL) return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
+        const char *name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+        int lazy = 0;
+        for (size_t k = 0; name != NULL && k < sizeof(future_lazy_names) / sizeof(*future_lazy_names); k++)
+            lazy |= strcmp(name, future_lazy_names[k]) == 0;
+        if (name == NULL) rc = -1;
+        else if (!lazy) {
+            PyErr_Format(PyExc_TypeError, "setup_submit: Future has a slot %s that the compiled submit does not "
+                         "set: declare it in the future record in native/_submit.c (future_field_names, "
+                         "new_future)", name);
+            rc = -1;
         }
     }
-    return 0;
+    Py_DECREF(seq);
+    return rc;
 }
-
-/* a Future's slots that stay unset until first asked for (its ``__getattr__`` makes them) */
-static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
 
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
     PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn, *release_frames;
@@ -184,28 +179,23 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
                           &PyType_Type, &marker_type, &lazy, &pending, &finished, &finished_ok_fn,
                           &release_frames))
         return NULL;
-    if (all_slots_known((PyTypeObject *)op_type, "Op", op_field_names, OP_FIELDS, NULL, 0) < 0
-            || all_slots_known((PyTypeObject *)future_type, "Future", future_field_names, F_FIELDS,
-                               future_lazy_names, 3) < 0)
+    /* an Op made in C has the record's fields and no others: a field added in Python alone would be
+     * missing from every op (an AttributeError far from its cause) */
+    if (!PyType_IsSubtype((PyTypeObject *)op_type, op_fields_type)
+            || ((PyTypeObject *)op_type)->tp_basicsize != op_fields_type->tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError,
+                        "setup_submit: Op must subclass native OpFields and add no fields (__slots__ = ()): "
+                        "declare a new field in the op record in native/_submit.c (op_field_names, new_op)");
         return NULL;
-    for (int f = 0; f < OP_FIELDS; f++) {
-        if ((sub.op_offset[f] = type_slot_offset((PyTypeObject *)op_type, op_field_names[f])) < 0) {
-            PyErr_Format(PyExc_TypeError, "setup_submit: Op has no slot %s", op_field_names[f]);
-            return NULL;
-        }
-        if (sub.op_names[f] == NULL && (sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL)
-            return NULL;
     }
+    if (!PyType_IsSubtype((PyTypeObject *)future_type, future_fields_type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_submit: Future must subclass native FutureFields");
+        return NULL;
+    }
+    if (only_lazy_slots(future_type) < 0) return NULL;
     Py_XSETREF(sub.op_type, (PyTypeObject *)Py_NewRef(op_type));
     Py_XSETREF(finished_ok.fn, Py_NewRef(finished_ok_fn));
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));
-    finished_ok.done = sub.op_offset[OP_DONE];
-    finished_ok.error = sub.op_offset[OP_ERROR];
-    for (int f = 0; f < F_FIELDS; f++)
-        if ((sub.future_offset[f] = type_slot_offset((PyTypeObject *)future_type, future_field_names[f])) < 0) {
-            PyErr_Format(PyExc_TypeError, "setup_submit: Future has no slot %s", future_field_names[f]);
-            return NULL;
-        }
     Py_XSETREF(sub.future_type, (PyTypeObject *)Py_NewRef(future_type));
     Py_XSETREF(sub.marker_type, (PyTypeObject *)Py_NewRef(marker_type));
     Py_XSETREF(sub.lazy, Py_NewRef(lazy));
@@ -215,16 +205,77 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the records */
+
+/* a record type's traverse, clear and dealloc: ``n`` object fields, each NULL until set */
+#define RECORD_FUNCTIONS(prefix, Record, n) \
+    static int prefix##_traverse(Record *self, visitproc visit, void *arg) { \
+        Py_VISIT(Py_TYPE(self)); \
+        for (int f = 0; f < (n); f++) Py_VISIT(self->fields[f]); \
+        return 0; \
+    } \
+    static int prefix##_clear(Record *self) { \
+        for (int f = 0; f < (n); f++) Py_CLEAR(self->fields[f]); \
+        return 0; \
+    } \
+    static void prefix##_dealloc(Record *self) { \
+        PyTypeObject *tp = Py_TYPE(self); \
+        PyObject_GC_UnTrack(self); \
+        prefix##_clear(self); \
+        tp->tp_free((PyObject *)self); \
+        Py_DECREF(tp); \
+    }
+
+RECORD_FUNCTIONS(op_fields, OpRecord, OP_FIELDS)
+RECORD_FUNCTIONS(future_fields, FutureRecord, F_FIELDS)
+
+/* their members, from op_field_names and future_field_names (submit_init) */
+static PyMemberDef op_fields_members[OP_FIELDS + 1], future_fields_members[F_FIELDS + 1];
+
+static PyType_Slot op_fields_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, op_fields_members},
+    {Py_tp_traverse, op_fields_traverse},
+    {Py_tp_clear, op_fields_clear},
+    {Py_tp_dealloc, op_fields_dealloc},
+    {Py_tp_doc, "The fields of a submitted op (ops.Op adds its methods), read and written by the "
+                "compiled submit in C."},
+    {0, NULL}
+};
+
+static PyType_Spec op_fields_spec = {
+    "streamdag.native.OpFields", sizeof(OpRecord), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, op_fields_slots
+};
+
+static PyType_Slot future_fields_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_members, future_fields_members},
+    {Py_tp_traverse, future_fields_traverse},
+    {Py_tp_clear, future_fields_clear},
+    {Py_tp_dealloc, future_fields_dealloc},
+    {Py_tp_doc, "The fields of an op's future that the compiled submit and finish set and read in C "
+                "(ops.Future adds the lazily made ones and its methods)."},
+    {0, NULL}
+};
+
+static PyType_Spec future_fields_spec = {
+    "streamdag.native.FutureFields", sizeof(FutureRecord), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, future_fields_slots
+};
+
 /* ------------------------------------------------------------------ Counters */
 
 /* the runtime's counts (``rt._counts``): ops submitted (the last op's number), completed, and the
  * most pending at once. Python code reads and writes them as attributes; the compiled submit and
  * finish as C fields, with no dictionary and no int object per op. A CUDA backend's completion
- * queues count in one too (``_Completions._counts``: ``seq`` is their last entry's token). */
+ * queues count in one too (``_Completions._counts``: ``seq`` is their last entry's token, ``woken``
+ * whether a wake-up of their thread is pending). */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
     Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
+    char woken;  /* completion queues: their thread's wake-up is set and not yet taken */
 } Counters;
 
 static PyTypeObject *counters_type;
@@ -235,14 +286,15 @@ static PyMemberDef counters_members[] = {
     {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
     {"free", T_PYSSIZET, offsetof(Counters, free), 0, "slots free under max_inflight"},
     {"waiting", T_PYSSIZET, offsetof(Counters, waiting), 0, "submitters waiting for a slot"},
+    {"woken", T_BOOL, offsetof(Counters, woken), 0, "completion queues: a wake-up of their thread is pending"},
     {NULL}
 };
 
 static PyType_Slot counters_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_members, counters_members},
-    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting), read "
-                "and written by the compiled submit in C."},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; a "
+                "completion thread's woken), read and written by the compiled submit in C."},
     {0, NULL}
 };
 
@@ -356,7 +408,7 @@ typedef struct {
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
-             *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake_dict,
+             *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake,
              *refuse_in_capture;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
@@ -379,7 +431,7 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
     X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
-    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake_dict) \
+    X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake) \
     X(refuse_in_capture) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
     X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py) \
@@ -472,41 +524,31 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
             || (self->lazy_release = PyObject_GetAttr(sub.lazy, s_release)) == NULL)
         return -1;
     if (cuda != Py_None) {
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OOO", &self->get_device, &self->get_stream, &self->set_stream,
-                              &self->set_device, &self->record, &self->wait, &self->caller_event,
+        /* the completion queues, and what their put() touches (``_Completions.put_parts``): the
+         * queues, their counts (the last entry's token, whether their thread's wake-up is pending:
+         * C fields) and the wake-up event */
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)O", &self->get_device, &self->get_stream,
+                              &self->set_stream, &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
-                              &self->device_index, &self->completions, &self->refuse_in_capture))
+                              &self->device_index, &self->completions, &PyList_Type, &self->queues,
+                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture)) {
+            self->get_device = self->get_stream = self->set_stream = self->set_device = self->record = NULL;
+            self->wait = self->caller_event = self->callers = self->free_events = self->device_index = NULL;
+            self->completions = self->queues = self->completion_counts = self->wake = self->refuse_in_capture = NULL;
             return -1;
-        Py_INCREF(self->refuse_in_capture);
-        Py_INCREF(self->completions);
+        }
+        Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
+        Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
+        Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
+        Py_INCREF(self->device_index); Py_INCREF(self->completions); Py_INCREF(self->queues);
+        Py_INCREF(self->completion_counts); Py_INCREF(self->wake); Py_INCREF(self->refuse_in_capture);
         self->torch = state.torch;
-        if ((self->queues = PyObject_GetAttrString(self->completions, "_queues")) == NULL) return -1;
-        /* their token counter is a C field; their wake-up event's flag is read in its __dict__ (the
-         * event is made once, with them) */
-        if ((self->completion_counts = PyObject_GetAttrString(self->completions, "_counts")) == NULL) return -1;
-        if (Py_TYPE(self->completion_counts) != counters_type) {
-            PyErr_SetString(PyExc_TypeError, "Submitter: the completions must count in a native Counters");
-            return -1;
-        }
-        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
-        if (wake == NULL) return -1;
-        self->wake_dict = PyObject_GenericGetDict(wake, NULL);
-        Py_DECREF(wake);
-        if (self->wake_dict == NULL) return -1;
-        if (!PyList_CheckExact(self->queues)) {
-            PyErr_SetString(PyExc_TypeError, "Submitter: the completions' queues must be a list");
-            return -1;
-        }
         self->streams_indexed = 1;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->streams); i++) {
             Py_ssize_t index;
             if (get_int(PyList_GET_ITEM(self->streams, i), s_index, &index) < 0) return -1;
             self->streams_indexed &= index == i;
         }
-        Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
-        Py_INCREF(self->set_device); Py_INCREF(self->record); Py_INCREF(self->wait);
-        Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
-        Py_INCREF(self->device_index);
     }
     return 0;
 }
@@ -868,13 +910,9 @@ static PyObject *completions_put(Submitter *self, PyObject *s, Py_ssize_t stream
     }
     Py_XDECREF(entry);
     if (bad) { Py_DECREF(token); return NULL; }
-    PyObject *flag = PyDict_GetItemWithError(self->wake_dict, s_flag);  /* threading.Event.is_set() reads it */
-    if (flag == NULL && PyErr_Occurred()) { Py_DECREF(token); return NULL; }
-    if (flag != Py_True) {  /* the completion thread sleeps: wake it */
-        PyObject *wake = PyObject_GetAttr(self->completions, s_wake);
-        bad = wake == NULL || call_method0(wake, s_set) < 0;
-        Py_XDECREF(wake);
-        if (bad) { Py_DECREF(token); return NULL; }
+    if (!tokens->woken) {  /* no wake-up pending: the completion thread may sleep */
+        tokens->woken = 1;
+        if (call_method0(self->wake, s_set) < 0) { Py_DECREF(token); return NULL; }
     }
     return token;
 }
@@ -2353,7 +2391,7 @@ static int submit_init(PyObject *m) {
     S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
-    S(s_index, "index") S(s_append, "append") S(s_wake, "_wake") S(s_flag, "_flag") S(s_set, "set")
+    S(s_index, "index") S(s_append, "append") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
@@ -2372,6 +2410,19 @@ static int submit_init(PyObject *m) {
     if (sub.deque_type == NULL || !PyType_Check(sub.deque_type)
             || (sub.deque_append = PyObject_GetAttr((PyObject *)sub.deque_type, s_append)) == NULL
             || (sub.deque_popleft = PyObject_GetAttr((PyObject *)sub.deque_type, s_popleft)) == NULL)
+        return -1;
+    for (int f = 0; f < OP_FIELDS; f++) {
+        op_fields_members[f] = (PyMemberDef){op_field_names[f], T_OBJECT_EX,
+                                             offsetof(OpRecord, fields) + f * sizeof(PyObject *), 0, NULL};
+        if ((sub.op_names[f] = PyUnicode_InternFromString(op_field_names[f])) == NULL) return -1;
+    }
+    for (int f = 0; f < F_FIELDS; f++)
+        future_fields_members[f] = (PyMemberDef){future_field_names[f], T_OBJECT_EX,
+                                                 offsetof(FutureRecord, fields) + f * sizeof(PyObject *), 0, NULL};
+    op_fields_type = (PyTypeObject *)PyType_FromSpec(&op_fields_spec);
+    if (op_fields_type == NULL || PyModule_AddObjectRef(m, "OpFields", (PyObject *)op_fields_type) < 0) return -1;
+    future_fields_type = (PyTypeObject *)PyType_FromSpec(&future_fields_spec);
+    if (future_fields_type == NULL || PyModule_AddObjectRef(m, "FutureFields", (PyObject *)future_fields_type) < 0)
         return -1;
     counters_type = (PyTypeObject *)PyType_FromSpec(&counters_spec);
     if (counters_type == NULL || PyModule_AddObjectRef(m, "Counters", (PyObject *)counters_type) < 0) return -1;

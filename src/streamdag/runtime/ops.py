@@ -79,7 +79,22 @@ def _numbered_name(name: str, number: int) -> str:
     return f"{name}#{number}"
 
 
-class Future(concurrent.futures.Future[T]):
+class _PyFutureFields:
+    """The fields of a future that the compiled submit sets and reads (all but the lazy ones), where
+    the compiled hot path is not built; where it is, the record ``native.FutureFields`` declares
+    the same fields in C."""
+
+    __slots__ = ("_done_token", "_exception", "_fence", "_hurry", "_op_name", "_op_number", "_result",
+                 "_state", "_watched")
+
+
+if TYPE_CHECKING:
+    _FutureFields = _PyFutureFields
+else:  # the future record Future builds on: compiled (native/_submit.c), else Python; the same fields
+    _FutureFields = getattr(load_native(), "FutureFields", _PyFutureFields)
+
+
+class Future(_FutureFields, concurrent.futures.Future[T]):
     """A :class:`concurrent.futures.Future` that can also be awaited in asyncio.
 
     Generic in the op's return value: ``rt.submit(fn, ...)`` gives a ``Future[T]``
@@ -91,10 +106,11 @@ class Future(concurrent.futures.Future[T]):
     rest of their bookkeeping, and every object a pending op holds brings
     Python's cycle collector nearer (whose full passes take tens of ms).
 
-    Its state is in slots, not in an instance dict (the base class has one,
-    left empty): one object less per op, and the compiled submit sets and
-    reads them at their offsets. The lazy ones stay unset until made (a read
-    of an unset slot comes to ``__getattr__``).
+    Its state is in the fields of a record (``_FutureFields``) and in slots, not
+    in an instance dict (the base class has one, left empty): one object less
+    per op, and the compiled submit sets and reads the record's fields in C.
+    The lazy ones, slots of its own, stay unset until made (a read of an unset
+    slot comes to ``__getattr__``).
     """
 
     # The lazy ones (``_condition``, ``_waiters``, ``_done_callbacks``) stay unset until first asked for
@@ -103,23 +119,10 @@ class Future(concurrent.futures.Future[T]):
     # limit lets the waiting thread finish it itself (see ``CudaBackend.hurry``); ``_done_token``: the
     # backend's token for the op's completion entry, so that a waiter gets it finished first;
     # ``_fence``: the op's completion event, for ``Runtime.current_stream_wait`` (None: the host waits).
-    __slots__ = (
-        "_condition",
-        "_done_callbacks",
-        "_done_token",
-        "_exception",
-        "_fence",
-        "_hurry",
-        "_op_name",
-        "_op_number",
-        "_result",
-        "_state",
-        "_waiters",
-        "_watched",
-    )
+    __slots__ = ("_condition", "_done_callbacks", "_waiters")
 
     def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
-        # submit, native/_submit.c, sets the same slots without this call: keep the two equal)
+        # submit, native/_submit.c, sets the same fields without this call: keep the two equal)
         self._state = _PENDING
         self._result = None
         self._exception = None
@@ -421,13 +424,9 @@ def failed_input(accesses: Sequence[Access], deps: Iterable[Any]) -> Any:
     return None
 
 
-class Op:
-    """One submitted op. References to its arguments are dropped once it has finished.
-
-    The compiled submit (``native/_submit.c``) makes ops without calling ``__init__``: it fills
-    the slots itself, at the offsets of their descriptors. A slot added here must be set there too
-    (its setup refuses an Op that lacks one it knows, or has one it does not).
-    """
+class _PyOpFields:
+    """The fields of an op where the compiled hot path is not built; where it is, the op record
+    ``native.OpFields`` declares the same fields in C."""
 
     __slots__ = (
         "_name",
@@ -450,6 +449,23 @@ class Op:
         "stamp",
         "value",
     )
+
+
+if TYPE_CHECKING:
+    _OpFields = _PyOpFields
+else:  # the op record Op builds on: compiled (native/_submit.c), else Python; the same fields
+    _OpFields = getattr(load_native(), "OpFields", _PyOpFields)
+
+
+class Op(_OpFields):
+    """One submitted op. References to its arguments are dropped once it has finished.
+
+    Its fields are the op record's (``_OpFields``); the compiled submit (``native/_submit.c``) makes
+    ops without calling ``__init__`` and sets each field itself. A field is added to both records,
+    and set there too: its setup refuses an Op that adds fields of its own.
+    """
+
+    __slots__ = ()
 
     def __init__(
         self,
