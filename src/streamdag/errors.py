@@ -78,7 +78,7 @@ class DependencyFailed(StreamdagError):
             f"op {op_name!r} did not run: it depends on op {root_name!r}, which failed with "
             f"{type(root_error).__name__}: {root_error}"
         )
-        self.__cause__ = root_error
+        self.__cause__: BaseException | None = root_error
 
 
 class SubmittedInCapture(StreamdagError, RuntimeError):
@@ -108,7 +108,7 @@ class DeviceLost(StreamdagError):
             "every pending and later op on it fails. Restart the process to use the GPU again; "
             "run with CUDA_LAUNCH_BLOCKING=1 to find the op that caused it"
         )
-        self.__cause__ = cause
+        self.__cause__: BaseException | None = cause
 
 
 class WorkerLost(StreamdagError):

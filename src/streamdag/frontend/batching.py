@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.fx import GraphModule, Node
 
 from .batch_elementwise import _batch_binary, _batch_foreach, _batch_unary, _fold_stacks
 from .batch_graph import (
@@ -125,10 +126,10 @@ class BatchReport:
     only: frozenset[frozenset[str]] | None = None
     inference_constants: set[str] = field(default_factory=set)  # left unbatched: no version counter
 
-    def admits(self, members: list[torch.fx.Node]) -> bool:
+    def admits(self, members: list[Node]) -> bool:
         return self.only is None or frozenset(m.name for m in members) in self.only
 
-    def add(self, kind: str, members: list[torch.fx.Node], ops: list[torch.fx.Node]) -> None:
+    def add(self, kind: str, members: list[Node], ops: list[Node]) -> None:
         self.groups.append(BatchGroup(kind, tuple(m.name for m in members), tuple(o.name for o in ops)))
 
     def __str__(self) -> str:
@@ -287,8 +288,8 @@ def _batch_norms(gm: torch.fx.GraphModule, constants: StackedConstants, report: 
 
 
 def batch_independent_ops(
-    gm: torch.fx.GraphModule, only: Iterable[frozenset[str]] | None = None,
-) -> tuple[torch.fx.GraphModule, StackedConstants, BatchReport]:
+    gm: GraphModule, only: Iterable[frozenset[str]] | None = None,
+) -> tuple[GraphModule, StackedConstants, BatchReport]:
     """Rewrite ``gm`` in place; returns it with the stacked constants and what was grouped.
 
     ``only``: keys (:attr:`BatchGroup.key`) of the groups to make; others stay as they are.

@@ -85,13 +85,13 @@ class _Slot:
                  options: dict[str, Any]) -> None:
         from transformers.cache_utils import StaticCache, StaticLayer
 
-        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        self.cache: Any = StaticCache(config=model.config, max_cache_len=max_length)
         other = sorted({type(x).__name__ for x in self.cache.layers if type(x) is not StaticLayer})
         if other:  # a sliding window keeps its length as a Python int: each step would compile again
             raise ValueError(f"the model's static cache has {', '.join(other)} layers: streamdag.decoder "
                              "decodes models whose every layer is full attention (StaticLayer, positions on "
                              "the device); use model.generate for this one")
-        self.step_module = _Step(model, self.cache)
+        self.step_module: torch.nn.Module = _Step(model, self.cache)
         self.step: Any = self.step_module
         if compile_step:
             from .inductor_backend import compile_v2
@@ -231,16 +231,16 @@ class TokenStream:
         self.prompt = input_ids
         self.max_new_tokens = max_new_tokens
         self.pad = pad
-        self.eos = None if eos is None else torch.tensor(eos, device=input_ids.device)
+        self.eos: torch.Tensor | None = None if eos is None else torch.tensor(eos, device=input_ids.device)
         self._host_eos = None if eos is None else torch.tensor(eos)
-        self.cuda = input_ids.device.type == "cuda"
+        self.cuda: bool = input_ids.device.type == "cuda"
         batch = input_ids.shape[0]
-        self.host = torch.empty((max_new_tokens, batch), dtype=torch.long, pin_memory=self.cuda)
+        self.host: torch.Tensor = torch.empty((max_new_tokens, batch), dtype=torch.long, pin_memory=self.cuda)
         self.events: list[Any] = []
-        self.enqueued = 0  # steps whose tokens are queued for the host buffer
-        self.read = 0  # tokens handed to the reader
-        self.ended = ""  # why the stream ended early ('' while it runs)
-        self.done = False
+        self.enqueued: int = 0  # steps whose tokens are queued for the host buffer
+        self.read: int = 0  # tokens handed to the reader
+        self.ended: str = ""  # why the stream ended early ('' while it runs)
+        self.done: bool = False
         self._host_finished = torch.zeros(batch, dtype=torch.bool)
         with torch.inference_mode():
             self._prefill()

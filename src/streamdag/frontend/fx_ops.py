@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule, Node
 
 from ..graph.buffers import Access, Region
 
@@ -42,13 +43,13 @@ _UNDECLARED_WRITES = {aten.native_batch_norm.default: ((3, 4), 5),
 class NodeOp:
     """One fx node as a streamdag op."""
 
-    node: torch.fx.Node
+    node: Node
     accesses: list[Access]
     run: Callable[[dict], Any]
     writes_inputs: list[int] = field(default_factory=list)
     #: the placeholders and constants (``get_attr``) whose memory it writes, through views too: the
     #: real tensors a run changes (a module's running statistics), which repeated runs must restore
-    writes_roots: list[torch.fx.Node] = field(default_factory=list)
+    writes_roots: list[Node] = field(default_factory=list)
 
 
 def _storage_region(sid: int) -> Region:
@@ -69,8 +70,8 @@ def _flat_nodes(arg: Any) -> list[torch.fx.Node]:
 
 
 def ops_from_graph(
-    gm: torch.fx.GraphModule,
-) -> tuple[list[NodeOp], list[torch.fx.Node], Any, list[Access]]:
+    gm: GraphModule,
+) -> tuple[list[NodeOp], list[Node], Any, list[Access]]:
     """Returns ``(ops, placeholders, output_arg, output_reads)`` for the graph's call_function nodes.
 
     ``output_reads`` are the accesses of an op that gathers the outputs.

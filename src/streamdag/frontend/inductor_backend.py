@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule
 
 from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
@@ -91,12 +92,12 @@ class _GraphsRun(threading.local):
 class GraphRunner:
     """The callable Dynamo gets for one graph: chooses a candidate at the first call, then runs it."""
 
-    def __init__(self, compiled: Callable[..., Any], eager: torch.fx.GraphModule, switch: _Switch | None,
+    def __init__(self, compiled: Callable[..., Any], eager: GraphModule, switch: _Switch | None,
                  options: Options, pool: SharedPool, stats: V2Statistics, index: int,
                  ran: _GraphsRun | None = None) -> None:
         self.compiled = compiled
         self.eager: Any = eager
-        self.switch = switch
+        self.switch: _Switch | None = switch
         self.options = options
         self.pool = pool
         self.stats = stats
@@ -108,8 +109,8 @@ class GraphRunner:
         self.note: str = ""
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
-        self.captured_run = False  # whether _run replays a CUDA graph of the chosen candidate
-        self.not_whole = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
+        self.captured_run: bool = False  # whether _run replays a CUDA graph of the chosen candidate
+        self.not_whole: str = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
         self.training: list[Any] = []  # a training graph's forward and backward (:mod:`.training`)
 
     def __call__(self, *args: Any) -> Any:
@@ -367,9 +368,9 @@ class StreamdagBackend:
         self.runners: list[GraphRunner | _Fallback] = []
         self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
-        self.eager_reason = ""  # why streamdag.compile's model runs eagerly with gradients on
+        self.eager_reason: str = ""  # why streamdag.compile's model runs eagerly with gradients on
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
         t0 = time.perf_counter()
@@ -466,7 +467,7 @@ class CompiledModel:
     """
 
     def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
-        self.backend = backend
+        self.backend: StreamdagBackend = backend
         self._compiled = torch.compile(fn, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule
 
 from .._progress import progress
 from ..schedule.plan import Schedule
@@ -64,7 +65,7 @@ def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict[torch.fx.Node, t
     return new
 
 
-def region_graph(gm: torch.fx.GraphModule, region: Region, examples: Sequence[Any]) -> torch.fx.GraphModule:
+def region_graph(gm: GraphModule, region: Region, examples: Sequence[Any]) -> GraphModule:
     """The region as a GraphModule of its own: its inputs become placeholders, constants are copied in.
 
     Nodes get names by position (``in0``, ``v0``, ...) and no stack traces, so regions of the
@@ -99,7 +100,7 @@ def _int_strides(strides: Any) -> tuple[int, ...] | None:
         return None
 
 
-def compile_regions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], plan: RegionPlan,
+def compile_regions(gm: GraphModule, example_inputs: Sequence[Any], plan: RegionPlan,
                     static_input_idxs: Sequence[int], compile_kwargs: dict[str, Any],
                     output_strides: Sequence[Any] | None = None) -> list[CompiledRegion]:
     """Compile every region of ``plan`` with Inductor (see the module docstring); in region order.
@@ -193,7 +194,7 @@ class RegionProgram:
     an input the graph returns with other strides is returned as a copy with them, as
     Inductor's whole graph returns it."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: RegionPlan, compiled: list[CompiledRegion],
+    def __init__(self, gm: GraphModule, plan: RegionPlan, compiled: list[CompiledRegion],
                  owns_inputs: bool = False, output_strides: Sequence[Any] | None = None) -> None:
         self.plan = plan
         self.owns_inputs = owns_inputs
@@ -208,7 +209,8 @@ class RegionProgram:
         self.input_slots: list[list[int]] = [[slot[n] for n in c.region.inputs] for c in compiled]
         self.output_slots: list[list[int]] = [[slot[n] for n in c.region.outputs] for c in compiled]
         _, outs = _graph_outputs(gm)
-        self.result = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o) for o in outs]
+        self.result: list[tuple[int, Any]] = [(slot[o], None) if isinstance(o, torch.fx.Node) else (-1, o)
+                                              for o in outs]
         self.restride: list[tuple[int, tuple[int, ...]]] = []  # (output index, strides) of returned inputs
         for i, o in enumerate(outs):
             stride = _int_strides(output_strides[i]) if output_strides and i < len(output_strides) \

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule
 
 from .regions import RegionPlan, plan_regions
 
@@ -61,7 +62,7 @@ class _Switch:
         self.mutated_inputs: list[int] = []
         self.mutates_metadata = False
         self.aliases_inputs = False
-        self.compile_s = 0.0
+        self.compile_s: float = 0.0
 
     def __call__(self, args: list[Any]) -> Any:
         if self.streams == 0:
@@ -88,7 +89,7 @@ def _is_dynamic(example_inputs: Sequence[Any]) -> bool:
     return False
 
 
-def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: Options,
+def inner_compile(gm: GraphModule, example_inputs: Sequence[Any], *, options: Options,
                   switches: list[_Switch], trained: list[Any],
                   on_double_backward: Callable[[str], None] | None = None, **kwargs: Any) -> Any:
     """Inductor's inner compiler, plus the regions of the graph (see the module docstring)."""

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule, Node
 
 from ..runtime.accel import build_schedule, plan_waits
 from ..schedule.cost import CostModel, simulate
@@ -75,10 +76,10 @@ class Region:
     """One piece of the graph: its nodes in graph order, the stream it was planned on, its values."""
 
     index: int
-    nodes: tuple[torch.fx.Node, ...]
+    nodes: tuple[Node, ...]
     stream: int
-    inputs: tuple[torch.fx.Node, ...]
-    outputs: tuple[torch.fx.Node, ...]
+    inputs: tuple[Node, ...]
+    outputs: tuple[Node, ...]
     cost_ms: float
 
 
@@ -165,7 +166,7 @@ def _flops(node: torch.fx.Node) -> float:
     return 0.0
 
 
-def node_cost_ms(node: torch.fx.Node) -> float:
+def node_cost_ms(node: Node) -> float:
     """Estimated GPU time of one aten node: FLOPs or bytes over the device's ceilings, views free."""
     if node.op != "call_function" or _is_view(node):
         return 0.0
@@ -259,7 +260,7 @@ def _topological(roots: list[torch.fx.Node], preds: dict[torch.fx.Node, set[torc
     return order
 
 
-def plan_regions(gm: torch.fx.GraphModule, max_streams: int = 4, min_stream_share: float = 0.02,
+def plan_regions(gm: GraphModule, max_streams: int = 4, min_stream_share: float = 0.02,
                  model: CostModel | None = None) -> RegionPlan:
     """Cut ``gm`` into regions for at most ``max_streams`` streams (see the module docstring).
 

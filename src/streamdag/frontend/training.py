@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from .candidates import Candidate, pick
@@ -93,11 +94,11 @@ class TrainingGraph:
         self.program: Any = None  # a RegionProgram, where the graph was cut into regions
         self.plan: Any = None
         self.region_note = ""
-        self.compile_s = 0.0
+        self.compile_s: float = 0.0
         self.candidates: list[Candidate] = []
         self.chosen: Candidate | None = None
-        self.note = ""
-        self.calls = 0
+        self.note: str = ""
+        self.calls: int = 0
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
 
@@ -263,7 +264,7 @@ def _dropout_p(node: torch.fx.Node) -> Any:
     return None
 
 
-def compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any,
+def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: Any,
                      kwargs: dict[str, Any], index: int,
                      on_double_backward: Callable[[str], None] | None = None) -> TrainingGraph:
     """Inductor's code for a training forward or backward, and its regions (see the module docstring)."""

@@ -90,6 +90,8 @@ class EagerRuns:
     """Runs of a recorded graph op by op (a part of :class:`~.recorded.RecordedGraph`)."""
 
     __slots__ = ()
+    first_run_host_ms: float | None  #: declared here for type checkers; set by ``RecordedGraph``
+    last_run_captured: bool
 
     def _run_eager(self, probe: Any) -> Future:
         """:meth:`run` op by op: each op launched as an eager submit is (or held), in order, under
