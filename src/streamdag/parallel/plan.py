@@ -77,7 +77,7 @@ class Links:
                 if i != j and not isinstance(cost, LinkCost):
                     raise ValueError(f"Links: the copy from device {i} to device {j} has no LinkCost "
                                      f"({cost!r}); measure it (measure_links) or give one")
-        self.matrix = [list(row) for row in matrix]
+        self.matrix: list[list[LinkCost | None]] = [list(row) for row in matrix]
         self.n = n
 
     @classmethod

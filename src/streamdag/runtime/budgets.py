@@ -118,7 +118,7 @@ class ByteBudget:
                 self.on_wait()
             oldest.exception()  # waits (helping finish it); its failure is the caller's to see elsewhere
 
-    def hold(self, future: Future, n: int, stream: Any) -> None:
+    def hold(self, future: Future[Any], n: int, stream: Any) -> None:
         """The ``n`` bytes acquired for a copy on ``stream`` come back once ``future`` is done."""
         with self._lock:
             held = self._held.get(stream)
@@ -258,7 +258,7 @@ class PinnedPool:
             self._free.setdefault(buf.numel(), []).append(buf)
             self._cond.notify_all()
 
-    def lend(self, buf: Any, future: Future, stream: Any) -> None:
+    def lend(self, buf: Any, future: Future[Any], stream: Any) -> None:
         """``buf`` is free again once ``future`` is done (of the last op to use it, on ``stream``)."""
         with self._cond:
             lent = self._lent.get(stream)

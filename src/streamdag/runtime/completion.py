@@ -173,11 +173,13 @@ class Hurry:
     in a thread that holds the runtime's lock, the help that only that thread can give."""
 
     __slots__ = ("backend", "rt")
+    rt: Runtime
+    backend: Any  #: the op's backend, whichever kind
 
     def __init__(self, rt: Runtime, backend: Any) -> None:
         self.rt, self.backend = rt, backend
 
-    def __call__(self, waiter: Future | None = None, seconds: float | None = None,
+    def __call__(self, waiter: Future[Any] | None = None, seconds: float | None = None,
                  wanted: Any = None) -> None:
         started = time.perf_counter()
         self.backend.hurry(waiter, seconds, wanted)
@@ -197,6 +199,7 @@ class Slots:
     """
 
     __slots__ = ("_freed", "_lock", "counts")
+    counts: Any  #: the runtime's counters (``new_counters``: compiled, or their Python twin)
 
     def __init__(self, count: int, lock: Any, counts: Any) -> None:
         self.counts = counts

@@ -287,7 +287,7 @@ def _held_up(futures: tuple[Any, ...], needs_all: bool, stuck: Callable[[Any], b
     return any(blocked) if needs_all else all(blocked)
 
 
-class WatchedWaiters(list):
+class WatchedWaiters(list[Any]):
     """The waiter list of a future that a lane op submitted to a lane (``Future._waiters``): the
     waits of ``concurrent.futures`` install their waiter here before they block, and the lane
     waits check it first (:meth:`LaneWaits.check_waiter`)."""

@@ -157,7 +157,7 @@ def _route(rt: CopyRuntime, dst: Any, src: Any) -> tuple[str | None, int | None,
 _COPY_NAMES = {"h2d": "copy_h2d", "d2h": "copy_d2h", "p2p": "copy_p2p"}
 
 
-def copy(rt: CopyRuntime, dst: Any, src: Any, name: str | None = None) -> Future:
+def copy(rt: CopyRuntime, dst: Any, src: Any, name: str | None = None) -> Future[Any]:
     """Copy ``src`` into ``dst`` after every op it conflicts with; the result is ``dst``."""
     kind, stream, src_region, dst_region = _route(rt, dst, src)
     if kind is None:
@@ -511,7 +511,7 @@ def _unstage(dst: Any, staged: Any, result: Any) -> Any:
     return result
 
 
-def to_device(rt: CopyRuntime, x: Any, name: str | None = None, device: str | None = None) -> Future:
+def to_device(rt: CopyRuntime, x: Any, name: str | None = None, device: str | None = None) -> Future[Any]:
     """A Future of a new device tensor holding ``x`` (a torch CPU tensor or numpy array)."""
     import torch
 
@@ -520,7 +520,7 @@ def to_device(rt: CopyRuntime, x: Any, name: str | None = None, device: str | No
     return rt.copy(dst, src, name or "to_device")
 
 
-def to_host(rt: CopyRuntime, t: Any, name: str | None = None) -> Future:
+def to_host(rt: CopyRuntime, t: Any, name: str | None = None) -> Future[Any]:
     """A Future of a host tensor holding ``t``; it exists for the caller only once the copy is done.
 
     Pinned where ``t`` is on a device (its copy out runs on a copy stream); a host tensor (or
