@@ -128,5 +128,6 @@ class WorkerLost(StreamdagError):
             "them; the runtime's other workers are unaffected"
         )
 
-    def __reduce__(self) -> tuple:  # raised inside workers too: pickled by its arguments
+    def __reduce__(self) -> tuple[type[WorkerLost], tuple[str, str]]:
+        # raised inside workers too: pickled by its arguments
         return (type(self), (self.worker, self.detail))

@@ -88,7 +88,7 @@ class RayGraph:
         self._lock = threading.Lock()
         self._runs_in_flight: list[tuple[Any, Future]] = []
         self._workers_used: set[int] = set()
-        self.compiles = 0
+        self.compiles: int = 0
 
     # --- recording -----------------------------------------------------------------------------
     def _add(self, fn: Any, args: tuple, kwargs: dict, accesses: list[Access], writes: list[Region],
@@ -121,7 +121,7 @@ class RayGraph:
         self._workers_used = {seg.worker for seg in self._plan.segments}
 
     # --- running -------------------------------------------------------------------------------
-    def run(self) -> Future:
+    def run(self) -> Future[GraphResult]:
         """Run every op once, as one execute of the graph's Ray Compiled Graph.
 
         Returns a :class:`streamdag.Future` of a :class:`streamdag.GraphResult` (the ops' return

@@ -56,13 +56,13 @@ class RemoteBuffer:
     __slots__ = ("__weakref__", "dtype", "freed", "id", "region", "shape", "worker")
 
     def __init__(self, worker: int, shape: tuple[int, ...], dtype: np.dtype, start: int) -> None:
-        self.worker = worker
-        self.shape = shape
-        self.dtype = dtype
-        self.id = next(_buffer_ids)
-        self.freed = False
+        self.worker: int = worker
+        self.shape: tuple[int, ...] = shape
+        self.dtype: np.dtype[Any] = dtype
+        self.id: int = next(_buffer_ids)
+        self.freed: bool = False
         nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
-        self.region = Region(f"ray:{worker}", start, start + nbytes)
+        self.region: Region = Region(f"ray:{worker}", start, start + nbytes)
 
     @property
     def device(self) -> str:
@@ -140,7 +140,7 @@ class Runtime:
                              "give one dict per worker")
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s: float = float(timeout_s)
         device = "cuda:0" if num_gpus else "cpu"  # Ray makes a GPU worker's own GPUs visible from 0
         actor = ray.remote(Worker)
         self._workers = []
@@ -150,7 +150,7 @@ class Runtime:
                                        "scheduling_strategy": "SPREAD"}
             options.update(worker_options[i] if worker_options else {})
             self._workers.append(actor.options(**options).remote(f"ray:{i}", device))
-        self.devices = [f"ray:{i}" for i in range(workers)]
+        self.devices: list[str] = [f"ray:{i}" for i in range(workers)]
         self.device_kind = device
         self._lock = threading.RLock()
         self._tracker = DepsTracker(lambda op: op.done and not op.failed)
@@ -169,7 +169,7 @@ class Runtime:
         self._closed = False
         try:
             where = ray.get([h.where.remote() for h in self._workers], timeout=self.timeout_s)
-            self.nodes = [w[2] for w in where]
+            self.nodes: list[str] = [w[2] for w in where]  # each worker's Ray node id
             self._tokens = [w[3] for w in where]
         except Exception:
             self.close()
@@ -203,7 +203,7 @@ class Runtime:
                     name=f"put->{out.device}")
         return out
 
-    def get(self, buf: RemoteBuffer) -> Future:
+    def get(self, buf: RemoteBuffer) -> Future[Any]:
         """A future of a copy of ``buf``'s value on the driver, once the ops before that write it are done."""
         return self.submit(_copy_of, buf, reads=[buf], name=f"get<-{buf.device}")
 
