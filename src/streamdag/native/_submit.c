@@ -59,15 +59,11 @@ static struct {
 } sub;
 
 static PyObject *s_torch_profiler, *s_is_profiler_enabled;
-static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
-                *s_tail, *s_place, *s_take_slot,
-                *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_freed,
-                *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
+static PyObject *s_acquire, *s_release, *s_link, *s_tail, *s_place, *s_execute, *s_launch, *s_event,
+                *s_wait, *s_when_done, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
-                *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
+                *s_recycle, *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
 
 /* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
@@ -405,6 +401,9 @@ typedef struct {
              *lane_threads;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
+    /* the Python methods of the rare paths (``runtime.seam.SubmitterParts``), bound */
+    PyObject *submit_py, *take_slot_py, *would_block, *fail_lost, *launch_placed, *finish_launch, *finish_py,
+             *settle, *hold, *host_deps, *caller_fence, *release_slot_locked;
     /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
      * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
@@ -430,6 +429,8 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
     X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
+    X(submit_py) X(take_slot_py) X(would_block) X(fail_lost) X(launch_placed) X(finish_launch) X(finish_py) \
+    X(settle) X(hold) X(host_deps) X(caller_fence) X(release_slot_locked) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake) \
     X(refuse_in_capture) \
@@ -460,18 +461,38 @@ static void submitter_dealloc(Submitter *self) {
     Py_DECREF(tp);
 }
 
-/* Submitter(rt, accesses, drop_waits, cuda): ``cuda`` is None, or the tuple of what the CUDA launch
- * calls (``CudaBackend.launch_parts``; see the struct); completions call this object's ``finish`` */
+/* Submitter(rt, parts, accesses, drop_waits, cuda): ``parts`` is the runtime's
+ * ``runtime.seam.SubmitterParts``, read by position; ``cuda`` is None, or the tuple of what the CUDA
+ * launch calls (``CudaBackend.launch_parts``; see the struct); completions call this object's ``finish`` */
 static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
-    PyObject *rt, *accesses_fn, *cuda;
+    PyObject *rt, *seam, *accesses_fn, *cuda;
     int drop_waits;
-    if (!PyArg_ParseTuple(args, "OOpO", &rt, &accesses_fn, &drop_waits, &cuda)) return -1;
+    if (!PyArg_ParseTuple(args, "OO!OpO", &rt, &PyTuple_Type, &seam, &accesses_fn, &drop_waits, &cuda)) return -1;
     if (sub.op_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup_submit() was not called");
         return -1;
     }
     submitter_clear(self);
     self->rt = Py_NewRef(rt);
+    PyObject **seam_fields[] = {
+        &self->submit_py, &self->take_slot_py, &self->would_block, &self->fail_lost, &self->launch_placed,
+        &self->finish_launch, &self->finish_py, &self->settle, &self->hold, &self->host_deps, &self->caller_fence,
+        &self->release_slot_locked,
+    };
+    const Py_ssize_t n_seam = (Py_ssize_t)(sizeof(seam_fields) / sizeof(seam_fields[0]));
+    if (PyTuple_GET_SIZE(seam) != n_seam) {
+        PyErr_Format(PyExc_TypeError, "Submitter: parts must be a runtime.seam.SubmitterParts (%zd fields), not %zd",
+                     n_seam, PyTuple_GET_SIZE(seam));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n_seam; i++) {
+        PyObject *f = PyTuple_GET_ITEM(seam, i);
+        if (!PyCallable_Check(f)) {
+            PyErr_Format(PyExc_TypeError, "Submitter: field %zd of the SubmitterParts is not callable", i);
+            return -1;
+        }
+        *seam_fields[i] = Py_NewRef(f);
+    }
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
     struct { PyObject **slot; const char *name; } attrs[] = {
@@ -631,7 +652,7 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
     if (stream == NULL) return NULL;
     PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, blocking ? Py_True : Py_False,
                         stream, placed >= 0 ? Py_True : Py_False, run_on};
-    PyObject *r = PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *r = PyObject_Vectorcall(self->submit_py, call + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     Py_DECREF(stream);
     return r;
 }
@@ -646,8 +667,7 @@ static int take_slot(Submitter *self, int blocking) {
     if (got) counts->free--;
     if (lock_give(self->done_lock, self->done_release) < 0) return -1;
     if (got) return 0;
-    PyObject *r = blocking ? PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True)
-                           : PyObject_CallMethodNoArgs(self->rt, s_would_block);
+    PyObject *r = blocking ? PyObject_CallOneArg(self->take_slot_py, Py_True) : PyObject_CallNoArgs(self->would_block);
     if (r == NULL) return -1;
     Py_DECREF(r);
     if (blocking) return 0;
@@ -927,7 +947,7 @@ static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
     op_set(op, OP_ROOT_ERROR, exc);
     Py_DECREF(exc);
     PyObject *call[] = {self->rt, op, stream, Py_True};
-    PyObject *r = PyObject_VectorcallMethod(s_finish_launch, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *r = PyObject_Vectorcall(self->finish_launch, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -950,7 +970,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
         }
         Py_DECREF(lost);
         if (lost != Py_None) {
-            r = PyObject_CallMethodObjArgs(self->rt, s_fail_lost, op, self->backend, NULL);
+            r = PyObject_CallFunctionObjArgs(self->fail_lost, op, self->backend, NULL);
             Py_XDECREF(r);
             rc = r == NULL ? -1 : 0;
             goto done;
@@ -977,7 +997,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     if (python) {
         PyObject *call[] = {self->rt, op, deps, stream_obj, live, waits, host_inputs ? Py_True : Py_False,
                             fence != NULL ? fence : Py_None};
-        r = PyObject_VectorcallMethod(s_launch_placed, call, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = PyObject_Vectorcall(self->launch_placed, call + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
         goto done;
@@ -1002,7 +1022,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     if (launched < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
     if (OPF(op, OP_ERROR) != Py_None) {  /* the op raised: the Python code tells a sticky device error */
         PyObject *call[] = {self->rt, op, stream_obj};
-        r = PyObject_VectorcallMethod(s_finish_launch, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = PyObject_Vectorcall(self->finish_launch, call + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
         goto done;
@@ -1223,7 +1243,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
         if (stream == NULL) goto done;
         PyObject *hcall[] = {self->rt, op, deps, holders, stream, self->device,
                              host_inputs ? Py_True : Py_False, fence};
-        PyObject *held = PyObject_VectorcallMethod(s_hold, hcall, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *held = PyObject_Vectorcall(self->hold, hcall + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(stream);
         if (held == NULL) goto done;
         Py_DECREF(held);
@@ -1506,7 +1526,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         if (conflict == 1) {  /* it may be held behind them (Runtime._holders): what must come first */
             holders = on_a_host_lane(self);
             if (holders == Py_True) {  /* the check that it would wait for its own lane: before its link */
-                Py_SETREF(holders, PyObject_CallMethodObjArgs(self->rt, s_host_deps, accesses, op_name, NULL));
+                Py_SETREF(holders, PyObject_CallFunctionObjArgs(self->host_deps, accesses, op_name, NULL));
                 if (holders != NULL && !PyList_CheckExact(holders)) {
                     PyErr_SetString(PyExc_TypeError, "Runtime._host_deps returns a list");
                     Py_CLEAR(holders);
@@ -1514,7 +1534,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
                 if (holders != NULL && !PyList_GET_SIZE(holders)) Py_SETREF(holders, Py_NewRef(Py_None));
             }  /* else False: its holders are found among the deps its link returns */
             if (holders != NULL && holders != Py_None) {  /* a fence, which raises in the caller's capture */
-                fence = PyObject_CallMethodOneArg(self->rt, s_caller_fence, self->device);
+                fence = PyObject_CallOneArg(self->caller_fence, self->device);
                 if (fence == NULL) Py_CLEAR(holders);
             }
             if (holders == Py_None) Py_CLEAR(holders);
@@ -1640,8 +1660,8 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(op) != sub.op_type || OPF(op, OP_ERROR) != Py_None
             || OPF(op, OP_STAMP) == NULL || OPF(op, OP_STAMP) == Py_None) {
         if (Py_TYPE(op) == sub.op_type) op_set(op, OP_FINISH, Py_None);  /* no reference to the runtime */
-        return PyObject_VectorcallMethod(s_finish_py, (PyObject *[]){self->rt, op, nargs == 2 ? args[1] : Py_None},
-                                         3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        return PyObject_Vectorcall(self->finish_py, (PyObject *[]){NULL, op, nargs == 2 ? args[1] : Py_None} + 1,
+                                   2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     op_set(op, OP_DONE, Py_True);
     /* a future someone watches (``_watched`` never turns back) is counted as calling back in the
@@ -1655,11 +1675,12 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0;
     if (!bad && counted) bad = calling_add(self->rt, 1);
-    if (!bad) counts->free++;
-    if (!bad && counts->waiting) {
-        PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
-        bad = freed == NULL || call_method0(freed, s_notify) < 0;
-        Py_XDECREF(freed);
+    if (!bad && counts->waiting) {  /* Slots.release_locked: the slot back, and a waiter woken */
+        PyObject *r = PyObject_CallNoArgs(self->release_slot_locked);
+        bad = r == NULL;
+        Py_XDECREF(r);
+    } else if (!bad) {
+        counts->free++;
     }
     if (!bad) counts->completed++;
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) return NULL;
@@ -1696,7 +1717,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
             if (lock_give(self->done_lock, self->done_release) < 0 || failed) goto done;
         }
         PyObject *call[] = {self->rt, future, value, Py_None};
-        result = PyObject_VectorcallMethod(s_settle, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        result = PyObject_Vectorcall(self->settle, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
 done:
     Py_DECREF(value);
@@ -2382,20 +2403,15 @@ static PyType_Spec submitter_spec = {
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
     S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
-    S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
-    S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
-    S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
-    S(s_wait, "wait") S(s_when_done, "when_done")
-    S(s_freed, "_freed")
-    S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
+    S(s_acquire, "acquire") S(s_release, "release") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
+    S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event") S(s_wait, "wait") S(s_when_done, "when_done")
+    S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
     S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
-    S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
-    S(s_hold, "_hold") S(s_host_deps, "_host_deps") S(s_caller_fence, "_caller_fence") S(s_recycle, "recycle")
+    S(s_marker_value, "value") S(s_marker_write, "write") S(s_recycle, "recycle")
     S(s_is_pinned, "is_pinned") S(s_dtype, "dtype") S(s_shape, "shape") S(s_hold_bytes, "hold")
     S(s_copy_h2d, "copy_h2d") S(s_copy_d2h, "copy_d2h")
 #undef S

@@ -3,8 +3,8 @@
 ``_finish`` runs once per op, from a backend's completion thread, a lane, a
 waiter that helps, or the submitting thread every ``FINISH_EVERY`` submits:
 never with ``_lock`` required, only ``_done_lock`` (the compiled finish in
-``native/_submit.c`` does the same, and calls ``_finish`` and ``_settle`` by
-name for what it leaves to Python).
+``native/_submit.c`` does the same, and calls ``_finish`` and ``_settle``, handed
+to it in ``seam.SubmitterParts``, for what it leaves to Python).
 
 State it owns, all changed under ``_done_lock`` (``_wait_all`` reads ``_pending`` without it, as a
 hint, and looks again under it):

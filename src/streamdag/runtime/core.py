@@ -5,7 +5,8 @@ is composed of, each a module that states the state it changes: ``submitting`` (
 path), ``held`` (ops held behind host-lane ops), ``completion`` (finishing, the in-flight
 bound), ``lifecycle`` (waiting for all, closing); ``layout`` numbers the streams. Other modules
 use a runtime through the members their ``*Runtime`` protocol lists (``tests/test_runtime_seams.py``).
-``native/_submit.c`` reads the state below, and calls the parts' methods, by these names.
+``native/_submit.c`` reads the state below by these names, and calls the parts' methods it is
+handed in ``seam.SubmitterParts``.
 
 Locks: ``_lock`` (re-entrant: submits, placement, holds, recording, a graph's run) is taken
 before ``_done_lock`` (finishing; backend threads take it alone), never after it.
@@ -83,7 +84,7 @@ from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
 from ..native import load_torch
-from . import arguments, frames, ops, submitting, transfers
+from . import arguments, frames, ops, seam, submitting, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
@@ -312,8 +313,9 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         launch_parts = getattr(self.backend, "launch_parts", None)
         if launch_parts is not None:
             load_torch()  # the CUDA calls in C++, where the torch extension builds
-        submitter = _speedups.Submitter(self, arguments.accesses_of, submitting._DROP_WAITS,
-                                        launch_parts() if launch_parts is not None else None)
+        cuda = launch_parts() if launch_parts is not None else None
+        submitter = _speedups.Submitter(self, seam.submitter_parts(self), arguments.accesses_of,
+                                        submitting._DROP_WAITS, cuda)
         self.submit = submitter.submit  # type: ignore[method-assign]
         self._submit_on = submitter.submit_on  # type: ignore[method-assign]
         self._launch_held = submitter.launch_held
