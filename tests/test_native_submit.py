@@ -268,8 +268,8 @@ def test_cuda_launch_parts_whose_completion_queues_are_not_a_counted_list_are_re
 @compiled
 def test_submitter_parts_of_the_wrong_shape_are_refused_when_the_submitter_is_made():
     """The compiled submit reads the runtime's ``SubmitterParts`` by position: a tuple of another
-    length, or a field that cannot be called where a method is due, is refused at construction
-    rather than read out of place on a rare path later."""
+    length, state of another type, or a field that cannot be called where a method is due, is
+    refused at construction rather than read out of place later."""
     from streamdag.runtime import accel, seam
 
     speedups = native.load()
@@ -280,3 +280,7 @@ def test_submitter_parts_of_the_wrong_shape_are_refused_when_the_submitter_is_ma
             speedups.Submitter(rt, parts[:-1], accel.accesses, False, None)
         with pytest.raises(TypeError, match="not callable"):
             speedups.Submitter(rt, parts._replace(settle=None), accel.accesses, False, None)
+        with pytest.raises(TypeError, match="expected types"):
+            speedups.Submitter(rt, parts._replace(busy=tuple(parts.busy)), accel.accesses, False, None)
+        with pytest.raises(TypeError, match="slots must count"):
+            speedups.Submitter(rt, parts._replace(counts=speedups.Counters()), accel.accesses, False, None)

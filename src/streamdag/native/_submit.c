@@ -462,8 +462,10 @@ static void submitter_dealloc(Submitter *self) {
 }
 
 /* Submitter(rt, parts, accesses, drop_waits, cuda): ``parts`` is the runtime's
- * ``runtime.seam.SubmitterParts``, read by position; ``cuda`` is None, or the tuple of what the CUDA
- * launch calls (``CudaBackend.launch_parts``; see the struct); completions call this object's ``finish`` */
+ * ``runtime.seam.SubmitterParts``, read by position (its state, then its bound methods, then the
+ * compute stream count and whether the device may be lost); ``cuda`` is None, or the tuple of what the
+ * CUDA launch calls (``CudaBackend.launch_parts``; see the struct); completions call this object's
+ * ``finish`` */
 static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     PyObject *rt, *seam, *accesses_fn, *cuda;
     int drop_waits;
@@ -474,66 +476,58 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     }
     submitter_clear(self);
     self->rt = Py_NewRef(rt);
-    PyObject **seam_fields[] = {
+    PyObject **seam_state[] = {
+        &self->lock, &self->done_lock, &self->busy, &self->pending, &self->streams, &self->backend, &self->device,
+        &self->hurry_of, &self->spaces, &self->recordings, &self->host_ops, &self->slots, &self->next_stream,
+        &self->counts, &self->parts, &self->lane_threads,
+    };
+    PyObject **seam_methods[] = {
         &self->submit_py, &self->take_slot_py, &self->would_block, &self->fail_lost, &self->launch_placed,
         &self->finish_launch, &self->finish_py, &self->settle, &self->hold, &self->host_deps, &self->caller_fence,
         &self->release_slot_locked,
     };
-    const Py_ssize_t n_seam = (Py_ssize_t)(sizeof(seam_fields) / sizeof(seam_fields[0]));
+    const Py_ssize_t n_state = (Py_ssize_t)(sizeof(seam_state) / sizeof(seam_state[0]));
+    const Py_ssize_t n_methods = (Py_ssize_t)(sizeof(seam_methods) / sizeof(seam_methods[0]));
+    const Py_ssize_t n_seam = n_state + n_methods + 2;  /* and compute, can_be_lost */
     if (PyTuple_GET_SIZE(seam) != n_seam) {
         PyErr_Format(PyExc_TypeError, "Submitter: parts must be a runtime.seam.SubmitterParts (%zd fields), not %zd",
                      n_seam, PyTuple_GET_SIZE(seam));
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n_seam; i++) {
-        PyObject *f = PyTuple_GET_ITEM(seam, i);
+    for (Py_ssize_t i = 0; i < n_state; i++) *seam_state[i] = Py_NewRef(PyTuple_GET_ITEM(seam, i));
+    for (Py_ssize_t i = 0; i < n_methods; i++) {
+        PyObject *f = PyTuple_GET_ITEM(seam, n_state + i);
         if (!PyCallable_Check(f)) {
-            PyErr_Format(PyExc_TypeError, "Submitter: field %zd of the SubmitterParts is not callable", i);
+            PyErr_Format(PyExc_TypeError, "Submitter: field %zd of the SubmitterParts is not callable", n_state + i);
             return -1;
         }
-        *seam_fields[i] = Py_NewRef(f);
+        *seam_methods[i] = Py_NewRef(f);
     }
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
-    struct { PyObject **slot; const char *name; } attrs[] = {
-        {&self->lock, "_lock"}, {&self->done_lock, "_done_lock"}, {&self->busy, "_busy"},
-        {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
-        {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
-        {&self->host_ops, "_host_ops"}, {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
-        {&self->counts, "_counts"}, {&self->parts, "_parts"}, {&self->lane_threads, "_lane_threads"},
-    };
-    for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
-        if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
             || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->host_ops)
             || !PyDict_CheckExact(self->next_stream) || !PyAnySet_Check(self->lane_threads)
             || Py_TYPE(self->counts) != counters_type || Py_TYPE(self->parts) != parts_type) {
-        PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
+        PyErr_SetString(PyExc_TypeError, "Submitter: the SubmitterParts' state is not of the expected types");
         return -1;
     }
     PyObject *slot_counts = PyObject_GetAttrString(self->slots, "counts");
     if (slot_counts == NULL) return -1;
     Py_DECREF(slot_counts);
     if (slot_counts != self->counts) {  /* take_slot and finish count slots in ``counts`` */
-        PyErr_SetString(PyExc_TypeError, "Submitter: the in-flight bound must count in the runtime's _counts");
+        PyErr_SetString(PyExc_TypeError, "Submitter: the SubmitterParts' slots must count in its counts");
         return -1;
     }
-    Py_ssize_t compute;
-    PyObject *count = PyObject_GetAttrString(rt, "_compute");
-    if (count == NULL) return -1;
-    compute = PyLong_AsSsize_t(count);
-    Py_DECREF(count);
+    Py_ssize_t compute = PyLong_AsSsize_t(PyTuple_GET_ITEM(seam, n_state + n_methods));
     if (compute < 1) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "no compute stream"); return -1; }
     self->n_compute = compute;
     PyObject *v = PyObject_GetAttrString(self->backend, "deferred");
     if (v == NULL) return -1;
     self->deferred = PyObject_IsTrue(v);
     Py_DECREF(v);
-    v = PyObject_GetAttrString(rt, "_can_be_lost");
-    if (v == NULL) return -1;
-    self->can_be_lost = PyObject_IsTrue(v);
-    Py_DECREF(v);
+    if ((self->can_be_lost = PyObject_IsTrue(PyTuple_GET_ITEM(seam, n_state + n_methods + 1))) < 0) return -1;
     if (self->can_be_lost && (self->backend_dict = PyObject_GenericGetDict(self->backend, NULL)) == NULL)
         PyErr_Clear();  /* no __dict__: ``lost`` is looked up the generic way, per op */
     if ((self->finish = PyObject_GetAttrString((PyObject *)self, "finish")) == NULL

@@ -5,8 +5,8 @@ is composed of, each a module that states the state it changes: ``submitting`` (
 path), ``held`` (ops held behind host-lane ops), ``completion`` (finishing, the in-flight
 bound), ``lifecycle`` (waiting for all, closing); ``layout`` numbers the streams. Other modules
 use a runtime through the members their ``*Runtime`` protocol lists (``tests/test_runtime_seams.py``).
-``native/_submit.c`` reads the state below by these names, and calls the parts' methods it is
-handed in ``seam.SubmitterParts``.
+``native/_submit.c`` is handed the state below, and the parts' methods, in one
+``seam.SubmitterParts`` (it reads ``_in_callbacks`` alone by name).
 
 Locks: ``_lock`` (re-entrant: submits, placement, holds, recording, a graph's run) is taken
 before ``_done_lock`` (finishing; backend threads take it alone), never after it.

@@ -19,7 +19,26 @@ __all__ = ["SeamRuntime", "SubmitterParts", "submitter_parts"]
 
 
 class SeamRuntime(Protocol):
-    """What :func:`submitter_parts` reads of a runtime: the methods of its parts, and its slots."""
+    """What :func:`submitter_parts` reads of a runtime: its state and the methods of its parts."""
+
+    backend: Any
+    device: str
+    _lock: Any
+    _done_lock: Any
+    _busy: list[int]
+    _pending: dict[int, Any]
+    _streams: list[Any]
+    _hurry_of: list[Any]
+    _spaces: set[str]
+    _recordings: dict[int, Any]
+    _host_ops: dict[int, Any]
+    _slots: Any
+    _next_stream: dict[Any, int]
+    _counts: Any
+    _parts: Any
+    _lane_threads: set[Any]
+    _compute: int
+    _can_be_lost: bool
 
     _submit: Callable[..., Any]
     _take_slot: Callable[[bool], Any]
@@ -32,11 +51,46 @@ class SeamRuntime(Protocol):
     _hold: Callable[..., bool]
     _host_deps: Callable[[Any, str], list[Any]]
     _caller_fence: Callable[[Any], Any]
-    _slots: Any
 
 
 class SubmitterParts(NamedTuple):
     """A runtime's state and methods that the compiled ``Submitter`` uses (see the module)."""
+
+    #: the runtime's re-entrant lock (``_lock``): submits, placement, holds, recording; taken
+    #: before ``done_lock``, never after it
+    lock: Any
+    #: the lock of finishing (``_done_lock``); backend threads take it alone
+    done_lock: Any
+    #: per stream, the pending ops placed on it (``_busy``); under ``done_lock``
+    busy: list[int]
+    #: the ops submitted or held and not finished, by number, in order (``_pending``); under
+    #: ``done_lock``
+    pending: dict[int, Any]
+    #: every stream, numbered (``_streams``); set once
+    streams: list[Any]
+    #: the runtime's one backend; set once
+    backend: Any
+    #: its device; set once
+    device: str
+    #: per stream, what a wait on its op calls, or None (``_hurry_of``); set once
+    hurry_of: list[Any]
+    #: the address spaces ops may touch (``_spaces``); set once
+    spaces: set[str]
+    #: the graph each recording thread records into, by thread id (``_recordings``); under ``lock``
+    recordings: dict[int, Any]
+    #: the unfinished host-lane ops a device op may be held behind (``_host_ops``); under ``lock``
+    host_ops: dict[int, Any]
+    #: the in-flight bound (``Slots``); counts in ``counts``, under ``done_lock``
+    slots: Any
+    #: per device, where its round robin resumes (``_next_stream``); under ``lock``
+    next_stream: dict[Any, int]
+    #: the runtime's ``Counters`` (``_counts``): ``seq`` under ``lock``; the rest under ``done_lock``
+    counts: Any
+    #: the runtime's ``Parts`` (``_parts``: tracker, clocks, profiler, finish_ready, closed); the
+    #: tracker, clocks and profiler under ``lock``
+    parts: Any
+    #: the threads of every host lane (``backends.cpu.LANE_THREADS``); changed by the lanes
+    lane_threads: set[Any]
 
     #: ``_submit(fn, args, kwargs, reads, writes, name, blocking, stream, device_ordered, run_on)``:
     #: the Python submit, for whatever the compiled one does not cover; takes ``lock`` itself
@@ -68,11 +122,31 @@ class SubmitterParts(NamedTuple):
     #: ``Slots.release_locked()``: gives a slot back and wakes a submitter waiting for one; caller
     #: holds ``done_lock`` (the compiled finish counts the slot itself where nobody waits)
     release_slot_locked: Callable[[], Any]
+    #: the backend's compute streams (``_compute``, at least 1); set once
+    compute: int
+    #: whether the backend may lose its device (``_can_be_lost``); set once
+    can_be_lost: bool
 
 
 def submitter_parts(rt: SeamRuntime) -> SubmitterParts:
     """``rt``'s :class:`SubmitterParts` (made once, when it sets up its compiled submit)."""
     return SubmitterParts(
+        lock=rt._lock,
+        done_lock=rt._done_lock,
+        busy=rt._busy,
+        pending=rt._pending,
+        streams=rt._streams,
+        backend=rt.backend,
+        device=rt.device,
+        hurry_of=rt._hurry_of,
+        spaces=rt._spaces,
+        recordings=rt._recordings,
+        host_ops=rt._host_ops,
+        slots=rt._slots,
+        next_stream=rt._next_stream,
+        counts=rt._counts,
+        parts=rt._parts,
+        lane_threads=rt._lane_threads,
         submit=rt._submit,
         take_slot=rt._take_slot,
         would_block=rt._would_block,
@@ -85,4 +159,6 @@ def submitter_parts(rt: SeamRuntime) -> SubmitterParts:
         host_deps=rt._host_deps,
         caller_fence=rt._caller_fence,
         release_slot_locked=rt._slots.release_locked,
+        compute=rt._compute,
+        can_be_lost=rt._can_be_lost,
     )
