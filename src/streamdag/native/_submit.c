@@ -60,7 +60,7 @@ static struct {
 
 static PyObject *s_torch_profiler, *s_is_profiler_enabled;
 static PyObject *s_acquire, *s_release, *s_link, *s_tail, *s_place, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
+                *s_wait, *s_when_done, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
                 *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
                 *s_recycle, *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
@@ -271,6 +271,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
     Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
+    Py_ssize_t calling;  /* finished ops whose done-callbacks still run (``completion``; under ``_done_lock``) */
     char woken;  /* completion queues: their thread's wake-up is set and not yet taken */
 } Counters;
 
@@ -282,6 +283,7 @@ static PyMemberDef counters_members[] = {
     {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
     {"free", T_PYSSIZET, offsetof(Counters, free), 0, "slots free under max_inflight"},
     {"waiting", T_PYSSIZET, offsetof(Counters, waiting), 0, "submitters waiting for a slot"},
+    {"calling", T_PYSSIZET, offsetof(Counters, calling), 0, "finished ops whose done-callbacks still run"},
     {"woken", T_BOOL, offsetof(Counters, woken), 0, "completion queues: a wake-up of their thread is pending"},
     {NULL}
 };
@@ -289,8 +291,8 @@ static PyMemberDef counters_members[] = {
 static PyType_Slot counters_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_members, counters_members},
-    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; a "
-                "completion thread's woken), read and written by the compiled submit in C."},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; the "
+                "ops calling back; a completion thread's woken), read and written by the compiled submit in C."},
     {0, NULL}
 };
 
@@ -1629,20 +1631,6 @@ static PyObject *submitter_submit_on(Submitter *self, PyObject *const *argv, Py_
     return submit_with(self, argv + 1, nargs - 1, kwnames, stream, 1);
 }
 
-/* ``rt._in_callbacks += delta`` (the caller holds ``_done_lock``): 0, or -1 with an exception */
-static int calling_add(PyObject *rt, Py_ssize_t delta) {
-    PyObject *n = PyObject_GetAttr(rt, s_in_callbacks);
-    if (n == NULL) return -1;
-    Py_ssize_t v = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    n = PyLong_FromSsize_t(v + delta);
-    if (n == NULL) return -1;
-    int r = PyObject_SetAttr(rt, s_in_callbacks, n);
-    Py_DECREF(n);
-    return r;
-}
-
 /* Runtime._finish(op, device_error=None): a successful op whose future nobody watches is finished
  * here; anything else by the Python method (or, once counted, its ``_settle``) */
 static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1668,7 +1656,7 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0));
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0;
-    if (!bad && counted) bad = calling_add(self->rt, 1);
+    if (!bad && counted) counts->calling++;
     if (!bad && counts->waiting) {  /* Slots.release_locked: the slot back, and a waiter woken */
         PyObject *r = PyObject_CallNoArgs(self->release_slot_locked);
         bad = r == NULL;
@@ -1707,8 +1695,8 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     } else if (settled == -1) {
         if (!counted) {  /* watched since: counted now */
             if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
-            int failed = calling_add(self->rt, 1);
-            if (lock_give(self->done_lock, self->done_release) < 0 || failed) goto done;
+            ((Counters *)self->counts)->calling++;
+            if (lock_give(self->done_lock, self->done_release) < 0) goto done;
         }
         PyObject *call[] = {self->rt, future, value, Py_None};
         result = PyObject_Vectorcall(self->settle, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -2399,7 +2387,6 @@ static int submit_init(PyObject *m) {
     S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
     S(s_acquire, "acquire") S(s_release, "release") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
     S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event") S(s_wait, "wait") S(s_when_done, "when_done")
-    S(s_in_callbacks, "_in_callbacks")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_set, "set")

@@ -6,7 +6,7 @@ path), ``held`` (ops held behind host-lane ops), ``completion`` (finishing, the 
 bound), ``lifecycle`` (waiting for all, closing); ``layout`` numbers the streams. Other modules
 use a runtime through the members their ``*Runtime`` protocol lists (``tests/test_runtime_seams.py``).
 ``native/_submit.c`` is handed the state below, and the parts' methods, in one
-``seam.SubmitterParts`` (it reads ``_in_callbacks`` alone by name).
+``seam.SubmitterParts``; it reads no attribute of the runtime by name.
 
 Locks: ``_lock`` (re-entrant: submits, placement, holds, recording, a graph's run) is taken
 before ``_done_lock`` (finishing; backend threads take it alone), never after it.
@@ -39,7 +39,7 @@ state                       changed under         invariant
 ``_pending``                ``_done_lock``        ops submitted or held, not finished, in order
 ``_failed``, ``_failures``  ``_done_lock``        ops failed; root errors since synchronize()
 ``_failed_seen``            both                  ``_failed`` at the last synchronize()
-``_in_callbacks``           ``_done_lock``        finished ops whose done-callbacks still run;
+``_counts.calling``         ``_done_lock``        finished ops whose done-callbacks still run;
                                                   0 notifies ``_callbacks_done``
 ``_host_ops``, ``_held``,   see ``held``          what a device stream cannot wait for by an
 ``_held_on``, ``_launcher``                       event; the held ops, and what holds them
@@ -277,7 +277,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._done_lock = ops.new_lock()
         # a wait inside a lane op refuses too where what it waits for depends on ops behind the caller
         self._lane_waits.consult(self._lock, weakref.WeakMethod(self._held_up_by_caller))
-        #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
+        #: notified when the last running done-callbacks have returned (``_counts.calling`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
         self._counts = ops.new_counters()
         self._parts = ops.new_parts()  # (the properties above: set before any of them)
@@ -298,7 +298,6 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._failures: list[BaseException] = []
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
-        self._in_callbacks = 0  # finished ops whose done-callbacks are running now
         self._closed = False
         self._stopped = False
         self._close_lock = threading.Lock()  # one close drains and stops at a time
