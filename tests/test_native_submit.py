@@ -284,3 +284,24 @@ def test_submitter_parts_of_the_wrong_shape_are_refused_when_the_submitter_is_ma
             speedups.Submitter(rt, parts._replace(busy=tuple(parts.busy)), accel.accesses, False, None)
         with pytest.raises(TypeError, match="slots must count"):
             speedups.Submitter(rt, parts._replace(counts=speedups.Counters()), accel.accesses, False, None)
+
+
+@compiled
+def test_the_compiled_copy_counts_in_the_parts_the_byte_budget_hands_it():
+    """``ByteBudget.compiled_parts()`` is what the compiled copy counts a copy's bytes in: the same
+    counts the budget's own methods change; ``setup_copies`` takes them, or None (the budget's
+    methods count), and refuses anything else."""
+    from streamdag.runtime import transfers
+    from streamdag.runtime.budgets import ByteBudget
+
+    budget = ByteBudget(100)
+    counts, lock, held = budget.compiled_parts()
+    budget.acquire(30)
+    assert counts.used == budget.used == 30 and held == {}
+    with sd.Runtime(streams=2) as rt:
+        submitter = rt.submit.__self__
+        copy = transfers.copy
+        submitter.setup_copies(print, {}, {}, budget, copy, budget.compiled_parts())
+        submitter.setup_copies(print, {}, {}, budget, copy, None)
+        with pytest.raises(TypeError, match="budget_parts"):
+            submitter.setup_copies(print, {}, {}, budget, copy, (counts, lock))

@@ -2061,10 +2061,12 @@ static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* setup_copies(copy_fn, h2d, d2h, budget, copy_py): what ``copy`` needs (see Runtime.__init__) */
+/* setup_copies(copy_fn, h2d, d2h, budget, copy_py, budget_parts): what ``copy`` needs (see
+ * Runtime._use_compiled_submit); ``budget_parts``: None, or ``ByteBudget.compiled_parts()`` */
 static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
-    PyObject *fn, *h2d, *d2h, *budget, *copy_py;
-    if (!PyArg_ParseTuple(args, "OO!O!OO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py))
+    PyObject *fn, *h2d, *d2h, *budget, *copy_py, *budget_parts;
+    if (!PyArg_ParseTuple(args, "OO!O!OOO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py,
+                          &budget_parts))
         return NULL;
     Py_XSETREF(self->copy_py, Py_NewRef(copy_py));
     Py_XSETREF(self->copy_fn, Py_NewRef(fn));
@@ -2076,27 +2078,23 @@ static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
     Py_CLEAR(self->budget_acquire);
     Py_CLEAR(self->budget_release);
     Py_CLEAR(self->budget_held);
-    /* ByteBudget's counts, lock and held copies, where they are this module's: counted in C */
-    PyObject *counts = PyObject_GetAttrString(budget, "_counts");
-    PyObject *lock = counts != NULL ? PyObject_GetAttrString(budget, "_lock") : NULL;
-    PyObject *held = lock != NULL ? PyObject_GetAttrString(budget, "_held") : NULL;
-    if (held == NULL) {
-        PyErr_Clear();  /* another budget: its methods count */
-    } else if (Py_TYPE(counts) == budget_counts_type && Py_TYPE(lock) == fast_lock_type && PyDict_CheckExact(held)) {
+    /* the budget's counts, lock and held copies, where they are this module's: counted in C; else
+     * (None, or another budget's) its methods count */
+    if (budget_parts == Py_None) Py_RETURN_NONE;
+    if (!PyTuple_Check(budget_parts) || PyTuple_GET_SIZE(budget_parts) != 3) {
+        PyErr_SetString(PyExc_TypeError, "setup_copies: budget_parts must be None or (counts, lock, held)");
+        return NULL;
+    }
+    PyObject *counts = PyTuple_GET_ITEM(budget_parts, 0), *lock = PyTuple_GET_ITEM(budget_parts, 1);
+    PyObject *held = PyTuple_GET_ITEM(budget_parts, 2);
+    if (Py_TYPE(counts) == budget_counts_type && Py_TYPE(lock) == fast_lock_type && PyDict_CheckExact(held)) {
         self->budget_counts = Py_NewRef(counts);
         self->budget_lock = Py_NewRef(lock);
         self->budget_held = Py_NewRef(held);
         if ((self->budget_acquire = PyObject_GetAttr(lock, s_acquire)) == NULL
-                || (self->budget_release = PyObject_GetAttr(lock, s_release)) == NULL) {
-            Py_XDECREF(counts);
-            Py_XDECREF(lock);
-            Py_XDECREF(held);
+                || (self->budget_release = PyObject_GetAttr(lock, s_release)) == NULL)
             return NULL;
-        }
     }
-    Py_XDECREF(counts);
-    Py_XDECREF(lock);
-    Py_XDECREF(held);
     Py_RETURN_NONE;
 }
 
@@ -2336,8 +2334,9 @@ static PyObject *submitter_copy(Submitter *self, PyObject *const *argv, Py_ssize
 
 static PyMethodDef submitter_methods[] = {
     {"setup_copies", (PyCFunction)submitter_setup_copies, METH_VARARGS,
-     "setup_copies(copy_fn, h2d, d2h, budget, copy_py): what copy() needs (copy streams by device space "
-     "each way; copy_py: transfers.copy, for every other case)."},
+     "setup_copies(copy_fn, h2d, d2h, budget, copy_py, budget_parts): what copy() needs (copy streams by "
+     "device space each way; copy_py: transfers.copy, for every other case; budget_parts: "
+     "ByteBudget.compiled_parts(), or None to count through the budget's methods)."},
     {"copy_pinned", (PyCFunction)(void (*)(void))submitter_copy_pinned, METH_FASTCALL,
      "transfers.copy for pinned host memory and a device, compiled; None where the Python code decides."},
     {"copy", (PyCFunction)(void (*)(void))submitter_copy, METH_FASTCALL | METH_KEYWORDS,

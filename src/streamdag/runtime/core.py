@@ -323,7 +323,8 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         h2d, d2h = ({space: i for (k, space), i in self._copy_index.items() if k == kind}
                     for kind in ("h2d", "d2h"))
         if h2d or d2h:
-            submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy)
+            submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy,
+                                   self._bytes.compiled_parts())
             self.copy = submitter.copy  # type: ignore[method-assign]
             self._copy_pinned = submitter.copy_pinned
 
