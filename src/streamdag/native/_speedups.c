@@ -30,9 +30,8 @@ typedef struct {
     PyTypeObject *ndarray;   /* numpy.ndarray, whose memory is read through the buffer protocol */
     PyObject *region_of;     /* buffers.region_of */
     PyObject *cuda_spaces;   /* buffers._CUDA_SPACES: device index -> "cuda:N" */
-    PyObject *buffers;       /* the module, for _STRIDED once torch is seen */
     PyObject *resizing;      /* buffers._RESIZING: objects pending ops may give new memory */
-    PyObject *strided;
+    PyObject *strided;       /* torch.strided, once a tensor is seen */
     PyTypeObject *region_type;
     PyTypeObject *access_type;
     PyObject *cpu;           /* "cpu" */
@@ -71,7 +70,7 @@ static inline int is_kind(PyObject *obj, PyTypeObject *base, PyTypeObject **seen
 }
 
 static PyObject *s_space, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
-                *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_STRIDED;
+                *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_torch, *s_strided;
 
 /* ------------------------------------------------------------------ Record */
 
@@ -951,8 +950,13 @@ static PyObject *torch_access(PyObject *t, int write) {
         if (!is_cpu) return NULL;
         space = Py_NewRef(state.cpu);
     }
-    if (state.strided == NULL && (state.strided = PyObject_GetAttr(state.buffers, s_STRIDED)) == NULL)
-        goto done;
+    if (state.strided == NULL) {  /* a tensor is here: torch is imported */
+        PyObject *torch = PyImport_GetModule(s_torch);
+        if (torch == NULL) goto done;
+        state.strided = PyObject_GetAttr(torch, s_strided);
+        Py_DECREF(torch);
+        if (state.strided == NULL) goto done;
+    }
     PyObject *layout = PyObject_GetAttr(t, s_layout);
     if (layout == NULL) goto done;
     Py_DECREF(layout);  /* compared by identity, as the Python code does (torch.strided is one object) */
@@ -1089,30 +1093,22 @@ static PyObject *uses_torch(PyObject *module, PyObject *unused) {
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
-    PyObject *buffers, *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type;
-    if (!PyArg_ParseTuple(args, "OO!OOO!O!O!", &buffers, &PyDict_Type, &handlers, &torch_region_fn,
-                          &region_of_fn, &PyDict_Type, &cuda_spaces, &PyType_Type, &region_type,
-                          &PyType_Type, &access_type))
+    PyObject *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type, *resizing;
+    PyObject *numpy_region;
+    if (!PyArg_ParseTuple(args, "O!OOO!O!O!O!O", &PyDict_Type, &handlers, &torch_region_fn, &region_of_fn,
+                          &PyDict_Type, &cuda_spaces, &PyType_Type, &region_type, &PyType_Type, &access_type,
+                          &PyDict_Type, &resizing, &numpy_region))
         return NULL;
-    Py_XSETREF(state.buffers, Py_NewRef(buffers));
     Py_XSETREF(state.handlers, Py_NewRef(handlers));
     Py_XSETREF(state.torch_region, Py_NewRef(torch_region_fn));
     Py_XSETREF(state.region_of, Py_NewRef(region_of_fn));
     Py_XSETREF(state.cuda_spaces, Py_NewRef(cuda_spaces));
     Py_XSETREF(state.region_type, (PyTypeObject *)Py_NewRef(region_type));
     Py_XSETREF(state.access_type, (PyTypeObject *)Py_NewRef(access_type));
-    PyObject *resizing = PyObject_GetAttrString(buffers, "_RESIZING");
-    if (resizing == NULL) return NULL;
-    if (!PyDict_CheckExact(resizing)) {
-        Py_DECREF(resizing);
-        PyErr_SetString(PyExc_TypeError, "buffers._RESIZING must be a dict");
-        return NULL;
-    }
-    Py_XSETREF(state.resizing, resizing);
+    Py_XSETREF(state.resizing, Py_NewRef(resizing));
     /* numpy arrays read through the buffer protocol, where numpy is there (buffers.py imports it) */
-    Py_CLEAR(state.numpy_region);
+    Py_XSETREF(state.numpy_region, Py_NewRef(numpy_region));
     Py_CLEAR(state.ndarray);
-    if ((state.numpy_region = PyObject_GetAttrString(buffers, "_numpy_like_region")) == NULL) PyErr_Clear();
     PyObject *numpy = PyImport_ImportModule("numpy");
     PyObject *ndarray = numpy != NULL ? PyObject_GetAttrString(numpy, "ndarray") : NULL;
     Py_XDECREF(numpy);
@@ -1504,7 +1500,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_nbytes, "nbytes");
-    INTERN(s_STRIDED, "_STRIDED");
+    INTERN(s_torch, "torch");
+    INTERN(s_strided, "strided");
     if ((state.cpu = PyUnicode_InternFromString("cpu")) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;

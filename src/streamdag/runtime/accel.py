@@ -35,8 +35,8 @@ __all__ = ["CompiledDepsTracker", "CompiledStreamClocks", "DepsTracker", "Stream
 
 _speedups = load_native()
 if _speedups is not None:
-    _speedups.setup(buffers, buffers._HANDLERS, buffers._torch_region, buffers.region_of,
-                    buffers._CUDA_SPACES, Region, Access)
+    _speedups.setup(buffers._HANDLERS, buffers._torch_region, buffers.region_of, buffers._CUDA_SPACES,
+                    Region, Access, buffers._RESIZING, buffers._numpy_like_region)
     _speedups.setup_clocks(Stamp)
 
     class _Space(_SpaceMethods, _speedups.SpaceFields):
