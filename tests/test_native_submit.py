@@ -256,7 +256,7 @@ def test_cuda_launch_parts_whose_completion_queues_are_not_a_counted_list_are_re
 
     speedups = native.load()
     put = ([], speedups.Counters(), threading.Event())
-    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print)
+    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print, print)
     with sd.Runtime(streams=2) as rt:
         speedups.Submitter(rt, seam.submitter_parts(rt), accel.accesses, False, parts)
         for bad in (((), put[1], put[2]), ([], object(), put[2]), put[:2]):

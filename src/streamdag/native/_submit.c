@@ -58,11 +58,10 @@ static struct {
     PyObject *release_frames;  /* frames.release_frames */
 } sub;
 
-static PyObject *s_torch_profiler, *s_is_profiler_enabled;
 static PyObject *s_acquire, *s_release, *s_link, *s_tail, *s_place, *s_execute, *s_launch, *s_event,
                 *s_wait, *s_when_done, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
-                *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
+                *s_timing, *s_query, *s_mark_lost, *s_marker_value, *s_marker_write,
                 *s_recycle, *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
 
@@ -399,18 +398,19 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts,
+             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *parts,
              *lane_threads;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
     /* the Python methods of the rare paths (``runtime.seam.SubmitterParts``), bound */
     PyObject *submit_py, *take_slot_py, *would_block, *fail_lost, *launch_placed, *finish_launch, *finish_py,
              *settle, *hold, *host_deps, *caller_fence, *release_slot_locked;
-    /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
-     * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
+    /* CUDA (``CudaBackend.launch_parts``): torch._C's getDevice, getCurrentStream, setStream, setDevice,
+     * _CudaEventBase.record and .wait, the backend's caller event and its caller streams (dict), its
+     * event pool, ..., whether a PyTorch profiler runs (``threads.torch_profiler_on``); else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
              *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake,
-             *refuse_in_capture;
+             *refuse_in_capture, *profiler_on;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
     /* rt.copy's compiled case (setup_copies): the copy op's function, the copy streams by device space
@@ -430,12 +430,12 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
-    X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
+    X(counts) X(builtin_name) X(parts) X(lane_threads) \
     X(submit_py) X(take_slot_py) X(would_block) X(fail_lost) X(launch_placed) X(finish_launch) X(finish_py) \
     X(settle) X(hold) X(host_deps) X(caller_fence) X(release_slot_locked) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake) \
-    X(refuse_in_capture) \
+    X(refuse_in_capture) X(profiler_on) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
     X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py) \
     X(budget_counts) X(budget_lock) X(budget_acquire) X(budget_release) X(budget_held)
@@ -530,8 +530,6 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
     self->deferred = PyObject_IsTrue(v);
     Py_DECREF(v);
     if ((self->can_be_lost = PyObject_IsTrue(PyTuple_GET_ITEM(seam, n_state + n_methods + 1))) < 0) return -1;
-    if (self->can_be_lost && (self->backend_dict = PyObject_GenericGetDict(self->backend, NULL)) == NULL)
-        PyErr_Clear();  /* no __dict__: ``lost`` is looked up the generic way, per op */
     if ((self->finish = PyObject_GetAttrString((PyObject *)self, "finish")) == NULL
             || (self->lock_acquire = PyObject_GetAttr(self->lock, s_acquire)) == NULL
             || (self->lock_release = PyObject_GetAttr(self->lock, s_release)) == NULL
@@ -544,14 +542,16 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         /* the completion queues, and what their put() touches (``_Completions.put_parts``): the
          * queues, their counts (the last entry's token, whether their thread's wake-up is pending:
          * C fields) and the wake-up event */
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)O", &self->get_device, &self->get_stream,
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)OO", &self->get_device, &self->get_stream,
                               &self->set_stream, &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
                               &self->device_index, &self->completions, &PyList_Type, &self->queues,
-                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture)) {
+                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture,
+                              &self->profiler_on)) {
             self->get_device = self->get_stream = self->set_stream = self->set_device = self->record = NULL;
             self->wait = self->caller_event = self->callers = self->free_events = self->device_index = NULL;
             self->completions = self->queues = self->completion_counts = self->wake = self->refuse_in_capture = NULL;
+            self->profiler_on = NULL;
             return -1;
         }
         Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
@@ -559,6 +559,7 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
         Py_INCREF(self->device_index); Py_INCREF(self->completions); Py_INCREF(self->queues);
         Py_INCREF(self->completion_counts); Py_INCREF(self->wake); Py_INCREF(self->refuse_in_capture);
+        Py_INCREF(self->profiler_on);
         self->torch = state.torch;
         self->streams_indexed = 1;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->streams); i++) {
@@ -813,24 +814,15 @@ static int execute(PyObject *op) {
     return 0;
 }
 
-/* ``threads.torch_profiler_on()``: whether a PyTorch profiler runs (the module global it sets for every
- * thread). Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
- * ``torch.profiler.record_function`` around its kernels. Two look-ups; errors read as no profiler. */
-static int torch_profiling(void) {
-    PyObject *module = PyImport_GetModule(s_torch_profiler);  /* new reference; NULL: not imported */
-    if (module == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *flag = PyObject_GetAttr(module, s_is_profiler_enabled);
-    Py_DECREF(module);
-    if (flag == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int on = flag == Py_True;
-    Py_DECREF(flag);
-    return on;
+/* ``threads.torch_profiler_on()`` (handed over in ``launch_parts``): whether a PyTorch profiler runs.
+ * Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
+ * ``torch.profiler.record_function`` around its kernels. 1, 0, or -1 with an exception */
+static int torch_profiling(Submitter *self) {
+    PyObject *on = PyObject_CallNoArgs(self->profiler_on);
+    if (on == NULL) return -1;
+    int r = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    return r;
 }
 
 /* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
@@ -958,13 +950,9 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     int rc = -1;
     PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
     if (self->can_be_lost && (sub.losses != 0 || Py_TYPE(self->backend) != sub.loss_noting_type)) {
-        PyObject *lost = self->backend_dict != NULL ? PyDict_GetItemWithError(self->backend_dict, s_lost) : NULL;
-        if (lost != NULL) {
-            Py_INCREF(lost);
-        } else if (PyErr_Occurred() || (lost = PyObject_GetAttr(self->backend, s_lost)) == NULL) {
-            goto done;
-        }
-        Py_DECREF(lost);
+        PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
+        if (lost == NULL) goto done;
+        Py_DECREF(lost);  /* (compared by identity only: the backend keeps it) */
         if (lost != Py_None) {
             r = PyObject_CallFunctionObjArgs(self->fail_lost, op, self->backend, NULL);
             Py_XDECREF(r);
@@ -974,8 +962,11 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
     Parts *parts = (Parts *)self->parts;
-    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live))
-                 || (self->get_device != NULL && torch_profiling());
+    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
+    if (!python && self->get_device != NULL && (python = torch_profiling(self)) < 0) {
+        rc = launch_failed(self, op, stream_obj);  /* as CudaBackend.launch raising */
+        goto done;
+    }
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
     if (fence == Py_None) fence = NULL;
     if ((nwaits || fence != NULL) && (events = PyList_New(0)) == NULL) goto done;
@@ -1851,13 +1842,11 @@ static int finish_head(PyObject *q, PyObject *free_events, PyObject *event_type)
     return rc;
 }
 
-/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; from ``owner_dict`` (its __dict__,
- * or NULL) where it is there */
-static PyObject *owner_lost(PyObject *owner, PyObject *owner_dict) {
+/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; None without a look-up where the
+ * owner's type notes each loss and none happened */
+static PyObject *owner_lost(PyObject *owner) {
     if (sub.losses == 0 && Py_TYPE(owner) == sub.loss_noting_type) return Py_None;
-    PyObject *lost = owner_dict != NULL ? PyDict_GetItemWithError(owner_dict, s_lost) : NULL;
-    if (lost != NULL || PyErr_Occurred()) return lost;
-    lost = PyObject_GetAttr(owner, s_lost);
+    PyObject *lost = PyObject_GetAttr(owner, s_lost);
     Py_XDECREF(lost);
     return lost;
 }
@@ -1873,17 +1862,17 @@ static PyObject *mark_lost(PyObject *owner) {
     return error;
 }
 
-/* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
+/* completions_pass(settle, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
  * (backends/cuda_completions.py, the reference) without the stream sanitizer. Per queue, one query
  * of its newest event covers the whole queue (a stream runs in order); else its entries are queried
  * from the head until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
- * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
+ * (``owner.mark_lost``); from then on every entry is settled with that error (``settle``: the bound ``_Completions._settle``).
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
  * the rest of its queue stay queued.
  * A callback's exception propagates, as in the Python pass. */
-static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type);
+static PyObject *completions_pass_queues(PyObject *settle, PyObject *queues, PyObject *owner,
+                                         PyObject *free_events, PyObject *event_type);
 
 static PyObject *note_loss(PyObject *module, PyObject *unused) {
     sub.losses++;
@@ -1901,27 +1890,23 @@ static PyObject *note_losses_of(PyObject *module, PyObject *type) {
 
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "completions_pass(completions, queues: list, owner, free: list, event_type)");
+        PyErr_SetString(PyExc_TypeError, "completions_pass(settle, queues: list, owner, free: list, event_type)");
         return NULL;
     }
-    PyObject *completions = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
+    PyObject *settle = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
     PyObject *event_type = args[4];
-    PyObject *owner_dict = PyObject_GenericGetDict(owner, NULL);  /* read once per entry: no look-up */
-    if (owner_dict == NULL) PyErr_Clear();  /* (none: the generic look-up) */
-    PyObject *progressed = completions_pass_dict(completions, queues, owner, owner_dict, free_events, event_type);
-    Py_XDECREF(owner_dict);
-    return progressed;
+    return completions_pass_queues(settle, queues, owner, free_events, event_type);
 }
 
-static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type) {
+static PyObject *completions_pass_queues(PyObject *settle, PyObject *queues, PyObject *owner,
+                                         PyObject *free_events, PyObject *event_type) {
     int progressed = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(queues); i++) {
         PyObject *q = PyList_GET_ITEM(queues, i);
         Py_ssize_t known = 0, n = PyObject_Size(q);  /* appended meanwhile: not covered */
         if (n < 0) return NULL;
         if (n == 0) continue;
-        PyObject *lost = owner_lost(owner, owner_dict);
+        PyObject *lost = owner_lost(owner);
         if (lost == NULL) return NULL;
         if (lost == Py_None) {
             PyObject *event = entry_event(q, n - 1);
@@ -1940,7 +1925,7 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
             Py_ssize_t left = PyObject_Size(q);
             if (left < 0) return NULL;
             if (left == 0) break;
-            PyObject *error = owner_lost(owner, owner_dict);  /* a callback may have marked it */
+            PyObject *error = owner_lost(owner);  /* a callback may have marked it */
             if (error == NULL) return NULL;
             Py_INCREF(error);
             if (error == Py_None && known <= 0) {
@@ -1967,8 +1952,8 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
                 Py_DECREF(error);
                 return NULL;
             }
-            PyObject *r = PyObject_CallMethodObjArgs(completions, s_settle_entry, PyTuple_GET_ITEM(entry, 1),
-                                                     PyTuple_GET_ITEM(entry, 2), error, NULL);
+            PyObject *r = PyObject_CallFunctionObjArgs(settle, PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 2),
+                                                       error, NULL);
             Py_DECREF(entry);
             Py_DECREF(error);
             if (r == NULL) return NULL;
@@ -2008,7 +1993,7 @@ static PyObject *completions_finish_one(PyObject *module, PyObject *const *args,
         else hi = mid;
     }
     if (entry == NULL) Py_RETURN_NONE;  /* finished already */
-    PyObject *lost = owner_lost(owner, NULL);
+    PyObject *lost = owner_lost(owner);
     if (lost != Py_None) {  /* the next pass fails everything, in order */
         Py_DECREF(entry);
         if (lost == NULL) return NULL;
@@ -2383,14 +2368,13 @@ static PyType_Spec submitter_spec = {
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
     S(s_acquire, "acquire") S(s_release, "release") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
     S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event") S(s_wait, "wait") S(s_when_done, "when_done")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
-    S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
+    S(s_mark_lost, "mark_lost")
     S(s_marker_value, "value") S(s_marker_write, "write") S(s_recycle, "recycle")
     S(s_is_pinned, "is_pinned") S(s_dtype, "dtype") S(s_shape, "shape") S(s_hold_bytes, "hold")
     S(s_copy_h2d, "copy_h2d") S(s_copy_d2h, "copy_d2h")
