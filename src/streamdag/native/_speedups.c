@@ -41,6 +41,7 @@ typedef struct {
      * (_TrackerMethods._space/_compact, _Space.keep), done here without those calls */
     PyTypeObject *compact_tracker, *compact_space;
     PyObject *max_horizon;
+    PyObject *space_of;  /* _TrackerMethods._space(tracker, name): a space made, or compacted, in Python */
     /* the last subclass that passed each check of is_kind(): runtime/accel.py's classes
      * derive from this module's types, and PyObject_TypeCheck walks a subclass's MRO every time */
     PyTypeObject *seen_space, *seen_tracker, *seen_clocks;
@@ -69,7 +70,7 @@ static inline int is_kind(PyObject *obj, PyTypeObject *base, PyTypeObject **seen
     return 1;
 }
 
-static PyObject *s_space, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
+static PyObject *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
                 *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_torch, *s_strided;
 
 /* ------------------------------------------------------------------ Record */
@@ -645,11 +646,11 @@ static int compact(Space *space, Tracker *tracker) {
     return 0;
 }
 
-/* setup_compaction(tracker_type, space_type, max_horizon): see State */
+/* setup_compaction(tracker_type, space_type, max_horizon, space_of): see State */
 static PyObject *setup_compaction(PyObject *module, PyObject *args) {
-    PyObject *tracker_type, *space_type, *max_horizon;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &tracker_type, &PyType_Type, &space_type,
-                          &PyLong_Type, &max_horizon))
+    PyObject *tracker_type, *space_type, *max_horizon, *space_of;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &tracker_type, &PyType_Type, &space_type,
+                          &PyLong_Type, &max_horizon, &space_of))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)tracker_type, state.tracker_type)
             || !PyType_IsSubtype((PyTypeObject *)space_type, state.space_type)) {
@@ -659,6 +660,7 @@ static PyObject *setup_compaction(PyObject *module, PyObject *args) {
     Py_XSETREF(state.compact_tracker, (PyTypeObject *)Py_NewRef(tracker_type));
     Py_XSETREF(state.compact_space, (PyTypeObject *)Py_NewRef(space_type));
     Py_XSETREF(state.max_horizon, Py_NewRef(max_horizon));
+    Py_XSETREF(state.space_of, Py_NewRef(space_of));
     Py_RETURN_NONE;
 }
 
@@ -710,11 +712,15 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
             Py_INCREF(space);  /* compacting may run code (the retired test, deallocs) */
             if (compact((Space *)space, self) < 0) { Py_DECREF(space); goto done; }  /* _space -> _compact */
         } else if (space == NULL || due) {
-            space = PyObject_CallMethodOneArg((PyObject *)self, s_space, name);  /* made or compacted */
+            if (state.space_of == NULL) {
+                PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup_compaction() was not called");
+                goto done;
+            }
+            space = PyObject_CallFunctionObjArgs(state.space_of, (PyObject *)self, name, NULL);  /* made or compacted */
             if (space == NULL) goto done;
             if (!is_kind(space, state.space_type, &state.seen_space)) {
                 Py_DECREF(space);
-                PyErr_SetString(PyExc_TypeError, "_space() must return a space of this module's type");
+                PyErr_SetString(PyExc_TypeError, "space_of() must return a space of this module's type");
                 goto done;
             }
         } else {
@@ -1476,7 +1482,8 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
     {"setup_compaction", setup_compaction, METH_VARARGS,
-     "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them)."},
+     "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them), and "
+     "the function that makes or compacts a tracker's space otherwise (_TrackerMethods._space)."},
     SUBMIT_METHODS
     DICT_TAG_METHODS
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
@@ -1491,7 +1498,6 @@ static struct PyModuleDef module_def = {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    INTERN(s_space, "_space");
     INTERN(s_record, "record");
     INTERN(s_is_cuda, "is_cuda");
     INTERN(s_is_cpu, "is_cpu");

@@ -60,7 +60,7 @@ if _speedups is not None:
         space_type = _Space
 
     # their compaction (``_space`` -> ``_compact`` -> ``_Space.keep``) runs in link(), compiled
-    _speedups.setup_compaction(CompiledDepsTracker, _Space, _MAX_HORIZON)
+    _speedups.setup_compaction(CompiledDepsTracker, _Space, _MAX_HORIZON, _TrackerMethods._space)
 
     class CompiledStreamClocks(_speedups.Clocks):
         """Vector clocks for ``num_streams`` streams: :class:`~streamdag.schedule.waits.PyStreamClocks`,
