@@ -252,13 +252,56 @@ def test_cuda_launch_parts_whose_completion_queues_are_not_a_counted_list_are_re
     an event) there is refused when the submitter is made, and a well-formed tuple is taken."""
     import threading
 
-    from streamdag.runtime import accel
+    from streamdag.runtime import accel, seam
 
     speedups = native.load()
     put = ([], speedups.Counters(), threading.Event())
-    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print)
+    parts = (print,) * 6 + (object(), {}, [], 0, object(), put, print, print)
     with sd.Runtime(streams=2) as rt:
-        speedups.Submitter(rt, accel.accesses, False, parts)
+        speedups.Submitter(rt, seam.submitter_parts(rt), accel.accesses, False, parts)
         for bad in (((), put[1], put[2]), ([], object(), put[2]), put[:2]):
             with pytest.raises(TypeError):
-                speedups.Submitter(rt, accel.accesses, False, (*parts[:11], bad, *parts[12:]))
+                speedups.Submitter(rt, seam.submitter_parts(rt), accel.accesses, False,
+                                   (*parts[:11], bad, *parts[12:]))
+
+
+@compiled
+def test_submitter_parts_of_the_wrong_shape_are_refused_when_the_submitter_is_made():
+    """The compiled submit reads the runtime's ``SubmitterParts`` by position: a tuple of another
+    length, state of another type, or a field that cannot be called where a method is due, is
+    refused at construction rather than read out of place later."""
+    from streamdag.runtime import accel, seam
+
+    speedups = native.load()
+    with sd.Runtime(streams=2) as rt:
+        parts = seam.submitter_parts(rt)
+        speedups.Submitter(rt, parts, accel.accesses, False, None)
+        with pytest.raises(TypeError, match="SubmitterParts"):
+            speedups.Submitter(rt, parts[:-1], accel.accesses, False, None)
+        with pytest.raises(TypeError, match="not callable"):
+            speedups.Submitter(rt, parts._replace(settle=None), accel.accesses, False, None)
+        with pytest.raises(TypeError, match="expected types"):
+            speedups.Submitter(rt, parts._replace(busy=tuple(parts.busy)), accel.accesses, False, None)
+        with pytest.raises(TypeError, match="slots must count"):
+            speedups.Submitter(rt, parts._replace(counts=speedups.Counters()), accel.accesses, False, None)
+
+
+@compiled
+def test_the_compiled_copy_counts_in_the_parts_the_byte_budget_hands_it():
+    """``ByteBudget.compiled_parts()`` is what the compiled copy counts a copy's bytes in: the same
+    counts the budget's own methods change; ``setup_copies`` takes them, or None (the budget's
+    methods count), and refuses anything else."""
+    from streamdag.runtime import transfers
+    from streamdag.runtime.budgets import ByteBudget
+
+    budget = ByteBudget(100)
+    counts, lock, held = budget.compiled_parts()
+    budget.acquire(30)
+    assert counts.used == budget.used == 30 and held == {}
+    with sd.Runtime(streams=2) as rt:
+        submitter = rt.submit.__self__
+        copy = transfers.copy
+        submitter.setup_copies(print, {}, {}, budget, copy, budget.compiled_parts())
+        submitter.setup_copies(print, {}, {}, budget, copy, None)
+        with pytest.raises(TypeError, match="budget_parts"):
+            submitter.setup_copies(print, {}, {}, budget, copy, (counts, lock))

@@ -164,10 +164,11 @@ class CudaBackend:
     def launch_parts(self) -> tuple[Any, ...]:
         """What :meth:`launch` calls, for the compiled submit (``native/_submit.c``) to make the same
         calls: PyTorch's C entry points, the caller event, the caller streams seen, the event pool, and
-        the completion queues (``when_done``) with what their ``put`` touches."""
+        the completion queues (``when_done``) with what their ``put`` touches, what refuses a wait
+        during a capture, and whether a PyTorch profiler runs (then :meth:`launch` names each op)."""
         return (_get_device, _get_stream, _set_stream, _set_device, _record, _wait, self._caller_event,
                 self._callers, self._free_events, self._index, self._completions,
-                self._completions.put_parts(), _refuse_in_capture)
+                self._completions.put_parts(), _refuse_in_capture, torch_profiler_on)
 
     def peer_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``dst.copy_(src)`` from this device to another, inside an op on the destination's stream.

@@ -243,7 +243,7 @@ class _Completions:
         owner = self._owner
         sanitized = _sanitizer_enabled()
         if _compiled_pass is not None and not sanitized:
-            return _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent)
+            return _compiled_pass(self._settle, self._queues, owner, owner._free_events, CudaEvent)
         progressed = False
         for q in self._queues:
             known_done = 0  # entries at the head of ``q`` known to have completed
@@ -347,7 +347,7 @@ class _Completions:
                 try:
                     if _compiled_queries_relaxed():  # the compiled pass of ``_pass``, called at once:
                         owner = self._owner           # a submitting thread runs this every 32 submits
-                        _compiled_pass(self, self._queues, owner, owner._free_events, CudaEvent)
+                        _compiled_pass(self._settle, self._queues, owner, owner._free_events, CudaEvent)
                     else:
                         with self._queries_relaxed():
                             self._pass()

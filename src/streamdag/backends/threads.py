@@ -58,13 +58,14 @@ def run_named(work: Callable[[], Any]) -> None:
 
 class _Counters:
     """A runtime's counts: ops submitted (the last op's number), completed, the most pending at once;
-    and its in-flight bound's slots free and submitters waiting for one (``completion.Slots``). A
-    CUDA completion thread's: ``seq`` and ``woken`` (see ``_Completions.put``)."""
+    its in-flight bound's slots free and submitters waiting for one (``completion.Slots``); the
+    finished ops whose done-callbacks still run (``calling``). A CUDA completion thread's: ``seq``
+    and ``woken`` (see ``_Completions.put``)."""
 
-    __slots__ = ("completed", "free", "peak", "seq", "waiting", "woken")
+    __slots__ = ("calling", "completed", "free", "peak", "seq", "waiting", "woken")
 
     def __init__(self) -> None:
-        self.seq = self.completed = self.peak = self.free = self.waiting = 0
+        self.seq = self.completed = self.peak = self.free = self.waiting = self.calling = 0
         self.woken = False
 
 

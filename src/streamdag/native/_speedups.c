@@ -30,9 +30,8 @@ typedef struct {
     PyTypeObject *ndarray;   /* numpy.ndarray, whose memory is read through the buffer protocol */
     PyObject *region_of;     /* buffers.region_of */
     PyObject *cuda_spaces;   /* buffers._CUDA_SPACES: device index -> "cuda:N" */
-    PyObject *buffers;       /* the module, for _STRIDED once torch is seen */
     PyObject *resizing;      /* buffers._RESIZING: objects pending ops may give new memory */
-    PyObject *strided;
+    PyObject *strided;       /* torch.strided, once a tensor is seen */
     PyTypeObject *region_type;
     PyTypeObject *access_type;
     PyObject *cpu;           /* "cpu" */
@@ -42,6 +41,7 @@ typedef struct {
      * (_TrackerMethods._space/_compact, _Space.keep), done here without those calls */
     PyTypeObject *compact_tracker, *compact_space;
     PyObject *max_horizon;
+    PyObject *space_of;  /* _TrackerMethods._space(tracker, name): a space made, or compacted, in Python */
     /* the last subclass that passed each check of is_kind(): runtime/accel.py's classes
      * derive from this module's types, and PyObject_TypeCheck walks a subclass's MRO every time */
     PyTypeObject *seen_space, *seen_tracker, *seen_clocks;
@@ -70,8 +70,8 @@ static inline int is_kind(PyObject *obj, PyTypeObject *base, PyTypeObject **seen
     return 1;
 }
 
-static PyObject *s_space, *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
-                *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_STRIDED;
+static PyObject *s_record, *s_is_cuda, *s_is_cpu, *s_get_device, *s_layout,
+                *s_data_ptr, *s_is_contiguous, *s_nbytes, *s_torch, *s_strided;
 
 /* ------------------------------------------------------------------ Record */
 
@@ -646,11 +646,11 @@ static int compact(Space *space, Tracker *tracker) {
     return 0;
 }
 
-/* setup_compaction(tracker_type, space_type, max_horizon): see State */
+/* setup_compaction(tracker_type, space_type, max_horizon, space_of): see State */
 static PyObject *setup_compaction(PyObject *module, PyObject *args) {
-    PyObject *tracker_type, *space_type, *max_horizon;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &tracker_type, &PyType_Type, &space_type,
-                          &PyLong_Type, &max_horizon))
+    PyObject *tracker_type, *space_type, *max_horizon, *space_of;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &tracker_type, &PyType_Type, &space_type,
+                          &PyLong_Type, &max_horizon, &space_of))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)tracker_type, state.tracker_type)
             || !PyType_IsSubtype((PyTypeObject *)space_type, state.space_type)) {
@@ -660,6 +660,7 @@ static PyObject *setup_compaction(PyObject *module, PyObject *args) {
     Py_XSETREF(state.compact_tracker, (PyTypeObject *)Py_NewRef(tracker_type));
     Py_XSETREF(state.compact_space, (PyTypeObject *)Py_NewRef(space_type));
     Py_XSETREF(state.max_horizon, Py_NewRef(max_horizon));
+    Py_XSETREF(state.space_of, Py_NewRef(space_of));
     Py_RETURN_NONE;
 }
 
@@ -711,11 +712,15 @@ static PyObject *tracker_link(Tracker *self, PyObject *const *args, Py_ssize_t n
             Py_INCREF(space);  /* compacting may run code (the retired test, deallocs) */
             if (compact((Space *)space, self) < 0) { Py_DECREF(space); goto done; }  /* _space -> _compact */
         } else if (space == NULL || due) {
-            space = PyObject_CallMethodOneArg((PyObject *)self, s_space, name);  /* made or compacted */
+            if (state.space_of == NULL) {
+                PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup_compaction() was not called");
+                goto done;
+            }
+            space = PyObject_CallFunctionObjArgs(state.space_of, (PyObject *)self, name, NULL);  /* made or compacted */
             if (space == NULL) goto done;
             if (!is_kind(space, state.space_type, &state.seen_space)) {
                 Py_DECREF(space);
-                PyErr_SetString(PyExc_TypeError, "_space() must return a space of this module's type");
+                PyErr_SetString(PyExc_TypeError, "space_of() must return a space of this module's type");
                 goto done;
             }
         } else {
@@ -951,8 +956,13 @@ static PyObject *torch_access(PyObject *t, int write) {
         if (!is_cpu) return NULL;
         space = Py_NewRef(state.cpu);
     }
-    if (state.strided == NULL && (state.strided = PyObject_GetAttr(state.buffers, s_STRIDED)) == NULL)
-        goto done;
+    if (state.strided == NULL) {  /* a tensor is here: torch is imported */
+        PyObject *torch = PyImport_GetModule(s_torch);
+        if (torch == NULL) goto done;
+        state.strided = PyObject_GetAttr(torch, s_strided);
+        Py_DECREF(torch);
+        if (state.strided == NULL) goto done;
+    }
     PyObject *layout = PyObject_GetAttr(t, s_layout);
     if (layout == NULL) goto done;
     Py_DECREF(layout);  /* compared by identity, as the Python code does (torch.strided is one object) */
@@ -1089,30 +1099,22 @@ static PyObject *uses_torch(PyObject *module, PyObject *unused) {
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
-    PyObject *buffers, *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type;
-    if (!PyArg_ParseTuple(args, "OO!OOO!O!O!", &buffers, &PyDict_Type, &handlers, &torch_region_fn,
-                          &region_of_fn, &PyDict_Type, &cuda_spaces, &PyType_Type, &region_type,
-                          &PyType_Type, &access_type))
+    PyObject *handlers, *torch_region_fn, *region_of_fn, *cuda_spaces, *region_type, *access_type, *resizing;
+    PyObject *numpy_region;
+    if (!PyArg_ParseTuple(args, "O!OOO!O!O!O!O", &PyDict_Type, &handlers, &torch_region_fn, &region_of_fn,
+                          &PyDict_Type, &cuda_spaces, &PyType_Type, &region_type, &PyType_Type, &access_type,
+                          &PyDict_Type, &resizing, &numpy_region))
         return NULL;
-    Py_XSETREF(state.buffers, Py_NewRef(buffers));
     Py_XSETREF(state.handlers, Py_NewRef(handlers));
     Py_XSETREF(state.torch_region, Py_NewRef(torch_region_fn));
     Py_XSETREF(state.region_of, Py_NewRef(region_of_fn));
     Py_XSETREF(state.cuda_spaces, Py_NewRef(cuda_spaces));
     Py_XSETREF(state.region_type, (PyTypeObject *)Py_NewRef(region_type));
     Py_XSETREF(state.access_type, (PyTypeObject *)Py_NewRef(access_type));
-    PyObject *resizing = PyObject_GetAttrString(buffers, "_RESIZING");
-    if (resizing == NULL) return NULL;
-    if (!PyDict_CheckExact(resizing)) {
-        Py_DECREF(resizing);
-        PyErr_SetString(PyExc_TypeError, "buffers._RESIZING must be a dict");
-        return NULL;
-    }
-    Py_XSETREF(state.resizing, resizing);
+    Py_XSETREF(state.resizing, Py_NewRef(resizing));
     /* numpy arrays read through the buffer protocol, where numpy is there (buffers.py imports it) */
-    Py_CLEAR(state.numpy_region);
+    Py_XSETREF(state.numpy_region, Py_NewRef(numpy_region));
     Py_CLEAR(state.ndarray);
-    if ((state.numpy_region = PyObject_GetAttrString(buffers, "_numpy_like_region")) == NULL) PyErr_Clear();
     PyObject *numpy = PyImport_ImportModule("numpy");
     PyObject *ndarray = numpy != NULL ? PyObject_GetAttrString(numpy, "ndarray") : NULL;
     Py_XDECREF(numpy);
@@ -1480,7 +1482,8 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "Hand over what the Python side of buffers owns."},
     {"setup_clocks", setup_clocks, METH_O, "Hand over schedule.waits.Stamp."},
     {"setup_compaction", setup_compaction, METH_VARARGS,
-     "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them)."},
+     "Name the tracker and space classes whose compaction is hazards.py's own (done in C for them), and "
+     "the function that makes or compacts a tracker's space otherwise (_TrackerMethods._space)."},
     SUBMIT_METHODS
     DICT_TAG_METHODS
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
@@ -1495,7 +1498,6 @@ static struct PyModuleDef module_def = {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    INTERN(s_space, "_space");
     INTERN(s_record, "record");
     INTERN(s_is_cuda, "is_cuda");
     INTERN(s_is_cpu, "is_cpu");
@@ -1504,7 +1506,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_is_contiguous, "is_contiguous");
     INTERN(s_nbytes, "nbytes");
-    INTERN(s_STRIDED, "_STRIDED");
+    INTERN(s_torch, "torch");
+    INTERN(s_strided, "strided");
     if ((state.cpu = PyUnicode_InternFromString("cpu")) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;

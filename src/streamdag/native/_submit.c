@@ -58,16 +58,11 @@ static struct {
     PyObject *release_frames;  /* frames.release_frames */
 } sub;
 
-static PyObject *s_torch_profiler, *s_is_profiler_enabled;
-static PyObject *s_acquire, *s_release, *s_submit_py, *s_link,
-                *s_tail, *s_place, *s_take_slot,
-                *s_fail_lost, *s_launch_placed, *s_finish_launch, *s_execute, *s_launch, *s_event,
-                *s_wait, *s_when_done, *s_freed,
-                *s_notify, *s_finish_py, *s_settle, *s_in_callbacks, *s_name_attr, *s_reads, *s_writes,
+static PyObject *s_acquire, *s_release, *s_link, *s_tail, *s_place, *s_execute, *s_launch, *s_event,
+                *s_wait, *s_when_done, *s_name_attr, *s_reads, *s_writes,
                 *s_name, *s_run_on, *s_lost, *s_index, *s_append, *s_set, *s_popleft,
-                *s_timing, *s_query, *s_mark_lost, *s_settle_entry, *s_marker_value, *s_marker_write,
-                *s_would_block, *s_hold, *s_host_deps, *s_caller_fence, *s_recycle,
-                *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
+                *s_timing, *s_query, *s_mark_lost, *s_marker_value, *s_marker_write,
+                *s_recycle, *s_is_pinned, *s_dtype, *s_shape, *s_hold_bytes, *s_copy_h2d, *s_copy_d2h, *s_copy_kwnames;
 
 
 /* ``q.append(item)`` / ``q.popleft()``: through the method's descriptor for a collections.deque */
@@ -275,6 +270,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t seq, completed, peak;
     Py_ssize_t free, waiting;  /* the in-flight bound's (``completion.Slots``): slots free, submitters waiting */
+    Py_ssize_t calling;  /* finished ops whose done-callbacks still run (``completion``; under ``_done_lock``) */
     char woken;  /* completion queues: their thread's wake-up is set and not yet taken */
 } Counters;
 
@@ -286,6 +282,7 @@ static PyMemberDef counters_members[] = {
     {"peak", T_PYSSIZET, offsetof(Counters, peak), 0, "the most ops pending at once"},
     {"free", T_PYSSIZET, offsetof(Counters, free), 0, "slots free under max_inflight"},
     {"waiting", T_PYSSIZET, offsetof(Counters, waiting), 0, "submitters waiting for a slot"},
+    {"calling", T_PYSSIZET, offsetof(Counters, calling), 0, "finished ops whose done-callbacks still run"},
     {"woken", T_BOOL, offsetof(Counters, woken), 0, "completion queues: a wake-up of their thread is pending"},
     {NULL}
 };
@@ -293,8 +290,8 @@ static PyMemberDef counters_members[] = {
 static PyType_Slot counters_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_members, counters_members},
-    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; a "
-                "completion thread's woken), read and written by the compiled submit in C."},
+    {Py_tp_doc, "A runtime's counts (seq, completed, peak; the in-flight bound's free and waiting; the "
+                "ops calling back; a completion thread's woken), read and written by the compiled submit in C."},
     {0, NULL}
 };
 
@@ -401,15 +398,19 @@ typedef struct {
     PyObject_HEAD
     PyObject *rt;
     PyObject *lock, *done_lock, *busy, *pending, *streams, *backend, *hurry_of, *spaces, *recordings,
-             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *backend_dict, *parts,
+             *host_ops, *slots, *accesses_fn, *device, *next_stream, *finish, *counts, *parts,
              *lane_threads;
     const char *builtin_c_name;  /* the last builtin op's C name, and its __name__ (see op_name_of) */
     PyObject *builtin_name;
-    /* CUDA: torch._C's getDevice, getCurrentStream, setStream, setDevice, _CudaEventBase.record and
-     * .wait, the backend's caller event and its caller streams (dict), its event pool; else NULL */
+    /* the Python methods of the rare paths (``runtime.seam.SubmitterParts``), bound */
+    PyObject *submit_py, *take_slot_py, *would_block, *fail_lost, *launch_placed, *finish_launch, *finish_py,
+             *settle, *hold, *host_deps, *caller_fence, *release_slot_locked;
+    /* CUDA (``CudaBackend.launch_parts``): torch._C's getDevice, getCurrentStream, setStream, setDevice,
+     * _CudaEventBase.record and .wait, the backend's caller event and its caller streams (dict), its
+     * event pool, ..., whether a PyTorch profiler runs (``threads.torch_profiler_on``); else NULL */
     PyObject *get_device, *get_stream, *set_stream, *set_device, *record, *wait, *caller_event,
              *callers, *free_events, *device_index, *queues, *completions, *completion_counts, *wake,
-             *refuse_in_capture;
+             *refuse_in_capture, *profiler_on;
     /* the locks' bound acquire and release: no method look-up per call */
     PyObject *lock_acquire, *lock_release, *done_acquire, *done_release, *lazy_acquire, *lazy_release;
     /* rt.copy's compiled case (setup_copies): the copy op's function, the copy streams by device space
@@ -429,10 +430,12 @@ static PyObject *new_finish_call(Submitter *submitter, PyObject *op);
 
 #define SUBMITTER_OBJECTS(X) X(rt) X(lock) X(done_lock) X(busy) X(pending) X(streams) X(backend) \
     X(hurry_of) X(spaces) X(recordings) X(host_ops) X(slots) X(accesses_fn) X(device) X(next_stream) X(finish) \
-    X(counts) X(backend_dict) X(builtin_name) X(parts) X(lane_threads) \
+    X(counts) X(builtin_name) X(parts) X(lane_threads) \
+    X(submit_py) X(take_slot_py) X(would_block) X(fail_lost) X(launch_placed) X(finish_launch) X(finish_py) \
+    X(settle) X(hold) X(host_deps) X(caller_fence) X(release_slot_locked) \
     X(get_device) X(get_stream) X(set_stream) X(set_device) X(record) X(wait) X(caller_event) \
     X(callers) X(free_events) X(device_index) X(queues) X(completions) X(completion_counts) X(wake) \
-    X(refuse_in_capture) \
+    X(refuse_in_capture) X(profiler_on) \
     X(lock_acquire) X(lock_release) X(done_acquire) X(done_release) X(lazy_acquire) X(lazy_release) \
     X(copy_fn) X(copy_h2d) X(copy_d2h) X(budget) X(copy_py) \
     X(budget_counts) X(budget_lock) X(budget_acquire) X(budget_release) X(budget_held)
@@ -460,61 +463,73 @@ static void submitter_dealloc(Submitter *self) {
     Py_DECREF(tp);
 }
 
-/* Submitter(rt, accesses, drop_waits, cuda): ``cuda`` is None, or the tuple of what the CUDA launch
- * calls (``CudaBackend.launch_parts``; see the struct); completions call this object's ``finish`` */
+/* Submitter(rt, parts, accesses, drop_waits, cuda): ``parts`` is the runtime's
+ * ``runtime.seam.SubmitterParts``, read by position (its state, then its bound methods, then the
+ * compute stream count and whether the device may be lost); ``cuda`` is None, or the tuple of what the
+ * CUDA launch calls (``CudaBackend.launch_parts``; see the struct); completions call this object's
+ * ``finish`` */
 static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
-    PyObject *rt, *accesses_fn, *cuda;
+    PyObject *rt, *seam, *accesses_fn, *cuda;
     int drop_waits;
-    if (!PyArg_ParseTuple(args, "OOpO", &rt, &accesses_fn, &drop_waits, &cuda)) return -1;
+    if (!PyArg_ParseTuple(args, "OO!OpO", &rt, &PyTuple_Type, &seam, &accesses_fn, &drop_waits, &cuda)) return -1;
     if (sub.op_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "streamdag.native: setup_submit() was not called");
         return -1;
     }
     submitter_clear(self);
     self->rt = Py_NewRef(rt);
+    PyObject **seam_state[] = {
+        &self->lock, &self->done_lock, &self->busy, &self->pending, &self->streams, &self->backend, &self->device,
+        &self->hurry_of, &self->spaces, &self->recordings, &self->host_ops, &self->slots, &self->next_stream,
+        &self->counts, &self->parts, &self->lane_threads,
+    };
+    PyObject **seam_methods[] = {
+        &self->submit_py, &self->take_slot_py, &self->would_block, &self->fail_lost, &self->launch_placed,
+        &self->finish_launch, &self->finish_py, &self->settle, &self->hold, &self->host_deps, &self->caller_fence,
+        &self->release_slot_locked,
+    };
+    const Py_ssize_t n_state = (Py_ssize_t)(sizeof(seam_state) / sizeof(seam_state[0]));
+    const Py_ssize_t n_methods = (Py_ssize_t)(sizeof(seam_methods) / sizeof(seam_methods[0]));
+    const Py_ssize_t n_seam = n_state + n_methods + 2;  /* and compute, can_be_lost */
+    if (PyTuple_GET_SIZE(seam) != n_seam) {
+        PyErr_Format(PyExc_TypeError, "Submitter: parts must be a runtime.seam.SubmitterParts (%zd fields), not %zd",
+                     n_seam, PyTuple_GET_SIZE(seam));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n_state; i++) *seam_state[i] = Py_NewRef(PyTuple_GET_ITEM(seam, i));
+    for (Py_ssize_t i = 0; i < n_methods; i++) {
+        PyObject *f = PyTuple_GET_ITEM(seam, n_state + i);
+        if (!PyCallable_Check(f)) {
+            PyErr_Format(PyExc_TypeError, "Submitter: field %zd of the SubmitterParts is not callable", n_state + i);
+            return -1;
+        }
+        *seam_methods[i] = Py_NewRef(f);
+    }
     self->accesses_fn = Py_NewRef(accesses_fn);
     self->drop_waits = drop_waits;
-    struct { PyObject **slot; const char *name; } attrs[] = {
-        {&self->lock, "_lock"}, {&self->done_lock, "_done_lock"}, {&self->busy, "_busy"},
-        {&self->pending, "_pending"}, {&self->streams, "_streams"}, {&self->backend, "backend"},
-        {&self->hurry_of, "_hurry_of"}, {&self->spaces, "_spaces"}, {&self->recordings, "_recordings"},
-        {&self->host_ops, "_host_ops"}, {&self->slots, "_slots"}, {&self->device, "device"}, {&self->next_stream, "_next_stream"},
-        {&self->counts, "_counts"}, {&self->parts, "_parts"}, {&self->lane_threads, "_lane_threads"},
-    };
-    for (size_t i = 0; i < sizeof(attrs) / sizeof(attrs[0]); i++)
-        if ((*attrs[i].slot = PyObject_GetAttrString(rt, attrs[i].name)) == NULL) return -1;
     if (!PyList_CheckExact(self->busy) || !PyDict_CheckExact(self->pending) || !PyList_CheckExact(self->streams)
             || !PyList_CheckExact(self->hurry_of) || !PyAnySet_Check(self->spaces)
             || !PyDict_CheckExact(self->recordings) || !PyDict_CheckExact(self->host_ops)
             || !PyDict_CheckExact(self->next_stream) || !PyAnySet_Check(self->lane_threads)
             || Py_TYPE(self->counts) != counters_type || Py_TYPE(self->parts) != parts_type) {
-        PyErr_SetString(PyExc_TypeError, "Submitter: the runtime's state is not of the expected types");
+        PyErr_SetString(PyExc_TypeError, "Submitter: the SubmitterParts' state is not of the expected types");
         return -1;
     }
     PyObject *slot_counts = PyObject_GetAttrString(self->slots, "counts");
     if (slot_counts == NULL) return -1;
     Py_DECREF(slot_counts);
     if (slot_counts != self->counts) {  /* take_slot and finish count slots in ``counts`` */
-        PyErr_SetString(PyExc_TypeError, "Submitter: the in-flight bound must count in the runtime's _counts");
+        PyErr_SetString(PyExc_TypeError, "Submitter: the SubmitterParts' slots must count in its counts");
         return -1;
     }
-    Py_ssize_t compute;
-    PyObject *count = PyObject_GetAttrString(rt, "_compute");
-    if (count == NULL) return -1;
-    compute = PyLong_AsSsize_t(count);
-    Py_DECREF(count);
+    Py_ssize_t compute = PyLong_AsSsize_t(PyTuple_GET_ITEM(seam, n_state + n_methods));
     if (compute < 1) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "no compute stream"); return -1; }
     self->n_compute = compute;
     PyObject *v = PyObject_GetAttrString(self->backend, "deferred");
     if (v == NULL) return -1;
     self->deferred = PyObject_IsTrue(v);
     Py_DECREF(v);
-    v = PyObject_GetAttrString(rt, "_can_be_lost");
-    if (v == NULL) return -1;
-    self->can_be_lost = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    if (self->can_be_lost && (self->backend_dict = PyObject_GenericGetDict(self->backend, NULL)) == NULL)
-        PyErr_Clear();  /* no __dict__: ``lost`` is looked up the generic way, per op */
+    if ((self->can_be_lost = PyObject_IsTrue(PyTuple_GET_ITEM(seam, n_state + n_methods + 1))) < 0) return -1;
     if ((self->finish = PyObject_GetAttrString((PyObject *)self, "finish")) == NULL
             || (self->lock_acquire = PyObject_GetAttr(self->lock, s_acquire)) == NULL
             || (self->lock_release = PyObject_GetAttr(self->lock, s_release)) == NULL
@@ -527,14 +542,16 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         /* the completion queues, and what their put() touches (``_Completions.put_parts``): the
          * queues, their counts (the last entry's token, whether their thread's wake-up is pending:
          * C fields) and the wake-up event */
-        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)O", &self->get_device, &self->get_stream,
+        if (!PyArg_ParseTuple(cuda, "OOOOOOOO!O!OO(O!O!O)OO", &self->get_device, &self->get_stream,
                               &self->set_stream, &self->set_device, &self->record, &self->wait, &self->caller_event,
                               &PyDict_Type, &self->callers, &PyList_Type, &self->free_events,
                               &self->device_index, &self->completions, &PyList_Type, &self->queues,
-                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture)) {
+                              counters_type, &self->completion_counts, &self->wake, &self->refuse_in_capture,
+                              &self->profiler_on)) {
             self->get_device = self->get_stream = self->set_stream = self->set_device = self->record = NULL;
             self->wait = self->caller_event = self->callers = self->free_events = self->device_index = NULL;
             self->completions = self->queues = self->completion_counts = self->wake = self->refuse_in_capture = NULL;
+            self->profiler_on = NULL;
             return -1;
         }
         Py_INCREF(self->get_device); Py_INCREF(self->get_stream); Py_INCREF(self->set_stream);
@@ -542,6 +559,7 @@ static int submitter_init(Submitter *self, PyObject *args, PyObject *kwds) {
         Py_INCREF(self->caller_event); Py_INCREF(self->callers); Py_INCREF(self->free_events);
         Py_INCREF(self->device_index); Py_INCREF(self->completions); Py_INCREF(self->queues);
         Py_INCREF(self->completion_counts); Py_INCREF(self->wake); Py_INCREF(self->refuse_in_capture);
+        Py_INCREF(self->profiler_on);
         self->torch = state.torch;
         self->streams_indexed = 1;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->streams); i++) {
@@ -631,7 +649,7 @@ static PyObject *submit_in_python(Submitter *self, PyObject *fn, PyObject *args,
     if (stream == NULL) return NULL;
     PyObject *call[] = {self->rt, fn, args, kwargs, reads, writes, name, blocking ? Py_True : Py_False,
                         stream, placed >= 0 ? Py_True : Py_False, run_on};
-    PyObject *r = PyObject_VectorcallMethod(s_submit_py, call, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *r = PyObject_Vectorcall(self->submit_py, call + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     Py_DECREF(stream);
     return r;
 }
@@ -646,8 +664,7 @@ static int take_slot(Submitter *self, int blocking) {
     if (got) counts->free--;
     if (lock_give(self->done_lock, self->done_release) < 0) return -1;
     if (got) return 0;
-    PyObject *r = blocking ? PyObject_CallMethodOneArg(self->rt, s_take_slot, Py_True)
-                           : PyObject_CallMethodNoArgs(self->rt, s_would_block);
+    PyObject *r = blocking ? PyObject_CallOneArg(self->take_slot_py, Py_True) : PyObject_CallNoArgs(self->would_block);
     if (r == NULL) return -1;
     Py_DECREF(r);
     if (blocking) return 0;
@@ -797,24 +814,15 @@ static int execute(PyObject *op) {
     return 0;
 }
 
-/* ``threads.torch_profiler_on()``: whether a PyTorch profiler runs (the module global it sets for every
- * thread). Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
- * ``torch.profiler.record_function`` around its kernels. Two look-ups; errors read as no profiler. */
-static int torch_profiling(void) {
-    PyObject *module = PyImport_GetModule(s_torch_profiler);  /* new reference; NULL: not imported */
-    if (module == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *flag = PyObject_GetAttr(module, s_is_profiler_enabled);
-    Py_DECREF(module);
-    if (flag == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int on = flag == Py_True;
-    Py_DECREF(flag);
-    return on;
+/* ``threads.torch_profiler_on()`` (handed over in ``launch_parts``): whether a PyTorch profiler runs.
+ * Then a device op launches through Python, whose ``CudaBackend.launch`` names it with
+ * ``torch.profiler.record_function`` around its kernels. 1, 0, or -1 with an exception */
+static int torch_profiling(Submitter *self) {
+    PyObject *on = PyObject_CallNoArgs(self->profiler_on);
+    if (on == NULL) return -1;
+    int r = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    return r;
 }
 
 /* ``CudaBackend.launch(stream, op.execute)``: order ``s`` after the caller's current stream, run the
@@ -927,7 +935,7 @@ static int launch_failed(Submitter *self, PyObject *op, PyObject *stream) {
     op_set(op, OP_ROOT_ERROR, exc);
     Py_DECREF(exc);
     PyObject *call[] = {self->rt, op, stream, Py_True};
-    PyObject *r = PyObject_VectorcallMethod(s_finish_launch, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *r = PyObject_Vectorcall(self->finish_launch, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -942,15 +950,11 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     int rc = -1;
     PyObject *event = NULL, *callback = NULL, *token = NULL, *events = NULL, *r;
     if (self->can_be_lost && (sub.losses != 0 || Py_TYPE(self->backend) != sub.loss_noting_type)) {
-        PyObject *lost = self->backend_dict != NULL ? PyDict_GetItemWithError(self->backend_dict, s_lost) : NULL;
-        if (lost != NULL) {
-            Py_INCREF(lost);
-        } else if (PyErr_Occurred() || (lost = PyObject_GetAttr(self->backend, s_lost)) == NULL) {
-            goto done;
-        }
-        Py_DECREF(lost);
+        PyObject *lost = PyObject_GetAttr(self->backend, s_lost);
+        if (lost == NULL) goto done;
+        Py_DECREF(lost);  /* (compared by identity only: the backend keeps it) */
         if (lost != Py_None) {
-            r = PyObject_CallMethodObjArgs(self->rt, s_fail_lost, op, self->backend, NULL);
+            r = PyObject_CallFunctionObjArgs(self->fail_lost, op, self->backend, NULL);
             Py_XDECREF(r);
             rc = r == NULL ? -1 : 0;
             goto done;
@@ -958,8 +962,11 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     }
     PyObject *s = PyList_GET_ITEM(self->streams, stream);
     Parts *parts = (Parts *)self->parts;
-    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live))
-                 || (self->get_device != NULL && torch_profiling());
+    int python = (parts->profiler != NULL && parts->profiler != Py_None) || (host_inputs && PyList_GET_SIZE(live));
+    if (!python && self->get_device != NULL && (python = torch_profiling(self)) < 0) {
+        rc = launch_failed(self, op, stream_obj);  /* as CudaBackend.launch raising */
+        goto done;
+    }
     Py_ssize_t nwaits = self->drop_waits ? 0 : PyList_GET_SIZE(waits);
     if (fence == Py_None) fence = NULL;
     if ((nwaits || fence != NULL) && (events = PyList_New(0)) == NULL) goto done;
@@ -977,7 +984,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     if (python) {
         PyObject *call[] = {self->rt, op, deps, stream_obj, live, waits, host_inputs ? Py_True : Py_False,
                             fence != NULL ? fence : Py_None};
-        r = PyObject_VectorcallMethod(s_launch_placed, call, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = PyObject_Vectorcall(self->launch_placed, call + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
         goto done;
@@ -1002,7 +1009,7 @@ static int launch(Submitter *self, PyObject *op, PyObject *deps, Py_ssize_t stre
     if (launched < 0) { rc = launch_failed(self, op, stream_obj); goto done; }
     if (OPF(op, OP_ERROR) != Py_None) {  /* the op raised: the Python code tells a sticky device error */
         PyObject *call[] = {self->rt, op, stream_obj};
-        r = PyObject_VectorcallMethod(s_finish_launch, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        r = PyObject_Vectorcall(self->finish_launch, call + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
         goto done;
@@ -1223,7 +1230,7 @@ static PyObject *enqueue_locked(Submitter *self, PyObject *fn, PyObject *args, P
         if (stream == NULL) goto done;
         PyObject *hcall[] = {self->rt, op, deps, holders, stream, self->device,
                              host_inputs ? Py_True : Py_False, fence};
-        PyObject *held = PyObject_VectorcallMethod(s_hold, hcall, 8 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *held = PyObject_Vectorcall(self->hold, hcall + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_DECREF(stream);
         if (held == NULL) goto done;
         Py_DECREF(held);
@@ -1506,7 +1513,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
         if (conflict == 1) {  /* it may be held behind them (Runtime._holders): what must come first */
             holders = on_a_host_lane(self);
             if (holders == Py_True) {  /* the check that it would wait for its own lane: before its link */
-                Py_SETREF(holders, PyObject_CallMethodObjArgs(self->rt, s_host_deps, accesses, op_name, NULL));
+                Py_SETREF(holders, PyObject_CallFunctionObjArgs(self->host_deps, accesses, op_name, NULL));
                 if (holders != NULL && !PyList_CheckExact(holders)) {
                     PyErr_SetString(PyExc_TypeError, "Runtime._host_deps returns a list");
                     Py_CLEAR(holders);
@@ -1514,7 +1521,7 @@ static PyObject *submit_with(Submitter *self, PyObject *const *argv, Py_ssize_t 
                 if (holders != NULL && !PyList_GET_SIZE(holders)) Py_SETREF(holders, Py_NewRef(Py_None));
             }  /* else False: its holders are found among the deps its link returns */
             if (holders != NULL && holders != Py_None) {  /* a fence, which raises in the caller's capture */
-                fence = PyObject_CallMethodOneArg(self->rt, s_caller_fence, self->device);
+                fence = PyObject_CallOneArg(self->caller_fence, self->device);
                 if (fence == NULL) Py_CLEAR(holders);
             }
             if (holders == Py_None) Py_CLEAR(holders);
@@ -1615,20 +1622,6 @@ static PyObject *submitter_submit_on(Submitter *self, PyObject *const *argv, Py_
     return submit_with(self, argv + 1, nargs - 1, kwnames, stream, 1);
 }
 
-/* ``rt._in_callbacks += delta`` (the caller holds ``_done_lock``): 0, or -1 with an exception */
-static int calling_add(PyObject *rt, Py_ssize_t delta) {
-    PyObject *n = PyObject_GetAttr(rt, s_in_callbacks);
-    if (n == NULL) return -1;
-    Py_ssize_t v = PyLong_AsSsize_t(n);
-    Py_DECREF(n);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    n = PyLong_FromSsize_t(v + delta);
-    if (n == NULL) return -1;
-    int r = PyObject_SetAttr(rt, s_in_callbacks, n);
-    Py_DECREF(n);
-    return r;
-}
-
 /* Runtime._finish(op, device_error=None): a successful op whose future nobody watches is finished
  * here; anything else by the Python method (or, once counted, its ``_settle``) */
 static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1640,8 +1633,8 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(op) != sub.op_type || OPF(op, OP_ERROR) != Py_None
             || OPF(op, OP_STAMP) == NULL || OPF(op, OP_STAMP) == Py_None) {
         if (Py_TYPE(op) == sub.op_type) op_set(op, OP_FINISH, Py_None);  /* no reference to the runtime */
-        return PyObject_VectorcallMethod(s_finish_py, (PyObject *[]){self->rt, op, nargs == 2 ? args[1] : Py_None},
-                                         3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        return PyObject_Vectorcall(self->finish_py, (PyObject *[]){NULL, op, nargs == 2 ? args[1] : Py_None} + 1,
+                                   2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
     op_set(op, OP_DONE, Py_True);
     /* a future someone watches (``_watched`` never turns back) is counted as calling back in the
@@ -1654,12 +1647,13 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     Py_ssize_t stream = PyLong_AsSsize_t(PyTuple_GET_ITEM(OPF(op, OP_STAMP), 0));
     int bad = (stream == -1 && PyErr_Occurred()) || PyDict_DelItem(self->pending, OPF(op, OP_SEQ)) < 0
               || list_add(self->busy, stream, -1) < 0;
-    if (!bad && counted) bad = calling_add(self->rt, 1);
-    if (!bad) counts->free++;
-    if (!bad && counts->waiting) {
-        PyObject *freed = PyObject_GetAttr(self->slots, s_freed);
-        bad = freed == NULL || call_method0(freed, s_notify) < 0;
-        Py_XDECREF(freed);
+    if (!bad && counted) counts->calling++;
+    if (!bad && counts->waiting) {  /* Slots.release_locked: the slot back, and a waiter woken */
+        PyObject *r = PyObject_CallNoArgs(self->release_slot_locked);
+        bad = r == NULL;
+        Py_XDECREF(r);
+    } else if (!bad) {
+        counts->free++;
     }
     if (!bad) counts->completed++;
     if (lock_give(self->done_lock, self->done_release) < 0 || bad) return NULL;
@@ -1692,11 +1686,11 @@ static PyObject *submitter_finish(Submitter *self, PyObject *const *args, Py_ssi
     } else if (settled == -1) {
         if (!counted) {  /* watched since: counted now */
             if (lock_take(self->done_lock, self->done_acquire) < 0) goto done;
-            int failed = calling_add(self->rt, 1);
-            if (lock_give(self->done_lock, self->done_release) < 0 || failed) goto done;
+            ((Counters *)self->counts)->calling++;
+            if (lock_give(self->done_lock, self->done_release) < 0) goto done;
         }
         PyObject *call[] = {self->rt, future, value, Py_None};
-        result = PyObject_VectorcallMethod(s_settle, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        result = PyObject_Vectorcall(self->settle, call + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
 done:
     Py_DECREF(value);
@@ -1848,13 +1842,11 @@ static int finish_head(PyObject *q, PyObject *free_events, PyObject *event_type)
     return rc;
 }
 
-/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; from ``owner_dict`` (its __dict__,
- * or NULL) where it is there */
-static PyObject *owner_lost(PyObject *owner, PyObject *owner_dict) {
+/* ``owner.lost`` (borrowed: the owner keeps it), or NULL on error; None without a look-up where the
+ * owner's type notes each loss and none happened */
+static PyObject *owner_lost(PyObject *owner) {
     if (sub.losses == 0 && Py_TYPE(owner) == sub.loss_noting_type) return Py_None;
-    PyObject *lost = owner_dict != NULL ? PyDict_GetItemWithError(owner_dict, s_lost) : NULL;
-    if (lost != NULL || PyErr_Occurred()) return lost;
-    lost = PyObject_GetAttr(owner, s_lost);
+    PyObject *lost = PyObject_GetAttr(owner, s_lost);
     Py_XDECREF(lost);
     return lost;
 }
@@ -1870,17 +1862,17 @@ static PyObject *mark_lost(PyObject *owner) {
     return error;
 }
 
-/* completions_pass(completions, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
+/* completions_pass(settle, queues, owner, free, event_type) -> progressed: ``_Completions._pass``
  * (backends/cuda_completions.py, the reference) without the stream sanitizer. Per queue, one query
  * of its newest event covers the whole queue (a stream runs in order); else its entries are queried
  * from the head until one has not completed. A finished entry's callback is called with None and its event given
  * to ``free`` unless it times (``CudaBackend.recycle``). A query that raises marks the device lost
- * (``owner.mark_lost``); from then on every entry is settled with that error (``completions._settle``).
+ * (``owner.mark_lost``); from then on every entry is settled with that error (``settle``: the bound ``_Completions._settle``).
  * Unless ``mark_lost`` returns None (a query refused during a CUDA graph capture): that entry and
  * the rest of its queue stay queued.
  * A callback's exception propagates, as in the Python pass. */
-static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type);
+static PyObject *completions_pass_queues(PyObject *settle, PyObject *queues, PyObject *owner,
+                                         PyObject *free_events, PyObject *event_type);
 
 static PyObject *note_loss(PyObject *module, PyObject *unused) {
     sub.losses++;
@@ -1898,27 +1890,23 @@ static PyObject *note_losses_of(PyObject *module, PyObject *type) {
 
 static PyObject *completions_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[1]) || !PyList_Check(args[3]) || !PyType_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "completions_pass(completions, queues: list, owner, free: list, event_type)");
+        PyErr_SetString(PyExc_TypeError, "completions_pass(settle, queues: list, owner, free: list, event_type)");
         return NULL;
     }
-    PyObject *completions = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
+    PyObject *settle = args[0], *queues = args[1], *owner = args[2], *free_events = args[3];
     PyObject *event_type = args[4];
-    PyObject *owner_dict = PyObject_GenericGetDict(owner, NULL);  /* read once per entry: no look-up */
-    if (owner_dict == NULL) PyErr_Clear();  /* (none: the generic look-up) */
-    PyObject *progressed = completions_pass_dict(completions, queues, owner, owner_dict, free_events, event_type);
-    Py_XDECREF(owner_dict);
-    return progressed;
+    return completions_pass_queues(settle, queues, owner, free_events, event_type);
 }
 
-static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, PyObject *owner,
-                                       PyObject *owner_dict, PyObject *free_events, PyObject *event_type) {
+static PyObject *completions_pass_queues(PyObject *settle, PyObject *queues, PyObject *owner,
+                                         PyObject *free_events, PyObject *event_type) {
     int progressed = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(queues); i++) {
         PyObject *q = PyList_GET_ITEM(queues, i);
         Py_ssize_t known = 0, n = PyObject_Size(q);  /* appended meanwhile: not covered */
         if (n < 0) return NULL;
         if (n == 0) continue;
-        PyObject *lost = owner_lost(owner, owner_dict);
+        PyObject *lost = owner_lost(owner);
         if (lost == NULL) return NULL;
         if (lost == Py_None) {
             PyObject *event = entry_event(q, n - 1);
@@ -1937,7 +1925,7 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
             Py_ssize_t left = PyObject_Size(q);
             if (left < 0) return NULL;
             if (left == 0) break;
-            PyObject *error = owner_lost(owner, owner_dict);  /* a callback may have marked it */
+            PyObject *error = owner_lost(owner);  /* a callback may have marked it */
             if (error == NULL) return NULL;
             Py_INCREF(error);
             if (error == Py_None && known <= 0) {
@@ -1964,8 +1952,8 @@ static PyObject *completions_pass_dict(PyObject *completions, PyObject *queues, 
                 Py_DECREF(error);
                 return NULL;
             }
-            PyObject *r = PyObject_CallMethodObjArgs(completions, s_settle_entry, PyTuple_GET_ITEM(entry, 1),
-                                                     PyTuple_GET_ITEM(entry, 2), error, NULL);
+            PyObject *r = PyObject_CallFunctionObjArgs(settle, PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 2),
+                                                       error, NULL);
             Py_DECREF(entry);
             Py_DECREF(error);
             if (r == NULL) return NULL;
@@ -2005,7 +1993,7 @@ static PyObject *completions_finish_one(PyObject *module, PyObject *const *args,
         else hi = mid;
     }
     if (entry == NULL) Py_RETURN_NONE;  /* finished already */
-    PyObject *lost = owner_lost(owner, NULL);
+    PyObject *lost = owner_lost(owner);
     if (lost != Py_None) {  /* the next pass fails everything, in order */
         Py_DECREF(entry);
         if (lost == NULL) return NULL;
@@ -2058,10 +2046,12 @@ static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* setup_copies(copy_fn, h2d, d2h, budget, copy_py): what ``copy`` needs (see Runtime.__init__) */
+/* setup_copies(copy_fn, h2d, d2h, budget, copy_py, budget_parts): what ``copy`` needs (see
+ * Runtime._use_compiled_submit); ``budget_parts``: None, or ``ByteBudget.compiled_parts()`` */
 static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
-    PyObject *fn, *h2d, *d2h, *budget, *copy_py;
-    if (!PyArg_ParseTuple(args, "OO!O!OO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py))
+    PyObject *fn, *h2d, *d2h, *budget, *copy_py, *budget_parts;
+    if (!PyArg_ParseTuple(args, "OO!O!OOO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py,
+                          &budget_parts))
         return NULL;
     Py_XSETREF(self->copy_py, Py_NewRef(copy_py));
     Py_XSETREF(self->copy_fn, Py_NewRef(fn));
@@ -2073,27 +2063,23 @@ static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
     Py_CLEAR(self->budget_acquire);
     Py_CLEAR(self->budget_release);
     Py_CLEAR(self->budget_held);
-    /* ByteBudget's counts, lock and held copies, where they are this module's: counted in C */
-    PyObject *counts = PyObject_GetAttrString(budget, "_counts");
-    PyObject *lock = counts != NULL ? PyObject_GetAttrString(budget, "_lock") : NULL;
-    PyObject *held = lock != NULL ? PyObject_GetAttrString(budget, "_held") : NULL;
-    if (held == NULL) {
-        PyErr_Clear();  /* another budget: its methods count */
-    } else if (Py_TYPE(counts) == budget_counts_type && Py_TYPE(lock) == fast_lock_type && PyDict_CheckExact(held)) {
+    /* the budget's counts, lock and held copies, where they are this module's: counted in C; else
+     * (None, or another budget's) its methods count */
+    if (budget_parts == Py_None) Py_RETURN_NONE;
+    if (!PyTuple_Check(budget_parts) || PyTuple_GET_SIZE(budget_parts) != 3) {
+        PyErr_SetString(PyExc_TypeError, "setup_copies: budget_parts must be None or (counts, lock, held)");
+        return NULL;
+    }
+    PyObject *counts = PyTuple_GET_ITEM(budget_parts, 0), *lock = PyTuple_GET_ITEM(budget_parts, 1);
+    PyObject *held = PyTuple_GET_ITEM(budget_parts, 2);
+    if (Py_TYPE(counts) == budget_counts_type && Py_TYPE(lock) == fast_lock_type && PyDict_CheckExact(held)) {
         self->budget_counts = Py_NewRef(counts);
         self->budget_lock = Py_NewRef(lock);
         self->budget_held = Py_NewRef(held);
         if ((self->budget_acquire = PyObject_GetAttr(lock, s_acquire)) == NULL
-                || (self->budget_release = PyObject_GetAttr(lock, s_release)) == NULL) {
-            Py_XDECREF(counts);
-            Py_XDECREF(lock);
-            Py_XDECREF(held);
+                || (self->budget_release = PyObject_GetAttr(lock, s_release)) == NULL)
             return NULL;
-        }
     }
-    Py_XDECREF(counts);
-    Py_XDECREF(lock);
-    Py_XDECREF(held);
     Py_RETURN_NONE;
 }
 
@@ -2333,8 +2319,9 @@ static PyObject *submitter_copy(Submitter *self, PyObject *const *argv, Py_ssize
 
 static PyMethodDef submitter_methods[] = {
     {"setup_copies", (PyCFunction)submitter_setup_copies, METH_VARARGS,
-     "setup_copies(copy_fn, h2d, d2h, budget, copy_py): what copy() needs (copy streams by device space "
-     "each way; copy_py: transfers.copy, for every other case)."},
+     "setup_copies(copy_fn, h2d, d2h, budget, copy_py, budget_parts): what copy() needs (copy streams by "
+     "device space each way; copy_py: transfers.copy, for every other case; budget_parts: "
+     "ByteBudget.compiled_parts(), or None to count through the budget's methods)."},
     {"copy_pinned", (PyCFunction)(void (*)(void))submitter_copy_pinned, METH_FASTCALL,
      "transfers.copy for pinned host memory and a device, compiled; None where the Python code decides."},
     {"copy", (PyCFunction)(void (*)(void))submitter_copy, METH_FASTCALL | METH_KEYWORDS,
@@ -2381,21 +2368,14 @@ static PyType_Spec submitter_spec = {
 
 static int submit_init(PyObject *m) {
 #define S(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    S(s_torch_profiler, "torch.autograd.profiler") S(s_is_profiler_enabled, "_is_profiler_enabled")
-    S(s_acquire, "acquire") S(s_release, "release") S(s_submit_py, "_submit")
-    S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
-    S(s_take_slot, "_take_slot") S(s_fail_lost, "_fail_lost") S(s_launch_placed, "_launch_placed")
-    S(s_finish_launch, "_finish_launch") S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event")
-    S(s_wait, "wait") S(s_when_done, "when_done")
-    S(s_freed, "_freed")
-    S(s_notify, "notify") S(s_finish_py, "_finish") S(s_settle, "_settle") S(s_in_callbacks, "_in_callbacks")
+    S(s_acquire, "acquire") S(s_release, "release") S(s_link, "link") S(s_tail, "tail") S(s_place, "place")
+    S(s_execute, "execute") S(s_launch, "launch") S(s_event, "event") S(s_wait, "wait") S(s_when_done, "when_done")
     S(s_name_attr, "__name__") S(s_reads, "reads") S(s_writes, "writes") S(s_name, "name")
     S(s_run_on, "run_on") S(s_lost, "lost")
     S(s_index, "index") S(s_append, "append") S(s_set, "set")
     S(s_popleft, "popleft") S(s_timing, "timing") S(s_query, "query")
-    S(s_mark_lost, "mark_lost") S(s_settle_entry, "_settle")
-    S(s_marker_value, "value") S(s_marker_write, "write") S(s_would_block, "_would_block")
-    S(s_hold, "_hold") S(s_host_deps, "_host_deps") S(s_caller_fence, "_caller_fence") S(s_recycle, "recycle")
+    S(s_mark_lost, "mark_lost")
+    S(s_marker_value, "value") S(s_marker_write, "write") S(s_recycle, "recycle")
     S(s_is_pinned, "is_pinned") S(s_dtype, "dtype") S(s_shape, "shape") S(s_hold_bytes, "hold")
     S(s_copy_h2d, "copy_h2d") S(s_copy_d2h, "copy_d2h")
 #undef S

@@ -35,8 +35,8 @@ __all__ = ["CompiledDepsTracker", "CompiledStreamClocks", "DepsTracker", "Stream
 
 _speedups = load_native()
 if _speedups is not None:
-    _speedups.setup(buffers, buffers._HANDLERS, buffers._torch_region, buffers.region_of,
-                    buffers._CUDA_SPACES, Region, Access)
+    _speedups.setup(buffers._HANDLERS, buffers._torch_region, buffers.region_of, buffers._CUDA_SPACES,
+                    Region, Access, buffers._RESIZING, buffers._numpy_like_region)
     _speedups.setup_clocks(Stamp)
 
     class _Space(_SpaceMethods, _speedups.SpaceFields):
@@ -60,7 +60,7 @@ if _speedups is not None:
         space_type = _Space
 
     # their compaction (``_space`` -> ``_compact`` -> ``_Space.keep``) runs in link(), compiled
-    _speedups.setup_compaction(CompiledDepsTracker, _Space, _MAX_HORIZON)
+    _speedups.setup_compaction(CompiledDepsTracker, _Space, _MAX_HORIZON, _TrackerMethods._space)
 
     class CompiledStreamClocks(_speedups.Clocks):
         """Vector clocks for ``num_streams`` streams: :class:`~streamdag.schedule.waits.PyStreamClocks`,

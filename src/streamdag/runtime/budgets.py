@@ -11,7 +11,8 @@ state                       changed under     invariant
                                               ``used`` <= ``limit`` but for one copy alone, or
                                               one acquired in a done-callback; ``peak``; acquirers
                                               asleep (``waiting``). The compiled ``rt.copy`` reads
-                                              and writes them in C, under the same lock
+                                              and writes them in C, under the same lock (handed
+                                              over by ``compiled_parts``)
 ``ByteBudget._held[s]``     ``_lock``         stream s's copies holding bytes, oldest first
 ``PinnedPool._held``        ``_cond``         bytes of buffers made, <= ``limit`` likewise
 ``PinnedPool._free[size]``  ``_cond``         buffers free to take, by size class
@@ -77,6 +78,12 @@ class ByteBudget:
         self._held: dict[Any, deque[tuple[weakref.ref[Future], int]]] = {}  # per stream, oldest first
         #: called before blocking (bytes come back when ops are seen finished); None: nothing
         self.on_wait = on_wait
+
+    def compiled_parts(self) -> tuple[Any, Any, dict[Any, Any]]:
+        """What the compiled ``rt.copy`` counts a copy's bytes in (``Submitter.setup_copies``): the
+        counts (``used``, ``peak``, ``limit``, ``waiting``), the lock they change under, and the
+        copies holding bytes by stream (changed under that lock too)."""
+        return self._counts, self._lock, self._held
 
     @property
     def limit(self) -> int:

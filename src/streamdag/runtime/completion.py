@@ -3,8 +3,8 @@
 ``_finish`` runs once per op, from a backend's completion thread, a lane, a
 waiter that helps, or the submitting thread every ``FINISH_EVERY`` submits:
 never with ``_lock`` required, only ``_done_lock`` (the compiled finish in
-``native/_submit.c`` does the same, and calls ``_finish`` and ``_settle`` by
-name for what it leaves to Python).
+``native/_submit.c`` does the same, and calls ``_finish`` and ``_settle``, handed
+to it in ``seam.SubmitterParts``, for what it leaves to Python).
 
 State it owns, all changed under ``_done_lock`` (``_wait_all`` reads ``_pending`` without it, as a
 hint, and looks again under it):
@@ -16,7 +16,7 @@ state                   invariant
 ``_counts.completed``   ops finished without an error
 ``_failed``             ops finished with one (dependents included)
 ``_failures``           the root errors since the last synchronize(), each annotated with its op
-``_in_callbacks``       finished ops whose done-callbacks have not all run; 0 notifies
+``_counts.calling``     finished ops whose done-callbacks have not all run; 0 notifies
                         ``_callbacks_done``
 ``_counts.free``        ``max_inflight`` - the slots taken (ops pending, and ops being submitted);
                         below 0 only by ``Slots.take_over``
@@ -24,7 +24,7 @@ state                   invariant
 ======================  ===========================================================================
 
 A future is settled after its op has left ``_pending`` and, where someone watches it, been
-counted in ``_in_callbacks``: synchronize() sees every op pending or calling back until its
+counted in ``_counts.calling``: synchronize() sees every op pending or calling back until its
 done-callbacks have run.
 """
 
@@ -66,7 +66,7 @@ class Completion:
         with self._done_lock:
             del self._pending[op.seq]
             if counted:
-                self._in_callbacks += 1
+                self._counts.calling += 1
             self._busy[op.stamp.stream] -= 1  # type: ignore[union-attr]
             slots.release_locked()
             if error is None:
@@ -89,13 +89,13 @@ class Completion:
             return
         if not counted:  # watched since: counted now
             with self._done_lock:
-                self._in_callbacks += 1
+                self._counts.calling += 1
         self._settle(future, value, error)
 
     def _settle(self, future: Future, value: Any, error: BaseException | None) -> None:
         """Give a finished op's future its outcome when someone waits on it or a callback is set.
 
-        The op is counted in ``_in_callbacks`` already (by whoever took it out of ``_pending``): its
+        The op is counted in ``_counts.calling`` already (by whoever took it out of ``_pending``): its
         done-callbacks may submit more, and synchronize() waits for them.
         """
         later = deferring_callbacks() if future._has_callbacks() else None
@@ -123,8 +123,8 @@ class Completion:
 
     def _callbacks_ran(self) -> None:
         with self._done_lock:
-            self._in_callbacks -= 1
-            if not self._in_callbacks:
+            self._counts.calling -= 1
+            if not self._counts.calling:
                 self._callbacks_done.notify_all()
 
     def _hurry_all(self, waiter: Future | None = None, seconds: float | None = None) -> None:

@@ -5,7 +5,8 @@ is composed of, each a module that states the state it changes: ``submitting`` (
 path), ``held`` (ops held behind host-lane ops), ``completion`` (finishing, the in-flight
 bound), ``lifecycle`` (waiting for all, closing); ``layout`` numbers the streams. Other modules
 use a runtime through the members their ``*Runtime`` protocol lists (``tests/test_runtime_seams.py``).
-``native/_submit.c`` reads the state below, and calls the parts' methods, by these names.
+``native/_submit.c`` is handed the state below, and the parts' methods, in one
+``seam.SubmitterParts``; it reads no attribute of the runtime by name.
 
 Locks: ``_lock`` (re-entrant: submits, placement, holds, recording, a graph's run) is taken
 before ``_done_lock`` (finishing; backend threads take it alone), never after it.
@@ -38,7 +39,7 @@ state                       changed under         invariant
 ``_pending``                ``_done_lock``        ops submitted or held, not finished, in order
 ``_failed``, ``_failures``  ``_done_lock``        ops failed; root errors since synchronize()
 ``_failed_seen``            both                  ``_failed`` at the last synchronize()
-``_in_callbacks``           ``_done_lock``        finished ops whose done-callbacks still run;
+``_counts.calling``         ``_done_lock``        finished ops whose done-callbacks still run;
                                                   0 notifies ``_callbacks_done``
 ``_host_ops``, ``_held``,   see ``held``          what a device stream cannot wait for by an
 ``_held_on``, ``_launcher``                       event; the held ops, and what holds them
@@ -83,7 +84,7 @@ from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
 from ..native import load_torch
-from . import arguments, frames, ops, submitting, transfers
+from . import arguments, frames, ops, seam, submitting, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
@@ -276,7 +277,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._done_lock = ops.new_lock()
         # a wait inside a lane op refuses too where what it waits for depends on ops behind the caller
         self._lane_waits.consult(self._lock, weakref.WeakMethod(self._held_up_by_caller))
-        #: notified when the last running done-callbacks have returned (``_in_callbacks`` is 0)
+        #: notified when the last running done-callbacks have returned (``_counts.calling`` is 0)
         self._callbacks_done = threading.Condition(self._done_lock)
         self._counts = ops.new_counters()
         self._parts = ops.new_parts()  # (the properties above: set before any of them)
@@ -297,7 +298,6 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._failures: list[BaseException] = []
         self._failed = 0
         self._failed_seen = 0  # ``_failed`` at the last synchronize
-        self._in_callbacks = 0  # finished ops whose done-callbacks are running now
         self._closed = False
         self._stopped = False
         self._close_lock = threading.Lock()  # one close drains and stops at a time
@@ -312,8 +312,9 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         launch_parts = getattr(self.backend, "launch_parts", None)
         if launch_parts is not None:
             load_torch()  # the CUDA calls in C++, where the torch extension builds
-        submitter = _speedups.Submitter(self, arguments.accesses_of, submitting._DROP_WAITS,
-                                        launch_parts() if launch_parts is not None else None)
+        cuda = launch_parts() if launch_parts is not None else None
+        submitter = _speedups.Submitter(self, seam.submitter_parts(self), arguments.accesses_of,
+                                        submitting._DROP_WAITS, cuda)
         self.submit = submitter.submit  # type: ignore[method-assign]
         self._submit_on = submitter.submit_on  # type: ignore[method-assign]
         self._launch_held = submitter.launch_held
@@ -322,7 +323,8 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         h2d, d2h = ({space: i for (k, space), i in self._copy_index.items() if k == kind}
                     for kind in ("h2d", "d2h"))
         if h2d or d2h:
-            submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy)
+            submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy,
+                                   self._bytes.compiled_parts())
             self.copy = submitter.copy  # type: ignore[method-assign]
             self._copy_pinned = submitter.copy_pinned
 

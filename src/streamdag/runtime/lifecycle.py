@@ -18,7 +18,7 @@ state             guarded by          invariant
 ``_finalizer``    (set once)          stops the threads of a runtime dropped without close()
 ================  ==================  ==============================================================
 
-It reads ``_pending`` and ``_in_callbacks`` under ``_done_lock`` (see ``completion``) and the
+It reads ``_pending`` and ``_counts.calling`` under ``_done_lock`` (see ``completion``) and the
 held ops under ``_lock`` (see ``held``).
 """
 
@@ -68,12 +68,12 @@ class Lifecycle:
         while True:
             with self._done_lock:  # (pending ops in the order of their submits)
                 newest = next(reversed(self._pending.values()), None)
-                calling = self._in_callbacks
+                calling = self._counts.calling
             if newest is None:
                 if not calling or inside:
                     return
                 with self._callbacks_done:  # a future is done; its done-callbacks (may submit) still run
-                    self._callbacks_done.wait_for(lambda: not self._in_callbacks)
+                    self._callbacks_done.wait_for(lambda: not self._counts.calling)
                 continue
             # the newest first: once it is done, so are the ops before it on its stream, and one pass
             # finishes them together; waiting on each in turn cost a waiter's help per op (on the H100,
@@ -100,7 +100,7 @@ class Lifecycle:
                     recheck = lane is not None and bool(self._held)
                     with self._done_lock:
                         waited = [op for op in self._pending.values() if op.seq not in behind]
-                        calling = self._in_callbacks
+                        calling = self._counts.calling
                     if waited:
                         queued = [(op.future, self._lane_of(op)) for op in waited]
                         waiting.enter_context(self._lane_waits.waiting_for_all(queued))
@@ -112,7 +112,7 @@ class Lifecycle:
             if lane is None or not calling:
                 return
             with self._callbacks_done:
-                self._callbacks_done.wait_for(lambda: not self._in_callbacks)
+                self._callbacks_done.wait_for(lambda: not self._counts.calling)
 
     def _ops_behind_the_caller(self, lane: Any) -> set[int]:
         """The numbers of the pending ops that cannot finish before the op this thread runs
@@ -249,7 +249,7 @@ class Lifecycle:
             else:
                 drained = False
             with self._lock, self._done_lock:
-                if drained or not (self._pending or self._in_callbacks):
+                if drained or not (self._pending or self._counts.calling):
                     self._stopped = True
                     return
 

@@ -1,9 +1,9 @@
 """The submit path: from ``submit``'s arguments to an op placed on a stream and handed to its backend.
 
 The Python reference of what ``native/_submit.c`` compiles; the compiled submit
-calls back into :class:`SubmitPath` by name (``_submit``, ``_take_slot``,
-``_launch_placed``, ``_finish_launch``, ``_fail_lost``, ``_would_block``,
-``_caller_fence``) for every case it leaves to Python.
+calls back into :class:`SubmitPath` (``_submit``, ``_take_slot``, ``_launch_placed``,
+``_finish_launch``, ``_fail_lost``, ``_would_block``, ``_caller_fence``), handed to it
+bound in ``seam.SubmitterParts``, for every case it leaves to Python.
 
 State it changes (``_pending``, ``_counts`` and the slot count are
 :class:`~.completion.Completion`'s; ``_host_ops`` is :class:`~.held.Holds`'):

@@ -1,0 +1,164 @@
+"""What the compiled submit (``native/_submit.c``) is handed by a runtime: the seam's declared side.
+
+The runtime builds one :class:`SubmitterParts` when it makes its ``Submitter`` and passes it to
+the constructor. The C reads its fields by position (in the order below) and calls the bound
+methods it holds; it reads no attribute of the runtime by name. Each field says what it is and
+what guards it ("under X": read or changed only with lock X held; "set once": never replaced,
+so the C keeps the object it was handed).
+
+The methods are the Python reference's own: each is where a rare case (recording, profiling, a
+held op, a failure) parts from the compiled common case, so each rare case has one implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["SeamRuntime", "SubmitterParts", "submitter_parts"]
+
+
+class SeamRuntime(Protocol):
+    """What :func:`submitter_parts` reads of a runtime: its state and the methods of its parts."""
+
+    backend: Any
+    device: str
+    _lock: Any
+    _done_lock: Any
+    _busy: list[int]
+    _pending: dict[int, Any]
+    _streams: list[Any]
+    _hurry_of: list[Any]
+    _spaces: set[str]
+    _recordings: dict[int, Any]
+    _host_ops: dict[int, Any]
+    _slots: Any
+    _next_stream: dict[Any, int]
+    _counts: Any
+    _parts: Any
+    _lane_threads: set[Any]
+    _compute: int
+    _can_be_lost: bool
+
+    _submit: Callable[..., Any]
+    _take_slot: Callable[[bool], Any]
+    _would_block: Callable[[], Any]
+    _fail_lost: Callable[[Any, Any], Any]
+    _launch_placed: Callable[..., Any]
+    _finish_launch: Callable[..., Any]
+    _finish: Callable[[Any, Any], Any]
+    _settle: Callable[[Any, Any, Any], Any]
+    _hold: Callable[..., bool]
+    _host_deps: Callable[[Any, str], list[Any]]
+    _caller_fence: Callable[[Any], Any]
+
+
+class SubmitterParts(NamedTuple):
+    """A runtime's state and methods that the compiled ``Submitter`` uses (see the module)."""
+
+    #: the runtime's re-entrant lock (``_lock``): submits, placement, holds, recording; taken
+    #: before ``done_lock``, never after it
+    lock: Any
+    #: the lock of finishing (``_done_lock``); backend threads take it alone
+    done_lock: Any
+    #: per stream, the pending ops placed on it (``_busy``); under ``done_lock``
+    busy: list[int]
+    #: the ops submitted or held and not finished, by number, in order (``_pending``); under
+    #: ``done_lock``
+    pending: dict[int, Any]
+    #: every stream, numbered (``_streams``); set once
+    streams: list[Any]
+    #: the runtime's one backend; set once
+    backend: Any
+    #: its device; set once
+    device: str
+    #: per stream, what a wait on its op calls, or None (``_hurry_of``); set once
+    hurry_of: list[Any]
+    #: the address spaces ops may touch (``_spaces``); set once
+    spaces: set[str]
+    #: the graph each recording thread records into, by thread id (``_recordings``); under ``lock``
+    recordings: dict[int, Any]
+    #: the unfinished host-lane ops a device op may be held behind (``_host_ops``); under ``lock``
+    host_ops: dict[int, Any]
+    #: the in-flight bound (``Slots``); counts in ``counts``, under ``done_lock``
+    slots: Any
+    #: per device, where its round robin resumes (``_next_stream``); under ``lock``
+    next_stream: dict[Any, int]
+    #: the runtime's ``Counters`` (``_counts``): ``seq`` under ``lock``; the rest under ``done_lock``
+    counts: Any
+    #: the runtime's ``Parts`` (``_parts``: tracker, clocks, profiler, finish_ready, closed); the
+    #: tracker, clocks and profiler under ``lock``
+    parts: Any
+    #: the threads of every host lane (``backends.cpu.LANE_THREADS``); changed by the lanes
+    lane_threads: set[Any]
+
+    #: ``_submit(fn, args, kwargs, reads, writes, name, blocking, stream, device_ordered, run_on)``:
+    #: the Python submit, for whatever the compiled one does not cover; takes ``lock`` itself
+    submit: Callable[..., Any]
+    #: ``_take_slot(blocking)``: waits for a slot under ``max_inflight``; takes ``done_lock``
+    take_slot: Callable[[bool], Any]
+    #: ``_would_block()``: raises what ``submit_nowait`` raises at the bound
+    would_block: Callable[[], Any]
+    #: ``_fail_lost(op, backend)``: fails an op whose device is lost; caller holds ``lock``
+    fail_lost: Callable[[Any, Any], Any]
+    #: ``_launch_placed(op, deps, stream, live, waits, host_inputs, fence)``: the Python launch of a
+    #: placed op (profiling, host inputs, a dep with no event yet); caller holds ``lock``
+    launch_placed: Callable[..., Any]
+    #: ``_finish_launch(op, stream, failed=False)``: after a launch that raised; caller holds ``lock``
+    finish_launch: Callable[..., Any]
+    #: ``_finish(op, device_error)``: the Python finish, for any op the compiled one leaves
+    finish: Callable[[Any, Any], Any]
+    #: ``_settle(future, value, error)``: settles a watched future and runs its done-callbacks; the
+    #: op is counted in ``in_callbacks`` already; takes ``done_lock`` itself
+    settle: Callable[[Any, Any, Any], Any]
+    #: ``_hold(op, deps, holders, stream, device, host_inputs, fence)``: holds an op behind host-lane
+    #: ops; True where held; caller holds ``lock``
+    hold: Callable[..., bool]
+    #: ``_host_deps(accesses, op_name)``: the host-lane ops an op must follow (a list); caller holds
+    #: ``lock``
+    host_deps: Callable[[Any, str], list[Any]]
+    #: ``_caller_fence(device)``: an event on the caller's stream for a held op to wait for
+    caller_fence: Callable[[Any], Any]
+    #: ``Slots.release_locked()``: gives a slot back and wakes a submitter waiting for one; caller
+    #: holds ``done_lock`` (the compiled finish counts the slot itself where nobody waits)
+    release_slot_locked: Callable[[], Any]
+    #: the backend's compute streams (``_compute``, at least 1); set once
+    compute: int
+    #: whether the backend may lose its device (``_can_be_lost``); set once
+    can_be_lost: bool
+
+
+def submitter_parts(rt: SeamRuntime) -> SubmitterParts:
+    """``rt``'s :class:`SubmitterParts` (made once, when it sets up its compiled submit)."""
+    return SubmitterParts(
+        lock=rt._lock,
+        done_lock=rt._done_lock,
+        busy=rt._busy,
+        pending=rt._pending,
+        streams=rt._streams,
+        backend=rt.backend,
+        device=rt.device,
+        hurry_of=rt._hurry_of,
+        spaces=rt._spaces,
+        recordings=rt._recordings,
+        host_ops=rt._host_ops,
+        slots=rt._slots,
+        next_stream=rt._next_stream,
+        counts=rt._counts,
+        parts=rt._parts,
+        lane_threads=rt._lane_threads,
+        submit=rt._submit,
+        take_slot=rt._take_slot,
+        would_block=rt._would_block,
+        fail_lost=rt._fail_lost,
+        launch_placed=rt._launch_placed,
+        finish_launch=rt._finish_launch,
+        finish=rt._finish,
+        settle=rt._settle,
+        hold=rt._hold,
+        host_deps=rt._host_deps,
+        caller_fence=rt._caller_fence,
+        release_slot_locked=rt._slots.release_locked,
+        compute=rt._compute,
+        can_be_lost=rt._can_be_lost,
+    )
