@@ -2047,7 +2047,7 @@ static PyObject *submitter_let_go(Submitter *self, PyObject *unused) {
 }
 
 /* setup_copies(copy_fn, h2d, d2h, budget, copy_py, budget_parts): what ``copy`` needs (see
- * Runtime._use_compiled_submit); ``budget_parts``: None, or ``ByteBudget.compiled_parts()`` */
+ * seam.use_compiled_submit); ``budget_parts``: None, or ``ByteBudget.compiled_parts()`` */
 static PyObject *submitter_setup_copies(Submitter *self, PyObject *args) {
     PyObject *fn, *h2d, *d2h, *budget, *copy_py, *budget_parts;
     if (!PyArg_ParseTuple(args, "OO!O!OOO", &fn, &PyDict_Type, &h2d, &PyDict_Type, &d2h, &budget, &copy_py,

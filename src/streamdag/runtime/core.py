@@ -83,8 +83,7 @@ from ..backends.cpu import LANE_THREADS
 from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
-from ..native import load_torch
-from . import arguments, frames, ops, seam, submitting, transfers
+from . import frames, ops, seam, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
@@ -260,7 +259,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         #: transfers.copy decides; None here where nothing is compiled (the tests' view of it)
         self._copy_pinned: Callable[[Any, Any, str | None], Future | None] | None = None
         if _speedups is not None and COMPILED_SUBMIT and not self._multi:
-            self._use_compiled_submit()
+            seam.use_compiled_submit(self, _speedups)
         #: a runtime dropped without close() stops its threads (they hold no reference to it)
         self._finalizer = weakref.finalize(self, stop_dropped, self.backends, self._host, self._launcher)
         self._finalizer.atexit = False  # at exit the threads (daemons) end with the process
@@ -305,28 +304,6 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         self._recordings: dict[int, Any] = {}
         self._can_be_lost = hasattr(self.backend, "lost")
         self._profiler: Any = None
-
-    def _use_compiled_submit(self) -> None:
-        """Submit and finish in C (``native/_submit.c``); the Python methods stay the reference
-        and run every case it leaves to them."""
-        launch_parts = getattr(self.backend, "launch_parts", None)
-        if launch_parts is not None:
-            load_torch()  # the CUDA calls in C++, where the torch extension builds
-        cuda = launch_parts() if launch_parts is not None else None
-        submitter = _speedups.Submitter(self, seam.submitter_parts(self), arguments.accesses_of,
-                                        submitting._DROP_WAITS, cuda)
-        self.submit = submitter.submit  # type: ignore[method-assign]
-        self._submit_on = submitter.submit_on  # type: ignore[method-assign]
-        self._launch_held = submitter.launch_held
-        self.submit_nowait = submitter.submit_nowait  # type: ignore[method-assign]
-        self._finish_bound = submitter.finish
-        h2d, d2h = ({space: i for (k, space), i in self._copy_index.items() if k == kind}
-                    for kind in ("h2d", "d2h"))
-        if h2d or d2h:
-            submitter.setup_copies(transfers._copy_async, h2d, d2h, self._bytes, transfers.copy,
-                                   self._bytes.compiled_parts())
-            self.copy = submitter.copy  # type: ignore[method-assign]
-            self._copy_pinned = submitter.copy_pinned
 
     @property
     def num_streams(self) -> int:

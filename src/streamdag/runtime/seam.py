@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["SeamRuntime", "SubmitterParts", "submitter_parts"]
+__all__ = ["SeamRuntime", "SubmitterParts", "submitter_parts", "use_compiled_submit"]
 
 
 class SeamRuntime(Protocol):
@@ -51,6 +51,14 @@ class SeamRuntime(Protocol):
     _hold: Callable[..., bool]
     _host_deps: Callable[[Any, str], list[Any]]
     _caller_fence: Callable[[Any], Any]
+
+    # what use_compiled_submit replaces with the Submitter's methods, and the copy state it hands it
+    _submit_on: Callable[..., Any]
+    _launch_held: Callable[..., Any]
+    _finish_bound: Callable[..., Any]
+    _copy_pinned: Callable[..., Any]
+    _copy_index: dict[tuple[str, str], int]
+    _bytes: Any
 
 
 class SubmitterParts(NamedTuple):
@@ -162,3 +170,30 @@ def submitter_parts(rt: SeamRuntime) -> SubmitterParts:
         compute=rt._compute,
         can_be_lost=rt._can_be_lost,
     )
+
+
+def use_compiled_submit(rt: Any, speedups: Any) -> None:
+    """Submit and finish in C (``native/_submit.c``) for ``rt``: its compiled ``Submitter``'s methods
+    replace the Python ones on the instance, which stay the reference and run every case the C
+    leaves to them."""
+    from ..native import load_torch
+    from . import arguments, submitting, transfers
+
+    launch_parts = getattr(rt.backend, "launch_parts", None)
+    if launch_parts is not None:
+        load_torch()  # the CUDA calls in C++, where the torch extension builds
+    cuda = launch_parts() if launch_parts is not None else None
+    submitter = speedups.Submitter(rt, submitter_parts(rt), arguments.accesses_of, submitting._DROP_WAITS,
+                                   cuda)
+    rt.submit = submitter.submit
+    rt._submit_on = submitter.submit_on
+    rt._launch_held = submitter.launch_held
+    rt.submit_nowait = submitter.submit_nowait
+    rt._finish_bound = submitter.finish
+    h2d, d2h = ({space: i for (k, space), i in rt._copy_index.items() if k == kind}
+                for kind in ("h2d", "d2h"))
+    if h2d or d2h:
+        submitter.setup_copies(transfers._copy_async, h2d, d2h, rt._bytes, transfers.copy,
+                               rt._bytes.compiled_parts())
+        rt.copy = submitter.copy
+        rt._copy_pinned = submitter.copy_pinned
