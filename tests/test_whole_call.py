@@ -20,6 +20,7 @@ nn = torch.nn
 from torch.utils import _pytree as pytree  # noqa: E402
 
 from stand_in_device import StandInDevice  # noqa: E402
+from streamdag.frontend import state_watch  # noqa: E402
 from streamdag.frontend import whole_call as wc  # noqa: E402
 from streamdag.frontend.whole_call import StateWatch, WholeCall, call_key  # noqa: E402
 
@@ -86,9 +87,9 @@ def fake_device(monkeypatch):
 def state_checks(request, monkeypatch):
     """Each state test runs with the compiled dict-version check and with the Python comparison alone."""
     if request.param == "python":
-        monkeypatch.setattr(wc, "_native_tags", None)
-        monkeypatch.setattr(wc, "_native_checked", True)
-    elif wc._dict_tags() is None:
+        monkeypatch.setattr(state_watch, "_native_tags", None)
+        monkeypatch.setattr(state_watch, "_native_checked", True)
+    elif state_watch._dict_tags() is None:
         pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.13 on)")
     return request.param
 
@@ -263,7 +264,7 @@ def test_the_state_watch_holds_through_in_place_updates_and_values_set_to_themse
 
 
 def test_the_state_watch_stays_on_its_fast_check_while_a_script_assigns_other_globals():
-    if wc._dict_tags() is None:
+    if state_watch._dict_tags() is None:
         pytest.skip("no compiled dict-version check here")
     m = Scaled().eval()
     watch = StateWatch(m)

@@ -52,7 +52,6 @@ after the replay.
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -62,7 +61,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .module_state import ModuleState
+from .state_watch import StateWatch
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
 
@@ -140,187 +139,6 @@ def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | s
         return f"an argument's layout has no key ({exc}): the call runs on Dynamo's path"
     return (*key, torch.is_inference_mode_enabled())
 
-
-# -- the module's state -----------------------------------------------------------------------------
-
-_native_tags: Any = None
-_native_checked = False
-
-
-def _dict_tags() -> Any:
-    """The compiled module's dict version tags, where they follow every change of an attribute.
-
-    CPython stores an instance's attributes beside its ``__dict__`` from 3.13 on and does not
-    give the dict a new tag when one of them is set; a probe finds out, and then (as where
-    the compiled module is missing) the Python comparison runs alone.
-    """
-    global _native_tags, _native_checked
-    if _native_checked:
-        return _native_tags
-    _native_checked = True
-    from ..native import load
-
-    module = load()
-    if module is None or not hasattr(module, "dict_versions"):
-        return None
-    probe = torch.nn.Module()
-    dicts = [probe.__dict__]
-    seen = module.dict_versions(dicts)
-    probe.training = not probe.training
-    changed = not module.same_dict_versions(dicts, seen)
-    seen = module.dict_versions(dicts)
-    probe.added = 1
-    if changed and not module.same_dict_versions(dicts, seen):
-        _native_tags = module
-    return _native_tags
-
-
-def _root_module(fn: Any) -> torch.nn.Module | None:
-    if isinstance(fn, torch.nn.Module):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
-
-
-def _code_of(fn: Any) -> Any:
-    """The Python function whose globals and closure a call reads first: ``forward``, or ``fn``."""
-    root = _root_module(fn)
-    target = getattr(type(root), "forward", None) if root is fn else fn
-    target = getattr(target, "__func__", target)
-    return target if hasattr(target, "__code__") and hasattr(target, "__globals__") else None
-
-
-class StateWatch:
-    """Whether a model's state is as it was: its modules' attributes, the globals and closure its
-    forward reads, and the address and layout of every tensor among them (see the module docstring).
-
-    The fast check compares the version tags of the dicts that hold the state (compiled, a few
-    microseconds for a few hundred submodules) and the tensors' layouts (the torch extension's
-    one loop, or PyTorch's C++ checks); where a tag moved it compares the values, and a change
-    that changed nothing (a value set to itself) takes the new tags.
-    """
-
-    def __init__(self, fn: Any) -> None:
-        from ..runtime.capture import _layout_check
-
-        root = _root_module(fn)
-        self.modules: ModuleState | None = ModuleState(root) if root is not None else None
-        code = _code_of(fn)
-        self.globals: dict[str, Any] = code.__globals__ if code is not None else {}
-        self.global_names: list[str] = [n for n in (code.__code__.co_names if code is not None else ())
-                                        if n in self.globals]
-        self.global_values: tuple[Any, ...] = tuple(map(self.globals.get, self.global_names))
-        self.cells: list[Any] = list(code.__closure__ or ()) if code is not None else []
-        self.cell_values: tuple[Any, ...] = tuple(self._cell_contents())
-        self.tensors: list[torch.Tensor] = self._tensors(root)
-        self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
-        sized = self.modules.sized if self.modules is not None else []
-        #: (label, its __dict__) of each config-like object the modules hold
-        self.objects: list[tuple[str, dict[str, Any]]] = _objects(root)
-        self._object_items = [(len(d), tuple(d.values())) for _, d in self.objects]
-        # (not the globals dict: a script's loop assigns its globals on every call)
-        self._dicts = [c for c in sized if isinstance(c, dict)] + [d for _, d in self.objects]
-        self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
-        self._rest_lengths = tuple(map(len, self._rest))
-        self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
-        self._native = _dict_tags()
-        self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
-
-    def _cell_contents(self) -> Iterator[Any]:
-        for c in self.cells:
-            try:
-                yield c.cell_contents
-            except ValueError:  # an empty cell
-                yield None
-
-    def _tensors(self, root: torch.nn.Module | None) -> list[torch.Tensor]:
-        seen: dict[int, torch.Tensor] = {}
-        values: list[Any] = [*self.global_values, *self.cell_values]
-        if root is not None:
-            values += [*root.parameters(), *root.buffers()]
-            values += [v for m in root.modules() for v in vars(m).values()]
-        for v in values:  # and one level into containers (a list of tensors kept as an attribute)
-            inside = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
-            for t in inside:
-                if isinstance(t, torch.Tensor) and not t.is_meta:
-                    seen.setdefault(id(t), t)
-        return list(seen.values())
-
-    def holds(self) -> bool:
-        """Whether the state is as it was (see the class docstring)."""
-        if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags) \
-                and self._rest_holds() and self._globals_hold() and self._cells_hold() and self._layouts():
-            return True
-        if not self._values_hold():
-            return False
-        if self._tags is not None:
-            self._tags = self._native.dict_versions(self._dicts)
-        return True
-
-    def _rest_holds(self) -> bool:
-        if not self._rest:
-            return True
-        return (tuple(map(len, self._rest)) == self._rest_lengths
-                and all(map(operator.is_, itertools.chain.from_iterable(self._rest), self._rest_values)))
-
-    def _objects_hold(self) -> bool:
-        return all(len(d) == n and all(map(operator.is_, d.values(), values))
-                   for (_, d), (n, values) in zip(self.objects, self._object_items))
-
-    def _globals_hold(self) -> bool:
-        return all(map(operator.is_, map(self.globals.get, self.global_names), self.global_values))
-
-    def _cells_hold(self) -> bool:
-        return not self.cells or all(map(operator.is_, self._cell_contents(), self.cell_values))
-
-    def _values_hold(self) -> bool:
-        """The Python comparison: every value the same object, every tensor where it was."""
-        return ((self.modules is None or self.modules.holds()) and self._objects_hold()
-                and self._globals_hold() and self._cells_hold() and self._layouts())
-
-    def changed(self) -> str:
-        """What differs from the snapshot, in words ('' where nothing does)."""
-        if self.modules is not None:
-            where = self.modules.changed()
-            if where:
-                return where
-        for (label, d), (n, values) in zip(self.objects, self._object_items):
-            if len(d) != n or not all(map(operator.is_, d.values(), values)):
-                return f"an attribute of {label}"
-        for name, value in zip(self.global_names, self.global_values):
-            if self.globals.get(name) is not value:
-                return f"the global {name}"
-        if not self._cells_hold():
-            return "a variable of the function's closure"
-        if not self._layouts():
-            return "a parameter's or buffer's memory (replaced, moved or resized)"
-        return ""
-
-    def same_tensors(self, other: StateWatch) -> bool:
-        """Whether both snapshots hold the same tensor objects (so keeping both keeps no old tensor)."""
-        return {id(t) for t in self.tensors} == {id(t) for t in other.tensors}
-
-
-def _objects(root: torch.nn.Module | None) -> list[tuple[str, dict[str, Any]]]:
-    """The plain objects among the modules' attributes (a model's config), each once, with their
-    ``__dict__``: the forward reads their fields, which the modules' own dicts do not show."""
-    from .module_state import _fixed, _internals
-
-    if root is None:
-        return []
-    internals, seen, found = _internals(), set(), []
-    for m in root.modules():
-        for attr, value in vars(m).items():
-            if attr in internals or _fixed(value) or isinstance(value, (dict, list, set, tuple)):
-                continue
-            d = getattr(value, "__dict__", None)
-            if isinstance(d, dict) and id(value) not in seen:
-                seen.add(id(value))
-                found.append((f"{type(m).__name__}.{attr} ({type(value).__name__})", d))
-    return found
-
-
-# -- the device side ---------------------------------------------------------------------------------
 
 def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
