@@ -117,6 +117,41 @@ def test_a_merged_trace_draws_as_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _stream_trace(base: int, events: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+    return {"baseTimeNanoseconds": base, "traceEvents": [
+        {"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid, "ts": float(ts), "dur": 5.0}
+        for name, cat, tid, ts in events]}
+
+
+def test_merging_moves_each_streamdag_stream_row_onto_the_kineto_stream_its_ops_ran_on():
+    ours = _stream_trace(1_000, [("a", "streamdag compute", 0xAA00, 0),
+                                 ("b", "streamdag compute", 0xAA00, 10),
+                                 ("c", "streamdag compute", 0xBB00, 0)])
+    ours["traceEvents"].append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 0xAA00,
+                                "args": {"name": "streamdag cuda:0 stream 0 (compute)"}})
+    kineto = _stream_trace(1_000, [("a", "gpu_user_annotation", 13, 1), ("b", "gpu_user_annotation", 13, 11),
+                                   ("c", "gpu_user_annotation", 14, 1), ("k", "kernel", 13, 2)])
+    merged = sd.merge_traces(kineto, ours)
+    rows = {(e["name"], e["cat"]): e["tid"] for e in merged["traceEvents"] if e.get("ph") == "X"}
+    assert rows[("a", "streamdag compute")] == rows[("b", "streamdag compute")] == 13
+    assert rows[("c", "streamdag compute")] == 14
+    from streamdag.observe.merge import track_names
+
+    assert track_names(merged)[(0, 13)] == "streamdag cuda:0 stream 0 (compute)"
+    assert ours["traceEvents"][0]["tid"] == 0xAA00, "the traces passed in are left as they were"
+
+
+def test_a_stream_row_whose_ops_lie_on_two_kineto_rows_stays_where_it_is():
+    ours = _stream_trace(1_000, [("a", "streamdag compute", 0xAA00, 0),
+                                 ("b", "streamdag compute", 0xAA00, 10),
+                                 ("c", "streamdag compute", 0xBB00, 20)])
+    kineto = _stream_trace(1_000, [("a", "gpu_user_annotation", 13, 1), ("b", "gpu_user_annotation", 14, 11),
+                                   ("c", "gpu_user_annotation", 14, 21)])
+    rows = {(e["name"], e["cat"]): e["tid"] for e in sd.merge_traces(kineto, ours)["traceEvents"]}
+    assert rows[("a", "streamdag compute")] == rows[("b", "streamdag compute")] == 0xAA00
+    assert rows[("c", "streamdag compute")] == 14
+
+
 def test_lane_tracks_are_named_after_streamdag_not_a_main_thread(tmp_path):
     x = torch.ones(8)
     with sd.Runtime("cpu", streams=2) as rt:
@@ -166,3 +201,11 @@ def test_device_ops_appear_by_name_around_their_kernels_in_torchs_trace(tmp_path
         kernel_start, kernel_end = _absolute(inside[0], torch_base)
         mine_start, mine_end = _absolute(mine, our_base)
         assert mine_start - TOLERANCE_US <= kernel_start <= kernel_end <= mine_end + TOLERANCE_US
+    merged = sd.merge_traces(tmp_path / "torch.json", tmp_path / "streamdag.json")
+    for name in names:
+        (mine,) = [e for e in merged["traceEvents"] if e.get("ph") == "X" and e["name"] == name
+                   and str(e.get("cat")).startswith("streamdag")]
+        (gpu_side,) = [e for e in merged["traceEvents"] if e.get("ph") == "X" and e["name"] == name
+                       and e.get("cat") == "gpu_user_annotation"]
+        assert (mine["pid"], mine["tid"]) == (gpu_side["pid"], gpu_side["tid"]), \
+            f"{name}: merged, the op lies on the row of the stream its kernels ran on"

@@ -7,6 +7,13 @@ so merging shifts each trace's times onto the earliest base and keeps every
 event's track (``pid``/``tid``): streamdag's lane ops land on the same thread
 rows as the PyTorch ops that ran inside them, and a CUDA stream's ops on the
 device's process. Pure data: JSON in, JSON out.
+
+A CUDA stream has no number both profilers can read: streamdag names its
+stream rows by the stream's handle, Kineto by the id CUPTI gives it. Kineto
+draws each ``record_function`` range again on the stream that ran its kernels
+(a ``gpu_user_annotation``), and streamdag wraps each device op in one named
+after the op, so a streamdag stream row whose ops' ranges all lie on one
+Kineto stream row moves onto it: ops, kernels and copies share one row.
 """
 
 from __future__ import annotations
@@ -63,13 +70,14 @@ def merge_traces(*traces: Mapping[str, Any] | str | Path, out: str | Path | None
                 if key in seen_meta:
                     continue
                 seen_meta.add(key)
-                events.append(event)
+                events.append(dict(event))
                 continue
             moved = dict(event)
             for name in _TIME_FIELDS:
                 if name in moved and shift_us:
                     moved[name] = round(float(moved[name]) + shift_us, 3)
             events.append(moved)
+    _join_stream_rows(events)
     merged: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
     if base is not None:
         merged["baseTimeNanoseconds"] = base
@@ -78,6 +86,33 @@ def merge_traces(*traces: Mapping[str, Any] | str | Path, out: str | Path | None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(merged))
     return merged
+
+
+def _join_stream_rows(events: list[dict[str, Any]]) -> None:
+    """Move each streamdag stream row onto the Kineto stream row its ops' GPU ranges lie on, where
+    that is one row, taken by no other streamdag row (in place)."""
+    gpu_rows: dict[tuple[Any, Any], set[Any]] = {}  # (pid, op name) -> Kineto stream tids
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation":
+            gpu_rows.setdefault((e.get("pid"), e.get("name")), set()).add(e.get("tid"))
+    if not gpu_rows:
+        return
+    targets: dict[tuple[Any, Any], set[Any]] = {}  # streamdag (pid, tid) -> Kineto tids of its ops
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")).startswith("streamdag"):
+            found = gpu_rows.get((e.get("pid"), e.get("name")))
+            if found is not None:
+                targets.setdefault((e.get("pid"), e.get("tid")), set()).update(found)
+    single = {row: next(iter(tids)) for row, tids in targets.items() if len(tids) == 1}
+    claimed: dict[tuple[Any, Any], int] = {}
+    for (pid, _), tid in single.items():
+        claimed[(pid, tid)] = claimed.get((pid, tid), 0) + 1
+    moves = {row: tid for row, tid in single.items() if claimed[(row[0], tid)] == 1}
+    for e in events:
+        if str(e.get("cat", "")).startswith("streamdag") or e.get("ph") == "M":
+            tid = moves.get((e.get("pid"), e.get("tid")))
+            if tid is not None and (e.get("ph") != "M" or e.get("name") == "thread_name"):
+                e["tid"] = tid
 
 
 def track_names(trace: Mapping[str, Any]) -> dict[tuple[Any, Any], str]:
