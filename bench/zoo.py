@@ -14,9 +14,13 @@ Times are medians of wall time between ``torch.cuda.synchronize()`` calls, the
 variants interleaved round by round. Every row records each variant's relative
 error against eager, its compile time (the first calls until its output is
 ready; Inductor's FX-graph and kernel caches stay on unless ``--cold-compile``,
-so a later variant may reuse an earlier one's kernels) and its peak memory over
-what the model and inputs hold, the streams streamdag kept and anything it ran
-uncaptured or on the make_fx path.
+so a later variant may reuse an earlier one's kernels), its memory over what
+the model and inputs hold (``peak_mib``: what it keeps reserved after its
+first calls, CUDA graph pools included, plus what one more call adds;
+``compile_peak_mib``: the most it reserved while compiling), the streams
+streamdag kept and anything it ran uncaptured or on the make_fx path. The
+table's ``x best`` is the best baseline's time over streamdag's (above 1,
+streamdag is faster) and ``mem/ro`` streamdag's peak over reduce-overhead's.
 
 Robust by construction: each model runs in a worker process with a time
 limit (a crash or a hang loses that model's remaining rows, not the run); a
@@ -186,6 +190,7 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
         graph, out = graph_of(lambda: model(*args, **kwargs))
         handle = (graph, out)
         call = graph.replay
+        graph.replay()  # a capture records the kernels without running them: the output is computed here
         torch.cuda.synchronize()
         return call, out, handle
     elif label in ("inductor", "inductor_ro"):
@@ -205,6 +210,17 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
     return call, out, handle
 
 
+def _reserved_emptied() -> int:
+    """The bytes the CUDA caching allocator reserves once its unused cache is released: tensors
+    alive and the memory pools of CUDA graphs (a graph's temporaries are free blocks of its pool,
+    so allocated bytes would miss them)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
     import torch
 
@@ -212,17 +228,18 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "batch": batch, "ms": {}, "rel_err": {},
-                           "compile_s": {}, "peak_mib": {}, "streams": None, "fallback": [], "errors": {}}
+                           "compile_s": {}, "peak_mib": {}, "compile_peak_mib": {}, "streams": None,
+                           "fallback": [], "errors": {}}
     model, make_inputs = build(name)
     model = model.cuda().to(dtype)
     args, kwargs = make_inputs(batch, dtype)
     calls: dict[str, Callable[[], Any]] = {}
     outputs: dict[str, Any] = {}
     handles: dict[str, Any] = {}
+    held: dict[str, float] = {}
     with torch.inference_mode():
         for label in VARIANTS:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
+            base = _reserved_emptied()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
@@ -235,7 +252,8 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             row["compile_s"][label] = time.perf_counter() - t0
-            row["peak_mib"][label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row["compile_peak_mib"][label] = (torch.cuda.max_memory_reserved() - base) / 2**20
+            held[label] = _reserved_emptied() - base
         if "eager" in outputs:
             row["rel_err"] = {k: rel_err(v, outputs["eager"]) for k, v in outputs.items() if k != "eager"}
         try:
@@ -245,6 +263,12 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             row["errors"]["timing"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+        for label, call in calls.items():  # what it holds, plus what one call adds on top
+            before = _reserved_emptied()
+            torch.cuda.reset_peak_memory_stats()
+            call()
+            torch.cuda.synchronize()
+            row["peak_mib"][label] = (held[label] + torch.cuda.max_memory_reserved() - before) / 2**20
     fast = handles.get("streamdag")
     if fast is not None:
         _describe_streamdag(fast, row)
@@ -360,12 +384,21 @@ def _commit() -> str | None:
         return None
 
 
-def ratio(row: dict[str, Any]) -> float | None:
+def speedup(row: dict[str, Any]) -> float | None:
+    """The best baseline's time over streamdag's: above 1, streamdag is faster."""
     ms = row.get("ms") or {}
     best = [ms[b] for b in BASELINES if ms.get(b)]
     if not ms.get("streamdag") or not best:
         return None
-    return ms["streamdag"] / min(best)
+    return min(best) / ms["streamdag"]
+
+
+def memory_vs_ro(row: dict[str, Any]) -> float | None:
+    """streamdag's steady peak memory over reduce-overhead's."""
+    peak = row.get("peak_mib") or {}
+    if not peak.get("streamdag") or not peak.get("inductor_ro"):
+        return None
+    return peak["streamdag"] / peak["inductor_ro"]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -374,16 +407,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
         ms = r.get("ms") or {}
-        q = ratio(r)
+        q, m = speedup(r), memory_vs_ro(r)
         out.append([r["model"], r["dtype"], r["batch"], *[ms.get(v, "-") for v in VARIANTS],
                     "-" if q is None else f"{q:.2f}", r.get("streams") or "-",
+                    "-" if m is None else f"{m:.2f}",
                     f"{(r.get('compile_s') or {}).get('inductor', float('nan')):.1f}",
                     f"{(r.get('compile_s') or {}).get('streamdag', float('nan')):.1f}",
                     f"{(r.get('rel_err') or {}).get('streamdag', float('nan')):.1e}",
                     "; ".join(r.get("fallback") or []) + ("; errors: " + ", ".join(r["errors"])
                                                           if r.get("errors") else "")])
-    return format_table(["model", "dtype", "batch", *[f"{v} ms" for v in VARIANTS], "sd/best", "streams",
-                         "inductor s", "sd s", "sd rel err", "notes"], out)
+    return format_table(["model", "dtype", "batch", *[f"{v} ms" for v in VARIANTS], "x best", "streams",
+                         "mem/ro", "inductor s", "sd s", "sd rel err", "notes"], out)
 
 
 def main() -> int:
@@ -450,11 +484,11 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=1))
     done = [r for r in result["models"] if "dtype" in r]
     print(table(done))
-    ratios = [q for q in map(ratio, done) if q]
-    if ratios:
-        geo = float(torch.tensor(ratios).log().mean().exp())
-        print(f"streamdag / best baseline: geomean {geo:.3f} over {len(ratios)} rows; "
-              f"slower in {sum(q > 1.02 for q in ratios)}")
+    speedups = [q for q in map(speedup, done) if q]
+    if speedups:
+        geo = float(torch.tensor(speedups).log().mean().exp())
+        print(f"streamdag against the best baseline: geomean {geo:.3f}x over {len(speedups)} rows; "
+              f"under 0.98x in {sum(q < 0.98 for q in speedups)}")
     print(path)
     return 0
 

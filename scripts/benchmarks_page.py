@@ -241,6 +241,14 @@ def render_compile_host(data: dict) -> str:
                   "graph replay ms (GPU)", "latency over replay µs", "compile s"], rows)
 
 
+def _memory_vs_ro(peak: dict) -> str:
+    """streamdag's peak memory over reduce-overhead's, e.g. ``52 MiB (1.04x)``."""
+    ours, ro = peak.get("streamdag"), peak.get("inductor_ro")
+    if ours is None:
+        return "—"
+    return f"{ours:.0f} MiB" + (f" ({ours / ro:.2f}x)" if ro else "")
+
+
 def render_zoo(data: dict) -> str:
     """One row per model, dtype and batch: each way's ms and streamdag against the best baseline."""
     rows = []
@@ -249,9 +257,11 @@ def render_zoo(data: dict) -> str:
         best = min((v for k, v in ms.items() if k != "streamdag" and v is not None), default=None)
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
                      ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")),
-                     ratio(best, ms.get("streamdag")), m.get("streams")])
+                     ratio(best, ms.get("streamdag")), m.get("streams"),
+                     _memory_vs_ro(m.get("peak_mib") or {})])
     return table(["model", "dtype", "batch", "eager ms", "CUDA graph ms", "torch.compile ms",
-                  "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams"], rows)
+                  "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams",
+                  "memory vs reduce-overhead"], rows)
 
 
 def render_llm_decode(data: dict) -> str:
