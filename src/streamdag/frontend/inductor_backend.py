@@ -171,7 +171,8 @@ class GraphRunner:
             if self.options.candidates is not None and "regions" in self.options.candidates:
                 cands.append(Candidate("regions x1", 1, use(1)))
         if self.options.candidates is not None:
-            kept = [c for c in cands if c.label.split(" ")[0] in self.options.candidates]
+            kept = [c for c in cands if c.label in self.options.candidates
+                    or c.label.split(" ")[0] in self.options.candidates]
             if not kept and sw.program is None and "regions" in self.options.candidates:
                 self.note = f"no regions for this graph ({sw.region_note}): Inductor's whole graph runs"
                 kept = [c for c in cands if c.label == "inductor"]

@@ -33,7 +33,7 @@ class Options:
     streams: int = 4
     regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
     min_gain: float = MIN_GAIN
-    candidates: tuple[str, ...] | None = None  # labels to keep, e.g. ("regions",) in tests
+    candidates: tuple[str, ...] | None = None  # labels or kinds to keep, e.g. ("regions",), ("regions x2",)
     clone_outputs: bool = True
     max_captures: int = 4
     rounds: int = 10

@@ -144,7 +144,7 @@ class TrainingGraph:
             if wanted is not None and "regions" in wanted:
                 cands.append(Candidate("regions x1", 1, use(1)))
         if wanted is not None:
-            kept = [c for c in cands if c.label.split(" ")[0] in wanted]
+            kept = [c for c in cands if c.label in wanted or c.label.split(" ")[0] in wanted]
             if not kept:
                 self.note = f"no candidate of {wanted!r} for this graph ({self.region_note}): Inductor's runs"
             cands = kept or cands[:1]
