@@ -146,6 +146,7 @@ class GraphRunner:
             static = set(static_indices(args))
             ACTIVE.mutated.update(args[i].untyped_storage().data_ptr() for i in self.switch.mutated_inputs
                                   if i not in static and isinstance(args[i], torch.Tensor))
+            ACTIVE.updates_state |= any(i in static for i in self.switch.mutated_inputs)
         if self.captured_run and self.chosen is not None:
             self._set_switch(self.chosen)
             return self.chosen.run(list(args))

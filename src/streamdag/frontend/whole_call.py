@@ -24,7 +24,9 @@ compile; the call after it captures again. A call is captured in two steps:
    alias an input or a parameter.
 2. *capture*: the same call again, under ``torch.cuda.graph``. A host
    synchronization (``.item()``, a copy to the CPU) fails the capture; the key
-   then stays on Dynamo's path, and ``explain()`` says why.
+   then stays on Dynamo's path, and ``explain()`` says why. The graph is then
+   timed against a plain CUDA graph of the eager call, and the faster is kept
+   (:mod:`.eager_graph`).
 
 Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
 
@@ -52,6 +54,7 @@ after the replay.
 from __future__ import annotations
 
 import itertools
+import statistics
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -61,6 +64,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .state_watch import StateWatch
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
@@ -91,6 +95,7 @@ class _Active(threading.local):
     mode: str | None = None
     refusal: str = ""
     compiled: bool = False
+    updates_state: bool = False  # a graph wrote into a parameter or buffer
 
     def __init__(self) -> None:
         self.mutated: set[int] = set()
@@ -101,7 +106,7 @@ ACTIVE = _Active()
 
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
-    ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled = mode, "", False
+    ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
     ACTIVE.mutated = set()
     try:
         yield ACTIVE
@@ -188,6 +193,22 @@ class _Cuda:
     def order(self) -> None:
         """This replay follows the last one in the pool when that ran on another stream."""
         self.pool.order_current(self.device, self.index)
+
+    def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
+        """Each graph's median GPU time in ms, the graphs replayed in turn on the caller's stream."""
+        self.order()
+        for g in graphs:  # first launches stay out of the rounds
+            g.replay()
+        events: list[list[tuple[Any, Any]]] = [[] for _ in graphs]
+        for _ in range(rounds):
+            for g, timed in zip(graphs, events):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                timed.append((start, end))
+        torch.cuda.synchronize(self.device)
+        return [statistics.median(a.elapsed_time(b) for a, b in timed) for timed in events]
 
 
 def _device_for(device: torch.device, pool: Any) -> Any:
@@ -295,6 +316,7 @@ class WholeCall:
         self.recaptures: int = 0  # captures for a key captured before over other tensors (parameters moved)
         self.replays: int = 0
         self._captured_over: dict[Any, frozenset[int]] = {}  # each key's last capture: its tensors' ids
+        self.baseline: str = ""  # the last capture against the eager call's plain CUDA graph, in words
         self._lock = threading.Lock()
 
     # -- the hot path ---------------------------------------------------------------------------------
@@ -396,7 +418,7 @@ class WholeCall:
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
         # what the call wrote into its inputs, in a graph or in the Python between (an inference
         # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
-        written = active.mutated
+        written, updates_state = active.mutated, active.updates_state
         write_back = [i for i, (s, t) in enumerate(zip(statics, tensors))
                       if s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
         for i in write_back:  # this call's writes into the caller's inputs
@@ -426,7 +448,7 @@ class WholeCall:
         elif active.refusal or active.compiled or self._marks() != marks or not state.watch.holds():
             self._passing(state, key, "the capture ran other code than the warm-up")
         else:
-            state.entries[key] = entry
+            state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state)
             state.attempts.pop(key, None)
             self.captures += 1
             over = frozenset(map(id, state.watch.tensors))
@@ -435,6 +457,24 @@ class WholeCall:
             self._captured_over[key] = over
             self.note = ""
         return out
+
+    def _against_eager(self, entry: _Entry, dev: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                       updates_state: bool) -> _Entry:
+        """``entry``, or a plain CUDA graph of the eager call where that replays faster
+        (:mod:`.eager_graph`)."""
+        why = eager_refusal(self.fn, entry.write_back, updates_state)
+        got = why or capture_eager(self.fn, dev, args, kwargs)
+        if isinstance(got, str):
+            self.baseline = f"whole call: no plain CUDA graph of the eager call: {got}"
+            return entry
+        eager = self._entry(got[0], dev, entry.statics, entry.arg_index, entry.kw_names, entry.write_back,
+                            got[1], entry.global_state)
+        if isinstance(eager, str) or eager.spec != entry.spec:
+            self.baseline = ("whole call: the eager call's result differs in structure: "
+                             f"{eager if isinstance(eager, str) else 'another tree of outputs'}")
+            return entry
+        kept, self.baseline = keep_eager(dev, entry, eager)
+        return eager if kept else entry
 
     def _recompiles(self, state: _State, key: Any, graphs_before: int) -> bool:
         """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state; the key is
@@ -478,6 +518,8 @@ class WholeCall:
 
     def explain(self) -> str:
         lines = [f"whole-call graphs: {self.captures} captured, {self.replays} replays"]
+        if self.baseline:
+            lines.append(f"  {self.baseline}")
         for key, reason in self.refused.items():
             lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
         if self.note and self.note not in self.refused.values():

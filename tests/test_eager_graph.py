@@ -1,0 +1,137 @@
+"""Each whole-call graph against a plain CUDA graph of the eager call: the faster is kept.
+
+On the CPU, the stand-in device of ``test_whole_call`` captures and replays; it
+says which graph is faster (``graph_ms``: streamdag's, then the eager call's)
+and records which function each graph was captured from.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamdag.frontend import whole_call as wc  # noqa: E402
+from streamdag.frontend.whole_call import WholeCall  # noqa: E402
+from test_whole_call import Dynamo, FakeBackend, FakeDevice, mlp  # noqa: E402
+
+
+class RecordingDevice(FakeDevice):
+    """Remembers each capture's function and counts each graph's replays."""
+
+    def __init__(self, eager, fail_eager=False):
+        super().__init__(eager)
+        self.graphs = []
+        self.fail_eager = fail_eager
+
+    def capture(self, fn, args, kwargs):
+        if self.fail_eager and fn is self.eager:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph, out = super().capture(fn, args, kwargs)
+        graph.fn, graph.replays, inner = fn, 0, graph.replay
+
+        def replay():
+            graph.replays += 1
+            inner()
+        graph.replay = replay
+        self.graphs.append(graph)
+        return graph, out
+
+
+@pytest.fixture
+def device(monkeypatch):
+    def make(model, graph_ms=None, fail_eager=False):
+        dev = RecordingDevice(model, fail_eager)
+        dev.graph_ms = graph_ms
+        monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
+        monkeypatch.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
+        return dev
+    return make
+
+
+def calls(fn, model, n=4):
+    w, dynamo = WholeCall(fn, FakeBackend()), Dynamo(fn)
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(w((x,), {}, dynamo), model(x))
+    return w
+
+
+def replays_by_source(dev, model):
+    return {("eager" if g.fn is model else "streamdag"): g.replays for g in dev.graphs}
+
+
+def test_the_eager_calls_graph_is_kept_where_it_replays_faster(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.5])
+    w = calls(m, m)
+    assert w.captures == 1 and replays_by_source(dev, m) == {"streamdag": 0, "eager": 3}, w.explain()
+    assert "a plain CUDA graph of the eager call 0.5000 ms: the eager graph kept" in w.explain()
+
+
+def test_a_tie_keeps_streamdags_graph(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.99])
+    w = calls(m, m)
+    assert replays_by_source(dev, m) == {"streamdag": 3, "eager": 0}, w.explain()
+    assert "streamdag's graph kept" in w.explain()
+
+
+def test_a_module_in_training_mode_is_not_warmed_up_again_eagerly(device):
+    m = mlp().train()
+    dev = device(m, graph_ms=[1.0, 0.5])
+    w = calls(m, m)
+    assert [g.fn is m for g in dev.graphs] == [False] and dev.graphs[0].replays == 3
+    assert "Sequential is in training mode" in w.explain()
+
+
+def test_a_plain_function_is_not_captured_eagerly(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.5])
+
+    def forward(x):
+        return m(x)
+    w = calls(forward, m)
+    assert len(dev.graphs) == 1 and "a function, not a module" in w.explain()
+
+
+def test_an_eager_call_that_cannot_be_captured_keeps_streamdags_graph_and_says_why(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.5], fail_eager=True)
+    w = calls(m, m)
+    assert replays_by_source(dev, m) == {"streamdag": 3}
+    assert "the eager call cannot be captured (RuntimeError: operation not permitted" in w.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_whole_call_is_timed_against_the_eager_calls_graph_and_replays_eagers_results(no_tf32):
+    import streamdag as sd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(2, 3, 32, 32, device="cuda"))
+        xs = [torch.randn(2, 3, 32, 32, device="cuda") for _ in range(4)]
+        pairs = [(c(x), m(x)) for x in xs]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert c.statistics().whole_replays >= 4, c.explain()
+    assert "a plain CUDA graph of the eager call" in c.explain() and " kept" in c.explain(), c.explain()
+
+
+def test_a_call_whose_graphs_write_a_buffer_is_not_warmed_up_again_eagerly(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.5])
+    w, dynamo = WholeCall(m, FakeBackend()), Dynamo(m)
+
+    def writing(*args, **kwargs):  # as a compiled graph that updates a buffer in place tells the call
+        wc.ACTIVE.updates_state = wc.ACTIVE.mode is not None
+        return dynamo(*args, **kwargs)
+    with torch.no_grad():
+        for _ in range(3):
+            w((torch.randn(2, 8),), {}, writing)
+    assert len(dev.graphs) == 1 and "writes into a parameter or buffer" in w.explain(), w.explain()
