@@ -210,15 +210,22 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
     return call, out, handle
 
 
-def _reserved_emptied() -> int:
-    """The bytes the CUDA caching allocator reserves once its unused cache is released: tensors
-    alive and the memory pools of CUDA graphs (a graph's temporaries are free blocks of its pool,
-    so allocated bytes would miss them)."""
+def _segments() -> dict[int, int]:
+    """The CUDA caching allocator's segments once its unused cache is released: address -> bytes.
+    They hold the tensors alive and the memory pools of CUDA graphs (a graph's temporaries are
+    free blocks of its pool, so allocated bytes would miss them)."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
+    return {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
+
+
+def _added(before: dict[int, int], after: dict[int, int]) -> int:
+    """The bytes of the segments in ``after`` that ``before`` did not hold. (Not a difference of
+    totals: a variant set up after another may release what the other held, as a recompile of
+    the same module frees the earlier variant's graph.)"""
+    return sum(size for address, size in after.items() if before.get(address) != size)
 
 
 def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
@@ -236,10 +243,11 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
     calls: dict[str, Callable[[], Any]] = {}
     outputs: dict[str, Any] = {}
     handles: dict[str, Any] = {}
-    held: dict[str, float] = {}
+    held: dict[str, int] = {}
     with torch.inference_mode():
         for label in VARIANTS:
-            base = _reserved_emptied()
+            before = _segments()
+            base = sum(before.values())
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
@@ -253,7 +261,7 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
                 signal.setitimer(signal.ITIMER_REAL, 0)
             row["compile_s"][label] = time.perf_counter() - t0
             row["compile_peak_mib"][label] = (torch.cuda.max_memory_reserved() - base) / 2**20
-            held[label] = _reserved_emptied() - base
+            held[label] = _added(before, _segments())
         if "eager" in outputs:
             row["rel_err"] = {k: rel_err(v, outputs["eager"]) for k, v in outputs.items() if k != "eager"}
         try:
@@ -264,11 +272,11 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         for label, call in calls.items():  # what it holds, plus what one call adds on top
-            before = _reserved_emptied()
+            reserved = sum(_segments().values())
             torch.cuda.reset_peak_memory_stats()
             call()
             torch.cuda.synchronize()
-            row["peak_mib"][label] = (held[label] + torch.cuda.max_memory_reserved() - before) / 2**20
+            row["peak_mib"][label] = (held[label] + torch.cuda.max_memory_reserved() - reserved) / 2**20
     fast = handles.get("streamdag")
     if fast is not None:
         _describe_streamdag(fast, row)
