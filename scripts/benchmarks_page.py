@@ -17,7 +17,6 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,21 +216,10 @@ def render_hot_path(data: dict) -> str:
     return table(["hot path", "µs per submit (a do-nothing op)"], list(data["us"].items()))
 
 
-def render_cuda_calls(data: dict) -> str:
-    rows = [[k, v["median"], v["added_paired"]] for k, v in data["ns_per_launch"].items()]
-    return table(["launch (from C++)", "median ns", "ns added (paired rounds)"], rows)
 
 
-def render_finish_every(data: dict) -> str:
-    rows = [[k, median(data["graph_ms"][k]), median(data["chain_us"][k]), data["collector_ms"][k]]
-            for k in data["graph_ms"]]
-    return table(["finish every N submits", "wide tiny graph, median ms", "chain, median µs per op",
-                  "cycle collector ms"], rows)
 
 
-def render_replay_check(data: dict) -> str:
-    rows = [[k, v, data["run_host_us"].get(k)] for k, v in data["check_us"].items()]
-    return table(["argument check before a replay", "check µs", "g.run() host µs"], rows)
 
 
 def render_compile_host(data: dict) -> str:
@@ -359,12 +347,6 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                  render_flat),
     "copy_streams": ("bench/copy_streams.py", "The device alone: hand-made, captured copy/compute "
                      "pipelines in pieces (the floor under `stream_map`).", render_flat),
-    "cuda_calls": ("bench/cuda_calls.py", "What each CUDA call around a launch costs, made from C++.",
-                   render_cuda_calls),
-    "finish_every": ("bench/finish_every.py", "How often the submitting thread finishes completed ops.",
-                     render_finish_every),
-    "replay_check": ("bench/replay_check.py", "The argument check before each replay of a captured "
-                     "graph.", render_replay_check),
     "compile_host": ("bench/compile_host.py", "The host path of a compiled model's call at batch 1: "
                      "streamdag.compile (one CUDA graph for the whole call, and per graph) against "
                      "reduce-overhead.", render_compile_host),

@@ -106,7 +106,7 @@ class CudaEvent(_event_base if _event_base is not None else object):  # type: ig
     in C: an op's event is recorded for every op.
 
     Not a blocking-sync event (whose host wait sleeps until an interrupt): recording one after
-    each launch adds 1.20 µs per launch, a plain one 0.23 (``bench/cuda_calls.py``). So
+    each launch adds 1.20 µs per launch, a plain one 0.23, timed from C++. So
     a host wait on it (``synchronize``) spins or yields as CUDA's scheduling flags say, and the
     completion thread polls (see ``_Completions``) rather than sleeping in it.
     """

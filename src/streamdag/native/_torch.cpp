@@ -133,7 +133,7 @@ bool ordered_by_cuda(const c10::cuda::CUDAStream& caller, const c10::cuda::CUDAS
 }
 
 // The calling thread's current CUDA context (the driver's cuCtxGetCurrent, a thread-local read:
-// ~0.01 µs against ~0.13 for cudaGetDevice, bench/cuda_calls.py), or nullptr where it
+// ~0.01 µs against ~0.13 for cudaGetDevice), or nullptr where it
 // cannot tell: before CUDA 12 a cudaSetDevice made its context current only at the next call.
 using CtxGetCurrent = int (*)(void**);
 CtxGetCurrent ctx_get_current = nullptr;

@@ -411,7 +411,7 @@ def _layout_check(tensors: list[torch.Tensor]) -> Callable[[], bool]:
     loaded, else PyTorch's own C++ checks of all the tensors at once (a Python
     call per tensor costs more still). For the 258 tensors of the tiny wide
     graph on the H100: 3.8 µs against 60 µs, and g.run()'s host time 74 µs
-    against 135 (``bench/replay_check.py``).
+    against 135.
     """
     ext = load_torch()
     if ext is not None:

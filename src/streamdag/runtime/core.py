@@ -105,8 +105,8 @@ __all__ = ["Runtime", "RuntimeStatistics"]
 #: A thread that submits finishes completed ops itself every this many submits (where the
 #: backend allows it): cheaper than handing the GIL to a completion thread mid-burst. Fewer ops
 #: then stay pending, so fewer objects live long enough for the cycle collector to promote them,
-#: which brings its full passes (``bench/finish_every.py``: 32 against 64 halved its time in the
-#: tiny wide graph, submitted op by op; 16 gained no more).
+#: which brings its full passes (32 against 64 halved the collector's time in the tiny wide graph
+#: submitted op by op; 16 gained no more).
 FINISH_EVERY = 32
 #: worker lanes on the host beside a device, for the ops submitted with ``run_on="host"``
 HOST_LANES = 2

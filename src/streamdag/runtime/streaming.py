@@ -61,13 +61,13 @@ class StreamMapRuntime(Protocol):
     _stream_maps: Any  #: a weak dictionary, by function: dropped with it
 
 # A piece's copies must take longer than the host's submit of the piece, or the host sets the pace:
-# on an H100 host, the 14 kernels of bench/overlap.py's compute took 0.45 ms of host time per piece,
+# on an H100, the 14 kernels of bench/overlap.py's compute took 0.45 ms of host time per piece,
 # the link 0.17 ms per 8 MiB. Captured, the compute is one graph launch: 16 MiB pieces (0.33 ms).
 PIECE_BYTES = 32 << 20
 CAPTURED_PIECE_BYTES = 16 << 20
 # From or into pageable memory, each piece's copy of more than 8 MiB is a host-lane op staged through
 # a ring of pinned buffers, and each such op costs ~0.5 ms that overlaps nothing (its first chunk's
-# host copy, its last DMA): on an H100 host the 8 x 64 MiB copy/compute case took 55-59 ms in 16 MiB pieces,
+# host copy, its last DMA): on an H100 the 8 x 64 MiB copy/compute case took 55-59 ms in 16 MiB pieces,
 # 35-38 in 64 MiB ones. Pieces of at most 1/MIN_PAGEABLE_PIECES of the data (the head and tail that
 # nothing overlaps: one piece's copy in, one's copy out).
 PAGEABLE_PIECE_BYTES = 64 << 20
