@@ -17,10 +17,12 @@ ready; Inductor's FX-graph and kernel caches stay on unless ``--cold-compile``,
 so a later variant may reuse an earlier one's kernels), its memory over what
 the model and inputs hold (``peak_mib``: what it keeps reserved after its
 first calls, CUDA graph pools included, plus what one more call adds;
-``compile_peak_mib``: the most it reserved while compiling), the streams
-streamdag kept and anything it ran uncaptured or on the make_fx path. The
-table's ``x best`` is the best baseline's time over streamdag's (above 1,
-streamdag is faster) and ``mem/ro`` streamdag's peak over reduce-overhead's.
+``compile_peak_mib``: the most it reserved while compiling), the host time
+of a call issued back to back (``host_us``, for the variants that replay
+graphs), the streams streamdag kept and anything it ran uncaptured or on the
+make_fx path. The table's ``x best`` is the best baseline's time over
+streamdag's (above 1, streamdag is faster) and ``mem/ro`` streamdag's peak
+over reduce-overhead's.
 
 Robust by construction: each model runs in a worker process with a time
 limit (a crash or a hang loses that model's remaining rows, not the run); a
@@ -210,6 +212,24 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
     return call, out, handle
 
 
+def _host_us(call: Callable[[], Any], calls: int = 20, rounds: int = 5) -> float:
+    """The host time of a call issued back to back with others (the GPU runs behind), in µs: set
+    against the row's ms, what the call adds to its graph's time besides its own host work."""
+    import statistics
+
+    import torch
+
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
 def _segments() -> dict[int, int]:
     """The CUDA caching allocator's segments once its unused cache is released: address -> bytes.
     They hold the tensors alive and the memory pools of CUDA graphs (a graph's temporaries are
@@ -267,6 +287,8 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
         try:
             _alarm(variant_s)
             row["ms"] = interleaved_wall_ms(calls, rounds=rounds, warmup=3)
+            row["host_us"] = {k: _host_us(calls[k]) for k in ("cuda_graph", "inductor_ro", "streamdag")
+                              if k in calls}
         except Exception as exc:
             row["errors"]["timing"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         finally:
