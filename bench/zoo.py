@@ -230,7 +230,7 @@ def _host_us(call: Callable[[], Any], calls: int = 20, rounds: int = 5) -> float
     return statistics.median(per_call)
 
 
-def _segments() -> dict[int, int]:
+def _segments() -> dict[tuple[Any, ...], int]:
     """The CUDA caching allocator's segments once its unused cache is released: address -> bytes.
     They hold the tensors alive and the memory pools of CUDA graphs (a graph's temporaries are
     free blocks of its pool, so allocated bytes would miss them)."""
@@ -238,14 +238,16 @@ def _segments() -> dict[int, int]:
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
+    return {(s["address"], s["total_size"], s.get("segment_pool_id"), s.get("stream")): s["total_size"]
+            for s in torch.cuda.memory_snapshot()}
 
 
-def _added(before: dict[int, int], after: dict[int, int]) -> int:
-    """The bytes of the segments in ``after`` that ``before`` did not hold. (Not a difference of
-    totals: a variant set up after another may release what the other held, as a recompile of
-    the same module frees the earlier variant's graph.)"""
-    return sum(size for address, size in after.items() if before.get(address) != size)
+def _added(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...], int]) -> int:
+    """The bytes of the segments in ``after`` that ``before`` did not hold, a segment known by its
+    address, size, pool and stream. (Not a difference of totals: a variant set up after another
+    may release what the other held, as a recompile of the same module frees the earlier
+    variant's graph.)"""
+    return sum(size for segment, size in after.items() if segment not in before)
 
 
 def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:

@@ -681,3 +681,12 @@ def test_bfloat16_and_dict_outputs_on_cuda():
     assert isinstance(got["dataclass"], Out) and got["dict"]["a"].dtype == torch.bfloat16
     torch.testing.assert_close(got["dict"]["b"], want["dict"]["b"], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got2["list"][1], want["list"][1], rtol=2e-2, atol=2e-2)
+
+
+def test_a_regions_label_a_graph_cannot_offer_runs_inductors_graph_and_says_why():
+    model = torch.nn.Linear(8, 8)
+    fast = sd.compile(model, regions="always", candidates=["regions x2"])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+    assert "no candidate of ['regions x2'] for this graph" in fast.explain(), fast.explain()

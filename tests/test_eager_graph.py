@@ -135,3 +135,33 @@ def test_a_call_whose_graphs_write_a_buffer_is_not_warmed_up_again_eagerly(devic
         for _ in range(3):
             w((torch.randn(2, 8),), {}, writing)
     assert len(dev.graphs) == 1 and "writes into a parameter or buffer" in w.explain(), w.explain()
+
+
+def test_a_call_that_writes_a_tensor_outside_its_inputs_and_module_is_not_warmed_up_again(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.5])
+    w, dynamo = WholeCall(m, FakeBackend()), Dynamo(m)
+    elsewhere = torch.zeros(3)  # a global's storage, as a graph that writes into it reports it
+
+    def writing(*args, **kwargs):
+        if wc.ACTIVE.mode is not None:
+            wc.ACTIVE.mutated.add(elsewhere.untyped_storage().data_ptr())
+        return dynamo(*args, **kwargs)
+    with torch.no_grad():
+        for _ in range(3):
+            w((torch.randn(2, 8),), {}, writing)
+    assert len(dev.graphs) == 1 and "writes into a parameter or buffer" in w.explain(), w.explain()
+
+
+def test_an_eager_call_whose_outputs_differ_from_the_compiled_calls_keeps_streamdags_graph(device):
+    m = mlp()
+
+    def narrow(x):  # the compiled path returns other shapes than forward does
+        return m(x)[:, :2]
+    dev = device(narrow, graph_ms=[1.0, 0.5])  # its replays compute what the compiled path returns
+    w, narrower = WholeCall(m, FakeBackend()), Dynamo(narrow)
+    with torch.no_grad():
+        for _ in range(4):
+            w((torch.randn(2, 8),), {}, narrower)
+    assert replays_by_source(dev, m) == {"streamdag": 3, "eager": 0}, w.explain()
+    assert "the eager call's result differs from the compiled call's" in w.explain()

@@ -221,7 +221,7 @@ STREAM_SEGMENTS_MIB = 22.0
 
 
 def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.1,
-         slack_mib: float = 8.0, base_mib: float = 0.0) -> int:
+         slack_mib: float = 8.0, base_mib: float = 0.0, segments_mib: float = STREAM_SEGMENTS_MIB) -> int:
     """The index of the candidate to keep, from their times (``ms``) and capture sizes (``peak_mib``).
 
     The fastest on one stream, unless one on more streams beats the best on fewer by more
@@ -229,7 +229,8 @@ def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.
     weights, buffers, the caller's tensors) plus what a capture's pool needs. A candidate on
     several streams whose whole comes to more than ``memory_ratio`` times the whole of the
     leanest one-stream candidate, plus ``slack_mib`` (pools grow by whole segments) and
-    :data:`STREAM_SEGMENTS_MIB` for each stream past the first, is not kept. (Against the
+    ``segments_mib`` for each stream past the first (:data:`STREAM_SEGMENTS_MIB` for captures,
+    whose sizes are the pools' reserved bytes; 0 for sizes in allocated bytes), is not kept. (Against the
     pools alone, a one-stream pool of a few MiB would reject any second stream however small
     its share of the model's memory.)
     """
@@ -240,13 +241,13 @@ def pick(cands: Sequence[Candidate], tie: float = 0.02, memory_ratio: float = 1.
     for i in sorted(range(len(cands)), key=lambda i: cands[i].streams):
         c = cands[i]
         allowed = None if lean is None else (memory_ratio * (base_mib + lean) + slack_mib
-                                             + (c.streams - 1) * STREAM_SEGMENTS_MIB)
+                                             + (c.streams - 1) * segments_mib)
         if c.streams > 1 and allowed is not None and c.peak_mib is not None \
                 and base_mib + c.peak_mib > allowed:
             c.notes.append(f"not kept: with the graph's inputs it needs {base_mib + c.peak_mib:.1f} MiB "
                            f"(its capture {c.peak_mib:.1f}), over the {allowed:.1f} MiB allowed: "
                            f"{memory_ratio}x the {base_mib + lean:.1f} MiB of the leanest one-stream "
-                           f"candidate and {STREAM_SEGMENTS_MIB:.0f} MiB of segments per added stream")
+                           f"candidate and {segments_mib:.0f} MiB of segments per added stream")
             continue
         if best is None:
             best = i

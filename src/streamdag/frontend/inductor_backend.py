@@ -174,8 +174,12 @@ class GraphRunner:
         if self.options.candidates is not None:
             kept = [c for c in cands if c.label in self.options.candidates
                     or c.label.split(" ")[0] in self.options.candidates]
-            if not kept and sw.program is None and "regions" in self.options.candidates:
-                self.note = f"no regions for this graph ({sw.region_note}): Inductor's whole graph runs"
+            wants_regions = any(w.split(" ")[0] == "regions" for w in self.options.candidates)
+            if not kept and wants_regions:
+                why = (sw.region_note if sw.program is None
+                       else f"its plan has {sw.program.plan.streams} stream(s)")
+                self.note = (f"no candidate of {list(self.options.candidates)!r} for this graph ({why}): "
+                             "Inductor's whole graph runs")
                 kept = [c for c in cands if c.label == "inductor"]
             cands = kept
         return cands

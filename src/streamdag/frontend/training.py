@@ -212,7 +212,8 @@ def _time(cands: list[Candidate], args: list[Any], device: torch.device, written
     torch.cuda.set_rng_state(rng[1], device)
     for c, ts in zip(cands, times):
         c.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
-    return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args))
+    # peaks in allocated bytes hold no segments of their own: no per-stream allowance
+    return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args), segments_mib=0.0)
 
 
 def _in_double_backward() -> bool:

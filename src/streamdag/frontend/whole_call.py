@@ -54,7 +54,6 @@ after the replay.
 from __future__ import annotations
 
 import itertools
-import statistics
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -64,7 +63,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .eager_graph import capture_eager, eager_refusal, keep_eager
+from .eager_graph import capture_eager, eager_refusal, keep_eager, time_replays
 from .state_watch import StateWatch
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
@@ -195,20 +194,9 @@ class _Cuda:
         self.pool.order_current(self.device, self.index)
 
     def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
-        """Each graph's median GPU time in ms, the graphs replayed in turn on the caller's stream."""
+        """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
         self.order()
-        for g in graphs:  # first launches stay out of the rounds
-            g.replay()
-        events: list[list[tuple[Any, Any]]] = [[] for _ in graphs]
-        for _ in range(rounds):
-            for g, timed in zip(graphs, events):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                timed.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return [statistics.median(a.elapsed_time(b) for a, b in timed) for timed in events]
+        return time_replays(graphs, rounds, self.device)
 
 
 def _device_for(device: torch.device, pool: Any) -> Any:
@@ -418,11 +406,13 @@ class WholeCall:
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
         # what the call wrote into its inputs, in a graph or in the Python between (an inference
         # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
-        written, updates_state = active.mutated, active.updates_state
+        written = active.mutated
         write_back = [i for i, (s, t) in enumerate(zip(statics, tensors))
                       if s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
         for i in write_back:  # this call's writes into the caller's inputs
             tensors[i].copy_(statics[i])
+        own = {s.untyped_storage().data_ptr() for s in statics}  # else: a parameter's, a buffer's, a global's
+        updates_state = active.updates_state or bool(written - own)
         reason = active.refusal or _output_refusal(leaves, device, statics, state.watch.tensors)
         if reason:
             self._refuse(key, reason)
@@ -448,7 +438,8 @@ class WholeCall:
         elif active.refusal or active.compiled or self._marks() != marks or not state.watch.holds():
             self._passing(state, key, "the capture ran other code than the warm-up")
         else:
-            state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state)
+            state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
+                                                     state.watch.tensors)
             state.attempts.pop(key, None)
             self.captures += 1
             over = frozenset(map(id, state.watch.tensors))
@@ -459,7 +450,7 @@ class WholeCall:
         return out
 
     def _against_eager(self, entry: _Entry, dev: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                       updates_state: bool) -> _Entry:
+                       updates_state: bool, held: list[torch.Tensor]) -> _Entry:
         """``entry``, or a plain CUDA graph of the eager call where that replays faster
         (:mod:`.eager_graph`)."""
         why = eager_refusal(self.fn, entry.write_back, updates_state)
@@ -468,10 +459,10 @@ class WholeCall:
             self.baseline = f"whole call: no plain CUDA graph of the eager call: {got}"
             return entry
         eager = self._entry(got[0], dev, entry.statics, entry.arg_index, entry.kw_names, entry.write_back,
-                            got[1], entry.global_state)
-        if isinstance(eager, str) or eager.spec != entry.spec:
-            self.baseline = ("whole call: the eager call's result differs in structure: "
-                             f"{eager if isinstance(eager, str) else 'another tree of outputs'}")
+                            got[1], entry.global_state, held)
+        if isinstance(eager, str) or eager.spec != entry.spec or _metas(eager) != _metas(entry):
+            self.baseline = ("whole call: the eager call's result differs from the compiled call's: "
+                             f"{eager if isinstance(eager, str) else 'other outputs, shapes or dtypes'}")
             return entry
         kept, self.baseline = keep_eager(dev, entry, eager)
         return eager if kept else entry
@@ -496,9 +487,10 @@ class WholeCall:
         return stats.graphs, stats.captures
 
     def _entry(self, graph: Any, dev: Any, statics: list[torch.Tensor], arg_index: list[int],
-               kw_names: list[str], write_back: list[int], out: Any, gs: Any) -> _Entry | str:
+               kw_names: list[str], write_back: list[int], out: Any, gs: Any,
+               held: Sequence[Any] = ()) -> _Entry | str:
         leaves, spec = pytree.tree_flatten(out)
-        reason = _output_refusal(leaves, dev.device, statics, [])
+        reason = _output_refusal(leaves, dev.device, statics, list(held))
         if reason:
             return reason
         outputs: list[torch.Tensor] = []
@@ -525,6 +517,10 @@ class WholeCall:
         if self.note and self.note not in self.refused.values():
             lines.append(f"  last miss: {self.note}")
         return "\n".join(lines)
+
+
+def _metas(entry: _Entry) -> list[tuple[Any, Any]]:
+    return [(o.shape, o.dtype) for o in entry.outputs]
 
 
 def _describe(key: Any) -> str:
