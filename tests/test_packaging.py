@@ -122,3 +122,16 @@ def test_import_streamdag_loads_no_optional_dependency():
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("choice", ["1", "0"])
+def test_each_piece_with_a_compiled_twin_is_chosen_in_one_place_and_doctor_lists_it(choice):
+    if choice == "1" and native.load() is None:
+        pytest.skip("the compiled hot path is not built here")
+    code = ("import streamdag, streamdag.runtime.core\nfrom streamdag import native\n"
+            "print(sorted(native.choices().items()))")
+    done = _python(code, STREAMDAG_NATIVE=choice)
+    assert done.returncode == 0, done.stderr
+    chosen = dict(eval(done.stdout))
+    assert {"setup_submit", "TrackerFields", "OpFields", "FutureFields", "Lock"} <= set(chosen)
+    assert set(chosen.values()) == {choice == "1"}, chosen

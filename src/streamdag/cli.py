@@ -130,6 +130,11 @@ def _doctor(args: argparse.Namespace) -> int:
     from . import native
 
     print(f"hot path: {native.status()}")
+    chosen = native.choices()
+    if chosen:
+        print("  compiled: " + (", ".join(n for n, c in chosen.items() if c) or "none")
+              + ("; Python: " + ", ".join(n for n, c in chosen.items() if not c)
+                 if not all(chosen.values()) else ""))
     missing = []  # what streamdag runs without, slower or with less
     required = []  # what was asked for and is not here
     choice = os.environ.get("STREAMDAG_NATIVE")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import DeviceLost
-from ..native import load as load_native
+from ..native import twin
 from .cuda_calls import (
     _get_device,
     _get_stream,
@@ -40,7 +40,7 @@ __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 
 #: tells the compiled submit and pass that a device was lost: until then they take a
 #: ``CudaBackend``'s ``lost`` to be None without looking it up (see ``CudaBackend.lost``)
-_note_loss = getattr(load_native(), "note_loss", None)
+_note_loss = twin("note_loss", None)
 
 
 class CudaBackend:
@@ -256,5 +256,6 @@ class CudaBackend:
             _OwnStreams.give_back(self._index, own)
 
 
-if load_native() is not None:  # its ``lost`` notes each loss (see the property)
-    load_native().note_losses_of(CudaBackend)
+_note_losses_of = twin("note_losses_of", None)
+if _note_losses_of is not None:  # its ``lost`` notes each loss (see the property)
+    _note_losses_of(CudaBackend)

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._diagnostics import warn
-from ..native import load as load_native
-from ..native import load_torch
+from ..native import load_torch, twin
 from . import capture_mode
 from .cuda_calls import _sanitizer_enabled
 from .cuda_streams import CudaEvent
@@ -26,10 +25,10 @@ if TYPE_CHECKING:
     from .cuda import CudaBackend
 
 #: the completion pass's loop over entries known to have completed, compiled (``native/_submit.c``)
-_compiled_pass = getattr(load_native(), "completions_pass", None)
+_compiled_pass = twin("completions_pass", None)
 #: ``_Completions._finish_one`` with a relaxed query, compiled (``native/_submit.c``)
-_compiled_finish_one = getattr(load_native(), "completions_finish_one", None)
-_uses_torch = getattr(load_native(), "uses_torch", None)
+_compiled_finish_one = twin("completions_finish_one", None)
+_uses_torch = twin("uses_torch", None)
 
 
 def _compiled_queries_relaxed() -> bool:

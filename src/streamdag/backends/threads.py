@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..native import load as load_native
+from ..native import twin
 
 __all__ = ["callbacks_later", "deferring_callbacks", "new_counters", "report_escaped", "run_named",
            "torch_profiler_on"]
@@ -71,7 +71,7 @@ class _Counters:
 
 #: a runtime's counts (and a CUDA completion thread's entry count); where the compiled hot path is
 #: built, fields it reads and writes in C
-new_counters: Callable[[], Any] = getattr(load_native(), "Counters", _Counters)
+new_counters: Callable[[], Any] = twin("Counters", _Counters)
 
 _LATER = threading.local()  # the done-callbacks this thread runs once it leaves ``callbacks_later``
 

@@ -31,10 +31,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from .._diagnostics import get_logger, warn
 
-__all__ = ["NativeBuildError", "load", "load_torch", "status", "torch_status"]
+__all__ = ["NativeBuildError", "choices", "load", "load_torch", "status", "torch_status", "twin"]
 
 _HERE = Path(__file__).parent
 _log = get_logger(__name__)
@@ -74,6 +75,24 @@ def status() -> str:
     if module is not None:
         return f"compiled ({module.__file__})"
     return f"Python only: {_why_not}"
+
+
+_choices: dict[str, bool] = {}  # each twin asked for: whether the compiled one runs
+
+
+def twin(name: str, python: Any) -> Any:
+    """The compiled module's ``name`` where the module is loaded and has it, else ``python`` (the
+    Python code, or None for a piece that only the compiled path has)."""
+    module = load()
+    compiled = getattr(module, name, None) if module is not None else None
+    _choices[name] = compiled is not None
+    return python if compiled is None else compiled
+
+
+def choices() -> dict[str, bool]:
+    """Each piece with a compiled twin that the runtime and backends asked for: whether the
+    compiled one runs."""
+    return dict(_choices)
 
 
 def load() -> ModuleType | None:

@@ -25,6 +25,7 @@ from ..graph import buffers
 from ..graph.buffers import Access, Region
 from ..graph.hazards import _MAX_HORIZON, PyDepsTracker, _SpaceMethods, _TrackerMethods
 from ..native import load as load_native
+from ..native import twin
 from ..schedule import plan, waits
 from ..schedule.dag import Preds
 from ..schedule.plan import CLOSURE_LIMIT, Schedule
@@ -33,7 +34,8 @@ from ..schedule.waits import PyStreamClocks, Stamp
 __all__ = ["CompiledDepsTracker", "CompiledStreamClocks", "DepsTracker", "StreamClocks", "accesses",
            "build_schedule", "compiled_accesses", "pin_ops", "plan_waits"]
 
-_speedups = load_native()
+# the tracker's compiled fields, with the clocks and the accesses of the same module
+_speedups = load_native() if twin("TrackerFields", None) is not None else None
 if _speedups is not None:
     _speedups.setup(buffers._HANDLERS, buffers._torch_region, buffers.region_of, buffers._CUDA_SPACES,
                     Region, Access, buffers._RESIZING, buffers._numpy_like_region)

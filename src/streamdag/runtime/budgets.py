@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..backends.capture_mode import relaxed
-from ..native import load as load_native
+from ..native import twin
 from .ops import Future, in_done_callback, new_lock
 
 __all__ = ["ByteBudget", "PinnedPool"]
@@ -51,7 +51,7 @@ class _BudgetCounts:
 
 #: a budget's counts; where the compiled hot path is built, fields the compiled ``rt.copy`` reads and
 #: writes in C under the budget's lock (``native/_submit.c``: ``budget_take``, ``budget_hold``)
-new_budget_counts: Callable[[], Any] = getattr(load_native(), "BudgetCounts", _BudgetCounts)
+new_budget_counts: Callable[[], Any] = twin("BudgetCounts", _BudgetCounts)
 
 
 class ByteBudget:

@@ -83,6 +83,7 @@ from ..backends.cpu import LANE_THREADS
 from ..errors import BaseExceptionGroup
 from ..graph.buffers import Marker
 from ..native import load as load_native
+from ..native import twin
 from . import frames, ops, seam, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
@@ -123,7 +124,7 @@ _NO_FUNCTION: Callable[..., Any] = _no_function
 #: benchmarks that compare the two).
 COMPILED_SUBMIT = True
 
-_speedups = load_native()
+_speedups = load_native() if twin("setup_submit", None) is not None else None  # the compiled submit
 
 
 @dataclass(frozen=True)

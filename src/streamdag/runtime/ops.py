@@ -17,7 +17,7 @@ from ..backends.threads import callbacks_later, deferring_callbacks
 from ..backends.threads import new_counters as new_counters
 from ..errors import DependencyFailed
 from ..graph.buffers import Access
-from ..native import load as load_native
+from ..native import twin
 from ..schedule.waits import Stamp
 from .frames import release_frames
 from .lane_waits import WatchedWaiters
@@ -30,9 +30,9 @@ _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
 #: call (``native/_lock.c``: the compiled finish takes this one and the runtime's done lock per op)
-new_lock: Callable[[], Any] = getattr(load_native(), "Lock", threading.Lock)
+new_lock: Callable[[], Any] = twin("Lock", threading.Lock)
 #: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
-new_rlock: Callable[[], Any] = getattr(load_native(), "RLock", threading.RLock)
+new_rlock: Callable[[], Any] = twin("RLock", threading.RLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
 
 
@@ -44,7 +44,7 @@ class _Parts:
 
 
 #: a runtime's parts; where the compiled hot path is built, fields it reads in C
-new_parts: Callable[[], Any] = getattr(load_native(), "Parts", _Parts)
+new_parts: Callable[[], Any] = twin("Parts", _Parts)
 #: how often a thread that holds a runtime's lock while it waits for a host-lane op checks that the
 #: op's lane is not waiting for that lock (seconds)
 _LOCK_CHECK_EVERY = 0.02
@@ -91,7 +91,7 @@ class _PyFutureFields:
 if TYPE_CHECKING:
     _FutureFields = _PyFutureFields
 else:  # the future record Future builds on: compiled (native/_submit.c), else Python; the same fields
-    _FutureFields = getattr(load_native(), "FutureFields", _PyFutureFields)
+    _FutureFields = twin("FutureFields", _PyFutureFields)
 
 
 class Future(_FutureFields, concurrent.futures.Future[T]):
@@ -454,7 +454,7 @@ class _PyOpFields:
 if TYPE_CHECKING:
     _OpFields = _PyOpFields
 else:  # the op record Op builds on: compiled (native/_submit.c), else Python; the same fields
-    _OpFields = getattr(load_native(), "OpFields", _PyOpFields)
+    _OpFields = twin("OpFields", _PyOpFields)
 
 
 class Op(_OpFields):
