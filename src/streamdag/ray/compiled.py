@@ -172,28 +172,38 @@ class RayGraph:
         with rt._lock:  # an eager transfer of a buffer made before this run is not of its new value
             for bid in (*self._written, *values):
                 rt._writes_of[bid] = rt._writes_of.get(bid, 0) + 1
-        with self._lock:
-            for other in rt._graphs:  # one compiled graph per worker at a time runs
-                if other is not self and other._workers_used & self._workers_used:
-                    other._wait_runs(rt.timeout_s)
-                    if other._compiled is not None and not other._runs_in_flight:
-                        other._teardown()
-            if self._compiled is None:
-                self._compile()
-            run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
+        while True:
             # one execute in flight: two can deadlock Ray's channels (a worker that both begins and
-            # ends a run), and execute and ray.get must not race from two threads
+            # ends a run), and execute and ray.get must not race from two threads. Waited for
+            # outside the lock, which the run's settling takes.
             self._wait_runs(rt.timeout_s)
-            try:
-                ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
-            except Exception:  # torn down meanwhile (a worker was lost): set up again
-                self._teardown()
-                self._compile()
-                ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
-            self._runs_in_flight.append((ref, future))
+            with self._lock:
+                if not self._runs_in_flight:
+                    ref, run_no = self._execute(values, wanted, future)
+                    break
         threading.Thread(target=self._settle, args=(ref, future, run_no, outputs), daemon=True,
                          name="streamdag-ray-run").start()
         return future
+
+    def _execute(self, values: dict[int, Any], wanted: list[RemoteBuffer], future: Future) -> tuple[Any, int]:
+        """Start a run (under the graph's lock): its compiled graph's ``execute``."""
+        rt = self._rt
+        for other in rt._graphs:  # one compiled graph per worker at a time runs
+            if other is not self and other._workers_used & self._workers_used:
+                other._wait_runs(rt.timeout_s)
+                if other._compiled is not None and not other._runs_in_flight:
+                    other._teardown()
+        if self._compiled is None:
+            self._compile()
+        run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
+        try:
+            ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
+        except Exception:  # torn down meanwhile (a worker was lost): set up again
+            self._teardown()
+            self._compile()
+            ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
+        self._runs_in_flight.append((ref, future))
+        return ref, run_no
 
     def _check_io(self, inputs: Mapping[RemoteBuffer, Any] | None,
                   outputs: Sequence[RemoteBuffer]) -> tuple[dict[int, Any], list[RemoteBuffer]]:
