@@ -1,5 +1,6 @@
 """A recorded graph of streamdag.ray fed and read through its Ray Compiled Graph's own channels:
-``g.run(inputs={buf: array}, outputs=[buf])``, on a local two-node Ray cluster."""
+``g.run(inputs={buf: array}, outputs=[buf])``, on a local two-node Ray cluster; and what an eager
+submit sends."""
 
 import sys
 
@@ -130,3 +131,17 @@ def test_bad_inputs_and_outputs_are_refused_with_the_fix(rt):
         g.run(inputs={other: np.zeros(3)})
     # nothing ran: the refused runs left the buffer as it was
     np.testing.assert_array_equal(g.run(outputs=[a]).result(timeout=60).outputs[0], np.ones(3))
+
+
+def test_an_eager_ops_function_and_arguments_go_as_they_are_at_the_submit(rt):
+    a = rt.put(np.ones(3), on=0)
+    scale = 2.0
+    by_value = [rt.submit(lambda x: x * scale, sd.read(a))]  # a closure: pickled by value
+    scale = 3.0
+    by_value.append(rt.submit(lambda x: x * scale, sd.read(a)))
+    offsets = np.zeros(3)
+    by_name = [rt.submit(np.add, sd.read(a), offsets)]  # numpy's function: pickled by name
+    offsets += 1.0
+    by_name.append(rt.submit(np.add, sd.read(a), offsets))
+    assert [f.result(timeout=60)[0] for f in by_value] == [2.0, 3.0]
+    assert [f.result(timeout=60)[0] for f in by_name] == [1.0, 2.0]
