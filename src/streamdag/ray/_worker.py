@@ -192,19 +192,18 @@ class Worker:
         value = _resolve(Buf(buf), self.buffers, {}, self.name)
         return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
-    def run_op(self, call: tuple | bytes, incoming: Sequence[tuple] = ()) -> tuple:
+    def run_op(self, call: bytes | tuple[bytes, Sequence[tuple]]) -> tuple:
         """Run one eager op, after the values it reads from other workers have arrived.
 
-        ``call`` is ``(op number, name, fn, args, kwargs, fail_if, timeout)``, one argument (Ray
-        serializes each argument of a call on its own, and one costs less than seven), or its
-        pickle. ``incoming`` holds ``(key, transfer ref, owner)``: a ref inside an argument is not
-        fetched by Ray before the call, so that a failed transfer fails this op here, as data.
+        ``call`` is the pickle of ``(op number, name, fn, args, kwargs, fail_if, timeout)``, or that
+        and ``incoming``: ``(key, transfer ref, owner)`` of each value from another worker. One
+        argument: Ray's cost grows with a call's arguments. A ref inside an argument is not fetched
+        by Ray before the call, so that a failed transfer fails this op here, as data.
         """
         import ray
 
-        if type(call) is bytes:
-            call = ray.cloudpickle.loads(call)
-        op, name, fn, args, kwargs, fail_if, timeout = call
+        call, incoming = (call, ()) if type(call) is bytes else call
+        op, name, fn, args, kwargs, fail_if, timeout = ray.cloudpickle.loads(call)
 
         t0 = time.time()
         root = next((self.failed[u] for u in fail_if if u in self.failed), None)

@@ -314,10 +314,9 @@ class Runtime:
         # pickled here: Ray passes bytes on at less cost than it pickles a tuple itself, and the
         # standard pickle costs less than cloudpickle where it sends the same bytes
         call = pickle.dumps(call, 5) if plain and _pickled_by_name(fn) else ray.cloudpickle.dumps(call)
-        if incoming:  # the transfers' refs stay Ray's to serialize: it tracks who holds them
-            ref = self._workers[worker].run_op.remote(call, incoming)
-        else:
-            ref = self._workers[worker].run_op.remote(call)
+        # the transfers' refs stay Ray's to serialize (it tracks who holds them), in the one argument:
+        # Ray's cost grows with a call's arguments
+        ref = self._workers[worker].run_op.remote((call, incoming) if incoming else call)
         # the callback holds the ref: Ray fails hard where a result lands in its store after the
         # last ref to it is dropped
         ref._on_completed(lambda result, op=op, ref=ref: self._finish(op, result))
