@@ -7,7 +7,7 @@ worker. Importing it imports Ray (the ``streamdag[ray]`` extra); nothing else in
 """
 
 from ..errors import WorkerLost
-from .compiled import RayGraph
+from .compiled import RayGraph, RayGraphResult
 from .runtime import RemoteBuffer, Runtime
 
-__all__ = ["RayGraph", "RemoteBuffer", "Runtime", "WorkerLost"]
+__all__ = ["RayGraph", "RayGraphResult", "RemoteBuffer", "Runtime", "WorkerLost"]

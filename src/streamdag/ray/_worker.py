@@ -95,6 +95,7 @@ class SegmentSpec:
     """A run of one worker's ops that waits for nothing from another worker once it has begun.
 
     ``first`` segments of a worker take the run's input; the others the carry of the one before.
+    The ``last`` segment of a worker returns, beside the carry, the buffers the run asks back.
     ``exports[i]`` lists the keys ``(buffer, writer op or -1, buffer number)`` its ``i``-th
     consumer segment reads; ``start_snapshots`` are taken before its first op.
     """
@@ -104,6 +105,7 @@ class SegmentSpec:
     exports: list[list[tuple]] = field(default_factory=list)
     start_snapshots: list[tuple] = field(default_factory=list)
     first: bool = False
+    last: bool = False
 
 
 def _resolve(value: Any, buffers: dict[int, Any], incoming: dict[Any, Any], worker: str) -> Any:
@@ -146,6 +148,7 @@ class Worker:
         self.captured: list[CapturedSegment] = []
         self.graph_run = 0
         self.graph_results: dict[int, tuple] = {}
+        self.graph_outputs: tuple[int, ...] = ()  # the buffers the current run asks back
 
     # --- plain calls -------------------------------------------------------------------------
     def where(self) -> tuple[int, str, str, str]:
@@ -189,17 +192,18 @@ class Worker:
         value = _resolve(Buf(buf), self.buffers, {}, self.name)
         return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
-    def run_op(self, call: tuple) -> tuple:
+    def run_op(self, call: bytes | tuple[bytes, Sequence[tuple]]) -> tuple:
         """Run one eager op, after the values it reads from other workers have arrived.
 
-        ``call`` is ``(op number, name, fn, args, kwargs, fail_if, incoming, timeout)``, one
-        argument: Ray serializes each argument of a call on its own, and one costs less than eight.
-        ``incoming`` holds ``(key, transfer ref, owner)``: a ref inside an argument is not fetched
+        ``call`` is the pickle of ``(op number, name, fn, args, kwargs, fail_if, timeout)``, or that
+        and ``incoming``: ``(key, transfer ref, owner)`` of each value from another worker. One
+        argument: Ray's cost grows with a call's arguments. A ref inside an argument is not fetched
         by Ray before the call, so that a failed transfer fails this op here, as data.
         """
         import ray
 
-        op, name, fn, args, kwargs, fail_if, incoming, timeout = call
+        call, incoming = (call, ()) if type(call) is bytes else call
+        op, name, fn, args, kwargs, fail_if, timeout = ray.cloudpickle.loads(call)
 
         t0 = time.time()
         root = next((self.failed[u] for u in fail_if if u in self.failed), None)
@@ -236,17 +240,7 @@ class Worker:
 
     def _call(self, fn: Any, args: tuple, kwargs: dict, values: dict[Any, Any]) -> Any:
         if type(fn) is Store:
-            value = _resolve(args[0], {}, values, self.name)
-            have = self.buffers.get(fn.buf)
-            if have is None:  # a copy: Ray hands arguments over as read-only views of its store
-                self.buffers[fn.buf] = self._arrive(np.array(value))
-            elif hasattr(have, "copy_"):  # in place: a captured CUDA graph keeps its addresses
-                have.copy_(self._arrive(value))
-                import torch
-
-                torch.cuda.synchronize(self.device)  # before a graph on other streams reads it
-            else:
-                np.copyto(have, value)
+            self._store(fn.buf, _resolve(args[0], {}, values, self.name))
             return None
         result = fn(*_resolve(args, self.buffers, values, self.name),
                     **_resolve(kwargs, self.buffers, values, self.name))
@@ -255,6 +249,19 @@ class Worker:
 
             torch.cuda.synchronize(self.device)
         return result
+
+    def _store(self, buf: int, value: Any) -> None:
+        """``value`` copied into buffer ``buf`` (made again where the worker was restarted since)."""
+        have = self.buffers.get(buf)
+        if have is None:  # a copy: Ray hands values over as read-only views of its store
+            self.buffers[buf] = self._arrive(np.array(value))
+        elif hasattr(have, "copy_"):  # in place: a captured CUDA graph keeps its addresses
+            have.copy_(self._arrive(value))
+            import torch
+
+            torch.cuda.synchronize(self.device)  # before a graph on other streams reads it
+        else:
+            np.copyto(have, value)
 
     def _arrive(self, value: Any) -> Any:
         """A value from another worker, on this worker's device."""
@@ -268,14 +275,20 @@ class Worker:
     def run_segment(self, spec: SegmentSpec, head: Any, *incoming: dict) -> Any:
         """Run one segment of a recorded graph (a task of its Ray Compiled Graph).
 
-        ``head`` is the run's input for a worker's first segment, else the carry of the segment
-        before: ``{op index: result tuple}`` of this run so far on this worker. Returns the carry,
-        then one dict of transferred values per consumer segment.
+        ``head`` is the run's input for a worker's first segment: ``(run number, {buffer: new
+        value}, buffers to send back)``, the values stored before any op of the run here; else the
+        carry of the segment before: ``{op index: result tuple}`` of this run so far on this worker.
+        Returns the carry (the last segment adds ``{buffer: value}`` of the buffers asked back under
+        key -1), then one dict of transferred values per consumer segment.
         """
-        carry: dict[int, tuple] = {} if spec.first else head
-        if spec.first:  # ``head`` is the run's number
+        if spec.first:
+            carry: dict[int, tuple] = {}
             self.graph_failed.clear()
-            self.graph_run = head
+            self.graph_run, values, self.graph_outputs = head
+            for buf, value in values.items():
+                self._store(buf, value)
+        else:
+            carry = head
         self.graph_results = carry  # what ran of this run, for the driver if the graph is torn down
         arrived: dict[Any, Any] = {}
         for values in incoming:
@@ -301,6 +314,8 @@ class Worker:
                     snaps[key] = self._snapshot(key, copy=True)
         outs = [{key: snaps[key] if key in snaps else self._snapshot(key, copy=False) for key in keys}
                 for keys in spec.exports]
+        if spec.last and self.graph_outputs:  # copied as Ray writes them into the output channel
+            carry = {**carry, -1: {b: self._snapshot((b, -1), copy=False) for b in self.graph_outputs}}
         return (carry, *outs) if outs else carry
 
     def _run_graph_op(self, op: OpSpec, arrived: dict[Any, Any]) -> tuple:

@@ -12,8 +12,15 @@ A graph whose workers feed each other one way is one task per worker; a pipeline
 alternate between workers is one task per op that waits. A segment's edges all come from segments
 that begin earlier, so the tasks form a DAG.
 
-``g.run()`` is one ``execute`` of the compiled graph (several may be in flight, as Ray allows):
-Ray's channels carry the values, and the driver does no work per op. A worker lost during a run
+``g.run()`` is one ``execute`` of the compiled graph: Ray's channels carry the values, and the
+driver does no work per op. A run's ``execute`` waits for the run of the graph before it: two in
+flight can deadlock Ray's channels where a worker both begins and ends a run, and a compiled
+graph's ``execute`` and ``ray.get`` must not race from two threads. The run's input is one value
+per worker, each on a channel of its own to the worker's first segment: the run's number, the new
+values of the worker's buffers that ``g.run(inputs=...)`` gives (stored before the run's first op
+there) and the buffers that ``g.run(outputs=...)`` asks back, which the worker's last segment adds
+to what it returns to the driver. So a run's data in and out crosses no channel but the graph's
+own, as in a hand-written compiled graph fed through its ``InputNode``. A worker lost during a run
 tears the compiled graph down (Ray's own monitor does): that run's ops on that worker fail with
 :class:`WorkerLost`, those that read what they wrote with :class:`DependencyFailed`, and the next
 run compiles the graph again on the restarted worker.
@@ -24,13 +31,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
-from ..errors import BaseExceptionGroup, DependencyFailed, WorkerLost
+from ..errors import BaseExceptionGroup, DependencyFailed, InvalidBuffer, WorkerLost
 from ..graph.buffers import Access, Region
 from ..observe.explain import explain_schedule
 from ..runtime import Future, GraphResult, OpNode
@@ -41,7 +49,7 @@ from ._worker import Incoming, OpSpec, Packed, SegmentSpec
 if TYPE_CHECKING:
     from .runtime import RemoteBuffer, Runtime
 
-__all__ = ["RayGraph"]
+__all__ = ["RayGraph", "RayGraphResult"]
 
 
 @dataclass
@@ -71,6 +79,15 @@ class _Plan:
 _run_numbers = itertools.count(1)
 
 
+class RayGraphResult(GraphResult):
+    """A run's return values (a :class:`streamdag.GraphResult`), and ``outputs``: the values of the
+    buffers ``g.run(outputs=[...])`` asked back, in that order, as arrays of the driver's own."""
+
+    def __init__(self, values: list[Any], outputs: tuple[Any, ...] = ()) -> None:
+        super().__init__(values)
+        self.outputs: tuple[Any, ...] = outputs
+
+
 def _unpack(value: Any) -> Any:
     return ray.cloudpickle.loads(value.data) if type(value) is Packed else value
 
@@ -88,6 +105,9 @@ class RayGraph:
         self._lock = threading.Lock()
         self._runs_in_flight: list[tuple[Any, Future]] = []
         self._workers_used: set[int] = set()
+        self._used: set[int] = set()  # the buffers its ops read or write
+        self._written: set[int] = set()  # and those they write
+        self._heads: list[int] = []  # the worker of each input of the compiled graph
         self.compiles: int = 0
 
     # --- recording -----------------------------------------------------------------------------
@@ -119,47 +139,103 @@ class RayGraph:
         self._plan = _segments(self._ops, deps, self._schedule)
         # every worker with a task in the compiled graph: one that only sends a buffer's value too
         self._workers_used = {seg.worker for seg in self._plan.segments}
+        self._written = {b for op in self._ops for b in op.ids[True]}
+        self._used = self._written | {b for op in self._ops for b in (*op.ids[False], *op.remote)}
 
     # --- running -------------------------------------------------------------------------------
-    def run(self) -> Future[GraphResult]:
+    def run(self, inputs: Mapping[RemoteBuffer, Any] | None = None,
+            outputs: Sequence[RemoteBuffer] = ()) -> Future[RayGraphResult]:
         """Run every op once, as one execute of the graph's Ray Compiled Graph.
 
-        Returns a :class:`streamdag.Future` of a :class:`streamdag.GraphResult` (the ops' return
-        values in submission order). Where ops fail, the future fails with an ``ExceptionGroup`` of
-        the graph's own failures (an op's exception, or :class:`WorkerLost`); their dependents fail
-        with :class:`DependencyFailed`, and the other ops run. The run follows the eager ops
-        submitted before it on its workers, and eager ops submitted after it follow the run.
+        ``inputs`` gives buffers of the graph new values before the run (``{buf: array}``, of the
+        buffer's shape and dtype), and ``outputs`` lists buffers whose values after the run come
+        back in its result's ``outputs``: both travel through the compiled graph's own channels, in
+        the same execute, instead of an ``rt.put`` before the run and an ``rt.get`` after it.
+
+        Returns a :class:`streamdag.Future` of a :class:`RayGraphResult` (the ops' return values in
+        submission order, and ``outputs``). Where ops fail, the future fails with an
+        ``ExceptionGroup`` of the graph's own failures (an op's exception, or :class:`WorkerLost`);
+        their dependents fail with :class:`DependencyFailed`, and the other ops run. The run follows
+        the eager ops submitted before it on its workers, and eager ops submitted after it follow
+        the run.
         """
         rt = self._rt
         rt._check_open()
         self.schedule  # noqa: B018 (raises while recording)
+        values, wanted = self._check_io(inputs, outputs)
         future = Future()
         future.op_name = "graph run"
         if not self._ops:
-            future.set_result(GraphResult([]))
+            future.set_result(RayGraphResult([]))
             return future
         rt._wait_eager(self._workers_used)
-        with self._lock:
-            for other in rt._graphs:  # one compiled graph per worker at a time runs
-                if other is not self and other._workers_used & self._workers_used:
-                    other._wait_runs(rt.timeout_s)
-                    if other._compiled is not None and not other._runs_in_flight:
-                        other._teardown()
-            if self._compiled is None:
-                self._compile()
-            run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
-            try:
-                ref = self._compiled.execute(run_no)
-            except Exception:  # torn down meanwhile (a worker was lost): set up again
-                self._teardown()
-                self._compile()
-                ref = self._compiled.execute(run_no)
-            self._runs_in_flight.append((ref, future))
-        threading.Thread(target=self._settle, args=(ref, future, run_no), daemon=True,
+        with rt._lock:  # an eager transfer of a buffer made before this run is not of its new value
+            for bid in (*self._written, *values):
+                rt._writes_of[bid] = rt._writes_of.get(bid, 0) + 1
+        while True:
+            # one execute in flight: two can deadlock Ray's channels (a worker that both begins and
+            # ends a run), and execute and ray.get must not race from two threads. Waited for
+            # outside the lock, which the run's settling takes.
+            self._wait_runs(rt.timeout_s)
+            with self._lock:
+                if not self._runs_in_flight:
+                    ref, run_no = self._execute(values, wanted, future)
+                    break
+        threading.Thread(target=self._settle, args=(ref, future, run_no, outputs), daemon=True,
                          name="streamdag-ray-run").start()
         return future
 
-    def _settle(self, ref: Any, future: Future, run_no: int) -> None:
+    def _execute(self, values: dict[int, Any], wanted: list[RemoteBuffer], future: Future) -> tuple[Any, int]:
+        """Start a run (under the graph's lock): its compiled graph's ``execute``."""
+        rt = self._rt
+        for other in rt._graphs:  # one compiled graph per worker at a time runs
+            if other is not self and other._workers_used & self._workers_used:
+                other._wait_runs(rt.timeout_s)
+                if other._compiled is not None and not other._runs_in_flight:
+                    other._teardown()
+        if self._compiled is None:
+            self._compile()
+        run_no = next(_run_numbers)  # the workers keep the outcome of their latest run by it
+        try:
+            ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
+        except Exception:  # torn down meanwhile (a worker was lost): set up again
+            self._teardown()
+            self._compile()
+            ref = self._compiled.execute(*self._heads_of(run_no, values, wanted))
+        self._runs_in_flight.append((ref, future))
+        return ref, run_no
+
+    def _check_io(self, inputs: Mapping[RemoteBuffer, Any] | None,
+                  outputs: Sequence[RemoteBuffer]) -> tuple[dict[int, Any], list[RemoteBuffer]]:
+        """``inputs`` as ``{buffer id: array}``, checked against their buffers; ``outputs`` checked."""
+        from .runtime import RemoteBuffer
+
+        values: dict[int, Any] = {}
+        for buf, value in (inputs or {}).items():
+            if not isinstance(buf, RemoteBuffer):
+                raise TypeError(f"g.run(inputs=...) takes {{RemoteBuffer: array}}, got a key of type "
+                                f"{type(buf).__name__}: key each value by the buffer it fills")
+            if buf.freed or buf.id not in self._used:
+                raise InvalidBuffer(f"g.run(inputs=...): {buf!r} is not a buffer of this graph's ops "
+                                    "(or rt.free() let it go): give inputs only for the buffers the "
+                                    "graph reads, and fill others with rt.put(value, out=buf)")
+            values[buf.id] = _input_value(buf, value)
+        if isinstance(outputs, RemoteBuffer):
+            raise TypeError("g.run(outputs=...) takes a list of RemoteBuffers: write outputs=[buf]")
+        for buf in outputs:
+            if not isinstance(buf, RemoteBuffer) or buf.freed or buf.worker not in self._workers_used:
+                raise InvalidBuffer(f"g.run(outputs=...): {buf!r} is not a live buffer on a worker of "
+                                    "this graph: ask back the graph's buffers, or read another with "
+                                    "rt.get(buf) after the run")
+        return values, list(outputs)
+
+    def _heads_of(self, run_no: int, values: dict[int, Any], wanted: list[RemoteBuffer]) -> list[tuple]:
+        """The compiled graph's input for each worker: its part of the run's inputs and outputs."""
+        buffers = self._rt._buffers
+        return [(run_no, {b: v for b, v in values.items() if buffers[b].worker == w},
+                 tuple(b.id for b in wanted if b.worker == w)) for w in self._heads]
+
+    def _settle(self, ref: Any, future: Future, run_no: int, outputs: Sequence[RemoteBuffer]) -> None:
         try:
             carries = ray.get(ref, timeout=self._rt.timeout_s)
         except Exception as e:  # a lost worker, a timeout: mapped to the ops below
@@ -169,15 +245,20 @@ class RayGraph:
             self._runs_in_flight = [(r, f) for r, f in self._runs_in_flight if f is not future]
             if carries is None:
                 self._teardown()
+        got: dict[int, Any] = {}
         if carries is None:
             results = self._lost(cause, run_no)
         else:
             results = {}
             for carry in carries:
+                # copies: the values read from a channel are views of its buffer, which the next
+                # run cannot write while they live
+                got.update((b, np.array(v, copy=True)) for b, v in carry.pop(-1, {}).items())
                 results.update(carry)
-        self._deliver(results, future)
+        self._deliver(results, future, outputs, got)
 
-    def _deliver(self, results: dict[int, tuple], future: Future) -> None:
+    def _deliver(self, results: dict[int, tuple], future: Future, outputs: Sequence[RemoteBuffer] = (),
+                 got: dict[int, Any] | None = None) -> None:
         rt = self._rt
         values: list[Any] = []
         failures: list[BaseException] = []
@@ -198,12 +279,16 @@ class RayGraph:
             if prof is not None and t0 is not None:
                 rt._add_spans(prof, _SpanOp(first + v, op), t0, t_in, t1, status != "ok",
                               [first + u for u in self.schedule.preds[v]])
+        got = got or {}
+        missing = next((b for b in outputs if b.id not in got), None)
+        if missing is not None and not failures:  # the run's end on that worker never came back
+            failures.append(WorkerLost(missing.device, f"the run's value of {missing!r} did not arrive"))
         if failures:
             future.set_exception(BaseExceptionGroup(f"{len(failures)} op(s) of the graph failed", failures))
         elif first_dep is not None:
             future.set_exception(first_dep)
         else:
-            future.set_result(GraphResult(values))
+            future.set_result(RayGraphResult(values, tuple(got[b.id] for b in outputs)))
 
     def _lost(self, cause: BaseException, run_no: int) -> dict[int, tuple]:
         """The outcome of each op of a run whose compiled graph failed: what the workers that kept
@@ -253,9 +338,11 @@ class RayGraph:
         workers = self._rt._workers
         outs: list[Any] = []
         last: dict[int, Any] = {}
+        self._heads = [seg.worker for seg in plan.segments if seg.first]
         with InputNode() as inp:
             for s, seg in enumerate(plan.segments):
-                head = inp if seg.first else last[seg.worker]
+                # each worker's input on a channel of its own: it carries that worker's inputs only
+                head = inp[self._heads.index(seg.worker)] if seg.first else last[seg.worker]
                 ins = [outs[src][slot] for src, slot in plan.inputs[s]]
                 n = 1 + len(seg.exports)
                 node = workers[seg.worker].run_segment.options(num_returns=n).bind(seg, head, *ins)
@@ -385,6 +472,8 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
                     snaps.setdefault(after, []).append(key)
                 else:
                     plan.segments[src].start_snapshots.append(key)
+    for w in {seg.worker for seg in plan.segments}:
+        plan.segments[max(s for s, seg in enumerate(plan.segments) if seg.worker == w)].last = True
     plan.inputs = [[] for _ in plan.segments]
     for (src, dst), keys in sorted(edges.items()):
         assert src < dst, "segment edges go forward"
@@ -398,6 +487,20 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
             OpSpec(v, op.name, op.fn, _rekey(op.args, ids), _rekey(op.kwargs, ids), fail_if,
                    tuple(reads[v]), tuple(snaps.get(v, ())), op.ids[False], op.ids[True]))
     return plan
+
+
+def _input_value(buf: RemoteBuffer, value: Any) -> np.ndarray:
+    """``value`` as an array for ``buf``, refused where its shape or dtype is not the buffer's."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    value = np.asarray(value)
+    if value.shape != buf.shape:
+        raise ValueError(f"g.run(inputs=...): a value of shape {value.shape} for {buf!r}: give an "
+                         f"array of the buffer's shape {buf.shape}")
+    if value.dtype != buf.dtype:
+        raise TypeError(f"g.run(inputs=...): a value of dtype {value.dtype} for {buf!r}: convert it "
+                        f"first (value.astype(np.{buf.dtype})) so that no cast happens unseen")
+    return value
 
 
 def _rekey(value: Any, ids: dict[int, tuple[int, int]]) -> Any:

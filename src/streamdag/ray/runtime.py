@@ -21,7 +21,9 @@ unfinished ops with :class:`WorkerLost` and their dependents in turn; Ray restar
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import pickle
 import threading
 import time
 import weakref
@@ -104,20 +106,57 @@ def _unmark(value: Any, reads: list[Any], writes: list[Any]) -> Any:
     return value
 
 
-def _swap(value: Any, worker: int, remote: dict[int, RemoteBuffer]) -> Any:
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), slice})
+
+
+def _swap(value: Any, worker: int, remote: dict[int, RemoteBuffer], found: list[int | None]) -> Any:
     """``value`` with each buffer named for the worker: its own as :class:`Buf`, another's as the
-    :class:`Incoming` value of a transfer (collected in ``remote``)."""
+    :class:`Incoming` value of a transfer (collected in ``remote``). ``found`` gets each buffer's
+    number, and None for a value that the standard pickle may not send as cloudpickle does."""
     kind = type(value)
     if kind is RemoteBuffer:
+        found.append(value.id)
         if value.worker == worker:
             return Buf(value.id)
         remote[value.id] = value
         return Incoming(value.id)
     if kind in (list, tuple):
-        return kind(_swap(v, worker, remote) for v in value)
+        return kind(_swap(v, worker, remote, found) for v in value)
     if kind is dict:
-        return {k: _swap(v, worker, remote) for k, v in value.items()}
+        return {k: _swap(v, worker, remote, found) for k, v in value.items()}
+    if kind not in _PLAIN and not ((kind is np.ndarray or isinstance(value, np.generic))
+                                   and not value.dtype.hasobject):
+        found.append(None)
     return value
+
+
+_by_name: dict[int, Any] = {}  # id -> the functions that the standard pickle sends by name
+_by_value: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # and those it cannot
+
+
+def _pickled_by_name(fn: Any) -> bool:
+    """Whether ``fn`` pickles to the same bytes with the standard pickle as with cloudpickle: it
+    goes by name (a function of an importable module), not by value (a lambda, a closure, a
+    function of ``__main__``), so that the standard pickle may send the call."""
+    if _by_name.get(id(fn)) is fn:
+        return True
+    try:
+        if fn in _by_value:
+            return False
+    except TypeError:  # not hashable
+        return False
+    try:
+        same = pickle.dumps(fn, 5) == ray.cloudpickle.dumps(fn, 5)
+    except Exception:  # the standard pickle cannot send it at all
+        same = False
+    if same:  # held, so that its id stays its own; a module's function lives as long anyway
+        if len(_by_name) > 1024:
+            _by_name.clear()
+        _by_name[id(fn)] = fn
+    else:
+        with contextlib.suppress(TypeError):  # weakly: a closure's captured data is not kept alive
+            _by_value[fn] = False
+    return same
 
 
 class Runtime:
@@ -239,9 +278,13 @@ class Runtime:
                                     f"(run_on={b.device!r}), or write into a buffer on ray:{worker}")
         declared = {b.id for b in (*reads_l, *writes_l) if isinstance(b, RemoteBuffer)}
         remote: dict[int, RemoteBuffer] = {}
-        args = _swap(args, worker, remote)
-        kwargs = _swap(kwargs, worker, remote)
-        self._check_declared(args, kwargs, declared, name)
+        found: list[int | None] = []
+        args = _swap(args, worker, remote, found)
+        kwargs = _swap(kwargs, worker, remote, found)
+        if any(b is not None and b not in declared for b in found):
+            raise InvalidBuffer(f"op {name!r} takes a RemoteBuffer it does not declare: mark it "
+                                "sd.read(buf)/sd.write(buf), or list it in reads=/writes=, so that its "
+                                "order with the other ops on it is known")
         with self._lock:
             graph = self._recording.get(threading.get_ident())
             if graph is not None:
@@ -250,11 +293,11 @@ class Runtime:
                                 and wr == w) for w in (False, True)}
                 return graph._add(fn, args, kwargs, accesses, write_regions, worker, remote, name, ids)
             return self._submit_eager(fn, args, kwargs, accesses, write_regions, worker, remote, name,
-                                      written)
+                                      written, None not in found)
 
     def _submit_eager(self, fn: Any, args: tuple, kwargs: dict, accesses: list[Access],
                       write_regions: list[Region], worker: int, remote: dict[int, RemoteBuffer],
-                      name: str, written: list[int]) -> Future:
+                      name: str, written: list[int], plain: bool) -> Future:
         self._wait_graphs(worker, remote)
         future = Future()
         future.op_name = name
@@ -267,9 +310,16 @@ class Runtime:
             self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
         self._inflight.add(op)
         self._pending[worker] += 1
-        ref = self._workers[worker].run_op.remote((op.seq, name, fn, args, kwargs, fail_if, incoming,
-                                                   self.timeout_s))
-        ref.future().add_done_callback(lambda f, op=op: self._finish(op, f))
+        call = (op.seq, name, fn, args, kwargs, fail_if, self.timeout_s)
+        # pickled here: Ray passes bytes on at less cost than it pickles a tuple itself, and the
+        # standard pickle costs less than cloudpickle where it sends the same bytes
+        call = pickle.dumps(call, 5) if plain and _pickled_by_name(fn) else ray.cloudpickle.dumps(call)
+        # the transfers' refs stay Ray's to serialize (it tracks who holds them), in the one argument:
+        # Ray's cost grows with a call's arguments
+        ref = self._workers[worker].run_op.remote((call, incoming) if incoming else call)
+        # the callback holds the ref: Ray fails hard where a result lands in its store after the
+        # last ref to it is dropped
+        ref._on_completed(lambda result, op=op, ref=ref: self._finish(op, result))
         return future
 
     def _export(self, buf: RemoteBuffer, deps: list[_Op]) -> Any:
@@ -285,16 +335,19 @@ class Runtime:
         return ref
 
     def _finish(self, op: _Op, done: Any) -> None:
-        """Settle ``op``'s future from its worker's answer (a Ray callback thread)."""
+        """Settle ``op``'s future from its worker's answer, or the error Ray gives instead (a Ray
+        callback thread)."""
         t_done = time.time()
-        try:
-            status, a, b, t0, t_in, t1 = done.result()
-        except ray.exceptions.RayActorError as e:  # the worker died (or Ray cannot reach it)
-            status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(e).__name__), None
+        if isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
+            status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(done).__name__), None
             t0 = t_in = t1 = t_done
-        except Exception as e:  # anything else Ray raises (say, the function cannot be unpickled
-            # there: its module is not on the worker) fails this op, visibly
-            status, a, b, t0, t_in, t1 = "err", e, None, t_done, t_done, t_done
+        elif isinstance(done, BaseException):  # anything else Ray raises (say, the function cannot
+            # be unpickled there: its module is not on the worker) fails this op, visibly
+            if isinstance(done, ray.exceptions.RayTaskError):
+                done = done.as_instanceof_cause()
+            status, a, b, t0, t_in, t1 = "err", done, None, t_done, t_done, t_done
+        else:
+            status, a, b, t0, t_in, t1 = done
         with self._lock:
             op.done = True
             op.failed = status != "ok"
@@ -490,16 +543,6 @@ class Runtime:
                     return int(a.region.space[4:])
         return min(range(len(self._workers)), key=self._pending.__getitem__)
 
-    @staticmethod
-    def _check_declared(args: Any, kwargs: Any, declared: set[int], name: str) -> None:
-        found: list[int] = []
-        _collect_buffers((args, kwargs), found)
-        missing = [b for b in found if b not in declared]
-        if missing:
-            raise InvalidBuffer(f"op {name!r} takes a RemoteBuffer it does not declare: mark it "
-                                "sd.read(buf)/sd.write(buf), or list it in reads=/writes=, so that its "
-                                "order with the other ops on it is known")
-
     def _wait_eager(self, workers: set[int]) -> None:
         """A graph run waits for the eager ops in flight on its workers (see :meth:`_wait_graphs`)."""
         deadline = time.monotonic() + self.timeout_s
@@ -522,20 +565,6 @@ class Runtime:
 
 def _writes_any(op: _Op, accesses: list[Access]) -> bool:
     return any(r.overlaps(a.region) for r in op.writes for a in accesses)
-
-
-def _collect_buffers(value: Any, found: list[int]) -> None:
-    kind = type(value)
-    if kind is Buf:
-        found.append(value.id)
-    elif kind is Incoming:
-        found.append(value.key)
-    elif kind in (list, tuple):
-        for v in value:
-            _collect_buffers(v, found)
-    elif kind is dict:
-        for v in value.values():
-            _collect_buffers(v, found)
 
 
 def _copy_of(x: Any) -> Any:
