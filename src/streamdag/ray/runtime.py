@@ -317,8 +317,9 @@ class Runtime:
         # the transfers' refs stay Ray's to serialize (it tracks who holds them), in the one argument:
         # Ray's cost grows with a call's arguments
         ref = self._workers[worker].run_op.remote((call, incoming) if incoming else call)
-        # the callback holds the ref: Ray fails hard where a result lands in its store after the
-        # last ref to it is dropped
+        # Ray's own completion callback (what its asyncio futures use; ``ref.future()`` adds a
+        # concurrent.futures.Future and a thread hop per op). The callback holds the ref: Ray fails
+        # hard where a result lands in its store after the last ref to it is dropped
         ref._on_completed(lambda result, op=op, ref=ref: self._finish(op, result))
         return future
 
