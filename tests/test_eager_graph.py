@@ -165,3 +165,21 @@ def test_an_eager_call_whose_outputs_differ_from_the_compiled_calls_keeps_stream
             w((torch.randn(2, 8),), {}, narrower)
     assert replays_by_source(dev, m) == {"streamdag": 3, "eager": 0}, w.explain()
     assert "the eager call's result differs from the compiled call's" in w.explain()
+
+
+def test_a_hugging_face_cache_in_the_result_names_use_cache_false_as_the_fix(device):
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    m = mlp()
+    device(m)
+
+    class WithCache(torch.nn.Module):
+        def forward(self, x):
+            return m(x), cache_utils.DynamicCache()
+
+    model = WithCache().eval()
+    w, dynamo = WholeCall(model, FakeBackend()), Dynamo(model)
+    with torch.no_grad():
+        for _ in range(3):
+            w((torch.randn(2, 8),), {}, dynamo)
+    assert w.captures == 0 and "the result holds a DynamicCache" in w.explain()
+    assert "call it with use_cache=False, or generate with streamdag.decoder" in w.explain(), w.explain()

@@ -587,6 +587,10 @@ def _output_refusal(leaves: list[Any], device: torch.device, statics: list[torch
             if ptr and storages.setdefault(ptr, id(leaf)) != id(leaf):
                 return "two outputs share memory (one is a view of the other): copies would not"
         elif not isinstance(leaf, _CONSTANTS):
+            hf = any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+                     for c in type(leaf).__mro__)
             return (f"the result holds a {type(leaf).__name__}: whole-call graphs return tensors, numbers, "
-                    "strings and None in tuples, lists, dicts and the containers torch.utils._pytree knows")
+                    "strings and None in tuples, lists, dicts and the containers torch.utils._pytree knows"
+                    + ("; a Hugging Face model's KV cache: call it with use_cache=False, or generate with "
+                       "streamdag.decoder" if hf else ""))
     return ""
