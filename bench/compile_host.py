@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import streamdag as sd
+from streamdag.suite.cuda_timing import host_us
 from streamdag.suite.report import format_table, write_json
 
 MODELS = ("googlenet", "resnet50")
@@ -60,18 +61,6 @@ def make(variant: str, model: torch.nn.Module) -> Any:
     if variant == "streamdag_graphs":
         return sd.compile(model, whole_call=False)
     return torch.compile(model, mode="reduce-overhead")
-
-
-def host_us(call: Callable[[], Any], calls: int, rounds: int) -> float:
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_call)
 
 
 def latency_ms(call: Callable[[], Any], calls: int) -> float:

@@ -224,24 +224,6 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
     return call, out, handle
 
 
-def _host_us(call: Callable[[], Any], calls: int = 20, rounds: int = 5) -> float:
-    """The host time of a call issued back to back with others (the GPU runs behind), in µs: set
-    against the row's ms, what the call adds to its graph's time besides its own host work."""
-    import statistics
-
-    import torch
-
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_call)
-
-
 def _segments() -> dict[tuple[Any, ...], int]:
     """The CUDA caching allocator's segments once its unused cache is released: address -> bytes.
     They hold the tensors alive and the memory pools of CUDA graphs (a graph's temporaries are
@@ -265,7 +247,7 @@ def _added(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...], int]
 def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
     import torch
 
-    from streamdag.suite.cuda_timing import interleaved_wall_ms
+    from streamdag.suite.cuda_timing import host_us, interleaved_wall_ms
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "batch": batch, "ms": {}, "rel_err": {},
@@ -301,7 +283,7 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
         try:
             _alarm(variant_s)
             row["ms"] = interleaved_wall_ms(calls, rounds=rounds, warmup=3)
-            row["host_us"] = {k: _host_us(calls[k]) for k in ("cuda_graph", "inductor_ro", "streamdag")
+            row["host_us"] = {k: host_us(calls[k]) for k in ("cuda_graph", "inductor_ro", "streamdag")
                               if k in calls}
         except Exception as exc:
             row["errors"]["timing"] = f"{type(exc).__name__}: {str(exc)[:500]}"

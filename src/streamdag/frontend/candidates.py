@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices"]
+__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices", "time_replays"]
 
 
 @dataclass
@@ -186,6 +186,25 @@ class CapturedGraph:
         return self.out_type(outs)
 
 
+def time_replays(graphs: Sequence[Any], rounds: int, device: torch.device) -> list[float]:
+    """Each graph's median GPU time in ms (anything with ``replay()``), timed by CUDA events on the
+    current stream: one untimed replay each (first-launch costs stay out), then ``rounds`` rounds
+    whose order turns from round to round, so that none always runs first."""
+    for g in graphs:
+        g.replay()
+    events: list[list[tuple[Any, Any]]] = [[] for _ in graphs]
+    for r in range(rounds):
+        turn = r % len(graphs)
+        for i in list(range(turn, len(graphs))) + list(range(turn)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[i].replay()
+            end.record()
+            events[i].append((start, end))
+    torch.cuda.synchronize(device)
+    return [statistics.median(a.elapsed_time(b) for a, b in timed) for timed in events]
+
+
 def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
            memory_ratio: float = 1.1, base_mib: float = 0.0) -> CapturedGraph:
     """Time the captured candidates by replays in rounds; the fastest, ties to fewer streams.
@@ -194,21 +213,8 @@ def choose(captured: list[CapturedGraph], rounds: int = 10, tie: float = 0.02,
     :func:`pick`'s memory rule."""
     if len(captured) == 1:
         return captured[0]
-    device = captured[0].device
-    times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in captured]
-    for c in captured:  # one untimed replay each: first-launch costs stay out of the rounds
-        c.replay()
-    for r in range(rounds):
-        k = r % len(captured)
-        for i in list(range(k, len(captured))) + list(range(k)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            captured[i].replay()
-            end.record()
-            times[i].append((start, end))
-    torch.cuda.synchronize(device)
-    for c, ts in zip(captured, times):
-        c.candidate.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
+    for c, ms in zip(captured, time_replays(captured, rounds, captured[0].device)):
+        c.candidate.ms = ms
         c.candidate.peak_mib = c.peak_bytes / 2**20
     return captured[pick([c.candidate for c in captured], tie, memory_ratio, base_mib=base_mib)]
 

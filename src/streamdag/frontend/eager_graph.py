@@ -18,13 +18,12 @@ graph runs in the backend's shared pool; the one not kept is dropped at once.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["TIE", "WARMUP", "capture_eager", "eager_refusal", "keep_eager", "time_replays"]
+__all__ = ["TIE", "WARMUP", "capture_eager", "eager_refusal", "keep_eager"]
 
 #: how much faster the eager graph must be to be kept
 TIE = 0.02
@@ -73,21 +72,3 @@ def keep_eager(dev: Any, ours: Any, eager: Any) -> tuple[bool, str]:
     which = "the eager graph" if kept else "streamdag's graph"
     return kept, (f"whole call: streamdag's graph {ours_ms:.4f} ms, a plain CUDA graph of the eager call "
                   f"{eager_ms:.4f} ms: {which} kept")
-
-
-def time_replays(graphs: Sequence[Any], rounds: int, device: Any) -> list[float]:
-    """Each CUDA graph's median GPU time in ms, the graphs replayed in turn on the current stream
-    (the order turns from round to round: neither always runs first)."""
-    for g in graphs:  # first launches stay out of the rounds
-        g.replay()
-    events: list[list[tuple[Any, Any]]] = [[] for _ in graphs]
-    for r in range(rounds):
-        turn = r % len(graphs)
-        for i in list(range(turn, len(graphs))) + list(range(turn)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[i].replay()
-            end.record()
-            events[i].append((start, end))
-    torch.cuda.synchronize(device)
-    return [statistics.median(a.elapsed_time(b) for a, b in timed) for timed in events]

@@ -63,7 +63,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .eager_graph import capture_eager, eager_refusal, keep_eager, time_replays
+from .candidates import time_replays
+from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .state_watch import StateWatch
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]

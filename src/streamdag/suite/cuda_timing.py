@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_of", "interleaved_rounds_ms", "interleaved_wall_ms", "loops_table", "wall_ms"]
+__all__ = ["graph_of", "host_us", "interleaved_rounds_ms", "interleaved_wall_ms", "loops_table", "wall_ms"]
 
 
 def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
@@ -19,6 +19,20 @@ def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
     ``devices`` lists the GPUs to synchronize (default: the current one).
     """
     return interleaved_wall_ms({"": fn}, iters, warmup, devices)[""]
+
+
+def host_us(call: Callable[[], Any], calls: int = 20, rounds: int = 5) -> float:
+    """Median host time of ``call()`` in µs, ``calls`` calls issued back to back per round (the GPU
+    runs behind): what a call costs the host, set against its time with a synchronize."""
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(per_call)
 
 
 def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, warmup: int = 3,
