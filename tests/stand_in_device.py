@@ -31,3 +31,6 @@ class StandInDevice:
 
     def order(self):
         pass
+
+    def copy_into(self, dsts, srcs):
+        return False

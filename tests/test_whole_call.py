@@ -48,9 +48,19 @@ class FakeDevice(StandInDevice):
         if self.fail:  # as CUDA's capture fails: at its end
             raise RuntimeError(self.fail)
 
-        def replay():
+        modules = list(self.eager.modules()) if isinstance(self.eager, nn.Module) else []
+        modes = [m.training for m in modules]
+
+        def replay():  # what the call computed at the capture: in the modules' modes of then
             self.replays += 1
-            fresh = self.eager(*args, **kwargs)
+            now = [m.training for m in modules]
+            for m, mode in zip(modules, modes):
+                m.training = mode
+            try:
+                fresh = self.eager(*args, **kwargs)
+            finally:
+                for m, mode in zip(modules, now):
+                    m.training = mode
             for o, f in zip(pytree.tree_leaves(out), pytree.tree_leaves(fresh)):
                 if isinstance(o, torch.Tensor):
                     o.copy_(f)
@@ -95,7 +105,8 @@ def state_checks(request, monkeypatch):
 
 
 class Dynamo:
-    """Stands for Dynamo's path: the model run eagerly, calls counted."""
+    """Stands for Dynamo's path: the model run eagerly, calls counted; in a whole call's warm-up it
+    notes a write into a buffer, as the compiled graphs do."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -103,7 +114,12 @@ class Dynamo:
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self.fn(*args, **kwargs)
+        buffers = list(self.fn.buffers()) if isinstance(self.fn, nn.Module) else []
+        versions = [b._version for b in buffers]
+        out = self.fn(*args, **kwargs)
+        if wc.ACTIVE.mode is not None and [b._version for b in buffers] != versions:
+            wc.ACTIVE.updates_state = True
+        return out
 
 
 def whole(model, fake_device):
@@ -344,6 +360,52 @@ def test_a_parameter_given_other_memory_captures_again(fake_device, state_checks
         m[2].weight.data = torch.randn(4, 16)
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
     assert w.captures == 2
+
+
+def test_a_replay_launched_before_a_check_that_fails_returns_dynamos_result(fake_device, state_checks):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            w((x,), {}, dynamo)
+        entry = next(iter(w.current.entries.values()))
+        assert entry.speculative and entry.held
+        calls, replays = dynamo.calls, w.replays
+        m[0].bias.data.add_(1.0)  # in place: the graph reads it (and still replays)
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        assert (dynamo.calls, w.replays) == (calls, replays + 1)
+        m[0].some_flag = True  # a new attribute: the launched replay's result is dropped
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        assert dynamo.calls > calls and w.replays == replays + 1
+
+
+def test_a_graph_that_writes_its_input_is_checked_before_its_launch(fake_device):
+    class AddsInPlace(nn.Module):
+        def forward(self, x):
+            return x.add_(1.0) * 2
+
+    m = AddsInPlace()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(2):
+            w((torch.zeros(3),), {}, dynamo)
+    entry = next(iter(w.current.entries.values()))
+    assert entry.write_back and not entry.speculative
+
+
+def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_device, state_checks):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        w((x,), {}, dynamo)
+        old = w.current
+        old_weight = m[2].weight.untyped_storage().data_ptr()
+        assert old_weight in {st.data_ptr() for e in old.entries.values() for st in e.held}
+        m[2].weight.data = torch.randn(4, 16)
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert old not in w.states and w.current is not old
 
 
 def test_train_and_eval_keep_a_graph_each(fake_device, state_checks):
@@ -729,3 +791,59 @@ def test_on_cuda_whole_call_false_keeps_every_call_on_dynamos_path(fresh_dynamo)
         for _ in range(3):
             c(torch.randn(2, 8, device="cuda"))
     assert c.statistics().whole_captures == 0 and c.whole is None
+
+
+@pytest.mark.cuda
+def test_on_cuda_copy_into_copies_dense_pairs_and_leaves_the_others_to_copy_(no_tf32):
+    from streamdag.native import load_torch
+
+    ext = load_torch()
+    if ext is None or not hasattr(ext, "copy_into"):
+        pytest.skip("no torch extension here")
+    src = torch.randn(4, 6, device="cuda")
+    dst = torch.empty_like(src)
+    assert ext.copy_into([dst], [src]) and torch.equal((torch.cuda.synchronize(), dst)[1], src)
+    t_src, t_dst = src.t(), torch.empty(6, 4, device="cuda").t().t()  # other strides
+    assert not ext.copy_into([t_dst], [t_src])
+    sliced = src[:, ::2]
+    assert not ext.copy_into([torch.empty_strided(sliced.shape, sliced.stride(), device="cuda")], [sliced])
+    assert not ext.copy_into([dst.double()], [src])  # another dtype
+    assert not ext.copy_into([dst, dst], [src])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_on_cuda_replays_copy_inputs_of_any_layout(no_tf32, fresh_dynamo, layout):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval().cuda()
+    c = sd.compile(m)
+
+    def make():
+        x = torch.randn(12, 16, device="cuda")
+        return {"contiguous": x, "transposed": x.t().contiguous().t(), "sliced": torch.randn(
+            12, 32, device="cuda")[:, ::2]}[layout]
+
+    with torch.inference_mode():
+        pairs = [(c(x), m(x)) for x in (make() for _ in range(5))]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert c.statistics().whole_replays >= 2, c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_parameter_replaced_and_its_memory_released_is_read_by_no_replay(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval().cuda()
+    c = sd.compile(m)
+    x = torch.randn(4, 64, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            c(x)
+        for _ in range(3):  # the graph launches before its checks find the new memory
+            m[0].weight.data = torch.randn(64, 64, device="cuda")
+            torch.cuda.empty_cache()
+            got = c(x)
+            torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-4)
+        torch.cuda.synchronize()
+    assert len(c.whole.states) <= 2, c.explain()
+

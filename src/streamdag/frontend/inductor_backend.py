@@ -137,6 +137,10 @@ class GraphRunner:
                 if self._run is None:
                     self._run = self._first(args)
             return self._run(args)
+        if ACTIVE.mode == "capture":  # the memory the whole call's graph reads (see whole_replay)
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    ACTIVE.reads.setdefault(a.untyped_storage().data_ptr(), a.untyped_storage())
         if self.not_whole:
             ACTIVE.refusal = ACTIVE.refusal or f"graph {self.index}: {self.not_whole}"
             if ACTIVE.mode == "capture":

@@ -136,6 +136,10 @@ class StateWatch:
             self._tags = self._native.dict_versions(self._dicts)
         return True
 
+    def memory_holds(self) -> bool:
+        """Whether every tensor is where it was: address, shape and strides (a part of :meth:`holds`)."""
+        return self._layouts()
+
     def _rest_holds(self) -> bool:
         if not self._rest:
             return True

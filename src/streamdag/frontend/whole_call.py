@@ -40,15 +40,18 @@ Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
   parameters, buffers, submodules and hooks, the globals its ``forward``
   names, the tensors among them by address, shape and strides.
 
+The key picks the graph; the other two checks run after its launch, while the
+GPU runs it, where the graph writes nothing outside its own memory
+(:mod:`.whole_replay` says why that is safe).
+
 What the check cannot see is Python that the forward runs besides its tensor
 work (printing, appending to a list, a global other than those ``forward``
 names): a replay runs none of it. ``streamdag.compile(model, whole_call=False)``
 keeps every call on Dynamo's path.
 
-Outputs belong to the caller: each replay copies them into fresh tensors (one
-launch for all of them). Inputs are copied into the graph's own tensors with
-one ``_foreach_copy_``; an input that the call writes into is copied back
-after the replay.
+Outputs belong to the caller: each replay copies them into fresh tensors.
+Inputs are copied into the graph's own tensors; an input that the call writes
+into is copied back after the replay.
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .candidates import time_replays
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .state_watch import StateWatch
+from .whole_replay import CudaCalls, Entry
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
 
@@ -99,6 +102,7 @@ class _Active(threading.local):
 
     def __init__(self) -> None:
         self.mutated: set[int] = set()
+        self.reads: dict[int, Any] = {}  # in a capture: the storages of the graphs' tensor arguments
 
 
 ACTIVE = _Active()
@@ -107,7 +111,7 @@ ACTIVE = _Active()
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
-    ACTIVE.mutated = set()
+    ACTIVE.mutated, ACTIVE.reads = set(), {}
     try:
         yield ACTIVE
     finally:
@@ -145,126 +149,8 @@ def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | s
     return (*key, torch.is_inference_mode_enabled())
 
 
-def _raw_stream(index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(index)
-
-
-class _Cuda:
-    """The CUDA calls of a whole-call graph for one device (tests put a CPU stand-in in its place)."""
-
-    def __init__(self, device: torch.device, pool: Any) -> None:
-        from .candidates import _capture_stream
-
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.pool = pool
-        self.stream = _capture_stream(device)
-
-    def caller(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def on_capture_stream(self) -> Any:
-        self.stream.wait_stream(self.caller())
-        return torch.cuda.stream(self.stream)
-
-    def join(self, caller: Any, outputs: Sequence[torch.Tensor]) -> None:
-        """The caller's stream waits for the capture stream; ``outputs`` made there are the caller's."""
-        caller.wait_stream(self.stream)
-        for t in outputs:
-            t.record_stream(caller)
-
-    def capture(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """``fn(*args, **kwargs)`` captured into a CUDA graph in the pool: (the graph, its outputs)."""
-        from ..runtime.capture import _collector_paused, _restore_random_generators
-
-        caller = self.caller()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with _collector_paused(), torch.cuda.graph(graph, pool=self.pool.handle(self.device),
-                                                       stream=self.stream, capture_error_mode="thread_local"):
-                out = fn(*args, **kwargs)
-        except BaseException:
-            torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
-            _restore_random_generators([self.device])
-            raise
-        caller.wait_stream(self.stream)
-        return graph, out
-
-    def order(self) -> None:
-        """This replay follows the last one in the pool when that ran on another stream."""
-        self.pool.order_current(self.device, self.index)
-
-    def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
-        """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
-        self.order()
-        return time_replays(graphs, rounds, self.device)
-
-
 def _device_for(device: torch.device, pool: Any) -> Any:
-    return _Cuda(device, pool)
-
-
-# -- the captured graph ---------------------------------------------------------------------------------
-
-@dataclass
-class _Entry:
-    """A whole call captured for one key."""
-
-    graph: Any
-    device: Any  # _Cuda
-    statics: list[torch.Tensor]  # the graph's inputs, filled by each call
-    arg_index: list[int]  # where the copied tensors are among the positional arguments
-    kw_names: list[str]  # and among the keyword arguments, after them
-    write_back: list[int]  # statics the call writes into: copied back into the caller's tensors
-    outputs: list[torch.Tensor]  # the graph's outputs (distinct tensors)
-    leaves: list[Any]  # the result's leaves, with None where a tensor goes
-    slots: list[int]  # for each tensor leaf, its output
-    spec: Any  # the result's structure
-    global_state: Any
-    clone: bool = True
-    inference: bool = False  # the statics are inference tensors: written in inference mode
-    replays: int = 0
-    single: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.single = self.spec.is_leaf() and len(self.outputs) == 1
-
-    def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        tensors = [args[i] for i in self.arg_index]
-        if self.kw_names:
-            tensors += [kwargs[k] for k in self.kw_names]
-        # first: the inputs are written only after the last replay (on any stream) has read them
-        self.device.order()
-        if self.inference and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
-                torch._foreach_copy_(self.statics, tensors)
-        elif len(tensors) == 1:
-            self.statics[0].copy_(tensors[0])
-        elif tensors:
-            torch._foreach_copy_(self.statics, tensors)
-        self.graph.replay()
-        for i in self.write_back:
-            tensors[i].copy_(self.statics[i])
-        self.replays += 1
-        return self.result()
-
-    def result(self) -> Any:
-        if not self.clone:
-            fresh = self.outputs
-        elif self.single:
-            return self.outputs[0].clone()
-        elif len(self.outputs) == 1:
-            fresh = [self.outputs[0].clone()]
-        else:  # one launch copies them all
-            fresh = [torch.empty_like(o) for o in self.outputs]
-            torch._foreach_copy_(fresh, self.outputs)
-        if self.single:
-            return fresh[0]
-        leaves = list(self.leaves)
-        for pos, slot in enumerate(self.slots):
-            if slot >= 0:
-                leaves[pos] = fresh[slot]
-        return pytree.tree_unflatten(leaves, self.spec)
+    return CudaCalls(device, pool)
 
 
 @dataclass
@@ -272,7 +158,7 @@ class _State:
     """One state of the model, with the graphs captured in it."""
 
     watch: StateWatch
-    entries: dict[Any, _Entry] = field(default_factory=dict)
+    entries: dict[Any, Entry] = field(default_factory=dict)
     attempts: dict[Any, int] = field(default_factory=dict)
     compiles: dict[Any, int] = field(default_factory=dict)  # calls of each key that compiled a graph
 
@@ -317,10 +203,16 @@ class WholeCall:
         state = self.current
         if state is not None:
             entry = state.entries.get(key)
-            if entry is not None and entry.global_state.check() and state.watch.holds():
+            if entry is not None:
                 with self._lock:  # one replay at a time: they share the graph's inputs and outputs
-                    self.replays += 1
-                    return entry.replay(args, kwargs)
+                    if entry.speculative:  # launched first, checked while the GPU runs it
+                        tensors = entry.launch(args, kwargs)
+                        if entry.global_state.check() and state.watch.holds():
+                            self.replays += 1
+                            return entry.result(tensors)
+                    elif entry.global_state.check() and state.watch.holds():
+                        self.replays += 1
+                        return entry.replay(args, kwargs)
         return self._miss(key, args, kwargs, dynamo)
 
     # -- misses ---------------------------------------------------------------------------------------
@@ -354,8 +246,10 @@ class WholeCall:
                 self.current = s
                 return s
         watch = StateWatch(self.fn)
-        # a state with other tensors goes: its graphs read memory the model no longer holds
-        self.states = [s for s in self.states if s.watch.same_tensors(watch)][-(MAX_STATES - 1):]
+        # a state with other tensors, or whose tensors moved, goes: its graphs read memory the model
+        # no longer holds (and keep it allocated)
+        self.states = [s for s in self.states
+                       if s.watch.same_tensors(watch) and s.watch.memory_holds()][-(MAX_STATES - 1):]
         self.current = _State(watch)
         self.states.append(self.current)
         return self.current
@@ -438,7 +332,10 @@ class WholeCall:
             self._refuse(key, entry)
         elif active.refusal or active.compiled or self._marks() != marks or not state.watch.holds():
             self._passing(state, key, "the capture ran other code than the warm-up")
-        else:
+        else:  # what its graph reads stays allocated while it may launch before the checks
+            entry.held = list({**{t.untyped_storage().data_ptr(): t.untyped_storage()
+                                  for t in state.watch.tensors}, **active.reads}.values())
+            entry.speculative = not write_back and not updates_state
             state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
                                                      state.watch.tensors)
             state.attempts.pop(key, None)
@@ -450,8 +347,8 @@ class WholeCall:
             self.note = ""
         return out
 
-    def _against_eager(self, entry: _Entry, dev: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                       updates_state: bool, held: list[torch.Tensor]) -> _Entry:
+    def _against_eager(self, entry: Entry, dev: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                       updates_state: bool, held: list[torch.Tensor]) -> Entry:
         """``entry``, or a plain CUDA graph of the eager call where that replays faster
         (:mod:`.eager_graph`)."""
         why = eager_refusal(self.fn, entry.write_back, updates_state)
@@ -465,6 +362,7 @@ class WholeCall:
             self.baseline = ("whole call: the eager call's result differs from the compiled call's: "
                              f"{eager if isinstance(eager, str) else 'other outputs, shapes or dtypes'}")
             return entry
+        eager.held, eager.speculative = entry.held, entry.speculative
         kept, self.baseline = keep_eager(dev, entry, eager)
         return eager if kept else entry
 
@@ -489,7 +387,7 @@ class WholeCall:
 
     def _entry(self, graph: Any, dev: Any, statics: list[torch.Tensor], arg_index: list[int],
                kw_names: list[str], write_back: list[int], out: Any, gs: Any,
-               held: Sequence[Any] = ()) -> _Entry | str:
+               held: Sequence[Any] = ()) -> Entry | str:
         leaves, spec = pytree.tree_flatten(out)
         reason = _output_refusal(leaves, dev.device, statics, list(held))
         if reason:
@@ -505,7 +403,7 @@ class WholeCall:
             else:
                 slots.append(-1)
         kept = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        return _Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
+        return Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
                       write_back=write_back, outputs=outputs, leaves=kept, slots=slots, spec=spec,
                       global_state=gs, clone=self.clone, inference=any(s.is_inference() for s in statics))
 
@@ -520,7 +418,7 @@ class WholeCall:
         return "\n".join(lines)
 
 
-def _metas(entry: _Entry) -> list[tuple[Any, Any]]:
+def _metas(entry: Entry) -> list[tuple[Any, Any]]:
     return [(o.shape, o.dtype) for o in entry.outputs]
 
 

@@ -1,0 +1,169 @@
+"""A captured whole call, and the CUDA calls that capture and replay it (:mod:`.whole_call` says when).
+
+A replay (:meth:`Entry.replay`) copies the caller's tensors into the graph's
+inputs, launches the graph, and copies its outputs into fresh tensors that
+belong to the caller. Host time before the launch adds to every call's time,
+so the copies are one ``cudaMemcpyAsync`` each (the torch extension's
+``copy_into``) where the layouts allow, not ``copy_``'s dispatch.
+
+**Launch first, check while the GPU runs.** A call may replay an entry only
+if the global state (grad mode, autocast, ...) and the model's state (its
+modules' attributes, the layouts of its tensors) are as at the capture; those
+checks are most of the host time before a launch, and run cold when other work
+ran between two calls. An entry that writes nothing outside its own memory (no
+input written back, no parameter or buffer updated: ``speculative``) is
+launched first and checked while the GPU runs it (:meth:`Entry.launch`, then
+:meth:`Entry.result`); where a check fails its outputs are never read and the
+call takes Dynamo's path. Such a replay may read memory the model no longer
+holds (a parameter whose ``.data`` was replaced): the entry keeps the storage
+of every tensor its graph reads (``held``), so the read stays within memory
+that is allocated. A failed check leaves two traces: the GPU ran the graph
+once for nothing, and the replay advanced the random generators' offsets.
+
+State: an entry's inputs and outputs are shared by its replays, so
+:class:`~.whole_call.WholeCall` runs one replay at a time under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..native import load_torch
+from .candidates import time_replays
+
+__all__ = ["CudaCalls", "Entry"]
+
+
+class CudaCalls:
+    """The CUDA calls of a whole-call graph for one device (tests put a CPU stand-in in its place)."""
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        from .candidates import _capture_stream
+
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.pool = pool
+        self.stream = _capture_stream(device)
+        ext = load_torch()
+        self._copy_into: Callable[[list[torch.Tensor], list[torch.Tensor]], bool] | None = getattr(
+            ext, "copy_into", None)
+
+    def copy_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
+        """Copy each of ``srcs`` into its ``dsts`` on the current stream by one ``cudaMemcpyAsync``
+        each, where the torch extension is loaded and every pair has one dense layout; False (nothing
+        copied) otherwise."""
+        return self._copy_into is not None and self._copy_into(dsts, srcs)
+
+    def caller(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def on_capture_stream(self) -> Any:
+        self.stream.wait_stream(self.caller())
+        return torch.cuda.stream(self.stream)
+
+    def join(self, caller: Any, outputs: Sequence[torch.Tensor]) -> None:
+        """The caller's stream waits for the capture stream; ``outputs`` made there are the caller's."""
+        caller.wait_stream(self.stream)
+        for t in outputs:
+            t.record_stream(caller)
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``fn(*args, **kwargs)`` captured into a CUDA graph in the pool: (the graph, its outputs)."""
+        from ..runtime.capture import _collector_paused, _restore_random_generators
+
+        caller = self.caller()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with _collector_paused(), torch.cuda.graph(graph, pool=self.pool.handle(self.device),
+                                                       stream=self.stream, capture_error_mode="thread_local"):
+                out = fn(*args, **kwargs)
+        except BaseException:
+            torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+            _restore_random_generators([self.device])
+            raise
+        caller.wait_stream(self.stream)
+        return graph, out
+
+    def order(self) -> None:
+        """This replay follows the last one in the pool when that ran on another stream."""
+        self.pool.order_current(self.device, self.index)
+
+    def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
+        """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
+        self.order()
+        return time_replays(graphs, rounds, self.device)
+
+
+# -- the captured graph ---------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """A whole call captured for one key."""
+
+    graph: Any
+    device: Any  # CudaCalls
+    statics: list[torch.Tensor]  # the graph's inputs, filled by each call
+    arg_index: list[int]  # where the copied tensors are among the positional arguments
+    kw_names: list[str]  # and among the keyword arguments, after them
+    write_back: list[int]  # statics the call writes into: copied back into the caller's tensors
+    outputs: list[torch.Tensor]  # the graph's outputs (distinct tensors)
+    leaves: list[Any]  # the result's leaves, with None where a tensor goes
+    slots: list[int]  # for each tensor leaf, its output
+    spec: Any  # the result's structure
+    global_state: Any
+    clone: bool = True
+    inference: bool = False  # the statics are inference tensors: written in inference mode
+    replays: int = 0
+    speculative: bool = False  # writes nothing outside its own memory: launched before the checks
+    held: list[Any] = field(default_factory=list)  # the storages of the tensors its graph reads
+    single: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.single = self.spec.is_leaf() and len(self.outputs) == 1
+
+    def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        return self.result(self.launch(args, kwargs))
+
+    def launch(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """Copy the caller's tensors into the graph's inputs and launch it; returns those tensors."""
+        tensors = [args[i] for i in self.arg_index]
+        if self.kw_names:
+            tensors += [kwargs[k] for k in self.kw_names]
+        # first: the inputs are written only after the last replay (on any stream) has read them
+        self.device.order()
+        if not tensors or self.device.copy_into(self.statics, tensors):
+            pass
+        elif self.inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                torch._foreach_copy_(self.statics, tensors)
+        elif len(tensors) == 1:
+            self.statics[0].copy_(tensors[0])
+        else:
+            torch._foreach_copy_(self.statics, tensors)
+        self.graph.replay()
+        return tensors
+
+    def result(self, tensors: list[torch.Tensor]) -> Any:
+        """The launched replay's result, in fresh tensors; the caller's ``tensors`` it wrote into get
+        its writes."""
+        self.replays += 1
+        for i in self.write_back:
+            tensors[i].copy_(self.statics[i])
+        if not self.clone:
+            fresh = self.outputs
+        else:  # one copy each, or one launch for them all
+            fresh = [torch.empty_like(o) for o in self.outputs]
+            if not self.device.copy_into(fresh, self.outputs):
+                torch._foreach_copy_(fresh, self.outputs)
+        if self.single:
+            return fresh[0]
+        leaves = list(self.leaves)
+        for pos, slot in enumerate(self.slots):
+            if slot >= 0:
+                leaves[pos] = fresh[slot]
+        return pytree.tree_unflatten(leaves, self.spec)
