@@ -167,19 +167,28 @@ def test_an_eager_call_whose_outputs_differ_from_the_compiled_calls_keeps_stream
     assert "the eager call's result differs from the compiled call's" in w.explain()
 
 
-def test_a_hugging_face_cache_in_the_result_names_use_cache_false_as_the_fix(device):
+def test_a_hugging_face_cache_in_the_result_comes_back_new_at_each_replay(device):
     cache_utils = pytest.importorskip("transformers.cache_utils")
     m = mlp()
-    device(m)
 
     class WithCache(torch.nn.Module):
         def forward(self, x):
-            return m(x), cache_utils.DynamicCache()
+            cache = cache_utils.DynamicCache()
+            cache.update(x[None, None] * 2, x[None, None] * 3, 0)
+            return m(x), cache
 
     model = WithCache().eval()
+    device(model)
     w, dynamo = WholeCall(model, FakeBackend()), Dynamo(model)
+    results = []
     with torch.no_grad():
-        for _ in range(3):
-            w((torch.randn(2, 8),), {}, dynamo)
-    assert w.captures == 0 and "the result holds a DynamicCache" in w.explain()
-    assert "call it with use_cache=False, or generate with streamdag.decoder" in w.explain(), w.explain()
+        for _ in range(4):
+            x = torch.randn(2, 8)
+            results.append((x, w((x,), {}, dynamo)))
+    assert w.replays == 3, w.explain()
+    for x, (out, cache) in results:
+        assert isinstance(cache, cache_utils.DynamicCache) and cache.get_seq_length() == 2
+        torch.testing.assert_close(cache.layers[0].keys, x[None, None] * 2)
+        torch.testing.assert_close(cache.layers[0].values, x[None, None] * 3)
+        torch.testing.assert_close(out, m(x))
+    assert results[-1][1][1].layers[0] is not results[-2][1][1].layers[0]

@@ -22,12 +22,24 @@ from torch.utils import _pytree as pytree  # noqa: E402
 from stand_in_device import StandInDevice  # noqa: E402
 from streamdag.frontend import state_watch  # noqa: E402
 from streamdag.frontend import whole_call as wc  # noqa: E402
+from streamdag.frontend.result_objects import template  # noqa: E402
 from streamdag.frontend.whole_call import StateWatch, WholeCall, call_key  # noqa: E402
 
 
 class FakeGraph:
     def __init__(self, replay):
         self.replay = replay
+
+
+def _tensors(result):
+    """Every tensor of a result, those inside plain objects (a cache) too: what a graph writes."""
+    found = []
+    for leaf in pytree.tree_leaves(result):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        else:
+            template(leaf, lambda t: found.append(t) or 0)
+    return found
 
 
 class FakeDevice(StandInDevice):
@@ -61,9 +73,8 @@ class FakeDevice(StandInDevice):
             finally:
                 for m, mode in zip(modules, now):
                     m.training = mode
-            for o, f in zip(pytree.tree_leaves(out), pytree.tree_leaves(fresh)):
-                if isinstance(o, torch.Tensor):
-                    o.copy_(f)
+            for o, f in zip(_tensors(out), _tensors(fresh)):
+                o.copy_(f)
         return FakeGraph(replay), out
 
 
@@ -545,21 +556,58 @@ def test_containers_constants_and_keyword_arguments_come_back_as_the_model_retur
     assert w.replays == 2
 
 
-def test_a_result_of_another_type_stays_on_dynamos_path_and_says_why(fake_device):
-    class Box:
-        def __init__(self, t):
-            self.t = t
+class Box:
+    """A plain object holding tensors, as a model's cache is."""
 
+    def __init__(self, t, extra):
+        self.t, self.extra, self.label = t, extra, "box"
+
+
+def test_a_plain_object_in_the_result_comes_back_new_at_each_replay_holding_its_tensors(fake_device):
     class Boxed(nn.Module):
         def forward(self, x):
-            return Box(x * 2)
+            return x + 1, Box(x * 2, [x * 3, {"n": 4}])
 
     m = Boxed()
+    w, dynamo = whole(m, fake_device)
+    got = []
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.full((2,), float(i))
+            got.append((x, w((x,), {}, dynamo)))
+    assert w.replays == 3 and w.captures == 1, w.explain()
+    for x, (plus, box) in got:
+        assert isinstance(box, Box) and box.label == "box" and box.extra[1] == {"n": 4}
+        torch.testing.assert_close(box.t, x * 2)
+        torch.testing.assert_close(box.extra[0], x * 3)
+        torch.testing.assert_close(plus, x + 1)
+    assert got[2][1][1] is not got[3][1][1] and got[2][1][1].t is not got[3][1][1].t
+
+
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize("inner, named", [
+    (lambda x: (i for i in range(2)), "a generator"),
+    (lambda x: nn.Linear(2, 2), "a Linear"),
+    (lambda x: _Holder(None), "a _Holder that holds itself"),
+])
+def test_a_result_object_that_cannot_be_rebuilt_stays_on_dynamos_path_and_says_why(fake_device, inner, named):
+    class Odd(nn.Module):
+        def forward(self, x):
+            held = _Holder(inner(x))
+            if isinstance(held.value, _Holder):
+                held.value = held
+            return x * 2, held
+
+    m = Odd()
     w, dynamo = whole(m, fake_device)
     with torch.no_grad():
         for _ in range(3):
             w((torch.randn(2),), {}, dynamo)
-    assert w.captures == 0 and "the result holds a Box" in w.explain()
+    assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
 
 
 # -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
@@ -847,3 +895,27 @@ def test_on_cuda_a_parameter_replaced_and_its_memory_released_is_read_by_no_repl
         torch.cuda.synchronize()
     assert len(c.whole.states) <= 2, c.explain()
 
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_decoder_returning_its_kv_cache_replays_whole_with_a_new_cache_each_call(no_tf32, fresh_dynamo):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    m = transformers.LlamaForCausalLM(cfg).eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        results = []
+        for _ in range(5):
+            ids = torch.randint(0, 100, (1, 12), device="cuda")
+            results.append((c(ids), m(ids)))
+    for got, want in results:
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        got_cache, want_cache = got.past_key_values, want.past_key_values
+        assert type(got_cache) is type(want_cache) and got_cache.get_seq_length() == 12
+        for g, w in zip(got_cache.layers, want_cache.layers):
+            torch.testing.assert_close(g.keys, w.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g.values, w.values, rtol=1e-4, atol=1e-4)
+    assert results[-1][0].past_key_values.layers[0].keys is not results[-2][0].past_key_values.layers[0].keys
+    assert c.statistics().whole_replays >= 2, c.explain()

@@ -67,6 +67,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .eager_graph import capture_eager, eager_refusal, keep_eager
+from .result_objects import Template, template
 from .state_watch import StateWatch
 from .whole_replay import CudaCalls, Entry
 
@@ -297,7 +298,8 @@ class WholeCall:
         gs = _global_state()
         with _active("warm") as active, dev.on_capture_stream():
             out = dynamo(*s_args, **s_kwargs)
-        leaves = pytree.tree_leaves(out)
+        parts = _result_parts(out, device, statics, state.watch.tensors)
+        leaves = parts.outputs if not isinstance(parts, str) else pytree.tree_leaves(out)
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
         # what the call wrote into its inputs, in a graph or in the Python between (an inference
         # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
@@ -308,7 +310,7 @@ class WholeCall:
             tensors[i].copy_(statics[i])
         own = {s.untyped_storage().data_ptr() for s in statics}  # else: a parameter's, a buffer's, a global's
         updates_state = active.updates_state or bool(written - own)
-        reason = active.refusal or _output_refusal(leaves, device, statics, state.watch.tensors)
+        reason = active.refusal or (parts if isinstance(parts, str) else "")
         if reason:
             self._refuse(key, reason)
             return out
@@ -388,24 +390,13 @@ class WholeCall:
     def _entry(self, graph: Any, dev: Any, statics: list[torch.Tensor], arg_index: list[int],
                kw_names: list[str], write_back: list[int], out: Any, gs: Any,
                held: Sequence[Any] = ()) -> Entry | str:
-        leaves, spec = pytree.tree_flatten(out)
-        reason = _output_refusal(leaves, dev.device, statics, list(held))
-        if reason:
-            return reason
-        outputs: list[torch.Tensor] = []
-        slot_of: dict[int, int] = {}
-        slots = []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                slots.append(slot_of.setdefault(id(leaf), len(outputs)))
-                if slots[-1] == len(outputs):
-                    outputs.append(leaf)
-            else:
-                slots.append(-1)
-        kept = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        parts = _result_parts(out, dev.device, statics, list(held))
+        if isinstance(parts, str):
+            return parts
         return Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
-                      write_back=write_back, outputs=outputs, leaves=kept, slots=slots, spec=spec,
-                      global_state=gs, clone=self.clone, inference=any(s.is_inference() for s in statics))
+                     write_back=write_back, outputs=parts.outputs, leaves=parts.leaves, slots=parts.slots,
+                     spec=parts.spec, objects=parts.objects, global_state=gs, clone=self.clone,
+                     inference=any(s.is_inference() for s in statics))
 
     def explain(self) -> str:
         lines = [f"whole-call graphs: {self.captures} captured, {self.replays} replays"]
@@ -464,32 +455,69 @@ def _one_cuda_device(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[torch
     return device, ""
 
 
-def _output_refusal(leaves: list[Any], device: torch.device, statics: list[torch.Tensor],
+@dataclass
+class _ResultParts:
+    spec: Any  # the result's structure
+    outputs: list[torch.Tensor]  # its distinct tensors, those inside objects too
+    leaves: list[Any]  # its leaves, with None where a tensor or an object goes
+    slots: list[int]  # for each leaf, its output (-1: none)
+    objects: list[tuple[int, Template]]  # the leaves that are objects, rebuilt at each replay
+
+
+def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
+                  held: list[torch.Tensor]) -> _ResultParts | str:
+    """A call's result taken apart for replays, or why its outputs cannot come from a replay."""
+    leaves, spec = pytree.tree_flatten(out)
+    outputs: list[torch.Tensor] = []
+    slot_of: dict[int, int] = {}
+
+    def slot(t: torch.Tensor) -> int:
+        if slot_of.setdefault(id(t), len(outputs)) == len(outputs):
+            outputs.append(t)
+        return slot_of[id(t)]
+
+    slots, kept, objects = [], [], []
+    for pos, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            slots.append(slot(leaf))
+            kept.append(None)
+            continue
+        slots.append(-1)
+        kept.append(leaf if isinstance(leaf, _CONSTANTS) else None)
+        if isinstance(leaf, _CONSTANTS):
+            continue
+        tpl = template(leaf, slot)
+        if isinstance(tpl, str):
+            hf = any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+                     for c in type(leaf).__mro__)
+            return (f"the result holds a {type(leaf).__name__} that holds {tpl}: whole-call graphs return "
+                    "tensors, numbers, strings and None in tuples, lists, dicts, the containers "
+                    "torch.utils._pytree knows and plain objects of them"
+                    + ("; a Hugging Face model's KV cache: call it with use_cache=False, or generate with "
+                       "streamdag.decoder" if hf else ""))
+        objects.append((pos, tpl))
+    reason = _output_refusal(outputs, device, statics, held)
+    return reason or _ResultParts(spec, outputs, kept, slots, objects)
+
+
+def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: list[torch.Tensor],
                     held: list[torch.Tensor]) -> str:
-    """Why outputs cannot come from a replay ('' where they can)."""
+    """Why these output tensors cannot come from a replay ('' where they can)."""
     inputs = {s.untyped_storage().data_ptr() for s in statics} - {0}  # 0: no memory (no elements)
     kept = {t.untyped_storage().data_ptr() for t in held if t.device == device} - {0}
     storages: dict[int, int] = {}
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if leaf.layout != torch.strided:
-                return f"an output is a {leaf.layout} tensor"
-            if leaf.device != device:
-                return f"an output is on {leaf.device}, not on {device}"
-            if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-                return f"an output is a {type(leaf).__name__}, a tensor subclass"
-            ptr = leaf.untyped_storage().data_ptr()
-            if ptr in inputs:
-                return "an output is an input or a view of one: the caller's tensor, not a copy, is returned"
-            if ptr in kept:
-                return "an output is a parameter or buffer or a view of one: the module's tensor is returned"
-            if ptr and storages.setdefault(ptr, id(leaf)) != id(leaf):
-                return "two outputs share memory (one is a view of the other): copies would not"
-        elif not isinstance(leaf, _CONSTANTS):
-            hf = any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-                     for c in type(leaf).__mro__)
-            return (f"the result holds a {type(leaf).__name__}: whole-call graphs return tensors, numbers, "
-                    "strings and None in tuples, lists, dicts and the containers torch.utils._pytree knows"
-                    + ("; a Hugging Face model's KV cache: call it with use_cache=False, or generate with "
-                       "streamdag.decoder" if hf else ""))
+    for leaf in outputs:
+        if leaf.layout != torch.strided:
+            return f"an output is a {leaf.layout} tensor"
+        if leaf.device != device:
+            return f"an output is on {leaf.device}, not on {device}"
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+            return f"an output is a {type(leaf).__name__}, a tensor subclass"
+        ptr = leaf.untyped_storage().data_ptr()
+        if ptr in inputs:
+            return "an output is an input or a view of one: the caller's tensor, not a copy, is returned"
+        if ptr in kept:
+            return "an output is a parameter or buffer or a view of one: the module's tensor is returned"
+        if ptr and storages.setdefault(ptr, id(leaf)) != id(leaf):
+            return "two outputs share memory (one is a view of the other): copies would not"
     return ""

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..native import load_torch
 from .candidates import time_replays
+from .result_objects import rebuild
 
 __all__ = ["CudaCalls", "Entry"]
 
@@ -119,12 +120,13 @@ class Entry:
     clone: bool = True
     inference: bool = False  # the statics are inference tensors: written in inference mode
     replays: int = 0
+    objects: list[tuple[int, Any]] = field(default_factory=list)  # leaves rebuilt around fresh tensors
     speculative: bool = False  # writes nothing outside its own memory: launched before the checks
     held: list[Any] = field(default_factory=list)  # the storages of the tensors its graph reads
     single: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.single = self.spec.is_leaf() and len(self.outputs) == 1
+        self.single = self.spec.is_leaf() and len(self.outputs) == 1 and not self.objects
 
     def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return self.result(self.launch(args, kwargs))
@@ -166,4 +168,6 @@ class Entry:
         for pos, slot in enumerate(self.slots):
             if slot >= 0:
                 leaves[pos] = fresh[slot]
+        for pos, tpl in self.objects:
+            leaves[pos] = rebuild(tpl, fresh)
         return pytree.tree_unflatten(leaves, self.spec)

@@ -1,0 +1,107 @@
+"""Objects in a whole call's result, rebuilt around fresh tensors at each replay.
+
+A model may return an object that ``torch.utils._pytree`` does not know: a
+Hugging Face decoder returns its KV cache (``DynamicCache``: a list of layer
+objects, each holding a key and a value tensor). A replay must hand the
+caller a new such object each call, holding that call's tensors, as the
+model's own call does. So at the capture the object is walked once into a
+template: its tensors become outputs of the graph, its plain values stay,
+and each object, list, tuple and dict in it is rebuilt at every replay: the
+object by ``cls.__new__`` and its attributes set again, as ``copy.deepcopy``
+rebuilds plain objects, without the per-object dispatch of ``deepcopy``.
+
+Classes and functions are kept as they are (``deepcopy`` shares them too).
+What cannot be rebuilt so is refused, with the type named: a module, a
+generator or another callable object, an object with neither ``__dict__``
+nor ``__slots__``, a cycle, or nesting deeper than :data:`MAX_DEPTH`.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_DEPTH", "Template", "rebuild", "template"]
+
+#: the deepest an object's values are walked
+MAX_DEPTH = 8
+
+#: values a template keeps as they are: immutable, or shared by copies as ``copy.deepcopy`` shares them
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum,
+          type, types.FunctionType, types.BuiltinFunctionType)
+
+# a template: ("t", slot) a tensor, ("v", value) a plain value, ("l" | "u", [templates]) a list or tuple,
+# ("d", [(key, template)]) a dict, ("o", cls, [(name, template)], [(slot name, template)]) an object
+Template = tuple
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return names
+
+
+def template(value: Any, slot_of: Callable[[torch.Tensor], int]) -> Template | str:
+    """``value`` as a template, its tensors given slots by ``slot_of``; or why it cannot be rebuilt."""
+    return _walk(value, slot_of, 0, set())
+
+
+def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: set[int]) -> Template | str:
+    if isinstance(value, torch.Tensor):
+        return ("t", slot_of(value))
+    if isinstance(value, _PLAIN):
+        return ("v", value)
+    kind = type(value).__name__
+    if depth >= MAX_DEPTH:
+        return f"a {kind} nested deeper than {MAX_DEPTH} levels"
+    if id(value) in path:
+        return f"a {kind} that holds itself"
+    if isinstance(value, (torch.nn.Module, type)) or callable(value) or hasattr(value, "__next__"):
+        return f"a {kind}"
+    path = path | {id(value)}
+    if type(value) in (list, tuple):
+        parts = [_walk(v, slot_of, depth + 1, path) for v in value]
+        bad = next((p for p in parts if isinstance(p, str)), None)
+        return bad if bad is not None else ("l" if type(value) is list else "u", parts)
+    if type(value) is dict:
+        items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in value.items()]
+        bad = next((p for _, p in items if isinstance(p, str)), None)
+        return bad if bad is not None else ("d", items)
+    attrs = getattr(value, "__dict__", None)
+    slots = _slot_names(type(value))
+    if not isinstance(attrs, dict) and not slots:
+        return f"a {kind}"
+    items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in (attrs or {}).items()]
+    slotted = [(n, _walk(getattr(value, n), slot_of, depth + 1, path)) for n in slots if hasattr(value, n)]
+    bad = next((p for _, p in items + slotted if isinstance(p, str)), None)
+    return bad if bad is not None else ("o", type(value), items, slotted)
+
+
+def rebuild(tpl: Template, fresh: list[torch.Tensor]) -> Any:
+    """A new value of ``tpl``'s shape holding ``fresh``'s tensors in their slots."""
+    kind = tpl[0]
+    if kind == "t":
+        return fresh[tpl[1]]
+    if kind == "v":
+        return tpl[1]
+    if kind == "l":
+        return [rebuild(p, fresh) for p in tpl[1]]
+    if kind == "u":
+        return tuple(rebuild(p, fresh) for p in tpl[1])
+    if kind == "d":
+        return {k: rebuild(p, fresh) for k, p in tpl[1]}
+    _, cls, items, slotted = tpl
+    obj = cls.__new__(cls)
+    if items:
+        obj.__dict__.update({k: rebuild(p, fresh) for k, p in items})
+    for name, p in slotted:
+        object.__setattr__(obj, name, rebuild(p, fresh))
+    return obj
