@@ -898,7 +898,8 @@ def test_on_cuda_a_parameter_replaced_and_its_memory_released_is_read_by_no_repl
 
 
 @pytest.mark.cuda
-def test_on_cuda_a_decoder_returning_its_kv_cache_replays_whole_with_a_new_cache_each_call(no_tf32, fresh_dynamo):
+def test_on_cuda_a_decoder_returning_its_kv_cache_replays_whole_with_a_new_cache_each_call(
+        no_tf32, fresh_dynamo):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
