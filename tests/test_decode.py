@@ -157,7 +157,7 @@ class _CacheKeepingDevice(StandInDevice):
         super().__init__()
         self.slot_of = slot_of
 
-    def capture(self, fn, args, kwargs):
+    def capture(self, fn, args, kwargs, private=False):
         slot = self.slot_of()
         state = [t for x in slot.cache.layers for t in (x.keys, x.values, x.cumulative_length)]
         saved = [t.clone() for t in state]

@@ -22,10 +22,10 @@ class RecordingDevice(FakeDevice):
         self.graphs = []
         self.fail_eager = fail_eager
 
-    def capture(self, fn, args, kwargs):
+    def capture(self, fn, args, kwargs, private=False):
         if self.fail_eager and fn is self.eager:
             raise RuntimeError("operation not permitted when stream is capturing")
-        graph, out = super().capture(fn, args, kwargs)
+        graph, out = super().capture(fn, args, kwargs, private)
         graph.fn, graph.replays, inner = fn, 0, graph.replay
 
         def replay():

@@ -12,8 +12,9 @@ and writes less memory).
 
 Only a module whose submodules are all in eval mode, and whose call writes
 into none of its inputs, parameters or buffers, is captured this way, so the
-extra warm-up calls change nothing. The
-graph runs in the backend's shared pool; the one not kept is dropped at once.
+extra warm-up calls change nothing. The eager graph has a memory pool of
+its own, which goes back whole when streamdag's graph is kept; the one not
+kept is dropped at once.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def capture_eager(fn: Callable[..., Any], dev: Any, args: Sequence[Any],
             for _ in range(WARMUP):
                 fn(*args, **kwargs)
         dev.join(caller, [])
-        return dev.capture(fn, args, kwargs)
+        return dev.capture(fn, args, kwargs, private=True)
     except Exception as exc:  # the eager call cannot be captured: the whole-call graph stays
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"the eager call cannot be captured ({type(exc).__name__}: {first[:160]})"

@@ -73,15 +73,18 @@ class CudaCalls:
         for t in outputs:
             t.record_stream(caller)
 
-    def capture(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """``fn(*args, **kwargs)`` captured into a CUDA graph in the pool: (the graph, its outputs)."""
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                private: bool = False) -> tuple[Any, Any]:
+        """``fn(*args, **kwargs)`` captured into a CUDA graph in the shared pool, or a pool of its own
+        (``private``: all of it goes back when the graph is dropped): (the graph, its outputs)."""
         from ..runtime.capture import _collector_paused, _restore_random_generators
 
         caller = self.caller()
         graph = torch.cuda.CUDAGraph()
+        pool = None if private else self.pool.handle(self.device)
         try:
-            with _collector_paused(), torch.cuda.graph(graph, pool=self.pool.handle(self.device),
-                                                       stream=self.stream, capture_error_mode="thread_local"):
+            with _collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream,
+                                                       capture_error_mode="thread_local"):
                 out = fn(*args, **kwargs)
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
