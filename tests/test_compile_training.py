@@ -145,6 +145,47 @@ def test_a_program_that_owns_its_inputs_drops_each_after_its_last_reader():
     assert alive_at[readers_of_x] and not alive_at[-1]
 
 
+def test_the_last_reader_of_an_owned_input_holds_its_only_reference_and_frees_it_itself():
+    """As Inductor's whole graph frees a buffer after its last use inside its code, a region that
+    is an input's last reader gets it as its only reference: its code (which clears the list it
+    is handed, as Inductor's boxed call does) frees it before the region ends."""
+    def fn(x, y, w):
+        a = (x @ w).relu()  # x's last reader
+        b = (y @ w).tanh()
+        return (a @ w).sum() + (b @ w).sum()
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 16, generator=g) for _ in range(3)]
+    gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    plan = plan_regions(gm, 2, min_stream_share=0.0)
+    freed_inside: list[bool] = []
+    refs: list[weakref.ref] = []
+
+    def region_fn(sub):
+        def run(inputs):
+            values = list(inputs)
+            inputs.clear()
+            out = sub(*values)
+            del values
+            gc.collect()
+            freed_inside.append(refs[0]() is None)  # is x gone before this region returns?
+            return out
+        return run
+
+    compiled = [CompiledRegion(r, region_fn(region_graph(gm, r, [n.meta["val"] for n in r.inputs])))
+                for r in plan.regions]
+    program = RegionProgram(gm, plan, compiled, owns_inputs=True)
+    x = args[0].clone()
+    refs.append(weakref.ref(x))
+    inputs = [x, args[1], args[2]]
+    del x
+    out = program.run(inputs, 1)
+    torch.testing.assert_close(out[0], fn(*args))
+    readers_of_x = max(i for i, c in enumerate(compiled) if gm.graph.find_nodes(op="placeholder")[0]
+                       in c.region.inputs)
+    assert freed_inside[readers_of_x] and not any(freed_inside[:readers_of_x])
+
+
 def test_a_program_of_the_callers_inputs_keeps_them():
     def fn(x, w):
         return (x @ w).relu() + (x @ w.t()).tanh()

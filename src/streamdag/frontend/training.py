@@ -1,4 +1,5 @@
-"""Training graphs: AOTAutograd's forward and backward, each compiled by Inductor and cut into regions.
+"""Training graphs: AOTAutograd's forward and backward, compiled by Inductor, under its CUDA graph
+trees or cut into regions.
 
 With gradients on, AOTAutograd splits each graph Dynamo captures into a forward
 (which returns the outputs and the activations saved for the backward) and a
@@ -6,10 +7,16 @@ backward (which takes those activations and the outputs' gradients), and calls
 the inner compiler on each: the forward at once, the backward at the first
 ``loss.backward()`` that reaches it. Each becomes a :class:`TrainingGraph`:
 
-* Inductor's code for the whole graph, one stream, as ``torch.compile`` runs it;
+* Inductor's code for the whole graph, one stream, as ``torch.compile`` runs it.
+  On a single CUDA device it is compiled as ``mode="reduce-overhead"`` compiles
+  it, under Inductor's CUDA graph trees (the candidate ``cudagraphs``): the
+  trees run a graph eagerly at its first call, record it at its second and
+  replay it from then on, all graphs of a thread in one memory pool, and they
+  keep a forward's saved activations in that pool, unwritten, until its
+  backward has read them;
 * where the region planner finds independent branches (a backward's weight and
   input gradients, a forward's parallel convolutions), the graph cut into regions,
-  each compiled by Inductor, run on several streams on CUDA
+  each compiled by Inductor, run on several streams on CUDA, uncaptured
   (:class:`~.inductor_regions.RegionProgram`).
 
 Activations pass from the forward to the backward as AOTAutograd passes them:
@@ -18,31 +25,50 @@ of a forward's regions gets the strides Inductor's whole graph gave it, since
 the backward is compiled (once) for the saved activations' strides, so either
 forward candidate feeds either backward candidate.
 
+**The trees.** A backward is compiled under the trees only where its forward
+runs under them (its saved activations then live at the addresses the trees
+recorded): where the forward's regions were chosen, or the trees refused the
+forward, the backward is compiled uncaptured. A backward after a forward under
+the trees runs Inductor's whole graph, not regions: the trees replay a forward
+and then its backward, and timing a backward would replay it without its
+forward. Where Inductor's trees refuse a graph (a CPU tensor in it, an operator
+they cannot capture) it runs uncaptured and ``explain()`` gives Inductor's
+reason; a call the trees skip at run time (an input written in place that is
+not a parameter or buffer) runs uncaptured too, and is counted
+(``statistics().tree_skips``, from Inductor's ``cudagraph_skips`` counter). The
+outputs other than the saved activations (the loss, the gradients) are copies
+out of the pool, unless ``clone_outputs=False``: the next replay overwrites the
+pool, and a loss kept across steps, or a ``.grad`` that the next micro-batch's
+backward adds to (AccumulateGrad keeps the tensor it is handed), must not
+change with it. Batch norm's running statistics are buffers, which the trees
+let a graph write in place; dropout's seeds come from the generator at each
+replay, as an uncaptured call takes them.
+
 **Choosing.** At a graph's first call on one CUDA device, each candidate runs
 ``rounds`` times, interleaved, timed by CUDA events on the caller's stream, and
-``candidates.pick`` keeps the fastest: the one-stream Inductor graph is always a
-candidate, a candidate on more streams must beat the best on fewer by more than
-``tie``, and one whose peak memory exceeds ``memory_ratio`` times the one-stream
-peak (the graph's inputs counted with each) is not kept. The timing runs repeat
-the graph: inputs it writes in place (batch norm's running statistics) are put
-back after each run, and the random number generators' states after the last,
-so the call that follows computes what a call without the timing would. Peaks are
-read with ``torch.cuda.reset_peak_memory_stats``: the first call of a training
-graph on CUDA resets the device's peak memory statistics. Nothing is captured
-into a CUDA graph: a captured forward's outputs would live in the graph's pool
-and be overwritten by the next replay while a backward still needs them. Off a
-single CUDA device the whole graph runs (or the regions, where ``candidates``
-keeps only them, as tests do).
+``candidates.pick`` keeps the fastest: the one-stream Inductor graph (under the
+trees, or not) is always a candidate, a candidate on more streams must beat the
+best on fewer by more than ``tie``, and one whose peak memory exceeds
+``memory_ratio`` times the one-stream peak (the graph's inputs counted with
+each) is not kept. The candidate under the trees runs three times untimed
+first (warm-up, recording, a replay), so that its rounds time replays. The
+timing runs repeat the graph: inputs it writes in place (batch norm's running
+statistics) are put back after each run, and the random number generators'
+states after the last, so the call that follows computes what a call without
+the timing would. Peaks are read with ``torch.cuda.reset_peak_memory_stats``:
+the first call of a training graph on CUDA with several candidates resets the
+device's peak memory statistics. A graph with one candidate (no regions) runs
+it untimed. Off a single CUDA device the whole graph runs (or the regions,
+where ``candidates`` keeps only them, as tests do).
 
-**Memory.** A region program frees what it made after its last reader, and, as
-Inductor's whole graph does with the inputs AOTAutograd hands it, drops each
-input (a saved activation) after its last reader, so no activation lives longer
-than one-stream order would keep it. A value dropped by a stream other than the
-one that read it is marked with ``record_stream`` for each reading stream: the
-caching allocator gives its memory back only once those streams' queued work
-is done, which bounds the extra lifetime by the overlap the streams add, and the
-memory rule above rejects a candidate whose overlap costs more than
-``memory_ratio``.
+**Memory.** A region program hands each value it made, and, as Inductor's
+whole graph does with the inputs AOTAutograd hands it, each input (a saved
+activation), to its last reader as that region's only reference, so the
+region's code frees it after its own last use; a value read on another stream
+than the one that made it is marked with ``record_stream`` first
+(:mod:`.inductor_regions`). The memory rule above rejects a candidate whose
+overlap, or whose cuts (a concatenation's inputs made in other regions than the
+concatenation), cost more than ``memory_ratio``.
 
 **Random numbers.** A graph with random operators (dropout) is not cut into
 regions: Inductor draws one seed per graph call and derives every random
