@@ -96,6 +96,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo.utils import counters as _COUNTERS  # Inductor's counts, cudagraph_skips among them
 from torch.fx import GraphModule
 
 from .._diagnostics import warn
@@ -169,9 +170,7 @@ class TrainingGraph:
         read around the call. Outputs other than saved activations are copied out of the trees'
         pool (``clone_outputs``): the next replay overwrites the pool, and a loss kept across steps
         or a ``.grad`` accumulated into over micro-batches must not change with it."""
-        from torch._dynamo.utils import counters
-
-        inductor = counters["inductor"]
+        inductor = _COUNTERS["inductor"]
         skips = inductor["cudagraph_skips"]
         out = self.whole(args)
         self.tree_calls += 1
