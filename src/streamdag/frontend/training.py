@@ -239,7 +239,7 @@ class TrainingGraph:
         if self.captured:
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
-                         "trees and run uncaptured (TORCH_LOGS=perf_hints says why)")
+                         "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
         elif self.tree_note:
             lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
