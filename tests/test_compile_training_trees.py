@@ -18,6 +18,7 @@ import streamdag as sd
 torch = pytest.importorskip("torch")
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from streamdag.frontend.candidates import Candidate  # noqa: E402
 from streamdag.frontend.inner_compile import Options  # noqa: E402
@@ -27,6 +28,7 @@ from streamdag.frontend.training import (  # noqa: E402
     TrainingGraph,
     _copies,
     _why_not_trees,
+    compile_training,
 )
 
 
@@ -135,6 +137,82 @@ def test_a_backward_is_put_under_the_trees_only_where_its_forward_runs_under_the
     forward.captured, forward.chosen = False, None
     assert "uncaptured" in _why_not_trees("backward", x, Options(), False, forward)
     assert "uncaptured" in _why_not_trees("backward", x, Options(), False, None)
+
+
+class FakeInductor:
+    """Stands for ``compile_fx_inner``: records what each compile was asked and under which
+    configuration; ``refuse`` turns the box off as Inductor does for a graph its trees refuse."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls: list[dict] = []
+        self.refuse = refuse
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        from torch._inductor import config
+
+        self.calls.append({**kwargs, "config_cudagraphs": config.triton.cudagraphs,
+                           "config_trees": config.triton.cudagraph_trees})
+        if self.refuse and kwargs["cudagraphs"]:
+            kwargs["cudagraphs"].value = False
+        out = lambda args: [None]  # noqa: E731
+        out.disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (x)" if self.refuse else None
+        return out
+
+
+def tiny_graph(returns: int = 1):
+    """An FX graph of two outputs; the first ``returns`` are the forward's returns."""
+    gm = make_fx(lambda x: (x.sin(), x.cos()), tracing_mode="fake",
+                 _allow_non_fake_inputs=True)(torch.randn(2))
+    out = next(iter(reversed(gm.graph.nodes)))
+    out.meta["user_visible_output_idxs"] = list(range(returns))
+    return gm
+
+
+def test_a_forward_and_its_backward_are_compiled_as_reduce_overhead_compiles_them(monkeypatch):
+    """The forward's box is on, Inductor's configuration is reduce-overhead's while it compiles,
+    and the backward shares the forward's device index box (Inductor's trees find their manager
+    through it); the configuration is put back after."""
+    from torch._inductor import config
+    from torch._inductor.utils import BoxedBool
+
+    fake_inductor = FakeInductor()
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", fake_inductor)
+    options = Options(regions="never")
+    x = [fake("cuda", 2)]
+    shared = BoxedBool(False)  # compile_fx's own box (its configuration has cudagraphs off)
+    fw = compile_training(tiny_graph(), x, options, {"cudagraphs": shared, "is_inference": False}, 0)
+    bw = compile_training(tiny_graph(), x, options, {"cudagraphs": shared, "is_backward": True}, 1,
+                          forward=fw)
+    first, second = fake_inductor.calls
+    assert first["cudagraphs"] and first["config_cudagraphs"] and first["config_trees"]
+    assert second["cudagraphs"] and second["config_cudagraphs"]
+    assert first["boxed_forward_device_index"] is second["boxed_forward_device_index"] is not None
+    assert fw.captured and bw.captured and fw.copied == 1 and bw.copied is None
+    assert not shared  # compile_fx's box is not the one switched on
+    assert not config.triton.cudagraphs
+
+
+def test_a_graph_inductors_trees_refuse_runs_uncaptured_with_inductors_reason(monkeypatch):
+    fake_inductor = FakeInductor(refuse=True)
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", fake_inductor)
+    options = Options(regions="never")
+    fw = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_inference": False}, 0)
+    bw = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_backward": True}, 1, forward=fw)
+    assert not fw.captured and "cpu device" in fw.explain() and "refused" in fw.explain()
+    assert not fake_inductor.calls[1]["cudagraphs"]  # nor is its backward put under the trees
+    assert not fake_inductor.calls[1]["config_cudagraphs"]
+    assert not bw.captured and "its forward runs uncaptured" in bw.explain()
+    fw._streams = 0
+    assert fw._candidates()[0].label == "inductor"
+
+
+def test_on_the_cpu_nothing_is_compiled_under_the_trees_and_explain_says_nothing_of_them(monkeypatch):
+    fake_inductor = FakeInductor()
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", fake_inductor)
+    options = Options(regions="never")
+    fw = compile_training(tiny_graph(), [fake("cpu", 2)], options, {"is_inference": False}, 0)
+    assert not fake_inductor.calls[0]["cudagraphs"] and not fake_inductor.calls[0]["config_cudagraphs"]
+    assert not fw.captured and "trees" not in fw.explain()
 
 
 def test_the_candidate_under_the_trees_is_named_for_its_kind():
