@@ -180,7 +180,7 @@ class TrainingGraph:
             return out
         out = list(out)
         if self._copy_at is None:  # which outputs are tensors is the same at every call
-            n = len(out) if self.copied is None else self.copied
+            n = len(out) if self.copied is None else min(self.copied, len(out))
             self._copy_at = [i for i in range(n) if isinstance(out[i], torch.Tensor)]
         for i, t in zip(self._copy_at, _copies([out[i] for i in self._copy_at])):
             out[i] = t
