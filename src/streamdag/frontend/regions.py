@@ -196,8 +196,12 @@ def _units(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
         users = {anchor[u] for u in n.users if u in inside}
         if len(users) == 1 and len(n.users) == len(users) and all(u in inside for u in n.users):
             anchor[n] = next(iter(users))
-    if not any(map(_is_barrier, nodes)):  # (a barrier's order with the reads around it is by graph order)
-        _fuse_flopless(nodes, anchor, inside)
+    # a barrier keeps its order with the reads around it by graph order, which fusing across it
+    # could change; barriers that only end the graph (AOTAutograd's copy_ into mutated inputs:
+    # batch norm's running statistics in a training forward) leave the ops before them to fuse
+    first = next((i for i, n in enumerate(nodes) if _is_barrier(n)), len(nodes))
+    if all(_is_barrier(n) for n in nodes[first:]):
+        _fuse_flopless(nodes[:first], anchor, set(nodes[:first]))
     return {n: _root(anchor, n) for n in nodes}
 
 
