@@ -10,7 +10,11 @@ and waits only at its start and is waited on only at its end.
    boundary carries a tuple or a lone view. Ops without FLOPs of their own
    (pointwise, reductions, pools) join the unit whose kernels Inductor fuses
    them into (:func:`_fuse_flopless`): a unit is a convolution or matmul with
-   its epilogue, or a join of branches. Units are numbered in a topological
+   its epilogue, or a join of branches. (Where the graph writes in place
+   between other ops, nothing joins: a write orders the reads around it by
+   graph order. Writes that only end the graph, as a training forward's
+   ``copy_`` into batch norm's running statistics does, let the ops before
+   them join.) Units are numbered in a topological
    order, graph order where it leaves a choice.
 2. Each unit gets an estimated cost (FLOPs and bytes, see :func:`node_cost_ms`,
    calibrated on Inductor's times at batch 1).
