@@ -452,12 +452,15 @@ def _trees_config(on: bool) -> Any:
 
 
 def _refusal(whole: Any) -> str:
-    """Inductor's reason for not putting a compiled graph under the trees."""
+    """Inductor's reason for not putting a compiled graph under the trees, on one line (its
+    stack trace cut: ``TORCH_LOGS=cudagraphs`` logs it whole)."""
     reason = getattr(whole, "disabled_cudagraphs_reason", None)
     info = getattr(whole, "cudagraph_info", None)
     fails = getattr(info, "cudagraph_fail_reasons", None) if info is not None else None
-    text = reason or "; ".join(str(f) for f in fails or ()) or "no part of the graph can be captured"
-    return " ".join(str(text).split())
+    text = " ".join(str(reason or "; ".join(str(f) for f in fails or ())).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text or "no part of the graph can be captured"
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
