@@ -7,8 +7,8 @@ TF32, or bf16 under ``torch.autocast``) and batch, in one run:
 * ``eager``: the module as written;
 * ``inductor``: ``torch.compile(model)``;
 * ``inductor_ro``: ``torch.compile(model, mode="reduce-overhead")`` (CUDA graph trees);
-* ``streamdag``: ``streamdag.compile(model)`` (forward and backward regions on streams,
-  candidates timed at the first call).
+* ``streamdag``: ``streamdag.compile(model)`` (on CUDA Inductor's code under CUDA graph
+  trees, as ``inductor_ro``, against the forward's regions on streams, timed at the first call).
 
 Each variant trains its own copy of the model from the same weights. The first
 step's gradients of each compiled variant are compared with eager's
@@ -18,9 +18,10 @@ of wall time per step between ``torch.cuda.synchronize()`` calls, variants
 interleaved round by round after three warm-up steps each (which compile, and
 capture or choose candidates). ``peak_mib`` is the peak memory of one step after
 the warm-up over what was allocated before it (the weights, the optimizer state
-and the variants set up before it are not counted). Models come from ``bench/zoo.py`` (random
-weights, no downloads); ``tiny`` is a small branchy conv net that also runs on
-the CPU, where ``--quick`` trains it for a smoke check in a few minutes.
+and the variants set up before it are not counted; a variant under CUDA graph trees replays
+into memory its pool reserved when it recorded, which allocated bytes need not show). Models
+come from ``bench/zoo.py`` (random weights, no downloads); ``tiny`` is a small branchy conv
+net that also runs on the CPU, where ``--quick`` trains it for a smoke check in a few minutes.
 
     PYTHONPATH=src python bench/train.py --quick              # the CPU, or a GPU: tiny only
     PYTHONPATH=src python bench/train.py --models resnet50,bert --dtypes bf16 --batches 8

@@ -114,6 +114,32 @@ def test_a_chain_stays_one_region_on_one_stream():
     assert plan.streams == 1 and len(plan.regions) == 1 and plan.gain == 0
 
 
+def test_writes_that_only_end_a_graph_leave_its_ops_without_flops_to_join_their_neighbours():
+    """A training forward ends with AOTAutograd's ``copy_`` into the inputs it mutates (batch
+    norm's running statistics): the activations and joins before it are cut as they are without
+    the writes, not one region per pointwise op (each a tensor of its own, which Inductor's
+    whole graph fuses away)."""
+    w1, w2 = torch.randn(32, 32), torch.randn(32, 32)
+
+    def branches(x, w1, w2):  # two branches and a normalization of their join, as a batch norm's
+        y = torch.cat([torch.relu(x @ w1), torch.tanh(x @ w2)], 1)
+        return ((y - y.mean(0)) * torch.rsqrt(y.var(0) + 1e-5)).relu().sum(1)
+
+    def updating(x, w1, w2, stat):
+        y = branches(x, w1, w2)
+        stat.copy_(y)
+        return y
+
+    x, stat = torch.randn(64, 32), torch.zeros(64)
+    plain = plan_regions(traced(branches, [x, w1, w2]), max_streams=4, min_stream_share=0.0)
+    written = plan_regions(traced(updating, [x, w1, w2, stat]), max_streams=4, min_stream_share=0.0)
+    assert plain.streams == written.streams == 2
+    copy_ = torch.ops.aten.copy_.default
+    cut = [[n.name for n in r.nodes if n.target is not copy_] for r in written.regions]
+    assert cut == [[n.name for n in r.nodes] for r in plain.regions], (plain, written)
+    assert written.regions[-1].nodes[-1].target is copy_
+
+
 def test_a_branch_with_a_negligible_share_of_the_work_goes_back_to_stream_zero():
     big, small = torch.randn(1024, 1024), torch.randn(1024, 1)
 

@@ -68,7 +68,9 @@ def engine_from(engine: str | None) -> str:
 class V2Statistics:
     """Counts of one backend: ``graphs`` compiled (one per Dynamo capture: a recompile adds one),
     ``calls`` of them, and ``eager_calls``: calls of the model ``streamdag.compile`` returned that
-    ran none of them (Dynamo ran the code as written)."""
+    ran none of them (Dynamo ran the code as written). ``tree_calls``: calls of training forwards and
+    backwards that ran under Inductor's CUDA graph trees (:mod:`.training`), ``tree_skips`` of them
+    the trees ran uncaptured."""
 
     graphs: int = 0
     calls: int = 0
@@ -81,6 +83,8 @@ class V2Statistics:
     eager_calls: int = 0
     whole_captures: int = 0
     whole_replays: int = 0
+    tree_calls: int = 0
+    tree_skips: int = 0
 
 
 class _GraphsRun(threading.local):
@@ -178,8 +182,11 @@ class GraphRunner:
             if self.options.candidates is not None and "regions" in self.options.candidates:
                 cands.append(Candidate("regions x1", 1, use(1)))
         if self.options.candidates is not None:
+            # ("cudagraphs" names a training graph's candidate: an inference graph's Inductor code
+            # is captured into a CUDA graph anyway)
             kept = [c for c in cands if c.label in self.options.candidates
-                    or c.label.split(" ")[0] in self.options.candidates]
+                    or c.label.split(" ")[0] in self.options.candidates
+                    or (c.label == "inductor" and "cudagraphs" in self.options.candidates)]
             wants_regions = any(w.split(" ")[0] == "regions" for w in self.options.candidates)
             if not kept and wants_regions:
                 why = (sw.region_note if sw.program is None
@@ -443,7 +450,12 @@ class StreamdagBackend:
         return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
     def statistics(self) -> V2Statistics:
-        return V2Statistics(**vars(self.stats))
+        stats = V2Statistics(**vars(self.stats))
+        for r in self.runners:
+            for t in getattr(r, "training", ()):
+                stats.tree_calls += t.tree_calls
+                stats.tree_skips += t.tree_skips
+        return stats
 
 
 _DEFAULT: StreamdagBackend | None = None

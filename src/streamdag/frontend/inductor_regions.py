@@ -21,15 +21,21 @@ hand its memory to the next region of the making stream while a reader may still
 run (during a capture that memory is not reused at all). On the CPU the regions
 run one after another, in graph order or in any order the waits allow.
 
-Memory: every value the regions make is dropped after the last region that
-reads it, in graph order, as Inductor's whole graph frees its buffers. A
-program that owns its inputs (a training graph's: AOTAutograd hands the
-backward its saved activations and keeps no reference) drops each input after
-its last reader too, so no activation outlives its last use by more than the
-region that reads it. With ``record_stream``, a dropped value's memory goes
-back to the allocator once the streams that read it have done the work queued
-so far: what several streams hold at once beyond one stream's order is the
-values of regions that overlap, which the candidates' memory rule bounds.
+Memory: every value the regions make is handed to the last region that reads
+it, in graph order, as that region's only reference (Inductor's boxed call
+takes its inputs' list and clears it), so the region's code frees it after its
+own last use, as Inductor's whole graph frees its buffers. A program that owns
+its inputs (a training graph's: AOTAutograd hands the backward its saved
+activations and keeps no reference) hands each input over the same way, so no
+activation outlives its last use. A value read on a stream other than the one
+that made it is marked with ``record_stream`` for each reading stream before it
+is handed over: the allocator reuses its memory once those streams have done
+the work queued when it was freed. That delay keeps the memory reserved, not
+allocated (the allocator counts a block as allocated until it is freed), so
+what several streams hold at once beyond one stream's order, in allocated
+bytes, is the values of regions that overlap and what cutting a graph costs
+(a region's output cannot be written straight into the buffer of a
+concatenation in another region), which the candidates' memory rule bounds.
 """
 
 from __future__ import annotations
@@ -270,12 +276,14 @@ class RegionProgram:
     def _run_serial(self, args: list[Any], order: Sequence[int] | None) -> list[Any]:
         env = self._env(args)
         for r in range(len(self.compiled)) if order is None else order:
-            outs = self.compiled[r].fn([env[s] for s in self.input_slots[r]])
+            inputs = [env[s] for s in self.input_slots[r]]
+            if order is None:  # last uses are counted in index order
+                for s in self.free_after[r]:  # the region's list holds the last reference
+                    env[s] = None
+            outs = self.compiled[r].fn(inputs)
+            del inputs
             for s, v in zip(self.output_slots[r], outs):
                 env[s] = v
-            if order is None:  # last uses are counted in index order
-                for s in self.free_after[r]:
-                    env[s] = None
         return self._finish(env)
 
     def interleaving(self, streams: int, seed: int) -> list[int]:
@@ -313,17 +321,19 @@ class RegionProgram:
         try:
             for r in range(len(self.compiled)):  # index order is a topological order
                 stream = streams[stream_of[r]]
+                inputs = [env[s] for s in self.input_slots[r]]
+                for s in self.free_after[r]:  # the region's list holds the last reference
+                    self._mark_readers(env[s], s, stream_of, streams)
+                    env[s] = None
                 with torch.cuda.stream(stream):
                     for w in sched.waits[r]:
                         stream.wait_event(events[w])
-                    outs = self.compiled[r].fn([env[s] for s in self.input_slots[r]])
+                    outs = self.compiled[r].fn(inputs)
+                    del inputs
                     if events[r] is not None:
                         events[r].record(stream)
                 for s, v in zip(self.output_slots[r], outs):
                     env[s] = v
-                for s in self.free_after[r]:
-                    self._mark_readers(env[s], s, stream_of, streams)
-                    env[s] = None
             for s, _ in self.result:  # outputs made on a side stream are used on the caller's
                 if s >= self.num_inputs and stream_of[self.producer[s]] != 0 \
                         and isinstance(env[s], torch.Tensor):

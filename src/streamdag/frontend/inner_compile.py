@@ -33,7 +33,9 @@ class Options:
     streams: int = 4
     regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
     min_gain: float = MIN_GAIN
-    candidates: tuple[str, ...] | None = None  # labels or kinds to keep, e.g. ("regions",), ("regions x2",)
+    # labels or kinds to keep, e.g. ("regions",), ("regions x2",), ("cudagraphs",) (training graphs
+    # under Inductor's CUDA graph trees)
+    candidates: tuple[str, ...] | None = None
     clone_outputs: bool = True
     max_captures: int = 4
     rounds: int = 10
@@ -100,7 +102,9 @@ def inner_compile(gm: GraphModule, example_inputs: Sequence[Any], *, options: Op
     if kwargs.get("is_backward") or not kwargs.get("is_inference"):
         from .training import compile_training
 
-        graph = compile_training(gm, example_inputs, options, kwargs, len(trained), on_double_backward)
+        forward = next((g for g in trained if g.kind == "forward"), None)
+        graph = compile_training(gm, example_inputs, options, kwargs, len(trained), on_double_backward,
+                                 forward if kwargs.get("is_backward") else None)
         trained.append(graph)
         return graph
     t0 = time.perf_counter()

@@ -10,7 +10,11 @@ and waits only at its start and is waited on only at its end.
    boundary carries a tuple or a lone view. Ops without FLOPs of their own
    (pointwise, reductions, pools) join the unit whose kernels Inductor fuses
    them into (:func:`_fuse_flopless`): a unit is a convolution or matmul with
-   its epilogue, or a join of branches. Units are numbered in a topological
+   its epilogue, or a join of branches. (Where the graph writes in place
+   between other ops, nothing joins: a write orders the reads around it by
+   graph order. Writes that only end the graph, as a training forward's
+   ``copy_`` into batch norm's running statistics does, let the ops before
+   them join.) Units are numbered in a topological
    order, graph order where it leaves a choice.
 2. Each unit gets an estimated cost (FLOPs and bytes, see :func:`node_cost_ms`,
    calibrated on Inductor's times at batch 1).
@@ -196,8 +200,12 @@ def _units(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
         users = {anchor[u] for u in n.users if u in inside}
         if len(users) == 1 and len(n.users) == len(users) and all(u in inside for u in n.users):
             anchor[n] = next(iter(users))
-    if not any(map(_is_barrier, nodes)):  # (a barrier's order with the reads around it is by graph order)
-        _fuse_flopless(nodes, anchor, inside)
+    # a barrier keeps its order with the reads around it by graph order, which fusing across it
+    # could change; barriers that only end the graph (AOTAutograd's copy_ into mutated inputs:
+    # batch norm's running statistics in a training forward) leave the ops before them to fuse
+    first = next((i for i, n in enumerate(nodes) if _is_barrier(n)), len(nodes))
+    if all(_is_barrier(n) for n in nodes[first:]):
+        _fuse_flopless(nodes[:first], anchor, set(nodes[:first]))
     return {n: _root(anchor, n) for n in nodes}
 
 

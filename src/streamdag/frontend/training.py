@@ -1,4 +1,5 @@
-"""Training graphs: AOTAutograd's forward and backward, each compiled by Inductor and cut into regions.
+"""Training graphs: AOTAutograd's forward and backward, compiled by Inductor, under its CUDA graph
+trees or cut into regions.
 
 With gradients on, AOTAutograd splits each graph Dynamo captures into a forward
 (which returns the outputs and the activations saved for the backward) and a
@@ -6,10 +7,16 @@ backward (which takes those activations and the outputs' gradients), and calls
 the inner compiler on each: the forward at once, the backward at the first
 ``loss.backward()`` that reaches it. Each becomes a :class:`TrainingGraph`:
 
-* Inductor's code for the whole graph, one stream, as ``torch.compile`` runs it;
+* Inductor's code for the whole graph, one stream, as ``torch.compile`` runs it.
+  On a single CUDA device it is compiled as ``mode="reduce-overhead"`` compiles
+  it, under Inductor's CUDA graph trees (the candidate ``cudagraphs``): the
+  trees run a graph eagerly at its first call, record it at its second and
+  replay it from then on, all graphs of a thread in one memory pool, and they
+  keep a forward's saved activations in that pool, unwritten, until its
+  backward has read them;
 * where the region planner finds independent branches (a backward's weight and
   input gradients, a forward's parallel convolutions), the graph cut into regions,
-  each compiled by Inductor, run on several streams on CUDA
+  each compiled by Inductor, run on several streams on CUDA, uncaptured
   (:class:`~.inductor_regions.RegionProgram`).
 
 Activations pass from the forward to the backward as AOTAutograd passes them:
@@ -18,31 +25,50 @@ of a forward's regions gets the strides Inductor's whole graph gave it, since
 the backward is compiled (once) for the saved activations' strides, so either
 forward candidate feeds either backward candidate.
 
+**The trees.** A backward is compiled under the trees only where its forward
+runs under them (its saved activations then live at the addresses the trees
+recorded): where the forward's regions were chosen, or the trees refused the
+forward, the backward is compiled uncaptured. A backward after a forward under
+the trees runs Inductor's whole graph, not regions: the trees replay a forward
+and then its backward, and timing a backward would replay it without its
+forward. Where Inductor's trees refuse a graph (a CPU tensor in it, an operator
+they cannot capture) it runs uncaptured and ``explain()`` gives Inductor's
+reason; a call the trees skip at run time (an input written in place that is
+not a parameter or buffer) runs uncaptured too, and is counted
+(``statistics().tree_skips``, from Inductor's ``cudagraph_skips`` counter). The
+outputs other than the saved activations (the loss, the gradients) are copies
+out of the pool, unless ``clone_outputs=False``: the next replay overwrites the
+pool, and a loss kept across steps, or a ``.grad`` that the next micro-batch's
+backward adds to (AccumulateGrad keeps the tensor it is handed), must not
+change with it. Batch norm's running statistics are buffers, which the trees
+let a graph write in place; dropout's seeds come from the generator at each
+replay, as an uncaptured call takes them.
+
 **Choosing.** At a graph's first call on one CUDA device, each candidate runs
 ``rounds`` times, interleaved, timed by CUDA events on the caller's stream, and
-``candidates.pick`` keeps the fastest: the one-stream Inductor graph is always a
-candidate, a candidate on more streams must beat the best on fewer by more than
-``tie``, and one whose peak memory exceeds ``memory_ratio`` times the one-stream
-peak (the graph's inputs counted with each) is not kept. The timing runs repeat
-the graph: inputs it writes in place (batch norm's running statistics) are put
-back after each run, and the random number generators' states after the last,
-so the call that follows computes what a call without the timing would. Peaks are
-read with ``torch.cuda.reset_peak_memory_stats``: the first call of a training
-graph on CUDA resets the device's peak memory statistics. Nothing is captured
-into a CUDA graph: a captured forward's outputs would live in the graph's pool
-and be overwritten by the next replay while a backward still needs them. Off a
-single CUDA device the whole graph runs (or the regions, where ``candidates``
-keeps only them, as tests do).
+``candidates.pick`` keeps the fastest: the one-stream Inductor graph (under the
+trees, or not) is always a candidate, a candidate on more streams must beat the
+best on fewer by more than ``tie``, and one whose peak memory exceeds
+``memory_ratio`` times the one-stream peak (the graph's inputs counted with
+each) is not kept. The candidate under the trees runs three times untimed
+first (warm-up, recording, a replay), so that its rounds time replays. The
+timing runs repeat the graph: inputs it writes in place (batch norm's running
+statistics) are put back after each run, and the random number generators'
+states after the last, so the call that follows computes what a call without
+the timing would. Peaks are read with ``torch.cuda.reset_peak_memory_stats``:
+the first call of a training graph on CUDA with several candidates resets the
+device's peak memory statistics. A graph with one candidate (no regions) runs
+it untimed. Off a single CUDA device the whole graph runs (or the regions,
+where ``candidates`` keeps only them, as tests do).
 
-**Memory.** A region program frees what it made after its last reader, and, as
-Inductor's whole graph does with the inputs AOTAutograd hands it, drops each
-input (a saved activation) after its last reader, so no activation lives longer
-than one-stream order would keep it. A value dropped by a stream other than the
-one that read it is marked with ``record_stream`` for each reading stream: the
-caching allocator gives its memory back only once those streams' queued work
-is done, which bounds the extra lifetime by the overlap the streams add, and the
-memory rule above rejects a candidate whose overlap costs more than
-``memory_ratio``.
+**Memory.** A region program hands each value it made, and, as Inductor's
+whole graph does with the inputs AOTAutograd hands it, each input (a saved
+activation), to its last reader as that region's only reference, so the
+region's code frees it after its own last use; a value read on another stream
+than the one that made it is marked with ``record_stream`` first
+(:mod:`.inductor_regions`). The memory rule above rejects a candidate whose
+overlap, or whose cuts (a concatenation's inputs made in other regions than the
+concatenation), cost more than ``memory_ratio``.
 
 **Random numbers.** A graph with random operators (dropout) is not cut into
 regions: Inductor draws one seed per graph call and derives every random
@@ -60,6 +86,7 @@ model run eagerly, with gradients on, from its next call.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import threading
@@ -69,12 +96,20 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo.utils import counters as _COUNTERS  # Inductor's counts, cudagraph_skips among them
 from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from .candidates import Candidate, pick
 
-__all__ = ["TrainingGraph", "compile_training"]
+__all__ = ["TREES", "TrainingGraph", "compile_training"]
+
+#: the label of the candidate that runs Inductor's one-stream code under Inductor's CUDA graph
+#: trees, as ``torch.compile(mode="reduce-overhead")`` does
+TREES = "cudagraphs"
+#: untimed runs of that candidate before it is timed: the trees run a function eagerly at its first
+#: call (warm-up), record it at its second and replay it from its third
+TREE_WARMUP = 3
 
 
 class TrainingGraph:
@@ -99,6 +134,14 @@ class TrainingGraph:
         self.chosen: Candidate | None = None
         self.note: str = ""
         self.calls: int = 0
+        # ``whole`` under Inductor's cudagraph trees: whether it is, why not, and what it did
+        self.captured = False
+        self.tree_note = ""
+        self.device_box: Any = None  # Inductor's BoxedDeviceIndex, shared by a forward and its backward
+        self.copied: int | None = None  # outputs copied out of the trees' pool: the first n (None: all)
+        self.tree_calls = 0
+        self.tree_skips = 0
+        self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
 
@@ -116,10 +159,32 @@ class TrainingGraph:
 
     def _run(self, args: list[Any], streams: int) -> Any:
         if streams == 0:
-            return self.whole(args)
+            return self._run_trees(args) if self.captured else self.whole(args)
         inputs = list(args)
         args.clear()  # the boxed convention: the callee owns the inputs and frees them after use
         return self.program.run(inputs, streams)
+
+    def _run_trees(self, args: list[Any]) -> Any:
+        """``whole`` under the trees. The trees skip a call they cannot replay (an input written in
+        place that is no parameter, say) and log it in Inductor's ``cudagraph_skips`` counter: it is
+        read around the call. Outputs other than saved activations are copied out of the trees'
+        pool (``clone_outputs``): the next replay overwrites the pool, and a loss kept across steps
+        or a ``.grad`` accumulated into over micro-batches must not change with it."""
+        inductor = _COUNTERS["inductor"]
+        skips = inductor["cudagraph_skips"]
+        out = self.whole(args)
+        self.tree_calls += 1
+        if inductor["cudagraph_skips"] != skips:
+            self.tree_skips += 1
+        if not self.options.clone_outputs:
+            return out
+        out = list(out)
+        if self._copy_at is None:  # which outputs are tensors is the same at every call
+            n = len(out) if self.copied is None else min(self.copied, len(out))
+            self._copy_at = [i for i in range(n) if isinstance(out[i], torch.Tensor)]
+        for i, t in zip(self._copy_at, _copies([out[i] for i in self._copy_at])):
+            out[i] = t
+        return out
 
     def _double_backward(self) -> None:
         message = ("a backward with create_graph=True ran through a compiled training graph: its "
@@ -136,7 +201,7 @@ class TrainingGraph:
         def use(streams: int) -> Callable[[list[Any]], Any]:
             return lambda args: self._run(args, streams)
 
-        cands = [Candidate("inductor", 1, use(0))]
+        cands = [Candidate(TREES if self.captured else "inductor", 1, use(0))]
         wanted = self.options.candidates
         if self.program is not None:
             top = min(self.options.streams, self.program.plan.streams)
@@ -146,7 +211,8 @@ class TrainingGraph:
         if wanted is not None:
             kept = [c for c in cands if c.label in wanted or c.label.split(" ")[0] in wanted]
             if not kept:
-                self.note = f"no candidate of {wanted!r} for this graph ({self.region_note}): Inductor's runs"
+                self.note = (f"no candidate of {wanted!r} for this graph ({self.region_note}): "
+                             f"{cands[0].label} runs")
             cands = kept or cands[:1]
         return cands
 
@@ -155,13 +221,13 @@ class TrainingGraph:
         self.candidates = cands
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
         if len(cands) == 1 or len(devices) != 1 or next(iter(devices)).type != "cuda":
-            best = next((c for c in cands if c.label == "inductor"), cands[0])
+            best = next((c for c in cands if c.label in (TREES, "inductor")), cands[0])
             if len(cands) > 1:
                 self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
         else:
             best = cands[_time(cands, args, next(iter(devices)), self.written, self.options)]
         self.chosen = best
-        return 0 if best.label == "inductor" else best.streams
+        return 0 if best.label in (TREES, "inductor") else best.streams
 
     def explain(self) -> str:
         lines = [f"  {self.kind} (training) {self.index}: compiled in {self.compile_s:.2f} s"]
@@ -170,6 +236,12 @@ class TrainingGraph:
         if self.region_note:
             lines.append(f"    regions: {self.region_note}")
         lines += [f"    {c.describe(c is self.chosen, memory='peak')}" for c in self.candidates]
+        if self.captured:
+            lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
+                         f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
+                         "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
+        elif self.tree_note:
+            lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
             lines.append(f"    {self.note}")
         if self._streams is None:
@@ -191,10 +263,11 @@ def _time(cands: list[Candidate], args: list[Any], device: torch.device, written
             args[i].copy_(t)
 
     torch.cuda.synchronize(device)
-    for c in cands:  # one untimed run each (first-launch costs), which also gives its peak memory
+    for c in cands:  # untimed runs (first-launch costs; the trees' warm-up and recording) give its peak
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        run(c)
+        for _ in range(TREE_WARMUP if c.label == TREES else 1):
+            run(c)
         c.peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in cands]
     for r in range(options.rounds):
@@ -267,10 +340,15 @@ def _dropout_p(node: torch.fx.Node) -> Any:
 
 def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: Any,
                      kwargs: dict[str, Any], index: int,
-                     on_double_backward: Callable[[str], None] | None = None) -> TrainingGraph:
-    """Inductor's code for a training forward or backward, and its regions (see the module docstring)."""
+                     on_double_backward: Callable[[str], None] | None = None,
+                     forward: TrainingGraph | None = None) -> TrainingGraph:
+    """Inductor's code for a training forward or backward, and its regions (see the module docstring).
+
+    ``forward``: for a backward, the forward it belongs to (it runs under the trees only if that does)."""
     from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+    from torch._inductor.utils import BoxedBool
 
     from .inner_compile import _add_regions, _is_dynamic, _pristine
 
@@ -278,17 +356,45 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     kind = "backward" if kwargs.get("is_backward") else "forward"
     dynamic = _is_dynamic(example_inputs)
     pristine = None if options.regions == "never" or dynamic else _pristine(gm)
+    ctx = TracingContext.try_get()
+    returns = _forward_returns(gm, getattr(ctx, "fw_metadata", None) if ctx is not None else None)
+    why_not = _why_not_trees(kind, example_inputs, options, dynamic, forward)
+    if not why_not and kind == "forward" and returns is None:
+        why_not = "the forward's outputs cannot be told from its saved activations"
+    trees = BoxedBool(not why_not)  # Inductor turns it off where its trees refuse the graph
+    kwargs["cudagraphs"] = trees
+    if kind == "forward":
+        # set by Inductor when it puts the forward under the trees; its backward reads it
+        device_box = kwargs.get("boxed_forward_device_index") or BoxedDeviceIndex(None)
+    else:
+        device_box = forward.device_box if forward is not None and forward.device_box is not None \
+            else kwargs.get("boxed_forward_device_index")
+    kwargs["boxed_forward_device_index"] = device_box
     # the strides of the whole graph's outputs, reported to AOTAutograd as Inductor reports them
     # (the backward is compiled for the saved activations' strides), kept for the regions
-    with TracingContext.report_output_strides() as strides:
+    with TracingContext.report_output_strides() as strides, _trees_config(bool(trees)):
         whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
-    ctx = TracingContext.try_get()
     if strides is not None and ctx is not None and ctx.output_strides is not None:
         ctx.output_strides.extend(strides)
     graph = TrainingGraph(kind, index, whole, options, [] if pristine is None else _written_inputs(pristine),
                           on_double_backward)
+    graph.device_box = device_box
+    graph.captured = bool(trees)
+    if graph.captured and kind == "forward":
+        # the forward's returns (the outputs, and inputs' and views' bases AOTAutograd needs) come
+        # before the activations saved for the backward, which stay in the trees' pool
+        graph.copied = returns
+    if why_not and why_not != _NOT_ASKED:
+        graph.tree_note = f"not used: {why_not}"
+    elif not why_not and not graph.captured:
+        graph.tree_note = f"Inductor's trees refused the graph ({_refusal(whole)}): it runs uncaptured"
     if pristine is None:
         graph.region_note = "symbolic shapes: the whole graph only" if dynamic else ""
+    elif kind == "backward" and not why_not:
+        # the trees replay a forward and then its backward, the backward's inputs being the forward's
+        # outputs in their pool; timing a backward would replay it again and again without its forward
+        graph.region_note = ("its forward runs under cudagraph trees: the backward runs Inductor's whole "
+                             "graph, under the trees where they take it")
     elif _has_random(pristine):
         graph.region_note = ("random operators: the whole graph only (regions would draw other random "
                              "numbers than Inductor's whole graph)")
@@ -297,6 +403,74 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
                      output_strides=strides)
     graph.compile_s = time.perf_counter() - t0
     return graph
+
+
+#: why a graph is not compiled under the trees where that needs no saying: the candidates asked for
+#: leave them out, or the graph is on the CPU
+_NOT_ASKED = "not asked for"
+
+
+def _why_not_trees(kind: str, example_inputs: Sequence[Any], options: Any, dynamic: bool,
+                   forward: TrainingGraph | None) -> str:
+    """Why the graph is not compiled under Inductor's cudagraph trees ('' where it is)."""
+    wanted = options.candidates
+    if wanted is not None and not any(w.split(" ")[0] == TREES for w in wanted):
+        return _NOT_ASKED
+    devices = {e.device for e in example_inputs if isinstance(e, torch.Tensor)}
+    if {d.type for d in devices} <= {"cpu"}:
+        return _NOT_ASKED  # (the trees are CUDA's: nothing to say on the CPU)
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return "the graph's inputs are not on a single CUDA device"
+    if dynamic:
+        return "symbolic shapes"
+    if kind == "backward":
+        if forward is None or not forward.captured:
+            return "its forward runs uncaptured (the saved activations are not in the trees' pool)"
+        if forward.chosen is not None and forward.chosen.label != TREES:
+            return f"its forward runs {forward.chosen.label}, uncaptured"
+    return ""
+
+
+def _forward_returns(gm: torch.fx.GraphModule, meta: Any) -> int | None:
+    """How many of a training forward's outputs are returns (the rest: activations saved for the
+    backward): AOTAutograd's count, else past the last output Inductor marks as the user's."""
+    n = getattr(meta, "num_forward_returns", None)
+    if isinstance(n, int):
+        return n
+    visible = next(iter(reversed(gm.graph.nodes))).meta.get("user_visible_output_idxs")
+    return None if visible is None else max(visible, default=-1) + 1
+
+
+def _trees_config(on: bool) -> Any:
+    """Inductor's configuration for a graph under its cudagraph trees, as ``mode="reduce-overhead"``
+    sets it (the code generator lays the graph out for capture: partitions around what cannot be)."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": True})
+
+
+def _refusal(whole: Any) -> str:
+    """Inductor's reason for not putting a compiled graph under the trees, on one line (its
+    stack trace cut: ``TORCH_LOGS=cudagraphs`` logs it whole)."""
+    reason = getattr(whole, "disabled_cudagraphs_reason", None)
+    info = getattr(whole, "cudagraph_info", None)
+    fails = getattr(info, "cudagraph_fail_reasons", None) if info is not None else None
+    text = " ".join(str(reason or "; ".join(str(f) for f in fails or ())).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return text or "no part of the graph can be captured"
+
+
+def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``ts`` with their strides: one ``_foreach_mul`` by 1 (exact) for floating tensors,
+    so that a backward's hundred gradients cost one call, not a hundred."""
+    if not ts:
+        return []
+    if all(t.is_floating_point() or t.is_complex() for t in ts):
+        return list(torch._foreach_mul(ts, 1))
+    return [t.clone() for t in ts]
 
 
 def warn_once(seen: set[str], key: str, message: str) -> None:
