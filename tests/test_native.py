@@ -153,7 +153,7 @@ def test_streamdag_python_twins_keeps_the_named_pieces_in_python_and_the_rest_co
             "    assert rt.submit(np.add, a, 1, out=a, writes=[a]).result() is a\n"
             "    assert type(rt.submit).__name__ != 'method'\n"  # the compiled submitter's
             "assert a.tolist() == [1.0] * 4\n"
-            "assert accel.DepsTracker is hazards.PyDepsTracker and ops.new_rlock is threading.RLock\n"
+            "assert accel.DepsTracker is hazards.PyDepsTracker and ops.new_rlock is ops._PyRLock\n"
             "assert ops.new_lock is native.load().Lock\n"
             "print(sorted(name for name, compiled in native.choices().items() if not compiled))\n")
     done = _python(code, STREAMDAG_NATIVE="1", STREAMDAG_PYTHON_TWINS="TrackerFields, RLock")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import threading
@@ -31,8 +32,22 @@ _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
 #: call (``native/_lock.c``: the compiled finish takes this one and the runtime's done lock per op)
 new_lock: Callable[[], Any] = twin("Lock", threading.Lock)
+
+
+class _PyRLock(_thread.RLock):
+    """``threading.RLock`` with the names the runtime's code uses, the compiled RLock's
+    (``native/_lock.c``): ``is_owned``, and ``release_all`` / ``reacquire`` that let go of it
+    however often it is held and take it back. Here they are ``threading.RLock``'s own methods
+    (the ones ``threading.Condition`` uses), under those names."""
+
+    __slots__ = ()
+    is_owned = _thread.RLock._is_owned
+    release_all = _thread.RLock._release_save
+    reacquire = _thread.RLock._acquire_restore
+
+
 #: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
-new_rlock: Callable[[], Any] = twin("RLock", threading.RLock)
+new_rlock: Callable[[], Any] = twin("RLock", _PyRLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
 
 
