@@ -159,6 +159,10 @@ def test_streamdag_python_twins_keeps_the_named_pieces_in_python_and_the_rest_co
     done = _python(code, STREAMDAG_NATIVE="1", STREAMDAG_PYTHON_TWINS="TrackerFields, RLock")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['RLock', 'TrackerFields']"
+    done = _python("from streamdag import native; print(native.torch_status())", STREAMDAG_NATIVE="1",
+                   STREAMDAG_PYTHON_TWINS="use_torch")  # the torch extension too: CUDA calls through bindings
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("STREAMDAG_PYTHON_TWINS names use_torch")
 
 
 @compiled

@@ -85,7 +85,8 @@ def twin(name: str, python: Any) -> Any:
     Python code, or None for a piece that only the compiled path has).
 
     ``STREAMDAG_PYTHON_TWINS`` (a comma list of names; for tests and benchmarks, not a setting)
-    keeps those pieces in Python while the rest run compiled: what each piece buys is measured so.
+    keeps those pieces in Python while the rest run compiled: what each piece buys is measured so
+    (``bench/native_pieces.py``). ``use_torch`` there keeps the torch extension unbuilt.
     """
     module = load()
     kept = _python_twins(module)
@@ -206,6 +207,9 @@ def load_torch() -> ModuleType | None:
     module = load()
     if module is None:
         _torch_why_not = "no compiled hot path"
+        return None
+    if "use_torch" in _python_twins(module):  # its CUDA calls through PyTorch's bindings, to time them
+        _torch_why_not = "STREAMDAG_PYTHON_TWINS names use_torch"
         return None
     try:
         import torch
