@@ -216,6 +216,16 @@ def render_hot_path(data: dict) -> str:
     return table(["hot path", "µs per submit (a do-nothing op)"], list(data["us"].items()))
 
 
+def render_native_pieces(data: dict) -> str:
+    """One row per configuration: µs per op of each workload, and x the first row, paired by round."""
+    works = list(next(iter(data["us"].values())))
+    rows = [[label, *(f"{us[w]:.2f} ({data['x_first'][label][w]:.2f}x)" for w in works)]
+            for label, us in data["us"].items()]
+    s = data["settings"]
+    return "\n\n".join([f"{s['rounds']} rounds of {s['ops_per_round']} ops; µs per op (x the first row in "
+                         "the same round, median).", table(["configuration", *works], rows)])
+
+
 
 
 
@@ -372,6 +382,9 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                     "scheduler).", render_sched_scale),
     "hot_path": ("bench/hot_path.py", "Host time per submit, compiled hot path against its Python "
                  "reference, with a backend that runs each op at once.", render_hot_path),
+    "native_pieces": ("bench/native_pieces.py", "Host time per op with each compiled piece alone in "
+                      "Python (the rest compiled), and a second checkout's build beside this one.",
+                      render_native_pieces),
 }
 
 

@@ -123,7 +123,7 @@ def _python_twins(speedups: ModuleType) -> dict[int, Any]:
         (accel.CompiledStreamClocks, waits.PyStreamClocks),
         (speedups.accesses, buffers._py_accesses),
         (speedups.Lock, threading.Lock),
-        (speedups.RLock, threading.RLock),
+        (speedups.RLock, ops._PyRLock),
         (speedups.Counters, threads._Counters),
         (speedups.Parts, ops._Parts),
         # (ops.Op and ops.Future, made on them at import, keep their records: fields only)

@@ -141,6 +141,38 @@ def test_streamdag_native_0_runs_the_python_code_without_a_warning():
     assert done.stdout.strip() == "Python only: STREAMDAG_NATIVE=0"
 
 
+@compiled
+def test_streamdag_python_twins_keeps_the_named_pieces_in_python_and_the_rest_compiled():
+    """What each compiled piece buys is measured with it alone in Python (bench/native_pieces.py)."""
+    code = ("import threading, numpy as np, streamdag as sd\n"
+            "from streamdag import native\n"
+            "from streamdag.graph import hazards\n"
+            "from streamdag.runtime import accel, ops\n"
+            "a = np.zeros(4)\n"
+            "with sd.Runtime('cpu', streams=2) as rt:\n"
+            "    assert rt.submit(np.add, a, 1, out=a, writes=[a]).result() is a\n"
+            "    assert type(rt.submit).__name__ != 'method'\n"  # the compiled submitter's
+            "assert a.tolist() == [1.0] * 4\n"
+            "assert accel.DepsTracker is hazards.PyDepsTracker and ops.new_rlock is ops._PyRLock\n"
+            "assert ops.new_lock is native.load().Lock\n"
+            "print(sorted(name for name, compiled in native.choices().items() if not compiled))\n")
+    done = _python(code, STREAMDAG_NATIVE="1", STREAMDAG_PYTHON_TWINS="TrackerFields, RLock")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['RLock', 'TrackerFields']"
+    done = _python("from streamdag import native; print(native.torch_status())", STREAMDAG_NATIVE="1",
+                   STREAMDAG_PYTHON_TWINS="use_torch")  # the torch extension too: CUDA calls through bindings
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("STREAMDAG_PYTHON_TWINS names use_torch")
+
+
+@compiled
+@pytest.mark.parametrize(("kept", "fix"), [("Lock,Lok", "name some of BudgetCounts"),
+                                           ("OpFields", "name setup_submit too")])
+def test_streamdag_python_twins_refuses_a_piece_it_cannot_keep_in_python_and_names_the_fix(kept, fix):
+    done = _python("import streamdag", STREAMDAG_PYTHON_TWINS=kept)
+    assert done.returncode != 0 and "ValueError: STREAMDAG_PYTHON_TWINS" in done.stderr and fix in done.stderr
+
+
 def test_without_cuda_the_torch_extension_is_not_built_and_doctor_says_why():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: tests/test_cuda_streams.py requires the extension instead")

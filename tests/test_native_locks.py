@@ -1,5 +1,6 @@
 """The compiled lock and re-entrant lock (``native/_lock.c``) behave as ``threading``'s: they
-exclude under contention, work with conditions, and a wait for one is cut short by Ctrl-C."""
+exclude under contention, the lock works with conditions, the re-entrant one lets go of all its holds
+for a wait and takes them back, and a wait for one is cut short by Ctrl-C."""
 
 import pytest
 
@@ -34,11 +35,10 @@ def _excludes_under_contention(lock, depth: int = 1) -> None:
     assert count[0] == 20000
 
 
-def _condition_waits_on(lock, outer=None) -> None:
-    """``threading.Condition(lock)`` waits for another thread's notify (``outer``: held around it too)."""
+def _condition_waits_on(lock) -> None:
+    """``threading.Condition(lock)`` waits for another thread's notify, and holds the lock again after."""
     import threading
     import time
-    from contextlib import nullcontext
 
     cond, box = threading.Condition(lock), []
 
@@ -50,9 +50,9 @@ def _condition_waits_on(lock, outer=None) -> None:
 
     producer = threading.Thread(target=produce)
     producer.start()
-    with outer if outer is not None else nullcontext(), cond:
+    with cond:
         assert cond.wait_for(lambda: box, timeout=5)
-        assert not hasattr(lock, "_is_owned") or lock._is_owned()  # taken back, as often as it was held
+        assert lock.locked()
     producer.join()
 
 
@@ -97,39 +97,49 @@ def test_the_compiled_lock_behaves_as_threading_lock():
 
 
 @compiled
-def test_the_compiled_rlock_behaves_as_threading_rlock():
-    """``native.RLock`` stands in for ``threading.RLock`` as the runtime's central lock: the same
-    answers to every call (re-entry, release by a thread that does not hold it), mutual exclusion
-    under contention, and ``threading.Condition`` on it while it is held twice."""
+def test_the_compiled_rlock_behaves_as_the_runtimes_python_rlock():
+    """``native.RLock`` stands in for ``threading.RLock`` (``ops.new_rlock``'s Python twin, which
+    has the same names) as the runtime's central lock: the same answers to every call (re-entry,
+    release by a thread that does not hold it), mutual exclusion under contention, and a wait
+    that lets go of it however often it is held (``release_all``) and takes it back."""
     import threading
 
     import streamdag as sd
+    from streamdag.runtime import ops
 
     with sd.Runtime(streams=2) as rt:
         assert rt._lock.__class__ is native.load().RLock  # the runtime uses it where it is built
-    for make in (threading.RLock, native.load().RLock):
+    for make in (ops._PyRLock, native.load().RLock):
         lock, answers = make(), []
-        answers += [lock.acquire(), lock.acquire(False), lock.acquire(timeout=0.01), lock._is_owned()]
+        answers += [lock.acquire(), lock.acquire(False), lock.acquire(timeout=0.01), lock.is_owned()]
         other = threading.Thread(target=lambda lock=lock, answers=answers: answers.append(
-            (lock.acquire(False), lock.acquire(timeout=0.01), lock._is_owned())))
+            (lock.acquire(False), lock.acquire(timeout=0.01), lock.is_owned())))
         other.start()
         other.join()
         for _ in range(3):
             lock.release()
-        answers.append(lock._is_owned())
+        answers.append(lock.is_owned())
         with pytest.raises(RuntimeError):
             lock.release()
         with lock, lock:
-            answers.append(lock._is_owned())
-        answers.append(lock._is_owned())
+            answers.append(lock.is_owned())
+            state = lock.release_all()  # another thread takes it meanwhile
+            taker = threading.Thread(target=lambda lock=lock, answers=answers: answers.append(
+                (lock.acquire(timeout=5), lock.release())))
+            taker.start()
+            taker.join()
+            answers.append(lock.is_owned())
+            lock.reacquire(state)
+            answers.append(lock.is_owned())
+        answers.append(lock.is_owned())
         with pytest.raises(ValueError):
             lock.acquire(False, 1.0)
-        assert answers == [True, True, True, True, (False, False, False), False, True, False], make
+        assert answers == [True, True, True, True, (False, False, False), False, True, (True, None), False,
+                           True, False], make
+        with pytest.raises(RuntimeError):
+            lock.release()  # reacquire took it back exactly twice: both let go of by the with
 
     _excludes_under_contention(native.load().RLock(), depth=2)
-    rlock = native.load().RLock()
-    _condition_waits_on(rlock, outer=rlock)  # held twice: the wait lets go of both, takes both back
-    assert not rlock._is_owned()
 
 
 @compiled
@@ -157,7 +167,7 @@ def test_a_wait_for_the_compiled_rlock_is_cut_short_by_ctrl_c():
         with pytest.raises(KeyboardInterrupt):
             lock.acquire()
         assert time.perf_counter() - started < 5
-        assert not lock._is_owned()
+        assert not lock.is_owned()
     finally:
         done.set()
         thread.join()

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 import streamdag as sd
 from internals import python_reference
 from streamdag import native
-from streamdag.runtime import completion, core
 
 compiled = pytest.mark.skipif(native.load() is None, reason=f"no compiled hot path: {native.status()}")
 
@@ -177,23 +176,20 @@ def test_the_compiled_submit_takes_every_form_of_call_as_the_python_one():
 def test_a_slot_the_compiled_submit_does_not_set_is_refused_at_setup(which):
     """An op or future made in C has only the fields the C sets: one added in Python alone would be
     missing from every op (an AttributeError far from its cause). The setup refuses it instead."""
-    from streamdag.runtime import ops
+    from streamdag.runtime import ops, seam
 
     def with_extra(cls):
         return type(cls.__name__, cls.__bases__, {"__slots__": (*cls.__slots__, "added_later")})
 
     op_type = with_extra(ops.Op) if which == "Op" else ops.Op
     future_type = with_extra(ops.Future) if which == "Future" else ops.Future
-    speedups = native.load()
     refusal = ("Op must subclass native OpFields and add no fields .* native/_submit.c" if which == "Op"
                else "Future has a slot added_later .* native/_submit.c")
     try:
         with pytest.raises(TypeError, match=refusal):
-            speedups.setup_submit(op_type, future_type, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                                  completion.finished_ok, ops.release_frames)
+            seam.setup_submit(native.load(), op_type, future_type)
     finally:  # the module's state is global: the runtime's own classes again
-        speedups.setup_submit(ops.Op, ops.Future, core.Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
-                              completion.finished_ok, ops.release_frames)
+        seam.setup_submit(native.load(), ops.Op, ops.Future)
 
 
 @compiled

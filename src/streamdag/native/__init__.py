@@ -82,11 +82,37 @@ _choices: dict[str, bool] = {}  # each twin asked for: whether the compiled one 
 
 def twin(name: str, python: Any) -> Any:
     """The compiled module's ``name`` where the module is loaded and has it, else ``python`` (the
-    Python code, or None for a piece that only the compiled path has)."""
+    Python code, or None for a piece that only the compiled path has).
+
+    ``STREAMDAG_PYTHON_TWINS`` (a comma list of names; for tests and benchmarks, not a setting)
+    keeps those pieces in Python while the rest run compiled: what each piece buys is measured so
+    (``bench/native_pieces.py``). ``use_torch`` there keeps the torch extension unbuilt.
+    """
     module = load()
-    compiled = getattr(module, name, None) if module is not None else None
+    kept = _python_twins(module)
+    compiled = getattr(module, name, None) if module is not None and name not in kept else None
     _choices[name] = compiled is not None
     return python if compiled is None else compiled
+
+
+def _python_twins(module: ModuleType | None) -> frozenset[str]:
+    """The pieces that ``STREAMDAG_PYTHON_TWINS`` keeps in Python; a name the compiled module does
+    not have is an error (a misspelt name would otherwise time the compiled piece as the Python one)."""
+    kept = frozenset(n.strip() for n in os.environ.get("STREAMDAG_PYTHON_TWINS", "").split(",") if n.strip())
+    unknown = sorted(kept - set(vars(module))) if module is not None else []
+    if unknown:
+        pieces = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ValueError(f"STREAMDAG_PYTHON_TWINS names {', '.join(unknown)}, which the compiled module does "
+                         f"not have: name some of {', '.join(pieces)}")
+    records = sorted(kept & _SUBMIT_RECORDS)
+    if records and "setup_submit" not in kept:
+        raise ValueError(f"STREAMDAG_PYTHON_TWINS keeps {', '.join(records)} in Python, which the compiled "
+                         "submit reads in C: name setup_submit too")
+    return kept
+
+
+#: the records the compiled submit reads and writes in C: in Python only with the submit itself
+_SUBMIT_RECORDS = frozenset({"Counters", "FutureFields", "OpFields", "Parts"})
 
 
 def choices() -> dict[str, bool]:
@@ -181,6 +207,9 @@ def load_torch() -> ModuleType | None:
     module = load()
     if module is None:
         _torch_why_not = "no compiled hot path"
+        return None
+    if "use_torch" in _python_twins(module):  # its CUDA calls through PyTorch's bindings, to time them
+        _torch_why_not = "STREAMDAG_PYTHON_TWINS names use_torch"
         return None
     try:
         import torch

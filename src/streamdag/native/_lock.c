@@ -13,8 +13,11 @@
  * not use, and such clock reads are ~1.3% of a chain's samples under perf. Elsewhere it is
  * CPython's lock.
  *
- * ``RLock`` is the re-entrant kind, as ``threading.RLock`` (with the methods ``threading.Condition``
- * uses on one): the runtime's central lock, taken once per submit. A blocking acquire of it can be
+ * ``RLock`` is the re-entrant kind, as ``threading.RLock`` (``acquire``, ``release``, ``with``),
+ * with ``is_owned``, ``release_all`` and ``reacquire`` for the runtime's own code (``ops.new_rlock``
+ * gives ``threading.RLock`` the same names where this module is not built): the runtime's central
+ * lock, taken once per submit. It is not a lock for ``threading.Condition``, which the runtime does
+ * not build on it. A blocking acquire of it can be
  * cut short by a signal, as ``threading.RLock``'s: a thread waiting for the runtime while an op's
  * launch holds it still gets its KeyboardInterrupt.
  *
@@ -363,9 +366,9 @@ static PyObject *fast_rlock_is_owned(FastRLock *self, PyObject *unused) {
     return PyBool_FromLong(self->count && self->owner == PyThread_get_thread_ident());
 }
 
-/* what threading.Condition.wait calls: let go of the lock however often it is held, and say how
- * to take it back (``_acquire_restore``) */
-static PyObject *fast_rlock_release_save(FastRLock *self, PyObject *unused) {
+/* let go of the lock however often it is held, and say how to take it back (``reacquire``): for a
+ * thread that must wait for others which need the lock (the runtime's submit at its in-flight bound) */
+static PyObject *fast_rlock_release_all(FastRLock *self, PyObject *unused) {
     if (self->count == 0) {
         PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
         return NULL;
@@ -377,9 +380,9 @@ static PyObject *fast_rlock_release_save(FastRLock *self, PyObject *unused) {
     return Py_BuildValue("(kk)", count, owner);
 }
 
-static PyObject *fast_rlock_acquire_restore(FastRLock *self, PyObject *state) {
+static PyObject *fast_rlock_reacquire(FastRLock *self, PyObject *state) {
     unsigned long count, owner;
-    if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner)) return NULL;
+    if (!PyArg_ParseTuple(state, "kk:reacquire", &count, &owner)) return NULL;
     fast_lock_take(self->lock, 1, -1);  /* as threading.RLock's: not cut short by a signal */
     self->owner = owner;
     self->count = count;
@@ -392,9 +395,10 @@ static PyMethodDef fast_rlock_methods[] = {
     {"release", (PyCFunction)fast_rlock_release, METH_NOARGS, "Let go once (held by this thread: else RuntimeError)."},
     {"__enter__", (PyCFunction)fast_rlock_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))fast_rlock_exit, METH_FASTCALL, NULL},
-    {"_is_owned", (PyCFunction)fast_rlock_is_owned, METH_NOARGS, "Whether this thread holds it."},
-    {"_release_save", (PyCFunction)fast_rlock_release_save, METH_NOARGS, NULL},
-    {"_acquire_restore", (PyCFunction)fast_rlock_acquire_restore, METH_O, NULL},
+    {"is_owned", (PyCFunction)fast_rlock_is_owned, METH_NOARGS, "Whether this thread holds it."},
+    {"release_all", (PyCFunction)fast_rlock_release_all, METH_NOARGS,
+     "Let go however often it is held; returns what reacquire() takes."},
+    {"reacquire", (PyCFunction)fast_rlock_reacquire, METH_O, "Take it back as often as release_all() let go."},
     {NULL}
 };
 

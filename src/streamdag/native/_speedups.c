@@ -1412,7 +1412,6 @@ static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
  * values (module_state.ModuleState.holds, the Python code) costs a hundred. CPython 3.14 drops
  * the tag: there, and where a probe finds it not maintained, the Python code runs alone. */
 #if PY_VERSION_HEX < 0x030E0000
-#define STREAMDAG_DICT_TAGS 1
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"

@@ -138,36 +138,6 @@ static void restore_exception(PyObject *exc) {
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
 }
 
-/* a Future's fields that stay unset until first asked for (its ``__getattr__`` makes them): the only
- * slots ops.Future may add to the record, as the compiled code leaves them unset */
-static const char *future_lazy_names[] = {"_condition", "_waiters", "_done_callbacks"};
-
-/* 0 where the slots ``future_type`` declares (its ``__slots__``) are lazy ones; else -1 with a
- * TypeError that names the first other one */
-static int only_lazy_slots(PyObject *future_type) {
-    PyObject *slots = PyObject_GetAttrString(future_type, "__slots__");
-    if (slots == NULL) return -1;
-    PyObject *seq = PySequence_Fast(slots, "Future.__slots__ must be a tuple of names");
-    Py_DECREF(slots);
-    if (seq == NULL) return -1;
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && rc == 0; i++) {
-        const char *name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-        int lazy = 0;
-        for (size_t k = 0; name != NULL && k < sizeof(future_lazy_names) / sizeof(*future_lazy_names); k++)
-            lazy |= strcmp(name, future_lazy_names[k]) == 0;
-        if (name == NULL) rc = -1;
-        else if (!lazy) {
-            PyErr_Format(PyExc_TypeError, "setup_submit: Future has a slot %s that the compiled submit does not "
-                         "set: declare it in the future record in native/_submit.c (future_field_names, "
-                         "new_future)", name);
-            rc = -1;
-        }
-    }
-    Py_DECREF(seq);
-    return rc;
-}
-
 static PyObject *setup_submit(PyObject *module, PyObject *args) {
     PyObject *op_type, *future_type, *marker_type, *lazy, *pending, *finished, *finished_ok_fn, *release_frames;
     if (!PyArg_ParseTuple(args, "O!O!O!OOOOO", &PyType_Type, &op_type, &PyType_Type, &future_type,
@@ -183,11 +153,11 @@ static PyObject *setup_submit(PyObject *module, PyObject *args) {
                         "declare a new field in the op record in native/_submit.c (op_field_names, new_op)");
         return NULL;
     }
+    /* (the Future's own slots, which stay unset until made, are checked by runtime/seam.py) */
     if (!PyType_IsSubtype((PyTypeObject *)future_type, future_fields_type)) {
         PyErr_SetString(PyExc_TypeError, "setup_submit: Future must subclass native FutureFields");
         return NULL;
     }
-    if (only_lazy_slots(future_type) < 0) return NULL;
     Py_XSETREF(sub.op_type, (PyTypeObject *)Py_NewRef(op_type));
     Py_XSETREF(finished_ok.fn, Py_NewRef(finished_ok_fn));
     Py_XSETREF(finished_ok.op_type, (PyTypeObject *)Py_NewRef(op_type));

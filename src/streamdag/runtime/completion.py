@@ -156,7 +156,7 @@ class Completion:
         meanwhile (a done-callback that submits), so only this one is sure to
         get ``waiter`` finished, however long that takes (within ``seconds``).
         """
-        if waiter.done() or not self._lock._is_owned():  # type: ignore[attr-defined]
+        if waiter.done() or not self._lock.is_owned():
             return
         helpers = [h for m in backends if (h := getattr(m, "help", None)) is not None]
         if not helpers:

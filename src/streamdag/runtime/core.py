@@ -81,10 +81,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..backends import Backend, make_backend, make_backends
 from ..backends.cpu import LANE_THREADS
 from ..errors import BaseExceptionGroup
-from ..graph.buffers import Marker
 from ..native import load as load_native
 from ..native import twin
-from . import frames, ops, seam, transfers
+from . import ops, seam, transfers
 from .accel import DepsTracker, StreamClocks
 from .budgets import ByteBudget, PinnedPool
 from .completion import Completion, Hurry, Slots, finished_ok
@@ -581,5 +580,4 @@ def _check_count(name: str, value: Any, minimum: int, hint: str = "") -> None:
 
 
 if _speedups is not None:
-    _speedups.setup_submit(Op, Future, Marker, ops._LAZY, ops._PENDING, ops._FINISHED, finished_ok,
-                           frames.release_frames)
+    seam.setup_submit(_speedups, Op, Future)

@@ -119,7 +119,7 @@ class LaneWaits:
     def holds_the_lock(self) -> bool:
         """Whether the calling thread holds the runtime's lock: an op's function that runs inside
         its submit (a device op on CUDA), or a graph's run."""
-        return self._outer_lock._is_owned()
+        return self._outer_lock.is_owned()
 
     def check_lock_holder(self, future: Any) -> None:
         """For a thread that holds the runtime's lock and waits for ``future``, a host-lane op's:

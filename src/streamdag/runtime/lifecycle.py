@@ -203,7 +203,7 @@ class Lifecycle:
         """The ops whose functions run in this thread now, inside their launch (on a device whose
         ops run inside their submit): the ops launched and given no completion event yet, where
         this thread holds the runtime's lock, under which every launch runs."""
-        if not self._lock._is_owned():  # type: ignore[attr-defined]
+        if not self._lock.is_owned():
             return []
         with self._done_lock:
             return [op for op in self._pending.values() if op.stamp is not None and op.event is None]
@@ -213,7 +213,7 @@ class Lifecycle:
         an op's function inside its launch (or a graph's run: the lock held), a done-callback.
         There, waiting for the runtime's pending work could wait for the caller itself."""
         return (in_done_callback() or self._lane_here() is not None
-                or self._lock._is_owned()  # type: ignore[attr-defined]
+                or self._lock.is_owned()
                 or self._simulator_here())
 
     def _simulator_here(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import threading
@@ -31,8 +32,22 @@ _DONE_STATES = (CANCELLED, CANCELLED_AND_NOTIFIED, _FINISHED)
 #: a lock as ``threading.Lock``; where the compiled hot path is built, one it takes without a Python
 #: call (``native/_lock.c``: the compiled finish takes this one and the runtime's done lock per op)
 new_lock: Callable[[], Any] = twin("Lock", threading.Lock)
+
+
+class _PyRLock(_thread.RLock):
+    """``threading.RLock`` with the names the runtime's code uses, the compiled RLock's
+    (``native/_lock.c``): ``is_owned``, and ``release_all`` / ``reacquire`` that let go of it
+    however often it is held and take it back. Here they are ``threading.RLock``'s own methods
+    (the ones ``threading.Condition`` uses), under those names."""
+
+    __slots__ = ()
+    is_owned = _thread.RLock._is_owned
+    release_all = _thread.RLock._release_save
+    reacquire = _thread.RLock._acquire_restore
+
+
 #: the runtime's central lock: re-entrant, and taken by the compiled submit without a Python call
-new_rlock: Callable[[], Any] = twin("RLock", threading.RLock)
+new_rlock: Callable[[], Any] = twin("RLock", _PyRLock)
 _LAZY = new_lock()  # orders making a future's condition against setting its result
 
 
@@ -49,6 +64,8 @@ new_parts: Callable[[], Any] = twin("Parts", _Parts)
 #: op's lane is not waiting for that lock (seconds)
 _LOCK_CHECK_EVERY = 0.02
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
+#: a Future's fields made when first asked for (its own slots; the compiled submit leaves them unset)
+LAZY_FIELDS = frozenset({"_condition", *_LAZY_LISTS})
 
 #: how long an ``await`` polls for its op before it waits to be woken
 AWAIT_HELP_SECONDS = 2e-3
@@ -119,7 +136,7 @@ class Future(_FutureFields, concurrent.futures.Future[T]):
     # limit lets the waiting thread finish it itself (see ``CudaBackend.hurry``); ``_done_token``: the
     # backend's token for the op's completion entry, so that a waiter gets it finished first;
     # ``_fence``: the op's completion event, for ``Runtime.current_stream_wait`` (None: the host waits).
-    __slots__ = ("_condition", "_done_callbacks", "_waiters")
+    __slots__ = tuple(sorted(LAZY_FIELDS))
 
     def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
         # submit, native/_submit.c, sets the same fields without this call: keep the two equal)
@@ -334,7 +351,7 @@ class Future(_FutureFields, concurrent.futures.Future[T]):
 
 
 #: the lazily made slots' member descriptors, through which ``__getattr__`` reads a slot it has just made
-_SLOTS = {name: Future.__dict__[name] for name in ("_condition", *_LAZY_LISTS)}
+_SLOTS = {name: Future.__dict__[name] for name in LAZY_FIELDS}
 
 
 def after_all(count: int, then_call: Callable[[], None]) -> Callable[[Any], None]:

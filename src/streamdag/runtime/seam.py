@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["SeamRuntime", "SubmitterParts", "submitter_parts", "use_compiled_submit"]
+__all__ = ["SeamRuntime", "SubmitterParts", "setup_submit", "submitter_parts", "use_compiled_submit"]
 
 
 class SeamRuntime(Protocol):
@@ -197,3 +197,21 @@ def use_compiled_submit(rt: Any, speedups: Any) -> None:
                                rt._bytes.compiled_parts())
         rt.copy = submitter.copy
         rt._copy_pinned = submitter.copy_pinned
+
+
+def setup_submit(speedups: Any, op_type: type, future_type: type) -> None:
+    """Hand the compiled module the op and future types it makes (``setup_submit``), once a future
+    made in C is known to be whole: C sets every field of the record (``native.FutureFields``) and
+    none of the future's own slots, which must be those ``ops.Future`` makes when first asked for
+    (the base class's condition and lists). A slot added in Python alone would be missing from
+    every future made in C: an AttributeError far from its cause."""
+    from ..graph.buffers import Marker
+    from . import completion, frames, ops
+
+    extra = sorted(set(getattr(future_type, "__slots__", ())) - ops.LAZY_FIELDS)
+    if extra:
+        raise TypeError(f"setup_submit: Future has a slot {extra[0]} that the compiled submit does not "
+                        "set: declare it in the future record in native/_submit.c (future_field_names, "
+                        "new_future)")
+    speedups.setup_submit(op_type, future_type, Marker, ops._LAZY, ops._PENDING, ops._FINISHED,
+                          completion.finished_ok, frames.release_frames)

@@ -231,17 +231,17 @@ class SubmitPath:
             self._slots.take_over()
             return True
         self._hurry_all()
-        if not self._lock._is_owned():  # type: ignore[attr-defined]
+        if not self._lock.is_owned():
             return self._slots.acquire(check=self._check_open)  # (close() wakes it to refuse)
         # a graph's run launches its ops under the lock: let go of it while waiting, since the
         # threads that free slots run done-callbacks, and a callback that submits needs the lock.
-        # (Condition does the same with these RLock methods.) Other submits may come in between
+        # (Condition does the same with threading.RLock's.) Other submits may come in between
         # the graph's ops meanwhile; dependencies follow submission order either way.
-        state = self._lock._release_save()  # type: ignore[attr-defined]
+        state = self._lock.release_all()
         try:
             return self._slots.acquire()
         finally:
-            self._lock._acquire_restore(state)  # type: ignore[attr-defined]
+            self._lock.reacquire(state)
 
     def _admit(self, op: Op, deps: list[Op], stream: int | None, device: str | None = None
                ) -> tuple[int, list[Op], list[int]]:
