@@ -141,8 +141,6 @@ class GraphRunner:
                 if self._run is None:
                     self._run = self._first(args)
             return self._run(args)
-        if ACTIVE.mode == "warm" and self.captured_run:
-            ACTIVE.runners[id(self)] = self
         if ACTIVE.mode == "capture":  # the memory the whole call's graph reads (see whole_replay)
             for a in args:
                 if isinstance(a, torch.Tensor):
@@ -305,12 +303,6 @@ class GraphRunner:
                 self.stats.replays += 1
                 return g(args, self.options.clone_outputs)
         return self._recapture(args)
-
-    def release_captures(self) -> None:
-        """Drop this graph's own CUDA graphs, so that a whole-call graph captured next reuses their
-        outputs' memory in the shared pool; a later call on Dynamo's path captures again."""
-        with self._lock:
-            self.captures = []
 
     def _recapture(self, args: Sequence[Any]) -> Any:
         """Parameters moved (replaced, or another model's): capture the chosen candidate for them."""

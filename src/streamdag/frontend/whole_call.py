@@ -104,7 +104,6 @@ class _Active(threading.local):
     def __init__(self) -> None:
         self.mutated: set[int] = set()
         self.reads: dict[int, Any] = {}  # in a capture: the storages of the graphs' tensor arguments
-        self.runners: dict[int, Any] = {}  # in a warm-up: the graphs that replay CUDA graphs of their own
 
 
 ACTIVE = _Active()
@@ -113,7 +112,7 @@ ACTIVE = _Active()
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
-    ACTIVE.mutated, ACTIVE.reads, ACTIVE.runners = set(), {}, {}
+    ACTIVE.mutated, ACTIVE.reads = set(), {}
     try:
         yield ACTIVE
     finally:
@@ -323,8 +322,6 @@ class WholeCall:
         if not state.watch.holds():
             self._passing(state, key, f"the call changes the model's state ({state.watch.changed()})")
             return out
-        for runner in list(active.runners.values()):  # their memory goes to the whole call's graph
-            runner.release_captures()
         try:
             with _active("capture") as active:
                 graph, captured = dev.capture(dynamo, s_args, s_kwargs)

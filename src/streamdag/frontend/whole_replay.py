@@ -26,6 +26,7 @@ State: an entry's inputs and outputs are shared by its replays, so
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,11 @@ class CudaCalls:
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
             _restore_random_generators([self.device])
+            if pool is not None:  # a failed capture_end leaves the pool taking allocations: later
+                # captures into it would fail ("already recording to mempool_id"); where capture_end
+                # got that far, the pool is no longer recording and this raises
+                with contextlib.suppress(RuntimeError):
+                    torch._C._cuda_endAllocateToPool(self.index, pool)
             raise
         caller.wait_stream(self.stream)
         return graph, out
