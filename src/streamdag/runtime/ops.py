@@ -35,10 +35,8 @@ new_lock: Callable[[], Any] = twin("Lock", threading.Lock)
 
 
 class _PyRLock(_thread.RLock):
-    """``threading.RLock`` with the names the runtime's code uses, the compiled RLock's
-    (``native/_lock.c``): ``is_owned``, and ``release_all`` / ``reacquire`` that let go of it
-    however often it is held and take it back. Here they are ``threading.RLock``'s own methods
-    (the ones ``threading.Condition`` uses), under those names."""
+    """``threading.RLock`` under the compiled RLock's method names (``native/_lock.c``): ``is_owned``,
+    ``release_all`` / ``reacquire`` (let go however often it is held, take it back)."""
 
     __slots__ = ()
     is_owned = _thread.RLock._is_owned
@@ -60,13 +58,11 @@ class _Parts:
 
 #: a runtime's parts; where the compiled hot path is built, fields it reads in C
 new_parts: Callable[[], Any] = twin("Parts", _Parts)
-#: how often a thread that holds a runtime's lock while it waits for a host-lane op checks that the
-#: op's lane is not waiting for that lock (seconds)
+#: seconds between a lock-holding waiter's checks that the host lane it waits on does not wait on it
 _LOCK_CHECK_EVERY = 0.02
 _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 #: a Future's fields made when first asked for (its own slots; the compiled submit leaves them unset)
 LAZY_FIELDS = frozenset({"_condition", *_LAZY_LISTS})
-
 #: how long an ``await`` polls for its op before it waits to be woken
 AWAIT_HELP_SECONDS = 2e-3
 _CALLBACKS = threading.local()  # how deep this thread is in running futures' done-callbacks
