@@ -47,6 +47,34 @@ def test_an_op_returning_its_buffer_gives_back_the_handle(rt):
     assert rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a)).result() is a
 
 
+class _CountsPickles:
+    pickled = 0
+
+    def __reduce__(self):
+        _CountsPickles.pickled += 1
+        return (_CountsPickles, ())
+
+
+def test_an_eager_op_s_function_is_pickled_once_for_all_its_submits_on_every_worker(rt):
+    token = _CountsPickles()
+
+    def fill(value, out):  # a closure: sent by value, with what it captures
+        assert isinstance(token, _CountsPickles)
+        out[:] = value
+
+    bufs = [rt.empty(2, on=w) for w in (0, 1, 0, 1)]
+    for i, b in enumerate(bufs):
+        rt.submit(fill, float(i), sd.write(b))
+    got = [rt.get(b).result() for b in bufs]
+    assert [g.tolist() for g in got] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert _CountsPickles.pickled == 1
+
+
+def test_submit_refuses_what_is_not_a_function_with_the_fix(rt):
+    with pytest.raises(TypeError, match="the function to run first"):
+        rt.submit(sd.read(rt.empty(2)), 1.0)
+
+
 def test_bad_buffers_are_refused_with_the_fix(rt):
     a = rt.put(np.ones(3), on=0)
     with pytest.raises(sd.InvalidBuffer, match="run it there"):

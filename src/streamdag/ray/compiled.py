@@ -408,7 +408,8 @@ def _alive(rt: Runtime, workers: set[int]) -> set[int]:
             continue
         if token == rt._tokens[w]:
             alive.add(w)
-        rt._tokens[w] = token
+        else:
+            rt._restarted(w, token)
     return alive
 
 
