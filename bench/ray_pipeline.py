@@ -37,7 +37,7 @@ from streamdag.suite.report import format_table, write_json
 
 STAGES = 4
 MICRO_BATCHES = 8
-ROUNDS = 15
+ROUNDS = 25  # medians of this many runs in turns: the machine's other load moves single runs by 30%
 SHAPES = {"tiny": (1, 16), "work": (64, 384)}  # (rows of a micro-batch, width of each stage)
 SUBMITS = 400
 SUBMIT_ROUNDS = 9
