@@ -70,6 +70,28 @@ def test_an_eager_op_s_function_is_pickled_once_for_all_its_submits_on_every_wor
     assert _CountsPickles.pickled == 1
 
 
+def _refuse_to_load():
+    raise RuntimeError("this argument cannot be unpickled here")
+
+
+class _FailsToLoad:
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def test_an_op_whose_call_cannot_be_unpickled_fails_alone_and_its_function_goes_again(rt):
+    def fill(value, out):  # a new function: it goes with the call that cannot be unpickled first
+        out[:] = 1.0 if value is None else 2.0
+
+    buf = rt.empty(2, on=1)
+    with pytest.raises(RuntimeError, match="cannot be unpickled here"):
+        rt.submit(fill, _FailsToLoad(), sd.write(buf)).result()
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
+    rt.submit(fill, None, sd.write(buf)).result()
+    np.testing.assert_array_equal(rt.get(buf).result(), [1.0, 1.0])
+
+
 def test_submit_refuses_what_is_not_a_function_with_the_fix(rt):
     with pytest.raises(TypeError, match="the function to run first"):
         rt.submit(sd.read(rt.empty(2)), 1.0)

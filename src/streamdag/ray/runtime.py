@@ -316,10 +316,12 @@ class Runtime:
     def _finish(self, op: _Op, done: Any) -> None:
         """Settle ``op``'s future from its worker's answer, or the error Ray gives instead (a Ray
         callback thread)."""
+        unsure = False  # whether the worker may lack the functions the driver thinks it holds
         if done is None:  # ended well, returned None, not timed (see Worker.run_op)
             status, a, b, t0, t_in, t1 = "ok", None, None, None, None, None
         elif type(done) is tuple:
             status, a, b, t0, t_in, t1 = done
+            unsure = status == "err" and isinstance(a, WorkerLost)  # restarted since
         elif isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
             status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(done).__name__), None
             t0 = t_in = t1 = time.time()
@@ -329,14 +331,14 @@ class Runtime:
                 done = done.as_instanceof_cause()
             status, a, b, t0, t_in, t1 = "err", done, None, *(time.time(),) * 3
         with self._lock:
+            if unsure or type(done) not in (tuple, type(None)):  # restarted, or the call did not
+                self._functions.lost(op.worker)  # run: a function it brought may not be there
             op.done = True
             op.failed = status != "ok"
             self._inflight.discard(op)
             self._pending[op.worker] -= 1
             if status == "err":
                 self._failures.append(a)
-                if isinstance(a, WorkerLost):  # restarted: it holds none of the functions sent before
-                    self._functions.lost(op.worker)
             prof = self._profile
             if prof is not None and t0 is not None:  # not an op sent before rt.profile() began
                 self._add_spans(prof, op, t0, t_in, t1, op.failed)
