@@ -97,3 +97,30 @@ def test_a_worker_killed_during_a_compiled_run_fails_the_run_and_the_next_run_co
     g.run().result(timeout=90)
     np.testing.assert_array_equal(rt.get(dst).result(timeout=60), np.full(4, 8.0))
     assert g.compiles == 2
+
+
+def _fill(value, out):
+    out[:] = value
+
+
+def test_a_restarted_worker_gets_the_functions_it_lost_again_without_a_wait_for_workers(rt):
+    buf = rt.put(np.zeros(4), on=1)
+    rt.submit(_fill, 1.0, sd.write(buf)).result(timeout=60)  # _fill goes to ray:1, then by number
+    ray.kill(rt.worker(1), no_restart=False)
+    # the ops sent while Ray restarts it, or that name a function the old worker held, fail with
+    # WorkerLost; the runtime learns of it from them and sends the function again
+    deadline = time.monotonic() + 60
+    while True:
+        rt.put(np.zeros(4), out=buf)  # made again on the restarted worker
+        try:
+            rt.submit(_fill, 2.0, sd.write(buf)).result(timeout=60)
+            break
+        except (WorkerLost, sd.DependencyFailed):
+            with pytest.raises(sd.ExceptionGroup) as group:
+                rt.synchronize()
+            assert {type(e) for e in group.value.exceptions} == {WorkerLost}
+            assert time.monotonic() < deadline, "the restarted worker never ran the op"
+            time.sleep(0.2)
+    rt.synchronize()
+    np.testing.assert_array_equal(rt.get(buf).result(timeout=60), np.full(4, 2.0))
+    rt.wait_for_workers()

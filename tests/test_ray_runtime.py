@@ -47,6 +47,56 @@ def test_an_op_returning_its_buffer_gives_back_the_handle(rt):
     assert rt.submit(np.add, sd.read(a), 1.0, out=sd.write(a)).result() is a
 
 
+class _CountsPickles:
+    pickled = 0
+
+    def __reduce__(self):
+        _CountsPickles.pickled += 1
+        return (_CountsPickles, ())
+
+
+def test_an_eager_op_s_function_is_pickled_once_for_all_its_submits_on_every_worker(rt):
+    token = _CountsPickles()
+
+    def fill(value, out):  # a closure: sent by value, with what it captures
+        assert isinstance(token, _CountsPickles)
+        out[:] = value
+
+    bufs = [rt.empty(2, on=w) for w in (0, 1, 0, 1)]
+    for i, b in enumerate(bufs):
+        rt.submit(fill, float(i), sd.write(b))
+    got = [rt.get(b).result() for b in bufs]
+    assert [g.tolist() for g in got] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert _CountsPickles.pickled == 1
+
+
+def _refuse_to_load():
+    raise RuntimeError("this argument cannot be unpickled here")
+
+
+class _FailsToLoad:
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def test_an_op_whose_call_cannot_be_unpickled_fails_alone_and_its_function_goes_again(rt):
+    def fill(value, out):  # a new function: it goes with the call that cannot be unpickled first
+        out[:] = 1.0 if value is None else 2.0
+
+    buf = rt.empty(2, on=1)
+    with pytest.raises(RuntimeError, match="cannot be unpickled here"):
+        rt.submit(fill, _FailsToLoad(), sd.write(buf)).result()
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
+    rt.submit(fill, None, sd.write(buf)).result()
+    np.testing.assert_array_equal(rt.get(buf).result(), [1.0, 1.0])
+
+
+def test_submit_refuses_what_is_not_a_function_with_the_fix(rt):
+    with pytest.raises(TypeError, match="the function to run first"):
+        rt.submit(sd.read(rt.empty(2)), 1.0)
+
+
 def test_bad_buffers_are_refused_with_the_fix(rt):
     a = rt.put(np.ones(3), on=0)
     with pytest.raises(sd.InvalidBuffer, match="run it there"):

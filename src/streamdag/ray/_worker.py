@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import WorkerLost
 from ._captured import CapturedSegment
 
-__all__ = ["Buf", "Failed", "Incoming", "OpSpec", "Packed", "SegmentSpec", "Store", "Worker"]
+__all__ = ["Buf", "Failed", "FnDef", "Incoming", "OpSpec", "Packed", "SegmentSpec", "Store", "Worker"]
 
 
 class Buf(NamedTuple):
@@ -48,6 +48,22 @@ class Store(NamedTuple):
     was restarted since)."""
 
     buf: int
+
+
+class FnDef(NamedTuple):
+    """An eager op's function, sent to the worker once: held under ``number`` for later calls, which
+    name it by that number alone. ``forget`` lists numbers the driver let go; ``reset`` drops all."""
+
+    number: int
+    data: bytes  # cloudpickle's
+    forget: tuple[int, ...]
+    reset: bool
+
+
+class _Unloadable(NamedTuple):
+    """A function the worker could not unpickle (its module is not there): each call fails with why."""
+
+    error: BaseException
 
 
 class Packed(NamedTuple):
@@ -142,6 +158,7 @@ class Worker:
         self.device = device
         self.buffers: dict[int, Any] = {}
         self.failed: dict[int, tuple[str, BaseException]] = {}
+        self.functions: dict[int, Any] = {}  # the eager ops' functions by number (see _functions.py)
         self.graph_failed: dict[int, tuple[str, BaseException]] = {}
         self.token = uuid.uuid4().hex
         self.local: Any = None  # a GPU worker's local streamdag runtime (see _captured.py)
@@ -195,17 +212,19 @@ class Worker:
     def run_op(self, call: bytes | tuple[bytes, Sequence[tuple]]) -> tuple:
         """Run one eager op, after the values it reads from other workers have arrived.
 
-        ``call`` is the pickle of ``(op number, name, fn, args, kwargs, fail_if, timeout)``, or that
-        and ``incoming``: ``(key, transfer ref, owner)`` of each value from another worker. One
+        ``call`` is the pickle of ``(op number, name, fn, args, kwargs, fail_if, timeout, timed)``, or
+        that and ``incoming``: ``(key, transfer ref, owner)`` of each value from another worker. One
         argument: Ray's cost grows with a call's arguments. A ref inside an argument is not fetched
-        by Ray before the call, so that a failed transfer fails this op here, as data.
+        by Ray before the call, so that a failed transfer fails this op here, as data. An op that
+        ends well and returns None answers None where the driver does not profile (``timed``).
         """
         import ray
 
         call, incoming = (call, ()) if type(call) is bytes else call
-        op, name, fn, args, kwargs, fail_if, timeout = ray.cloudpickle.loads(call)
+        op, name, fn, args, kwargs, fail_if, timeout, timed = ray.cloudpickle.loads(call)
 
         t0 = time.time()
+        fn = self._function(fn)  # first: a function sent with an op that does not run is still kept
         root = next((self.failed[u] for u in fail_if if u in self.failed), None)
         values: dict[Any, Any] = {}
         for key, ref, owner in incoming:
@@ -236,10 +255,38 @@ class Worker:
             e = e.with_traceback(None)
             self.failed[op] = (name, e)
             return ("err", e, None, t0, t_in, time.time())
+        if result is None and not timed:  # the common answer, in the fewest bytes to pickle and send
+            return None
         return ("ok", _result(result, self.buffers), None, t0, t_in, time.time())
 
+    def _function(self, spec: Any) -> Any:
+        """The function a call names: by number, sent now (:class:`FnDef`), or itself."""
+        kind = type(spec)
+        if kind is int:
+            return self.functions.get(spec, spec)  # a number it lacks fails in _call
+        if kind is FnDef:
+            if spec.reset:
+                self.functions.clear()
+            for n in spec.forget:
+                self.functions.pop(n, None)
+            import ray
+
+            try:
+                fn = ray.cloudpickle.loads(spec.data)
+            except Exception as e:  # kept: every later call naming it fails the same way
+                fn = _Unloadable(e.with_traceback(None))
+            self.functions[spec.number] = fn
+            return fn
+        return spec
+
     def _call(self, fn: Any, args: tuple, kwargs: dict, values: dict[Any, Any]) -> Any:
-        if type(fn) is Store:
+        kind = type(fn)
+        if kind is int:
+            raise WorkerLost(self.name, f"function {fn} is not on it: it was restarted since the "
+                                        "function was sent")
+        if kind is _Unloadable:
+            raise fn.error
+        if kind is Store:
             self._store(fn.buf, _resolve(args[0], {}, values, self.name))
             return None
         result = fn(*_resolve(args, self.buffers, values, self.name),

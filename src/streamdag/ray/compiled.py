@@ -13,13 +13,15 @@ alternate between workers is one task per op that waits. A segment's edges all c
 that begin earlier, so the tasks form a DAG.
 
 ``g.run()`` is one ``execute`` of the compiled graph: Ray's channels carry the values, and the
-driver does no work per op. A run's ``execute`` waits for the run of the graph before it: two in
-flight can deadlock Ray's channels where a worker both begins and ends a run, and a compiled
-graph's ``execute`` and ``ray.get`` must not race from two threads. The run's input is one value
-per worker, each on a channel of its own to the worker's first segment: the run's number, the new
-values of the worker's buffers that ``g.run(inputs=...)`` gives (stored before the run's first op
-there) and the buffers that ``g.run(outputs=...)`` asks back, which the worker's last segment adds
-to what it returns to the driver. So a run's data in and out crosses no channel but the graph's
+driver does no work per op. A run's ``execute`` waits for the run of the graph before it: with more
+than one in flight, Ray's channels between nodes hang (a hand-written compiled graph of the same
+shape, a chain over two nodes whose tasks take their parts of the input as ``inp[i]``, times out
+within a few executes, and runs on one node), and a compiled graph's ``execute`` and ``ray.get``
+must not race from two threads (Ray's compiled graph is not thread-safe). The run's input is one
+value per worker, each on a channel of its own to the worker's first segment: the run's number, the
+new values of the worker's buffers that ``g.run(inputs=...)`` gives (stored before the run's first
+op there) and the buffers that ``g.run(outputs=...)`` asks back, which the worker's last segment
+adds to what it returns to the driver. So a run's data in and out crosses no channel but the graph's
 own, as in a hand-written compiled graph fed through its ``InputNode``. A worker lost during a run
 tears the compiled graph down (Ray's own monitor does): that run's ops on that worker fail with
 :class:`WorkerLost`, those that read what they wrote with :class:`DependencyFailed`, and the next
@@ -173,8 +175,8 @@ class RayGraph:
             for bid in (*self._written, *values):
                 rt._writes_of[bid] = rt._writes_of.get(bid, 0) + 1
         while True:
-            # one execute in flight: two can deadlock Ray's channels (a worker that both begins and
-            # ends a run), and execute and ray.get must not race from two threads. Waited for
+            # one execute in flight: with two, Ray's channels between nodes hang (see the module's
+            # docstring), and execute and ray.get must not race from two threads. Waited for
             # outside the lock, which the run's settling takes.
             self._wait_runs(rt.timeout_s)
             with self._lock:
@@ -408,7 +410,8 @@ def _alive(rt: Runtime, workers: set[int]) -> set[int]:
             continue
         if token == rt._tokens[w]:
             alive.add(w)
-        rt._tokens[w] = token
+        else:
+            rt._restarted(w, token)
     return alive
 
 

@@ -21,7 +21,6 @@ unfinished ops with :class:`WorkerLost` and their dependents in turn; Ray restar
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import pickle
 import threading
@@ -39,6 +38,7 @@ from ..graph.buffers import Access, Marker, Region
 from ..observe.timeline import Span, Timeline
 from ..runtime import Future
 from ..runtime.accel import DepsTracker
+from ._functions import Functions, pickled_by_name
 from ._worker import Buf, Incoming, Store, Worker
 
 __all__ = ["RemoteBuffer", "Runtime"]
@@ -130,35 +130,6 @@ def _swap(value: Any, worker: int, remote: dict[int, RemoteBuffer], found: list[
     return value
 
 
-_by_name: dict[int, Any] = {}  # id -> the functions that the standard pickle sends by name
-_by_value: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # and those it cannot
-
-
-def _pickled_by_name(fn: Any) -> bool:
-    """Whether ``fn`` pickles to the same bytes with the standard pickle as with cloudpickle: it
-    goes by name (a function of an importable module), not by value (a lambda, a closure, a
-    function of ``__main__``), so that the standard pickle may send the call."""
-    if _by_name.get(id(fn)) is fn:
-        return True
-    try:
-        if fn in _by_value:
-            return False
-    except TypeError:  # not hashable
-        return False
-    try:
-        same = pickle.dumps(fn, 5) == ray.cloudpickle.dumps(fn, 5)
-    except Exception:  # the standard pickle cannot send it at all
-        same = False
-    if same:  # held, so that its id stays its own; a module's function lives as long anyway
-        if len(_by_name) > 1024:
-            _by_name.clear()
-        _by_name[id(fn)] = fn
-    else:
-        with contextlib.suppress(TypeError):  # weakly: a closure's captured data is not kept alive
-            _by_value[fn] = False
-    return same
-
-
 class Runtime:
     """Run streamdag ops on the workers of a Ray cluster: ``submit``, ``record``, ``profile``.
 
@@ -204,6 +175,7 @@ class Runtime:
         self._recording: dict[int, Any] = {}
         self._graphs: list[Any] = []  # recorded graphs, to tear their compiled graphs down on close
         self._profile: dict[str, Any] | None = None
+        self._functions = Functions(workers)  # each function goes to each worker once
         self._idle = threading.Condition(self._lock)
         self._closed = False
         try:
@@ -265,6 +237,9 @@ class Runtime:
         Inside ``rt.record()`` it records instead and returns an :class:`streamdag.OpNode`.
         """
         self._check_open()
+        if not callable(fn) and type(fn) is not Store:
+            raise TypeError(f"submit takes the function to run first, got a {type(fn).__name__}: "
+                            "rt.submit(fn, *args)")
         name = name or getattr(fn, "__name__", "op")
         reads_l, writes_l = list(reads), list(writes)
         args = _unmark(args, reads_l, writes_l)
@@ -310,10 +285,13 @@ class Runtime:
             self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
         self._inflight.add(op)
         self._pending[worker] += 1
-        call = (op.seq, name, fn, args, kwargs, fail_if, self.timeout_s)
+        spec = self._functions.spec(fn, worker)
+        call = (op.seq, name, spec, args, kwargs, fail_if, self.timeout_s, self._profile is not None)
         # pickled here: Ray passes bytes on at less cost than it pickles a tuple itself, and the
-        # standard pickle costs less than cloudpickle where it sends the same bytes
-        call = pickle.dumps(call, 5) if plain and _pickled_by_name(fn) else ray.cloudpickle.dumps(call)
+        # standard pickle costs less than cloudpickle where it sends the same bytes (a function
+        # goes as a number, or as the bytes cloudpickle made of it once)
+        by_name = spec is not fn or type(fn) is Store or pickled_by_name(fn)
+        call = pickle.dumps(call, 5) if plain and by_name else ray.cloudpickle.dumps(call)
         # the transfers' refs stay Ray's to serialize (it tracks who holds them), in the one argument:
         # Ray's cost grows with a call's arguments
         ref = self._workers[worker].run_op.remote((call, incoming) if incoming else call)
@@ -338,18 +316,23 @@ class Runtime:
     def _finish(self, op: _Op, done: Any) -> None:
         """Settle ``op``'s future from its worker's answer, or the error Ray gives instead (a Ray
         callback thread)."""
-        t_done = time.time()
-        if isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
+        unsure = False  # whether the worker may lack the functions the driver thinks it holds
+        if done is None:  # ended well, returned None, not timed (see Worker.run_op)
+            status, a, b, t0, t_in, t1 = "ok", None, None, None, None, None
+        elif type(done) is tuple:
+            status, a, b, t0, t_in, t1 = done
+            unsure = status == "err" and isinstance(a, WorkerLost)  # restarted since
+        elif isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
             status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(done).__name__), None
-            t0 = t_in = t1 = t_done
-        elif isinstance(done, BaseException):  # anything else Ray raises (say, the function cannot
-            # be unpickled there: its module is not on the worker) fails this op, visibly
+            t0 = t_in = t1 = time.time()
+        else:  # anything else Ray raises (say, the function cannot be unpickled there: its module is
+            # not on the worker) fails this op, visibly
             if isinstance(done, ray.exceptions.RayTaskError):
                 done = done.as_instanceof_cause()
-            status, a, b, t0, t_in, t1 = "err", done, None, t_done, t_done, t_done
-        else:
-            status, a, b, t0, t_in, t1 = done
+            status, a, b, t0, t_in, t1 = "err", done, None, *(time.time(),) * 3
         with self._lock:
+            if unsure or type(done) not in (tuple, type(None)):  # restarted, or the call did not
+                self._functions.lost(op.worker)  # run: a function it brought may not be there
             op.done = True
             op.failed = status != "ok"
             self._inflight.discard(op)
@@ -357,7 +340,7 @@ class Runtime:
             if status == "err":
                 self._failures.append(a)
             prof = self._profile
-            if prof is not None:
+            if prof is not None and t0 is not None:  # not an op sent before rt.profile() began
                 self._add_spans(prof, op, t0, t_in, t1, op.failed)
             self._idle.notify_all()
         if status == "ok":
@@ -474,8 +457,14 @@ class Runtime:
                     time.sleep(0.05)
             if token != self._tokens[i]:
                 restarted.append(f"ray:{i}")
-                self._tokens[i] = token
+                self._restarted(i, token)
         return restarted
+
+    def _restarted(self, worker: int, token: str) -> None:
+        """``worker`` answered as a new incarnation (``token``): it has lost its state."""
+        with self._lock:
+            self._tokens[worker] = token
+            self._functions.lost(worker)
 
     def worker(self, device: str | int) -> Any:
         """The Ray actor handle of a worker (to call it, or ``ray.kill`` it in a test of failures)."""
@@ -558,6 +547,8 @@ class Runtime:
     def _wait_graphs(self, worker: int, remote: dict[int, RemoteBuffer]) -> None:
         """An eager op on a worker waits for runs of recorded graphs in flight there (they run on the
         worker's compiled-graph thread, beside its eager calls)."""
+        if not self._graphs:
+            return
         workers = {worker, *(b.worker for b in remote.values())}
         for g in self._graphs:
             if g._runs_in_flight and workers & g._workers_used:
