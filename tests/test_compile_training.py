@@ -334,6 +334,44 @@ def test_autocast_bf16_on_the_cpu_trains_as_eager_autocast_does():
 
 
 @pytest.mark.slow
+def test_double_backward_after_plain_steps_raises_pytorchs_error_naming_donated_buffers_then_falls_back():
+    """A backward compiled with donated buffers (PyTorch's default) cannot run under create_graph:
+    PyTorch refuses before streamdag's backward sees the call, naming the setting; with donated
+    buffers off, the create_graph backward warns and the model runs eagerly from its next call."""
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def penalty(f):
+        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        return gx
+
+    for donated in (True, False):
+        with functorch_config.patch(donated_buffer=donated):
+            torch._dynamo.reset()
+            model = copy.deepcopy(ref)
+            fast = sd.compile(model)
+            for _ in range(2):  # plain steps first: the backward is compiled for them
+                fast(x).sum().backward()
+            if donated:
+                with pytest.raises(RuntimeError, match="donated_buffer=False"):
+                    penalty(fast)
+                continue
+            with pytest.warns(StreamdagWarning, match="create_graph=True"):
+                gx = penalty(fast)
+            torch.testing.assert_close(gx, penalty(ref))
+            model.zero_grad()
+            ref.zero_grad()
+            penalty(fast).square().sum().backward()
+            penalty(ref).square().sum().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            assert fast.statistics().eager_calls >= 1
+
+
+@pytest.mark.slow
 def test_double_backward_warns_then_runs_eagerly_with_eagers_gradients():
     """The compiled backward is not differentiable: the first create_graph backward warns (its
     first-order gradients are right, a second backward through them raises torch's error), and

@@ -81,7 +81,9 @@ random kernels differ from eager's).
 backward with ``create_graph=True`` through it gives correct first gradients,
 but a second backward through them raises. Such a backward warns
 (:class:`~streamdag.errors.StreamdagWarning`) and makes ``streamdag.compile``'s
-model run eagerly, with gradients on, from its next call.
+model run eagerly, with gradients on, from its next call. A backward compiled
+with AOTAutograd's donated buffers (PyTorch's default) never gets here: PyTorch
+refuses the ``create_graph=True`` call first and names the setting to turn off.
 """
 
 from __future__ import annotations
