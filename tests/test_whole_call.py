@@ -405,6 +405,56 @@ def test_a_graph_that_writes_its_input_is_checked_before_its_launch(fake_device)
     assert entry.write_back and not entry.speculative
 
 
+class CountsOutsideGraphs(nn.Module):
+    """Updates a buffer in place where no compiled graph sees it: the eager code Dynamo runs at a
+    graph break (a ``torch._dynamo.disable``d helper, an op it cannot trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1.0)
+        return x * 2
+
+
+def test_a_buffer_written_outside_the_graphs_is_updated_once_per_call_even_when_a_check_fails(fake_device):
+    m = CountsOutsideGraphs().eval()
+    fake_device(m)
+    w = WholeCall(m, FakeBackend())
+
+    def dynamo(*args, **kwargs):  # Dynamo's path: no graph notes the eager write
+        return m(*args, **kwargs)
+
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(3):
+            w((x,), {}, dynamo)
+        entry = next(iter(w.current.entries.values()))
+        assert not entry.speculative, "the call writes a buffer: its replay must not run before the checks"
+        assert "writes into a parameter or buffer" in w.baseline, "no warm-up of the eager call"
+        m.some_flag = True  # the check fails: Dynamo's path runs, and no replay before it
+        w((x,), {}, dynamo)
+    assert m.calls.item() == 4
+
+
+def test_an_input_written_outside_the_graphs_to_the_same_values_is_written_back(fake_device):
+    class ClampsInPlace(nn.Module):
+        def forward(self, x):
+            return x.clamp_(min=0.0) * 2  # at the capture the input is already >= 0
+
+    m = ClampsInPlace()
+    fake_device(m)
+    w = WholeCall(m, FakeBackend())
+    with torch.no_grad():
+        for _ in range(2):
+            w((torch.ones(3),), {}, lambda *a: m(*a))
+        x = torch.tensor([-1.0, 2.0, -3.0])
+        torch.testing.assert_close(w((x,), {}, lambda *a: m(*a)), torch.tensor([0.0, 4.0, 0.0]))
+    assert w.replays == 2
+    torch.testing.assert_close(x, torch.tensor([0.0, 2.0, 0.0]))
+
+
 def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_device, state_checks):
     m = mlp()
     w, dynamo = whole(m, fake_device)

@@ -296,8 +296,13 @@ class WholeCall:
         marks = self._marks()
         caller = dev.caller()
         gs = _global_state()
+        # the graphs note their own writes; eager code that Dynamo runs at a graph break writes
+        # unseen, and only the version counters show it (an inference tensor keeps none)
+        watched = [*statics, *state.watch.tensors]
+        versions = _versions(watched)
         with _active("warm") as active, dev.on_capture_stream():
             out = dynamo(*s_args, **s_kwargs)
+        bumped = {i for i, (a, b) in enumerate(zip(versions, _versions(watched))) if a != b}
         parts = _result_parts(out, device, statics, state.watch.tensors)
         leaves = parts.outputs if not isinstance(parts, str) else pytree.tree_leaves(out)
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
@@ -305,11 +310,11 @@ class WholeCall:
         # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
         written = active.mutated
         write_back = [i for i, (s, t) in enumerate(zip(statics, tensors))
-                      if s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
+                      if i in bumped or s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
         for i in write_back:  # this call's writes into the caller's inputs
             tensors[i].copy_(statics[i])
         own = {s.untyped_storage().data_ptr() for s in statics}  # else: a parameter's, a buffer's, a global's
-        updates_state = active.updates_state or bool(written - own)
+        updates_state = active.updates_state or bool(written - own) or max(bumped, default=-1) >= len(statics)
         reason = active.refusal or (parts if isinstance(parts, str) else "")
         if reason:
             self._refuse(key, reason)
@@ -422,6 +427,11 @@ def _describe(key: Any) -> str:
         else:
             parts.append(repr(meta[1]) if isinstance(meta, tuple) and len(meta) == 2 else "?")
     return f"call({', '.join(parts)})"
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter, which every in-place write bumps; None for an inference tensor."""
+    return [None if t.is_inference() else t._version for t in tensors]
 
 
 def _overlaps(t: torch.Tensor) -> bool:
