@@ -8,6 +8,7 @@ calls. The ``slow`` tests go through Dynamo and Inductor's CPU code; the
 ``cuda`` tests capture real CUDA graphs.
 """
 
+import collections
 import copy
 
 import pytest
@@ -657,6 +658,35 @@ def test_a_result_object_that_cannot_be_rebuilt_stays_on_dynamos_path_and_says_w
     with torch.no_grad():
         for _ in range(3):
             w((torch.randn(2),), {}, dynamo)
+    assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
+
+
+class _Tagged(dict):
+    """A dict subclass with attributes: its items live in the dict, not in its ``__dict__``."""
+
+
+class _Pair(collections.namedtuple("_Pair", "a b")):
+    """A namedtuple subclass without ``__slots__``: it has a ``__dict__`` and a ``__new__`` of its own."""
+
+
+@pytest.mark.parametrize("inner, contents, named", [
+    (lambda x: _Tagged(t=x * 3), lambda v: list(v.values()), "a _Tagged"),
+    (lambda x: _Pair(x * 3, 1), list, "a _Pair"),
+])
+def test_a_result_object_made_by_its_own_new_stays_on_dynamos_path_not_rebuilt_empty(fake_device, inner,
+                                                                                       contents, named):
+    class Odd(nn.Module):
+        def forward(self, x):
+            return x * 2, _Holder(inner(x))
+
+    m = Odd()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            got, want = w((x,), {}, dynamo)[1].value, m(x)[1].value
+            assert type(got) is type(want)
+            torch.testing.assert_close(contents(got), contents(want))
     assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
 
 

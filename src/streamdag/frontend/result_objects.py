@@ -12,8 +12,10 @@ rebuilds plain objects, without the per-object dispatch of ``deepcopy``.
 
 Classes and functions are kept as they are (``deepcopy`` shares them too).
 What cannot be rebuilt so is refused, with the type named: a module, a
-generator or another callable object, an object with neither ``__dict__``
-nor ``__slots__``, a cycle, or nesting deeper than :data:`MAX_DEPTH`.
+generator or another callable object, an object whose class has a
+``__new__`` of its own (a subclass of ``dict`` or of a namedtuple), an object
+with neither ``__dict__`` nor ``__slots__``, a cycle, or nesting deeper than
+:data:`MAX_DEPTH`.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
         items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in value.items()]
         bad = next((p for _, p in items if isinstance(p, str)), None)
         return bad if bad is not None else ("d", items)
+    if type(value).__new__ is not object.__new__:  # a builtin container's subclass keeps its items
+        # outside its attributes, a namedtuple's needs its fields: cls.__new__(cls) alone is no copy
+        return f"a {kind} (made by a __new__ of its own)"
     attrs = getattr(value, "__dict__", None)
     slots = _slot_names(type(value))
     if not isinstance(attrs, dict) and not slots:
