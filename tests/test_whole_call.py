@@ -690,6 +690,22 @@ def test_a_result_object_made_by_its_own_new_stays_on_dynamos_path_not_rebuilt_e
     assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
 
 
+class WritesOnly(nn.Module):
+    def forward(self, x):
+        x.mul_(2.0)  # the caller's tensor holds the result; nothing is returned
+
+
+def test_a_call_that_returns_no_tensor_replays(fake_device):
+    m = WritesOnly()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.full((2,), float(i))
+            assert w((x,), {}, dynamo) is None
+            torch.testing.assert_close(x, torch.full((2,), 2.0 * i))
+    assert w.replays == 2, w.explain()
+
+
 # -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
 
 class Broken(nn.Module):

@@ -169,7 +169,7 @@ class Entry:
             fresh = self.outputs
         else:  # one copy each, or one launch for them all
             fresh = [torch.empty_like(o) for o in self.outputs]
-            if not self.device.copy_into(fresh, self.outputs):
+            if self.outputs and not self.device.copy_into(fresh, self.outputs):
                 torch._foreach_copy_(fresh, self.outputs)
         if self.single:
             return fresh[0]
