@@ -706,6 +706,32 @@ def test_a_call_that_returns_no_tensor_replays(fake_device):
     assert w.replays == 2, w.explain()
 
 
+class _Private:
+    """Its slot's name is mangled: the attribute is ``_Private__t``."""
+
+    __slots__ = ("__t",)
+
+    def __init__(self, t):
+        self.__t = t
+
+    def value(self):
+        return self.__t
+
+
+def test_a_result_object_with_a_private_slot_comes_back_holding_it(fake_device):
+    class Hidden(nn.Module):
+        def forward(self, x):
+            return _Private(x * 2)
+
+    m = Hidden()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            torch.testing.assert_close(w((x,), {}, dynamo).value(), x * 2)
+    assert w.replays == 2, w.explain()
+
+
 # -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
 
 class Broken(nn.Module):

@@ -46,6 +46,8 @@ def _slot_names(cls: type) -> list[str]:
     for c in cls.__mro__:
         slots = c.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__") and c.__name__.lstrip("_"):
+                name = f"_{c.__name__.lstrip('_')}{name}"  # a private slot's attribute: its mangled name
             if name not in ("__dict__", "__weakref__") and name not in names:
                 names.append(name)
     return names
