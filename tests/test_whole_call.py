@@ -732,6 +732,24 @@ def test_a_result_object_with_a_private_slot_comes_back_holding_it(fake_device):
     assert w.replays == 2, w.explain()
 
 
+def test_an_object_the_result_holds_twice_comes_back_as_one_object(fake_device):
+    class Shares(nn.Module):
+        def forward(self, x):
+            box = Box(x * 2, [x * 3])
+            box.again = box.extra  # one list under two names, as deepcopy keeps it
+            return box, box
+
+    m = Shares()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            first, second = w((x,), {}, dynamo)
+            assert first is second and first.again is first.extra
+            torch.testing.assert_close(first.extra[0], x * 3)
+    assert w.replays == 2, w.explain()
+
+
 # -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
 
 class Broken(nn.Module):

@@ -177,6 +177,7 @@ class Entry:
         for pos, slot in enumerate(self.slots):
             if slot >= 0:
                 leaves[pos] = fresh[slot]
+        memo: dict[int, Any] = {}  # an object held twice comes back as one
         for pos, tpl in self.objects:
-            leaves[pos] = rebuild(tpl, fresh)
+            leaves[pos] = rebuild(tpl, fresh, memo)
         return pytree.tree_unflatten(leaves, self.spec)
