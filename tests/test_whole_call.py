@@ -470,6 +470,31 @@ def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_d
     assert old not in w.states and w.current is not old
 
 
+class Noted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, note=None):
+        return self.lin(x)
+
+
+def test_a_state_whose_tensors_moved_goes_where_the_next_calls_take_dynamos_path(fake_device, state_checks):
+    """As after ``model.cpu()``: the calls then have no graph, and the old memory must still go."""
+    m = Noted().eval()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        w((x,), {}, dynamo)
+        assert w.current is not None and w.current.entries
+        m.lin.weight.data = torch.randn(4, 8)
+        torch.testing.assert_close(w((x,), {"note": ["unkeyed"]}, dynamo), m(x))
+        assert w.states == [] and w.current is None, "the moved state's graphs keep the old weight's memory"
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2 and w.replays == 1
+
+
 def test_train_and_eval_keep_a_graph_each(fake_device, state_checks):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()

@@ -219,6 +219,7 @@ class WholeCall:
     # -- misses ---------------------------------------------------------------------------------------
 
     def _miss(self, key: Any, args: Sequence[Any], kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
+        self._drop_moved()  # first: the calls after model.cpu() never reach _state()
         if isinstance(key, str):
             self.note = key
             return dynamo(*args, **kwargs)
@@ -254,6 +255,15 @@ class WholeCall:
         self.current = _State(watch)
         self.states.append(self.current)
         return self.current
+
+    def _drop_moved(self) -> None:
+        """States whose tensors moved go, with the memory their graphs keep allocated (``held``)."""
+        if all(s.watch.memory_holds() for s in self.states):
+            return
+        with self._lock:
+            self.states = [s for s in self.states if s.watch.memory_holds()]
+            if not any(s is self.current for s in self.states):
+                self.current = None
 
     def _refuse(self, key: Any, reason: str) -> None:
         self.refused[key] = reason
