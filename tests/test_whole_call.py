@@ -10,6 +10,7 @@ calls. The ``slow`` tests go through Dynamo and Inductor's CPU code; the
 
 import collections
 import copy
+import types
 
 import pytest
 
@@ -762,6 +763,7 @@ def test_an_object_the_result_holds_twice_comes_back_as_one_object(fake_device):
         def forward(self, x):
             box = Box(x * 2, [x * 3])
             box.again = box.extra  # one list under two names, as deepcopy keeps it
+            box.space = types.SimpleNamespace(t=x * 4)
             return box, box
 
     m = Shares()
@@ -772,6 +774,7 @@ def test_an_object_the_result_holds_twice_comes_back_as_one_object(fake_device):
             first, second = w((x,), {}, dynamo)
             assert first is second and first.again is first.extra
             torch.testing.assert_close(first.extra[0], x * 3)
+            torch.testing.assert_close(first.space.t, x * 4)
     assert w.replays == 2, w.explain()
 
 

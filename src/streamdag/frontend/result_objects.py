@@ -36,6 +36,9 @@ MAX_DEPTH = 8
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum,
           type, types.FunctionType, types.BuiltinFunctionType)
 
+#: the ``__new__`` of the classes rebuilt by ``cls.__new__(cls)``: an empty object, filled by its attributes
+_BARE_NEW = (object.__new__, types.SimpleNamespace.__new__)
+
 # a template: ("t", slot) a tensor, ("v", value) a plain value, ("l" | "u", [templates], key) a list or
 # tuple, ("d", [(key, template)], key) a dict, ("o", cls, [(name, template)], [(slot name, template)], key)
 # an object; ``key`` (the captured value's id) names a value met twice, rebuilt once per replay
@@ -80,7 +83,7 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
         items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in value.items()]
         bad = next((p for _, p in items if isinstance(p, str)), None)
         return bad if bad is not None else ("d", items, id(value))
-    if type(value).__new__ is not object.__new__:  # a builtin container's subclass keeps its items
+    if type(value).__new__ not in _BARE_NEW:  # a builtin container's subclass keeps its items
         # outside its attributes, a namedtuple's needs its fields: cls.__new__(cls) alone is no copy
         return f"a {kind} (made by a __new__ of its own)"
     attrs = getattr(value, "__dict__", None)
