@@ -827,6 +827,49 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     torch._dynamo.reset()
 
 
+@torch._dynamo.disable
+def _count_eagerly(buf):
+    buf.add_(1.0)
+
+
+class CountsAtABreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        _count_eagerly(self.calls)  # eager code at a graph break: no compiled graph writes it
+        return h * 2
+
+
+@pytest.mark.slow
+def test_through_dynamo_a_buffer_written_at_a_graph_break_is_updated_once_per_call(fake_device, monkeypatch):
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    m = CountsAtABreak().eval()
+    fake_device(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(4):
+            c(torch.randn(2, 8))
+        m.some_flag = True  # the check fails: Dynamo's path runs, and no replay before it
+        c(torch.randn(2, 8))
+    assert m.calls.item() == 5
+    assert c.statistics().whole_replays >= 1
+    torch._dynamo.reset()
+
+
 # -- CUDA --------------------------------------------------------------------------------------------
 
 @pytest.fixture
