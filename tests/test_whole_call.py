@@ -457,6 +457,25 @@ def test_an_input_written_outside_the_graphs_to_the_same_values_is_written_back(
     torch.testing.assert_close(x, torch.tensor([0.0, 2.0, 0.0]))
 
 
+def test_the_storages_a_capture_noted_are_held_by_its_graph_alone(fake_device):
+    """What the graphs read in a capture (``ACTIVE.reads``) is the entry's to keep: the thread keeps
+    none of it after the capture, or a dropped graph's memory would stay allocated."""
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+
+    def reading(*args, **kwargs):  # as the compiled graphs do in a capture
+        if wc.ACTIVE.mode == "capture":
+            for p in m.parameters():
+                wc.ACTIVE.reads.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
+        return dynamo(*args, **kwargs)
+
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, reading)
+    entry = next(iter(w.current.entries.values()))
+    assert m[0].weight.untyped_storage().data_ptr() in {st.data_ptr() for st in entry.held}
+    assert wc.ACTIVE.reads == {}
+
+
 def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_device, state_checks):
     m = mlp()
     w, dynamo = whole(m, fake_device)

@@ -115,8 +115,8 @@ def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mutated, ACTIVE.reads = set(), {}
     try:
         yield ACTIVE
-    finally:
-        ACTIVE.mode = None
+    finally:  # the thread keeps no storage: a dropped graph's memory must go back
+        ACTIVE.mode, ACTIVE.reads = None, {}
 
 
 # -- the key ------------------------------------------------------------------------------------------
@@ -340,6 +340,7 @@ class WholeCall:
         try:
             with _active("capture") as active:
                 graph, captured = dev.capture(dynamo, s_args, s_kwargs)
+                reads = active.reads
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
@@ -351,7 +352,7 @@ class WholeCall:
             self._passing(state, key, "the capture ran other code than the warm-up")
         else:  # what its graph reads stays allocated while it may launch before the checks
             entry.held = list({**{t.untyped_storage().data_ptr(): t.untyped_storage()
-                                  for t in state.watch.tensors}, **active.reads}.values())
+                                  for t in state.watch.tensors}, **reads}.values())
             entry.speculative = not write_back and not updates_state
             state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
                                                      state.watch.tensors)
