@@ -1150,3 +1150,40 @@ def test_on_cuda_a_decoder_returning_its_kv_cache_replays_whole_with_a_new_cache
             torch.testing.assert_close(g.values, w.values, rtol=1e-4, atol=1e-4)
     assert results[-1][0].past_key_values.layers[0].keys is not results[-2][0].past_key_values.layers[0].keys
     assert c.statistics().whole_replays >= 2, c.explain()
+
+
+def _capture_that_fails(dev, private):
+    """A capture whose call allocates 64 MiB and then synchronizes (``.item()``): it fails."""
+
+    def syncs():
+        t = torch.ones(64 * 2**20, dtype=torch.uint8, device="cuda")
+        return t.sum().item()
+
+    try:
+        dev.capture(syncs, (), {}, private=private)
+    except Exception:  # (leaving the except clause drops the traceback, and the 64 MiB with it)
+        return
+    raise AssertionError("a synchronization inside a capture did not fail it")
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_failed_capture_in_a_pool_of_its_own_gives_its_memory_back():
+    """As a plain CUDA graph of the eager call that cannot be captured: its pool stops taking
+    allocations and goes back to the device, and the next capture works."""
+    from streamdag.frontend.candidates import SharedPool
+    from streamdag.frontend.whole_replay import CudaCalls
+
+    dev = CudaCalls(torch.device("cuda"), SharedPool())
+    x = torch.randn(8, device="cuda")
+    graph, out = dev.capture(lambda: x * 2, (), {}, private=True)  # a capture's one-time setup
+    del graph, out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    _capture_that_fails(dev, private=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - before < 32 * 2**20, "the failed capture's pool kept its memory"
+    graph, out = dev.capture(lambda: x * 2, (), {}, private=True)
+    graph.replay()
+    torch.testing.assert_close(out, x * 2)

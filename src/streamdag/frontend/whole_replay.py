@@ -26,7 +26,6 @@ State: an entry's inputs and outputs are shared by its replays, so
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +81,8 @@ class CudaCalls:
 
         caller = self.caller()
         graph = torch.cuda.CUDAGraph()
-        pool = None if private else self.pool.handle(self.device)
+        # a pool of its own is named here, not left to capture_begin: a failed capture must end it
+        pool = torch.cuda.graph_pool_handle() if private else self.pool.handle(self.device)
         try:
             with _collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream,
                                                        capture_error_mode="thread_local"):
@@ -90,11 +90,7 @@ class CudaCalls:
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
             _restore_random_generators([self.device])
-            if pool is not None:  # a failed capture_end leaves the pool taking allocations: later
-                # captures into it would fail ("already recording to mempool_id"); where capture_end
-                # got that far, the pool is no longer recording and this raises
-                with contextlib.suppress(RuntimeError):
-                    torch._C._cuda_endAllocateToPool(self.index, pool)
+            _end_failed_capture(self.index, pool, private)
             raise
         caller.wait_stream(self.stream)
         return graph, out
@@ -107,6 +103,20 @@ class CudaCalls:
         """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
         self.order()
         return time_replays(graphs, rounds, self.device)
+
+
+def _end_failed_capture(index: int, pool: Any, private: bool) -> None:
+    """A failed ``capture_end`` leaves ``pool`` taking allocations (later captures into it fail:
+    "already recording to mempool_id") and counted as used by a graph that never releases it.
+    Where ``capture_end`` got past ending the allocations, the pool is no longer recording and
+    the graph releases it when it goes; otherwise a pool of its own is released here, so that its
+    memory goes back (the shared pool stays counted: its handle is used again)."""
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return
+    if private:
+        torch._C._cuda_releasePool(index, pool)
 
 
 # -- the captured graph ---------------------------------------------------------------------------------
