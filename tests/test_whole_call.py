@@ -846,6 +846,34 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_through_dynamo_a_whole_call_keeps_the_models_memory_not_its_graphs_own(fake_device, monkeypatch):
+    """What one graph makes and the next reads (``h`` past the graph break) is the whole call's own
+    memory, written by every replay: keeping it allocated would only keep it from reuse."""
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    m = Broken().eval()
+    fake_device(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(3):
+            c(torch.randn(2, 8))
+    entry = next(iter(c.whole.current.entries.values()))
+    model = {t.untyped_storage().data_ptr() for t in m.parameters()}
+    own = {s.untyped_storage().data_ptr() for s in entry.statics}
+    assert {st.data_ptr() for st in entry.held} <= model | own
+    torch._dynamo.reset()
+
+
 @torch._dynamo.disable
 def _count_eagerly(buf):
     buf.add_(1.0)

@@ -104,6 +104,7 @@ class _Active(threading.local):
     def __init__(self) -> None:
         self.mutated: set[int] = set()
         self.reads: dict[int, Any] = {}  # in a capture: the storages of the graphs' tensor arguments
+        self.made: set[int] = set()  # in a capture: the storages of the graphs' outputs (its own memory)
 
 
 ACTIVE = _Active()
@@ -112,7 +113,7 @@ ACTIVE = _Active()
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
-    ACTIVE.mutated, ACTIVE.reads = set(), {}
+    ACTIVE.mutated, ACTIVE.reads, ACTIVE.made = set(), {}, set()
     try:
         yield ACTIVE
     finally:  # the thread keeps no storage: a dropped graph's memory must go back
@@ -340,7 +341,7 @@ class WholeCall:
         try:
             with _active("capture") as active:
                 graph, captured = dev.capture(dynamo, s_args, s_kwargs)
-                reads = active.reads
+                reads = {p: st for p, st in active.reads.items() if p not in active.made}
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
