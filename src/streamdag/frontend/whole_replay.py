@@ -16,8 +16,8 @@ launched first and checked while the GPU runs it (:meth:`Entry.launch`, then
 :meth:`Entry.result`); where a check fails its outputs are never read and the
 call takes Dynamo's path. Such a replay may read memory the model no longer
 holds (a parameter whose ``.data`` was replaced): the entry keeps the storage
-of every tensor its graph reads (``held``), so the read stays within memory
-that is allocated. A failed check leaves two traces: the GPU ran the graph
+of every tensor its graph reads and did not make (``held``), so the read stays
+within memory that is allocated. A failed check leaves two traces: the GPU ran the graph
 once for nothing, and the replay advanced the random generators' offsets.
 
 State: an entry's inputs and outputs are shared by its replays, so
@@ -141,7 +141,7 @@ class Entry:
     replays: int = 0
     objects: list[tuple[int, Any]] = field(default_factory=list)  # leaves rebuilt around fresh tensors
     speculative: bool = False  # writes nothing outside its own memory: launched before the checks
-    held: list[Any] = field(default_factory=list)  # the storages of the tensors its graph reads
+    held: list[Any] = field(default_factory=list)  # the storages its graph reads and did not make
     single: bool = field(init=False)
 
     def __post_init__(self) -> None:
