@@ -99,6 +99,15 @@ def test_copies_are_exact_for_every_dtype_and_keep_integer_tensors_integer():
     assert _copies([]) == []
 
 
+def test_copies_of_floating_tensors_without_a_multiplication_are_clones():
+    """float8 has no ``mul`` kernel: a graph returning one still returns an exact copy."""
+    ts = [torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn), torch.tensor([1.5, 3.0])]
+    copies = _copies(ts)
+    for t, c in zip(ts, copies):
+        assert c.dtype == t.dtype and c.data_ptr() != t.data_ptr()
+        assert torch.equal(c.float(), t.float())
+
+
 def test_a_call_the_trees_skip_is_counted_and_explained():
     from torch._dynamo.utils import counters
 

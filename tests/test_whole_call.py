@@ -8,7 +8,9 @@ calls. The ``slow`` tests go through Dynamo and Inductor's CPU code; the
 ``cuda`` tests capture real CUDA graphs.
 """
 
+import collections
 import copy
+import types
 
 import pytest
 
@@ -405,6 +407,75 @@ def test_a_graph_that_writes_its_input_is_checked_before_its_launch(fake_device)
     assert entry.write_back and not entry.speculative
 
 
+class CountsOutsideGraphs(nn.Module):
+    """Updates a buffer in place where no compiled graph sees it: the eager code Dynamo runs at a
+    graph break (a ``torch._dynamo.disable``d helper, an op it cannot trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1.0)
+        return x * 2
+
+
+def test_a_buffer_written_outside_the_graphs_is_updated_once_per_call_even_when_a_check_fails(fake_device):
+    m = CountsOutsideGraphs().eval()
+    fake_device(m)
+    w = WholeCall(m, FakeBackend())
+
+    def dynamo(*args, **kwargs):  # Dynamo's path: no graph notes the eager write
+        return m(*args, **kwargs)
+
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(3):
+            w((x,), {}, dynamo)
+        entry = next(iter(w.current.entries.values()))
+        assert not entry.speculative, "the call writes a buffer: its replay must not run before the checks"
+        assert "writes into a parameter or buffer" in w.baseline, "no warm-up of the eager call"
+        m.some_flag = True  # the check fails: Dynamo's path runs, and no replay before it
+        w((x,), {}, dynamo)
+    assert m.calls.item() == 4
+
+
+def test_an_input_written_outside_the_graphs_to_the_same_values_is_written_back(fake_device):
+    class ClampsInPlace(nn.Module):
+        def forward(self, x):
+            return x.clamp_(min=0.0) * 2  # at the capture the input is already >= 0
+
+    m = ClampsInPlace()
+    fake_device(m)
+    w = WholeCall(m, FakeBackend())
+    with torch.no_grad():
+        for _ in range(2):
+            w((torch.ones(3),), {}, lambda *a: m(*a))
+        x = torch.tensor([-1.0, 2.0, -3.0])
+        torch.testing.assert_close(w((x,), {}, lambda *a: m(*a)), torch.tensor([0.0, 4.0, 0.0]))
+    assert w.replays == 2
+    torch.testing.assert_close(x, torch.tensor([0.0, 2.0, 0.0]))
+
+
+def test_the_storages_a_capture_noted_are_held_by_its_graph_alone(fake_device):
+    """What the graphs read in a capture (``ACTIVE.reads``) is the entry's to keep: the thread keeps
+    none of it after the capture, or a dropped graph's memory would stay allocated."""
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+
+    def reading(*args, **kwargs):  # as the compiled graphs do in a capture
+        if wc.ACTIVE.mode == "capture":
+            for p in m.parameters():
+                wc.ACTIVE.reads.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
+        return dynamo(*args, **kwargs)
+
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, reading)
+    entry = next(iter(w.current.entries.values()))
+    assert m[0].weight.untyped_storage().data_ptr() in {st.data_ptr() for st in entry.held}
+    assert wc.ACTIVE.reads == {}
+
+
 def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_device, state_checks):
     m = mlp()
     w, dynamo = whole(m, fake_device)
@@ -417,6 +488,31 @@ def test_a_state_whose_tensors_moved_goes_with_the_memory_its_graphs_keep(fake_d
         m[2].weight.data = torch.randn(4, 16)
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
     assert old not in w.states and w.current is not old
+
+
+class Noted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, note=None):
+        return self.lin(x)
+
+
+def test_a_state_whose_tensors_moved_goes_where_the_next_calls_take_dynamos_path(fake_device, state_checks):
+    """As after ``model.cpu()``: the calls then have no graph, and the old memory must still go."""
+    m = Noted().eval()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        w((x,), {}, dynamo)
+        assert w.current is not None and w.current.entries
+        m.lin.weight.data = torch.randn(4, 8)
+        torch.testing.assert_close(w((x,), {"note": ["unkeyed"]}, dynamo), m(x))
+        assert w.states == [] and w.current is None, "the moved state's graphs keep the old weight's memory"
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2 and w.replays == 1
 
 
 def test_train_and_eval_keep_a_graph_each(fake_device, state_checks):
@@ -610,6 +706,97 @@ def test_a_result_object_that_cannot_be_rebuilt_stays_on_dynamos_path_and_says_w
     assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
 
 
+class _Tagged(dict):
+    """A dict subclass with attributes: its items live in the dict, not in its ``__dict__``."""
+
+
+class _Pair(collections.namedtuple("_Pair", "a b")):
+    """A namedtuple subclass without ``__slots__``: it has a ``__dict__`` and a ``__new__`` of its own."""
+
+
+@pytest.mark.parametrize("inner, contents, named", [
+    (lambda x: _Tagged(t=x * 3), lambda v: list(v.values()), "a _Tagged"),
+    (lambda x: _Pair(x * 3, 1), list, "a _Pair"),
+])
+def test_a_result_object_made_by_its_own_new_stays_on_dynamos_path_not_rebuilt_empty(fake_device, inner,
+                                                                                       contents, named):
+    class Odd(nn.Module):
+        def forward(self, x):
+            return x * 2, _Holder(inner(x))
+
+    m = Odd()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            got, want = w((x,), {}, dynamo)[1].value, m(x)[1].value
+            assert type(got) is type(want)
+            torch.testing.assert_close(contents(got), contents(want))
+    assert w.captures == 0 and f"the result holds a _Holder that holds {named}" in w.explain(), w.explain()
+
+
+class WritesOnly(nn.Module):
+    def forward(self, x):
+        x.mul_(2.0)  # the caller's tensor holds the result; nothing is returned
+
+
+def test_a_call_that_returns_no_tensor_replays(fake_device):
+    m = WritesOnly()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.full((2,), float(i))
+            assert w((x,), {}, dynamo) is None
+            torch.testing.assert_close(x, torch.full((2,), 2.0 * i))
+    assert w.replays == 2, w.explain()
+
+
+class _Private:
+    """Its slot's name is mangled: the attribute is ``_Private__t``."""
+
+    __slots__ = ("__t",)
+
+    def __init__(self, t):
+        self.__t = t
+
+    def value(self):
+        return self.__t
+
+
+def test_a_result_object_with_a_private_slot_comes_back_holding_it(fake_device):
+    class Hidden(nn.Module):
+        def forward(self, x):
+            return _Private(x * 2)
+
+    m = Hidden()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            torch.testing.assert_close(w((x,), {}, dynamo).value(), x * 2)
+    assert w.replays == 2, w.explain()
+
+
+def test_an_object_the_result_holds_twice_comes_back_as_one_object(fake_device):
+    class Shares(nn.Module):
+        def forward(self, x):
+            box = Box(x * 2, [x * 3])
+            box.again = box.extra  # one list under two names, as deepcopy keeps it
+            box.space = types.SimpleNamespace(t=x * 4)
+            return box, box
+
+    m = Shares()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2)
+            first, second = w((x,), {}, dynamo)
+            assert first is second and first.again is first.extra
+            torch.testing.assert_close(first.extra[0], x * 3)
+            torch.testing.assert_close(first.space.t, x * 4)
+    assert w.replays == 2, w.explain()
+
+
 # -- through Dynamo and Inductor (CPU code; the device calls faked) ---------------------------------------
 
 class Broken(nn.Module):
@@ -656,6 +843,77 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     assert stats.graphs == 2 and stats.calls == graph_calls, "replays enter no graph"
     assert stats.whole_captures == 1 and stats.whole_replays >= 4
     assert "whole-call graphs: 1 captured" in c.explain()
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_through_dynamo_a_whole_call_keeps_the_models_memory_not_its_graphs_own(fake_device, monkeypatch):
+    """What one graph makes and the next reads (``h`` past the graph break) is the whole call's own
+    memory, written by every replay: keeping it allocated would only keep it from reuse."""
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    m = Broken().eval()
+    fake_device(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(3):
+            c(torch.randn(2, 8))
+    entry = next(iter(c.whole.current.entries.values()))
+    model = {t.untyped_storage().data_ptr() for t in m.parameters()}
+    own = {s.untyped_storage().data_ptr() for s in entry.statics}
+    assert {st.data_ptr() for st in entry.held} <= model | own
+    torch._dynamo.reset()
+
+
+@torch._dynamo.disable
+def _count_eagerly(buf):
+    buf.add_(1.0)
+
+
+class CountsAtABreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        _count_eagerly(self.calls)  # eager code at a graph break: no compiled graph writes it
+        return h * 2
+
+
+@pytest.mark.slow
+def test_through_dynamo_a_buffer_written_at_a_graph_break_is_updated_once_per_call(fake_device, monkeypatch):
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    m = CountsAtABreak().eval()
+    fake_device(m)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(4):
+            c(torch.randn(2, 8))
+        m.some_flag = True  # the check fails: Dynamo's path runs, and no replay before it
+        c(torch.randn(2, 8))
+    assert m.calls.item() == 5
+    assert c.statistics().whole_replays >= 1
     torch._dynamo.reset()
 
 
@@ -920,3 +1178,40 @@ def test_on_cuda_a_decoder_returning_its_kv_cache_replays_whole_with_a_new_cache
             torch.testing.assert_close(g.values, w.values, rtol=1e-4, atol=1e-4)
     assert results[-1][0].past_key_values.layers[0].keys is not results[-2][0].past_key_values.layers[0].keys
     assert c.statistics().whole_replays >= 2, c.explain()
+
+
+def _capture_that_fails(dev, private):
+    """A capture whose call allocates 64 MiB and then synchronizes (``.item()``): it fails."""
+
+    def syncs():
+        t = torch.ones(64 * 2**20, dtype=torch.uint8, device="cuda")
+        return t.sum().item()
+
+    try:
+        dev.capture(syncs, (), {}, private=private)
+    except Exception:  # (leaving the except clause drops the traceback, and the 64 MiB with it)
+        return
+    raise AssertionError("a synchronization inside a capture did not fail it")
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_failed_capture_in_a_pool_of_its_own_gives_its_memory_back():
+    """As a plain CUDA graph of the eager call that cannot be captured: its pool stops taking
+    allocations and goes back to the device, and the next capture works."""
+    from streamdag.frontend.candidates import SharedPool
+    from streamdag.frontend.whole_replay import CudaCalls
+
+    dev = CudaCalls(torch.device("cuda"), SharedPool())
+    x = torch.randn(8, device="cuda")
+    graph, out = dev.capture(lambda: x * 2, (), {}, private=True)  # a capture's one-time setup
+    del graph, out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    _capture_that_fails(dev, private=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - before < 32 * 2**20, "the failed capture's pool kept its memory"
+    graph, out = dev.capture(lambda: x * 2, (), {}, private=True)
+    graph.replay()
+    torch.testing.assert_close(out, x * 2)

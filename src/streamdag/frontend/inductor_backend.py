@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
 
 from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
@@ -157,8 +158,8 @@ class GraphRunner:
             ACTIVE.updates_state |= any(i in static for i in self.switch.mutated_inputs)
         if self.captured_run and self.chosen is not None:
             self._set_switch(self.chosen)
-            return self.chosen.run(list(args))
-        return self._run(args)
+            return _made(self.chosen.run(list(args)))
+        return _made(self._run(args))
 
     # -- choosing ---------------------------------------------------------------------------------
 
@@ -370,6 +371,16 @@ class _Fallback:
 
     def explain(self) -> str:
         return f"graph {self.index}: on the make_fx path because {self.reason}\n{self.legacy.explain()}"
+
+
+def _made(out: Any) -> Any:
+    """``out``, its tensors' storages noted where a capture made them: the whole call's own memory, which
+    it need not keep allocated (an output that is a view of an input keeps the input's, read before)."""
+    if ACTIVE.mode == "capture":
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ACTIVE.reads:
+                ACTIVE.made.add(t.untyped_storage().data_ptr())
+    return out
 
 
 class StreamdagBackend:

@@ -12,8 +12,10 @@ rebuilds plain objects, without the per-object dispatch of ``deepcopy``.
 
 Classes and functions are kept as they are (``deepcopy`` shares them too).
 What cannot be rebuilt so is refused, with the type named: a module, a
-generator or another callable object, an object with neither ``__dict__``
-nor ``__slots__``, a cycle, or nesting deeper than :data:`MAX_DEPTH`.
+generator or another callable object, an object whose class has a
+``__new__`` of its own (a subclass of ``dict`` or of a namedtuple), an object
+with neither ``__dict__`` nor ``__slots__``, a cycle, or nesting deeper than
+:data:`MAX_DEPTH`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ MAX_DEPTH = 8
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum,
           type, types.FunctionType, types.BuiltinFunctionType)
 
-# a template: ("t", slot) a tensor, ("v", value) a plain value, ("l" | "u", [templates]) a list or tuple,
-# ("d", [(key, template)]) a dict, ("o", cls, [(name, template)], [(slot name, template)]) an object
+#: the ``__new__`` of the classes rebuilt by ``cls.__new__(cls)``: an empty object, filled by its attributes
+_BARE_NEW = (object.__new__, types.SimpleNamespace.__new__)
+
+# a template: ("t", slot) a tensor, ("v", value) a plain value, ("l" | "u", [templates], key) a list or
+# tuple, ("d", [(key, template)], key) a dict, ("o", cls, [(name, template)], [(slot name, template)], key)
+# an object; ``key`` (the captured value's id) names a value met twice, rebuilt once per replay
 Template = tuple
 
 
@@ -44,6 +50,8 @@ def _slot_names(cls: type) -> list[str]:
     for c in cls.__mro__:
         slots = c.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__") and c.__name__.lstrip("_"):
+                name = f"_{c.__name__.lstrip('_')}{name}"  # a private slot's attribute: its mangled name
             if name not in ("__dict__", "__weakref__") and name not in names:
                 names.append(name)
     return names
@@ -70,11 +78,14 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
     if type(value) in (list, tuple):
         parts = [_walk(v, slot_of, depth + 1, path) for v in value]
         bad = next((p for p in parts if isinstance(p, str)), None)
-        return bad if bad is not None else ("l" if type(value) is list else "u", parts)
+        return bad if bad is not None else ("l" if type(value) is list else "u", parts, id(value))
     if type(value) is dict:
         items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in value.items()]
         bad = next((p for _, p in items if isinstance(p, str)), None)
-        return bad if bad is not None else ("d", items)
+        return bad if bad is not None else ("d", items, id(value))
+    if type(value).__new__ not in _BARE_NEW:  # a builtin container's subclass keeps its items
+        # outside its attributes, a namedtuple's needs its fields: cls.__new__(cls) alone is no copy
+        return f"a {kind} (made by a __new__ of its own)"
     attrs = getattr(value, "__dict__", None)
     slots = _slot_names(type(value))
     if not isinstance(attrs, dict) and not slots:
@@ -82,26 +93,33 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
     items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in (attrs or {}).items()]
     slotted = [(n, _walk(getattr(value, n), slot_of, depth + 1, path)) for n in slots if hasattr(value, n)]
     bad = next((p for _, p in items + slotted if isinstance(p, str)), None)
-    return bad if bad is not None else ("o", type(value), items, slotted)
+    return bad if bad is not None else ("o", type(value), items, slotted, id(value))
 
 
-def rebuild(tpl: Template, fresh: list[torch.Tensor]) -> Any:
-    """A new value of ``tpl``'s shape holding ``fresh``'s tensors in their slots."""
+def rebuild(tpl: Template, fresh: list[torch.Tensor], memo: dict[int, Any] | None = None) -> Any:
+    """A new value of ``tpl``'s shape holding ``fresh``'s tensors in their slots; ``memo`` (one per
+    replay, shared by the templates of one result) keeps a value held twice one value, as
+    ``copy.deepcopy``'s memo does."""
     kind = tpl[0]
     if kind == "t":
         return fresh[tpl[1]]
     if kind == "v":
         return tpl[1]
+    memo = {} if memo is None else memo
+    key = tpl[-1]
+    if key in memo:
+        return memo[key]
     if kind == "l":
-        return [rebuild(p, fresh) for p in tpl[1]]
-    if kind == "u":
-        return tuple(rebuild(p, fresh) for p in tpl[1])
-    if kind == "d":
-        return {k: rebuild(p, fresh) for k, p in tpl[1]}
-    _, cls, items, slotted = tpl
-    obj = cls.__new__(cls)
-    if items:
-        obj.__dict__.update({k: rebuild(p, fresh) for k, p in items})
-    for name, p in slotted:
-        object.__setattr__(obj, name, rebuild(p, fresh))
-    return obj
+        memo[key] = [rebuild(p, fresh, memo) for p in tpl[1]]
+    elif kind == "u":
+        memo[key] = tuple(rebuild(p, fresh, memo) for p in tpl[1])
+    elif kind == "d":
+        memo[key] = {k: rebuild(p, fresh, memo) for k, p in tpl[1]}
+    else:
+        _, cls, items, slotted, _ = tpl
+        obj = memo[key] = cls.__new__(cls)
+        if items:
+            obj.__dict__.update({k: rebuild(p, fresh, memo) for k, p in items})
+        for name, p in slotted:
+            object.__setattr__(obj, name, rebuild(p, fresh, memo))
+    return memo[key]

@@ -470,9 +470,14 @@ def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     so that a backward's hundred gradients cost one call, not a hundred."""
     if not ts:
         return []
-    if all(t.is_floating_point() or t.is_complex() for t in ts):
+    if all(t.dtype in _MULTIPLIED for t in ts):
         return list(torch._foreach_mul(ts, 1))
     return [t.clone() for t in ts]
+
+
+#: the dtypes :func:`_copies` copies by a multiplication (float8 has no ``mul`` kernel)
+_MULTIPLIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                         torch.complex128})
 
 
 def warn_once(seen: set[str], key: str, message: str) -> None:

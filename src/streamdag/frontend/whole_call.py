@@ -104,6 +104,7 @@ class _Active(threading.local):
     def __init__(self) -> None:
         self.mutated: set[int] = set()
         self.reads: dict[int, Any] = {}  # in a capture: the storages of the graphs' tensor arguments
+        self.made: set[int] = set()  # in a capture: the storages of the graphs' outputs (its own memory)
 
 
 ACTIVE = _Active()
@@ -112,11 +113,11 @@ ACTIVE = _Active()
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
-    ACTIVE.mutated, ACTIVE.reads = set(), {}
+    ACTIVE.mutated, ACTIVE.reads, ACTIVE.made = set(), {}, set()
     try:
         yield ACTIVE
-    finally:
-        ACTIVE.mode = None
+    finally:  # the thread keeps no storage: a dropped graph's memory must go back
+        ACTIVE.mode, ACTIVE.reads = None, {}
 
 
 # -- the key ------------------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class WholeCall:
     # -- misses ---------------------------------------------------------------------------------------
 
     def _miss(self, key: Any, args: Sequence[Any], kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
+        self._drop_moved()  # first: the calls after model.cpu() never reach _state()
         if isinstance(key, str):
             self.note = key
             return dynamo(*args, **kwargs)
@@ -254,6 +256,15 @@ class WholeCall:
         self.current = _State(watch)
         self.states.append(self.current)
         return self.current
+
+    def _drop_moved(self) -> None:
+        """States whose tensors moved go, with the memory their graphs keep allocated (``held``)."""
+        if all(s.watch.memory_holds() for s in self.states):
+            return
+        with self._lock:
+            self.states = [s for s in self.states if s.watch.memory_holds()]
+            if not any(s is self.current for s in self.states):
+                self.current = None
 
     def _refuse(self, key: Any, reason: str) -> None:
         self.refused[key] = reason
@@ -296,8 +307,13 @@ class WholeCall:
         marks = self._marks()
         caller = dev.caller()
         gs = _global_state()
+        # the graphs note their own writes; eager code that Dynamo runs at a graph break writes
+        # unseen, and only the version counters show it (an inference tensor keeps none)
+        watched = [*statics, *state.watch.tensors]
+        versions = _versions(watched)
         with _active("warm") as active, dev.on_capture_stream():
             out = dynamo(*s_args, **s_kwargs)
+        bumped = {i for i, (a, b) in enumerate(zip(versions, _versions(watched))) if a != b}
         parts = _result_parts(out, device, statics, state.watch.tensors)
         leaves = parts.outputs if not isinstance(parts, str) else pytree.tree_leaves(out)
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
@@ -305,11 +321,11 @@ class WholeCall:
         # tensor keeps no version counter: the values say it; one synchronization, at a capture only)
         written = active.mutated
         write_back = [i for i, (s, t) in enumerate(zip(statics, tensors))
-                      if s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
+                      if i in bumped or s.untyped_storage().data_ptr() in written or not torch.equal(s, t)]
         for i in write_back:  # this call's writes into the caller's inputs
             tensors[i].copy_(statics[i])
         own = {s.untyped_storage().data_ptr() for s in statics}  # else: a parameter's, a buffer's, a global's
-        updates_state = active.updates_state or bool(written - own)
+        updates_state = active.updates_state or bool(written - own) or max(bumped, default=-1) >= len(statics)
         reason = active.refusal or (parts if isinstance(parts, str) else "")
         if reason:
             self._refuse(key, reason)
@@ -325,6 +341,7 @@ class WholeCall:
         try:
             with _active("capture") as active:
                 graph, captured = dev.capture(dynamo, s_args, s_kwargs)
+                reads = {p: st for p, st in active.reads.items() if p not in active.made}
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
@@ -336,7 +353,7 @@ class WholeCall:
             self._passing(state, key, "the capture ran other code than the warm-up")
         else:  # what its graph reads stays allocated while it may launch before the checks
             entry.held = list({**{t.untyped_storage().data_ptr(): t.untyped_storage()
-                                  for t in state.watch.tensors}, **active.reads}.values())
+                                  for t in state.watch.tensors}, **reads}.values())
             entry.speculative = not write_back and not updates_state
             state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
                                                      state.watch.tensors)
@@ -422,6 +439,11 @@ def _describe(key: Any) -> str:
         else:
             parts.append(repr(meta[1]) if isinstance(meta, tuple) and len(meta) == 2 else "?")
     return f"call({', '.join(parts)})"
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter, which every in-place write bumps; None for an inference tensor."""
+    return [None if t.is_inference() else t._version for t in tensors]
 
 
 def _overlaps(t: torch.Tensor) -> bool:

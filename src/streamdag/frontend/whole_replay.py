@@ -16,8 +16,8 @@ launched first and checked while the GPU runs it (:meth:`Entry.launch`, then
 :meth:`Entry.result`); where a check fails its outputs are never read and the
 call takes Dynamo's path. Such a replay may read memory the model no longer
 holds (a parameter whose ``.data`` was replaced): the entry keeps the storage
-of every tensor its graph reads (``held``), so the read stays within memory
-that is allocated. A failed check leaves two traces: the GPU ran the graph
+of every tensor its graph reads and did not make (``held``), so the read stays
+within memory that is allocated. A failed check leaves two traces: the GPU ran the graph
 once for nothing, and the replay advanced the random generators' offsets.
 
 State: an entry's inputs and outputs are shared by its replays, so
@@ -26,7 +26,6 @@ State: an entry's inputs and outputs are shared by its replays, so
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +81,8 @@ class CudaCalls:
 
         caller = self.caller()
         graph = torch.cuda.CUDAGraph()
-        pool = None if private else self.pool.handle(self.device)
+        # a pool of its own is named here, not left to capture_begin: a failed capture must end it
+        pool = torch.cuda.graph_pool_handle() if private else self.pool.handle(self.device)
         try:
             with _collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream,
                                                        capture_error_mode="thread_local"):
@@ -90,11 +90,7 @@ class CudaCalls:
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
             _restore_random_generators([self.device])
-            if pool is not None:  # a failed capture_end leaves the pool taking allocations: later
-                # captures into it would fail ("already recording to mempool_id"); where capture_end
-                # got that far, the pool is no longer recording and this raises
-                with contextlib.suppress(RuntimeError):
-                    torch._C._cuda_endAllocateToPool(self.index, pool)
+            _end_failed_capture(self.index, pool, private)
             raise
         caller.wait_stream(self.stream)
         return graph, out
@@ -107,6 +103,20 @@ class CudaCalls:
         """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
         self.order()
         return time_replays(graphs, rounds, self.device)
+
+
+def _end_failed_capture(index: int, pool: Any, private: bool) -> None:
+    """A failed ``capture_end`` leaves ``pool`` taking allocations (later captures into it fail:
+    "already recording to mempool_id") and counted as used by a graph that never releases it.
+    Where ``capture_end`` got past ending the allocations, the pool is no longer recording and
+    the graph releases it when it goes; otherwise a pool of its own is released here, so that its
+    memory goes back (the shared pool stays counted: its handle is used again)."""
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return
+    if private:
+        torch._C._cuda_releasePool(index, pool)
 
 
 # -- the captured graph ---------------------------------------------------------------------------------
@@ -131,7 +141,7 @@ class Entry:
     replays: int = 0
     objects: list[tuple[int, Any]] = field(default_factory=list)  # leaves rebuilt around fresh tensors
     speculative: bool = False  # writes nothing outside its own memory: launched before the checks
-    held: list[Any] = field(default_factory=list)  # the storages of the tensors its graph reads
+    held: list[Any] = field(default_factory=list)  # the storages its graph reads and did not make
     single: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +179,7 @@ class Entry:
             fresh = self.outputs
         else:  # one copy each, or one launch for them all
             fresh = [torch.empty_like(o) for o in self.outputs]
-            if not self.device.copy_into(fresh, self.outputs):
+            if self.outputs and not self.device.copy_into(fresh, self.outputs):
                 torch._foreach_copy_(fresh, self.outputs)
         if self.single:
             return fresh[0]
@@ -177,6 +187,7 @@ class Entry:
         for pos, slot in enumerate(self.slots):
             if slot >= 0:
                 leaves[pos] = fresh[slot]
+        memo: dict[int, Any] = {}  # an object held twice comes back as one
         for pos, tpl in self.objects:
-            leaves[pos] = rebuild(tpl, fresh)
+            leaves[pos] = rebuild(tpl, fresh, memo)
         return pytree.tree_unflatten(leaves, self.spec)
