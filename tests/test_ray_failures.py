@@ -109,18 +109,21 @@ def test_a_restarted_worker_gets_the_functions_it_lost_again_without_a_wait_for_
     ray.kill(rt.worker(1), no_restart=False)
     # the ops sent while Ray restarts it, or that name a function the old worker held, fail with
     # WorkerLost; the runtime learns of it from them and sends the function again
+    # (Ray may report the worker unavailable once more while it comes back: a read fails alike)
     deadline = time.monotonic() + 60
     while True:
         rt.put(np.zeros(4), out=buf)  # made again on the restarted worker
         try:
             rt.submit(_fill, 2.0, sd.write(buf)).result(timeout=60)
+            got = rt.get(buf).result(timeout=60)
             break
         except (WorkerLost, sd.DependencyFailed):
-            with pytest.raises(sd.ExceptionGroup) as group:
+            try:
                 rt.synchronize()
-            assert {type(e) for e in group.value.exceptions} == {WorkerLost}
+            except sd.ExceptionGroup as group:
+                assert {type(e) for e in group.exceptions} <= {WorkerLost, sd.DependencyFailed}
             assert time.monotonic() < deadline, "the restarted worker never ran the op"
             time.sleep(0.2)
     rt.synchronize()
-    np.testing.assert_array_equal(rt.get(buf).result(timeout=60), np.full(4, 2.0))
+    np.testing.assert_array_equal(got, np.full(4, 2.0))
     rt.wait_for_workers()
