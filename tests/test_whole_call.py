@@ -384,6 +384,7 @@ def test_a_replay_launched_before_a_check_that_fails_returns_dynamos_result(fake
             w((x,), {}, dynamo)
         entry = next(iter(w.current.entries.values()))
         assert entry.speculative and entry.held
+        assert "call((3, 8) float32): 1 replays, launched before its state checks" in w.explain()
         calls, replays = dynamo.calls, w.replays
         m[0].bias.data.add_(1.0)  # in place: the graph reads it (and still replays)
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
@@ -405,6 +406,7 @@ def test_a_graph_that_writes_its_input_is_checked_before_its_launch(fake_device)
             w((torch.zeros(3),), {}, dynamo)
     entry = next(iter(w.current.entries.values()))
     assert entry.write_back and not entry.speculative
+    assert "call((3,) float32): 1 replays, checked before its launch: it writes its inputs" in w.explain()
 
 
 class CountsOutsideGraphs(nn.Module):

@@ -419,6 +419,11 @@ class WholeCall:
         lines = [f"whole-call graphs: {self.captures} captured, {self.replays} replays"]
         if self.baseline:
             lines.append(f"  {self.baseline}")
+        for key, entry in (self.current.entries.items() if self.current is not None else ()):
+            when = ("launched before its state checks" if entry.speculative else
+                    "checked before its launch: it writes " +
+                    ("its inputs" if entry.write_back else "a parameter, buffer or other tensor"))
+            lines.append(f"  {_describe(key)}: {entry.replays} replays, {when}")
         for key, reason in self.refused.items():
             lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
         if self.note and self.note not in self.refused.values():
