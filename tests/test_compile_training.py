@@ -333,6 +333,28 @@ def test_autocast_bf16_on_the_cpu_trains_as_eager_autocast_does():
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
 
 
+def falls_back_at_double_backward(fast, model, ref, x):
+    """The first create_graph backward through ``fast`` warns and gives eager's first gradients (a
+    second backward through them raises torch's error); from the next call the model runs eagerly,
+    so double backward gives eager's gradients."""
+    def penalty(f):
+        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        return gx
+
+    with pytest.warns(StreamdagWarning, match="create_graph=True"):
+        gx = penalty(fast)
+    torch.testing.assert_close(gx, penalty(ref))
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.square().sum().backward()
+    model.zero_grad()
+    ref.zero_grad()
+    penalty(fast).square().sum().backward()
+    penalty(ref).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert fast.statistics().eager_calls >= 1
+
+
 @pytest.mark.slow
 def test_double_backward_after_plain_steps_raises_pytorchs_error_naming_donated_buffers_then_falls_back():
     """A backward compiled with donated buffers (PyTorch's default) cannot run under create_graph:
@@ -343,11 +365,6 @@ def test_double_backward_after_plain_steps_raises_pytorchs_error_naming_donated_
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     x = torch.randn(4, 8, requires_grad=True)
-
-    def penalty(f):
-        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
-        return gx
-
     for donated in (True, False):
         with functorch_config.patch(donated_buffer=donated):
             torch._dynamo.reset()
@@ -357,18 +374,9 @@ def test_double_backward_after_plain_steps_raises_pytorchs_error_naming_donated_
                 fast(x).sum().backward()
             if donated:
                 with pytest.raises(RuntimeError, match="donated_buffer=False"):
-                    penalty(fast)
-                continue
-            with pytest.warns(StreamdagWarning, match="create_graph=True"):
-                gx = penalty(fast)
-            torch.testing.assert_close(gx, penalty(ref))
-            model.zero_grad()
-            ref.zero_grad()
-            penalty(fast).square().sum().backward()
-            penalty(ref).square().sum().backward()
-            for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad)
-            assert fast.statistics().eager_calls >= 1
+                    torch.autograd.grad(fast(x).sum(), x, create_graph=True)
+            else:
+                falls_back_at_double_backward(fast, model, ref, x)
 
 
 @pytest.mark.slow
@@ -382,21 +390,7 @@ def test_double_backward_warns_then_runs_eagerly_with_eagers_gradients():
     fast = sd.compile(model)
     x = torch.randn(4, 8, requires_grad=True)
 
-    def penalty(f):
-        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
-        return gx
-
-    with pytest.warns(StreamdagWarning, match="create_graph=True"):
-        gx = penalty(fast)
-    torch.testing.assert_close(gx, penalty(ref))
-    with pytest.raises(RuntimeError, match="double backward"):
-        gx.square().sum().backward()
-    model.zero_grad()
-    penalty(fast).square().sum().backward()
-    penalty(ref).square().sum().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    assert fast.statistics().eager_calls >= 1
+    falls_back_at_double_backward(fast, model, ref, x)
     assert "create_graph=True" in fast.explain()
 
 

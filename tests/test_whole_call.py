@@ -817,18 +817,7 @@ class Broken(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device, monkeypatch, mode):
-    from streamdag.frontend.inductor_backend import GraphRunner
-
-    pick = GraphRunner._uncaptured_pick
-
-    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
-        run = pick(self, *args)
-        self.not_whole = ""
-        return run
-
-    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
-    torch._dynamo.reset()
+def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device, cpu_code_as_gpus, mode):
     torch.manual_seed(0)
     m = Broken().eval()
     fake_device(m)
@@ -848,21 +837,30 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     torch._dynamo.reset()
 
 
-@pytest.mark.slow
-def test_through_dynamo_a_whole_call_keeps_the_models_memory_not_its_graphs_own(fake_device, monkeypatch):
-    """What one graph makes and the next reads (``h`` past the graph break) is the whole call's own
-    memory, written by every replay: keeping it allocated would only keep it from reuse."""
+@pytest.fixture
+def cpu_code_as_gpus(monkeypatch):
+    """Inductor's CPU code stands for the GPU's in a whole call (a graph on the CPU is otherwise
+    kept out of whole calls), with Dynamo's caches reset around the test."""
     from streamdag.frontend.inductor_backend import GraphRunner
 
     pick = GraphRunner._uncaptured_pick
 
-    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
+    def as_if_on_a_gpu(self, *args):
         run = pick(self, *args)
         self.not_whole = ""
         return run
 
     monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_through_dynamo_a_whole_call_keeps_the_models_memory_not_its_graphs_own(
+        fake_device, cpu_code_as_gpus):
+    """What one graph makes and the next reads (``h`` past the graph break) is the whole call's own
+    memory, written by every replay: keeping it allocated would only keep it from reuse."""
     m = Broken().eval()
     fake_device(m)
     c = sd.compile(m)
@@ -894,18 +892,8 @@ class CountsAtABreak(nn.Module):
 
 
 @pytest.mark.slow
-def test_through_dynamo_a_buffer_written_at_a_graph_break_is_updated_once_per_call(fake_device, monkeypatch):
-    from streamdag.frontend.inductor_backend import GraphRunner
-
-    pick = GraphRunner._uncaptured_pick
-
-    def as_if_on_a_gpu(self, *args):  # Inductor's CPU code stands for the GPU's in a whole call
-        run = pick(self, *args)
-        self.not_whole = ""
-        return run
-
-    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
-    torch._dynamo.reset()
+def test_through_dynamo_a_buffer_written_at_a_graph_break_is_updated_once_per_call(
+        fake_device, cpu_code_as_gpus):
     m = CountsAtABreak().eval()
     fake_device(m)
     c = sd.compile(m)
