@@ -123,7 +123,7 @@ def worker(ops: int) -> None:
         workloads.update({"cuda chain": (cuda_chain, ops), "rt.copy pinned 1 KiB": (copies, ops)})
     for run, n in workloads.values():  # warm up
         run(n)
-    print(json.dumps({"hot_path": native.status(),
+    print(json.dumps({"hot_path": native.status(where=False),
                       "python": sorted(name for name, compiled in native.choices().items() if not compiled)}),
           flush=True)
     for line in sys.stdin:

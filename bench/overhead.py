@@ -299,8 +299,9 @@ def main():
     print(write_json(Path(__file__).parent / "results",
                      "overhead_" + torch.cuda.get_device_name().replace(" ", "_"),
                      {"settings": {"ops_per_round": OPS_PER_ROUND, "rounds": ROUNDS, "streams": 8,
-                                   "native_launch": native_launch is not None, "hot_path": native.status(),
-                                   "cuda_calls": native.torch_status()},
+                                   "native_launch": native_launch is not None,
+                                   "hot_path": native.status(where=False),
+                                   "cuda_calls": native.torch_status(where=False)},
                       "us": {"torch_us": t_torch, **{k: v for k, v in medians.items() if k != rows[0][0]}},
                       "added_paired_us": paired,
                       "rounds_us": rounds}))

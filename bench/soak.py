@@ -182,7 +182,7 @@ def worker_main(args: argparse.Namespace) -> None:
         plant(args.plant)
     worker = Worker(args.seed, args.categories.split(","), args.hang_seconds)
     out = sys.stdout
-    out.write(json.dumps({"native": status()}) + "\n")
+    out.write(json.dumps({"native": status(where=False)}) + "\n")
     out.flush()
     for line in sys.stdin:
         words = line.split()

@@ -459,8 +459,8 @@ def test_on_cuda_timing_the_candidates_leaves_batch_norm_and_the_generator_as_on
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="known gap on the H200: a step on regions peaks at 52 MiB against "
-                   "Inductor's 36 (the concat's inputs made in other regions live longer)")
+@pytest.mark.xfail(strict=True, reason="a step on regions peaks above the rule: a concatenation's inputs, "
+                   "made in other regions, live longer than on one stream")
 def test_on_cuda_a_step_on_regions_peaks_within_the_memory_rule_of_one_stream():
     """Regions free what they made and the saved activations after their last readers: a step on
     them holds no more than the rule lets a candidate hold over Inductor's one-stream graph."""

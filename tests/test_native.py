@@ -194,3 +194,9 @@ def test_a_lock_left_by_a_killed_extension_build_is_dropped_not_waited_on_foreve
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another process would wait
     with open(tmp_path / "streamdag.lock") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go after the build
+
+
+@compiled
+def test_the_status_names_the_compiled_file_for_doctor_and_leaves_it_out_of_result_files():
+    assert native.status().startswith("compiled (") and native.load().__file__ in native.status()
+    assert native.status(where=False) == "compiled"

@@ -69,11 +69,12 @@ class NativeBuildError(RuntimeError):
     for it."""
 
 
-def status() -> str:
-    """One line for ``streamdag doctor``: whether the compiled hot path runs, and if not, why."""
+def status(where: bool = True) -> str:
+    """One line for ``streamdag doctor``: whether the compiled hot path runs (``where``: and its
+    file; benchmarks' result files leave it out), and if not, why."""
     module = load()
     if module is not None:
-        return f"compiled ({module.__file__})"
+        return f"compiled ({module.__file__})" if where else "compiled"
     return f"Python only: {_why_not}"
 
 
@@ -177,11 +178,12 @@ def _failed(error: str, warning: str, exc: Exception) -> None:
     warn(warning)
 
 
-def torch_status() -> str:
-    """One line for ``streamdag doctor``: whether a GPU runtime's CUDA calls are made in C++."""
+def torch_status(where: bool = True) -> str:
+    """One line for ``streamdag doctor``: whether a GPU runtime's CUDA calls are made in C++
+    (``where``: and the extension's file, as :func:`status`)."""
     module = load_torch()
     if module is not None:
-        return f"C++ ({module.__file__})"
+        return f"C++ ({module.__file__})" if where else "C++"
     return f"through PyTorch's Python bindings: {_torch_why_not}"
 
 
