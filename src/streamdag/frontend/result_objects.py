@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -77,12 +77,10 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
     path = path | {id(value)}
     if type(value) in (list, tuple):
         parts = [_walk(v, slot_of, depth + 1, path) for v in value]
-        bad = next((p for p in parts if isinstance(p, str)), None)
-        return bad if bad is not None else ("l" if type(value) is list else "u", parts, id(value))
+        return _refusal(parts) or ("l" if type(value) is list else "u", parts, id(value))
     if type(value) is dict:
         items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in value.items()]
-        bad = next((p for _, p in items if isinstance(p, str)), None)
-        return bad if bad is not None else ("d", items, id(value))
+        return _refusal(p for _, p in items) or ("d", items, id(value))
     if type(value).__new__ not in _BARE_NEW:  # a builtin container's subclass keeps its items
         # outside its attributes, a namedtuple's needs its fields: cls.__new__(cls) alone is no copy
         return f"a {kind} (made by a __new__ of its own)"
@@ -92,8 +90,12 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
         return f"a {kind}"
     items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in (attrs or {}).items()]
     slotted = [(n, _walk(getattr(value, n), slot_of, depth + 1, path)) for n in slots if hasattr(value, n)]
-    bad = next((p for _, p in items + slotted if isinstance(p, str)), None)
-    return bad if bad is not None else ("o", type(value), items, slotted, id(value))
+    return _refusal(p for _, p in items + slotted) or ("o", type(value), items, slotted, id(value))
+
+
+def _refusal(parts: Iterable[Template | str]) -> str:
+    """The first of ``parts`` that is a reason, not a template ('' where none is)."""
+    return next((p for p in parts if isinstance(p, str)), "")
 
 
 def rebuild(tpl: Template, fresh: list[torch.Tensor], memo: dict[int, Any] | None = None) -> Any:

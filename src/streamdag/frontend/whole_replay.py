@@ -27,6 +27,7 @@ State: an entry's inputs and outputs are shared by its replays, so
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,17 +158,18 @@ class Entry:
             tensors += [kwargs[k] for k in self.kw_names]
         # first: the inputs are written only after the last replay (on any stream) has read them
         self.device.order()
-        if not tensors or self.device.copy_into(self.statics, tensors):
-            pass
-        elif self.inference and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
-                torch._foreach_copy_(self.statics, tensors)
-        elif len(tensors) == 1:
-            self.statics[0].copy_(tensors[0])
-        else:
-            torch._foreach_copy_(self.statics, tensors)
+        self._copy(self.statics, tensors)
         self.graph.replay()
         return tensors
+
+    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """One ``cudaMemcpyAsync`` each where the layouts allow, else one launch for them all (in
+        inference mode where the statics are inference tensors, which only it may write)."""
+        if not dsts or self.device.copy_into(dsts, srcs):
+            return
+        outside = self.inference and not torch.is_inference_mode_enabled()
+        with torch.inference_mode() if outside else nullcontext():
+            torch._foreach_copy_(dsts, srcs)
 
     def result(self, tensors: list[torch.Tensor]) -> Any:
         """The launched replay's result, in fresh tensors; the caller's ``tensors`` it wrote into get
@@ -177,10 +179,9 @@ class Entry:
             tensors[i].copy_(self.statics[i])
         if not self.clone:
             fresh = self.outputs
-        else:  # one copy each, or one launch for them all
+        else:
             fresh = [torch.empty_like(o) for o in self.outputs]
-            if self.outputs and not self.device.copy_into(fresh, self.outputs):
-                torch._foreach_copy_(fresh, self.outputs)
+            self._copy(fresh, self.outputs)
         if self.single:
             return fresh[0]
         leaves = list(self.leaves)
