@@ -81,7 +81,9 @@ random kernels differ from eager's).
 backward with ``create_graph=True`` through it gives correct first gradients,
 but a second backward through them raises. Such a backward warns
 (:class:`~streamdag.errors.StreamdagWarning`) and makes ``streamdag.compile``'s
-model run eagerly, with gradients on, from its next call. A backward compiled
+model run eagerly, with gradients on, from its next call; a backward under the
+trees runs its aten graph op by op for that call, as the trees cannot record
+it (they see its inputs freed while recording). A backward compiled
 with AOTAutograd's donated buffers (PyTorch's default) never gets here: PyTorch
 refuses the ``create_graph=True`` call first and names the setting to turn off.
 """
@@ -143,6 +145,8 @@ class TrainingGraph:
         self.copied: int | None = None  # outputs copied out of the trees' pool: the first n (None: all)
         self.tree_calls = 0
         self.tree_skips = 0
+        # a backward under the trees: its aten graph, run op by op for a create_graph backward
+        self.uncaptured: GraphModule | None = None
         self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
@@ -151,6 +155,10 @@ class TrainingGraph:
         self.calls += 1
         if self.kind == "backward" and _in_double_backward():
             self._double_backward()
+            if self.captured and self.uncaptured is not None:
+                # the trees cannot record or replay a backward run for create_graph: its inputs
+                # (the saved activations) are freed during recording and not during replay
+                return self.uncaptured(*args)
         streams = self._streams
         if streams is None:
             with self._lock:
@@ -357,10 +365,11 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     t0 = time.perf_counter()
     kind = "backward" if kwargs.get("is_backward") else "forward"
     dynamic = _is_dynamic(example_inputs)
-    pristine = None if options.regions == "never" or dynamic else _pristine(gm)
+    why_not = _why_not_trees(kind, example_inputs, options, dynamic, forward)
+    uncaptured = _pristine(gm) if kind == "backward" and not why_not else None
+    pristine = None if options.regions == "never" or dynamic else uncaptured or _pristine(gm)
     ctx = TracingContext.try_get()
     returns = _forward_returns(gm, getattr(ctx, "fw_metadata", None) if ctx is not None else None)
-    why_not = _why_not_trees(kind, example_inputs, options, dynamic, forward)
     if not why_not and kind == "forward" and returns is None:
         why_not = "the forward's outputs cannot be told from its saved activations"
     trees = BoxedBool(not why_not)  # Inductor turns it off where its trees refuse the graph
@@ -382,6 +391,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
                           on_double_backward)
     graph.device_box = device_box
     graph.captured = bool(trees)
+    graph.uncaptured = uncaptured if graph.captured else None
     if graph.captured and kind == "forward":
         # the forward's returns (the outputs, and inputs' and views' bases AOTAutograd needs) come
         # before the activations saved for the backward, which stay in the trees' pool
