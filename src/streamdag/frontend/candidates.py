@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..runtime.capture import _workspaces_in_pool
+
 __all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices", "time_replays"]
 
 
@@ -136,12 +138,13 @@ class CapturedGraph:
         # statistics are reset: they belong to the caller). The capture empties the allocator's
         # cache as it starts: emptied first, so that what it frees does not offset the pool's growth
         handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
-        if private:
-            torch.cuda.empty_cache()
-        base = torch.cuda.memory_reserved(device)
         self.graph: Any = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=handle, stream=stream):
-            outs = candidate.run(list(self.inputs))
+        with _workspaces_in_pool():  # (cleared first: the warm-up's workspace is not the pool's growth)
+            if private:
+                torch.cuda.empty_cache()
+            base = torch.cuda.memory_reserved(device)
+            with torch.cuda.graph(self.graph, pool=handle, stream=stream):
+                outs = candidate.run(list(self.inputs))
         self.outputs: list[Any] = list(outs)
         self.out_type: type[tuple[Any, ...]] | type[list[Any]] = tuple if isinstance(outs, tuple) else list
         self.out_tensors: list[int] = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]

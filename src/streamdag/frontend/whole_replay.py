@@ -78,15 +78,15 @@ class CudaCalls:
                 private: bool = False) -> tuple[Any, Any]:
         """``fn(*args, **kwargs)`` captured into a CUDA graph in the shared pool, or a pool of its own
         (``private``: all of it goes back when the graph is dropped): (the graph, its outputs)."""
-        from ..runtime.capture import _collector_paused, _restore_random_generators
+        from ..runtime.capture import _collector_paused, _restore_random_generators, _workspaces_in_pool
 
         caller = self.caller()
         graph = torch.cuda.CUDAGraph()
         # a pool of its own is named here, not left to capture_begin: a failed capture must end it
         pool = torch.cuda.graph_pool_handle() if private else self.pool.handle(self.device)
         try:
-            with _collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream,
-                                                       capture_error_mode="thread_local"):
+            with _collector_paused(), _workspaces_in_pool(), torch.cuda.graph(
+                    graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn(*args, **kwargs)
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
