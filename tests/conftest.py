@@ -90,3 +90,68 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# -- whole-call graphs on the CPU (see whole_call_stand_in.py) --------------------------------------------
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Whole-call graphs on the CPU through :class:`FakeDevice`; returns a function that makes one."""
+    from streamdag.frontend import whole_call as wc
+    from whole_call_stand_in import FakeDevice
+
+    devices = []
+
+    def make(eager):
+        dev = FakeDevice(eager)
+        devices.append(dev)
+        monkeypatch.setattr(wc, "_device_for", lambda device, pool: dev)
+        return dev
+
+    import torch
+
+    monkeypatch.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
+    return make
+
+
+@pytest.fixture(params=["native", "python"])
+def state_checks(request, monkeypatch):
+    """Each state test runs with the compiled dict-version check and with the Python comparison alone."""
+    from streamdag.frontend import state_watch
+
+    if request.param == "python":
+        monkeypatch.setattr(state_watch, "_native_tags", None)
+        monkeypatch.setattr(state_watch, "_native_checked", True)
+    elif state_watch._dict_tags() is None:
+        pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.13 on)")
+    return request.param
+
+
+@pytest.fixture
+def cpu_code_as_gpus(monkeypatch):
+    """Inductor's CPU code stands for the GPU's in a whole call (a graph on the CPU is otherwise
+    kept out of whole calls), with Dynamo's caches reset around the test."""
+    import torch
+
+    from streamdag.frontend.inductor_backend import GraphRunner
+
+    pick = GraphRunner._uncaptured_pick
+
+    def as_if_on_a_gpu(self, *args):
+        run = pick(self, *args)
+        self.not_whole = ""
+        return run
+
+    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,6 +1,6 @@
 """Each whole-call graph against a plain CUDA graph of the eager call: the faster is kept.
 
-On the CPU, the stand-in device of ``test_whole_call`` captures and replays; it
+On the CPU, the stand-in device of ``whole_call_stand_in`` captures and replays; it
 says which graph is faster (``graph_ms``: streamdag's, then the eager call's)
 and records which function each graph was captured from.
 """
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from streamdag.frontend import whole_call as wc  # noqa: E402
 from streamdag.frontend.whole_call import WholeCall  # noqa: E402
-from test_whole_call import Dynamo, FakeBackend, FakeDevice, mlp  # noqa: E402
+from whole_call_stand_in import Dynamo, FakeBackend, FakeDevice, mlp  # noqa: E402
 
 
 class RecordingDevice(FakeDevice):

@@ -22,7 +22,7 @@ nn = torch.nn
 from stand_in_device import StandInDevice  # noqa: E402
 from streamdag.frontend import whole_call as wc  # noqa: E402
 from streamdag.frontend.whole_call import StateWatch, WholeCall  # noqa: E402
-from test_whole_call import Dynamo, FakeBackend, FakeGraph, _tensors  # noqa: E402
+from whole_call_stand_in import Dynamo, FakeBackend, FakeGraph, tensors_of  # noqa: E402
 
 
 class Model(nn.Module):
@@ -58,7 +58,7 @@ class RecordingDevice(StandInDevice):
         def replay():
             self.replays += 1
             fresh = frozen(*args, **kwargs)
-            for o, f in zip(_tensors(out), _tensors(fresh)):
+            for o, f in zip(tensors_of(out), tensors_of(fresh)):
                 o.copy_(f)
         return FakeGraph(replay), out
 
