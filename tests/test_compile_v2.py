@@ -716,3 +716,30 @@ def test_a_regions_label_a_graph_cannot_offer_runs_inductors_graph_and_says_why(
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x))
     assert "no candidate of ['regions x2'] for this graph" in fast.explain(), fast.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_capture_holds_the_cublas_workspace_in_its_pool_not_outside_it():
+    """A warm-up on the capture stream allocates cuBLAS's workspace outside any pool; dropped
+    around the capture, the graph's workspace is allocated in its pool and given back to it, so
+    less stays allocated after the capture than before it, and the replay is still right."""
+    from streamdag.frontend.candidates import _capture_stream, workspaces_in_pool
+    from streamdag.native import load_torch
+
+    if getattr(load_torch(), "clear_blas_workspaces", None) is None:
+        pytest.skip("the torch extension drops no workspace on this PyTorch")
+    device = torch.device("cuda")
+    a = torch.randn(256, 256, device=device)
+    stream = _capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        a @ a  # the workspace of this thread's handle on the capture stream
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with workspaces_in_pool(stream), torch.cuda.graph(graph, stream=stream):
+        out = a @ a
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, a @ a)
+    assert torch.cuda.memory_allocated() < before

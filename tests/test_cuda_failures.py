@@ -182,11 +182,13 @@ def test_a_done_callback_raising_system_exit_leaves_the_completion_thread_workin
         # a host op holds ``a`` until the callback is added: added to a finished future, the
         # callback would run here, in the test's thread, not on the completion thread
         gate = threading.Event()
-        rt.submit(gate.wait, 10, writes=[a], run_on="host")
-        first = rt.submit(lambda: (torch.cuda._sleep(20_000_000), a.add_(1)), writes=[a])
-        first.add_done_callback(exits)
-        assert not first.done()
-        gate.set()
+        try:
+            rt.submit(gate.wait, 10, writes=[a], run_on="host")
+            first = rt.submit(lambda: (torch.cuda._sleep(20_000_000), a.add_(1)), writes=[a])
+            first.add_done_callback(exits)
+            assert not first.done()
+        finally:
+            gate.set()
         assert called.wait(10)
         slow = rt.submit(lambda: (torch.cuda._sleep(50_000_000), a.add_(1)), writes=[a])
         done, _ = concurrent.futures.wait([slow], timeout=10)  # only the completion thread finishes it

@@ -43,7 +43,7 @@ class Box:
         self.t, self.extra, self.label = t, extra, "box"
 
 
-def test_a_plain_object_in_the_result_comes_back_new_at_each_replay_holding_itstensors_of(fake_device):
+def test_a_plain_object_in_the_result_comes_back_new_at_each_replay_holding_its_tensors(fake_device):
     class Boxed(nn.Module):
         def forward(self, x):
             return x + 1, Box(x * 2, [x * 3, {"n": 4}])

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..runtime.capture import _workspaces_in_pool
+from ..native import load_torch
 
-__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices", "time_replays"]
+__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices", "time_replays",
+           "workspaces_in_pool"]
 
 
 @dataclass
@@ -93,6 +95,30 @@ class SharedPool:
             self.order(device, torch.cuda.current_stream(device))
 
 
+@contextmanager
+def workspaces_in_pool(stream: torch.cuda.Stream) -> Iterator[None]:
+    """cuBLAS's workspaces of the capture stream dropped before a capture and after it.
+
+    cuBLAS keeps a workspace per handle and stream (32 MiB on Hopper), allocated at its first
+    use there. One allocated by the warm-up runs lies outside the graph's pool and the graph
+    reads it, so it stays allocated for good. Dropped before the capture, the capture allocates
+    it inside the pool; dropped after, the next capture into the same pool reuses that memory
+    (the graphs of a pool replay one after another). Only the capture stream's are dropped: it
+    is streamdag's own (:func:`_capture_stream`), and every capture on it drops them first, so
+    no graph reads one from outside its pool; a graph captured elsewhere may read the workspace
+    of its own stream, which stays (``torch._C._cuda_clearCublasWorkspaces``, which Inductor's
+    CUDA graph trees call, drops every stream's). Without the torch extension, or on a PyTorch
+    whose workspace maps it does not know, nothing is dropped and the workspace stays outside."""
+    clear = getattr(load_torch(), "clear_blas_workspaces", None)
+    if clear is not None:
+        clear(stream.cuda_stream)
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear(stream.cuda_stream)
+
+
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -139,7 +165,7 @@ class CapturedGraph:
         # cache as it starts: emptied first, so that what it frees does not offset the pool's growth
         handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
         self.graph: Any = torch.cuda.CUDAGraph()
-        with _workspaces_in_pool():  # (cleared first: the warm-up's workspace is not the pool's growth)
+        with workspaces_in_pool(stream):  # (first: the warm-up's workspace is not the pool's growth)
             if private:
                 torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(device)

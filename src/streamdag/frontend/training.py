@@ -158,7 +158,9 @@ class TrainingGraph:
             if self.captured and self.uncaptured is not None:
                 # the trees cannot record or replay a backward run for create_graph: its inputs
                 # (the saved activations) are freed during recording and not during replay
-                return self.uncaptured(*args)
+                inputs = list(args)
+                args.clear()  # the boxed convention: the callee owns the inputs
+                return self.uncaptured(*inputs)
         streams = self._streams
         if streams is None:
             with self._lock:

@@ -35,7 +35,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..native import load_torch
-from .candidates import time_replays
+from .candidates import time_replays, workspaces_in_pool
 from .result_objects import rebuild
 
 __all__ = ["CudaCalls", "Entry"]
@@ -78,14 +78,14 @@ class CudaCalls:
                 private: bool = False) -> tuple[Any, Any]:
         """``fn(*args, **kwargs)`` captured into a CUDA graph in the shared pool, or a pool of its own
         (``private``: all of it goes back when the graph is dropped): (the graph, its outputs)."""
-        from ..runtime.capture import _collector_paused, _restore_random_generators, _workspaces_in_pool
+        from ..runtime.capture import _collector_paused, _restore_random_generators
 
         caller = self.caller()
         graph = torch.cuda.CUDAGraph()
         # a pool of its own is named here, not left to capture_begin: a failed capture must end it
         pool = torch.cuda.graph_pool_handle() if private else self.pool.handle(self.device)
         try:
-            with _collector_paused(), _workspaces_in_pool(), torch.cuda.graph(
+            with _collector_paused(), workspaces_in_pool(self.stream), torch.cuda.graph(
                     graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn(*args, **kwargs)
         except BaseException:

@@ -5,7 +5,9 @@
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
 #include <ATen/Parallel.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/PinnedMemoryAllocator.h>
+#include <torch/version.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
@@ -23,6 +25,9 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <iterator>
+#include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -511,7 +516,47 @@ PyObject* copy_into(PyObject*, PyObject* args) {
   }
 }
 
+// Drops cuBLAS's and cuBLASLt's workspaces of one stream (its address), as newer PyTorch's
+// clearCublasWorkspacesForStream does: torch._C._cuda_clearCublasWorkspaces drops every
+// stream's, and a graph captured elsewhere may still read the workspace of its own stream.
+// False where this PyTorch's workspace maps are not known to be guarded by their mutex.
+PyObject* clear_blas_workspaces(PyObject*, PyObject* arg) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+  void* stream = PyLong_AsVoidPtr(arg);
+  if (stream == nullptr && PyErr_Occurred()) return nullptr;
+  try {
+    at::cuda::clearCublasWorkspacesForStream(static_cast<cudaStream_t>(stream));
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+#elif TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11
+  void* stream = PyLong_AsVoidPtr(arg);
+  if (stream == nullptr && PyErr_Occurred()) return nullptr;
+  try {  // (what clearCublasWorkspacesForStream does, before PyTorch declared it)
+    for (auto* workspaces : {&at::cuda::cublas_handle_stream_to_workspace(),
+                             &at::cuda::cublaslt_handle_stream_to_workspace()}) {
+      std::unique_lock<std::shared_mutex> lock(workspaces->mutex);
+      auto& map = workspaces->map;
+      for (auto it = map.begin(); it != map.end();) {
+        it = std::get<1>(it->first) == stream ? map.erase(it) : std::next(it);
+      }
+    }
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+#else
+  (void)arg;
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef module_methods[] = {
+    {"clear_blas_workspaces", clear_blas_workspaces, METH_O,
+     "clear_blas_workspaces(stream address) -> bool: cuBLAS's workspaces of that stream dropped"},
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(dsts, srcs) -> bool: dense same-layout CUDA copies on the current stream, or False"},
     {"new_stream", new_stream, METH_VARARGS,

@@ -40,7 +40,7 @@ import gc
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -238,10 +238,8 @@ class CudaGraphRunner:
         current = "<fork>"
         failure: BaseException | None = None
         try:
-            # (a graph over several devices keeps the workspaces: it checks that the other devices'
-            # allocations stay put, and clearing frees theirs)
-            with _collector_paused(), nullcontext() if others else _workspaces_in_pool(), torch.cuda.graph(
-                    graph, pool=self._pool, stream=origin, capture_error_mode="thread_local"):
+            with _collector_paused(), torch.cuda.graph(graph, pool=self._pool, stream=origin,
+                                                       capture_error_mode="thread_local"):
                 fork = torch.cuda.Event()
                 fork.record(origin)
                 for s in side:
@@ -472,25 +470,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-@contextmanager
-def _workspaces_in_pool() -> Iterator[None]:
-    """cuBLAS's workspaces cleared before a capture and after it, as Inductor's CUDA graph trees do.
-
-    cuBLAS keeps one workspace per stream (32 MiB on Hopper), allocated at its first use. One
-    allocated by the warm-up runs lies outside the graph's pool, and a graph captured with it reads
-    it: it stays allocated for good, memory no other graph can share. Cleared before the capture,
-    the capture allocates it inside the pool; cleared after, the next capture into the same pool
-    reuses that memory, the graphs of one pool replaying one after another."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    try:
-        yield
-    finally:
-        if clear is not None:
-            clear()
 
 
 def _restore_random_generators(devices: list[torch.device]) -> None:
