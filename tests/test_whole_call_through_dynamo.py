@@ -50,25 +50,6 @@ def test_through_dynamo_a_model_with_a_graph_break_is_replayed_whole(fake_device
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def cpu_code_as_gpus(monkeypatch):
-    """Inductor's CPU code stands for the GPU's in a whole call (a graph on the CPU is otherwise
-    kept out of whole calls), with Dynamo's caches reset around the test."""
-    from streamdag.frontend.inductor_backend import GraphRunner
-
-    pick = GraphRunner._uncaptured_pick
-
-    def as_if_on_a_gpu(self, *args):
-        run = pick(self, *args)
-        self.not_whole = ""
-        return run
-
-    monkeypatch.setattr(GraphRunner, "_uncaptured_pick", as_if_on_a_gpu)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 def test_through_dynamo_a_whole_call_keeps_the_models_memory_not_its_graphs_own(
         fake_device, cpu_code_as_gpus):
@@ -121,13 +102,6 @@ def test_through_dynamo_a_buffer_written_at_a_graph_break_is_updated_once_per_ca
 
 
 # -- CUDA --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
 
 @pytest.mark.cuda
 def test_on_cuda_a_model_with_a_graph_break_replays_one_graph_past_dynamo(no_tf32, fresh_dynamo):

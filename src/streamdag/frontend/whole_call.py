@@ -61,7 +61,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -282,28 +282,12 @@ class WholeCall:
 
     def _capture(self, state: _State, key: Any, device: torch.device, args: Sequence[Any],
                  kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
-        arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
-        kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
-        tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
-        other = next((t.layout for t in tensors if t.layout != torch.strided), None)
-        if other is not None:
-            self._refuse(key, f"an argument is a {other} tensor: only strided ones are copied into a graph")
+        inputs = _static_inputs(args, kwargs)
+        if isinstance(inputs, str):
+            self._refuse(key, inputs)
             return dynamo(*args, **kwargs)
-        if any(map(_overlaps, tensors)):
-            self._refuse(key, "an input's elements overlap in memory (an expanded tensor): not copied into "
-                              "a graph's input")
-            return dynamo(*args, **kwargs)
+        arg_index, kw_names, tensors, statics, s_args, s_kwargs = inputs
         dev = _device_for(device, self.backend.pool)
-        statics = [_like(t) for t in tensors]  # as Dynamo saw the caller's: no guard fails on them
-        inference = any(s.is_inference() for s in statics)
-        if statics:
-            with torch.inference_mode() if inference else nullcontext():
-                torch._foreach_copy_(statics, tensors)
-        s_args, s_kwargs = list(args), dict(kwargs)
-        for s, i in zip(statics, arg_index):
-            s_args[i] = s
-        for s, k in zip(statics[len(arg_index):], kw_names):
-            s_kwargs[k] = s
         marks = self._marks()
         caller = dev.caller()
         gs = _global_state()
@@ -444,6 +428,40 @@ def _describe(key: Any) -> str:
         else:
             parts.append(repr(meta[1]) if isinstance(meta, tuple) and len(meta) == 2 else "?")
     return f"call({', '.join(parts)})"
+
+
+class _StaticInputs(NamedTuple):
+    """A call's tensors copied into tensors of the graph's own, and the arguments with them in place."""
+
+    arg_index: list[int]  # where the copied tensors are among the positional arguments
+    kw_names: list[str]  # and among the keyword arguments, after them
+    tensors: list[torch.Tensor]  # the caller's
+    statics: list[torch.Tensor]  # the graph's, holding the caller's values
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+def _static_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> _StaticInputs | str:
+    """The call's tensors copied into tensors of the graph's own, or why they cannot be."""
+    arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
+    kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
+    tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
+    other = next((t.layout for t in tensors if t.layout != torch.strided), None)
+    if other is not None:
+        return f"an argument is a {other} tensor: only strided ones are copied into a graph"
+    if any(map(_overlaps, tensors)):
+        return "an input's elements overlap in memory (an expanded tensor): not copied into a graph's input"
+    statics = [_like(t) for t in tensors]  # as Dynamo saw the caller's: no guard fails on them
+    inference = any(s.is_inference() for s in statics)
+    if statics:
+        with torch.inference_mode() if inference else nullcontext():
+            torch._foreach_copy_(statics, tensors)
+    s_args, s_kwargs = list(args), dict(kwargs)
+    for s, i in zip(statics, arg_index):
+        s_args[i] = s
+    for s, k in zip(statics[len(arg_index):], kw_names):
+        s_kwargs[k] = s
+    return _StaticInputs(arg_index, kw_names, tensors, statics, s_args, s_kwargs)
 
 
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
