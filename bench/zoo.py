@@ -16,13 +16,13 @@ error against eager, its compile time (the first calls until its output is
 ready; Inductor's FX-graph and kernel caches stay on unless ``--cold-compile``,
 so a later variant may reuse an earlier one's kernels), its memory over what
 the model and inputs hold (``peak_mib``: what it keeps reserved after its
-first calls, CUDA graph pools included, plus what one more call adds;
-``compile_peak_mib``: the most it reserved while compiling), the host time
-of a call issued back to back (``host_us``, for the variants that replay
-graphs), the streams streamdag kept and anything it ran uncaptured or on the
-make_fx path. The table's ``x best`` is the best baseline's time over
-streamdag's (above 1, streamdag is faster) and ``mem/ro`` streamdag's peak
-over reduce-overhead's.
+first calls, CUDA graph pools included, plus what one more call adds, which
+``call_mib`` gives alone: a call's fresh outputs, say; ``compile_peak_mib``:
+the most it reserved while compiling), the host time of a call issued back
+to back (``host_us``, for the variants that replay graphs), the streams
+streamdag kept and anything it ran uncaptured or on the make_fx path. The
+table's ``x best`` is the best baseline's time over streamdag's (above 1,
+streamdag is faster) and ``mem/ro`` streamdag's peak over reduce-overhead's.
 
 Robust by construction: each model runs in a worker process with a time
 limit (a crash or a hang loses that model's remaining rows, not the run); a
@@ -251,8 +251,8 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "batch": batch, "ms": {}, "rel_err": {},
-                           "compile_s": {}, "peak_mib": {}, "compile_peak_mib": {}, "streams": None,
-                           "fallback": [], "errors": {}}
+                           "compile_s": {}, "peak_mib": {}, "call_mib": {}, "compile_peak_mib": {},
+                           "streams": None, "fallback": [], "errors": {}}
     model, make_inputs = build(name)
     model = model.cuda().to(dtype)
     args, kwargs = make_inputs(batch, dtype)
@@ -294,7 +294,8 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             torch.cuda.reset_peak_memory_stats()
             call()
             torch.cuda.synchronize()
-            row["peak_mib"][label] = (held[label] + torch.cuda.max_memory_reserved() - reserved) / 2**20
+            row["call_mib"][label] = (torch.cuda.max_memory_reserved() - reserved) / 2**20
+            row["peak_mib"][label] = held[label] / 2**20 + row["call_mib"][label]
     fast = handles.get("streamdag")
     if fast is not None:
         _describe_streamdag(fast, row)
