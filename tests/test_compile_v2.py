@@ -743,3 +743,23 @@ def test_on_cuda_a_capture_holds_the_cublas_workspace_in_its_pool_not_outside_it
     torch.cuda.synchronize()
     torch.testing.assert_close(out, a @ a)
     assert torch.cuda.memory_allocated() < before
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(candidates=["inductr"]), "unknown candidates \\['inductr'\\]: name some of 'eager', 'inductor'"),
+    (dict(candidates=["regions x0"]), "a label such as 'regions x2'"),
+    (dict(min_gain=-0.1), "min_gain .* at least 0"),
+    (dict(min_gain=float("nan")), "min_gain .* at least 0"),
+])
+def test_a_misspelt_candidate_or_a_negative_min_gain_is_refused_at_compile_naming_the_choices(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sd.compile(torch.nn.Linear(4, 4), **kwargs)
+
+
+def test_one_candidate_given_as_a_string_is_one_label_not_its_letters():
+    model = torch.nn.Linear(4, 4).eval()
+    fast = sd.compile(model, candidates="inductor")
+    assert fast.backend.options.candidates == ("inductor",)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))

@@ -383,6 +383,11 @@ def _made(out: Any) -> Any:
     return out
 
 
+def _labels(candidates: Sequence[str]) -> tuple[str, ...]:
+    """The candidates' labels: a single string is one label, not its letters."""
+    return (candidates,) if isinstance(candidates, str) else tuple(candidates)
+
+
 class StreamdagBackend:
     """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
 
@@ -390,7 +395,7 @@ class StreamdagBackend:
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
         self.options: Options = Options(
             streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-            candidates=None if candidates is None else tuple(candidates), clone_outputs=clone_outputs)
+            candidates=None if candidates is None else _labels(candidates), clone_outputs=clone_outputs)
         self.pool: SharedPool = SharedPool()
         self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []

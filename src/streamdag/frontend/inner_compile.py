@@ -48,6 +48,24 @@ class Options:
             raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
         if self.streams < 1:
             raise ValueError(f"streams must be at least 1, got {self.streams}")
+        if not self.min_gain >= 0:  # (NaN too)
+            raise ValueError(f"min_gain is the least fraction of a graph's one-stream time that its regions "
+                             f"must save (0.15: 15%), at least 0; got {self.min_gain!r}")
+        unknown = [c for c in self.candidates or () if not _is_candidate_label(c)]
+        if unknown:
+            raise ValueError(f"unknown candidates {unknown}: name some of 'eager', 'inductor', 'regions', "
+                             "'cudagraphs' (training graphs under Inductor's CUDA graph trees), or a label "
+                             "such as 'regions x2'")
+
+
+def _is_candidate_label(label: object) -> bool:
+    """A kind of candidate, or one label: ``regions xN`` (N streams, at least 1)."""
+    if label in ("eager", "inductor", "regions", "cudagraphs"):
+        return True
+    if not isinstance(label, str) or not label.startswith("regions x"):
+        return False
+    count = label.removeprefix("regions x")
+    return count.isdigit() and int(count) >= 1
 
 
 class _Switch:
