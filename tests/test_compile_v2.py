@@ -756,6 +756,16 @@ def test_a_misspelt_candidate_or_a_negative_min_gain_is_refused_at_compile_namin
         sd.compile(torch.nn.Linear(4, 4), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(streams="2"), "streams takes a number of streams, e.g. streams=2"),
+    (dict(clone_outputs="no"), "clone_outputs takes True or False"),
+    (dict(min_gain="15%"), "min_gain takes a fraction, e.g. min_gain=0.15"),
+])
+def test_an_option_of_the_wrong_type_is_refused_at_compile_naming_what_it_takes(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        sd.compile(torch.nn.Linear(4, 4), **kwargs)
+
+
 def test_one_candidate_given_as_a_string_is_one_label_not_its_letters():
     model = torch.nn.Linear(4, 4).eval()
     fast = sd.compile(model, candidates="inductor")

@@ -44,6 +44,12 @@ class Options:
     whole_call: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.streams, int) or isinstance(self.streams, bool):
+            raise TypeError(f"streams takes a number of streams, e.g. streams=2; got {self.streams!r}")
+        if not isinstance(self.clone_outputs, bool):
+            raise TypeError(f"clone_outputs takes True or False, got {self.clone_outputs!r}")
+        if not isinstance(self.min_gain, (int, float)) or isinstance(self.min_gain, bool):
+            raise TypeError(f"min_gain takes a fraction, e.g. min_gain=0.15; got {self.min_gain!r}")
         if self.regions not in ("auto", "always", "never"):
             raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
         if self.streams < 1:
