@@ -104,6 +104,24 @@ def explained_chosen(fast) -> list[str]:
 # -- the pieces, without Inductor -----------------------------------------------------------------
 
 
+def _run_owning_a_fresh_x(gm, plan, region_fn, args, refs):
+    """Each region of ``plan`` compiled through ``region_fn``, run by a program that owns its inputs,
+    the first a fresh copy of ``args[0]`` no one else holds (``refs[0]``: a weak reference to it)."""
+    compiled = [CompiledRegion(r, region_fn(region_graph(gm, r, [n.meta["val"] for n in r.inputs])))
+                for r in plan.regions]
+    program = RegionProgram(gm, plan, compiled, owns_inputs=True)
+    x = args[0].clone()
+    refs.append(weakref.ref(x))
+    inputs = [x, *args[1:]]
+    del x
+    return compiled, inputs, program.run(inputs, 1)
+
+
+def _last_reader_of_the_first_input(gm, compiled):
+    first = gm.graph.find_nodes(op="placeholder")[0]
+    return max(i for i, c in enumerate(compiled) if first in c.region.inputs)
+
+
 def test_a_program_that_owns_its_inputs_drops_each_after_its_last_reader():
     """A backward's saved activations are its inputs: kept to the end, they would outlive their
     last use, which Inductor's whole graph does not let them."""
@@ -129,18 +147,10 @@ def test_a_program_that_owns_its_inputs_drops_each_after_its_last_reader():
             return out
         return run
 
-    compiled = [CompiledRegion(r, region_fn(region_graph(gm, r, [n.meta["val"] for n in r.inputs])))
-                for r in plan.regions]
-    program = RegionProgram(gm, plan, compiled, owns_inputs=True)
-    x = args[0].clone()
-    refs.append(weakref.ref(x))
-    inputs = [x, args[1], args[2]]
-    del x
-    out = program.run(inputs, 1)
+    compiled, inputs, out = _run_owning_a_fresh_x(gm, plan, region_fn, args, refs)
     assert inputs == []  # the boxed convention: the program took the inputs
     torch.testing.assert_close(out[0], fn(*args))
-    readers_of_x = max(i for i, c in enumerate(compiled) if gm.graph.find_nodes(op="placeholder")[0]
-                       in c.region.inputs)
+    readers_of_x = _last_reader_of_the_first_input(gm, compiled)
     assert readers_of_x < len(compiled) - 1, "the plan should read x before its last region"
     assert alive_at[readers_of_x] and not alive_at[-1]
 
@@ -172,17 +182,9 @@ def test_the_last_reader_of_an_owned_input_holds_its_only_reference_and_frees_it
             return out
         return run
 
-    compiled = [CompiledRegion(r, region_fn(region_graph(gm, r, [n.meta["val"] for n in r.inputs])))
-                for r in plan.regions]
-    program = RegionProgram(gm, plan, compiled, owns_inputs=True)
-    x = args[0].clone()
-    refs.append(weakref.ref(x))
-    inputs = [x, args[1], args[2]]
-    del x
-    out = program.run(inputs, 1)
+    compiled, _, out = _run_owning_a_fresh_x(gm, plan, region_fn, args, refs)
     torch.testing.assert_close(out[0], fn(*args))
-    readers_of_x = max(i for i, c in enumerate(compiled) if gm.graph.find_nodes(op="placeholder")[0]
-                       in c.region.inputs)
+    readers_of_x = _last_reader_of_the_first_input(gm, compiled)
     assert freed_inside[readers_of_x] and not any(freed_inside[:readers_of_x])
 
 

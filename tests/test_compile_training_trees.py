@@ -30,6 +30,7 @@ from streamdag.frontend.training import (  # noqa: E402
     _why_not_trees,
     compile_training,
 )
+from test_compile_training import train_steps  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -247,21 +248,6 @@ class ConvChain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
-
-
-def train_steps(model, step_model, batches, make_opt, accumulate=1):
-    """``len(batches)`` micro-batches, an optimizer step every ``accumulate``; the losses, kept
-    across steps as tensors (so a loss left in the trees' pool would show)."""
-    opt = make_opt(model.parameters())
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        loss = torch.nn.functional.mse_loss(step_model(x), y) / accumulate
-        loss.backward()
-        losses.append(loss.detach())
-        if (i + 1) % accumulate == 0:
-            opt.step()
-            opt.zero_grad()
-    return losses
 
 
 def sgd(params):
