@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zoo import build, environment, first_tensor
+from zoo import build, commit, environment, first_tensor, kept_rows, utc_now
 
 VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
 MODELS = ("googlenet", "inception_v3", "resnet50", "vit_b_16", "swin_t", "bert", "llama", "tiny")
@@ -208,6 +208,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny, fp32, batch 8, 3 rounds (a smoke check)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/train_<device>.json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the existing result file that this run does not redo")
     args = p.parse_args()
     if args.quick:
         args.models, args.dtypes, args.batches, args.rounds = args.models or "tiny", "fp32", "8", 3
@@ -229,11 +231,12 @@ def main() -> int:
     result: dict[str, Any] = {"environment": {**environment(env_args), "device": name, "tf32": cuda,
                                               "cudnn_benchmark": cuda, "optimizer": "AdamW",
                                               "loss": "mean of the squared first output"},
-                              "models": []}
+                              "models": kept_rows(path, models, args) if args.merge else []}
     for model in models:
         for dtype in args.dtypes.split(","):
             for batch in map(int, args.batches.split(",")):
                 row = run_row(model, dtype, batch, device, args.rounds)
+                row["measured"] = {"commit": commit(), "utc": utc_now()}
                 result["models"].append(row)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=1))

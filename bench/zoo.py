@@ -373,7 +373,7 @@ def worker(args: argparse.Namespace) -> int:
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
                            "traceback": traceback.format_exc()[-3000:]}
-                row["measured"] = {"commit": _commit(), "utc": _utc_now()}
+                row["measured"] = {"commit": commit(), "utc": utc_now()}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 torch._dynamo.reset()
@@ -395,15 +395,15 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
             env[mod] = __import__(mod).__version__
         except Exception:
             env[mod] = None
-    env["streamdag_commit"] = _commit()
+    env["streamdag_commit"] = commit()
     return env
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
 
 
-def _commit() -> str | None:
+def commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or None
@@ -490,7 +490,7 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     if args.gpus > torch.cuda.device_count():
         p.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
-    kept = _kept_rows(path, models, args) if args.merge else []
+    kept = kept_rows(path, models, args) if args.merge else []
     result = {"environment": environment(args), "models": list(kept)}
     if args.prewarm:
         _prewarm(models, args)
@@ -555,7 +555,7 @@ def _gpu_env(gpu: int) -> dict[str, str]:
     return env
 
 
-def _kept_rows(path: Path, models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+def kept_rows(path: Path, models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The rows of an earlier result file that this run does not redo."""
     if not path.exists():
         return []
