@@ -112,6 +112,47 @@ def test_bad_buffers_are_refused_with_the_fix(rt):
         rt.get(a)
 
 
+def _answer(i):
+    if i % 7 == 3:
+        raise ValueError(f"op {i} fails")
+    return None if i % 2 else i * 10
+
+
+def test_a_burst_of_ops_settles_each_future_with_its_own_answer(rt):
+    futures = [rt.submit(_answer, i, run_on=i % 2) for i in range(60)]
+    for i, f in enumerate(futures):
+        if i % 7 == 3:
+            with pytest.raises(ValueError, match=f"op {i} fails"):
+                f.result(timeout=60)
+        else:
+            assert f.result(timeout=60) == (None if i % 2 else i * 10)
+    with pytest.raises(sd.ExceptionGroup) as group:
+        rt.synchronize()
+    assert len(group.value.exceptions) == sum(i % 7 == 3 for i in range(60))
+
+
+def _big(i):
+    return np.full(10_000, float(i))  # 80 kB: near Ray's limit for a value sent inside its reply
+
+
+def test_a_burst_of_ops_returning_large_arrays_gives_each_future_its_own(rt):
+    futures = [rt.submit(_big, i, run_on=1) for i in range(6)]
+    for i, f in enumerate(futures):
+        np.testing.assert_array_equal(f.result(timeout=60), np.full(10_000, float(i)))
+    rt.synchronize()
+
+
+def test_ops_settle_though_nobody_waits_on_them(rt):
+    import time
+
+    rt.synchronize()
+    futures = [rt.submit(_answer, i * 2, run_on=2) for i in range(4)]
+    deadline = time.monotonic() + 30
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [f.result(timeout=0) for f in futures] == [0, 20, 40, 60]
+
+
 def test_a_failed_op_fails_its_dependents_on_other_workers_and_not_the_others(rt):
     def boom(out):
         raise ValueError("boom")

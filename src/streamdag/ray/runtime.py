@@ -99,8 +99,10 @@ def _unmark(value: Any, reads: list[Any], writes: list[Any]) -> Any:
     if kind is Marker:
         (writes if value.write else reads).append(value.value)
         return value.value
-    if kind in (list, tuple):
-        return kind(_unmark(v, reads, writes) for v in value)
+    if kind is tuple:  # a list built then made a tuple: a generator costs more for the few items
+        return tuple([_unmark(v, reads, writes) for v in value])
+    if kind is list:
+        return [_unmark(v, reads, writes) for v in value]
     if kind is dict:
         return {k: _unmark(v, reads, writes) for k, v in value.items()}
     return value
@@ -120,8 +122,10 @@ def _swap(value: Any, worker: int, remote: dict[int, RemoteBuffer], found: list[
             return Buf(value.id)
         remote[value.id] = value
         return Incoming(value.id)
-    if kind in (list, tuple):
-        return kind(_swap(v, worker, remote, found) for v in value)
+    if kind is tuple:
+        return tuple([_swap(v, worker, remote, found) for v in value])
+    if kind is list:
+        return [_swap(v, worker, remote, found) for v in value]
     if kind is dict:
         return {k: _swap(v, worker, remote, found) for k, v in value.items()}
     if kind not in _PLAIN and not ((kind is np.ndarray or isinstance(value, np.generic))
