@@ -402,3 +402,43 @@ def test_on_the_gpu_random_programs_of_device_and_host_lane_ops_equal_serial(see
         assert torch.equal(got.cpu(), want)
     for got, want in zip(hosts, want_hosts):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("host_part", [False, True])
+def test_on_the_gpu_a_graphs_capture_waits_for_an_earlier_host_op_reading_what_it_writes(host_part):
+    """A graph's second run captures it, timing candidate graphs by running its ops, which write
+    its buffers before putting them back. A host-lane op submitted before that run, and reading a
+    buffer the graph writes, must never see those writes: it reads the buffer over and over while
+    the run is being set up. (``host_part``: the graph has a host-lane op, so its device ops are
+    captured as parts.)"""
+    import torch
+
+    with sd.Runtime("cuda", streams=2) as rt:
+        a = torch.zeros(1 << 16, device="cuda")
+        b = torch.zeros(1 << 16, device="cuda")
+        tail = np.zeros(1)
+        with rt.record() as g:  # two independent ops: a capture times one stream against two
+            rt.submit(lambda: a.add_(1), writes=[a])
+            rt.submit(lambda: b.add_(1), writes=[b])
+            if host_part:
+                rt.submit(lambda: tail.__iadd__(1), writes=[tail], run_on="host")
+        g.run().result(timeout=30)
+        changes = []
+
+        def watch():
+            first = a.cpu()
+            stop = time.perf_counter() + 0.5
+            while time.perf_counter() < stop:
+                if not torch.equal(a.cpu(), first):
+                    changes.append(float(a[0]))
+            return float(first[0])
+
+        seen = rt.submit(watch, reads=[a], run_on="host")
+        run = g.run()
+        assert seen.result(timeout=30) == 1.0
+        run.result(timeout=30)
+        rt.synchronize()
+    assert not changes, f"an earlier host op saw the graph's writes while it was captured: {changes[:5]}"
+    assert float(a[0]) == 2.0 and float(b[0]) == 2.0
+    assert tail[0] == (2.0 if host_part else 0.0)

@@ -166,6 +166,11 @@ class CudaGraphRunner:
     def fallback_reason(self) -> str | None:
         return self._failed
 
+    def ready(self) -> bool:
+        """Whether a replay may go ahead without a capture first: captured, with every tensor
+        argument where and as it was."""
+        return self._failed is None and self._captured is not None and self._still_valid()
+
     def _still_valid(self) -> bool:
         """Whether every tensor argument still has the address, shape and strides it was captured
         with: what in-place ``set_``, ``resize_``, ``t_`` or ``as_strided_`` change (a square

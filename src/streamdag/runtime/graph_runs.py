@@ -176,11 +176,17 @@ class EagerRuns:
             behind = behind or op.future.__dict__.get("_behind") == threading.get_ident()
         return behind
 
-    def _run_parts(self) -> Future:
+    def _run_parts(self, may_wait: bool) -> Future:
         """One run of a graph in parts (see ``_split_at_host_ops``): each part submitted in order,
-        the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s."""
+        the host-lane ops onto the host lanes; one Future of the values of every op, as ``run``'s.
+        A part due to be captured is captured first (``may_wait``), before the lock is taken for
+        the parts' submits: a capture waits for the earlier ops, and under the lock it could not."""
         rt = self._rt
         parts = self._parts or []
+        if may_wait:
+            for graph, _ in parts:
+                if graph is not None and graph._capture_due():
+                    graph._ready_runner(may_wait=True)
         result = Future()
         result.op_name = "graph"
         futures: list[Any] = []
@@ -212,7 +218,7 @@ class EagerRuns:
         with rt._lock:  # one run's parts in a row: another thread's op comes before or after them all
             for graph, indices in parts:
                 if graph is not None:
-                    futures.append(graph.run())
+                    futures.append(graph._start_run(may_wait=False))
                 else:
                     rec = self._ops[indices[0]]
                     futures.append(rt._enqueue(rec.fn, rec.args, rec.kwargs, rec.accesses, rec.name, rec.name,

@@ -114,6 +114,14 @@ class Lifecycle:
             with self._callbacks_done:
                 self._callbacks_done.wait_for(lambda: not self._counts.calling)
 
+    def _quiet(self) -> bool:
+        """Whether no op can run on the host meanwhile but this thread's (caller holds ``_lock``):
+        every unfinished host-lane op and every held op is one that cannot start before the
+        calling op returns. Device ops launched before then are the device's to finish."""
+        inside = self._lane_here() is not None or bool(self._launching_here())
+        behind = self._ops_behind_the_caller(self._lane_here()) if inside else set()
+        return all(seq in behind for seq in self._host_ops) and all(seq in behind for seq in self._held)
+
     def _ops_behind_the_caller(self, lane: Any) -> set[int]:
         """The numbers of the pending ops that cannot finish before the op this thread runs
         returns (caller holds ``_lock``).

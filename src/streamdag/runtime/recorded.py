@@ -16,7 +16,7 @@ from ..schedule.reduction import reduce_transitively
 from .accel import DepsTracker, build_schedule
 from .declared import DeclaredBuffers
 from .graph_runs import EagerRunRuntime, EagerRuns, GraphResult, OpNode
-from .ops import Future, then
+from .ops import Future, in_done_callback, then
 
 if TYPE_CHECKING:
     from .capture import CaptureStatistics
@@ -41,6 +41,8 @@ class GraphRuntime(EagerRunRuntime, Protocol):
     _check_open: Callable[[], None]
     _recording_here: Callable[[], Any]
     _submit_on: Callable[..., Any]
+    _wait_all: Callable[[], None]  #: before a capture: every earlier op finished
+    _quiet: Callable[[], bool]  #: and no op that could run on the host meanwhile (under ``_lock``)
 
 
 _COMPILED_REPLAY_RANGES = 32  # a replay of a graph of at most this many coalesced ranges: the compiled submit
@@ -220,7 +222,7 @@ class RecordedGraph(EagerRuns):
         """A graph of these device ops of this graph (a part, see ``_split_at_host_ops``)."""
         segment = RecordedGraph(self._rt, self.copy_out)
         segment.time_ops = self.time_ops
-        segment._calls_above = 2  # (run, _run_parts)
+        segment._calls_above = 3  # (run, _start_run, _run_parts)
         segment._parts_eager = self._parts_eager
         for v in device_ops:
             rec = self._ops[v]
@@ -283,6 +285,11 @@ class RecordedGraph(EagerRuns):
         there raises instead of hanging. Called inside a ``with rt.record()``
         block, it raises: a run is not recorded.
         """
+        return self._start_run(may_wait=True)
+
+    def _start_run(self, may_wait: bool) -> Future[GraphResult]:
+        """:meth:`run`; ``may_wait``: the caller holds no lock of the runtime, so a capture may
+        wait for the earlier ops first (see :meth:`_ready_runner`)."""
         rt = self._rt
         rt._check_open()
         self._check_runnable()
@@ -291,10 +298,10 @@ class RecordedGraph(EagerRuns):
         self._runs += 1
         self.last_run_captured = False
         if self._parts is not None:
-            return self._run_parts()
+            return self._run_parts(may_wait)
         per_op = rt._profiler is not None and rt._profiler.per_op
         if self.capture and self._runs > 1 and len(self._ops) and not per_op:
-            future = self._run_captured()
+            future = self._run_captured(may_wait)
             if future is not None:
                 self.last_run_captured = True
                 return future
@@ -348,8 +355,36 @@ class RecordedGraph(EagerRuns):
             ) + envelope([a for a in every if a.region.space.startswith("sym:")])
         return self._replay_accesses
 
-    def _run_captured(self) -> Future[Any] | None:
-        """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured."""
+    def _run_captured(self, may_wait: bool) -> Future[Any] | None:
+        """Replay the CUDA graph as one op of the runtime; None if the graph cannot be captured, or
+        cannot be now (the run then goes op by op)."""
+        rt = self._rt
+        runner = self._ready_runner(may_wait)
+        if runner is None:
+            return None
+        device = self.devices[0]
+        stream = rt._compute_of[device][0]
+        split = None if rt._multi else self._replay_regions()  # (several devices: untried there)
+        if split is not None:  # the compiled submit, each coalesced range its own buffer
+            return rt._submit_on(stream, lambda: GraphResult(runner.replay()), reads=split[0],
+                                 writes=split[1], name="graph_replay")
+        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._graph_accesses(),
+                           "graph_replay", "graph_replay", True, stream, device_ordered=True, device=device)
+
+    def _capture_due(self) -> bool:
+        """Whether this graph's next run replays a CUDA graph it has yet to capture."""
+        rt = self._rt
+        per_op = rt._profiler is not None and rt._profiler.per_op
+        return (self.capture and self._runs >= 1 and bool(len(self._ops)) and not per_op
+                and self._parts is None and (self._runner is None or not self._runner.ready()))
+
+    def _ready_runner(self, may_wait: bool) -> Any:
+        """The graph's runner, captured (again where its tensors' layouts changed); None where the
+        graph cannot be captured (then for good), or cannot be now: a capture times its candidates
+        by running the graph's ops, which write its buffers and then restore them, so it waits
+        until no earlier op can run on the host meanwhile and the devices are done (an op that
+        ran then would see those writes), which neither a caller holding the runtime's lock nor a
+        done-callback may do."""
         from .capture import CudaGraphRunner
 
         rt = self._rt
@@ -366,26 +401,28 @@ class RecordedGraph(EagerRuns):
                 devices = [b.torch_device for b in rt.backends]  # type: ignore[attr-defined]
             self._runner = CudaGraphRunner(self, member.torch_device, groups, devices)  # type: ignore[attr-defined]
         runner = self._runner
+        if runner.ready():
+            return runner
+        if not may_wait or in_done_callback():
+            return None
         import torch
 
         def synchronize_all() -> None:
             for b in rt.backends:
                 b.synchronize()
 
-        # (the device as an int: resolving a torch.device took ~1.5 µs per run here, 6x an int)
-        with rt._lock, torch.cuda.device(member.torch_device.index):  # type: ignore[attr-defined]
-            # capture after all earlier work: it reads no half-written buffer
-            ok = runner.prepare(rt.num_streams, before_capture=synchronize_all)
+        while True:
+            rt._wait_all()
+            # (the device as an int: resolving a torch.device took ~1.5 µs per run here, 6x an int)
+            with rt._lock, torch.cuda.device(member.torch_device.index):  # type: ignore[attr-defined]
+                if not rt._quiet():  # an op came in from another thread meanwhile
+                    continue
+                ok = runner.prepare(rt.num_streams, before_capture=synchronize_all)
+            break
         if not ok:
             self._give_up_capture(runner.fallback_reason or "capture failed")
             return None
-        stream = rt._compute_of[device][0]
-        split = None if rt._multi else self._replay_regions()  # (several devices: untried there)
-        if split is not None:  # the compiled submit, each coalesced range its own buffer
-            return rt._submit_on(stream, lambda: GraphResult(runner.replay()), reads=split[0],
-                                 writes=split[1], name="graph_replay")
-        return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._graph_accesses(),
-                           "graph_replay", "graph_replay", True, stream, device_ordered=True, device=device)
+        return runner
 
     def _replay_regions(self) -> tuple[list[Any], list[Any]] | None:
         """The graph's coalesced accesses as read and written regions, for ``Runtime._submit_on``;
