@@ -146,6 +146,30 @@ def test_containers_without_markers_reach_the_op_as_they_are(rt):
     assert got[0] is items and got[1] is table
 
 
+def test_a_container_argument_that_running_ops_change_meanwhile_is_walked_without_error(rt):
+    """A results dict (and list) passed to every op, which the ops fill in: each submit walks it
+    for markers while earlier ops add to it on other threads."""
+    import sys
+
+    results: dict[int, float] = {i: 0.0 for i in range(2000)}
+    log: list[int] = list(range(2000))
+
+    def fill(i, table, seen):
+        for j in range(50):
+            table[10_000 + 50 * i + j] = float(j)
+            seen.append(j)
+        return i
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside the walk
+    try:
+        futures = [rt.submit(fill, i, results, log) for i in range(40)]
+        assert [f.result(timeout=30) for f in futures] == list(range(40))
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(results) == 2000 + 40 * 50 and len(log) == 2000 + 40 * 50
+
+
 def test_memory_on_a_device_the_runtime_lacks_is_refused_with_the_fix(rt):
     from streamdag.graph import Region
 

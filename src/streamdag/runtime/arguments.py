@@ -39,12 +39,17 @@ def _unwrap(value: Any, found: list[Marker], seen: dict[int, Any]) -> Any:
     if key in seen:
         return seen[key]
     seen[key] = value
+    # walked over a copy: an op running meanwhile may change the container (a results dict that
+    # ops fill in), and a dict that changes size under its iterator raises. dict.copy() and
+    # list.copy() copy in one step of C (list(d.items()) does not: a thread may switch inside it)
     if kind is dict:
-        items = {k: _unwrap(v, found, seen) for k, v in value.items()}
-        changed = any(items[k] is not v for k, v in value.items())
+        pairs = value.copy()
+        items = {k: _unwrap(v, found, seen) for k, v in pairs.items()}
+        changed = any(items[k] is not v for k, v in pairs.items())
     else:
-        items = [_unwrap(v, found, seen) for v in value]
-        changed = any(new is not old for new, old in zip(items, value))
+        before = value.copy() if kind is list else value
+        items = [_unwrap(v, found, seen) for v in before]
+        changed = any(new is not old for new, old in zip(items, before))
     if changed:
         seen[key] = items if kind is not tuple else tuple(items)
     return seen[key]
