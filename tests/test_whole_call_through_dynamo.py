@@ -212,6 +212,14 @@ def test_on_cuda_a_forward_that_synchronizes_stays_on_dynamos_path_and_says_why(
     assert f"on Dynamo's path: {why}" in c.explain(), c.explain()
 
 
+def _calls_equal_eager(compiled, model, inputs):
+    """Each compiled call's result, all of them kept until the end, equals the model's own."""
+    with torch.inference_mode():
+        pairs = [(compiled(x), model(x)) for x in inputs]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.cuda
 def test_on_cuda_a_whole_call_with_regions_on_several_streams_equals_eager(no_tf32, fresh_dynamo):
     from test_compile_v2 import Inception
@@ -219,10 +227,7 @@ def test_on_cuda_a_whole_call_with_regions_on_several_streams_equals_eager(no_tf
     torch.manual_seed(0)
     m = Inception(c=64).eval().cuda()
     c = sd.compile(m, regions="always", candidates=["regions"])
-    with torch.inference_mode():
-        pairs = [(c(x), m(x)) for x in (torch.randn(1, 64, 28, 28, device="cuda") for _ in range(5))]
-        for got, want in pairs:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _calls_equal_eager(c, m, [torch.randn(1, 64, 28, 28, device="cuda") for _ in range(5)])
     assert c.statistics().whole_replays >= 3, c.explain()
 
 
@@ -306,10 +311,7 @@ def test_on_cuda_replays_copy_inputs_of_any_layout(no_tf32, fresh_dynamo, layout
         return {"contiguous": x, "transposed": x.t().contiguous().t(), "sliced": torch.randn(
             12, 32, device="cuda")[:, ::2]}[layout]
 
-    with torch.inference_mode():
-        pairs = [(c(x), m(x)) for x in (make() for _ in range(5))]
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _calls_equal_eager(c, m, [make() for _ in range(5)])
     assert c.statistics().whole_replays >= 2, c.explain()
 
 

@@ -34,8 +34,12 @@ import torch
 
 from ..native import load_torch
 
-__all__ = ["Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "static_indices", "time_replays",
-           "workspaces_in_pool"]
+__all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "region_candidates",
+           "static_indices", "time_replays", "workspaces_in_pool"]
+
+
+#: the label of a graph's regions on N streams is REGIONS + str(N)
+REGIONS = "regions x"
 
 
 @dataclass
@@ -57,6 +61,16 @@ class Candidate:
         extra = (f" ({self.error})" if self.error else "") + "".join(f" ({n})" for n in self.notes)
         mark = " <- chosen" if chosen else ""
         return f"candidate {self.label} on {self.streams} stream(s):{timing}{peak}{extra}{mark}"
+
+
+def region_candidates(top: int, wanted: Sequence[str] | None,
+                      use: Callable[[int], Callable[[list[Any]], Sequence[Any]]]) -> list[Candidate]:
+    """A graph's regions on 2 to ``top`` streams, ``use(k)`` running them on k; on one stream too
+    where the candidates ``wanted`` name the kind (one stream is otherwise Inductor's own code)."""
+    cands = [Candidate(f"{REGIONS}{k}", k, use(k)) for k in range(2, top + 1)]
+    if wanted is not None and "regions" in wanted:
+        cands.append(Candidate(f"{REGIONS}1", 1, use(1)))
+    return cands
 
 
 def static_indices(args: Sequence[Any]) -> list[int]:

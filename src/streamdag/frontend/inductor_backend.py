@@ -44,7 +44,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .._diagnostics import get_logger, warn
-from .candidates import Candidate, CapturedGraph, SharedPool, choose, static_indices
+from .candidates import Candidate, CapturedGraph, SharedPool, choose, region_candidates, static_indices
 from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
 from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
 
@@ -177,9 +177,7 @@ class GraphRunner:
         cands = [Candidate("eager", 1, lambda args: eager(*args)), Candidate("inductor", 1, use(0))]
         if sw.program is not None:
             top = min(self.options.streams, sw.program.plan.streams)
-            cands += [Candidate(f"regions x{k}", k, use(k)) for k in range(2, top + 1)]
-            if self.options.candidates is not None and "regions" in self.options.candidates:
-                cands.append(Candidate("regions x1", 1, use(1)))
+            cands += region_candidates(top, self.options.candidates, use)
         if self.options.candidates is not None:
             # ("cudagraphs" names a training graph's candidate: an inference graph's Inductor code
             # is captured into a CUDA graph anyway)

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from torch.fx import GraphModule
 
+from .candidates import REGIONS
 from .regions import RegionPlan, plan_regions
 
 __all__ = ["MIN_GAIN", "Options", "inner_compile"]
@@ -68,9 +69,9 @@ def _is_candidate_label(label: object) -> bool:
     """A kind of candidate, or one label: ``regions xN`` (N streams, at least 1)."""
     if label in ("eager", "inductor", "regions", "cudagraphs"):
         return True
-    if not isinstance(label, str) or not label.startswith("regions x"):
+    if not isinstance(label, str) or not label.startswith(REGIONS):
         return False
-    count = label.removeprefix("regions x")
+    count = label.removeprefix(REGIONS)
     return count.isdigit() and int(count) >= 1
 
 

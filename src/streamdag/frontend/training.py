@@ -104,7 +104,7 @@ from torch._dynamo.utils import counters as _COUNTERS  # Inductor's counts, cuda
 from torch.fx import GraphModule
 
 from .._diagnostics import warn
-from .candidates import Candidate, pick
+from .candidates import Candidate, pick, region_candidates
 
 __all__ = ["TREES", "TrainingGraph", "compile_training"]
 
@@ -217,9 +217,7 @@ class TrainingGraph:
         wanted = self.options.candidates
         if self.program is not None:
             top = min(self.options.streams, self.program.plan.streams)
-            cands += [Candidate(f"regions x{k}", k, use(k)) for k in range(2, top + 1)]
-            if wanted is not None and "regions" in wanted:
-                cands.append(Candidate("regions x1", 1, use(1)))
+            cands += region_candidates(top, wanted, use)
         if wanted is not None:
             kept = [c for c in cands if c.label in wanted or c.label.split(" ")[0] in wanted]
             if not kept:
