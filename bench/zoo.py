@@ -373,7 +373,7 @@ def worker(args: argparse.Namespace) -> int:
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
                            "traceback": traceback.format_exc()[-3000:]}
-                row["measured"] = {"commit": commit(), "utc": utc_now()}
+                row["measured"] = {"commit": commit(), "utc": utc_now(), "rounds": args.rounds}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 torch._dynamo.reset()
@@ -492,6 +492,9 @@ def main() -> int:
         p.error(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
     kept = kept_rows(path, models, args) if args.merge else []
     result = {"environment": environment(args), "models": list(kept)}
+    if kept:  # the environment is this run's; each row names the commit and rounds it was timed at
+        result["environment"]["argv"] = ["(merged) rows from several runs: each row names its commit in "
+                                         "measured.commit; the last run's arguments:", *sys.argv[1:]]
     if args.prewarm:
         _prewarm(models, args)
     t_start = time.perf_counter()
