@@ -338,7 +338,9 @@ def test_on_the_gpu_random_programs_of_device_and_host_lane_ops_equal_serial(see
     """Random programs over device buffers and host buffers: device ops that read host memory and
     host-lane ops that read device memory (after the kernels writing it) and write host memory,
     which later device ops read (held until they have finished), some recorded as a graph and run
-    twice. The buffers must end as the same program run serially on the CPU leaves them."""
+    twice. Some host-lane ops nap first, so that later submits (the graph's second run, which
+    captures it) come while they are still pending. The buffers must end as the same program run
+    serially on the CPU leaves them."""
     import random
 
     import torch
@@ -353,12 +355,14 @@ def test_on_the_gpu_random_programs_of_device_and_host_lane_ops_equal_serial(see
             ops.append({"host": host, "dev": rng.randrange(3), "src": rng.randrange(2),
                         "out": rng.randrange(2) if host else rng.randrange(3),
                         "k": rng.randrange(1, 50), "lo": rng.randrange(n // 2),
-                        "hi": rng.randrange(n // 2, n) + 1})
+                        "hi": rng.randrange(n // 2, n) + 1, "nap": host and rng.random() < 0.3})
         return ops
 
     def run(op, dev, hosts, device):
         lo, hi = op["lo"], op["hi"]
         if op["host"]:  # host code: reads a device buffer where it is, writes a host buffer
+            if op["nap"] and device != "cpu":
+                time.sleep(0.002)
             seen = dev[op["dev"]][lo:hi].cpu().numpy()
             out = hosts[op["out"]][lo:hi]
             out[:] = (out * 7 + seen + hosts[op["src"]][lo:hi] + op["k"]) % 1000003
