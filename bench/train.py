@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from streamdag.suite.report import source_digest
 from zoo import build, commit, environment, first_tensor, kept_rows, utc_now
 
 VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
@@ -236,7 +237,7 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             for batch in map(int, args.batches.split(",")):
                 row = run_row(model, dtype, batch, device, args.rounds)
-                row["measured"] = {"commit": commit(), "utc": utc_now()}
+                row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now()}
                 result["models"].append(row)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=1))

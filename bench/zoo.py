@@ -353,6 +353,8 @@ def warm(name: str, dtypes: str, batches: str, variant_s: float) -> None:
 def worker(args: argparse.Namespace) -> int:
     import torch
 
+    from streamdag.suite.report import source_digest
+
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -373,7 +375,8 @@ def worker(args: argparse.Namespace) -> int:
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
                            "traceback": traceback.format_exc()[-3000:]}
-                row["measured"] = {"commit": commit(), "utc": utc_now(), "rounds": args.rounds}
+                row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
+                                   "rounds": args.rounds}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 torch._dynamo.reset()
@@ -404,9 +407,11 @@ def utc_now() -> str:
 
 
 def commit() -> str | None:
+    """The checkout's commit, ``-dirty`` where its files differ from it (a copy of the tree whose git
+    history is stale shows so); the environment's ``streamdag_source`` names the code itself."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         return None
 

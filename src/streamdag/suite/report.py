@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["environment", "format_table", "median_ms", "write_json"]
+__all__ = ["environment", "format_table", "median_ms", "source_digest", "write_json"]
 
 
 def median_ms(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1) -> float:
@@ -41,6 +41,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "numpy": numpy.__version__,
         "streamdag": streamdag.__version__,
+        "streamdag_source": source_digest(),
     }
     try:
         import torch
@@ -53,6 +54,20 @@ def environment() -> dict[str, Any]:
     except ImportError:
         env["torch"] = None
     return env
+
+
+def source_digest() -> str:
+    """A digest of the installed package's own source files (Python, C, C++): which code a result
+    came from, where a copy of the tree carries no git history or a stale one."""
+    import hashlib
+
+    import streamdag
+
+    root = Path(streamdag.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in {".py", ".c", ".cpp", ".h"}):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
