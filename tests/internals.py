@@ -193,3 +193,11 @@ def host_lane_here(rt: sd.Runtime) -> int:
     """The number of the host lane the calling thread runs (inside an op there), or -1."""
     lanes = host_lanes(rt)
     return rt._calling_lane(lanes.start, len(lanes))
+
+
+def quiet(rt: sd.Runtime) -> bool:
+    """Whether no op but the caller's could run on the host now (``Runtime._quiet``, under the
+    runtime's lock): what a recorded graph's capture waits for. Only CUDA runtimes capture, so
+    without a GPU the check is reached here."""
+    with rt._lock:
+        return rt._quiet()

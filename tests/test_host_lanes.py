@@ -51,6 +51,30 @@ def test_a_host_op_waits_on_its_lane_not_in_the_submitter(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_runtime_is_quiet_only_once_no_host_lane_or_held_op_can_run(kind):
+    """What a recorded graph's capture waits for: while a host-lane op is pending, or a device op
+    held behind one, an op could still run beside the caller. Inside a host-lane op, the ops that
+    wait for it cannot, so there it is quiet."""
+    from internals import quiet
+
+    a, b = np.zeros(4), np.zeros(4)
+    gate = threading.Event()
+    inside: list[bool] = []
+    with make(kind) as rt:
+        assert quiet(rt)
+        rt.submit(lambda: gate.wait(10), writes=[a], run_on="host")
+        rt.submit(lambda: float(a.sum()), reads=[a])  # held behind the host-lane op
+        assert not quiet(rt)
+        gate.set()
+        rt.synchronize()
+        assert quiet(rt)
+        rt.submit(lambda: inside.append(quiet(rt)), writes=[b], run_on="host")
+        rt.submit(lambda: float(b.sum()), reads=[b])  # held behind the op that asks
+        rt.synchronize()
+    assert inside == [True]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_host_op_runs_after_the_device_ops_it_reads(kind):
     x, y = np.zeros(8), np.zeros(8)
     with make(kind) as rt:
