@@ -7,8 +7,8 @@ so the copies are one ``cudaMemcpyAsync`` each (the torch extension's
 ``copy_into``) where the layouts allow, not ``copy_``'s dispatch. They are
 issued around the launch, not made by the graph: memcpy nodes inside it,
 pointed at each call's tensors, saved 12-16 µs of host time per call but
-cost 3-10 µs of wall time on an H200 (a copy before the launch overlaps the
-launch; nodes in the graph add levels to it).
+cost 3-10 µs of wall time per synchronized call (a copy before the launch
+overlaps the launch; nodes in the graph add levels to it).
 
 **Launch first, check while the GPU runs.** A call may replay an entry only
 if the global state (grad mode, autocast, ...) and the model's state (its

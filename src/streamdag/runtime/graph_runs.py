@@ -185,8 +185,8 @@ class EagerRuns:
         parts = self._parts or []
         if may_wait:
             for graph, _ in parts:
-                if graph is not None and graph._capture_due():
-                    graph._ready_runner(may_wait=True)
+                if graph is not None:
+                    graph._capture_before_run()
         result = Future()
         result.op_name = "graph"
         futures: list[Any] = []

@@ -118,8 +118,8 @@ class Lifecycle:
         """Whether no op can run on the host meanwhile but this thread's (caller holds ``_lock``):
         every unfinished host-lane op and every held op is one that cannot start before the
         calling op returns. Device ops launched before then are the device's to finish."""
-        inside = self._lane_here() is not None or bool(self._launching_here())
-        behind = self._ops_behind_the_caller(self._lane_here()) if inside else set()
+        lane = self._lane_here()
+        behind = self._ops_behind_the_caller(lane) if lane is not None or self._launching_here() else set()
         return all(seq in behind for seq in self._host_ops) and all(seq in behind for seq in self._held)
 
     def _ops_behind_the_caller(self, lane: Any) -> set[int]:

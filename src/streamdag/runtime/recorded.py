@@ -300,7 +300,7 @@ class RecordedGraph(EagerRuns):
         if self._parts is not None:
             return self._run_parts(may_wait)
         per_op = rt._profiler is not None and rt._profiler.per_op
-        if self.capture and self._runs > 1 and len(self._ops) and not per_op:
+        if self._replays_a_capture(self._runs, per_op):
             future = self._run_captured(may_wait)
             if future is not None:
                 self.last_run_captured = True
@@ -371,12 +371,17 @@ class RecordedGraph(EagerRuns):
         return rt._enqueue(lambda: GraphResult(runner.replay()), (), {}, self._graph_accesses(),
                            "graph_replay", "graph_replay", True, stream, device_ordered=True, device=device)
 
-    def _capture_due(self) -> bool:
-        """Whether this graph's next run replays a CUDA graph it has yet to capture."""
+    def _replays_a_capture(self, run: int, per_op: bool) -> bool:
+        """Whether the graph's ``run``-th run replays a CUDA graph (capturing it first where it has
+        none yet): from the second run on, unless a profile times its ops one by one."""
+        return self.capture and run > 1 and bool(len(self._ops)) and not per_op
+
+    def _capture_before_run(self) -> None:
+        """Capture now what the next run would replay (a part of a graph in parts, before that
+        graph takes the runtime's lock for its parts' submits, under which no capture may wait)."""
         rt = self._rt
-        per_op = rt._profiler is not None and rt._profiler.per_op
-        return (self.capture and self._runs >= 1 and bool(len(self._ops)) and not per_op
-                and self._parts is None and (self._runner is None or not self._runner.ready()))
+        if self._replays_a_capture(self._runs + 1, rt._profiler is not None and rt._profiler.per_op):
+            self._ready_runner(may_wait=True)
 
     def _ready_runner(self, may_wait: bool) -> Any:
         """The graph's runner, captured (again where its tensors' layouts changed); None where the
