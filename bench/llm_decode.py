@@ -41,6 +41,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from zoo import commit, utc_now
+
 VARIANTS = ("hf_eager", "inductor_ro_static_cache", "streamdag")
 #: with --regions: streamdag's decoder with the step cut into regions on streams whatever the cost model says
 REGIONS = "streamdag_regions"
@@ -258,11 +260,15 @@ def main() -> int:
     p.add_argument("--quick", action="store_true",
                    help="the tiny config, a short prompt, on the CPU: a smoke check")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/llm_decode_<device>.json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the existing result file that this run does not redo")
     p.add_argument("--regions", action="store_true",
                    help=f"also {REGIONS}: the decode step's regions on streams (regions='always')")
     args = p.parse_args()
     args.variants = (*VARIANTS, REGIONS) if args.regions else VARIANTS
     import torch
+
+    from streamdag.suite.report import source_digest
 
     if args.quick:
         args.configs, args.prompt, args.new = "tiny", 32, 16
@@ -278,10 +284,17 @@ def main() -> int:
     if args.quick and not args.out:  # a smoke check's numbers are not results
         path = Path(__file__).parent / "results" / "latest" / f"llm_decode_{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"environment": environment(args), "rows": []}
+    redo = {(name, batch) for name in args.configs.split(",") for batch in map(int, args.batches.split(","))}
+    earlier = json.loads(path.read_text()).get("rows", []) if args.merge and path.exists() else []
+    kept = [r for r in earlier if (r["config"]["name"], r["config"]["batch"]) not in redo]
+    result: dict[str, Any] = {"environment": environment(args), "rows": kept}
+    if kept:  # the environment is this run's; each row names the code it ran
+        result["environment"]["merged"] = "rows from several runs: each row's measured names its commit"
     for name in args.configs.split(","):
         for batch in map(int, args.batches.split(",")):
-            result["rows"].append(run_row(name, batch, args))
+            row = run_row(name, batch, args)
+            row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now()}
+            result["rows"].append(row)
             path.write_text(json.dumps(result, indent=1))
             print(table(result["rows"][-1:], args.variants), flush=True)
     print(table(result["rows"], args.variants))
