@@ -125,6 +125,46 @@ def test_a_device_op_inside_its_submit_waiting_for_a_host_lane_that_waits_to_sub
     rt.close()
 
 
+def test_a_device_op_inside_its_submit_waiting_through_a_lane_that_waits_on_a_lane_waiting_to_submit_raises():
+    """The same wait one lane further: the device op (holding the lock) waits for host lane B's op,
+    which waits for an op queued on host lane A behind A's op, which waits for the lock to submit.
+    None of them could ever go on, so the device op's wait raises; then every op runs."""
+    rt = sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=2)
+    lane_a = 2  # (the first host lane, after the device's two streams)
+    started, go = threading.Event(), threading.Event()
+
+    def on_lane_a():
+        started.set()
+        go.wait(10)
+        return rt.submit(lambda: "submitted", run_on="host")
+
+    def on_lane_b():  # waits for an op it queues behind lane A's
+        return submit_to_lane(rt, lane_a, lambda: "behind a", name="behind a").result()
+
+    a = submit_to_lane(rt, lane_a, on_lane_a, name="a")
+    assert started.wait(10)
+    b = rt.submit(on_lane_b, run_on="host", name="b")  # onto the free host lane: B
+    wait_for_registered_waits(rt, 1)
+
+    def device_op():
+        go.set()  # lane A now waits for the lock, which this op holds
+        try:
+            return b.result()
+        except RuntimeError as refused:
+            return refused
+
+    outcome: list = []
+    waiting = threading.Thread(target=lambda: outcome.append(rt.submit(device_op).result()), daemon=True)
+    waiting.start()
+    waiting.join(10)
+    assert outcome, "the wait inside the device op hung"
+    assert isinstance(outcome[0], RuntimeError) and "would wait forever" in str(outcome[0]), outcome[0]
+    assert "'b'" in str(outcome[0])
+    assert a.result(timeout=10).result(timeout=10) == "submitted"
+    assert b.result(timeout=10) == "behind a"
+    rt.close()
+
+
 def test_a_device_op_inside_its_submit_may_wait_for_a_host_lane_op_that_can_run():
     """The same wait with the host lane free (or busy with an op that does not submit) ends."""
     with sd.Runtime(backend=InlineBackend("sim", 2), host_lanes=1) as rt:

@@ -123,17 +123,22 @@ class LaneWaits:
 
     def check_lock_holder(self, future: Any) -> None:
         """For a thread that holds the runtime's lock and waits for ``future``, a host-lane op's:
-        raises where the lane it is queued on (or runs on) waits for that lock. That lane's
-        thread cannot go on before the waiting thread lets go of the lock, which it holds until
-        the op it runs returns, so neither ever would."""
+        raises where the lane it is queued on (or runs on) waits for that lock, or waits in turn
+        for ops queued on such a lane (the fixed point of :meth:`_stuck_from`). Those lanes'
+        threads cannot go on before the waiting thread lets go of the lock, which it holds until
+        the op it runs returns, so none ever would."""
         lane = future.__dict__.get("_lane")
-        if lane is None or id(lane) not in self.lock_waiters or future.done() or not self.holds_the_lock():
+        if lane is None or future.done() or not self.holds_the_lock():
             return
+        with self._lock:
+            if id(lane) not in self._stuck_from(set(self.lock_waiters)):
+                return
         raise RuntimeError(
             f"waiting inside an op for op {future.op_name!r} would wait forever: the host lane it "
-            "needs is running an op that is waiting for the runtime's lock (to submit), which this "
-            "op holds while it runs inside its submit (as a device op's function does). Submit the "
-            "waiting work with run_on='host' too, or add a done-callback instead of waiting")
+            "needs is running an op that is waiting for the runtime's lock (to submit), or waits in "
+            "turn for ops queued on such a lane, and this op holds that lock while it runs inside "
+            "its submit (as a device op's function does). Submit the waiting work with "
+            "run_on='host' too, or add a done-callback instead of waiting")
 
     def lane_here(self) -> Any:
         """The lane of the runtime's that the calling thread runs, or None."""
@@ -261,11 +266,15 @@ class LaneWaits:
 
     def _stuck_lanes(self, mine: Any) -> set[int]:
         """The ids of the lanes whose ops would never end their waits if the op on lane ``mine``
-        waited forever: ``mine``, then every waiting lane whose wait needs an op queued on one of
+        waited forever. Holds ``_lock``."""
+        return self._stuck_from({id(mine)})
+
+    def _stuck_from(self, stuck: set[int]) -> set[int]:
+        """The ids of the lanes whose ops would never end their waits if those of the ``stuck``
+        lanes never did: them, then every waiting lane whose wait needs an op queued on one of
         them (waiting for all: any pending one; for the first: every one, none done yet), until
         none is added. Holds ``_lock``."""
         waits = [wait for wait in self._waits.values() if wait is not None]
-        stuck = {id(mine)}
         grew = True
         while grew:
             grew = False
