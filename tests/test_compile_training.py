@@ -416,6 +416,41 @@ def test_module_backward_hooks_fire_as_in_eager():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+class _MaskedEmbedding(torch.nn.Module):
+    """A learned vector written where a mask says, as speech models mask their features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.fill = torch.nn.Parameter(torch.randn(8))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h[mask] = self.fill
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.slow
+def test_a_write_through_a_boolean_mask_trains_in_one_compiled_graph_as_eager():
+    """The masked write's backward gathers by the mask (a shape that depends on the data, which
+    AOTAutograd cannot trace): made a select, the whole forward and backward compile as one graph,
+    nothing falls back or warns, and the gradients are eager's."""
+    torch.manual_seed(0)
+    ref = _MaskedEmbedding()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model)
+    x, mask = torch.randn(4, 6, 8), torch.rand(4, 6) < 0.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StreamdagWarning)
+        for f in (fast, ref):
+            f(x, mask).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    stats = fast.statistics()
+    assert (stats.graphs, stats.fallbacks, stats.eager_calls) == (1, 0, 0)
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ compiles a new specialization and outputs come back in the structure the code
 returns (dicts, dataclasses, ``ModelOutput``). :class:`StreamdagBackend` gets
 each graph Dynamo captures and hands it to Inductor's ``compile_fx``, which runs
 AOTAutograd and then our inner compiler (:mod:`.inner_compile`) on the aten
-graph. For an inference graph the inner compiler compiles:
+graph (a write through a boolean mask made a select first, :mod:`.masked_writes`, so
+that its backward and its capture see static shapes). For an inference graph the inner
+compiler compiles:
 
 * Inductor's own code for the whole graph (one stream, fused), and
 * where streamdag's schedule finds independent branches worth their events
@@ -46,6 +48,7 @@ from torch.utils import _pytree as pytree
 from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, region_candidates, static_indices
 from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
+from .masked_writes import rewrite_masked_writes
 from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
 
 __all__ = ["MIN_GAIN", "CompiledModel", "GraphRunner", "Options", "StreamdagBackend", "V2Statistics",
@@ -407,6 +410,7 @@ class StreamdagBackend:
         t0 = time.perf_counter()
         self.stats.graphs += 1
         index = len(self.runners)
+        rewrite_masked_writes(gm)  # first: the eager fallback's copy gets the static shapes too
         eager = _pristine(gm)
         switches: list[_Switch] = []
         trained: list[Any] = []

@@ -1,0 +1,112 @@
+"""Writes through a boolean mask (``x[mask] = value``) made selects in Dynamo's graph: exactly where
+the value is the same for every selected position, with the writes, results and gradients of the
+code as written."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import streamdag as sd
+from streamdag.frontend.masked_writes import rewrite_masked_writes
+
+
+def _rewritten(fn, *args):
+    """``fn(*args)`` through Dynamo with every graph rewritten: (its result, the writes made selects)."""
+    counts: list[int] = []
+
+    def backend(gm, example_inputs):
+        counts.append(rewrite_masked_writes(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, sum(counts)
+
+
+def _zero_negatives(x):
+    x = x * 2
+    x[x < 0] = 0.0
+    return x
+
+
+def _fill_rows(x, mask, row):
+    y = x + 1
+    y[mask] = row
+    return y
+
+
+def _fill_in_place(x, mask, value):
+    x[mask] = value  # the caller's tensor, written as the code says
+    return x.sum()
+
+
+def _one_value_per_position(x, mask, values):
+    y = x.clone()
+    y[mask] = values  # a row per selected position: its count depends on the data
+    return y
+
+
+CASES = {
+    "a number, a mask of every dimension": (_zero_negatives, lambda g: (torch.randn(3, 5, generator=g),)),
+    "a row over the trailing dimension": (
+        _fill_rows, lambda g: (torch.randn(2, 4, 8, generator=g), torch.rand(2, 4, generator=g) < 0.5,
+                               torch.randn(8, generator=g))),
+    "a row broadcast over two trailing dimensions": (
+        _fill_rows, lambda g: (torch.randn(3, 4, 5, generator=g), torch.rand(3, generator=g) < 0.5,
+                               torch.randn(1, 5, generator=g))),
+    "a zero-dimensional tensor into an input": (
+        _fill_in_place, lambda g: (torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g) < 0.5,
+                                   torch.tensor(3.0))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_masked_write_of_one_value_for_every_position_becomes_a_select_with_the_same_effect(case):
+    fn, make = CASES[case]
+    args = make(torch.Generator().manual_seed(0))
+    expected_args = copy.deepcopy(args)
+    expected = fn(*expected_args)
+    got, rewritten = _rewritten(fn, *args)
+    assert rewritten == 1
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(args, expected_args):  # and the writes into the arguments, as written
+        torch.testing.assert_close(a, b)
+
+
+def test_a_masked_write_of_a_value_per_selected_position_is_left_as_written():
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(4, 3, generator=g), torch.tensor([True, False, True, False])
+    values = torch.randn(2, 3, generator=g)
+    got, rewritten = _rewritten(_one_value_per_position, x, mask, values)
+    assert rewritten == 0
+    torch.testing.assert_close(got, _one_value_per_position(x, mask, values))
+
+
+def test_the_select_passes_the_gradients_the_masked_write_passes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, generator=g, requires_grad=True)
+    row = torch.randn(8, generator=g, requires_grad=True)
+    mask = torch.rand(2, 4, generator=g) < 0.5
+    out, rewritten = _rewritten(_fill_rows, x, mask, row)
+    assert rewritten == 1
+    grads = torch.autograd.grad(out.square().sum(), (x, row))
+    expected = torch.autograd.grad(_fill_rows(x, mask, row).square().sum(), (x, row))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_streamdag_compile_runs_a_masked_write_into_an_input_as_eager():
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g) < 0.5
+    ref_x = x.clone()
+    fast = sd.compile(_fill_in_place)
+    with torch.inference_mode():
+        got = fast(x, mask, torch.tensor(3.0))
+    expected = _fill_in_place(ref_x, mask, torch.tensor(3.0))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x, ref_x)
+    assert fast.statistics().fallbacks == 0
