@@ -561,6 +561,28 @@ def test_the_dynamo_backend_by_name_takes_the_inductor_path():
 
 
 @pytest.mark.slow
+def test_a_float_argument_that_changes_is_traced_again_by_dynamo_not_left_to_a_fallback():
+    """Under torch.compile's default (dynamic=None) a float argument that changes becomes a symbolic
+    input; where Inductor cannot keep it so (a scale an attention kernel takes as a number), it asks
+    Dynamo, by an exception, to trace again with the number fixed. The backend passes that on: each
+    call runs compiled, and nothing falls back or warns."""
+    import streamdag.frontend.dynamo  # noqa: F401 - registers the name
+    from streamdag.frontend.inductor_backend import default_backend
+
+    def attend(t, scale):
+        return torch.nn.functional.scaled_dot_product_attention(t, t, t, scale=scale) * 2
+
+    opt = torch.compile(attend, backend="streamdag")
+    t = torch.randn(1, 2, 4, 8)
+    fallbacks = default_backend().stats.fallbacks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sd.StreamdagWarning)
+        for scale in (0.5, 0.25, 0.125):
+            torch.testing.assert_close(opt(t, scale), attend(t, scale))
+    assert default_backend().stats.fallbacks == fallbacks
+
+
+@pytest.mark.slow
 def test_inputs_the_model_changes_in_place_are_changed_as_eager_changes_them():
     def f(x, w1, w2):
         y = torch.tanh(x @ w1) + torch.relu(x @ w2)

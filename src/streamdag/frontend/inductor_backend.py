@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo import exc as _dynamo_exc
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -423,6 +424,9 @@ class StreamdagBackend:
             # AOTAutograd's cache would hand back a plain Inductor result and skip the inner compiler
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+        except _DYNAMO_SIGNALS:
+            self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
+            raise
         except Exception as exc:
             return self._fallback(eager, exc, index)
         finally:
@@ -467,6 +471,12 @@ class StreamdagBackend:
                 stats.tree_skips += t.tree_skips
         return stats
 
+
+#: what Dynamo's own passes raise to Dynamo from inside a backend's compile, to trace the code again
+#: another way (a float argument specialized, say) or to run the frame as written: never a failure
+_DYNAMO_SIGNALS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(_dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame", "ShortenTraceback"))
+    if isinstance(e, type))
 
 _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
