@@ -110,3 +110,32 @@ def test_streamdag_compile_runs_a_masked_write_into_an_input_as_eager():
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(x, ref_x)
     assert fast.statistics().fallbacks == 0
+
+
+class _MaskedFill(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.fill = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h[mask] = self.fill
+        return h.relu()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_masked_write_is_captured_in_the_whole_call_graph_and_replays_new_masks():
+    """As a select the write needs no synchronizing ``nonzero``: the whole call is captured, and
+    each replay reads the mask of its call."""
+    torch.manual_seed(0)
+    model = _MaskedFill().cuda().eval()
+    fast = sd.compile(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for _ in range(5):
+            x = torch.randn(4, 6, 8, generator=g).cuda()
+            mask = (torch.rand(4, 6, generator=g) < 0.5).cuda()
+            torch.testing.assert_close(fast(x, mask), model(x, mask))
+    stats = fast.statistics()
+    assert stats.whole_captures == 1 and stats.whole_replays >= 2, stats
