@@ -261,6 +261,18 @@ def test_on_the_inductor_engine_calls_past_dynamos_recompile_limit_run_eagerly_a
     assert f"{calls - limit} calls ran no compiled graph" in c.explain()
 
 
+def test_a_recurrent_model_that_dynamo_runs_as_written_says_so_and_names_the_switch():
+    gru = nn.GRU(8, 16, batch_first=True).eval()
+    c = sd.compile(gru)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        got, caught = _warnings_of(lambda: c(x))
+    torch.testing.assert_close(got, gru(x))
+    assert c.statistics().eager_calls == 1
+    assert len(caught) == 1 and "GRU" in caught[0] and "torch._dynamo.config.allow_rnn" in caught[0]
+    assert "allow_rnn" in c.explain()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_each_compiled_instance_of_a_module_class_has_its_own_recompile_limit(engine):
     if engine == "inductor" and "isolate_recompiles" not in inspect.signature(torch.compile).parameters:

@@ -502,6 +502,20 @@ _EAGER_WHY = ("Dynamo ran the code as written, as it does past torch._dynamo.con
               "TORCH_LOGS=recompiles names it) or where the code has no tensor operation to compile")
 
 
+def _rnn_left_to_eager(fn: Any) -> str:
+    """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
+    (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""
+    root = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(root, torch.nn.Module) or torch._dynamo.config.allow_rnn:
+        return ""
+    kinds = sorted({type(m).__name__ for m in root.modules() if isinstance(m, torch.nn.RNNBase)})
+    if not kinds:
+        return ""
+    return (f"Dynamo runs recurrent layers ({', '.join(kinds)}) as written unless "
+            "torch._dynamo.config.allow_rnn is set (PyTorch's default leaves it off: their cuDNN "
+            "kernels are one call each); set it before the first call to compile them")
+
+
 class CompiledModel:
     """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
 
@@ -559,9 +573,12 @@ class CompiledModel:
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
+            rnn = _rnn_left_to_eager(self.__wrapped__)
+            if rnn:
+                self.backend.eager_reason = rnn
             # the caller's line, past the whole-call path's frames (as many as the path it took)
             warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                 f"{_EAGER_WHY}; statistics().eager_calls counts such calls")
+                 f"{rnn or _EAGER_WHY}; statistics().eager_calls counts such calls")
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the
