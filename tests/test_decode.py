@@ -41,6 +41,30 @@ def test_greedy_tokens_equal_hugging_face_generate(batch):
     assert torch.equal(dec.generate(ids, 16), _hf_greedy(model, ids, 16))
 
 
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              vocab_size=128, max_position_embeddings=256)
+_FAMILIES = {  # rotary and learned positions, grouped and full attention, parallel and serial blocks
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=None,
+                                                              **_SMALL)),
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **_SMALL)),
+    "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(**_SMALL)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                                     n_positions=256)),
+}
+
+
+@pytest.mark.parametrize("family, compile", [*[(f, False) for f in sorted(_FAMILIES)],
+                                             *[pytest.param(f, True, marks=pytest.mark.slow)
+                                               for f in ("gpt2", "qwen2")]])
+def test_greedy_tokens_of_other_decoder_families_equal_hugging_face_generate(family, compile):
+    torch.manual_seed(0)
+    model = _FAMILIES[family]().eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    expected = _hf_greedy(model, ids, 10, eos_token_id=None, pad_token_id=0)
+    dec = sd.decoder(model, max_length=40, compile=compile)
+    assert torch.equal(dec.generate(ids, 10, **EVERY), expected)
+
+
 def test_a_decoder_decodes_prompt_after_prompt_with_one_cache():
     model = _llama()
     dec = sd.decoder(model, max_length=40)
