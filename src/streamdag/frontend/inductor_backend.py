@@ -404,6 +404,7 @@ class StreamdagBackend:
         self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
         self.eager_reason: str = ""  # why streamdag.compile's model runs eagerly with gradients on
+        self.eager_why: str = _EAGER_WHY  # why Dynamo ran a call as written (no compiled graph ran)
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -459,7 +460,7 @@ class StreamdagBackend:
         parts = [r.explain() for r in self.runners]
         n = self.stats.eager_calls
         if n:
-            why = self.eager_reason or _EAGER_WHY
+            why = self.eager_reason or self.eager_why
             parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {why}")
         return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
@@ -573,12 +574,10 @@ class CompiledModel:
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
-            rnn = _rnn_left_to_eager(self.__wrapped__)
-            if rnn:
-                self.backend.eager_reason = rnn
+            self.backend.eager_why = _rnn_left_to_eager(self.__wrapped__) or _EAGER_WHY
             # the caller's line, past the whole-call path's frames (as many as the path it took)
             warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                 f"{rnn or _EAGER_WHY}; statistics().eager_calls counts such calls")
+                 f"{self.backend.eager_why}; statistics().eager_calls counts such calls")
 
     def explain(self) -> str:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the
