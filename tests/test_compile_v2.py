@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from streamdag.frontend.candidates import Candidate, pick  # noqa: E402
-from streamdag.frontend.inductor_backend import CompiledModel  # noqa: E402
+from streamdag.frontend.compiled_model import CompiledModel  # noqa: E402
 from streamdag.frontend.inductor_regions import CompiledRegion, RegionProgram, region_graph  # noqa: E402
 from streamdag.frontend.regions import plan_regions  # noqa: E402
 

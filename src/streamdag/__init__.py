@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # importing streamdag imports no torch
     import torch
 
     from .frontend.compiled import Compiled
+    from .frontend.compiled_model import CompiledModel
     from .frontend.decode import Decoder
-    from .frontend.inductor_backend import CompiledModel
 
 __version__ = "0.1.0"
 
@@ -46,12 +46,13 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
 
     ``engine="inductor"`` (the default, or ``STREAMDAG_COMPILE_ENGINE``): Dynamo,
     AOTAutograd and Inductor, with Inductor's code run on streamdag's streams
-    (:func:`streamdag.frontend.inductor_backend.compile_v2`). ``engine="aten"``:
+    (:func:`streamdag.frontend.compiled_model.compile_v2`). ``engine="aten"``:
     the make_fx path, one op per aten node (:func:`streamdag.frontend.compile`).
     Importing either imports torch.
     """
     from .frontend import dynamo  # noqa: F401 - registers backend="streamdag"
-    from .frontend.inductor_backend import compile_v2, engine_from
+    from .frontend.compiled_model import compile_v2
+    from .frontend.inductor_backend import engine_from
 
     if engine_from(engine) == "aten":
         from .frontend import compile as _compile

@@ -94,7 +94,7 @@ class _Slot:
         self.step_module: torch.nn.Module = _Step(model, self.cache)
         self.step: Any = self.step_module
         if compile_step:
-            from .inductor_backend import compile_v2
+            from .compiled_model import compile_v2
 
             # the stream copies each step's tokens out before the next replay overwrites them
             self.step = compile_v2(self.step_module, **{"clone_outputs": False, **options})

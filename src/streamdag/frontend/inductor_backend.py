@@ -32,7 +32,6 @@ with a warning.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
@@ -50,10 +49,10 @@ from .._diagnostics import get_logger, warn
 from .candidates import Candidate, CapturedGraph, SharedPool, choose, region_candidates, static_indices
 from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
 from .masked_writes import rewrite_masked_writes
-from .whole_call import ACTIVE, NotWholeCapturable, WholeCall
+from .whole_call import ACTIVE, NotWholeCapturable
 
-__all__ = ["MIN_GAIN", "CompiledModel", "GraphRunner", "Options", "StreamdagBackend", "V2Statistics",
-           "compile_v2", "default_backend", "engine_from"]
+__all__ = ["MIN_GAIN", "GraphRunner", "Options", "StreamdagBackend", "V2Statistics", "default_backend",
+           "engine_from"]
 
 ENGINES = ("inductor", "aten")
 
@@ -492,124 +491,6 @@ def default_backend() -> StreamdagBackend:
         return _DEFAULT
 
 
-#: Dynamo keeps compiled code per code object, and every ``streamdag.compile`` has a backend of its
-#: own: without isolation the compiles of all the models sharing a ``forward`` count against one
-#: recompile limit, so the ninth compiled instance of a module class would run eagerly
-_OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
-                        if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
-
 _EAGER_WHY = ("Dynamo ran the code as written, as it does past torch._dynamo.config.recompile_limit "
               "(a Python value the code reads, such as a module attribute, changes from call to call: "
               "TORCH_LOGS=recompiles names it) or where the code has no tensor operation to compile")
-
-
-def _rnn_left_to_eager(fn: Any) -> str:
-    """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
-    (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""
-    root = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(root, torch.nn.Module) or torch._dynamo.config.allow_rnn:
-        return ""
-    kinds = sorted({type(m).__name__ for m in root.modules() if isinstance(m, torch.nn.RNNBase)})
-    if not kinds:
-        return ""
-    return (f"Dynamo runs recurrent layers ({', '.join(kinds)}) as written unless "
-            "torch._dynamo.config.allow_rnn is set (PyTorch's default leaves it off: their cuDNN "
-            "kernels are one call each); set it before the first call to compile them")
-
-
-class CompiledModel:
-    """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
-
-    Once its graphs have chosen their candidates, a call is captured whole into one CUDA graph
-    and later calls with arguments of the same shapes replay it without entering Dynamo
-    (:mod:`.whole_call`; ``whole_call=False`` keeps every call on Dynamo's path).
-
-    A call in which none of the backend's graphs ran (this thread's count of graph calls did not
-    move) ran eagerly: ``statistics().eager_calls`` counts it and the first one warns.
-
-    Calls wait for the first call to finish: Dynamo looks its cache up before it takes its
-    compile lock, so threads that all make a first call at once would each compile the model.
-    """
-
-    def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
-        self.backend: StreamdagBackend = backend
-        self._compiled = torch.compile(fn, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
-        self.__wrapped__ = fn
-        self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
-        self._called = False
-        options = backend.options
-        self.whole: WholeCall | None = (WholeCall(fn, backend, options.clone_outputs) if options.whole_call
-                                        else None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._called:
-            with self._first_call:
-                out = self._dispatch(args, kwargs)
-                self._called = True
-                return out
-        return self._dispatch(args, kwargs)
-
-    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        whole = self.whole
-        if whole is not None:
-            return whole(args, kwargs, self._through_dynamo)
-        return self._call(args, kwargs)
-
-    def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(args, kwargs)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.backend.eager_reason and torch.is_grad_enabled():  # (explain() says why)
-            self.backend.stats.eager_calls += 1
-            return self.__wrapped__(*args, **kwargs)
-        ran = self.backend.ran
-        before = ran.count
-        out = self._compiled(*args, **kwargs)
-        if ran.count == before:
-            self._ran_eagerly()
-        return out
-
-    def _ran_eagerly(self) -> None:
-        self.backend.stats.eager_calls += 1
-        if "eager" not in self.backend._warned:
-            self.backend._warned.add("eager")
-            name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
-            self.backend.eager_why = _rnn_left_to_eager(self.__wrapped__) or _EAGER_WHY
-            # the caller's line, past the whole-call path's frames (as many as the path it took)
-            warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
-                 f"{self.backend.eager_why}; statistics().eager_calls counts such calls")
-
-    def explain(self) -> str:
-        """Each graph: its region plan, every candidate with its time, and the one chosen; the
-        whole-call graphs, and why a call that has none runs on Dynamo's path."""
-        text = self.backend.explain()
-        return text if self.whole is None else f"{text}\n\n{self.whole.explain()}"
-
-    def statistics(self) -> V2Statistics:
-        """The backend's counts; ``captures``, ``recaptures`` and ``replays`` include the whole-call
-        graphs', which ``whole_captures`` and ``whole_replays`` count alone."""
-        stats = self.backend.statistics()
-        whole = self.whole
-        if whole is not None:
-            stats.whole_captures, stats.whole_replays = whole.captures, whole.replays
-            stats.captures += whole.captures
-            stats.recaptures += whole.recaptures
-            stats.replays += whole.replays
-        return stats
-
-    def close(self) -> None:
-        for r in self.backend.runners:
-            if isinstance(r, _Fallback):
-                r.legacy.close()
-
-
-def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
-               min_gain: float = MIN_GAIN, candidates: Sequence[str] | None = None,
-               clone_outputs: bool = True, whole_call: bool = True) -> CompiledModel:
-    """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams."""
-    if not callable(fn):
-        raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
-    backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
-                               clone_outputs=clone_outputs)
-    backend.options.whole_call = bool(whole_call)
-    return CompiledModel(fn, backend)
