@@ -653,6 +653,20 @@ def test_a_candidates_capture_is_measured_as_what_its_pool_holds():
 
 
 @pytest.mark.cuda
+def test_a_candidate_that_cannot_be_captured_leaves_the_random_generator_and_the_pool_usable():
+    from streamdag.frontend.candidates import CapturedGraph, SharedPool
+
+    x = torch.randn(64, device="cuda")
+    pool = SharedPool()
+    syncs = Candidate("eager", 1, lambda args: [args[0] * float(args[0].sum().item())])
+    with pytest.raises(RuntimeError):
+        CapturedGraph(syncs, [x], [], [], pool, x.device)
+    torch.randn(4, device="cuda")  # no "Offset increment outside graph capture"
+    fine = CapturedGraph(Candidate("inductor", 1, lambda args: [args[0] * 2]), [x], [], [], pool, x.device)
+    torch.testing.assert_close(fine([x])[0], x * 2)
+
+
+@pytest.mark.cuda
 def test_a_replaced_parameter_is_captured_again_on_cuda():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).eval().cuda()

@@ -34,8 +34,8 @@ import torch
 
 from ..native import load_torch
 
-__all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "choose", "pick", "region_candidates",
-           "static_indices", "time_replays", "workspaces_in_pool"]
+__all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "capture_graph", "choose", "pick",
+           "region_candidates", "static_indices", "time_replays", "workspaces_in_pool"]
 
 
 #: the label of a graph's regions on N streams is REGIONS + str(N)
@@ -86,12 +86,17 @@ class SharedPool:
         self._pools: dict[torch.device, Any] = {}
         self._last: dict[torch.device, torch.cuda.Stream] = {}
         self._last_raw: dict[torch.device, int] = {}  # the last replay's stream, as its CUDA handle
-        self.lock: threading.Lock = threading.Lock()
+        self.lock: threading.RLock = threading.RLock()  # held by a capture into one of the pools
 
     def handle(self, device: torch.device) -> Any:
         if device not in self._pools:
             self._pools[device] = torch.cuda.graph_pool_handle()
         return self._pools[device]
+
+    def discard(self, device: torch.device) -> None:
+        """Later captures on ``device`` go to a new pool (see :func:`capture_graph`); the graphs
+        captured into this one keep reading it."""
+        self._pools.pop(device, None)
 
     def order(self, device: torch.device, stream: torch.cuda.Stream) -> None:
         """Make ``stream`` follow the last replay in this pool when it ran on another stream."""
@@ -107,6 +112,63 @@ class SharedPool:
         ``torch.cuda.current_stream()`` (a few microseconds)."""
         if self._last_raw.get(device) != torch._C._cuda_getCurrentRawStream(index):
             self.order(device, torch.cuda.current_stream(device))
+
+
+def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream, device: torch.device,
+                  pool: SharedPool | None, error_mode: str = "global") -> tuple[Any, Any]:
+    """``fn()`` captured into a new CUDA graph on ``stream``, in ``pool``'s memory pool (None: a
+    pool of its own, all of which goes back when the graph goes): (the graph, ``fn``'s result).
+
+    Captures into one shared pool take its lock: two at once would fail, and the cleanup of
+    one would end the other's recording. A failed capture leaves the process as it found it:
+    the caller's stream is current, the random generators are out of capture state (else
+    every later random op fails), and the pool takes no more allocations. Where an earlier
+    failed capture left the shared pool recording all the same ("already recording to
+    mempool_id"), the capture goes to a new shared pool instead."""
+    if pool is None:
+        return _capture_once(fn, stream, device, torch.cuda.graph_pool_handle(), True, error_mode)
+    with pool.lock:
+        try:
+            return _capture_once(fn, stream, device, pool.handle(device), False, error_mode)
+        except RuntimeError as exc:
+            if "already recording" not in str(exc):
+                raise
+        pool.discard(device)
+        return _capture_once(fn, stream, device, pool.handle(device), False, error_mode)
+
+
+def _capture_once(fn: Callable[[], Any], stream: torch.cuda.Stream, device: torch.device, handle: Any,
+                  private: bool, error_mode: str) -> tuple[Any, Any]:
+    from ..runtime.capture import _collector_paused, _restore_random_generators
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    caller = torch.cuda.current_stream(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with _collector_paused(), torch.cuda.graph(graph, pool=handle, stream=stream,
+                                                   capture_error_mode=error_mode):
+            out = fn()
+    except BaseException:
+        torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+        _restore_random_generators([device])
+        _end_failed_capture(index, handle, private)
+        raise
+    return graph, out
+
+
+def _end_failed_capture(index: int, pool: Any, private: bool) -> None:
+    """A failed ``capture_end`` leaves ``pool`` taking allocations (later captures into it fail:
+    "already recording to mempool_id") and counted as used by a graph that never releases it.
+    Where ``capture_end`` got past ending the allocations, the pool is no longer recording and
+    the graph releases it when it goes; otherwise a pool of its own is released here, so that its
+    memory goes back (a shared pool stays counted as used by the failed graph: released here,
+    its count could reach zero while other graphs read it)."""
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return
+    if private:
+        torch._C._cuda_releasePool(index, pool)
 
 
 @contextmanager
@@ -177,14 +239,12 @@ class CapturedGraph:
         # a private pool starts empty, so what it reserves is what this capture needs (no peak
         # statistics are reset: they belong to the caller). The capture empties the allocator's
         # cache as it starts: emptied first, so that what it frees does not offset the pool's growth
-        handle = torch.cuda.graph_pool_handle() if private else pool.handle(device)
-        self.graph: Any = torch.cuda.CUDAGraph()
         with workspaces_in_pool(stream):  # (first: the warm-up's workspace is not the pool's growth)
             if private:
                 torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(device)
-            with torch.cuda.graph(self.graph, pool=handle, stream=stream):
-                outs = candidate.run(list(self.inputs))
+            self.graph, outs = capture_graph(lambda: candidate.run(list(self.inputs)), stream, device,
+                                             None if private else pool)
         self.outputs: list[Any] = list(outs)
         self.out_type: type[tuple[Any, ...]] | type[list[Any]] = tuple if isinstance(outs, tuple) else list
         self.out_tensors: list[int] = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]

@@ -118,6 +118,7 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
         self.captured_run: bool = False  # whether _run replays a CUDA graph of the chosen candidate
+        self.parked: bool = False  # its CUDA graphs were dropped for a whole call's (:meth:`park`)
         self.not_whole: str = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
         self.training: list[Any] = []  # a training graph's forward and backward (:mod:`.training`)
 
@@ -160,6 +161,8 @@ class GraphRunner:
                                   if i not in static and isinstance(args[i], torch.Tensor))
             ACTIVE.updates_state |= any(i in static for i in self.switch.mutated_inputs)
         if self.captured_run and self.chosen is not None:
+            if ACTIVE.mode == "warm" and self.captures:
+                ACTIVE.parkable[id(self)] = self.park
             self._set_switch(self.chosen)
             return _made(self.chosen.run(list(args)))
         return _made(self._run(args))
@@ -299,6 +302,16 @@ class GraphRunner:
 
     # -- the hot path -------------------------------------------------------------------------------
 
+    def park(self) -> None:
+        """Drop this graph's CUDA graphs: a whole-call graph is about to be captured that runs this
+        graph's work itself (:data:`ACTIVE`), and their outputs and temporaries, freed into the
+        shared pool now, become that capture's memory. A later call on Dynamo's path captures the
+        chosen candidate again."""
+        with self._lock:
+            if self.captures:
+                self.captures = []
+                self.parked = True
+
     def _replay(self, args: Sequence[Any]) -> Any:
         for g in self.captures:
             if g.statics_match(args):
@@ -307,9 +320,11 @@ class GraphRunner:
         return self._recapture(args)
 
     def _recapture(self, args: Sequence[Any]) -> Any:
-        """Parameters moved (replaced, or another model's): capture the chosen candidate for them."""
+        """Parameters moved (replaced, or another model's), or the graphs were parked: capture the
+        chosen candidate for these arguments."""
         assert self.chosen is not None and self.switch is not None
-        if len(self.captures) >= self.options.max_captures:
+        moved = not (self.parked and not self.captures)
+        if moved and len(self.captures) >= self.options.max_captures:
             self.note = (f"parameters moved more than {self.options.max_captures} times: "
                          "the chosen candidate runs uncaptured")
             self.stats.uncaptured_calls += 1
@@ -320,8 +335,9 @@ class GraphRunner:
             g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
                               self.pool, device)
             self.captures.append(g)
+            self.parked = False
             self.stats.captures += 1
-            self.stats.recaptures += 1
+            self.stats.recaptures += moved
         self.stats.replays += 1
         return g(args, self.options.clone_outputs)
 

@@ -93,7 +93,12 @@ class _Active(threading.local):
     The graphs (``GraphRunner``) read it: in a warm-up or capture they run their chosen
     candidate directly, note in ``refusal`` why the call cannot be captured, in
     ``mutated`` the storages of the inputs they write into, and set ``compiled``
-    when one of them chose its candidate during this call.
+    when one of them chose its candidate during this call. In a warm-up, a graph
+    that holds CUDA graphs of its own adds to ``parkable`` the call that drops
+    them: the capture then runs the graph's work itself, so the memory those
+    graphs hold in the shared pool is freed first and the capture reuses it (one
+    graph's memory for the model, not two; a later call on Dynamo's path
+    captures the graph's own again).
     """
 
     mode: str | None = None
@@ -105,6 +110,7 @@ class _Active(threading.local):
         self.mutated: set[int] = set()
         self.reads: dict[int, Any] = {}  # in a capture: the storages of the graphs' tensor arguments
         self.made: set[int] = set()  # in a capture: the storages of the graphs' outputs (its own memory)
+        self.parkable: dict[int, Callable[[], None]] = {}  # in a warm-up: by the graph's id
 
 
 ACTIVE = _Active()
@@ -113,7 +119,7 @@ ACTIVE = _Active()
 @contextmanager
 def _active(mode: str) -> Iterator[_Active]:
     ACTIVE.mode, ACTIVE.refusal, ACTIVE.compiled, ACTIVE.updates_state = mode, "", False, False
-    ACTIVE.mutated, ACTIVE.reads, ACTIVE.made = set(), {}, set()
+    ACTIVE.mutated, ACTIVE.reads, ACTIVE.made, ACTIVE.parkable = set(), {}, set(), {}
     try:
         yield ACTIVE
     finally:  # the thread keeps no storage: a dropped graph's memory must go back
@@ -322,6 +328,8 @@ class WholeCall:
         if not state.watch.holds():
             self._passing(state, key, f"the call changes the model's state ({state.watch.changed()})")
             return out
+        for park in list(active.parkable.values()):  # their memory goes to this capture
+            park()
         try:
             with _active("capture") as active:
                 graph, captured = dev.capture(dynamo, s_args, s_kwargs)

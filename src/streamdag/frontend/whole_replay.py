@@ -39,7 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..native import load_torch
-from .candidates import time_replays, workspaces_in_pool
+from .candidates import capture_graph, time_replays, workspaces_in_pool
 from .result_objects import rebuild
 
 __all__ = ["CudaCalls", "Entry"]
@@ -82,21 +82,10 @@ class CudaCalls:
                 private: bool = False) -> tuple[Any, Any]:
         """``fn(*args, **kwargs)`` captured into a CUDA graph in the shared pool, or a pool of its own
         (``private``: all of it goes back when the graph is dropped): (the graph, its outputs)."""
-        from ..runtime.capture import _collector_paused, _restore_random_generators
-
         caller = self.caller()
-        graph = torch.cuda.CUDAGraph()
-        # a pool of its own is named here, not left to capture_begin: a failed capture must end it
-        pool = torch.cuda.graph_pool_handle() if private else self.pool.handle(self.device)
-        try:
-            with _collector_paused(), workspaces_in_pool(self.stream), torch.cuda.graph(
-                    graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-                out = fn(*args, **kwargs)
-        except BaseException:
-            torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
-            _restore_random_generators([self.device])
-            _end_failed_capture(self.index, pool, private)
-            raise
+        with workspaces_in_pool(self.stream):
+            graph, out = capture_graph(lambda: fn(*args, **kwargs), self.stream, self.device,
+                                       None if private else self.pool, error_mode="thread_local")
         caller.wait_stream(self.stream)
         return graph, out
 
@@ -108,20 +97,6 @@ class CudaCalls:
         """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
         self.order()
         return time_replays(graphs, rounds, self.device)
-
-
-def _end_failed_capture(index: int, pool: Any, private: bool) -> None:
-    """A failed ``capture_end`` leaves ``pool`` taking allocations (later captures into it fail:
-    "already recording to mempool_id") and counted as used by a graph that never releases it.
-    Where ``capture_end`` got past ending the allocations, the pool is no longer recording and
-    the graph releases it when it goes; otherwise a pool of its own is released here, so that its
-    memory goes back (the shared pool stays counted: its handle is used again)."""
-    try:
-        torch._C._cuda_endAllocateToPool(index, pool)
-    except RuntimeError:
-        return
-    if private:
-        torch._C._cuda_releasePool(index, pool)
 
 
 # -- the captured graph ---------------------------------------------------------------------------------
