@@ -161,7 +161,8 @@ class GraphRunner:
                                   if i not in static and isinstance(args[i], torch.Tensor))
             ACTIVE.updates_state |= any(i in static for i in self.switch.mutated_inputs)
         if self.captured_run and self.chosen is not None:
-            if ACTIVE.mode == "warm" and self.captures:
+            if ACTIVE.mode == "warm" and self.captures and self.options.clone_outputs:
+                # (without the copies a caller may hold a graph's output: its memory stays taken)
                 ACTIVE.parkable[id(self)] = self.park
             self._set_switch(self.chosen)
             return _made(self.chosen.run(list(args)))
@@ -323,21 +324,24 @@ class GraphRunner:
         """Parameters moved (replaced, or another model's), or the graphs were parked: capture the
         chosen candidate for these arguments."""
         assert self.chosen is not None and self.switch is not None
-        moved = not (self.parked and not self.captures)
-        if moved and len(self.captures) >= self.options.max_captures:
+        with self._lock:
+            # another thread may have captured for these arguments meanwhile
+            g = next((g for g in self.captures if g.statics_match(args)), None)
+            moved = not (self.parked and not self.captures)
+            if g is None and not (moved and len(self.captures) >= self.options.max_captures):
+                device = next(a.device for a in args if isinstance(a, torch.Tensor))
+                g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
+                                  self.pool, device)
+                self.captures.append(g)
+                self.parked = False
+                self.stats.captures += 1
+                self.stats.recaptures += int(moved)
+        if g is None:
             self.note = (f"parameters moved more than {self.options.max_captures} times: "
                          "the chosen candidate runs uncaptured")
             self.stats.uncaptured_calls += 1
             self._set_switch(self.chosen)
             return self.compiled(*args) if self.chosen.label != "eager" else self.eager(*args)
-        with self._lock:
-            device = next(a.device for a in args if isinstance(a, torch.Tensor))
-            g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
-                              self.pool, device)
-            self.captures.append(g)
-            self.parked = False
-            self.stats.captures += 1
-            self.stats.recaptures += moved
         self.stats.replays += 1
         return g(args, self.options.clone_outputs)
 

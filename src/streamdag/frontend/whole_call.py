@@ -123,7 +123,7 @@ def _active(mode: str) -> Iterator[_Active]:
     try:
         yield ACTIVE
     finally:  # the thread keeps no storage: a dropped graph's memory must go back
-        ACTIVE.mode, ACTIVE.reads = None, {}
+        ACTIVE.mode, ACTIVE.reads, ACTIVE.parkable = None, {}, {}
 
 
 # -- the key ------------------------------------------------------------------------------------------
@@ -303,6 +303,7 @@ class WholeCall:
         versions = _versions(watched)
         with _active("warm") as active, dev.on_capture_stream():
             out = dynamo(*s_args, **s_kwargs)
+            parks = list(active.parkable.values())
         bumped = {i for i, (a, b) in enumerate(zip(versions, _versions(watched))) if a != b}
         parts = _result_parts(out, device, statics, state.watch.tensors)
         leaves = parts.outputs if not isinstance(parts, str) else pytree.tree_leaves(out)
@@ -328,7 +329,7 @@ class WholeCall:
         if not state.watch.holds():
             self._passing(state, key, f"the call changes the model's state ({state.watch.changed()})")
             return out
-        for park in list(active.parkable.values()):  # their memory goes to this capture
+        for park in parks:  # their memory goes to this capture
             park()
         try:
             with _active("capture") as active:
