@@ -68,9 +68,16 @@ def test_the_eager_calls_graph_is_kept_where_it_replays_faster(device):
     assert "a plain CUDA graph of the eager call 0.5000 ms: the eager graph kept" in w.explain()
 
 
-def test_a_tie_keeps_streamdags_graph(device):
+def test_an_eager_graph_one_percent_faster_is_kept(device):
     m = mlp()
     dev = device(m, graph_ms=[1.0, 0.99])
+    w = calls(m, m)
+    assert replays_by_source(dev, m) == {"streamdag": 0, "eager": 3}, w.explain()
+
+
+def test_a_tie_keeps_streamdags_graph(device):
+    m = mlp()
+    dev = device(m, graph_ms=[1.0, 0.996])
     w = calls(m, m)
     assert replays_by_source(dev, m) == {"streamdag": 3, "eager": 0}, w.explain()
     assert "streamdag's graph kept" in w.explain()
