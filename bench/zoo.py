@@ -269,7 +269,9 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             try:
                 _alarm(variant_s)
                 calls[label], out, handles[label] = _setup(label, model, args, kwargs)
-                outputs[label] = first_tensor(out).clone()
+                # kept on the host: a copy on the GPU, or the result itself, would count as held
+                outputs[label] = first_tensor(out).cpu()
+                del out
             except Exception as exc:
                 row["errors"][label] = f"{type(exc).__name__}: {str(exc)[:500]}"
                 continue
