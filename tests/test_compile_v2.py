@@ -560,6 +560,38 @@ def test_the_dynamo_backend_by_name_takes_the_inductor_path():
     assert len(default_backend().runners) == before + 1
 
 
+class DataDependentArange(torch.nn.Module):
+    """``arange`` of a tensor's value (Longformer's global attention does it): the graph Dynamo hands
+    over fails AOTAutograd's trace with a fake-tensor exception, which Dynamo turns into a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, is_global):
+        num = is_global.long().sum(dim=1)
+        top = num.max()
+        local = torch.arange(top, device=x.device) < num.unsqueeze(-1)
+        keys = x.new_zeros(x.shape[0], top, 8)  # (Dynamo breaks the graph here)
+        return self.proj(x).sum() + keys.sum() + local.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_op_whose_output_depends_on_data_breaks_the_graph_as_under_torch_compile(grad):
+    torch.manual_seed(0)
+    m = DataDependentArange()
+    x, is_global = torch.randn(2, 16, 8), torch.zeros(2, 16, dtype=torch.bool)
+    is_global[:, :3] = True
+    c = sd.compile(m)
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("error", sd.StreamdagWarning)
+        for _ in range(2):
+            torch.testing.assert_close(c(x, is_global), m(x, is_global))
+    stats = c.statistics()
+    assert stats.fallbacks == 0 and stats.eager_calls == 0 and stats.graphs >= 1, c.explain()
+
+
 @pytest.mark.slow
 def test_a_float_argument_that_changes_is_traced_again_by_dynamo_not_left_to_a_fallback():
     """Under torch.compile's default (dynamic=None) a float argument that changes becomes a symbolic

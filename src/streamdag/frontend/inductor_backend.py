@@ -493,10 +493,12 @@ class StreamdagBackend:
 
 
 #: what Dynamo's own passes raise to Dynamo from inside a backend's compile, to trace the code again
-#: another way (a float argument specialized, say) or to run the frame as written: never a failure
+#: another way (a float argument specialized, say) or to run the frame as written, and the fake-tensor
+#: exceptions (an op whose output depends on data, as ``arange`` of a tensor) that Dynamo turns into a
+#: graph break around the op, as under ``torch.compile``: never a failure of the backend
 _DYNAMO_SIGNALS: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(_dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame", "ShortenTraceback"))
-    if isinstance(e, type))
+    if isinstance(e, type)) + tuple(getattr(_dynamo_exc, "exceptions_allowed_to_be_fallback", ()))
 
 _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
