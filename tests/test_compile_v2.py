@@ -369,6 +369,30 @@ def test_a_graph_inductor_cannot_compile_runs_on_the_make_fx_path_and_says_so(mo
     assert c.statistics().fallbacks == 1
 
 
+def test_a_training_call_of_a_graph_inductor_cannot_compile_runs_the_traced_graph_with_its_gradients(
+        monkeypatch):
+    import torch._inductor.compile_fx as cfx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernels today")
+
+    monkeypatch.setattr(cfx, "compile_fx", broken)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    said = [str(w.message) for w in caught if issubclass(w.category, sd.StreamdagWarning)]
+    assert any("make_fx path" in w for w in said), said
+    assert not any("runs inference graphs" in w for w in said), said
+
+
 # -- end to end with Inductor on the CPU (slow: a C++ compile per graph) -------------------------------
 
 class Inception(torch.nn.Module):

@@ -374,10 +374,14 @@ def _held_mib(args: Sequence[Any]) -> float:
 
 
 class _Fallback:
-    """A graph Inductor could not compile, on the make_fx path."""
+    """A graph Inductor could not compile, on the make_fx path; a call that needs gradients runs the
+    graph as Dynamo traced it (the make_fx path compiles inference graphs only), which the warning
+    about the failure already covers."""
 
-    def __init__(self, legacy: Any, reason: str, index: int, ran: _GraphsRun) -> None:
+    def __init__(self, legacy: Any, eager: Callable[..., Any], reason: str, index: int,
+                 ran: _GraphsRun) -> None:
         self.legacy = legacy
+        self.eager = eager
         self.reason = reason
         self.index = index
         self.ran = ran
@@ -388,6 +392,8 @@ class _Fallback:
             ACTIVE.refusal = ACTIVE.refusal or f"graph {self.index} runs on the make_fx path"
             if ACTIVE.mode == "capture":
                 raise NotWholeCapturable(ACTIVE.refusal)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self.eager(*args)
         return self.legacy(*args)
 
     def explain(self) -> str:
@@ -471,7 +477,7 @@ class StreamdagBackend:
         if reason not in self._warned:
             self._warned.add(reason)
             warn(f"streamdag: graph {index} runs on the make_fx path: {reason}")
-        fb = _Fallback(Compiled(eager, streams=self.options.streams), reason, index, self.ran)
+        fb = _Fallback(Compiled(eager, streams=self.options.streams), eager, reason, index, self.ran)
         self.runners.append(fb)
         return fb
 
