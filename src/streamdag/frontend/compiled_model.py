@@ -27,6 +27,7 @@ __all__ = ["CompiledModel", "compile_v2"]
 _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
+
 def _rnn_left_to_eager(fn: Any) -> str:
     """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
     (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""

@@ -118,7 +118,6 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._run: Callable[[Sequence[Any]], Any] | None = None
         self.captured_run: bool = False  # whether _run replays a CUDA graph of the chosen candidate
-        self.parked: bool = False  # its CUDA graphs were dropped for a whole call's (:meth:`park`)
         self.not_whole: str = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
         self.training: list[Any] = []  # a training graph's forward and backward (:mod:`.training`)
 
@@ -309,9 +308,7 @@ class GraphRunner:
         shared pool now, become that capture's memory. A later call on Dynamo's path captures the
         chosen candidate again."""
         with self._lock:
-            if self.captures:
-                self.captures = []
-                self.parked = True
+            self.captures = []
 
     def _replay(self, args: Sequence[Any]) -> Any:
         for g in self.captures:
@@ -327,13 +324,12 @@ class GraphRunner:
         with self._lock:
             # another thread may have captured for these arguments meanwhile
             g = next((g for g in self.captures if g.statics_match(args)), None)
-            moved = not (self.parked and not self.captures)
+            moved = bool(self.captures)  # none left: parked (a captured graph always keeps one)
             if g is None and not (moved and len(self.captures) >= self.options.max_captures):
                 device = next(a.device for a in args if isinstance(a, torch.Tensor))
                 g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
                                   self.pool, device)
                 self.captures.append(g)
-                self.parked = False
                 self.stats.captures += 1
                 self.stats.recaptures += int(moved)
         if g is None:
