@@ -42,7 +42,11 @@ Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
 
 The key picks the graph; the other two checks run after its launch, while the
 GPU runs it, where the graph writes nothing outside its own memory
-(:mod:`.whole_replay` says why that is safe).
+(:mod:`.whole_replay` says why that is safe). A call first tries the graph the
+last call replayed (:meth:`Entry.launch_if`): its arguments are compared with
+that graph's captured ones by the key's rules, without building a key, and
+where the torch extension is loaded the comparison, the input copies and the
+launch are one C++ call. Only a call they do not match builds its key.
 
 What the check cannot see is Python that the forward runs besides its tensor
 work (printing, appending to a list, a global other than those ``forward``
@@ -66,15 +70,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .call_key import CONSTANTS as _CONSTANTS
+from .call_key import call_key
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .result_objects import Template, template
 from .state_watch import StateWatch
 from .whole_replay import CudaCalls, Entry
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
-
-#: non-tensor argument and output values a whole-call graph keeps as they are
-_CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
 
 #: at most this many states of a module keep their graphs (train and eval, say); more drop the oldest
 MAX_STATES = 4
@@ -126,37 +129,6 @@ def _active(mode: str) -> Iterator[_Active]:
         ACTIVE.mode, ACTIVE.reads, ACTIVE.parkable = None, {}, {}
 
 
-# -- the key ------------------------------------------------------------------------------------------
-
-class _Unkeyable(Exception):
-    pass
-
-
-def _meta(a: Any) -> Any:
-    t = type(a)
-    if t is torch.Tensor:  # what Dynamo guards on (an inference tensor has other dispatch keys)
-        return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.is_inference())
-    if t is torch.nn.Parameter:  # read in place, like the module's own parameters
-        return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.is_inference(), a.data_ptr())
-    if t in _CONSTANTS:
-        return (t, a)
-    raise _Unkeyable(t.__name__)
-
-
-def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | str:
-    """The key of a call's arguments (see the module docstring), or why the call has none."""
-    try:
-        key: tuple[Any, ...] = tuple(map(_meta, args))
-        if kwargs:
-            key += tuple((k, _meta(v)) for k, v in sorted(kwargs.items()))
-    except _Unkeyable as exc:
-        return (f"an argument is a {exc}: only tensors, numbers, strings and None are keyed "
-                "(the call runs on Dynamo's path)")
-    except RuntimeError as exc:  # a tensor without strides (sparse, nested)
-        return f"an argument's layout has no key ({exc}): the call runs on Dynamo's path"
-    return (*key, torch.is_inference_mode_enabled())
-
-
 def _device_for(device: torch.device, pool: Any) -> Any:
     return CudaCalls(device, pool)
 
@@ -200,11 +172,24 @@ class WholeCall:
         self.replays: int = 0
         self._captured_over: dict[Any, frozenset[int]] = {}  # each key's last capture: its tensors' ids
         self.baseline: str = ""  # the last capture against the eager call's plain CUDA graph, in words
+        #: the state and entry of the last speculative replay: the next call tries it first, by
+        #: :meth:`Entry.launch_if` (no key built, no lookup); only while that state is current
+        self._last: tuple[_State, Entry] | None = None
         self._lock = threading.Lock()
 
     # -- the hot path ---------------------------------------------------------------------------------
 
     def __call__(self, args: Sequence[Any], kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
+        last = self._last
+        if last is not None and last[0] is self.current and ACTIVE.mode is None:
+            state, entry = last
+            with self._lock:  # one replay at a time: they share the graph's inputs and outputs
+                launched = entry.launch_if(args, kwargs)  # launched first, checked while the GPU runs it
+                if launched and entry.global_state.check() and state.watch.holds():
+                    self.replays += 1
+                    return entry.result(())
+            if launched:  # the state moved: its outputs are never read
+                return self._miss(call_key(args, kwargs), args, kwargs, dynamo)
         if torch.is_grad_enabled() or ACTIVE.mode is not None:
             return dynamo(*args, **kwargs)
         key = call_key(args, kwargs)
@@ -212,11 +197,12 @@ class WholeCall:
         if state is not None:
             entry = state.entries.get(key)
             if entry is not None:
-                with self._lock:  # one replay at a time: they share the graph's inputs and outputs
-                    if entry.speculative:  # launched first, checked while the GPU runs it
+                with self._lock:
+                    if entry.speculative:
                         tensors = entry.launch(args, kwargs)
                         if entry.global_state.check() and state.watch.holds():
                             self.replays += 1
+                            self._last = (state, entry)
                             return entry.result(tensors)
                     elif entry.global_state.check() and state.watch.holds():
                         self.replays += 1
@@ -244,6 +230,7 @@ class WholeCall:
                 self.replays += 1
                 return entry.replay(args, kwargs)
             state.entries.pop(key, None)  # captured under other global settings
+            self._last = None
             return self._capture(state, key, device, args, kwargs, dynamo)
 
     def _state(self) -> _State:
@@ -348,8 +335,12 @@ class WholeCall:
             entry.held = list({**{t.untyped_storage().data_ptr(): t.untyped_storage()
                                   for t in state.watch.tensors}, **reads}.values())
             entry.speculative = not write_back and not updates_state
-            state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
-                                                     state.watch.tensors)
+            kept = state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
+                                                            state.watch.tensors)
+            kept.key = key
+            if kept.speculative:
+                kept.native = dev.launch_plan(args, kwargs, kept.statics, kept.graph.replay, key[-1])
+                self._last = (state, kept)
             state.attempts.pop(key, None)
             self.captures += 1
             over = frozenset(map(id, state.watch.tensors))

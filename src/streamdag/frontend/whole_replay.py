@@ -30,6 +30,7 @@ State: an entry's inputs and outputs are shared by its replays, so
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..native import load_torch
+from .call_key import call_key
 from .candidates import capture_graph, time_replays, workspaces_in_pool
 from .result_objects import rebuild
 
@@ -64,6 +66,17 @@ class CudaCalls:
         each, where the torch extension is loaded and every pair has one dense layout; False (nothing
         copied) otherwise."""
         return self._copy_into is not None and self._copy_into(dsts, srcs)
+
+    def launch_plan(self, args: Sequence[Any], kwargs: dict[str, Any], statics: list[torch.Tensor],
+                    replay: Callable[[], Any], inference_mode: bool) -> Callable[..., bool] | None:
+        """The torch extension's launch of a graph for calls like this one (``whole_launch``: the
+        arguments compared with these, the tensors copied into ``statics``, ``replay()``), or None
+        where the extension is not loaded or cannot copy one of the tensors."""
+        ext = load_torch()
+        if ext is None or not hasattr(ext, "launch_plan"):
+            return None
+        plan = ext.launch_plan(tuple(args), dict(kwargs), list(statics), replay, inference_mode)
+        return None if plan is None else functools.partial(ext.whole_launch, plan)
 
     def caller(self) -> Any:
         return torch.cuda.current_stream(self.device)
@@ -122,6 +135,8 @@ class Entry:
     objects: list[tuple[int, Any]] = field(default_factory=list)  # leaves rebuilt around fresh tensors
     speculative: bool = False  # writes nothing outside its own memory: launched before the checks
     held: list[Any] = field(default_factory=list)  # the storages its graph reads and did not make
+    key: Any = None  # the key of the calls it replays for
+    native: Callable[..., bool] | None = None  # the torch extension's launch_if (CudaCalls.launch_plan)
     single: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +144,18 @@ class Entry:
 
     def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return self.result(self.launch(args, kwargs))
+
+    def launch_if(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Launch for a call whose arguments key as the captured call's (:mod:`.call_key`): True;
+        False, launching nothing, for any other call. In one C++ call where the torch extension
+        planned it (``native``)."""
+        if self.native is not None:
+            self.device.order()
+            return self.native(args, kwargs)
+        if torch.is_grad_enabled() or call_key(args, kwargs) != self.key:
+            return False
+        self.launch(args, kwargs)
+        return True
 
     def launch(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Copy the caller's tensors into the graph's inputs and launch it; returns those tensors."""

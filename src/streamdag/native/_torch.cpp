@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Stream.h>
 #include <torch/csrc/cuda/Event.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -25,6 +27,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <iterator>
 #include <mutex>
 #include <shared_mutex>
@@ -516,6 +519,184 @@ PyObject* copy_into(PyObject*, PyObject* args) {
   }
 }
 
+// -- a whole call's launch -------------------------------------------------------------------
+// A whole-call graph (frontend/whole_replay.py) replays only for a call whose arguments match the
+// captured call's: each tensor's sizes, strides, dtype, device, requires_grad and inference-ness,
+// each other argument's type and value, and the inference mode. In Python the key (a tuple per
+// argument, then a dict lookup) and the copies into the graph's inputs took 12-18 µs on an H200's
+// host before each launch, at batch 1 as long as some models' whole graph takes to launch. A
+// LaunchPlan keeps the captured call's arguments; whole_launch() compares a call with it, copies
+// its tensors in and launches the graph in one C++ call.
+
+const char* const kLaunchPlan = "streamdag.whole_launch_plan";
+
+struct ArgPlan {
+  PyObject* name = nullptr;      // a keyword argument's name (owned); nullptr for a positional one
+  PyObject* constant = nullptr;  // a non-tensor argument's value (owned); nullptr for a tensor
+  // a tensor's layout as captured, and the graph's input it is copied into
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device{c10::kCPU};
+  bool requires_grad = false, inference = false;
+  at::Tensor input;
+  size_t bytes = 0;
+};
+
+struct LaunchPlan {
+  Py_ssize_t positional = 0, keywords = 0;
+  bool inference_mode = false;
+  std::vector<ArgPlan> args;  // the positional ones, then the keyword ones
+  PyObject* replay = nullptr;  // the graph's replay (owned)
+
+  LaunchPlan() = default;
+  LaunchPlan(const LaunchPlan&) = delete;
+  LaunchPlan& operator=(const LaunchPlan&) = delete;
+  ~LaunchPlan() {  // (a capsule's destructor runs with the GIL held)
+    for (auto& a : args) {
+      Py_XDECREF(a.name);
+      Py_XDECREF(a.constant);
+    }
+    Py_XDECREF(replay);
+  }
+};
+
+// Whether ``obj`` is a tensor exactly as ``a`` was captured (a subclass, a Parameter among them, is not)
+bool same_tensor(PyObject* obj, const ArgPlan& a) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  return t.scalar_type() == a.dtype && t.device() == a.device && t.sizes().equals(a.sizes) &&
+         t.strides().equals(a.strides) && t.requires_grad() == a.requires_grad &&
+         t.is_inference() == a.inference && !t.is_conj() && !t.is_neg();
+}
+
+// Whether ``obj`` is the argument ``a`` plans for: the same tensor layout, or an equal constant
+bool same_argument(PyObject* obj, const ArgPlan& a) {
+  if (a.constant == nullptr) return same_tensor(obj, a);
+  if (obj == a.constant) return true;
+  if (Py_TYPE(obj) != Py_TYPE(a.constant)) return false;
+  int eq = PyObject_RichCompareBool(obj, a.constant, Py_EQ);
+  if (eq < 0) PyErr_Clear();  // (a constant's comparison does not raise; a miss if it did)
+  return eq == 1;
+}
+
+// the plan of one argument of the captured call: a tensor with its graph input, or a constant
+bool plan_argument(PyObject* obj, PyObject* name, PyObject* inputs, Py_ssize_t* next, LaunchPlan& plan) {
+  ArgPlan a;
+  if (!THPVariable_Check(obj)) {
+    Py_INCREF(obj);
+    a.constant = obj;
+  } else {
+    if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+        *next >= PyList_GET_SIZE(inputs))
+      return false;  // a Parameter is keyed by its address too (the Python key does that)
+    PyObject* in_obj = PyList_GET_ITEM(inputs, (*next)++);
+    if (!THPVariable_Check(in_obj)) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const at::Tensor& in = THPVariable_Unpack(in_obj);
+    if (!t.is_cuda() || !in.is_cuda() || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
+        !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()) || !in.is_non_overlapping_and_dense() ||
+        t.is_conj() || t.is_neg())
+      return false;
+    a.sizes = t.sizes().vec();
+    a.strides = t.strides().vec();
+    a.dtype = t.scalar_type();
+    a.device = t.device();
+    a.requires_grad = t.requires_grad();
+    a.inference = t.is_inference();
+    a.input = in;
+    a.bytes = static_cast<size_t>(in.numel()) * in.element_size();
+  }
+  if (name != nullptr) {
+    Py_INCREF(name);
+    a.name = name;
+  }
+  plan.args.push_back(std::move(a));
+  return true;
+}
+
+// launch_plan(args: tuple, kwargs: dict, inputs: list, replay, inference_mode: bool) -> capsule | None:
+// the plan of a captured call with these arguments (``inputs``: the graph's input tensors, for the
+// tensor arguments in order, the positional ones first), whose graph ``replay()`` launches; None
+// where whole_launch() cannot copy one of its tensors (the Python path does)
+PyObject* launch_plan(PyObject*, PyObject* args) {
+  PyObject *call_args, *call_kwargs, *inputs, *replay;
+  int inference_mode;
+  if (!PyArg_ParseTuple(args, "O!O!O!Op", &PyTuple_Type, &call_args, &PyDict_Type, &call_kwargs, &PyList_Type,
+                        &inputs, &replay, &inference_mode))
+    return nullptr;
+  try {
+    auto plan = std::make_unique<LaunchPlan>();
+    plan->positional = PyTuple_GET_SIZE(call_args);
+    plan->keywords = PyDict_GET_SIZE(call_kwargs);
+    plan->inference_mode = inference_mode != 0;
+    Py_ssize_t next = 0;
+    for (Py_ssize_t i = 0; i < plan->positional; ++i)
+      if (!plan_argument(PyTuple_GET_ITEM(call_args, i), nullptr, inputs, &next, *plan)) Py_RETURN_NONE;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(call_kwargs, &pos, &key, &value))
+      if (!plan_argument(value, key, inputs, &next, *plan)) Py_RETURN_NONE;
+    if (next != PyList_GET_SIZE(inputs)) Py_RETURN_NONE;
+    Py_INCREF(replay);
+    plan->replay = replay;
+    PyObject* capsule = PyCapsule_New(plan.get(), kLaunchPlan, [](PyObject* c) {
+      delete static_cast<LaunchPlan*>(PyCapsule_GetPointer(c, kLaunchPlan));
+    });
+    if (capsule != nullptr) plan.release();
+    return capsule;
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+}
+
+// whole_launch(plan, args: tuple, kwargs: dict) -> bool: where the call's arguments are those the
+// plan was made for (and grad mode is off), its tensors copied into the graph's inputs (one
+// cudaMemcpyAsync each, on the current stream) and the graph launched: True; False, with nothing
+// copied or launched, otherwise
+PyObject* whole_launch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 3 || !PyTuple_Check(argv[1]) || !PyDict_Check(argv[2])) {
+    PyErr_SetString(PyExc_TypeError, "whole_launch(plan, args: tuple, kwargs: dict)");
+    return nullptr;
+  }
+  auto* plan = static_cast<LaunchPlan*>(PyCapsule_GetPointer(argv[0], kLaunchPlan));
+  if (plan == nullptr) return nullptr;
+  PyObject *call_args = argv[1], *call_kwargs = argv[2];
+  if (c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled() != plan->inference_mode ||
+      PyTuple_GET_SIZE(call_args) != plan->positional || PyDict_GET_SIZE(call_kwargs) != plan->keywords)
+    Py_RETURN_FALSE;
+  const Py_ssize_t n = static_cast<Py_ssize_t>(plan->args.size());
+  PyObject* given[64];
+  if (n > 64) Py_RETURN_FALSE;  // (the Python path keys such a call)
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const ArgPlan& a = plan->args[i];
+    PyObject* obj = a.name == nullptr ? PyTuple_GET_ITEM(call_args, i) : PyDict_GetItemWithError(call_kwargs, a.name);
+    if (obj == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_FALSE;
+    }
+    if (!same_argument(obj, a)) Py_RETURN_FALSE;
+    given[i] = obj;
+  }
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const ArgPlan& a = plan->args[i];
+      if (a.constant != nullptr || a.bytes == 0) continue;
+      const at::Tensor& t = THPVariable_Unpack(given[i]);
+      if (t.data_ptr() == a.input.data_ptr()) continue;
+      C10_CUDA_CHECK(cudaMemcpyAsync(a.input.data_ptr(), t.data_ptr(), a.bytes, cudaMemcpyDeviceToDevice,
+                                     c10::cuda::getCurrentCUDAStream(a.device.index()).stream()));
+    }
+  } catch (...) {
+    fail();
+    return nullptr;
+  }
+  PyObject* done = PyObject_CallNoArgs(plan->replay);
+  if (done == nullptr) return nullptr;
+  Py_DECREF(done);
+  Py_RETURN_TRUE;
+}
+
 // Drops cuBLAS's and cuBLASLt's workspaces of one stream (its address), as newer PyTorch's
 // clearCublasWorkspacesForStream does: torch._C._cuda_clearCublasWorkspaces drops every
 // stream's, and a graph captured elsewhere may still read the workspace of its own stream.
@@ -557,6 +738,10 @@ PyObject* clear_blas_workspaces(PyObject*, PyObject* arg) {
 PyMethodDef module_methods[] = {
     {"clear_blas_workspaces", clear_blas_workspaces, METH_O,
      "clear_blas_workspaces(stream address) -> bool: cuBLAS's workspaces of that stream dropped"},
+    {"launch_plan", launch_plan, METH_VARARGS,
+     "launch_plan(args, kwargs, inputs, replay, inference_mode) -> the plan of whole_launch(), or None"},
+    {"whole_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(whole_launch)), METH_FASTCALL,
+     "whole_launch(plan, args, kwargs) -> bool: the graph launched for a call like the planned one"},
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(dsts, srcs) -> bool: dense same-layout CUDA copies on the current stream, or False"},
     {"new_stream", new_stream, METH_VARARGS,

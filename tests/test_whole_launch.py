@@ -1,0 +1,141 @@
+"""The launch of a whole-call graph for a later call: the torch extension's ``whole_launch`` compares
+the call with the captured one in C++ and must launch exactly where the call's key (``call_key``)
+is the captured call's, copying the call's tensors into the graph's inputs."""
+
+import itertools
+import random
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from streamdag.frontend.call_key import call_key  # noqa: E402
+
+
+def _variants():
+    """Calls around a captured ``f(x, 2, scale=1.5, mode="a")``: each argument kept or changed."""
+    x = torch.randn(4, 6, device="cuda")
+    xs = {
+        "same": lambda: torch.randn(4, 6, device="cuda"),
+        "shape": lambda: torch.randn(5, 6, device="cuda"),
+        "strides": lambda: torch.randn(6, 4, device="cuda").t(),
+        "dtype": lambda: torch.randn(4, 6, device="cuda", dtype=torch.float64),
+        "requires_grad": lambda: torch.randn(4, 6, device="cuda", requires_grad=True),
+        "cpu": lambda: torch.randn(4, 6),
+        "parameter": lambda: nn.Parameter(torch.randn(4, 6, device="cuda"), requires_grad=False),
+        "number": lambda: 2,
+    }
+    ints = {"same": 2, "other": 3, "float": 2.0, "bool": True, "none": None}
+    scales = {"same": 1.5, "other": 2.5, "int": 1, "missing": ...}
+    modes = {"same": "a", "other": "b", "missing": ...}
+    return x, xs, ints, scales, modes
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_native_launch_launches_exactly_for_calls_that_key_as_the_captured_one():
+    from streamdag.frontend.candidates import SharedPool
+    from streamdag.frontend.whole_replay import CudaCalls
+    from streamdag.native import load_torch
+
+    if load_torch() is None or not hasattr(load_torch(), "launch_plan"):
+        pytest.skip("the torch extension did not build here")
+    x, xs, ints, scales, modes = _variants()
+    dev = CudaCalls(torch.device("cuda"), SharedPool())
+    launches = []
+    static = torch.empty_like(x)
+    args, kwargs = (x, 2), {"scale": 1.5, "mode": "a"}
+    launch = dev.launch_plan(args, kwargs, [static], lambda: launches.append(static.clone()), False)
+    assert launch is not None
+    key = call_key(args, kwargs)
+    rng = random.Random(0)
+    combos = list(itertools.product(xs, ints, scales, modes))
+    rng.shuffle(combos)
+    # every argument as captured, each one changed alone, then a sample of the rest
+    groups = (xs, ints, scales, modes)
+    alone = [tuple(k if j == i else "same" for j in range(4))
+             for i, group in enumerate(groups) for k in group]
+    checked = 0
+    for inference, grad in [(False, False), (True, False), (False, True)]:
+        for xk, ik, sk, mk in alone + combos[:60]:
+            call_args = (xs[xk](), ints[ik])
+            call_kwargs = {k: v for k, v in (("mode", modes[mk]), ("scale", scales[sk])) if v is not ...}
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                want = not grad and call_key(call_args, call_kwargs) == key
+                before = len(launches)
+                got = launch(call_args, call_kwargs)
+            assert got is want, (xk, ik, sk, mk, inference, grad)
+            assert len(launches) == before + got  # launched once where it matched, never otherwise
+            if got:
+                torch.testing.assert_close(launches[-1], call_args[0], rtol=0, atol=0)
+            checked += got
+    assert checked > 0
+    # an inference tensor keys apart from a plain one of the same layout
+    with torch.inference_mode():
+        inference_x = torch.randn(4, 6, device="cuda")
+    assert not launch((inference_x, 2), {"scale": 1.5, "mode": "a"})
+
+
+@pytest.mark.cuda
+def test_on_cuda_calls_the_native_launch_cannot_copy_have_no_plan():
+    from streamdag.frontend.candidates import SharedPool
+    from streamdag.frontend.whole_replay import CudaCalls
+    from streamdag.native import load_torch
+
+    if load_torch() is None or not hasattr(load_torch(), "launch_plan"):
+        pytest.skip("the torch extension did not build here")
+    dev = CudaCalls(torch.device("cuda"), SharedPool())
+    x = torch.randn(8, 8, device="cuda")
+    sliced = x[:, ::2]
+    plan = dev.launch_plan
+
+    def nothing():
+        return None
+
+    assert plan((nn.Parameter(x),), {}, [torch.empty_like(x)], nothing, False) is None  # keyed by address
+    assert plan((sliced,), {}, [torch.empty_strided(sliced.shape, sliced.stride(), device="cuda")],
+                nothing, False) is None  # not one span of bytes
+    assert plan((x,), {}, [], nothing, False) is None  # no input for the tensor
+    assert plan((x,), {}, [torch.empty(8, 8, device="cuda", dtype=torch.float64)], nothing, False) is None
+    assert plan((x, 2), {"k": x}, [torch.empty_like(x), torch.empty_like(x)], nothing, False) is not None
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x, k: int = 1, *, bias=None, scale: float = 1.0):
+        h = self.a(x).relu() * k
+        if bias is not None:
+            h = h + bias
+        return self.b(h) * scale
+
+
+@pytest.mark.cuda
+def test_on_cuda_replays_launched_natively_follow_each_calls_arguments(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = Scaled().eval().cuda()
+    c = sd.compile(m)
+    bias = torch.randn(32, device="cuda")
+    calls = [((torch.randn(4, 16, device="cuda"),), {}),
+             ((torch.randn(4, 16, device="cuda"), 2), {"scale": 0.5}),
+             ((torch.randn(4, 16, device="cuda"), 2), {"scale": 0.5, "bias": bias}),
+             ((torch.randn(6, 16, device="cuda"),), {"bias": bias})]
+    # the same signatures over other tensors (made outside inference mode: an inference tensor keys apart)
+    again = [(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), kwargs)
+             for args, kwargs in calls]
+    with torch.inference_mode():
+        for _ in range(4):  # each signature captured, then replayed, alternating
+            for args, kwargs in calls + again:
+                torch.testing.assert_close(c(*args, **kwargs), m(*args, **kwargs), rtol=1e-5, atol=1e-5)
+    entries = c.whole.current.entries
+    assert len(entries) == len(calls), c.explain()  # one graph per signature
+    assert all(e.replays >= 3 for e in entries.values()), c.explain()
+    from streamdag.native import load_torch
+
+    if load_torch() is not None and hasattr(load_torch(), "launch_plan"):
+        assert all(e.native is not None for e in entries.values() if e.speculative), c.explain()
