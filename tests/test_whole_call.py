@@ -8,6 +8,8 @@ graphs, in ``test_whole_call_through_dynamo``.
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 
@@ -381,13 +383,17 @@ def test_a_state_whose_tensors_moved_goes_where_the_next_calls_take_dynamos_path
     x = torch.randn(3, 8)
     with torch.no_grad():
         w((x,), {}, dynamo)
+        w((x,), {}, dynamo)  # a replay: the next call tries its graph first
         assert w.current is not None and w.current.entries
+        graph = weakref.ref(next(iter(w.current.entries.values())).graph)
         m.lin.weight.data = torch.randn(4, 8)
         torch.testing.assert_close(w((x,), {"note": ["unkeyed"]}, dynamo), m(x))
         assert w.states == [] and w.current is None, "the moved state's graphs keep the old weight's memory"
+        gc.collect()
+        assert graph() is None, "the moved state's graph is still held"
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
-    assert w.captures == 2 and w.replays == 1
+    assert w.captures == 2 and w.replays == 2
 
 
 def test_train_and_eval_keep_a_graph_each(fake_device, state_checks):

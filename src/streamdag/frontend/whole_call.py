@@ -248,6 +248,7 @@ class WholeCall:
                        if s.watch.same_tensors(watch) and s.watch.memory_holds()][-(MAX_STATES - 1):]
         self.current = _State(watch)
         self.states.append(self.current)
+        self._forget_dropped()
         return self.current
 
     def _drop_moved(self) -> None:
@@ -258,6 +259,12 @@ class WholeCall:
             self.states = [s for s in self.states if s.watch.memory_holds()]
             if not any(s is self.current for s in self.states):
                 self.current = None
+            self._forget_dropped()
+
+    def _forget_dropped(self) -> None:
+        """The last replay's entry is let go with its state: it holds the memory its graph reads."""
+        if self._last is not None and not any(s is self._last[0] for s in self.states):
+            self._last = None
 
     def _refuse(self, key: Any, reason: str) -> None:
         self.refused[key] = reason
