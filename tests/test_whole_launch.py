@@ -139,3 +139,78 @@ def test_on_cuda_replays_launched_natively_follow_each_calls_arguments(no_tf32, 
 
     if load_torch() is not None and hasattr(load_torch(), "launch_plan"):
         assert all(e.native is not None for e in entries.values() if e.speculative), c.explain()
+
+
+def _ext():
+    from streamdag.native import load_torch
+
+    ext = load_torch()
+    if ext is None or not hasattr(ext, "fresh_copies"):
+        pytest.skip("the torch extension did not build here")
+    return ext
+
+
+@pytest.mark.cuda
+def test_on_cuda_fresh_copies_have_each_tensors_layout_and_values_in_memory_of_their_own():
+    ext = _ext()
+    base = torch.randn(4, 6, 8, device="cuda")
+    dense = [base, base.permute(2, 0, 1), torch.empty(0, 3, device="cuda"),
+             torch.arange(5, device="cuda", dtype=torch.int64), base[1]]
+    copies = ext.fresh_copies(dense)
+    for t, c in zip(dense, copies, strict=True):
+        assert c.stride() == t.stride() and c.dtype == t.dtype and c.device == t.device
+        torch.testing.assert_close(c, t, rtol=0, atol=0)
+        assert c.numel() == 0 or c.data_ptr() != t.data_ptr()
+    base.zero_()
+    assert copies[0].abs().sum() > 0, "a copy shares the original's memory"
+    assert ext.fresh_copies([base, base[:, ::2]]) is None  # not one span of bytes: nothing made
+    assert ext.fresh_copies([torch.randn(3)]) is None  # not on the GPU
+
+
+@pytest.mark.cuda
+def test_on_cuda_same_layouts_notices_any_tensor_moved_resized_or_restrided():
+    ext = _ext()
+    tensors = [torch.randn(4, 6, device="cuda"), torch.randn(3, device="cuda"),
+               torch.randn(2, 2, 2, device="cuda")]
+    snapshot = ext.layouts(tensors)
+    assert ext.same_layouts(tensors, snapshot)
+    changes = [lambda ts: ts[0].set_(torch.randn(4, 6, device="cuda")),  # other memory
+               lambda ts: ts[1].resize_(4),
+               lambda ts: ts[2].as_strided_((2, 2, 2), (1, 2, 4)),
+               lambda ts: ts.append(torch.randn(1, device="cuda")),  # one more tensor
+               lambda ts: ts.pop()]  # one fewer
+    for change in changes:
+        changed = [t.clone() for t in tensors]
+        moved = ext.layouts(changed)
+        change(changed)
+        assert not ext.same_layouts(changed, moved), change
+    with pytest.raises(TypeError):
+        ext.same_layouts([1], snapshot)
+
+
+class Shapes(nn.Module):
+    """Outputs of several layouts: contiguous, permuted, a strided slice, and ones in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 24)
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        return {"h": h, "t": h.reshape(-1, 4, 6).permute(2, 0, 1) * 2, "s": (h + 1)[:, ::3], "n": h.sum()}
+
+
+@pytest.mark.cuda
+def test_on_cuda_each_replay_returns_outputs_of_its_own_that_later_calls_leave_alone(no_tf32, fresh_dynamo):
+    torch.manual_seed(0)
+    m = Shapes().eval().cuda()
+    c = sd.compile(m)
+    xs = [torch.randn(5, 8, device="cuda") for _ in range(6)]
+    with torch.inference_mode():
+        got = [c(x) for x in xs]  # every result kept while the later calls run
+        want = [m(x) for x in xs]
+    for g, w in zip(got, want):
+        for k in w:
+            assert g[k].shape == w[k].shape, k
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-5)
+    assert c.statistics().whole_replays >= 3, c.explain()

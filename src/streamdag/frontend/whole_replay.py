@@ -3,8 +3,11 @@
 A replay (:meth:`Entry.replay`) copies the caller's tensors into the graph's
 inputs, launches the graph, and copies its outputs into fresh tensors that
 belong to the caller. Host time before the launch adds to every call's time,
-so the copies are one ``cudaMemcpyAsync`` each (the torch extension's
-``copy_into``) where the layouts allow, not ``copy_``'s dispatch. They are
+so the copies are one ``cudaMemcpyAsync`` each where the layouts allow, not
+``copy_``'s dispatch: the torch extension's ``whole_launch`` compares the call's
+arguments with the captured ones, copies them in and launches the graph in one
+C++ call (:meth:`Entry.launch_if`), and its ``fresh_copies`` allocates and
+fills the caller's outputs in another. They are
 issued around the launch, not made by the graph: memcpy nodes inside it,
 pointed at each call's tensors, saved 12-16 µs of host time per call but
 cost 3-10 µs of wall time per synchronized call (a copy before the launch
@@ -60,6 +63,8 @@ class CudaCalls:
         ext = load_torch()
         self._copy_into: Callable[[list[torch.Tensor], list[torch.Tensor]], bool] | None = getattr(
             ext, "copy_into", None)
+        self._fresh_copies: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = getattr(
+            ext, "fresh_copies", None)
 
     def copy_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
         """Copy each of ``srcs`` into its ``dsts`` on the current stream by one ``cudaMemcpyAsync``
@@ -77,6 +82,12 @@ class CudaCalls:
             return None
         plan = ext.launch_plan(tuple(args), dict(kwargs), list(statics), replay, inference_mode)
         return None if plan is None else functools.partial(ext.whole_launch, plan)
+
+    def fresh_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """A new copy of each of ``tensors`` in one C++ call (the torch extension's ``fresh_copies``:
+        an allocation and a ``cudaMemcpyAsync`` each), where it is loaded and every one is dense;
+        None otherwise."""
+        return self._fresh_copies(tensors) if self._fresh_copies is not None else None
 
     def caller(self) -> Any:
         return torch.cuda.current_stream(self.device)
@@ -186,8 +197,11 @@ class Entry:
         if not self.clone:
             fresh = self.outputs
         else:
-            fresh = [torch.empty_like(o) for o in self.outputs]
-            self._copy(fresh, self.outputs)
+            copies = self.device.fresh_copies(self.outputs)
+            if copies is None:
+                copies = [torch.empty_like(o) for o in self.outputs]
+                self._copy(copies, self.outputs)
+            fresh = copies
         if self.single:
             return fresh[0]
         leaves = list(self.leaves)

@@ -5,6 +5,7 @@
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/PinnedMemoryAllocator.h>
 #include <torch/version.h>
@@ -293,13 +294,13 @@ PyObject* new_stream(PyObject*, PyObject* args) {
 // list of tensors.
 int append_layouts(PyObject* list, std::vector<int64_t>& out) {
   if (!PyList_Check(list)) {
-    PyErr_SetString(PyExc_TypeError, "layouts() and same_layouts() take a list of tensors");
+    PyErr_SetString(PyExc_TypeError, "layouts() takes a list of tensors");
     return -1;
   }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
     PyObject* obj = PyList_GET_ITEM(list, i);
     if (!THPVariable_Check(obj)) {
-      PyErr_SetString(PyExc_TypeError, "layouts() and same_layouts() take a list of tensors");
+      PyErr_SetString(PyExc_TypeError, "layouts() takes a list of tensors");
       return -1;
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
@@ -325,19 +326,31 @@ PyObject* layouts(PyObject*, PyObject* list) {
 }
 
 // same_layouts(tensors: list, snapshot: bytes) -> bool: whether every tensor still has the address,
-// sizes and strides layouts() saw. One loop in C++: PyTorch's own checks (its data-pointer check
-// and Dynamo's TensorGuards) take 60 µs for the 258 tensors of a small graph, more than its
-// replay; this loop 3.8 µs.
+// sizes and strides layouts() saw. One loop in C++ that compares in place and stops at the first
+// difference: PyTorch's own checks (its data-pointer check and Dynamo's TensorGuards) take 60 µs for
+// the 258 tensors of a small graph, more than its replay; this loop a few.
 PyObject* same_layouts(PyObject*, PyObject* args) {
   PyObject *list, *snapshot;
-  if (!PyArg_ParseTuple(args, "OO!", &list, &PyBytes_Type, &snapshot)) return nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &list, &PyBytes_Type, &snapshot)) return nullptr;
   try {
-    std::vector<int64_t> now;
-    now.reserve(static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) / sizeof(int64_t));
-    if (append_layouts(list, now) < 0) return nullptr;
-    size_t bytes = now.size() * sizeof(int64_t);
-    return PyBool_FromLong(bytes == static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) &&
-                           std::memcmp(now.data(), PyBytes_AS_STRING(snapshot), bytes) == 0);
+    const auto* seen = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(snapshot));
+    const int64_t* end = seen + static_cast<size_t>(PyBytes_GET_SIZE(snapshot)) / sizeof(int64_t);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+      PyObject* obj = PyList_GET_ITEM(list, i);
+      if (!THPVariable_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "same_layouts() takes a list of tensors");
+        return nullptr;
+      }
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      const int64_t dim = t.dim();
+      if (end - seen < 2 + 2 * dim ||
+          seen[0] != static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())) || seen[1] != dim ||
+          !t.sizes().equals(c10::IntArrayRef(seen + 2, static_cast<size_t>(dim))) ||
+          !t.strides().equals(c10::IntArrayRef(seen + 2 + dim, static_cast<size_t>(dim))))
+        Py_RETURN_FALSE;
+      seen += 2 + 2 * dim;
+    }
+    return PyBool_FromLong(seen == end);
   } catch (...) {
     fail();
     return nullptr;
@@ -517,6 +530,48 @@ PyObject* copy_into(PyObject*, PyObject* args) {
     fail();
     return nullptr;
   }
+}
+
+// fresh_copies(tensors: list) -> list | None: a new tensor of each one's layout with its values, copied
+// by one cudaMemcpyAsync each on the current stream of its device, where every one is a dense CUDA
+// tensor (one span of bytes); None, with nothing allocated, otherwise. A whole-call replay hands its
+// outputs to the caller so: torch.empty_like's dispatch and a copy per output were most of its host
+// time after the launch, and a language model returns two tensors per layer in its cache.
+PyObject* fresh_copies(PyObject*, PyObject* list) {
+  if (!PyList_Check(list)) {
+    PyErr_SetString(PyExc_TypeError, "fresh_copies() takes a list of tensors");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(list, i);
+    if (!THPVariable_Check(obj)) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.is_cuda() || t.is_conj() || t.is_neg() || !t.is_non_overlapping_and_dense()) Py_RETURN_NONE;
+  }
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(list, i));
+      at::Tensor fresh = at::empty_strided(t.sizes(), t.strides(), t.options());
+      const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (bytes != 0)
+        C10_CUDA_CHECK(cudaMemcpyAsync(fresh.data_ptr(), t.data_ptr(), bytes, cudaMemcpyDeviceToDevice,
+                                       c10::cuda::getCurrentCUDAStream(t.get_device()).stream()));
+      PyObject* wrapped = THPVariable_Wrap(std::move(fresh));
+      if (wrapped == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      PyList_SET_ITEM(out, i, wrapped);
+    }
+  } catch (...) {
+    Py_DECREF(out);
+    fail();
+    return nullptr;
+  }
+  return out;
 }
 
 // -- a whole call's launch -------------------------------------------------------------------
@@ -742,6 +797,8 @@ PyMethodDef module_methods[] = {
      "launch_plan(args, kwargs, inputs, replay, inference_mode) -> the plan of whole_launch(), or None"},
     {"whole_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(whole_launch)), METH_FASTCALL,
      "whole_launch(plan, args, kwargs) -> bool: the graph launched for a call like the planned one"},
+    {"fresh_copies", fresh_copies, METH_O,
+     "fresh_copies(tensors) -> a new copy of each (dense CUDA tensors), or None"},
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(dsts, srcs) -> bool: dense same-layout CUDA copies on the current stream, or False"},
     {"new_stream", new_stream, METH_VARARGS,
