@@ -534,9 +534,9 @@ PyObject* copy_into(PyObject*, PyObject* args) {
 
 // fresh_copies(tensors: list) -> list | None: a new tensor of each one's layout with its values, copied
 // by one cudaMemcpyAsync each on the current stream of its device, where every one is a dense CUDA
-// tensor (one span of bytes); None, with nothing allocated, otherwise. A whole-call replay hands its
-// outputs to the caller so: torch.empty_like's dispatch and a copy per output were most of its host
-// time after the launch, and a language model returns two tensors per layer in its cache.
+// tensor (one span of bytes); None, with nothing allocated, otherwise. A whole-call replay hands
+// its outputs to the caller so: torch.empty_like's dispatch and a copy per output were most of its
+// host time after the launch, and a language model returns two tensors per layer in its cache.
 PyObject* fresh_copies(PyObject*, PyObject* list) {
   if (!PyList_Check(list)) {
     PyErr_SetString(PyExc_TypeError, "fresh_copies() takes a list of tensors");
@@ -649,7 +649,8 @@ bool plan_argument(PyObject* obj, PyObject* name, PyObject* inputs, Py_ssize_t* 
     const at::Tensor& t = THPVariable_Unpack(obj);
     const at::Tensor& in = THPVariable_Unpack(in_obj);
     if (!t.is_cuda() || !in.is_cuda() || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
-        !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()) || !in.is_non_overlapping_and_dense() ||
+        !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()) ||
+        !in.is_non_overlapping_and_dense() ||
         t.is_conj() || t.is_neg())
       return false;
     a.sizes = t.sizes().vec();
@@ -725,7 +726,8 @@ PyObject* whole_launch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (n > 64) Py_RETURN_FALSE;  // (the Python path keys such a call)
   for (Py_ssize_t i = 0; i < n; ++i) {
     const ArgPlan& a = plan->args[i];
-    PyObject* obj = a.name == nullptr ? PyTuple_GET_ITEM(call_args, i) : PyDict_GetItemWithError(call_kwargs, a.name);
+    PyObject* obj = a.name == nullptr ? PyTuple_GET_ITEM(call_args, i)
+                                      : PyDict_GetItemWithError(call_kwargs, a.name);
     if (obj == nullptr) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_FALSE;
