@@ -507,3 +507,56 @@ def test_a_capture_that_fails_leaves_the_key_on_dynamos_path_and_says_why(fake_d
             torch.testing.assert_close(w((x,), {}, dynamo), m(x))
     assert w.captures == 0 and dynamo.calls == 4, "one warm-up, one failed capture, two calls through Dynamo"
     assert "the call cannot be captured (RuntimeError: operation not permitted" in w.explain()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _calls_from_threads(w, dynamo, m, threads=4, calls=120):
+    """Each thread's calls, two batch sizes in turn, with the GIL handed over every microsecond:
+    how many results differ from the thread's own eager call."""
+    import sys
+    import threading
+
+    wrong = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for i in range(calls):
+                x = torch.randn(3 if i % 2 else 5, 8, generator=g)
+                if not torch.allclose(w((x,), {}, dynamo), m(x)):
+                    wrong.append(i)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        pool = [threading.Thread(target=work, args=(s,)) for s in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    return len(wrong)
+
+
+def test_calls_from_several_threads_each_get_the_result_of_their_own_arguments(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    assert _calls_from_threads(w, dynamo, m) == 0
+    assert w.replays > 100, w.explain()
+
+
+def test_calls_from_several_threads_without_the_replay_lock_would_be_caught(fake_device):
+    """Negative control: replays that share the graph's inputs and outputs without the lock read
+    each other's inputs, and the comparison with eager sees it."""
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    w._lock = _NoLock()
+    assert _calls_from_threads(w, dynamo, m) > 0
