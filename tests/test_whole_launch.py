@@ -139,6 +139,7 @@ def test_on_cuda_replays_launched_natively_follow_each_calls_arguments(no_tf32, 
 
     if load_torch() is not None and hasattr(load_torch(), "launch_plan"):
         assert all(e.native is not None for e in entries.values() if e.speculative), c.explain()
+        assert "launched in C++" in c.explain()
 
 
 def _ext():

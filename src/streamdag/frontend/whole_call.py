@@ -414,6 +414,8 @@ class WholeCall:
             when = ("launched before its state checks" if entry.speculative else
                     "checked before its launch: it writes " +
                     ("its inputs" if entry.write_back else "a parameter, buffer or other tensor"))
+            if entry.native is not None:
+                when += " (arguments compared, copied in and launched in C++)"
             lines.append(f"  {_describe(key)}: {entry.replays} replays, {when}")
         for key, reason in self.refused.items():
             lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
