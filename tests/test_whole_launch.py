@@ -27,6 +27,8 @@ def _variants():
         "cpu": lambda: torch.randn(4, 6),
         "parameter": lambda: nn.Parameter(torch.randn(4, 6, device="cuda"), requires_grad=False),
         "number": lambda: 2,
+        # no strides to compare: the native launch must say no, not fail (call_key has no key for it)
+        "nested": lambda: torch.nested.nested_tensor([torch.randn(4, 6), torch.randn(4, 6)], device="cuda"),
     }
     ints = {"same": 2, "other": 3, "float": 2.0, "bool": True, "none": None}
     scales = {"same": 1.5, "other": 2.5, "int": 1, "missing": ...}
@@ -63,7 +65,7 @@ def test_on_cuda_the_native_launch_launches_exactly_for_calls_that_key_as_the_ca
             call_args = (xs[xk](), ints[ik])
             call_kwargs = {k: v for k, v in (("mode", modes[mk]), ("scale", scales[sk])) if v is not ...}
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                want = not grad and call_key(call_args, call_kwargs) == key
+                want = not grad and call_key(call_args, call_kwargs) == key  # (a str where it has none)
                 before = len(launches)
                 got = launch(call_args, call_kwargs)
             assert got is want, (xk, ik, sk, mk, inference, grad)
@@ -72,6 +74,7 @@ def test_on_cuda_the_native_launch_launches_exactly_for_calls_that_key_as_the_ca
                 torch.testing.assert_close(launches[-1], call_args[0], rtol=0, atol=0)
             checked += got
     assert checked > 0
+    assert not launch([x, 2], {"scale": 1.5, "mode": "a"})  # not a tuple: the Python path keys it
     # an inference tensor keys apart from a plain one of the same layout
     with torch.inference_mode():
         inference_x = torch.randn(4, 6, device="cuda")

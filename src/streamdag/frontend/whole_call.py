@@ -184,7 +184,8 @@ class WholeCall:
         if last is not None and last[0] is self.current and ACTIVE.mode is None:
             state, entry = last
             with self._lock:  # one replay at a time: they share the graph's inputs and outputs
-                launched = entry.launch_if(args, kwargs)  # launched first, checked while the GPU runs it
+                # launched first, checked while the GPU runs it (unless another thread's call moved on)
+                launched = self._last is last and entry.launch_if(args, kwargs)
                 if launched and entry.global_state.check() and state.watch.holds():
                     self.replays += 1
                     return entry.result(())
@@ -202,7 +203,8 @@ class WholeCall:
                         tensors = entry.launch(args, kwargs)
                         if entry.global_state.check() and state.watch.holds():
                             self.replays += 1
-                            self._last = (state, entry)
+                            if state is self.current and state.entries.get(key) is entry:  # still kept
+                                self._last = (state, entry)
                             return entry.result(tensors)
                     elif entry.global_state.check() and state.watch.holds():
                         self.replays += 1

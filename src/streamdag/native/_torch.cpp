@@ -543,11 +543,18 @@ PyObject* fresh_copies(PyObject*, PyObject* list) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyList_GET_ITEM(list, i);
-    if (!THPVariable_Check(obj)) Py_RETURN_NONE;
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    if (!t.is_cuda() || t.is_conj() || t.is_neg() || !t.is_non_overlapping_and_dense()) Py_RETURN_NONE;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* obj = PyList_GET_ITEM(list, i);
+      if (!THPVariable_Check(obj)) Py_RETURN_NONE;
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (!t.is_cuda() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() || t.is_neg() ||
+          !t.is_non_overlapping_and_dense())
+        Py_RETURN_NONE;
+    }
+  } catch (...) {
+    fail();
+    return nullptr;
   }
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
@@ -619,7 +626,9 @@ struct LaunchPlan {
 bool same_tensor(PyObject* obj, const ArgPlan& a) {
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
-  return t.scalar_type() == a.dtype && t.device() == a.device && t.sizes().equals(a.sizes) &&
+  // (a nested or sparse tensor has no strides to read: its sizes() would throw)
+  return t.layout() == c10::kStrided && !t.is_nested() && t.scalar_type() == a.dtype &&
+         t.device() == a.device && t.sizes().equals(a.sizes) &&
          t.strides().equals(a.strides) && t.requires_grad() == a.requires_grad &&
          t.is_inference() == a.inference && !t.is_conj() && !t.is_neg();
 }
@@ -648,7 +657,8 @@ bool plan_argument(PyObject* obj, PyObject* name, PyObject* inputs, Py_ssize_t* 
     if (!THPVariable_Check(in_obj)) return false;
     const at::Tensor& t = THPVariable_Unpack(obj);
     const at::Tensor& in = THPVariable_Unpack(in_obj);
-    if (!t.is_cuda() || !in.is_cuda() || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
+    if (t.layout() != c10::kStrided || t.is_nested() || in.layout() != c10::kStrided || in.is_nested() ||
+        !t.is_cuda() || !in.is_cuda() || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
         !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()) ||
         !in.is_non_overlapping_and_dense() ||
         t.is_conj() || t.is_neg())
@@ -711,31 +721,33 @@ PyObject* launch_plan(PyObject*, PyObject* args) {
 // cudaMemcpyAsync each, on the current stream) and the graph launched: True; False, with nothing
 // copied or launched, otherwise
 PyObject* whole_launch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 3 || !PyTuple_Check(argv[1]) || !PyDict_Check(argv[2])) {
+  if (argc != 3) {
     PyErr_SetString(PyExc_TypeError, "whole_launch(plan, args: tuple, kwargs: dict)");
     return nullptr;
   }
   auto* plan = static_cast<LaunchPlan*>(PyCapsule_GetPointer(argv[0], kLaunchPlan));
   if (plan == nullptr) return nullptr;
   PyObject *call_args = argv[1], *call_kwargs = argv[2];
+  if (!PyTuple_Check(call_args) || !PyDict_Check(call_kwargs))  // (the Python path keys such a call)
+    Py_RETURN_FALSE;
   if (c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled() != plan->inference_mode ||
       PyTuple_GET_SIZE(call_args) != plan->positional || PyDict_GET_SIZE(call_kwargs) != plan->keywords)
     Py_RETURN_FALSE;
   const Py_ssize_t n = static_cast<Py_ssize_t>(plan->args.size());
   PyObject* given[64];
   if (n > 64) Py_RETURN_FALSE;  // (the Python path keys such a call)
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    const ArgPlan& a = plan->args[i];
-    PyObject* obj = a.name == nullptr ? PyTuple_GET_ITEM(call_args, i)
-                                      : PyDict_GetItemWithError(call_kwargs, a.name);
-    if (obj == nullptr) {
-      if (PyErr_Occurred()) return nullptr;
-      Py_RETURN_FALSE;
-    }
-    if (!same_argument(obj, a)) Py_RETURN_FALSE;
-    given[i] = obj;
-  }
   try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const ArgPlan& a = plan->args[i];
+      PyObject* obj = a.name == nullptr ? PyTuple_GET_ITEM(call_args, i)
+                                        : PyDict_GetItemWithError(call_kwargs, a.name);
+      if (obj == nullptr) {
+        if (PyErr_Occurred()) return nullptr;
+        Py_RETURN_FALSE;
+      }
+      if (!same_argument(obj, a)) Py_RETURN_FALSE;
+      given[i] = obj;
+    }
     for (Py_ssize_t i = 0; i < n; ++i) {
       const ArgPlan& a = plan->args[i];
       if (a.constant != nullptr || a.bytes == 0) continue;
