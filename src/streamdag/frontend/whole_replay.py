@@ -65,6 +65,8 @@ class CudaCalls:
             ext, "copy_into", None)
         self._fresh_copies: Callable[[list[torch.Tensor]], list[torch.Tensor] | None] | None = getattr(
             ext, "fresh_copies", None)
+        self._launch_plan: Callable[..., Any] | None = getattr(ext, "launch_plan", None)
+        self._whole_launch: Callable[..., bool] | None = getattr(ext, "whole_launch", None)
 
     def copy_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
         """Copy each of ``srcs`` into its ``dsts`` on the current stream by one ``cudaMemcpyAsync``
@@ -77,11 +79,10 @@ class CudaCalls:
         """The torch extension's launch of a graph for calls like this one (``whole_launch``: the
         arguments compared with these, the tensors copied into ``statics``, ``replay()``), or None
         where the extension is not loaded or cannot copy one of the tensors."""
-        ext = load_torch()
-        if ext is None or not hasattr(ext, "launch_plan"):
+        if self._launch_plan is None or self._whole_launch is None:
             return None
-        plan = ext.launch_plan(tuple(args), dict(kwargs), list(statics), replay, inference_mode)
-        return None if plan is None else functools.partial(ext.whole_launch, plan)
+        plan = self._launch_plan(tuple(args), dict(kwargs), list(statics), replay, inference_mode)
+        return None if plan is None else functools.partial(self._whole_launch, plan)
 
     def fresh_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """A new copy of each of ``tensors`` in one C++ call (the torch extension's ``fresh_copies``:

@@ -532,6 +532,13 @@ PyObject* copy_into(PyObject*, PyObject* args) {
   }
 }
 
+// Whether ``t`` is a dense CUDA tensor, one span of bytes that one cudaMemcpyAsync copies (checked
+// before its sizes are read: a nested or sparse tensor has none)
+bool one_span(const at::Tensor& t) {
+  return t.layout() == c10::kStrided && !t.is_nested() && t.is_cuda() && !t.is_conj() && !t.is_neg() &&
+         t.is_non_overlapping_and_dense();
+}
+
 // fresh_copies(tensors: list) -> list | None: a new tensor of each one's layout with its values, copied
 // by one cudaMemcpyAsync each on the current stream of its device, where every one is a dense CUDA
 // tensor (one span of bytes); None, with nothing allocated, otherwise. A whole-call replay hands
@@ -548,9 +555,7 @@ PyObject* fresh_copies(PyObject*, PyObject* list) {
       PyObject* obj = PyList_GET_ITEM(list, i);
       if (!THPVariable_Check(obj)) Py_RETURN_NONE;
       const at::Tensor& t = THPVariable_Unpack(obj);
-      if (!t.is_cuda() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() || t.is_neg() ||
-          !t.is_non_overlapping_and_dense())
-        Py_RETURN_NONE;
+      if (!one_span(t)) Py_RETURN_NONE;
     }
   } catch (...) {
     fail();
@@ -585,8 +590,8 @@ PyObject* fresh_copies(PyObject*, PyObject* list) {
 // A whole-call graph (frontend/whole_replay.py) replays only for a call whose arguments match the
 // captured call's: each tensor's sizes, strides, dtype, device, requires_grad and inference-ness,
 // each other argument's type and value, and the inference mode. In Python the key (a tuple per
-// argument, then a dict lookup) and the copies into the graph's inputs took 12-18 µs on an H200's
-// host before each launch, at batch 1 as long as some models' whole graph takes to launch. A
+// argument, then a dict lookup) and the copies into the graph's inputs took 12-18 µs of host time
+// before each launch, at batch 1 as long as some models' whole graph takes to launch. A
 // LaunchPlan keeps the captured call's arguments; whole_launch() compares a call with it, copies
 // its tensors in and launches the graph in one C++ call.
 
@@ -657,11 +662,8 @@ bool plan_argument(PyObject* obj, PyObject* name, PyObject* inputs, Py_ssize_t* 
     if (!THPVariable_Check(in_obj)) return false;
     const at::Tensor& t = THPVariable_Unpack(obj);
     const at::Tensor& in = THPVariable_Unpack(in_obj);
-    if (t.layout() != c10::kStrided || t.is_nested() || in.layout() != c10::kStrided || in.is_nested() ||
-        !t.is_cuda() || !in.is_cuda() || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
-        !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()) ||
-        !in.is_non_overlapping_and_dense() ||
-        t.is_conj() || t.is_neg())
+    if (!one_span(t) || !one_span(in) || in.device() != t.device() || in.scalar_type() != t.scalar_type() ||
+        !in.sizes().equals(t.sizes()) || !in.strides().equals(t.strides()))
       return false;
     a.sizes = t.sizes().vec();
     a.strides = t.strides().vec();
