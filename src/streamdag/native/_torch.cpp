@@ -5,6 +5,8 @@
 // functions from this module's capsule (see _torch_hooks.h) and makes the same calls it makes
 // through the bindings otherwise.
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/PinnedMemoryAllocator.h>
@@ -539,23 +541,30 @@ bool one_span(const at::Tensor& t) {
          t.is_non_overlapping_and_dense();
 }
 
-// fresh_copies(tensors: list) -> list | None: a new tensor of each one's layout with its values, copied
-// by one cudaMemcpyAsync each on the current stream of its device, where every one is a dense CUDA
-// tensor (one span of bytes); None, with nothing allocated, otherwise. A whole-call replay hands
-// its outputs to the caller so: torch.empty_like's dispatch and a copy per output were most of its
-// host time after the launch, and a language model returns two tensors per layer in its cache.
+// fresh_copies(tensors: list) -> list | None: a new tensor of each one's layout with its values, on the
+// current stream of its device, where every one is a dense CUDA tensor (one span of bytes); None,
+// with nothing allocated, otherwise. A whole-call replay hands its outputs to the caller so:
+// torch.empty_like's dispatch and a copy per output were most of its host time after the launch.
+// One or two outputs are copied by one cudaMemcpyAsync each; three or more of one dtype by one
+// _foreach_copy_, whose dispatch costs about two memcpys' host time and whose kernels copy every
+// tensor at once (25 outputs, a language model's logits and cache: 52 µs against 182 µs for a memcpy
+// each). The copies are made below autograd, as the memcpys are.
+constexpr Py_ssize_t kForeachFrom = 3;
+
 PyObject* fresh_copies(PyObject*, PyObject* list) {
   if (!PyList_Check(list)) {
     PyErr_SetString(PyExc_TypeError, "fresh_copies() takes a list of tensors");
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(list);
+  bool one_dtype = true;
   try {
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* obj = PyList_GET_ITEM(list, i);
       if (!THPVariable_Check(obj)) Py_RETURN_NONE;
       const at::Tensor& t = THPVariable_Unpack(obj);
       if (!one_span(t)) Py_RETURN_NONE;
+      one_dtype = one_dtype && t.scalar_type() == THPVariable_Unpack(PyList_GET_ITEM(list, 0)).scalar_type();
     }
   } catch (...) {
     fail();
@@ -564,19 +573,35 @@ PyObject* fresh_copies(PyObject*, PyObject* list) {
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
   try {
+    const bool foreach = n >= kForeachFrom && one_dtype;
+    std::vector<at::Tensor> srcs, dsts;
+    if (foreach) {
+      srcs.reserve(n);
+      dsts.reserve(n);
+    }
     for (Py_ssize_t i = 0; i < n; ++i) {
       const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(list, i));
       at::Tensor fresh = at::empty_strided(t.sizes(), t.strides(), t.options());
       const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-      if (bytes != 0)
+      if (foreach) {
+        if (bytes != 0) {
+          srcs.push_back(t);
+          dsts.push_back(fresh);
+        }
+      } else if (bytes != 0) {
         C10_CUDA_CHECK(cudaMemcpyAsync(fresh.data_ptr(), t.data_ptr(), bytes, cudaMemcpyDeviceToDevice,
                                        c10::cuda::getCurrentCUDAStream(t.get_device()).stream()));
+      }
       PyObject* wrapped = THPVariable_Wrap(std::move(fresh));
       if (wrapped == nullptr) {
         Py_DECREF(out);
         return nullptr;
       }
       PyList_SET_ITEM(out, i, wrapped);
+    }
+    if (!dsts.empty()) {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      at::_foreach_copy_(dsts, srcs);
     }
   } catch (...) {
     Py_DECREF(out);
