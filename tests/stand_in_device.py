@@ -10,6 +10,8 @@ import contextlib
 
 import torch
 
+from streamdag.frontend.whole_replay import empty_like_input, fill_inputs, with_tensors_replaced
+
 
 class StandInDevice:
     def __init__(self) -> None:
@@ -40,3 +42,11 @@ class StandInDevice:
 
     def fresh_copies(self, tensors):
         return None  # torch.empty_like and a copy each
+
+    def capture_own_inputs(self, fn, args, kwargs, inputs, private=False):
+        """``capture`` on tensors of the graph's own in place of ``inputs``, holding their values."""
+        own = [empty_like_input(t) for t in inputs]
+        fill_inputs(own, list(inputs))
+        own_args, own_kwargs = with_tensors_replaced(args, kwargs, inputs, own)
+        graph, out = self.capture(fn, own_args, own_kwargs, private)
+        return graph, out, own

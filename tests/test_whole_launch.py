@@ -172,6 +172,54 @@ def test_on_cuda_fresh_copies_have_each_tensors_layout_and_values_in_memory_of_t
 
 
 @pytest.mark.cuda
+def test_on_cuda_fresh_copies_of_many_tensors_of_one_dtype_copy_each_outside_autograd():
+    ext = _ext()
+    base = torch.randn(4, 6, 8, device="cuda")
+    grads = torch.randn(5, 7, device="cuda", requires_grad=True)
+    many = [base, base.permute(2, 0, 1), torch.empty(0, 3, device="cuda"), base[1], grads,
+            *(torch.randn(i + 1, 3, device="cuda") for i in range(20))]  # a cache's worth: one launch
+    copies = ext.fresh_copies(many)
+    for t, c in zip(many, copies, strict=True):
+        assert c.stride() == t.stride() and c.dtype == t.dtype and c.device == t.device
+        torch.testing.assert_close(c, t.detach(), rtol=0, atol=0)
+        assert c.numel() == 0 or c.data_ptr() != t.data_ptr()
+        assert not c.requires_grad and c.grad_fn is None  # a copy of a result, not a step of a graph
+    base.zero_()
+    assert copies[0].abs().sum() > 0 and copies[3].abs().sum() > 0, "a copy shares the original's memory"
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return self.a(x).relu()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_whole_calls_graph_inputs_lie_in_its_graphs_pool(fresh_dynamo):
+    # an input of 1-10 MiB allocated outside the pool holds a 20 MiB segment of its own for as long
+    # as the graph lives; inside, the graph's temporaries share its segment
+    m = Wide().eval().cuda()
+    c = sd.compile(m)
+    x = torch.randn(2048, 1024, device="cuda")  # 8 MiB
+    with torch.inference_mode():
+        for _ in range(4):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-3, atol=1e-3)
+        x2 = torch.randn_like(x)
+        torch.testing.assert_close(c(x2), m(x2), rtol=1e-3, atol=1e-3)  # the inputs take each call's values
+    entries = list(c.whole.current.entries.values())
+    assert entries and all(e.replays >= 1 for e in entries), c.explain()
+    pools = {(seg["address"], seg["address"] + seg["total_size"]): tuple(seg.get("segment_pool_id", (0, 0)))
+             for seg in torch.cuda.memory_snapshot()}
+    for entry in entries:
+        for s in entry.statics:
+            pool = next(p for (lo, hi), p in pools.items() if lo <= s.data_ptr() < hi)
+            assert pool != (0, 0), "a graph input lies outside every graph's pool"
+
+
+@pytest.mark.cuda
 def test_on_cuda_same_layouts_notices_any_tensor_moved_resized_or_restrided():
     ext = _ext()
     tensors = [torch.randn(4, 6, device="cuda"), torch.randn(3, device="cuda"),

@@ -50,17 +50,18 @@ def eager_refusal(fn: Any, write_back: Sequence[int], updates_state: bool = Fals
     return ""
 
 
-def capture_eager(fn: Callable[..., Any], dev: Any, args: Sequence[Any],
-                  kwargs: dict[str, Any]) -> tuple[Any, Any] | str:
-    """``fn(*args, **kwargs)`` warmed up on the capture stream and captured: (graph, its outputs),
-    or why it could not be."""
+def capture_eager(fn: Callable[..., Any], dev: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                  inputs: Sequence[Any]) -> tuple[Any, Any, list[Any]] | str:
+    """``fn(*args, **kwargs)`` warmed up on the capture stream and captured on inputs of its own in
+    place of ``inputs`` (``CudaCalls.capture_own_inputs``): (graph, its outputs, its inputs), or why
+    it could not be."""
     try:
         caller = dev.caller()
         with dev.on_capture_stream():
             for _ in range(WARMUP):
                 fn(*args, **kwargs)
         dev.join(caller, [])
-        return dev.capture(fn, args, kwargs, private=True)
+        return dev.capture_own_inputs(fn, args, kwargs, inputs, private=True)
     except Exception as exc:  # the eager call cannot be captured: the whole-call graph stays
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"the eager call cannot be captured ({type(exc).__name__}: {first[:160]})"

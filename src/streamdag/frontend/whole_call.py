@@ -63,7 +63,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -75,7 +75,7 @@ from .call_key import call_key
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .result_objects import Template, template
 from .state_watch import StateWatch
-from .whole_replay import CudaCalls, Entry
+from .whole_replay import CudaCalls, Entry, empty_like_input, fill_inputs, with_tensors_replaced
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
 
@@ -329,12 +329,16 @@ class WholeCall:
             park()
         try:
             with _active("capture") as active:
-                graph, captured = dev.capture(dynamo, s_args, s_kwargs)
+                graph, captured, own = dev.capture_own_inputs(dynamo, s_args, s_kwargs, statics)
                 reads = {p: st for p, st in active.reads.items() if p not in active.made}
+            for t in own:  # its inputs are the entry's (an eager graph kept in its place has its own)
+                reads.pop(t.untyped_storage().data_ptr(), None)
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
             return out
+        s_args, s_kwargs = with_tensors_replaced(s_args, s_kwargs, statics, own)  # the graph's, in its pool
+        statics = own
         entry = self._entry(graph, dev, statics, arg_index, kw_names, write_back, captured, gs)
         if isinstance(entry, str):
             self._refuse(key, entry)
@@ -364,11 +368,11 @@ class WholeCall:
         """``entry``, or a plain CUDA graph of the eager call where that replays faster
         (:mod:`.eager_graph`)."""
         why = eager_refusal(self.fn, entry.write_back, updates_state)
-        got = why or capture_eager(self.fn, dev, args, kwargs)
+        got = why or capture_eager(self.fn, dev, args, kwargs, entry.statics)
         if isinstance(got, str):
             self.baseline = f"whole call: no plain CUDA graph of the eager call: {got}"
             return entry
-        eager = self._entry(got[0], dev, entry.statics, entry.arg_index, entry.kw_names, entry.write_back,
+        eager = self._entry(got[0], dev, got[2], entry.arg_index, entry.kw_names, entry.write_back,
                             got[1], entry.global_state, held)
         if isinstance(eager, str) or eager.spec != entry.spec or _metas(eager) != _metas(entry):
             self.baseline = ("whole call: the eager call's result differs from the compiled call's: "
@@ -462,11 +466,8 @@ def _static_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> _StaticInputs
         return f"an argument is a {other} tensor: only strided ones are copied into a graph"
     if any(map(_overlaps, tensors)):
         return "an input's elements overlap in memory (an expanded tensor): not copied into a graph's input"
-    statics = [_like(t) for t in tensors]  # as Dynamo saw the caller's: no guard fails on them
-    inference = any(s.is_inference() for s in statics)
-    if statics:
-        with torch.inference_mode() if inference else nullcontext():
-            torch._foreach_copy_(statics, tensors)
+    statics = [empty_like_input(t) for t in tensors]
+    fill_inputs(statics, tensors)
     s_args, s_kwargs = list(args), dict(kwargs)
     for s, i in zip(statics, arg_index):
         s_args[i] = s
@@ -488,13 +489,6 @@ def _overlaps(t: torch.Tensor) -> bool:
             return True
         extent += (size - 1) * stride
     return False
-
-
-def _like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor with ``t``'s layout, and its ``requires_grad`` and inference-ness."""
-    with torch.inference_mode(t.is_inference()):
-        s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return s.requires_grad_(t.requires_grad) if t.requires_grad else s
 
 
 def _one_cuda_device(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[torch.device | None, str]:

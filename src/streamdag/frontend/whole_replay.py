@@ -47,7 +47,7 @@ from .call_key import call_key
 from .candidates import capture_graph, time_replays, workspaces_in_pool
 from .result_objects import rebuild
 
-__all__ = ["CudaCalls", "Entry"]
+__all__ = ["CudaCalls", "Entry", "empty_like_input", "fill_inputs", "with_tensors_replaced"]
 
 
 class CudaCalls:
@@ -114,6 +114,29 @@ class CudaCalls:
         caller.wait_stream(self.stream)
         return graph, out
 
+    def capture_own_inputs(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                           inputs: Sequence[torch.Tensor],
+                           private: bool = False) -> tuple[Any, Any, list[torch.Tensor]]:
+        """:meth:`capture` with each of ``inputs`` (tensors among the arguments) replaced by a tensor of
+        its layout and values allocated in the graph's pool: (the graph, its outputs, those tensors).
+
+        Allocated inside the capture, on its stream, an input shares the pool's segments with the
+        graph's temporaries, as CUDA graph trees place theirs; allocated outside, an input of 1-10
+        MiB would hold a 20 MiB segment of the caching allocator of its own for as long as the graph
+        lives. The capture runs nothing, so the values are copied in after it. Each graph gets inputs
+        of its own: a graph keeps its pool in use, and a pool that no graph uses while a tensor in it
+        lives can never be captured into again."""
+        made: list[torch.Tensor] = []
+
+        def on_own_inputs() -> Any:
+            made[:] = [empty_like_input(t) for t in inputs]
+            own_args, own_kwargs = with_tensors_replaced(args, kwargs, inputs, made)
+            return fn(*own_args, **own_kwargs)
+
+        graph, out = self.capture(on_own_inputs, (), {}, private)
+        fill_inputs(made, list(inputs))
+        return graph, out, made
+
     def order(self) -> None:
         """This replay follows the last one in the pool when that ran on another stream."""
         self.pool.order_current(self.device, self.index)
@@ -122,6 +145,31 @@ class CudaCalls:
         """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""
         self.order()
         return time_replays(graphs, rounds, self.device)
+
+
+def empty_like_input(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with ``t``'s layout, and its ``requires_grad`` and inference-ness: as Dynamo saw
+    the caller's tensor, so no guard fails on it."""
+    with torch.inference_mode(t.is_inference()):
+        s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return s.requires_grad_(t.requires_grad) if t.requires_grad else s
+
+
+def fill_inputs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each of ``srcs`` into its graph input in ``dsts``, outside autograd (an input may require
+    grad) and in inference mode where they are inference tensors, which only it may write."""
+    if not dsts:
+        return
+    inference = any(d.is_inference() for d in dsts)
+    with torch.inference_mode() if inference else torch.no_grad():
+        torch._foreach_copy_(dsts, srcs)
+
+
+def with_tensors_replaced(args: Sequence[Any], kwargs: dict[str, Any], old: Sequence[torch.Tensor],
+                          new: Sequence[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    """``args`` and ``kwargs`` with each of ``old`` (the very tensor object) replaced by its ``new``."""
+    swap = {id(o): n for o, n in zip(old, new)}
+    return ([swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()})
 
 
 # -- the captured graph ---------------------------------------------------------------------------------
