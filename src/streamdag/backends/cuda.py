@@ -14,13 +14,14 @@ lost and the runtime fails every pending and later op with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import DeviceLost
-from ..native import twin
+from ..native import load_torch, twin
 from .cuda_calls import (
     _get_device,
     _get_stream,
@@ -37,6 +38,11 @@ from .cuda_streams import CudaEvent, CudaStream, _ordered_by_cuda, _OwnStreams, 
 from .threads import run_named, torch_profiler_on
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
+
+#: a clock mark's bracket (see ``CudaBackend.clock_mark``): its midpoint is within half of it of
+#: the moment the GPU ran the mark; a wider one is taken again, up to ``CLOCK_TRIES`` times
+CLOCK_BRACKET_NS = 20_000
+CLOCK_TRIES = 5
 
 #: tells the compiled submit and pass that a device was lost: until then they take a
 #: ``CudaBackend``'s ``lost`` to be None without looking it up (see ``CudaBackend.lost``)
@@ -67,7 +73,7 @@ class CudaBackend:
         #: every blocking stream's work. ``peer_out`` is not: captures pull it in
         self._blocking = default_stream_sync
         self._own = _OwnStreams.take(index, streams + 3, blocking=default_stream_sync)
-        self._own_peer = _OwnStreams.take(index, 3)  # peer_out and the two staging streams
+        self._own_peer = _OwnStreams.take(index, 4)  # peer_out, the two staging streams, the clock
         own = iter(self._own or [])
         side = iter(self._own_peer or [])
 
@@ -88,6 +94,11 @@ class CudaBackend:
             self.staging_streams: dict[str, CudaStream] = {
                 kind: CudaStream(-2 - i, f"staging_{kind}", next(side, None))
                 for i, kind in enumerate(("h2d", "d2h"))}
+            #: where :meth:`clock_mark` records its events: no op runs there, so an event recorded
+            #: on it runs at once (None without the torch extension: no stream of PyTorch's pool is
+            #: sure to be idle)
+            self._clock_stream: CudaStream | None = (
+                CudaStream(-4, "clock", self._own_peer[3]) if self._own_peer else None)
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
         self._completions = _Completions(self, len(self._all))
@@ -245,6 +256,35 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def clock_mark(self) -> tuple[CudaEvent, int] | None:
+        """A timing event and the wall clock (``time.time_ns``) at the moment the GPU ran it: what
+        maps a profile's events to the wall clock (``Profiler``). A base event recorded behind
+        queued work runs after the wall clock read beside it, by as long as that work takes. The
+        event goes on a stream no op uses, and the moment is bracketed between the clock read
+        before its record and the one when a query first sees it done; a bracket wider than
+        ``CLOCK_BRACKET_NS`` (a thread switch between the two) is taken again. Queries are made in
+        relaxed capture mode, which a capture in another thread allows. None without the torch
+        extension."""
+        query = getattr(load_torch(), "query_relaxed", None)
+        if query is None or self._clock_stream is None:
+            return None
+        best: tuple[CudaEvent, int, int] | None = None
+        for _ in range(CLOCK_TRIES):
+            event = CudaEvent(True, self.torch_device)
+            before = time.time_ns()
+            event.record(self._clock_stream)
+            deadline = before + 1_000_000_000
+            while not query(event):
+                if time.time_ns() > deadline:
+                    return None  # the device runs nothing of ours: no mark to be had now
+            after = time.time_ns()
+            if best is None or after - before < best[2] - best[1]:
+                best = (event, before, after)
+            if after - before <= CLOCK_BRACKET_NS:
+                break
+        event, before, after = best
+        return event, (before + after) // 2
 
     def close(self) -> None:
         self._completions.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +116,8 @@ class SimBackend:
         self._streams = [_SimStream(i, self._executor) for i in range(streams)]
         self._copy = {k: _SimStream(streams + i, self._executor, k) for i, k in enumerate(copy_kinds)}
         self._all = self._streams + list(self._copy.values())
-        self._executor.join(self._all)
+        self._clock = _SimStream(-1, self._executor, "clock")  # no op runs there: see clock_mark
+        self._executor.join([*self._all, self._clock])
 
     @property
     def streams(self) -> list[_SimStream]:
@@ -156,6 +158,16 @@ class SimBackend:
             events.append(ev)
         for ev in events:
             ev.synchronize()
+
+    def clock_mark(self) -> tuple[HostEvent, int]:
+        """An event and the wall clock (``time.time_ns``) at the moment the device ran it, as
+        ``CudaBackend.clock_mark`` gives them: the device runs its streams' commands in its own
+        time, so an event recorded behind queued work runs after the host recorded it."""
+        event = HostEvent()
+        before = time.time_ns()
+        event.record(self._clock)
+        event.synchronize()
+        return event, (before + time.time_ns()) // 2
 
     def close(self) -> None:
         self._executor.leave()

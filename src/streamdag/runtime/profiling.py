@@ -9,11 +9,14 @@ Lanes on the host (a CPU runtime's, host lanes beside a device) take their base
 as the host's clock at that moment (``CpuBackend.clock_base``), not when a lane
 thread gets to it.
 
-Each base is paired with the wall clock (``time.time_ns``) read beside it: the timeline's origin is
+Each base is paired with the wall clock (``time.time_ns``): the timeline's origin is
 a Unix time, the clock PyTorch's profiler (Kineto) writes its CPU events on, so that the two
 traces of one run line up. Each stream is named as Kineto names it: a lane by its thread (the
 process id, the thread's id in the operating system), a CUDA stream by its device ordinal and its
-``cudaStream_t``.
+``cudaStream_t``. A device's base event runs behind whatever its stream had queued when the
+profile began (or, on a shared GPU, behind other processes' work), later than the wall clock read
+beside its record; so where the backend can mark its clock (``clock_mark``: an event on an idle
+stream and the wall clock at the moment it ran), the profile's end maps the base through a mark.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class Profiler:
         """Read the events (after the runtime has synchronized) into a :class:`Timeline`. An op
         not finished by then is left out: its end would be waited for (inside an op, the ops
         that wait for it are not waited for, see ``Runtime.synchronize``)."""
+        self._calibrate()
         spans = []
         wall0 = min(self.walls.values())
         tracks: dict[int, tuple[int | None, int | None]] = {}
@@ -105,6 +109,23 @@ class Profiler:
         self._timeline = Timeline([replace(sp, start=sp.start - origin, end=sp.end - origin)
                                    for sp in spans], origin_ns=wall0 + round(origin * 1e6))
         return self._timeline
+
+
+    def _calibrate(self) -> None:
+        """Each base's wall clock, from a clock mark taken now, where its backend marks its clock
+        (the base ran earlier by the time between the two events); the wall clock read beside
+        the base's record elsewhere. A base that never ran (the wait at the profile's end failed)
+        keeps the latter."""
+        for m in {id(m): m for m in self.members}.values():
+            mark = getattr(m, "clock_mark", None)
+            got = mark() if mark is not None else None
+            if got is None:
+                continue
+            event, wall = got
+            try:
+                self.walls[id(m)] = wall - round(self.bases[id(m)].elapsed_ms(event) * 1e6)
+            except RuntimeError:  # the base never ran
+                continue
 
 
 def _kineto_track(device: str, stream: Any) -> tuple[int | None, int | None]:
