@@ -25,7 +25,7 @@ def device_streams(rt):
 
 def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
     """PyTorch hands out its streams from a pool of 32 per device: made from it, three runtimes'
-    streams (14 each) and the user's would share CUDA streams, and so queues. A runtime's are its
+    streams (15 each) and the user's would share CUDA streams, and so queues. A runtime's are its
     own (made by the torch extension), none shared with another runtime's or PyTorch's pool, and
     a closed runtime's are reused by the next. Each runtime still computes right on them."""
     from streamdag import native
@@ -35,13 +35,13 @@ def test_a_runtime_has_cuda_streams_of_its_own_not_from_pytorchs_pool():
 
     def addresses(rt):
         return [s.cuda_stream for s in [*device_streams(rt), rt.backend.peer_out,
-                                        *rt.backend.staging_streams.values()]]
+                                        *rt.backend.staging_streams.values(), rt.backend.clock_stream]]
 
     runtimes = [sd.Runtime("cuda", streams=8) for _ in range(3)]
     try:
         pool = {torch.cuda.Stream().cuda_stream for _ in range(64)}
         ours = [a for rt in runtimes for a in addresses(rt)]
-        assert len(ours) == 3 * 14 and len(set(ours)) == len(ours)
+        assert len(ours) == 3 * 15 and len(set(ours)) == len(ours)
         assert not set(ours) & pool
         x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
         for k, rt in enumerate(runtimes):

@@ -97,7 +97,7 @@ class CudaBackend:
             #: where :meth:`clock_mark` records its events: no op runs there, so an event recorded
             #: on it runs at once (None without the torch extension: no stream of PyTorch's pool is
             #: sure to be idle)
-            self._clock_stream: CudaStream | None = (
+            self.clock_stream: CudaStream | None = (
                 CudaStream(-4, "clock", self._own_peer[3]) if self._own_peer else None)
         self._all = self._streams + list(self._copy.values())
         self._free_events: list[CudaEvent] = []
@@ -267,13 +267,13 @@ class CudaBackend:
         relaxed capture mode, which a capture in another thread allows. None without the torch
         extension."""
         query = getattr(load_torch(), "query_relaxed", None)
-        if query is None or self._clock_stream is None:
+        if query is None or self.clock_stream is None:
             return None
         best: tuple[CudaEvent, int, int] | None = None
         for _ in range(CLOCK_TRIES):
             event = CudaEvent(True, self.torch_device)
             before = time.time_ns()
-            event.record(self._clock_stream)
+            event.record(self.clock_stream)
             deadline = before + 1_000_000_000
             while not query(event):
                 if time.time_ns() > deadline:
