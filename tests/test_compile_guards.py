@@ -10,7 +10,7 @@ on it alone. Inductor compiles C++ for the CPU, so its cases are marked ``slow``
 
 import copy
 import dataclasses
-import inspect
+import functools
 import threading
 import warnings
 from collections import OrderedDict, namedtuple
@@ -275,8 +275,6 @@ def test_a_recurrent_model_that_dynamo_runs_as_written_says_so_and_names_the_swi
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_each_compiled_instance_of_a_module_class_has_its_own_recompile_limit(engine):
-    if engine == "inductor" and "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
-        pytest.skip("this torch counts the compiles of every instance against one limit")
     x = torch.randn(2, 4)
     compiled = [sd.compile(_Scaled().eval(), engine=engine)
                 for _ in range(torch._dynamo.config.recompile_limit + 2)]
@@ -284,6 +282,60 @@ def test_each_compiled_instance_of_a_module_class_has_its_own_recompile_limit(en
         for c in compiled:
             torch.testing.assert_close(c(x), c.__wrapped__(x))
     assert [(_compiles(c), c.statistics().eager_calls) for c in compiled] == [(1, 0)] * len(compiled)
+
+
+def _returns_tuple(forward):
+    """A decorator around every model's ``forward``, as Hugging Face's are: one wrapper code object
+    that every model class's call enters first."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+def _classes_sharing_a_wrapper(n):
+    """``n`` module classes whose ``forward``s go through one wrapper (each adds its own constant)."""
+    def make(k):
+        @_returns_tuple
+        def forward(self, x):
+            return self.lin(x) + k
+        return type(f"Family{k}", (nn.Module,), {
+            "__init__": lambda self: (nn.Module.__init__(self), setattr(self, "lin", nn.Linear(4, 4)))[0],
+            "forward": forward})
+    return [make(k) for k in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolation", ["torch's isolate_recompiles", "a frame of its own"])
+def test_models_whose_forwards_share_a_wrapper_each_compile_in_one_process(isolation, monkeypatch):
+    from streamdag.frontend import compiled_model
+
+    if isolation == "a frame of its own":  # what runs on a PyTorch without isolate_recompiles
+        monkeypatch.setattr(compiled_model, "_OWN_RECOMPILE_LIMIT", {})
+    elif not compiled_model._OWN_RECOMPILE_LIMIT:
+        pytest.skip("this torch has no isolate_recompiles")
+    x = torch.randn(2, 4)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        compiled = [sd.compile(cls().eval()) for cls in _classes_sharing_a_wrapper(5)]
+        for c in compiled:
+            torch.testing.assert_close(c(x), c.__wrapped__(x))
+    assert [(c.statistics().graphs, c.statistics().eager_calls) for c in compiled] == [(1, 0)] * 5
+
+
+def test_without_isolation_models_sharing_a_wrapper_exhaust_one_recompile_limit():
+    # the negative control: Dynamo alone, each model compiled at the shared frame
+    x = torch.randn(2, 4)
+    graphs = []
+
+    def counting(gm, examples):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        for cls in _classes_sharing_a_wrapper(5):
+            m = cls().eval()
+            torch.testing.assert_close(torch.compile(m, backend=counting)(x), m(x))
+    assert len(graphs) < 5
 
 
 # --- several threads ------------------------------------------------------------------------
