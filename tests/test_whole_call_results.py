@@ -179,3 +179,55 @@ def test_an_object_the_result_holds_twice_comes_back_as_one_object(fake_device):
             torch.testing.assert_close(first.extra[0], x * 3)
             torch.testing.assert_close(first.space.t, x * 4)
     assert w.replays == 2, w.explain()
+
+
+class Pooled(nn.Module):
+    """Hidden states and views of them, as a vision transformer returns its first token."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return {"seq": h, "first": h[:, 0], "last": h[:, -1].unsqueeze(1), "other": h.relu()}
+
+
+def test_outputs_that_are_views_of_each_other_replay_and_share_memory_as_the_models_do(fake_device):
+    m = Pooled().eval()
+    w, dynamo = whole(m, fake_device)
+    got = []
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 3, 4)
+            got.append((x, w((x,), {}, dynamo)))
+    assert w.replays == 3 and w.captures == 1, w.explain()
+    with torch.no_grad():
+        for x, out in got:  # each call's result its own: later replays left it alone
+            want = m(x)
+            for k in want:
+                torch.testing.assert_close(out[k], want[k])
+                assert out[k].stride() == want[k].stride()
+    out = got[-1][1]
+    seq = out["seq"].untyped_storage().data_ptr()
+    assert out["first"].untyped_storage().data_ptr() == seq == out["last"].untyped_storage().data_ptr()
+    assert out["other"].untyped_storage().data_ptr() != seq
+    out["seq"][:, 0] = 7.0  # a view of the result follows a write into it, as the model's would
+    assert bool((out["first"] == 7.0).all())
+    assert got[-2][1]["first"].untyped_storage().data_ptr() != seq, "two calls' results share memory"
+
+
+def test_outputs_far_apart_in_one_tensor_stay_on_dynamos_path_and_say_why(fake_device):
+    class Ends(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            return h[0, :1], h[-1, -1:]
+
+    m = Ends()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(64, 64)
+            got = w((x,), {}, dynamo)
+            torch.testing.assert_close(got, m(x))
+    assert w.captures == 0 and "far apart" in w.explain(), w.explain()

@@ -75,7 +75,7 @@ from .call_key import call_key
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .result_objects import Template, template
 from .state_watch import StateWatch
-from .whole_replay import CudaCalls, Entry, empty_like_input, fill_inputs, with_tensors_replaced
+from .whole_replay import CudaCalls, Entry, copy_plan, empty_like_input, fill_inputs, with_tensors_replaced
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
 
@@ -409,7 +409,8 @@ class WholeCall:
             return parts
         return Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
                      write_back=write_back, outputs=parts.outputs, leaves=parts.leaves, slots=parts.slots,
-                     spec=parts.spec, objects=parts.objects, global_state=gs, clone=self.clone,
+                     spec=parts.spec, objects=parts.objects, copied=parts.copied, views=parts.views,
+                     global_state=gs, clone=self.clone,
                      inference=any(s.is_inference() for s in statics))
 
     def explain(self) -> str:
@@ -512,6 +513,8 @@ class _ResultParts:
     leaves: list[Any]  # its leaves, with None where a tensor or an object goes
     slots: list[int]  # for each leaf, its output (-1: none)
     objects: list[tuple[int, Template]]  # the leaves that are objects, rebuilt at each replay
+    copied: list[torch.Tensor] | None = None  # where outputs share memory: see whole_replay.copy_plan
+    views: list[Any] | None = None
 
 
 def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
@@ -547,7 +550,12 @@ def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
                        "streamdag.decoder" if hf else ""))
         objects.append((pos, tpl))
     reason = _output_refusal(outputs, device, statics, held)
-    return reason or _ResultParts(spec, outputs, kept, slots, objects)
+    if reason:
+        return reason
+    plan = copy_plan(outputs)
+    if isinstance(plan, str):
+        return plan
+    return _ResultParts(spec, outputs, kept, slots, objects, *plan)
 
 
 def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: list[torch.Tensor],
@@ -555,7 +563,6 @@ def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: 
     """Why these output tensors cannot come from a replay ('' where they can)."""
     inputs = {s.untyped_storage().data_ptr() for s in statics} - {0}  # 0: no memory (no elements)
     kept = {t.untyped_storage().data_ptr() for t in held if t.device == device} - {0}
-    storages: dict[int, int] = {}
     for leaf in outputs:
         if leaf.layout != torch.strided:
             return f"an output is a {leaf.layout} tensor"
@@ -568,6 +575,4 @@ def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: 
             return "an output is an input or a view of one: the caller's tensor, not a copy, is returned"
         if ptr in kept:
             return "an output is a parameter or buffer or a view of one: the module's tensor is returned"
-        if ptr and storages.setdefault(ptr, id(leaf)) != id(leaf):
-            return "two outputs share memory (one is a view of the other): copies would not"
     return ""

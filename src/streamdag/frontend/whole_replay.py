@@ -47,7 +47,7 @@ from .call_key import call_key
 from .candidates import capture_graph, time_replays, workspaces_in_pool
 from .result_objects import rebuild
 
-__all__ = ["CudaCalls", "Entry", "empty_like_input", "fill_inputs", "with_tensors_replaced"]
+__all__ = ["CudaCalls", "Entry", "copy_plan", "empty_like_input", "fill_inputs", "with_tensors_replaced"]
 
 
 class CudaCalls:
@@ -172,6 +172,46 @@ def with_tensors_replaced(args: Sequence[Any], kwargs: dict[str, Any], old: Sequ
     return ([swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()})
 
 
+def copy_plan(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor] | None, list[Any] | None] | str:
+    """What a replay copies for ``outputs`` that share memory (a model returns its hidden states and
+    a view of them, ``h[:, 0]``), so that the caller's copies share memory as they do: for each
+    group of outputs in one storage, one 1-D span over the elements they cover, each output then a
+    view of that span's copy (``views``: per output, its span and ``(size, stride, offset)``, or
+    None for an output copied alone). ``(None, None)`` where no outputs share memory; why not
+    where a group mixes dtypes or its span would copy more than twice the outputs' elements."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(outputs):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and t.numel():
+            groups.setdefault(ptr, []).append(i)
+    if all(len(g) == 1 for g in groups.values()):
+        return None, None
+    copied: list[torch.Tensor] = []
+    views: list[Any] = [None] * len(outputs)
+    span_of: dict[int, int] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        ts = [outputs[i] for i in members]
+        if len({t.dtype for t in ts}) > 1:
+            return "two outputs of different dtypes share memory: their copies could not"
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in ts)
+        if hi - lo > 2 * sum(t.numel() for t in ts):
+            return ("outputs share memory sparsely (views far apart in one tensor): copying what lies "
+                    "between them would cost more than the outputs")
+        span = len(copied)
+        copied.append(ts[0].as_strided((hi - lo,), (1,), lo))
+        for i, t in zip(members, ts):
+            views[i] = (span, (tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo))
+            span_of[i] = span
+    for i, t in enumerate(outputs):  # the rest copied alone, each its own span
+        if i not in span_of:
+            views[i] = (len(copied), None)
+            copied.append(t)
+    return copied, views
+
+
 # -- the captured graph ---------------------------------------------------------------------------------
 
 @dataclass
@@ -195,6 +235,10 @@ class Entry:
     objects: list[tuple[int, Any]] = field(default_factory=list)  # leaves rebuilt around fresh tensors
     speculative: bool = False  # writes nothing outside its own memory: launched before the checks
     held: list[Any] = field(default_factory=list)  # the storages its graph reads and did not make
+    #: where outputs share memory (:func:`copy_plan`): what a replay copies, and each output as a view
+    #: of one copy (None: each output is copied alone)
+    copied: list[torch.Tensor] | None = None
+    views: list[Any] | None = None
     key: Any = None  # the key of the calls it replays for
     native: Callable[..., bool] | None = None  # the torch extension's launch_if (CudaCalls.launch_plan)
     single: bool = field(init=False)
@@ -246,11 +290,13 @@ class Entry:
         if not self.clone:
             fresh = self.outputs
         else:
-            copies = self.device.fresh_copies(self.outputs)
+            sources = self.outputs if self.copied is None else self.copied
+            copies = self.device.fresh_copies(sources)
             if copies is None:
-                copies = [torch.empty_like(o) for o in self.outputs]
-                self._copy(copies, self.outputs)
-            fresh = copies
+                copies = [torch.empty_like(o) for o in sources]
+                self._copy(copies, sources)
+            fresh = copies if self.views is None else [
+                copies[span] if view is None else copies[span].as_strided(*view) for span, view in self.views]
         if self.single:
             return fresh[0]
         leaves = list(self.leaves)
