@@ -39,8 +39,8 @@ from .threads import run_named, torch_profiler_on
 
 __all__ = ["CudaBackend", "CudaEvent", "is_sticky"]
 
-#: a clock mark's bracket (see ``CudaBackend.clock_mark``): its midpoint is within half of it of
-#: the moment the GPU ran the mark; a wider one is taken again, up to ``CLOCK_TRIES`` times
+#: a clock mark's bracket (see ``CudaBackend.wall_of``): its midpoint is within half of it of the
+#: moment the GPU ran the mark; a wider one is taken again, up to ``CLOCK_TRIES`` times
 CLOCK_BRACKET_NS = 20_000
 CLOCK_TRIES = 5
 
@@ -94,7 +94,7 @@ class CudaBackend:
             self.staging_streams: dict[str, CudaStream] = {
                 kind: CudaStream(-2 - i, f"staging_{kind}", next(side, None))
                 for i, kind in enumerate(("h2d", "d2h"))}
-            #: where :meth:`clock_mark` records its events: no op runs there, so an event recorded
+            #: where :meth:`wall_of` records its marks: no op runs there, so an event recorded
             #: on it runs at once (None without the torch extension: no stream of PyTorch's pool is
             #: sure to be idle)
             self.clock_stream: CudaStream | None = (
@@ -257,34 +257,32 @@ class CudaBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
 
-    def clock_mark(self) -> tuple[CudaEvent, int] | None:
-        """A timing event and the wall clock (``time.time_ns``) at the moment the GPU ran it: what
-        maps a profile's events to the wall clock (``Profiler``). A base event recorded behind
-        queued work runs after the wall clock read beside it, by as long as that work takes. The
-        event goes on a stream no op uses, and the moment is bracketed between the clock read
-        before its record and the one when a query first sees it done; a bracket wider than
-        ``CLOCK_BRACKET_NS`` (a thread switch between the two) is taken again. Queries are made in
-        relaxed capture mode, which a capture in another thread allows. None without the torch
-        extension."""
+    def wall_of(self, event: CudaEvent) -> int | None:
+        """The wall clock (``time.time_ns``) at the moment the GPU ran ``event``, a timing event:
+        what maps a profile's events to the wall clock (``Profiler``). A base event recorded behind
+        queued work runs after the wall clock read beside its record, by as long as that work
+        takes; so ``event`` is timed against a mark taken now, an event on a stream no op uses
+        whose moment is bracketed between the clock read before its record and the one when a
+        query first sees it done. A bracket wider than ``CLOCK_BRACKET_NS`` (a thread switch
+        between the two, or a busy GPU that ran the mark late) is taken again, up to
+        ``CLOCK_TRIES`` times. Queries are made in relaxed capture mode, which a capture in another
+        thread allows. None where there is no such mark (without the torch extension, on a lost
+        device, with every bracket too wide) or ``event`` has not run."""
         query = getattr(load_torch(), "query_relaxed", None)
-        if query is None or self.clock_stream is None:
+        if query is None or self.clock_stream is None or self.lost is not None or not query(event):
             return None
-        best: tuple[CudaEvent, int, int] | None = None
         for _ in range(CLOCK_TRIES):
-            event = CudaEvent(True, self.torch_device)
+            mark = CudaEvent(True, self.torch_device)
             before = time.time_ns()
-            event.record(self.clock_stream)
+            mark.record(self.clock_stream)
             deadline = before + 1_000_000_000
-            while not query(event):
+            while not query(mark):
                 if time.time_ns() > deadline:
-                    return None  # the device runs nothing of ours: no mark to be had now
+                    return None
             after = time.time_ns()
-            if best is None or after - before < best[2] - best[1]:
-                best = (event, before, after)
             if after - before <= CLOCK_BRACKET_NS:
-                break
-        event, before, after = best
-        return event, (before + after) // 2
+                return (before + after) // 2 - round(event.elapsed_ms(mark) * 1e6)
+        return None
 
     def close(self) -> None:
         self._completions.stop()

@@ -116,7 +116,7 @@ class SimBackend:
         self._streams = [_SimStream(i, self._executor) for i in range(streams)]
         self._copy = {k: _SimStream(streams + i, self._executor, k) for i, k in enumerate(copy_kinds)}
         self._all = self._streams + list(self._copy.values())
-        self._clock = _SimStream(-1, self._executor, "clock")  # no op runs there: see clock_mark
+        self._clock = _SimStream(-1, self._executor, "clock")  # no op runs there: see wall_of
         self._executor.join([*self._all, self._clock])
 
     @property
@@ -159,15 +159,18 @@ class SimBackend:
         for ev in events:
             ev.synchronize()
 
-    def clock_mark(self) -> tuple[HostEvent, int]:
-        """An event and the wall clock (``time.time_ns``) at the moment the device ran it, as
-        ``CudaBackend.clock_mark`` gives them: the device runs its streams' commands in its own
-        time, so an event recorded behind queued work runs after the host recorded it."""
-        event = HostEvent()
+    def wall_of(self, event: HostEvent) -> int | None:
+        """The wall clock (``time.time_ns``) at the moment the device ran ``event``, timed against a
+        mark as ``CudaBackend.wall_of`` times it: the device runs its streams' commands in its own
+        time, so an event recorded behind queued work runs after the host recorded it. None where
+        ``event`` has not run, or inside an op (the one thread that would run the mark is busy)."""
+        if self._executor.runs_here() or not event.query():
+            return None
+        mark = HostEvent()
         before = time.time_ns()
-        event.record(self._clock)
-        event.synchronize()
-        return event, (before + time.time_ns()) // 2
+        mark.record(self._clock)
+        mark.synchronize()
+        return (before + time.time_ns()) // 2 - round(event.elapsed_ms(mark) * 1e6)
 
     def close(self) -> None:
         self._executor.leave()

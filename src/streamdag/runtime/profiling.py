@@ -3,8 +3,8 @@
 It adds events, never waits, so the schedule stays what it would have been.
 On the CPU the events are timestamps taken by the lanes; on CUDA they are
 CUDA timing events, read once profiling ends. On several devices each device
-has its own base event, recorded at the same moment on the host: times of
-different devices line up within the few microseconds between those records.
+has its own base event, each mapped to the wall clock (below), so the times of
+different devices line up.
 Lanes on the host (a CPU runtime's, host lanes beside a device) take their base
 as the host's clock at that moment (``CpuBackend.clock_base``), not when a lane
 thread gets to it.
@@ -15,8 +15,9 @@ traces of one run line up. Each stream is named as Kineto names it: a lane by it
 process id, the thread's id in the operating system), a CUDA stream by its device ordinal and its
 ``cudaStream_t``. A device's base event runs behind whatever its stream had queued when the
 profile began (or, on a shared GPU, behind other processes' work), later than the wall clock read
-beside its record; so where the backend can mark its clock (``clock_mark``: an event on an idle
-stream and the wall clock at the moment it ran), the profile's end maps the base through a mark.
+beside its record; so where the backend can time an event against a mark of its clock
+(``wall_of``: an event on an idle stream and the wall clock at the moment it ran), the profile's
+end maps the base through a mark.
 """
 
 from __future__ import annotations
@@ -112,20 +113,14 @@ class Profiler:
 
 
     def _calibrate(self) -> None:
-        """Each base's wall clock, from a clock mark taken now, where its backend marks its clock
-        (the base ran earlier by the time between the two events); the wall clock read beside
-        the base's record elsewhere. A base that never ran (the wait at the profile's end failed)
-        keeps the latter."""
+        """Each base's wall clock, timed against a mark of its backend's clock taken now, where the
+        backend can (``wall_of``); the wall clock read beside the base's record elsewhere, and
+        where the base never ran (the wait at the profile's end failed)."""
         for m in {id(m): m for m in self.members}.values():
-            mark = getattr(m, "clock_mark", None)
-            got = mark() if mark is not None else None
-            if got is None:
-                continue
-            event, wall = got
-            try:
-                self.walls[id(m)] = wall - round(self.bases[id(m)].elapsed_ms(event) * 1e6)
-            except RuntimeError:  # the base never ran
-                continue
+            wall_of = getattr(m, "wall_of", None)
+            wall = wall_of(self.bases[id(m)]) if wall_of is not None else None
+            if wall is not None:
+                self.walls[id(m)] = wall
 
 
 def _kineto_track(device: str, stream: Any) -> tuple[int | None, int | None]:
