@@ -231,3 +231,19 @@ def test_outputs_far_apart_in_one_tensor_stay_on_dynamos_path_and_say_why(fake_d
             got = w((x,), {}, dynamo)
             torch.testing.assert_close(got, m(x))
     assert w.captures == 0 and "far apart" in w.explain(), w.explain()
+
+
+def test_an_output_that_is_a_lazy_conjugate_of_another_stays_on_dynamos_path_and_says_why(fake_device):
+    class Conjugated(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            return h, h.conj()  # a view with the conjugate bit: a plain as_strided of a copy would lose it
+
+    m = Conjugated()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 3, dtype=torch.cfloat)
+            got = w((x,), {}, dynamo)
+            torch.testing.assert_close(got[1].resolve_conj(), m(x)[1].resolve_conj())
+    assert w.captures == 0 and "lazy conjugate" in w.explain(), w.explain()

@@ -329,16 +329,16 @@ class WholeCall:
             park()
         try:
             with _active("capture") as active:
-                graph, captured, own = dev.capture_own_inputs(dynamo, s_args, s_kwargs, statics)
+                graph, captured, own_inputs = dev.capture_own_inputs(dynamo, s_args, s_kwargs, statics)
                 reads = {p: st for p, st in active.reads.items() if p not in active.made}
-            for t in own:  # its inputs are the entry's (an eager graph kept in its place has its own)
+            for t in own_inputs:  # the entry holds its inputs (an eager graph kept in its place, its own)
                 reads.pop(t.untyped_storage().data_ptr(), None)
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")
             return out
-        s_args, s_kwargs = with_tensors_replaced(s_args, s_kwargs, statics, own)  # the graph's, in its pool
-        statics = own
+        s_args, s_kwargs = with_tensors_replaced(s_args, s_kwargs, statics, own_inputs)  # in its pool
+        statics = own_inputs
         entry = self._entry(graph, dev, statics, arg_index, kw_names, write_back, captured, gs)
         if isinstance(entry, str):
             self._refuse(key, entry)
@@ -378,7 +378,11 @@ class WholeCall:
             self.baseline = ("whole call: the eager call's result differs from the compiled call's: "
                              f"{eager if isinstance(eager, str) else 'other outputs, shapes or dtypes'}")
             return entry
-        eager.held, eager.speculative = entry.held, entry.speculative
+        # the model's tensors, not what the compiled graph read: that may lie in the shared pool
+        # (a tensor made between graph breaks), which no graph would use once the compiled one is
+        # dropped, and a pool no graph uses while a tensor in it lives cannot be captured into again
+        eager.held = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in held}.values())
+        eager.speculative = entry.speculative
         kept, self.baseline = keep_eager(dev, entry, eager)
         return eager if kept else entry
 

@@ -86,8 +86,8 @@ class CudaCalls:
 
     def fresh_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """A new copy of each of ``tensors`` in one C++ call (the torch extension's ``fresh_copies``:
-        an allocation and a ``cudaMemcpyAsync`` each), where it is loaded and every one is dense;
-        None otherwise."""
+        an allocation each, and a ``cudaMemcpyAsync`` each or one ``_foreach_copy_`` for them all),
+        where it is loaded and every one is dense; None otherwise."""
         return self._fresh_copies(tensors) if self._fresh_copies is not None else None
 
     def caller(self) -> Any:
@@ -195,6 +195,8 @@ def copy_plan(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor] | Non
         ts = [outputs[i] for i in members]
         if len({t.dtype for t in ts}) > 1:
             return "two outputs of different dtypes share memory: their copies could not"
+        if any(t.is_conj() or t.is_neg() for t in ts):  # a lazy conjugate's view of the copy: not as_strided
+            return "an output that shares memory with another is a lazy conjugate or negation"
         lo = min(t.storage_offset() for t in ts)
         hi = max(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in ts)
         if hi - lo > 2 * sum(t.numel() for t in ts):
