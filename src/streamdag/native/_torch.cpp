@@ -551,6 +551,19 @@ bool one_span(const at::Tensor& t) {
 // each). The copies are made below autograd, as the memcpys are.
 constexpr Py_ssize_t kForeachFrom = 3;
 
+// The dtypes _foreach_copy_'s CUDA kernel copies (all types, complex, half, bfloat16, bool); any
+// other (unsigned ints past uint8, float8, complex32) is copied by cudaMemcpyAsync
+bool foreach_copies(c10::ScalarType t) {
+  switch (t) {
+    case c10::kByte: case c10::kChar: case c10::kShort: case c10::kInt: case c10::kLong:
+    case c10::kFloat: case c10::kDouble: case c10::kComplexFloat: case c10::kComplexDouble:
+    case c10::kHalf: case c10::kBFloat16: case c10::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
 PyObject* fresh_copies(PyObject*, PyObject* list) {
   if (!PyList_Check(list)) {
     PyErr_SetString(PyExc_TypeError, "fresh_copies() takes a list of tensors");
@@ -573,7 +586,8 @@ PyObject* fresh_copies(PyObject*, PyObject* list) {
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
   try {
-    const bool foreach = n >= kForeachFrom && one_dtype;
+    const bool foreach =
+        n >= kForeachFrom && one_dtype && foreach_copies(THPVariable_Unpack(PyList_GET_ITEM(list, 0)).scalar_type());
     std::vector<at::Tensor> srcs, dsts;
     if (foreach) {
       srcs.reserve(n);
