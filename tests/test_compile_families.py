@@ -1,9 +1,10 @@
 """streamdag.compile on Hugging Face models of every family, built small from their configs: an
 encoder, decoders with a language-model head, an encoder-decoder, vision transformers with global
-and windowed attention, a convolutional net, a dense-prediction net and a speech model. Each runs
-as eager does (the same outputs, in the model's own output class), compiled, with nothing run
-eagerly and no warning; on a GPU, later calls replay one captured whole-call graph. Training steps
-through them (graph breaks included) leave the parameters as eager's steps do."""
+and windowed attention (one returning a view of its hidden states beside them), a convolutional
+net, a dense-prediction net and a speech model. Each runs as eager does (the same outputs, in the
+model's own output class), compiled, with nothing run eagerly and no warning; on a GPU, later
+calls replay one captured whole-call graph. Training steps through them (graph breaks included)
+leave the parameters as eager's steps do."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ FAMILIES = {
                                           num_heads=4)),
            lambda g: _text(g, decoder_seq=8)),
     "vit": (lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **SMALL)), _pixels),
+    # its pooled output is a view of its hidden states (their first token): outputs that share memory
+    "dinov2": (lambda: tf.Dinov2Model(tf.Dinov2Config(image_size=32, patch_size=8, **SMALL)), _pixels),
     "swin": (lambda: tf.SwinModel(tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
                                                 num_heads=[2, 2], window_size=4)), _pixels),
     "convnext": (lambda: tf.ConvNextModel(tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
