@@ -38,8 +38,8 @@ def _frame_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     Dynamo counts a frame's compiles per code object, and the frame it starts at would be shared:
     ``Module.__call__``'s, or a decorator's wrapper around every model of a library (Hugging
-    Face's ``forward``s), so that on PyTorch 2.11 the fourth tiny Hugging Face model compiled in
-    one process (three batch sizes each) ran eagerly. Here each compile starts at a frame no other
+    Face's ``forward``s), so that models compiled one after another in a process spend one limit
+    between them and the later ones run eagerly. Here each compile starts at a frame no other
     compile has; only the frames Dynamo resumes at after a graph break are still shared."""
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)

@@ -331,8 +331,6 @@ class WholeCall:
             with _active("capture") as active:
                 graph, captured, own_inputs = dev.capture_own_inputs(dynamo, s_args, s_kwargs, statics)
                 reads = {p: st for p, st in active.reads.items() if p not in active.made}
-            for t in own_inputs:  # the entry holds its inputs (an eager graph kept in its place, its own)
-                reads.pop(t.untyped_storage().data_ptr(), None)
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._refuse(key, f"the call cannot be captured ({type(exc).__name__}: {first[:200]})")

@@ -188,7 +188,6 @@ def copy_plan(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor] | Non
         return None, None
     copied: list[torch.Tensor] = []
     views: list[Any] = [None] * len(outputs)
-    span_of: dict[int, int] = {}
     for members in groups.values():
         if len(members) == 1:
             continue
@@ -206,9 +205,8 @@ def copy_plan(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor] | Non
         copied.append(ts[0].as_strided((hi - lo,), (1,), lo))
         for i, t in zip(members, ts):
             views[i] = (span, (tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo))
-            span_of[i] = span
     for i, t in enumerate(outputs):  # the rest copied alone, each its own span
-        if i not in span_of:
+        if views[i] is None:
             views[i] = (len(copied), None)
             copied.append(t)
     return copied, views

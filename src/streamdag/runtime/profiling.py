@@ -111,7 +111,6 @@ class Profiler:
                                    for sp in spans], origin_ns=wall0 + round(origin * 1e6))
         return self._timeline
 
-
     def _calibrate(self) -> None:
         """Each base's wall clock, timed against a mark of its backend's clock taken now, where the
         backend can (``wall_of``); the wall clock read beside the base's record elsewhere, and
