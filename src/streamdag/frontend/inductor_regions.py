@@ -51,6 +51,7 @@ from torch.fx import GraphModule
 
 from .._progress import progress
 from ..schedule.plan import Schedule
+from .kernels_together import kernels_compiled_together
 from .regions import Region, RegionPlan
 
 __all__ = ["CompiledRegion", "RegionProgram", "compile_regions", "region_graph"]
@@ -137,33 +138,34 @@ def compile_regions(gm: GraphModule, example_inputs: Sequence[Any], plan: Region
     fake_mode = detect_fake_mode(list(example_inputs))
     reports = TracingContext.try_get() is not None
     compiled = []
-    for region in progress(plan.regions, desc="streamdag.compile: Inductor, regions", unit="region"):
-        examples = [example_of[n] if n in example_of else n.meta["val"] for n in region.inputs]
-        sub = region_graph(gm, region, examples)
-        sub_out = next(n for n in sub.graph.nodes if n.op == "output")
-        # outputs of the whole graph keep eager's strides; where strides cannot be reported back,
-        # every output does, so that its readers are compiled for the strides it will have
-        keep = [i for i, o in enumerate(region.outputs) if o in kept_strides or not reports]
-        sub_out.meta["user_visible_output_idxs"] = keep
-        sub_out.meta["original_output_strides"] = [
-            kept_strides.get(o) or (o.meta["val"].stride() if isinstance(o.meta.get("val"), torch.Tensor)
-                                    else None) for o in region.outputs]
-        if output_strides is not None and fake_mode is not None:
-            _force_strides(sub, region.outputs, kept_strides, fake_mode)
-        kwargs = {"is_inference": True, "is_backward": False, **compile_kwargs}
-        kwargs.update(static_input_idxs=[i for i, n in enumerate(region.inputs) if n in static],
-                      cudagraphs=BoxedBool(False))
-        with TracingContext.report_output_strides() as strides:
-            fn = compile_fx_inner(sub, list(examples), **kwargs)
-        for i, o in enumerate(region.outputs):
-            val = o.meta.get("val")
-            stride = _int_strides(strides[i]) if strides and i < len(strides) and strides[i] else None
-            if isinstance(val, torch.Tensor) and stride is not None and fake_mode is not None \
-                    and tuple(stride) != tuple(val.stride()):
-                with fake_mode:
-                    val = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
-            example_of[o] = val
-        compiled.append(CompiledRegion(region, fn))
+    with kernels_compiled_together():  # each region's kernels compile while the next is lowered
+        for region in progress(plan.regions, desc="streamdag.compile: Inductor, regions", unit="region"):
+            examples = [example_of[n] if n in example_of else n.meta["val"] for n in region.inputs]
+            sub = region_graph(gm, region, examples)
+            sub_out = next(n for n in sub.graph.nodes if n.op == "output")
+            # outputs of the whole graph keep eager's strides; where strides cannot be reported back,
+            # every output does, so that its readers are compiled for the strides it will have
+            keep = [i for i, o in enumerate(region.outputs) if o in kept_strides or not reports]
+            sub_out.meta["user_visible_output_idxs"] = keep
+            sub_out.meta["original_output_strides"] = [
+                kept_strides.get(o) or (o.meta["val"].stride() if isinstance(o.meta.get("val"), torch.Tensor)
+                                        else None) for o in region.outputs]
+            if output_strides is not None and fake_mode is not None:
+                _force_strides(sub, region.outputs, kept_strides, fake_mode)
+            kwargs = {"is_inference": True, "is_backward": False, **compile_kwargs}
+            kwargs.update(static_input_idxs=[i for i, n in enumerate(region.inputs) if n in static],
+                          cudagraphs=BoxedBool(False))
+            with TracingContext.report_output_strides() as strides:
+                fn = compile_fx_inner(sub, list(examples), **kwargs)
+            for i, o in enumerate(region.outputs):
+                val = o.meta.get("val")
+                stride = _int_strides(strides[i]) if strides and i < len(strides) and strides[i] else None
+                if isinstance(val, torch.Tensor) and stride is not None and fake_mode is not None \
+                        and tuple(stride) != tuple(val.stride()):
+                    with fake_mode:
+                        val = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
+                example_of[o] = val
+            compiled.append(CompiledRegion(region, fn))
     return compiled
 
 

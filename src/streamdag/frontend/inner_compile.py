@@ -20,6 +20,7 @@ import torch.fx
 from torch.fx import GraphModule
 
 from .candidates import REGIONS
+from .kernels_together import kernels_compiled_together
 from .regions import RegionPlan, plan_regions
 
 __all__ = ["MIN_GAIN", "Options", "inner_compile"]
@@ -135,18 +136,19 @@ def inner_compile(gm: GraphModule, example_inputs: Sequence[Any], *, options: Op
     t0 = time.perf_counter()
     pristine = None if options.regions == "never" or _is_dynamic(example_inputs) else _pristine(gm)
     kwargs["cudagraphs"] = BoxedBool(False)  # the runner captures, with every candidate's streams
-    switch = _Switch(compile_fx_inner(gm, list(example_inputs), **kwargs))
-    ctx = TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    if meta is not None:
-        switch.mutated_inputs = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
-        switch.mutates_metadata = any(info.mutates_metadata for info in meta.input_info)
-        switch.aliases_inputs = any(o.output_type.name in ("is_input", "alias_of_input")
-                                    for o in meta.output_info)
-    if pristine is not None:
-        _add_regions(switch, pristine, example_inputs, options, kwargs)
-    elif options.regions != "never":
-        switch.region_note = "symbolic shapes: the whole graph only"
+    with kernels_compiled_together():  # the whole graph's kernels compile beside its regions'
+        switch = _Switch(compile_fx_inner(gm, list(example_inputs), **kwargs))
+        ctx = TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        if meta is not None:
+            switch.mutated_inputs = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+            switch.mutates_metadata = any(info.mutates_metadata for info in meta.input_info)
+            switch.aliases_inputs = any(o.output_type.name in ("is_input", "alias_of_input")
+                                        for o in meta.output_info)
+        if pristine is not None:
+            _add_regions(switch, pristine, example_inputs, options, kwargs)
+        elif options.regions != "never":
+            switch.region_note = "symbolic shapes: the whole graph only"
     switch.compile_s = time.perf_counter() - t0
     switches.append(switch)
     return switch
