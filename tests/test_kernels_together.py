@@ -29,7 +29,7 @@ def _a_pool_of_workers():
 def scope_of(value):
     """A module's globals with one kernel still compiling: ``value`` once it is done."""
     future = Future()
-    return {"triton_kernel": future, "other": 1}, future, value
+    return {"__file__": "/tmp/module.py", "triton_kernel": future, "other": 1}, future, value
 
 
 def test_a_wait_inside_the_block_is_made_at_its_end():
@@ -46,6 +46,15 @@ def test_a_wait_outside_any_block_is_made_at_once():  # the negative control
     future.set_result(kernel)
     AsyncCompile.wait(AsyncCompile(), scope)
     assert scope["triton_kernel"] == kernel
+
+
+def test_a_wait_in_code_run_at_once_is_made_at_once():  # autotuning at compile time runs its kernels
+    scope, future, kernel = scope_of("compiled kernel")
+    del scope["__file__"]  # exec'd code's own dict, not a module's globals
+    future.set_result(kernel)
+    with kernels_compiled_together():
+        AsyncCompile.wait(AsyncCompile(), scope)
+        assert scope["triton_kernel"] == kernel
 
 
 def test_another_threads_wait_is_made_at_once_while_a_block_is_open():

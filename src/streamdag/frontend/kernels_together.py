@@ -11,11 +11,13 @@ collected instead and made at the end, when the kernels of every region are
 already in the pool together (googlenet: 126 kernels of 46 regions; waiting
 per region took 27 s of its 62 s compile).
 
-A module's kernels are Futures in its globals until its wait replaces them, so
-every collected wait is made when the block ends, also when it ends by an
-exception: Inductor keeps loaded modules by their code's hash, and a later
-compile of the same code gets the module as it was left. Other threads wait as
-before.
+Only the wait at the end of a loaded module is collected (its globals have a
+``__file__``): Inductor also waits in code it runs at once (its autotuning at
+compile time), which needs the kernels then. A module's kernels are Futures in
+its globals until its wait replaces them, so every collected wait is made when
+the block ends, also when it ends by an exception: Inductor keeps loaded
+modules by their code's hash, and a later compile of the same code gets the
+module as it was left. Other threads wait as before.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def _install() -> bool:
 
         def wait(self: Any, scope: dict[str, Any]) -> None:
             waits = _collected.waits
-            if waits is None or not isinstance(scope, dict):
+            # a loaded module's globals only: code Inductor runs at once after its wait (its
+            # autotuning at compile time, for the C++ wrapper) is not deferred
+            if waits is None or not isinstance(scope, dict) or "__file__" not in scope:
                 return _original_wait(self, scope)
             waits.append((self, scope))
             return None
