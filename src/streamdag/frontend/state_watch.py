@@ -104,6 +104,11 @@ class StateWatch:
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
         self._native = _dict_tags()
         self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
+        #: what :meth:`holds` checks besides the tags: only the checks that have something to check
+        self._quick = tuple(check for check, needed in ((self._rest_holds, self._rest),
+                                                        (self._globals_hold, self.global_names),
+                                                        (self._cells_hold, self.cells),
+                                                        (self._layouts, self.tensors)) if needed)
 
     def _cell_contents(self) -> Iterator[Any]:
         for c in self.cells:
@@ -128,7 +133,7 @@ class StateWatch:
     def holds(self) -> bool:
         """Whether the state is as it was (see the class docstring)."""
         if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags) \
-                and self._rest_holds() and self._globals_hold() and self._cells_hold() and self._layouts():
+                and all(check() for check in self._quick):
             return True
         if not self._values_hold():
             return False
