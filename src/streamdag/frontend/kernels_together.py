@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._progress import progress
+
 __all__ = ["kernels_compiled_together"]
 
 
@@ -91,7 +93,7 @@ def _finish(waits: list[tuple[Any, dict[str, Any]]], failed: bool) -> None:
     """Make every collected wait (each module gets its kernels, see the module docstring); raise the
     first error, unless the block already raises its own."""
     error: Exception | None = None
-    for compiler, scope in waits:
+    for compiler, scope in progress(waits, desc="streamdag.compile: Inductor, kernels", unit="graph"):
         try:
             _original_wait(compiler, scope)
         except Exception as exc:

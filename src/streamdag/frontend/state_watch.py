@@ -132,9 +132,12 @@ class StateWatch:
 
     def holds(self) -> bool:
         """Whether the state is as it was (see the class docstring)."""
-        if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags) \
-                and all(check() for check in self._quick):
-            return True
+        if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags):
+            for check in self._quick:
+                if not check():
+                    break
+            else:
+                return True
         if not self._values_hold():
             return False
         if self._tags is not None:
