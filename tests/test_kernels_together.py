@@ -7,6 +7,7 @@ regions with Inductor's CPU code generator and counts when its waits happen.
 
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,15 +15,19 @@ torch = pytest.importorskip("torch")
 
 from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor.async_compile import AsyncCompile  # noqa: E402
+from torch._inductor.virtualized import V  # noqa: E402
 
 import streamdag.frontend.kernels_together as together  # noqa: E402
 from streamdag.frontend.kernels_together import kernels_compiled_together  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _a_pool_of_workers():
-    """Inductor waits for Futures only where it compiles in workers (two or more threads)."""
-    with inductor_config.patch(compile_threads=2):
+def _a_graph_compiled_with_a_pool_of_workers():
+    """The waits below are made as a module of a graph that ``compile_fx`` lowers makes them (its
+    graph handler unnamed), where Inductor compiles in workers (it waits for Futures only then).
+    The routing is in place first: without it a wait for an unset Future would never return."""
+    assert together._install() and AsyncCompile.wait is not together._original_wait
+    with inductor_config.patch(compile_threads=2), V.set_graph_handler(SimpleNamespace(name=None)):
         yield
 
 
@@ -55,6 +60,36 @@ def test_a_wait_in_code_run_at_once_is_made_at_once():  # autotuning at compile 
     with kernels_compiled_together():
         AsyncCompile.wait(AsyncCompile(), scope)
         assert scope["triton_kernel"] == kernel
+
+
+@pytest.mark.parametrize("graph", [SimpleNamespace(name="benchmark_decompose_k_mm"),
+                                   SimpleNamespace(name=None, is_const_graph=True), None],
+                         ids=["a subgraph timed while autotuning", "a constant graph", "no graph"])
+def test_a_module_inductor_builds_on_the_side_waits_at_once(graph):  # it runs its kernels right away
+    scope, future, kernel = scope_of("compiled kernel")
+    future.set_result(kernel)
+    with kernels_compiled_together(), V.set_graph_handler(graph):
+        AsyncCompile.wait(AsyncCompile(), scope)
+        assert scope["triton_kernel"] == kernel
+
+
+def test_a_kernel_two_modules_share_is_waited_for_once_and_given_to_both():
+    waited = []
+
+    class Once(Future):
+        def result(self, timeout=None):
+            waited.append(self)
+            return super().result(timeout)
+
+    shared = Once()
+    first = {"__file__": "/tmp/a.py", "triton_kernel": shared}
+    second = {"__file__": "/tmp/b.py", "triton_kernel": shared}
+    with kernels_compiled_together():
+        AsyncCompile.wait(AsyncCompile(), first)
+        AsyncCompile.wait(AsyncCompile(), second)
+        shared.set_result("kernel")
+    assert first["triton_kernel"] == second["triton_kernel"] == "kernel"
+    assert waited == [shared]
 
 
 def test_another_threads_wait_is_made_at_once_while_a_block_is_open():

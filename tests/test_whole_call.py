@@ -560,3 +560,23 @@ def test_calls_from_several_threads_without_the_replay_lock_would_be_caught(fake
     w, dynamo = whole(m, fake_device)
     w._lock = _NoLock()
     assert _calls_from_threads(w, dynamo, m) > 0
+
+
+def test_a_state_watch_and_a_compiled_model_go_with_their_last_reference():
+    """Neither refers to itself, so dropping one frees what it holds (a watch: the model's tensors; a
+    compiled model: its graphs and their memory pools) at once, not at the cyclic collector's turn."""
+    import streamdag as sd
+
+    m = mlp()
+    with torch.inference_mode():
+        c = sd.compile(m)
+        c(torch.randn(2, 8))
+    watches = [weakref.ref(StateWatch(m)), weakref.ref(c)]
+    gc.collect()
+    gc.disable()
+    try:
+        del c
+        assert [w() for w in watches] == [None, None]
+    finally:
+        gc.enable()
+        torch._dynamo.reset()

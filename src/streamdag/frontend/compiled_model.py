@@ -86,7 +86,6 @@ class CompiledModel:
         options = backend.options
         self.whole: WholeCall | None = (WholeCall(fn, backend, options.clone_outputs) if options.whole_call
                                         else None)
-        self._dynamo = self._through_dynamo  # bound once: the whole-call path takes it on every call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._called:
@@ -96,13 +95,13 @@ class CompiledModel:
                 return out
         whole = self.whole  # (as _dispatch, one frame fewer: a replay's host time is microseconds)
         if whole is not None:
-            return whole(args, kwargs, self._dynamo)
+            return whole(args, kwargs, self._through_dynamo)
         return self._call(args, kwargs)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         whole = self.whole
         if whole is not None:
-            return whole(args, kwargs, self._dynamo)
+            return whole(args, kwargs, self._through_dynamo)
         return self._call(args, kwargs)
 
     def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:

@@ -11,13 +11,20 @@ collected instead and made at the end, when the kernels of every region are
 already in the pool together (googlenet: 126 kernels of 46 regions; waiting
 per region took 27 s of its 62 s compile).
 
-Only the wait at the end of a loaded module is collected (its globals have a
-``__file__``): Inductor also waits in code it runs at once (its autotuning at
-compile time), which needs the kernels then. A module's kernels are Futures in
-its globals until its wait replaces them, so every collected wait is made when
-the block ends, also when it ends by an exception: Inductor keeps loaded
-modules by their code's hash, and a later compile of the same code gets the
-module as it was left. Other threads wait as before.
+Only the wait at the end of the module of a graph ``compile_fx`` compiles is
+collected: its globals have a ``__file__`` and Inductor's graph handler is the
+unnamed, top-level lowering. Modules Inductor builds and runs at once wait as
+before: a subgraph it times while autotuning (``benchmark_...``, under
+``max_autotune``), a constant graph, code run right after its wait (autotuning
+at compile time), a module timed by ``profile_bandwidth_output``.
+
+Every collected wait is made when the block ends, also when it ends by an
+exception, so no loaded module keeps Futures in place of its kernels; a kernel
+that two modules share (the same source) is waited for once and given to both.
+What it costs: Inductor bundles the kernels a compile built into its FX graph
+cache entry when they are ready before the entry is saved, which deferred ones
+are not, so a later process that hits that entry loads its kernels from
+Triton's own cache instead of the bundle. Other threads wait as before.
 """
 
 from __future__ import annotations
@@ -41,8 +48,25 @@ _install_lock = threading.Lock()
 _original_wait: Any = None
 
 
+def _deferrable(scope: Any) -> bool:
+    """Whether ``scope`` is the globals of the module of a graph ``compile_fx`` compiles (see the
+    module docstring); a lowering Inductor builds on the side has a name, or is a constant graph."""
+    if not isinstance(scope, dict) or "__file__" not in scope:
+        return False
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    if getattr(config, "profile_bandwidth_output", None):
+        return False
+    try:
+        graph = V.graph
+        return graph.name is None and not getattr(graph, "is_const_graph", False)
+    except AttributeError:  # no graph being lowered (Inductor's NullHandler)
+        return False
+
+
 def _install() -> bool:
-    """Route ``AsyncCompile.wait`` through :func:`_wait` (once); False where Inductor has no such wait."""
+    """Route ``AsyncCompile.wait`` through the collecting wait (once); False where Inductor has none."""
     global _original_wait
     with _install_lock:
         if _original_wait is not None:
@@ -58,9 +82,7 @@ def _install() -> bool:
 
         def wait(self: Any, scope: dict[str, Any]) -> None:
             waits = _collected.waits
-            # a loaded module's globals only: code Inductor runs at once after its wait (its
-            # autotuning at compile time, for the C++ wrapper) is not deferred
-            if waits is None or not isinstance(scope, dict) or "__file__" not in scope:
+            if waits is None or not _deferrable(scope):
                 return _original_wait(self, scope)
             waits.append((self, scope))
             return None
@@ -90,13 +112,26 @@ def kernels_compiled_together() -> Iterator[None]:
 
 
 def _finish(waits: list[tuple[Any, dict[str, Any]]], failed: bool) -> None:
-    """Make every collected wait (each module gets its kernels, see the module docstring); raise the
-    first error, unless the block already raises its own."""
+    """Make every collected wait; raise the first error, unless the block already raises its own.
+
+    A Future that an earlier module's wait resolved is replaced by its kernel first: Inductor hands
+    a kernel's pending Future to every module of the same kernel source, and its wait would build
+    the kernel again for each."""
+    resolved: dict[int, tuple[Any, Any]] = {}  # id(Future): (the Future, kept so its id stays; its kernel)
     error: Exception | None = None
     for compiler, scope in progress(waits, desc="streamdag.compile: Inductor, kernels", unit="graph"):
+        for key, value in list(scope.items()):
+            hit = resolved.get(id(value))
+            if hit is not None and hit[0] is value:
+                scope[key] = hit[1]
+        before = dict(scope)
         try:
             _original_wait(compiler, scope)
         except Exception as exc:
             error = error or exc
+        for key, value in before.items():
+            now = scope.get(key)
+            if now is not value:
+                resolved[id(value)] = (value, now)
     if error is not None and not failed:
         raise error

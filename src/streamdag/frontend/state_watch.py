@@ -104,11 +104,12 @@ class StateWatch:
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
         self._native = _dict_tags()
         self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
-        #: what :meth:`holds` checks besides the tags: only the checks that have something to check
-        self._quick = tuple(check for check, needed in ((self._rest_holds, self._rest),
-                                                        (self._globals_hold, self.global_names),
-                                                        (self._cells_hold, self.cells),
-                                                        (self._layouts, self.tensors)) if needed)
+        #: what :meth:`holds` checks besides the tags and layouts: only the checks that have something
+        #: to check (functions, not bound methods: a watch that refers to itself would be freed only by
+        #: the cyclic collector, and a dropped state's watch holds its model's tensors)
+        self._quick = tuple(check for check, needed in ((StateWatch._rest_holds, self._rest),
+                                                        (StateWatch._globals_hold, self.global_names),
+                                                        (StateWatch._cells_hold, self.cells)) if needed)
 
     def _cell_contents(self) -> Iterator[Any]:
         for c in self.cells:
@@ -134,10 +135,11 @@ class StateWatch:
         """Whether the state is as it was (see the class docstring)."""
         if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags):
             for check in self._quick:
-                if not check():
+                if not check(self):
                     break
             else:
-                return True
+                if self._layouts():
+                    return True
         if not self._values_hold():
             return False
         if self._tags is not None:
