@@ -1,4 +1,4 @@
-"""Progress bars show on a terminal only, and only where tqdm is installed."""
+"""Progress bars show on a terminal or in a notebook only, and only where tqdm is installed."""
 
 from __future__ import annotations
 
@@ -47,3 +47,32 @@ def test_on_a_terminal_without_tqdm_the_items_pass_through(monkeypatch):
     items = ["a", "b"]
     assert progress(items, desc="work") is items
     assert sys.stderr.getvalue() == ""
+
+
+class ZMQInteractiveShell:  # what IPython's get_ipython() returns in a Jupyter kernel
+    pass
+
+
+def test_in_a_notebook_a_bar_counts_the_items_though_stderr_is_no_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    import types
+
+    output = io.StringIO()  # a kernel's stderr: no terminal
+    monkeypatch.setattr(sys, "stderr", output)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # tqdm.auto then draws its text bar
+    assert list(progress(range(3), desc="compiling regions", unit="region")) == [0, 1, 2]
+    assert "compiling regions" in output.getvalue()
+
+
+def test_in_a_plain_ipython_shell_without_a_terminal_the_items_pass_through(monkeypatch):
+    import types
+
+    class TerminalInteractiveShell:
+        pass
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=TerminalInteractiveShell))
+    items = [1, 2]
+    assert progress(items, desc="work") is items
