@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zoo import commit, utc_now
+from zoo import commit, host_load, utc_now
 
 VARIANTS = ("hf_eager", "inductor_ro_static_cache", "streamdag")
 #: with --regions: streamdag's decoder with the step cut into regions on streams whatever the cost model says
@@ -293,7 +293,8 @@ def main() -> int:
     for name in args.configs.split(","):
         for batch in map(int, args.batches.split(",")):
             row = run_row(name, batch, args)
-            row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now()}
+            row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
+                               "load_1min": host_load()}
             result["rows"].append(row)
             path.write_text(json.dumps(result, indent=1))
             print(table(result["rows"][-1:], args.variants), flush=True)

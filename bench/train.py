@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from streamdag.suite.report import source_digest
-from zoo import build, commit, environment, first_tensor, kept_rows, utc_now
+from zoo import build, commit, environment, first_tensor, host_load, kept_rows, utc_now
 
 VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
 MODELS = ("googlenet", "inception_v3", "resnet50", "vit_b_16", "swin_t", "bert", "llama", "tiny")
@@ -237,7 +237,8 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             for batch in map(int, args.batches.split(",")):
                 row = run_row(model, dtype, batch, device, args.rounds)
-                row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now()}
+                row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
+                                   "load_1min": host_load()}
                 result["models"].append(row)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=1))

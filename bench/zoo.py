@@ -378,7 +378,7 @@ def worker(args: argparse.Namespace) -> int:
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
                            "traceback": traceback.format_exc()[-3000:]}
                 row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
-                                   "rounds": args.rounds}
+                                   "rounds": args.rounds, "load_1min": host_load()}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 torch._dynamo.reset()
@@ -402,6 +402,15 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
             env[mod] = None
     env["streamdag_commit"] = commit()
     return env
+
+
+def host_load() -> float | None:
+    """The host's load average over the last minute, as the row ends: other work on the host (a
+    test run beside the zoo) slows the host side of every variant, streamdag's host time most."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # no load average on this platform
+        return None
 
 
 def utc_now() -> str:
