@@ -408,14 +408,22 @@ class Inception(torch.nn.Module):
         return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1).relu()
 
 
-@pytest.mark.slow
-def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
+def inception_in_regions():
+    """An inception block compiled into regions alone, its first call equal to eager's: (the model,
+    the compiled model, the input)."""
     torch.manual_seed(0)
     m = Inception().eval()
     c = sd.compile(m, regions="always", candidates=["regions"])
     x = torch.randn(2, 8, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(c(x), m(x))
+    return m, c, x
+
+
+@pytest.mark.slow
+def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
+    m, c, x = inception_in_regions()
+    with torch.no_grad():
         program = c.backend.runners[0].switch.program
         assert program is not None and program.plan.streams == 4
         seen, run = [], program.run

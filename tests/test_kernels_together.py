@@ -138,8 +138,7 @@ def test_a_kernel_that_fails_to_compile_fails_the_block_after_every_wait_is_made
 
 @pytest.mark.slow
 def test_the_regions_of_an_inception_block_wait_for_their_kernels_once_all_are_lowered(monkeypatch):
-    import streamdag as sd
-    from test_compile_v2 import Inception
+    from test_compile_v2 import inception_in_regions
 
     torch._dynamo.reset()
     events = []
@@ -160,12 +159,7 @@ def test_the_regions_of_an_inception_block_wait_for_their_kernels_once_all_are_l
     real_wait = together._original_wait
     monkeypatch.setattr(together, "_original_wait", counted_wait)
     monkeypatch.setattr(compile_fx, "compile_fx_inner", counted_inner)
-    torch.manual_seed(0)
-    m = Inception().eval()
-    c = sd.compile(m, regions="always", candidates=["regions"])
-    x = torch.randn(2, 8, 8, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(c(x), m(x))
+    _, c, _ = inception_in_regions()
     program = c.backend.runners[0].switch.program
     assert program is not None and len(program.plan.regions) >= 4
     compiles = [i for i, e in enumerate(events) if e == "compile"]

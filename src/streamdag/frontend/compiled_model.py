@@ -93,10 +93,7 @@ class CompiledModel:
                 out = self._dispatch(args, kwargs)
                 self._called = True
                 return out
-        whole = self.whole  # (as _dispatch, one frame fewer: a replay's host time is microseconds)
-        if whole is not None:
-            return whole(args, kwargs, self._through_dynamo)
-        return self._call(args, kwargs)
+        return self._dispatch(args, kwargs)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         whole = self.whole
