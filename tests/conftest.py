@@ -114,15 +114,22 @@ def fake_device(monkeypatch):
     return make
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["watched", "native", "python"])
 def state_checks(request, monkeypatch):
-    """Each state test runs with the compiled dict-version check and with the Python comparison alone."""
+    """Each state test runs with the compiled dict watcher (CPython 3.12 on), with the compiled
+    dict-version tags alone, and with the Python comparison alone."""
     from streamdag.frontend import state_watch
 
+    if request.param != "watched":
+        monkeypatch.setattr(state_watch, "_native_watch", None)
+        monkeypatch.setattr(state_watch, "_watch_checked", True)
+    elif state_watch._dict_watcher() is None:
+        pytest.skip("no compiled dict watcher here (no compiled module, CPython before 3.12, or 3.13's "
+                    "inline attributes)")
     if request.param == "python":
         monkeypatch.setattr(state_watch, "_native_tags", None)
         monkeypatch.setattr(state_watch, "_native_checked", True)
-    elif state_watch._dict_tags() is None:
+    elif request.param == "native" and state_watch._dict_tags() is None:
         pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.13 on)")
     return request.param
 

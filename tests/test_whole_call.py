@@ -183,6 +183,30 @@ def test_the_state_watch_stays_on_its_fast_check_while_a_script_assigns_other_gl
         assert watch.holds()
 
 
+def test_the_watched_state_checks_no_dict_until_one_changes():
+    if state_watch._dict_watcher() is None or state_watch._dict_tags() is None:
+        pytest.skip("no compiled dict watcher and tags here (CPython 3.12 and 3.13 with a compiled module)")
+    m, other = Scaled().eval(), Scaled().eval()
+    watch, _ = StateWatch(m), StateWatch(other)
+    tag_loops = []
+    same = watch._native.same_dict_versions
+
+    class Counted:  # the compiled module, with its tag loop counted
+        def __getattr__(self, name):
+            return getattr(state_watch._native_tags, name)
+
+        def same_dict_versions(self, dicts, tags):
+            tag_loops.append(len(dicts))
+            return same(dicts, tags)
+
+    watch._native = Counted()
+    assert watch.holds() and watch.holds() and not tag_loops
+    other.factor = 5.0  # another model's dict: its count moves, this model's tags hold
+    assert watch.holds() and watch.holds() and len(tag_loops) == 1
+    m.factor = 5.0  # this model's own (the negative control)
+    assert not watch.holds()
+
+
 def test_the_state_watch_of_a_function_guards_its_closure_and_globals(state_checks):
     w = torch.randn(3)
 

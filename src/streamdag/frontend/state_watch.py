@@ -24,6 +24,8 @@ __all__ = ["StateWatch"]
 
 _native_tags: Any = None  # the compiled dict-version tags, once looked for
 _native_checked = False
+_native_watch: Any = None  # the compiled dict watcher, once looked for
+_watch_checked = False
 
 
 def _dict_tags() -> Any:
@@ -54,6 +56,29 @@ def _dict_tags() -> Any:
     return _native_tags
 
 
+def _dict_watcher() -> Any:
+    """The compiled module's dict watcher (CPython 3.12 on), where its change count moves with
+    every change of an attribute: a probe finds out, as for :func:`_dict_tags`."""
+    global _native_watch, _watch_checked
+    if _watch_checked:
+        return _native_watch
+    _watch_checked = True
+    from ..native import load
+
+    module = load()
+    if module is None or not hasattr(module, "watch_dicts"):
+        return None
+    probe = torch.nn.Module()
+    seen = module.watch_dicts([probe.__dict__])
+    probe.training = not probe.training
+    changed = not module.no_dict_change_since(seen)
+    seen = module.dict_changes()
+    probe.added = 1
+    if changed and not module.no_dict_change_since(seen):
+        _native_watch = module
+    return _native_watch
+
+
 def _root_module(fn: Any) -> torch.nn.Module | None:
     if isinstance(fn, torch.nn.Module):
         return fn
@@ -73,10 +98,15 @@ class StateWatch:
     """Whether a model's state is as it was: its modules' attributes, the globals and closure its
     forward reads, and the address and layout of every tensor among them (see the module docstring).
 
-    The fast check compares the version tags of the dicts that hold the state (compiled, a few
-    microseconds for a few hundred submodules) and the tensors' layouts (the torch extension's
-    one loop, or PyTorch's C++ checks); where a tag moved it compares the values, and a change
-    that changed nothing (a value set to itself) takes the new tags.
+    The fast check asks whether any dict that holds the state changed: by the change count of
+    a dict watcher where CPython has one (no loop), else by comparing their version tags
+    (compiled, a few microseconds for a few hundred submodules); and it compares the tensors'
+    layouts (the torch extension's one loop, or PyTorch's C++ checks). Where a dict changed it
+    compares the values, and a change that changed nothing (a value set to itself) takes the new
+    tags and count.
+
+    State: ``_seen_changes`` is the watcher's change count when the dicts were last known to
+    hold (None without a watcher); ``_tags`` their version tags then (None without tags).
     """
 
     def __init__(self, fn: Any) -> None:
@@ -104,6 +134,9 @@ class StateWatch:
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
         self._native = _dict_tags()
         self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
+        self._watch = _dict_watcher()
+        self._seen_changes: int | None = (self._watch.watch_dicts(self._dicts) if self._watch is not None
+                                          else None)
         #: what :meth:`holds` checks besides the tags and layouts: only the checks that have something
         #: to check (functions, not bound methods: a watch that refers to itself would be freed only by
         #: the cyclic collector, and a dropped state's watch holds its model's tensors)
@@ -133,17 +166,32 @@ class StateWatch:
 
     def holds(self) -> bool:
         """Whether the state is as it was (see the class docstring)."""
-        if self._tags is not None and self._native.same_dict_versions(self._dicts, self._tags):
+        if self._dicts_unchanged():
             for check in self._quick:
                 if not check(self):
                     break
             else:
                 if self._layouts():
                     return True
+        changes = self._watch.dict_changes() if self._watch is not None else None
         if not self._values_hold():
             return False
+        self._seen_changes = changes
         if self._tags is not None:
             self._tags = self._native.dict_versions(self._dicts)
+        return True
+
+    def _dicts_unchanged(self) -> bool:
+        """Whether no dict of the state changed: the watcher's count, else the tags. Where the
+        count moved (another watched dict changed) and the tags held, the count is taken."""
+        if self._seen_changes is not None and self._watch.no_dict_change_since(self._seen_changes):
+            return True
+        if self._tags is None:
+            return False
+        changes = self._watch.dict_changes() if self._watch is not None else None
+        if not self._native.same_dict_versions(self._dicts, self._tags):
+            return False
+        self._seen_changes = changes
         return True
 
     def memory_holds(self) -> bool:
