@@ -255,6 +255,10 @@ def test_on_the_inductor_engine_calls_past_dynamos_recompile_limit_run_eagerly_a
 
     with torch.no_grad():
         _, caught = _warnings_of(call_with_a_new_scale_each_time)
+    from streamdag.frontend import compiled_model
+
+    if not compiled_model._OWN_RECOMPILE_LIMIT:  # its room to recompile, where torch cannot isolate
+        limit *= min(compiled_model._compiles_made, compiled_model._ROOM_FOR)
     s = c.statistics()
     assert (s.graphs, s.eager_calls) == (limit, calls - limit)
     assert len(caught) == 1 and "recompile_limit" in caught[0] and "TORCH_LOGS=recompiles" in caught[0]
@@ -320,6 +324,45 @@ def test_models_whose_forwards_share_a_wrapper_each_compile_in_one_process(isola
         for c in compiled:
             torch.testing.assert_close(c(x), c.__wrapped__(x))
     assert [(c.statistics().graphs, c.statistics().eager_calls) for c in compiled] == [(1, 0)] * 5
+
+
+def _models_breaking_before_a_shared_wrapper(n):
+    """``n`` models whose ``forward`` breaks Dynamo's graph and then calls a submodule through the
+    wrapper all the classes share: Dynamo starts again at that wrapper's frame, as it does at
+    Hugging Face's output wrapper after a graph break in an encoder-decoder's forward."""
+    class Breaking(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            x = x * 2
+            torch._dynamo.graph_break()
+            return self.inner(x)
+    return [Breaking(cls()).eval() for cls in _classes_sharing_a_wrapper(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("room", [True, False], ids=["with room to recompile", "negative control"])
+def test_models_meeting_a_shared_wrapper_after_a_graph_break_each_compile_unisolated(room, monkeypatch):
+    from streamdag.frontend import compiled_model
+
+    monkeypatch.setattr(compiled_model, "_OWN_RECOMPILE_LIMIT", {})  # as on a PyTorch without it
+    if not room:
+        monkeypatch.setattr(compiled_model, "_with_room_to_recompile",
+                            lambda f, args, kwargs: f(*args, **kwargs))
+    x = torch.randn(2, 4)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        compiled = [sd.compile(m) for m in _models_breaking_before_a_shared_wrapper(5)]
+        for c in compiled:
+            torch.testing.assert_close(c(x), c.__wrapped__(x))
+        assert torch._dynamo.config.recompile_limit == 2  # put back after the calls
+    eager = [c.statistics().eager_calls for c in compiled]
+    wrapper_graphs = [c.statistics().graphs for c in compiled]
+    if room:
+        assert eager == [0] * 5 and wrapper_graphs == [2] * 5
+    else:
+        assert sum(g < 2 for g in wrapper_graphs) >= 2
 
 
 def test_without_isolation_models_sharing_a_wrapper_exhaust_one_recompile_limit():

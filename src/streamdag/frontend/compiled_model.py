@@ -29,7 +29,14 @@ __all__ = ["CompiledModel", "compile_v2"]
 _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
-_frames = itertools.count()
+_compiles = itertools.count(1)
+_compiles_made = 0  # streamdag.compile calls so far in this process
+
+#: the most compiles whose allowances one shared frame adds up (:func:`_with_room_to_recompile`)
+_ROOM_FOR = 8
+_room_lock = threading.Lock()
+_room_depth = 0  # calls on Dynamo's path running now, in any thread: the limit is raised while > 0
+_limit_outside = 0  # the recompile limit in force outside them, put back by the last to end
 
 
 def _frame_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -40,12 +47,44 @@ def _frame_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``Module.__call__``'s, or a decorator's wrapper around every model of a library (Hugging
     Face's ``forward``s), so that models compiled one after another in a process spend one limit
     between them and the later ones run eagerly. Here each compile starts at a frame no other
-    compile has; only the frames Dynamo resumes at after a graph break are still shared."""
+    compile has; the frames Dynamo starts at after a graph break are still shared, which
+    :func:`_with_room_to_recompile` answers."""
+    global _compiles_made
+
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
-    code = call.__code__.replace(co_name=f"streamdag_compiled_{next(_frames)}")
+    _compiles_made = next(_compiles)
+    code = call.__code__.replace(co_name=f"streamdag_compiled_{_compiles_made}")
     return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
+def _with_room_to_recompile(compiled: Callable[..., Any], args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> Any:
+    """``compiled(*args, **kwargs)`` with Dynamo's recompile limit times the compiles made (at most
+    ``_ROOM_FOR`` times), where PyTorch has no ``isolate_recompiles``.
+
+    After a graph break Dynamo starts at the frame the code runs into next, often a library's
+    decorator that every model's submodules share (Hugging Face's output wrapper): each model
+    compiled in the process adds its entries there, and under one limit the ninth model's calls
+    ran none of their graphs (T5, Whisper, Pegasus and Marian, compiled after other Hugging Face
+    models). Raised for the call alone, as PyTorch's own per-compile limit is; the cap bounds how
+    often a model whose state changes on every call is compiled again before Dynamo runs it as
+    written. Costs about 3.5 µs a call on Dynamo's path; a whole-call replay does not come here."""
+    global _room_depth, _limit_outside
+    config = torch._dynamo.config
+    with _room_lock:
+        if _room_depth == 0:
+            _limit_outside = config.recompile_limit
+            config.recompile_limit = _limit_outside * min(max(_compiles_made, 1), _ROOM_FOR)
+        _room_depth += 1
+    try:
+        return compiled(*args, **kwargs)
+    finally:
+        with _room_lock:
+            _room_depth -= 1
+            if _room_depth == 0:
+                config.recompile_limit = _limit_outside
 
 
 def _rnn_left_to_eager(fn: Any) -> str:
@@ -110,7 +149,10 @@ class CompiledModel:
             return self.__wrapped__(*args, **kwargs)
         ran = self.backend.ran
         before = ran.count
-        out = self._compiled(*args, **kwargs)
+        if _OWN_RECOMPILE_LIMIT:
+            out = self._compiled(*args, **kwargs)
+        else:
+            out = _with_room_to_recompile(self._compiled, args, kwargs)
         if ran.count == before:
             self._ran_eagerly()
         return out
