@@ -69,7 +69,10 @@ def _dict_watcher() -> Any:
     if module is None or not hasattr(module, "watch_dicts"):
         return None
     probe = torch.nn.Module()
-    seen = module.watch_dicts([probe.__dict__])
+    try:
+        seen = module.watch_dicts([probe.__dict__])
+    except RuntimeError:  # the process's eight dict watchers all taken (by other libraries)
+        return None
     probe.training = not probe.training
     changed = not module.no_dict_change_since(seen)
     seen = module.dict_changes()
