@@ -75,6 +75,7 @@ from .call_key import call_key
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .result_objects import Template, template
 from .state_watch import StateWatch
+from .unflatten import unflattener
 from .whole_replay import CudaCalls, Entry, copy_plan, empty_like_input, fill_inputs, with_tensors_replaced
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
@@ -412,7 +413,7 @@ class WholeCall:
         return Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
                      write_back=write_back, outputs=parts.outputs, leaves=parts.leaves, slots=parts.slots,
                      spec=parts.spec, objects=parts.objects, copied=parts.copied, views=parts.views,
-                     global_state=gs, clone=self.clone,
+                     unflatten=parts.unflatten, global_state=gs, clone=self.clone,
                      inference=any(s.is_inference() for s in statics))
 
     def explain(self) -> str:
@@ -517,6 +518,7 @@ class _ResultParts:
     objects: list[tuple[int, Template]]  # the leaves that are objects, rebuilt at each replay
     copied: list[torch.Tensor] | None = None  # where outputs share memory: see whole_replay.copy_plan
     views: list[Any] | None = None
+    unflatten: Any = None  # the structure's rebuild around the leaves (.unflatten.unflattener)
 
 
 def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
@@ -557,7 +559,7 @@ def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
     plan = copy_plan(outputs)
     if isinstance(plan, str):
         return plan
-    return _ResultParts(spec, outputs, kept, slots, objects, *plan)
+    return _ResultParts(spec, outputs, kept, slots, objects, *plan, unflattener(spec, out))
 
 
 def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: list[torch.Tensor],

@@ -240,6 +240,8 @@ class Entry:
     copied: list[torch.Tensor] | None = None
     views: list[Any] | None = None
     key: Any = None  # the key of the calls it replays for
+    #: the result's structure rebuilt around its leaves (.unflatten.unflattener; None: tree_unflatten)
+    unflatten: Callable[[list[Any]], Any] | None = None
     native: Callable[..., bool] | None = None  # the torch extension's launch_if (CudaCalls.launch_plan)
     single: bool = field(init=False)
 
@@ -306,4 +308,4 @@ class Entry:
         memo: dict[int, Any] = {}  # an object held twice comes back as one
         for pos, tpl in self.objects:
             leaves[pos] = rebuild(tpl, fresh, memo)
-        return pytree.tree_unflatten(leaves, self.spec)
+        return pytree.tree_unflatten(leaves, self.spec) if self.unflatten is None else self.unflatten(leaves)
