@@ -58,6 +58,7 @@ def test_a_plain_object_in_the_result_comes_back_new_at_each_replay_holding_its_
     assert w.replays == 3 and w.captures == 1, w.explain()
     for x, (plus, box) in got:
         assert isinstance(box, Box) and box.label == "box" and box.extra[1] == {"n": 4}
+        assert list(vars(box)) == ["t", "extra", "label"]  # its attributes in the model's order
         torch.testing.assert_close(box.t, x * 2)
         torch.testing.assert_close(box.extra[0], x * 3)
         torch.testing.assert_close(plus, x + 1)

@@ -40,8 +40,10 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 _BARE_NEW = (object.__new__, types.SimpleNamespace.__new__)
 
 # a template: ("t", slot) a tensor, ("v", value) a plain value, ("l" | "u", [templates], key) a list or
-# tuple, ("d", [(key, template)], key) a dict, ("o", cls, [(name, template)], [(slot name, template)], key)
-# an object; ``key`` (the captured value's id) names a value met twice, rebuilt once per replay
+# tuple, ("d", [(key, template)], key) a dict, ("o", cls, attributes, [(slot name, template)], key) an
+# object, its attributes (None where it has no __dict__ items) split into ({name: plain value or None,
+# in order}, [(name, tensor slot)], [(name, template)]); ``key`` (the captured value's id) names a value met
+# twice, rebuilt once per replay
 Template = tuple
 
 
@@ -90,7 +92,14 @@ def _walk(value: Any, slot_of: Callable[[torch.Tensor], int], depth: int, path: 
         return f"a {kind}"
     items = [(k, _walk(v, slot_of, depth + 1, path)) for k, v in (attrs or {}).items()]
     slotted = [(n, _walk(getattr(value, n), slot_of, depth + 1, path)) for n in slots if hasattr(value, n)]
-    return _refusal(p for _, p in items + slotted) or ("o", type(value), items, slotted, id(value))
+    reason = _refusal(p for _, p in items + slotted)
+    if reason:
+        return reason
+    # the attributes split once: plain values copied in one dict, tensors by slot, the rest rebuilt
+    plain = {k: p[1] if p[0] == "v" else None for k, p in items}  # every name, in the object's order
+    tensors = [(k, p[1]) for k, p in items if p[0] == "t"]
+    nested = [(k, p) for k, p in items if p[0] not in ("v", "t")]
+    return ("o", type(value), (plain, tensors, nested) if items else None, slotted, id(value))
 
 
 def _refusal(parts: Iterable[Template | str]) -> str:
@@ -114,14 +123,20 @@ def rebuild(tpl: Template, fresh: list[torch.Tensor], memo: dict[int, Any] | Non
     if kind == "l":
         memo[key] = [rebuild(p, fresh, memo) for p in tpl[1]]
     elif kind == "u":
-        memo[key] = tuple(rebuild(p, fresh, memo) for p in tpl[1])
+        memo[key] = tuple([rebuild(p, fresh, memo) for p in tpl[1]])
     elif kind == "d":
         memo[key] = {k: rebuild(p, fresh, memo) for k, p in tpl[1]}
     else:
-        _, cls, items, slotted, _ = tpl
+        _, cls, attrs, slotted, _ = tpl
         obj = memo[key] = cls.__new__(cls)
-        if items:
-            obj.__dict__.update({k: rebuild(p, fresh, memo) for k, p in items})
+        if attrs is not None:  # (a call of rebuild per plain value was most of a KV cache's rebuild)
+            plain, tensors, nested = attrs
+            state = plain.copy()
+            for k, slot in tensors:
+                state[k] = fresh[slot]
+            for k, p in nested:
+                state[k] = rebuild(p, fresh, memo)
+            obj.__dict__.update(state)
         for name, p in slotted:
             object.__setattr__(obj, name, rebuild(p, fresh, memo))
     return memo[key]
