@@ -365,6 +365,22 @@ def test_models_meeting_a_shared_wrapper_after_a_graph_break_each_compile_unisol
         assert sum(g < 2 for g in wrapper_graphs) >= 2
 
 
+def test_the_recompile_limit_comes_back_after_a_call_unless_the_call_set_its_own(monkeypatch):
+    from streamdag.frontend import compiled_model
+
+    monkeypatch.setattr(compiled_model, "_OWN_RECOMPILE_LIMIT", {})  # as on a PyTorch without it
+
+    def sets_a_limit(x):
+        torch._dynamo.config.recompile_limit = 64
+        return x + 1
+
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        torch.testing.assert_close(sd.compile(lambda x: x * 2)(torch.ones(2)), torch.full((2,), 2.0))
+        assert torch._dynamo.config.recompile_limit == 2
+        sd.compile(sets_a_limit)(torch.ones(2))
+        assert torch._dynamo.config.recompile_limit == 64  # the call's own setting stays
+
+
 def test_without_isolation_models_sharing_a_wrapper_exhaust_one_recompile_limit():
     # the negative control: Dynamo alone, each model compiled at the shared frame
     x = torch.randn(2, 4)

@@ -34,9 +34,12 @@ _compiles_made = 0  # streamdag.compile calls so far in this process
 
 #: the most compiles whose allowances one shared frame adds up (:func:`_with_room_to_recompile`)
 _ROOM_FOR = 8
+#: the limit's name: ``cache_size_limit`` before PyTorch 2.7
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 _room_lock = threading.Lock()
 _room_depth = 0  # calls on Dynamo's path running now, in any thread: the limit is raised while > 0
 _limit_outside = 0  # the recompile limit in force outside them, put back by the last to end
+_limit_raised = 0  # the limit they run under, while no one sets another
 
 
 def _frame_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,21 +73,24 @@ def _with_room_to_recompile(compiled: Callable[..., Any], args: tuple[Any, ...],
     ran none of their graphs (T5, Whisper, Pegasus and Marian, compiled after other Hugging Face
     models). Raised for the call alone, as PyTorch's own per-compile limit is; the cap bounds how
     often a model whose state changes on every call is compiled again before Dynamo runs it as
-    written. Costs about 3.5 µs a call on Dynamo's path; a whole-call replay does not come here."""
-    global _room_depth, _limit_outside
+    written. The last call to end puts the limit back only where it is still the raised one: a
+    limit set meanwhile (by the model, or another thread) stays. Costs about 3.5 µs a call on
+    Dynamo's path; a whole-call replay does not come here."""
+    global _room_depth, _limit_outside, _limit_raised
     config = torch._dynamo.config
     with _room_lock:
         if _room_depth == 0:
-            _limit_outside = config.recompile_limit
-            config.recompile_limit = _limit_outside * min(max(_compiles_made, 1), _ROOM_FOR)
+            _limit_outside = getattr(config, _LIMIT)
+            _limit_raised = _limit_outside * min(max(_compiles_made, 1), _ROOM_FOR)
+            setattr(config, _LIMIT, _limit_raised)
         _room_depth += 1
     try:
         return compiled(*args, **kwargs)
     finally:
         with _room_lock:
             _room_depth -= 1
-            if _room_depth == 0:
-                config.recompile_limit = _limit_outside
+            if _room_depth == 0 and getattr(config, _LIMIT) == _limit_raised:
+                setattr(config, _LIMIT, _limit_outside)
 
 
 def _rnn_left_to_eager(fn: Any) -> str:

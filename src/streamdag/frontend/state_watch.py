@@ -135,11 +135,12 @@ class StateWatch:
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
-        self._native = _dict_tags()
-        self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
+        # watched first: watching marks a dict's version tag, which the tags then include
         self._watch = _dict_watcher()
         self._seen_changes: int | None = (self._watch.watch_dicts(self._dicts) if self._watch is not None
                                           else None)
+        self._native = _dict_tags()
+        self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
         #: what :meth:`holds` checks besides the tags and layouts: only the checks that have something
         #: to check (functions, not bound methods: a watch that refers to itself would be freed only by
         #: the cyclic collector, and a dropped state's watch holds its model's tensors)
