@@ -114,23 +114,26 @@ def fake_device(monkeypatch):
     return make
 
 
-@pytest.fixture(params=["watched", "native", "python"])
+@pytest.fixture(params=["watched", "native", "own dicts", "python"])
 def state_checks(request, monkeypatch):
     """Each state test runs with the compiled dict watcher (CPython 3.12 on), with the compiled
-    dict-version tags alone, and with the Python comparison alone."""
+    dict-version tags alone, with the tags after each object's dict is made its own (as CPython
+    3.13 needs), and with the Python comparison alone."""
     from streamdag.frontend import state_watch
 
     if request.param != "watched":
         monkeypatch.setattr(state_watch, "_native_watch", None)
         monkeypatch.setattr(state_watch, "_watch_checked", True)
     elif state_watch._dict_watcher() is None:
-        pytest.skip("no compiled dict watcher here (no compiled module, CPython before 3.12, or 3.13's "
-                    "inline attributes)")
+        pytest.skip("no compiled dict watcher here (no compiled module, CPython before 3.12, or the "
+                    "process's watchers taken)")
     if request.param == "python":
         monkeypatch.setattr(state_watch, "_native_tags", None)
         monkeypatch.setattr(state_watch, "_native_checked", True)
-    elif request.param == "native" and state_watch._dict_tags() is None:
-        pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.13 on)")
+    elif request.param in ("native", "own dicts") and state_watch._dict_tags() is None:
+        pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.14 on)")
+    if request.param == "own dicts":
+        monkeypatch.setattr(state_watch, "_tags_need_own_dicts", True)
     return request.param
 
 

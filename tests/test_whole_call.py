@@ -604,3 +604,14 @@ def test_a_state_watch_and_a_compiled_model_go_with_their_last_reference():
     finally:
         gc.enable()
         torch._dynamo.reset()
+
+
+def test_an_object_given_its_own_dict_keeps_the_same_dict_and_values_and_its_stores_reach_it():
+    m = Scaled().eval()
+    d, before = m.__dict__, dict(m.__dict__)
+    assert state_watch._own_dict(m)
+    assert m.__dict__ is d and d == before
+    m.factor = 4.0
+    m.extra = 1
+    assert d["factor"] == 4.0 and d["extra"] == 1 and m.factor == 4.0
+    assert not state_watch._own_dict(1)  # an int has no dict to set: the watch compares values

@@ -26,16 +26,45 @@ _native_tags: Any = None  # the compiled dict-version tags, once looked for
 _native_checked = False
 _native_watch: Any = None  # the compiled dict watcher, once looked for
 _watch_checked = False
+#: whether the tags (or the watcher) see an object's attribute stores only once its dict is its own
+#: (:func:`_own_dict`): CPython 3.13's inline attribute values
+_tags_need_own_dicts = False
+_watch_needs_own_dicts = False
+
+
+def _own_dict(obj: Any) -> bool:
+    """Give ``obj`` its ``__dict__`` as a dict of its own, the same dict object: from CPython 3.13 a
+    new object keeps its attributes in an inline array that its dict only views, and a store into
+    the array moves neither the dict's version tag nor its watchers. Setting ``__dict__`` to itself
+    moves the values into the dict. False where the object's dict cannot be set."""
+    try:
+        object.__setattr__(obj, "__dict__", object.__getattribute__(obj, "__dict__"))
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def _sees_stores(snapshot: Any, unchanged: Any, own: bool) -> bool:
+    """Whether a check sees a module's attribute set and added (``own``: once its dict is its own):
+    ``snapshot(dicts)`` takes a state, ``unchanged(dicts, state)`` compares with it."""
+    probe = torch.nn.Module()
+    if own and not _own_dict(probe):
+        return False
+    dicts = [probe.__dict__]
+    state = snapshot(dicts)
+    probe.training = not probe.training
+    if unchanged(dicts, state):
+        return False
+    state = snapshot(dicts)
+    probe.added = 1
+    return not unchanged(dicts, state)
 
 
 def _dict_tags() -> Any:
-    """The compiled module's dict version tags, where they follow every change of an attribute.
-
-    CPython stores an instance's attributes beside its ``__dict__`` from 3.13 on and does not
-    give the dict a new tag when one of them is set; a probe finds out, and then (as where
-    the compiled module is missing) the Python comparison runs alone.
-    """
-    global _native_tags, _native_checked
+    """The compiled module's dict version tags, where they follow every change of an attribute
+    (from CPython 3.13: once each object's dict is its own); a probe finds out, and otherwise (as
+    where the compiled module is missing) the Python comparison runs alone."""
+    global _native_tags, _native_checked, _tags_need_own_dicts
     if _native_checked:
         return _native_tags
     _native_checked = True
@@ -44,22 +73,17 @@ def _dict_tags() -> Any:
     module = load()
     if module is None or not hasattr(module, "dict_versions"):
         return None
-    probe = torch.nn.Module()
-    dicts = [probe.__dict__]
-    seen = module.dict_versions(dicts)
-    probe.training = not probe.training
-    changed = not module.same_dict_versions(dicts, seen)
-    seen = module.dict_versions(dicts)
-    probe.added = 1
-    if changed and not module.same_dict_versions(dicts, seen):
-        _native_tags = module
+    for own in (False, True):
+        if _sees_stores(module.dict_versions, module.same_dict_versions, own):
+            _native_tags, _tags_need_own_dicts = module, own
+            break
     return _native_tags
 
 
 def _dict_watcher() -> Any:
     """The compiled module's dict watcher (CPython 3.12 on), where its change count moves with
     every change of an attribute: a probe finds out, as for :func:`_dict_tags`."""
-    global _native_watch, _watch_checked
+    global _native_watch, _watch_checked, _watch_needs_own_dicts
     if _watch_checked:
         return _native_watch
     _watch_checked = True
@@ -68,17 +92,14 @@ def _dict_watcher() -> Any:
     module = load()
     if module is None or not hasattr(module, "watch_dicts"):
         return None
-    probe = torch.nn.Module()
     try:
-        seen = module.watch_dicts([probe.__dict__])
+        module.watch_dicts([])  # takes the process's watcher now
     except RuntimeError:  # the process's eight dict watchers all taken (by other libraries)
         return None
-    probe.training = not probe.training
-    changed = not module.no_dict_change_since(seen)
-    seen = module.dict_changes()
-    probe.added = 1
-    if changed and not module.no_dict_change_since(seen):
-        _native_watch = module
+    for own in (False, True):
+        if _sees_stores(module.watch_dicts, lambda dicts, count: module.no_dict_change_since(count), own):
+            _native_watch, _watch_needs_own_dicts = module, own
+            break
     return _native_watch
 
 
@@ -128,18 +149,23 @@ class StateWatch:
         self._layouts = _layout_check(self.tensors) if self.tensors else (lambda: True)
         sized = self.modules.sized if self.modules is not None else []
         #: (label, its __dict__) of each config-like object the modules hold
-        self.objects: list[tuple[str, dict[str, Any]]] = _objects(root)
+        found = _objects(root)
+        self.objects: list[tuple[str, dict[str, Any]]] = [(label, o.__dict__) for label, o in found]
         self._object_items = [(len(d), tuple(d.values())) for _, d in self.objects]
         # (not the globals dict: a script's loop assigns its globals on every call)
         self._dicts = [c for c in sized if isinstance(c, dict)] + [d for _, d in self.objects]
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
+        self._watch, self._native = _dict_watcher(), _dict_tags()
+        if ((self._watch is not None and _watch_needs_own_dicts)
+                or (self._native is not None and _tags_need_own_dicts)):
+            owners = [*(root.modules() if root is not None else ()), *(o for _, o in found)]
+            if not all([_own_dict(o) for o in owners]):  # a dict that stays a view: compare values
+                self._watch = self._native = None
         # watched first: watching marks a dict's version tag, which the tags then include
-        self._watch = _dict_watcher()
         self._seen_changes: int | None = (self._watch.watch_dicts(self._dicts) if self._watch is not None
                                           else None)
-        self._native = _dict_tags()
         self._tags = self._native.dict_versions(self._dicts) if self._native is not None else None
         #: what :meth:`holds` checks besides the tags and layouts: only the checks that have something
         #: to check (functions, not bound methods: a watch that refers to itself would be freed only by
@@ -246,9 +272,9 @@ class StateWatch:
         return {id(t) for t in self.tensors} == {id(t) for t in other.tensors}
 
 
-def _objects(root: torch.nn.Module | None) -> list[tuple[str, dict[str, Any]]]:
-    """The plain objects among the modules' attributes (a model's config), each once, with their
-    ``__dict__``: the forward reads their fields, which the modules' own dicts do not show."""
+def _objects(root: torch.nn.Module | None) -> list[tuple[str, Any]]:
+    """The plain objects among the modules' attributes (a model's config), each once, with a label:
+    the forward reads their fields, which the modules' own dicts do not show."""
     from .module_state import _fixed, _internals
 
     if root is None:
@@ -261,7 +287,7 @@ def _objects(root: torch.nn.Module | None) -> list[tuple[str, dict[str, Any]]]:
             d = getattr(value, "__dict__", None)
             if isinstance(d, dict) and id(value) not in seen:
                 seen.add(id(value))
-                found.append((f"{type(m).__name__}.{attr} ({type(value).__name__})", d))
+                found.append((f"{type(m).__name__}.{attr} ({type(value).__name__})", value))
     return found
 
 
