@@ -656,3 +656,17 @@ def test_on_cuda_train_and_eval_each_compile_once_and_eval_replays(engine):
     s = c.statistics()
     assert _compiles(c) == 2 and s.replays >= 6 and s.eager_calls == 0
     c.close()
+
+
+def test_compiling_on_cpython_3_13_0_warns_that_dynamos_guards_can_miss_changes(monkeypatch):
+    from streamdag.frontend import compiled_model
+
+    monkeypatch.setattr(compiled_model, "_warned_of_stale_guards", False)
+    monkeypatch.setattr(compiled_model, "_STALE_GUARDS", True)  # as on CPython 3.13.0
+    with pytest.warns(sd.StreamdagWarning, match="3.13.1"):
+        sd.compile(nn.Linear(2, 2))
+    monkeypatch.setattr(compiled_model, "_warned_of_stale_guards", False)
+    monkeypatch.setattr(compiled_model, "_STALE_GUARDS", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sd.StreamdagWarning)
+        sd.compile(nn.Linear(2, 2))  # a fixed Python: no warning

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -197,12 +198,32 @@ class CompiledModel:
                 r.legacy.close()
 
 
+#: CPython 3.13.0, where Dynamo's guards can miss a change to a model (:func:`_warn_of_stale_guards`)
+_STALE_GUARDS = sys.version_info[:3] == (3, 13, 0)
+_warned_of_stale_guards = False
+
+
+def _warn_of_stale_guards() -> None:
+    """Warn once where Dynamo's guards can miss a change to a model (CPython 3.13.0, whose inline
+    attribute values skip the dict's version: python/cpython#125608, fixed in 3.13.1). There a model
+    compiled by Dynamo, by torch.compile as well, runs its training graph after ``model.eval()``;
+    PyTorch itself only warns that its guards may run slower."""
+    global _warned_of_stale_guards
+    if not _STALE_GUARDS or _warned_of_stale_guards:
+        return
+    _warned_of_stale_guards = True
+    warn("streamdag.compile on CPython 3.13.0: Dynamo's guards can miss a change to the model "
+         "(model.eval(), an attribute set) and run a graph compiled before it, as torch.compile does "
+         "here (python/cpython#125608); upgrade Python to 3.13.1 or later")
+
+
 def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
                min_gain: float = MIN_GAIN, candidates: Sequence[str] | None = None,
                clone_outputs: bool = True, whole_call: bool = True) -> CompiledModel:
     """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams."""
     if not callable(fn):
         raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
+    _warn_of_stale_guards()
     backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
                                clone_outputs=clone_outputs)
     backend.options.whole_call = bool(whole_call)
