@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,23 +60,34 @@ def _sees_stores(snapshot: Any, unchanged: Any, own: bool) -> bool:
     return not unchanged(dicts, state)
 
 
+def _probed(name: str, check: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, bool]:
+    """The compiled module where the check ``check(module)`` makes (its snapshot and comparison) sees
+    attribute stores, as it is or once each object's dict is its own, and whether it needs that;
+    (None, False) where the module lacks ``name`` or the check misses stores either way."""
+    from ..native import load
+
+    module = load()
+    if module is None or not hasattr(module, name):
+        return None, False
+    snapshot, unchanged = check(module)
+    try:
+        for own in (False, True):
+            if _sees_stores(snapshot, unchanged, own):
+                return module, own
+    except RuntimeError:  # the process's eight dict watchers all taken (by other libraries)
+        pass
+    return None, False
+
+
 def _dict_tags() -> Any:
     """The compiled module's dict version tags, where they follow every change of an attribute
     (from CPython 3.13: once each object's dict is its own); a probe finds out, and otherwise (as
     where the compiled module is missing) the Python comparison runs alone."""
     global _native_tags, _native_checked, _tags_need_own_dicts
-    if _native_checked:
-        return _native_tags
-    _native_checked = True
-    from ..native import load
-
-    module = load()
-    if module is None or not hasattr(module, "dict_versions"):
-        return None
-    for own in (False, True):
-        if _sees_stores(module.dict_versions, module.same_dict_versions, own):
-            _native_tags, _tags_need_own_dicts = module, own
-            break
+    if not _native_checked:
+        _native_checked = True
+        _native_tags, _tags_need_own_dicts = _probed(
+            "dict_versions", lambda m: (m.dict_versions, m.same_dict_versions))
     return _native_tags
 
 
@@ -84,22 +95,10 @@ def _dict_watcher() -> Any:
     """The compiled module's dict watcher (CPython 3.12 on), where its change count moves with
     every change of an attribute: a probe finds out, as for :func:`_dict_tags`."""
     global _native_watch, _watch_checked, _watch_needs_own_dicts
-    if _watch_checked:
-        return _native_watch
-    _watch_checked = True
-    from ..native import load
-
-    module = load()
-    if module is None or not hasattr(module, "watch_dicts"):
-        return None
-    try:
-        module.watch_dicts([])  # takes the process's watcher now
-    except RuntimeError:  # the process's eight dict watchers all taken (by other libraries)
-        return None
-    for own in (False, True):
-        if _sees_stores(module.watch_dicts, lambda dicts, count: module.no_dict_change_since(count), own):
-            _native_watch, _watch_needs_own_dicts = module, own
-            break
+    if not _watch_checked:
+        _watch_checked = True
+        _native_watch, _watch_needs_own_dicts = _probed(
+            "watch_dicts", lambda m: (m.watch_dicts, lambda dicts, count: m.no_dict_change_since(count)))
     return _native_watch
 
 

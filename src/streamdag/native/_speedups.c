@@ -1410,7 +1410,8 @@ static PyObject *setup_clocks(PyObject *module, PyObject *arg) {
  * whenever a value in it is set to another object, added or removed (PEP 509), so one loop of
  * loads and compares covers a few hundred submodules in a few microseconds; comparing their
  * values (module_state.ModuleState.holds, the Python code) costs a hundred. CPython 3.14 drops
- * the tag: there, and where a probe finds it not maintained, the Python code runs alone. */
+ * the tag; CPython 3.13 keeps a new object's attributes in an inline array whose stores skip the
+ * tag, until the object's dict is made its own (state_watch's probe finds which is needed). */
 static int check_dicts(PyObject *list) {
     if (!PyList_Check(list)) {
         PyErr_SetString(PyExc_TypeError, "takes a list of dicts");
@@ -1478,8 +1479,8 @@ static PyObject *same_dict_versions(PyObject *module, PyObject *const *args, Py_
  * last, no watched dict changed: a model of 700 submodules (4,284 dicts) skips a loop of about
  * 10 µs per call. The count is shared by every watched dict, so a change to any of them sends each
  * watch back to its tags (or values) once. Dicts stay watched while they live; CPython allows a
- * process eight watchers, of which this takes one. Where attribute stores bypass the dict
- * (CPython 3.13's inline values), state_watch's probe finds the count not moving and leaves it. */
+ * process eight watchers, of which this takes one. Attribute stores into CPython 3.13's inline
+ * values bypass the dict, as for the tags above. */
 #if PY_VERSION_HEX >= 0x030C0000
 static int dict_watcher = -1;
 static uint64_t dict_changes = 0;  /* under the GIL; a lost increment in a free-threaded build
