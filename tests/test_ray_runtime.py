@@ -131,6 +131,34 @@ def test_a_burst_of_ops_settles_each_future_with_its_own_answer(rt):
     assert len(group.value.exceptions) == sum(i % 7 == 3 for i in range(60))
 
 
+def test_a_burst_is_settled_by_reports_without_reading_each_op_s_own_answer(rt, monkeypatch):
+    """The driver learns of many ops from one report; it reads an op's own answer only where a report
+    cannot tell (here: the op whose call cannot be unpickled, which Ray answers)."""
+    from streamdag.ray import _reports
+
+    read = []
+    real = _reports._answers
+    monkeypatch.setattr(_reports, "_answers", lambda refs: read.extend(refs) or real(refs))
+    rt.synchronize()
+    buf = rt.put(np.zeros(2), on=1)
+    futures = [rt.submit(_answer, i, run_on=1) for i in range(40)]
+    futures.append(rt.submit(_answer, _FailsToLoad(), run_on=1))
+    futures += [rt.submit(np.add, sd.read(buf), 1.0, out=sd.write(buf)) for _ in range(40)]
+    for i, f in enumerate(futures[:40]):
+        if i % 7 == 3:
+            with pytest.raises(ValueError, match=f"op {i} fails"):
+                f.result(timeout=60)
+        else:
+            assert f.result(timeout=60) == (None if i % 2 else i * 10)
+    with pytest.raises(RuntimeError, match="cannot be unpickled here"):
+        futures[40].result(timeout=60)
+    assert all(f.result(timeout=60) is buf for f in futures[41:])
+    np.testing.assert_array_equal(rt.get(buf).result(timeout=60), [40.0, 40.0])
+    with pytest.raises(sd.ExceptionGroup):
+        rt.synchronize()
+    assert len(read) <= 2  # the op Ray answered (and at most one report's ops, after a failed report)
+
+
 def _big(i):
     return np.full(10_000, float(i))  # 80 kB: near Ray's limit for a value sent inside its reply
 
@@ -193,6 +221,11 @@ def test_a_recorded_graph_runs_as_one_compiled_graph_again_and_again(rt):
         np.testing.assert_array_equal(rt.get(c).result(), 3 * (np.arange(4.0) + 1) + np.arange(4.0))
     assert result[n0] is c
     assert g.compiles == 1
+    g.release()  # its workers stop polling; the next run sets it up again
+    rt.put(np.ones(4), out=a)
+    g.run().result()
+    np.testing.assert_array_equal(rt.get(c).result(), np.full(4, 7.0))
+    assert g.compiles == 2
 
 
 def _stage(x, w, out):

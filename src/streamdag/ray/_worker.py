@@ -150,6 +150,25 @@ def _result(value: Any, buffers: dict[int, Any]) -> Any:
     return value
 
 
+# an op's answer in a report where the driver reads the op's own answer instead: the op raised to
+# Ray, or its answer is large (a report stays small enough for Ray to send it inside its reply:
+# a larger one goes through the object store, and between nodes it took up to 2 s to arrive)
+READ_OWN = "read own"
+_REPORTED_AT_MOST = 256  # answers told in one report; the others are READ_OWN
+_SMALL = frozenset({type(None), bool, int, float, complex, Buf})
+
+
+def _small(answer: tuple) -> bool:
+    """Whether ``answer`` (an op's outcome, not None) is small to send: failures, and the values of
+    a few bytes."""
+    if answer[0] != "ok":
+        return True
+    value = answer[1]
+    kind = type(value)
+    return kind in _SMALL or (kind in (str, bytes) and len(value) <= 256) or (
+        kind is np.ndarray and value.nbytes <= 256)
+
+
 class Worker:
     """The state of one worker: its buffers by number and its failed ops (with their root)."""
 
@@ -161,6 +180,10 @@ class Worker:
         self.functions: dict[int, Any] = {}  # the eager ops' functions by number (see _functions.py)
         self.graph_failed: dict[int, tuple[str, BaseException]] = {}
         self.token = uuid.uuid4().hex
+        # the eager ops run by this incarnation, and (position, answer) of each since the last report
+        # that did not answer None (a plain success): a report tells the driver of many ops at once
+        self.ran = 0
+        self.unreported: list[tuple[int, Any]] = []
         self.local: Any = None  # a GPU worker's local streamdag runtime (see _captured.py)
         self.captured: list[CapturedSegment] = []
         self.graph_run = 0
@@ -209,18 +232,44 @@ class Worker:
         value = _resolve(Buf(buf), self.buffers, {}, self.name)
         return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
-    def run_op(self, call: bytes | tuple[bytes, Sequence[tuple]]) -> tuple:
+    def run_op(self, call: bytes | tuple) -> Any:
+        """Run one eager op (see :meth:`_run_op`) and answer its outcome. ``call`` is the op's pickle,
+        or that, its incoming values, and whether to report: then the answer is ``("report",
+        outcome, *self.report())``, the outcomes of the ops before it too (see :meth:`report`)."""
+        self.ran += 1
+        at = self.ran
+        try:
+            answer = self._run_op(call)
+        except BaseException:  # Ray answers it (say, its call could not be unpickled here)
+            self.unreported.append((at, READ_OWN))
+            raise
+        if type(call) is tuple and len(call) > 2:  # asked to report
+            return ("report", answer, *self.report())
+        if answer is not None:
+            small = len(self.unreported) < _REPORTED_AT_MOST and _small(answer)
+            self.unreported.append((at, answer if small else READ_OWN))
+        return answer
+
+    def report(self) -> tuple[str, int, list[tuple[int, Any]]]:
+        """``(token, ops run, [(position, answer)])``: the answers since the last report that are not
+        None, by their op's position among the eager ops this incarnation ran (``READ_OWN`` where the
+        driver is to read the op's own answer). The driver reads this one answer, not each op's own."""
+        told, self.unreported = self.unreported, []
+        return self.token, self.ran, told
+
+    def _run_op(self, call: bytes | tuple) -> tuple | None:
         """Run one eager op, after the values it reads from other workers have arrived.
 
         ``call`` is the pickle of ``(op number, name, fn, args, kwargs, fail_if, timeout, timed)``, or
-        that and ``incoming``: ``(key, transfer ref, owner)`` of each value from another worker. One
-        argument: Ray's cost grows with a call's arguments. A ref inside an argument is not fetched
-        by Ray before the call, so that a failed transfer fails this op here, as data. An op that
-        ends well and returns None answers None where the driver does not profile (``timed``).
+        that and ``incoming`` (and more, see :meth:`run_op`): ``(key, transfer ref, owner)`` of each
+        value from another worker. One argument: Ray's cost grows with a call's arguments. A ref
+        inside an argument is not fetched by Ray before the call, so that a failed transfer fails
+        this op here, as data. An op that ends well and returns None answers None where the driver
+        does not profile (``timed``).
         """
         import ray
 
-        call, incoming = (call, ()) if type(call) is bytes else call
+        call, incoming = (call, ()) if type(call) is bytes else call[:2]
         op, name, fn, args, kwargs, fail_if, timeout, timed = ray.cloudpickle.loads(call)
 
         t0 = time.time()

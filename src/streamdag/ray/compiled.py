@@ -173,7 +173,7 @@ class RayGraph:
         rt._wait_eager(self._workers_used)
         with rt._lock:  # an eager transfer of a buffer made before this run is not of its new value
             for bid in (*self._written, *values):
-                rt._writes_of[bid] = rt._writes_of.get(bid, 0) + 1
+                rt._exports.pop(bid, None)
         while True:
             # one execute in flight: with two, Ray's channels between nodes hang (see the module's
             # docstring), and execute and ray.get must not race from two threads. Waited for
@@ -355,6 +355,18 @@ class RayGraph:
         self._outputs = sorted(last)
         self._compiled = dag.experimental_compile(_submit_timeout=self._rt.timeout_s)
         self.compiles += 1
+
+    def release(self) -> None:
+        """Tear the graph's Ray Compiled Graph down once its runs in flight end; the next run sets it
+        up again (a compile). While it is set up, each of its workers polls its channels, which keeps
+        a CPU core busy even between runs (Ray's compiled graphs wait so); release a graph that will
+        not run for a while on a machine whose cores the eager work needs."""
+        while True:
+            self._wait_runs(self._rt.timeout_s)
+            with self._lock:
+                if not self._runs_in_flight:  # (none began since)
+                    self._teardown()
+                    return
 
     def _wait_runs(self, timeout: float) -> None:
         for _, f in list(self._runs_in_flight):

@@ -39,6 +39,7 @@ from ..observe.timeline import Span, Timeline
 from ..runtime import Future
 from ..runtime.accel import DepsTracker
 from ._functions import Functions, pickled_by_name
+from ._reports import Reports
 from ._worker import Buf, Incoming, Store, Worker
 
 __all__ = ["RemoteBuffer", "Runtime"]
@@ -173,8 +174,7 @@ class Runtime:
         self._pending = [0] * workers
         self._inflight: set[_Op] = set()
         self._failures: list[BaseException] = []
-        self._exports: dict[int, tuple[int, Any]] = {}  # buffer id -> (its writes so far, transfer ref)
-        self._writes_of: dict[int, int] = {}
+        self._exports: dict[int, Any] = {}  # buffer id -> the transfer of its value, until it is written
         self._buffers: weakref.WeakValueDictionary[int, RemoteBuffer] = weakref.WeakValueDictionary()
         self._recording: dict[int, Any] = {}
         self._graphs: list[Any] = []  # recorded graphs, to tear their compiled graphs down on close
@@ -189,6 +189,7 @@ class Runtime:
         except Exception:
             self.close()
             raise
+        self._reports = Reports(self._workers, self._lock, self._tokens, self._finish_all, self._finish)
 
     # --- buffers -------------------------------------------------------------------------------
     def empty(self, shape: int | Sequence[int], dtype: Any = np.float64, on: str | int = 0) -> RemoteBuffer:
@@ -282,11 +283,12 @@ class Runtime:
         future.op_name = name
         op = _Op(next(self._seq), name, worker, write_regions, future)
         deps = self._tracker.link(op, accesses)
-        op.deps = tuple(d.seq for d in deps)
+        if self._profile is not None:  # the timeline's arrows
+            op.deps = tuple(d.seq for d in deps)
         fail_if = [d.seq for d in deps if d.worker == worker and _writes_any(d, accesses)]
         incoming = [(b.id, self._export(b, deps), b.device) for b in remote.values()]
         for bid in written:  # a transfer of it made before this op is not of its new value
-            self._writes_of[bid] = self._writes_of.get(bid, 0) + 1
+            self._exports.pop(bid, None)
         self._inflight.add(op)
         self._pending[worker] += 1
         spec = self._functions.spec(fn, worker)
@@ -298,61 +300,51 @@ class Runtime:
         call = pickle.dumps(call, 5) if plain and by_name else ray.cloudpickle.dumps(call)
         # the transfers' refs stay Ray's to serialize (it tracks who holds them), in the one argument:
         # Ray's cost grows with a call's arguments
-        ref = self._workers[worker].run_op.remote((call, incoming) if incoming else call)
-        # Ray's own completion callback (what its asyncio futures use; ``ref.future()`` adds a
-        # concurrent.futures.Future and a thread hop per op). The callback holds the ref: Ray fails
-        # hard where a result lands in its store after the last ref to it is dropped
-        ref._on_completed(lambda result, op=op, ref=ref: self._finish(op, result))
+        self._reports.send(worker, op, call, incoming)
         return future
 
     def _export(self, buf: RemoteBuffer, deps: list[_Op]) -> Any:
         """The transfer of ``buf``'s value as it is after the ops submitted so far (one per version)."""
-        version = self._writes_of.get(buf.id, 0)
         cached = self._exports.get(buf.id)
-        if cached is not None and cached[0] == version:
-            return cached[1]
+        if cached is not None:
+            return cached
         fail_if = [d.seq for d in deps if d.worker == buf.worker
                    and any(r.overlaps(buf.region) for r in d.writes)]
         ref = self._workers[buf.worker].export.remote(buf.id, fail_if, f"transfer of {buf!r}")
-        self._exports[buf.id] = (version, ref)
+        self._exports[buf.id] = ref
         return ref
 
     def _finish(self, op: _Op, done: Any) -> None:
-        """Settle ``op``'s future from its worker's answer, or the error Ray gives instead (a Ray
-        callback thread)."""
-        unsure = False  # whether the worker may lack the functions the driver thinks it holds
-        if done is None:  # ended well, returned None, not timed (see Worker.run_op)
-            status, a, b, t0, t_in, t1 = "ok", None, None, None, None, None
-        elif type(done) is tuple:
-            status, a, b, t0, t_in, t1 = done
-            unsure = status == "err" and isinstance(a, WorkerLost)  # restarted since
-        elif isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
-            status, a, b = "err", WorkerLost(f"ray:{op.worker}", type(done).__name__), None
-            t0 = t_in = t1 = time.time()
-        else:  # anything else Ray raises (say, the function cannot be unpickled there: its module is
-            # not on the worker) fails this op, visibly
-            if isinstance(done, ray.exceptions.RayTaskError):
-                done = done.as_instanceof_cause()
-            status, a, b, t0, t_in, t1 = "err", done, None, *(time.time(),) * 3
+        """Settle ``op``'s future from its worker's answer (a Ray callback thread)."""
+        self._finish_all([(op, done)])
+
+    def _finish_all(self, answered: list[tuple[_Op, Any]]) -> None:
+        """Settle the futures of ops from their workers' answers, or the errors Ray gives instead (a
+        Ray callback thread). The runtime's lock is taken once for them all: the submitting thread
+        holds it through each submit, and taking it per op made the two threads trade it op by op."""
+        outcomes = [_outcome(op, done) for op, done in answered]
         with self._lock:
-            if unsure or type(done) not in (tuple, type(None)):  # restarted, or the call did not
-                self._functions.lost(op.worker)  # run: a function it brought may not be there
-            op.done = True
-            op.failed = status != "ok"
-            self._inflight.discard(op)
-            self._pending[op.worker] -= 1
-            if status == "err":
-                self._failures.append(a)
             prof = self._profile
-            if prof is not None and t0 is not None:  # not an op sent before rt.profile() began
-                self._add_spans(prof, op, t0, t_in, t1, op.failed)
+            for (op, done), (status, a, _b, t0, t_in, t1) in zip(answered, outcomes):
+                if type(done) not in _WORKER_ANSWERS or (status == "err" and isinstance(a, WorkerLost)):
+                    self._functions.lost(op.worker)  # restarted, or the call did not run: a function
+                    # it brought may not be there
+                op.done = True
+                op.failed = status != "ok"
+                self._inflight.discard(op)
+                self._pending[op.worker] -= 1
+                if status == "err":
+                    self._failures.append(a)
+                if prof is not None and t0 is not None:  # not an op sent before rt.profile() began
+                    self._add_spans(prof, op, t0, t_in, t1, op.failed)
             self._idle.notify_all()
-        if status == "ok":
-            op.future.set_result(self._handle(a, op))
-        elif status == "err":
-            op.future.set_exception(a)
-        else:
-            op.future.set_exception(DependencyFailed(op.name, a, b))
+        for (op, _), (status, a, b, *_times) in zip(answered, outcomes):
+            if status == "ok":
+                op.future.set_result(self._handle(a, op))
+            elif status == "err":
+                op.future.set_exception(a)
+            else:
+                op.future.set_exception(DependencyFailed(op.name, a, b))
 
     def _handle(self, value: Any, op: _Op) -> Any:
         """An op's return value for the driver: a buffer it returned becomes its handle."""
@@ -485,6 +477,8 @@ class Runtime:
             pass
         finally:
             self._closed = True
+            if hasattr(self, "_reports"):
+                self._reports.close()
             for g in getattr(self, "_graphs", []):
                 g._teardown()
             for h in self._workers:
@@ -557,6 +551,26 @@ class Runtime:
         for g in self._graphs:
             if g._runs_in_flight and workers & g._workers_used:
                 g._wait_runs(self.timeout_s)
+
+
+def _outcome(op: _Op, done: Any) -> tuple[str, Any, Any, Any, Any, Any]:
+    """``(status, value or error, failed dependency, start, inputs in, end)`` of a worker's answer to
+    ``op``, or of the error Ray gives instead."""
+    if done is None:  # ended well, returned None, not timed (see Worker.run_op)
+        return "ok", None, None, None, None, None
+    if type(done) is tuple:
+        return done
+    now = time.time()
+    if isinstance(done, ray.exceptions.RayActorError):  # the worker died (or Ray cannot reach it)
+        return "err", WorkerLost(f"ray:{op.worker}", type(done).__name__), None, now, now, now
+    # anything else Ray raises (say, the function cannot be unpickled there: its module is not on
+    # the worker) fails this op, visibly
+    if isinstance(done, ray.exceptions.RayTaskError):
+        done = done.as_instanceof_cause()
+    return "err", done, None, now, now, now
+
+
+_WORKER_ANSWERS = (tuple, type(None))  # what Worker.run_op answers, where it ran
 
 
 def _writes_any(op: _Op, accesses: list[Access]) -> bool:
