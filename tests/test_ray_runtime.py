@@ -259,6 +259,23 @@ def test_a_pipeline_of_micro_batches_over_the_nodes_matches_serial_execution(rt)
     assert g.compiles == 1
 
 
+def test_a_pipeline_stage_sends_each_micro_batch_on_as_it_ends(rt):
+    """Stage 0's ops wait for nothing, yet each is a task of its own: a task sends its values when it
+    ends, and stage 1 is to begin after stage 0's first micro-batch, not after all of them."""
+    ws = [rt.put(np.eye(8), on=s) for s in (0, 1)]
+    inputs = [rt.put(np.full((2, 8), float(i)), on=0) for i in range(3)]
+    outs = [[rt.empty((2, 8), on=s) for _ in inputs] for s in (0, 1)]
+    with rt.record() as g:
+        for i, x in enumerate(inputs):
+            rt.submit(_stage, sd.read(x), sd.read(ws[0]), sd.write(outs[0][i]))
+            rt.submit(_stage, sd.read(outs[0][i]), sd.read(ws[1]), sd.write(outs[1][i]))
+    assert "Ray Compiled Graph of 6 task(s) (ray:0 3, ray:1 3)" in g.explain()
+    g.run().result(timeout=60)
+    for i in range(3):
+        want = np.tanh(np.tanh(np.full((2, 8), float(i))))
+        np.testing.assert_allclose(rt.get(outs[1][i]).result(timeout=60), want)
+
+
 def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
     a = rt.put(np.arange(3.0), on=0)
     with rt.record() as g:

@@ -4,12 +4,13 @@ Leaving ``rt.record()`` finds the graph's dependencies with the project's hazard
 schedules it with :func:`streamdag.build_schedule`, one group (and one stream) per worker: the
 schedule's order per stream is each worker's program, and its reduced edges between streams are
 what must cross workers. Each worker's program is cut into *segments*: a new segment begins at an
-op that follows an op of another worker or reads a value from another worker. A segment then
-waits for nothing once it has begun, and becomes one task of a Ray Compiled Graph on its worker
+op that follows an op of another worker or reads a value from another worker, and after an op that
+an op of another worker follows or reads from. A segment then waits for nothing once it has begun
+and sends its values at its end, and becomes one task of a Ray Compiled Graph on its worker
 (``Worker.run_segment``), with a channel from each segment it follows: the values it reads (the
 buffers of another worker as they are after their writer, or before the run), or only the order.
-A graph whose workers feed each other one way is one task per worker; a pipeline whose stages
-alternate between workers is one task per op that waits. A segment's edges all come from segments
+A worker whose ops neither wait for nor feed another worker's is one task; a pipeline is one task
+per op of each stage, so that its stages overlap. A segment's edges all come from segments
 that begin earlier, so the tasks form a DAG.
 
 ``g.run()`` is one ``execute`` of the compiled graph: Ray's channels carry the values, and the
@@ -428,7 +429,8 @@ def _alive(rt: Runtime, workers: set[int]) -> set[int]:
 
 
 def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _Plan:
-    """Cut each worker's program where an op waits for another worker; plan the transfers."""
+    """Cut each worker's program where an op waits for another worker or another waits for it; plan
+    the transfers."""
     n = len(ops)
     worker_of = [op.worker for op in ops]
     # the value each op reads from another worker: (buffer, its last writer before the op, or -1)
@@ -439,7 +441,14 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
                       for b in op.remote.values()])
     cut = [bool(keys) or any(worker_of[u] != worker_of[v] for u in sched.preds[v])
            for v, keys in enumerate(reads)]
+    # an op another worker waits for ends its segment too: a segment sends its values at its end,
+    # so that a pipeline's next stage begins after each op of the stage before, not after them all
+    sends = {writer for keys in reads for _, writer in keys if writer >= 0}
+    sends |= {u for v in range(n) for u in sched.preds[v] if worker_of[u] != worker_of[v]}
     order = {w: [v for v in range(n) if worker_of[v] == w] for w in sorted(set(worker_of))}
+    for w_ops in order.values():
+        for before, v in itertools.pairwise(w_ops):
+            cut[v] = cut[v] or before in sends
     # an initial value read before the owner's first op comes from a segment of no ops before it
     prefix = {ops[v].remote[bid].worker for v in range(n) for bid, writer in reads[v]
               if writer < 0 and not any(u < v for u in order.get(ops[v].remote[bid].worker, []))}
