@@ -17,7 +17,8 @@ Measured: per-op time of a run with tiny work (the runtime's and Ray's own overh
 with real work, and the driver's host time per eager submit against the same op written by hand
 as an actor method (see ``submit_overhead``).
 
-Run: PYTHONPATH=src python bench/ray_pipeline.py  (writes bench/results/ray_pipeline_cpu.json)
+Run: PYTHONPATH=src python bench/ray_pipeline.py  (writes bench/results/ray_pipeline_cpu_<N>cores.json:
+the times depend on how many cores the nodes, actors and driver share)
 """
 
 import os
@@ -321,7 +322,7 @@ def main() -> None:
                 "nodes": 2, "node_cpus": 1, "actor_cpus": 0.25, "object_store_mb": 100,
                 "submits_timed": SUBMITS, "submit_rounds": SUBMIT_ROUNDS, "ray": ray.__version__,
                 "native": os.environ.get("STREAMDAG_NATIVE")}
-    print(write_json(Path(__file__).parent / "results", "ray_pipeline_cpu",
+    print(write_json(Path(__file__).parent / "results", f"ray_pipeline_cpu_{os.cpu_count()}cores",
                      {"settings": settings, **results}))
 
 
