@@ -90,17 +90,19 @@ class Reports:
         """A report of ``worker`` answered (a Ray callback thread): settle the ``count`` ops it covers,
         then ask for the next report where more ops wait."""
         try:
+            if flagged:  # the op alone (nothing waited before it); the report's answers are settled
+                report = answer[2:] if type(answer) is tuple and answer[:1] == ("report",) else None
+            else:
+                report = answer if type(answer) is tuple else None
             with self.lock:
                 batch = self.waiting[worker][:count]
                 del self.waiting[worker][:count]
                 base = self.told[worker]
-                report = answer[2:] if flagged and type(answer) is tuple and answer[:1] == ("report",) \
-                    else answer if not flagged and type(answer) is tuple else None
                 self.told[worker] = report[:2] if report is not None else None
-            own = answer[1] if report is not None and flagged else answer
-            answers = self._answers_of(batch, base, report)
             if flagged:
-                answers[-1] = own
+                answers = [answer[1] if report is not None else answer]
+            else:
+                answers = self._answers_of(batch, base, report)
             self.held[worker] = batch
             answered = []
             for (op, ref), got in zip(batch, answers):
