@@ -145,3 +145,36 @@ def test_an_eager_ops_function_and_arguments_go_as_they_are_at_the_submit(rt):
     by_name.append(rt.submit(np.add, sd.read(a), offsets))
     assert [f.result(timeout=60)[0] for f in by_value] == [2.0, 3.0]
     assert [f.result(timeout=60)[0] for f in by_name] == [1.0, 2.0]
+
+
+def test_each_run_may_ask_back_other_buffers_written_on_any_stage_or_only_read(rt):
+    rng = np.random.default_rng(4)
+    g, weights, inputs, outs = _pipeline(rt, rng, stages=(0, 1, 0))
+    g.run(inputs={x: rng.standard_normal((4, 8)) for x in inputs}).result(timeout=60)
+    # each run asks for other buffers: some written on each stage's worker, some only read
+    for asked in (outs[-1], [*outs[0], *inputs], [*outs[-1], *outs[0]]):
+        batches = [rng.standard_normal((4, 8)) for _ in inputs]
+        got = g.run(inputs=dict(zip(inputs, batches)), outputs=asked).result(timeout=60).outputs
+        want = dict(zip(inputs, batches))
+        for i, b in enumerate(batches):
+            want[outs[0][i]] = np.tanh(b @ weights[0])
+            want[outs[-1][i]] = _serial(b, weights)
+        assert len(got) == len(asked)
+        for buf, value in zip(asked, got):
+            np.testing.assert_allclose(value, want[buf], rtol=1e-12)
+    assert g.compiles == 1
+
+
+def test_a_buffer_written_again_after_another_worker_read_it_comes_back_as_written_last(rt):
+    x = rt.empty(4, on=0)
+    acc = rt.empty(4, on=0)
+    y = rt.empty(4, on=1)
+    with rt.record() as g:  # ray:0 writes acc, ray:1 reads it, then ray:0 writes it again
+        rt.submit(np.add, sd.read(x), 1.0, out=sd.write(acc))
+        rt.submit(np.multiply, sd.read(acc), 2.0, out=sd.write(y))
+        rt.submit(np.add, sd.read(y), sd.read(acc), out=sd.write(acc))
+    for k in range(3):
+        v = np.arange(4.0) + k
+        got_acc, got_y = g.run(inputs={x: v}, outputs=[acc, y]).result(timeout=60).outputs
+        np.testing.assert_array_equal(got_y, 2 * (v + 1))
+        np.testing.assert_array_equal(got_acc, 3 * (v + 1))
