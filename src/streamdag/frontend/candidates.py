@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..backends.capture_memory import stream_reuse
 from ..native import load_torch
 
 __all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "capture_graph", "choose", "pick",
@@ -145,8 +146,8 @@ def _capture_once(fn: Callable[[], Any], stream: torch.cuda.Stream, device: torc
     caller = torch.cuda.current_stream(device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with _collector_paused(), torch.cuda.graph(graph, pool=handle, stream=stream,
-                                                   capture_error_mode=error_mode):
+        with _collector_paused(), stream_reuse(), torch.cuda.graph(graph, pool=handle, stream=stream,
+                                                                   capture_error_mode=error_mode):
             out = fn()
     except BaseException:
         torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current

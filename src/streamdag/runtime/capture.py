@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .._diagnostics import get_logger
+from ..backends.capture_memory import stream_reuse
 from ..backends.cuda import _OwnStreams
 from ..graph.buffers import region_of
 from ..native import load_torch
@@ -243,8 +244,8 @@ class CudaGraphRunner:
         current = "<fork>"
         failure: BaseException | None = None
         try:
-            with _collector_paused(), torch.cuda.graph(graph, pool=self._pool, stream=origin,
-                                                       capture_error_mode="thread_local"):
+            with _collector_paused(), stream_reuse(), torch.cuda.graph(
+                    graph, pool=self._pool, stream=origin, capture_error_mode="thread_local"):
                 fork = torch.cuda.Event()
                 fork.record(origin)
                 for s in side:
