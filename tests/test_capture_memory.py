@@ -17,6 +17,7 @@ from streamdag.backends.capture_memory import stream_reuse  # noqa: E402
 def settings(monkeypatch):
     """The allocator settings streamdag sets, in order; the module as on a fresh import."""
     calls: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     monkeypatch.setattr(capture_memory, "_usable", None)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -66,6 +67,7 @@ def test_a_pytorch_without_the_option_captures_as_before(monkeypatch):
     def refuse(_):
         raise RuntimeError("Unrecognized key 'graph_capture_record_stream_reuse'")
 
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
     monkeypatch.setattr(capture_memory, "_usable", None)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)

@@ -44,8 +44,10 @@ def _user_sets_it() -> bool:
 
 
 def _set(on: bool) -> bool:
+    # the accelerator-wide setter where PyTorch has it (it deprecates the CUDA one)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     try:
-        torch.cuda.memory._set_allocator_settings(f"{_OPTION}:{on}")
+        (setter or torch.cuda.memory._set_allocator_settings)(f"{_OPTION}:{on}")
     except (RuntimeError, AttributeError):  # a PyTorch without the option
         return False
     return True
