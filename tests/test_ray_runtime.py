@@ -276,6 +276,40 @@ def test_a_pipeline_stage_sends_each_micro_batch_on_as_it_ends(rt):
         np.testing.assert_allclose(rt.get(outs[1][i]).result(timeout=60), want)
 
 
+def _tagged_stage(x, w, out, tag):
+    np.tanh(x @ w, out=out)
+    return tag
+
+
+def test_a_worker_of_two_stages_runs_every_first_stage_before_the_last_stages(rt):
+    """A pipeline that comes back to its first worker: ray:0 runs each micro-batch's first stage
+    before any last stage (recorded order would hold micro-batch 1 until micro-batch 0 came back),
+    while results and the schedule keep the ops numbered as they were recorded."""
+    stages = (0, 1, 0)
+    ws = [rt.put(np.eye(8) / 2, on=s) for s in stages]
+    inputs = [rt.put(np.full((2, 8), float(i)), on=0) for i in range(3)]
+    outs = [[rt.empty((2, 8), on=s) for _ in inputs] for s in stages]
+    nodes = {}
+    with rt.record() as g:
+        for i, x in enumerate(inputs):
+            h = x
+            for k in range(len(stages)):
+                nodes[k, i] = rt.submit(_tagged_stage, sd.read(h), sd.read(ws[k]), sd.write(outs[k][i]),
+                                        (k, i), name=f"s{k}[{i}]")
+                h = outs[k][i]
+    index = {node.index: key for key, node in nodes.items()}
+    assert [index[v] for v in g.schedule.order[0]] == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)]
+    assert [index[v] for v in g.schedule.order[1]] == [(1, 0), (1, 1), (1, 2)]
+    assert g.names == [f"s{k}[{i}]" for i in range(3) for k in range(3)]
+    result = g.run().result(timeout=60)
+    assert all(result[node] == key for key, node in nodes.items())
+    for i in range(3):
+        want = np.full((2, 8), float(i))
+        for _ in stages:
+            want = np.tanh(want @ (np.eye(8) / 2))
+        np.testing.assert_allclose(rt.get(outs[-1][i]).result(timeout=60), want)
+
+
 def test_a_recorded_graph_returns_arrays_that_stay_valid_across_runs(rt):
     a = rt.put(np.arange(3.0), on=0)
     with rt.record() as g:

@@ -2,16 +2,17 @@
 
 Leaving ``rt.record()`` finds the graph's dependencies with the project's hazard tracker and
 schedules it with :func:`streamdag.build_schedule`, one group (and one stream) per worker: the
-schedule's order per stream is each worker's program, and its reduced edges between streams are
-what must cross workers. Each worker's program is cut into *segments*: a new segment begins at an
-op that follows an op of another worker or reads a value from another worker, and after an op that
-an op of another worker follows or reads from. A segment then waits for nothing once it has begun
-and sends its values at its end, and becomes one task of a Ray Compiled Graph on its worker
-(``Worker.run_segment``), with a channel from each segment it follows: the values it reads (the
-buffers of another worker as they are after their writer, or before the run), or only the order.
-A worker whose ops neither wait for nor feed another worker's is one task; a pipeline is one task
-per op of each stage, so that its stages overlap. A segment's edges all come from segments
-that begin earlier, so the tasks form a DAG.
+schedule's order per stream is each worker's program (the ops by level, so that a worker of two
+pipeline stages runs every micro-batch's first stage before the second), and its reduced edges
+between streams are what must cross workers. Each worker's program is cut into *segments*: a new
+segment begins at an op that follows an op of another worker or reads a value from another worker,
+and after an op that an op of another worker follows or reads from. A segment then waits for
+nothing once it has begun and sends its values at its end, and becomes one task of a Ray Compiled
+Graph on its worker (``Worker.run_segment``), with a channel from each segment it follows: the
+values it reads (the buffers of another worker as they are after their writer, or before the run),
+or only the order. A worker whose ops neither wait for nor feed another worker's is one task; a
+pipeline is one task per op of each stage, so that its stages overlap. A segment's edges all come
+from segments that begin earlier, so the tasks form a DAG.
 
 ``g.run()`` is one ``execute`` of the compiled graph: Ray's channels carry the values, and the
 driver does no work per op. A run's ``execute`` waits for the run of the graph before it: with more
@@ -32,6 +33,7 @@ run compiles the graph again on the restarted worker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
@@ -101,7 +103,11 @@ class RayGraph:
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._ops: list[_Rec] = []
-        self._schedule: Schedule | None = None
+        self._schedule: Schedule | None = None  # the ops numbered as recorded
+        # from leaving rt.record() on, the ops (_ops, and the indices of everything run) are in the
+        # order the workers run them: op v of the run is the op recorded as _recorded[v]
+        self._run_schedule: Schedule | None = None
+        self._recorded: list[int] = []
         self._plan: _Plan | None = None
         self._compiled: Any = None
         self._outputs: list[int] = []  # the worker of each output of the compiled graph
@@ -124,10 +130,16 @@ class RayGraph:
 
     @property
     def names(self) -> list[str]:
-        return [op.name for op in self._ops]
+        """The ops' names, in the order they were recorded."""
+        names = [""] * len(self._ops)
+        for v, op in enumerate(self._ops):
+            names[self._recorded[v] if self._recorded else v] = op.name
+        return names
 
     @property
     def schedule(self) -> Schedule:
+        """Where and after what each op runs, the ops numbered as they were recorded; ``order[w]`` is
+        worker ``w``'s program, in the order it runs them."""
         if self._schedule is None:
             raise RuntimeError("the graph is still being recorded: leave the `with rt.record()` block")
         return self._schedule
@@ -137,9 +149,22 @@ class RayGraph:
         deps: list[list[int]] = []
         for v, op in enumerate(self._ops):
             deps.append(sorted(tracker.link(v, op.accesses)))
+        # each worker runs its ops by level (the most ops any chain has before one), ties in recording
+        # order: a pipeline whose last stage is on its first stage's worker runs every micro-batch's
+        # first stage before the last stages (recording order would wait for micro-batch 0 to go
+        # round the pipeline before micro-batch 1 begins). Levels rise along every edge, so the ops
+        # renumbered in this order are still in a topological order.
+        level: list[int] = []
+        for d in deps:
+            level.append(1 + max((level[u] for u in d), default=-1))
+        self._recorded = sorted(range(len(deps)), key=lambda v: (level[v], v))
+        at = {v: i for i, v in enumerate(self._recorded)}
+        self._ops = [self._ops[v] for v in self._recorded]
+        deps = [sorted(at[u] for u in deps[v]) for v in self._recorded]
         groups = [op.worker for op in self._ops]
-        self._schedule = build_schedule(deps, 1, groups=groups) if self._ops else build_schedule([], 1)
-        self._plan = _segments(self._ops, deps, self._schedule)
+        self._run_schedule = build_schedule(deps, 1, groups=groups) if self._ops else build_schedule([], 1)
+        self._schedule = _in_recording_order(self._run_schedule, self._recorded)
+        self._plan = _segments(self._ops, deps, self._run_schedule)
         # every worker with a task in the compiled graph: one that only sends a buffer's value too
         self._workers_used = {seg.worker for seg in self._plan.segments}
         self._written = {b for op in self._ops for b in op.ids[True]}
@@ -281,7 +306,7 @@ class RayGraph:
                 first_dep = first_dep or DependencyFailed(op.name, a, b)
             if prof is not None and t0 is not None:
                 rt._add_spans(prof, _SpanOp(first + v, op), t0, t_in, t1, status != "ok",
-                              [first + u for u in self.schedule.preds[v]])
+                              [first + u for u in self._run_schedule.preds[v]])
         got = got or {}
         missing = next((b for b in outputs if b.id not in got), None)
         if missing is not None and not failures:  # the run's end on that worker never came back
@@ -291,7 +316,10 @@ class RayGraph:
         elif first_dep is not None:
             future.set_exception(first_dep)
         else:
-            future.set_result(RayGraphResult(values, tuple(got[b.id] for b in outputs)))
+            in_recording_order: list[Any] = [None] * len(values)
+            for v, value in enumerate(values):
+                in_recording_order[self._recorded[v]] = value
+            future.set_result(RayGraphResult(in_recording_order, tuple(got[b.id] for b in outputs)))
 
     def _lost(self, cause: BaseException, run_no: int) -> dict[int, tuple]:
         """The outcome of each op of a run whose compiled graph failed: what the workers that kept
@@ -331,7 +359,7 @@ class RayGraph:
 
     @property
     def _preds_full(self) -> tuple[tuple[int, ...], ...]:
-        return self.schedule.preds
+        return self._run_schedule.preds
 
     def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
@@ -511,6 +539,25 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
             OpSpec(v, op.name, op.fn, _rekey(op.args, ids), _rekey(op.kwargs, ids), fail_if,
                    tuple(reads[v]), tuple(snaps.get(v, ())), op.ids[False], op.ids[True]))
     return plan
+
+
+def _in_recording_order(sched: Schedule, recorded: Sequence[int]) -> Schedule:
+    """``sched``, a schedule of ops numbered as they run, with each op numbered as it was recorded."""
+    def ids(vs: Sequence[int]) -> tuple[int, ...]:
+        return tuple(recorded[v] for v in vs)
+
+    n = len(recorded)
+    preds: list[tuple[int, ...]] = [()] * n
+    waits: list[tuple[int, ...]] = [()] * n
+    stream = [0] * n
+    for v, r in enumerate(recorded):
+        preds[r] = tuple(sorted(ids(sched.preds[v])))
+        waits[r] = tuple(sorted(ids(sched.waits[v])))
+        stream[r] = sched.stream[v]
+    return dataclasses.replace(sched, preds=tuple(preds), waits=tuple(waits), stream=tuple(stream),
+                               levels=tuple(tuple(sorted(ids(level))) for level in sched.levels),
+                               order=tuple(ids(o) for o in sched.order),
+                               critical_path=ids(sched.critical_path))
 
 
 def _input_value(buf: RemoteBuffer, value: Any) -> np.ndarray:
