@@ -15,6 +15,7 @@ is data, never a Ray task error that would hide which op failed.
 
 from __future__ import annotations
 
+import copyreg
 import os
 import socket
 import time
@@ -41,6 +42,13 @@ class Incoming(NamedTuple):
     """An argument that is the value transferred in under ``key``."""
 
     key: Any
+
+
+# Every eager call pickles these: a NamedTuple pickles through Python-level ``__reduce_ex__`` and
+# ``__getnewargs__``, a reducer of its own in one call (a call naming two buffers: 1.7 µs to
+# pickle, against 2.7).
+copyreg.pickle(Buf, lambda b: (Buf, (b[0],)))
+copyreg.pickle(Incoming, lambda i: (Incoming, (i[0],)))
 
 
 class Store(NamedTuple):

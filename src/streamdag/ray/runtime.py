@@ -248,20 +248,23 @@ class Runtime:
         name = name or getattr(fn, "__name__", "op")
         reads_l, writes_l = list(reads), list(writes)
         args = _unmark(args, reads_l, writes_l)
-        kwargs = _unmark(kwargs, reads_l, writes_l)
+        if kwargs:
+            kwargs = _unmark(kwargs, reads_l, writes_l)
         accesses, write_regions = self._accesses(reads_l, writes_l, name)
-        written = [b.id for b in writes_l if isinstance(b, RemoteBuffer)]
-        worker = self._place(accesses, run_on, name)
+        written = [b.id for b in writes_l]  # every one a RemoteBuffer (checked)
+        worker = self._place(reads_l, writes_l, run_on)
         for b in writes_l:
-            if isinstance(b, RemoteBuffer) and b.worker != worker:
+            if b.worker != worker:
                 raise InvalidBuffer(f"op {name!r} runs on ray:{worker} but writes {b!r}: run it there "
                                     f"(run_on={b.device!r}), or write into a buffer on ray:{worker}")
-        declared = {b.id for b in (*reads_l, *writes_l) if isinstance(b, RemoteBuffer)}
         remote: dict[int, RemoteBuffer] = {}
         found: list[int | None] = []
         args = _swap(args, worker, remote, found)
-        kwargs = _swap(kwargs, worker, remote, found)
-        if any(b is not None and b not in declared for b in found):
+        if kwargs:
+            kwargs = _swap(kwargs, worker, remote, found)
+        undeclared = set(found).difference(written, [b.id for b in reads_l if type(b) is RemoteBuffer])
+        undeclared.discard(None)
+        if undeclared:
             raise InvalidBuffer(f"op {name!r} takes a RemoteBuffer it does not declare: mark it "
                                 "sd.read(buf)/sd.write(buf), or list it in reads=/writes=, so that its "
                                 "order with the other ops on it is known")
@@ -503,32 +506,39 @@ class Runtime:
         return i
 
     def _accesses(self, reads: list[Any], writes: list[Any], name: str) -> tuple[list[Access], list[Region]]:
+        """The op's accesses (its reads, then its writes) and the regions it writes."""
         out: list[Access] = []
-        for value, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
-            if isinstance(value, RemoteBuffer):
-                if value.freed:
-                    raise InvalidBuffer(f"op {name!r} uses {value!r}, which rt.free() let go: make a new "
-                                        "buffer (rt.empty / rt.put)")
-                out.append(Access(value.region, write))
-            elif write:
-                raise InvalidBuffer(
-                    f"op {name!r} writes a {type(value).__name__} of the driver: a worker cannot write "
-                    "driver memory; write into a buffer on a worker (rt.empty / rt.put) and read it back "
-                    "with rt.get(buf).result()")
-            elif not (isinstance(value, np.ndarray) or hasattr(value, "__array_interface__")
-                      or hasattr(value, "untyped_storage")):
-                raise InvalidBuffer(f"op {name!r} reads a {type(value).__name__}: declare RemoteBuffers "
-                                    "or arrays; plain values need no declaration")
-            # a driver array is sent by value, as it is at the submit: nothing to order
-        return out, [a.region for a in out if a.write]
+        written: list[Region] = []
+        for values, write in ((reads, False), (writes, True)):
+            for value in values:
+                if type(value) is RemoteBuffer:
+                    if value.freed:
+                        raise InvalidBuffer(f"op {name!r} uses {value!r}, which rt.free() let go: make a "
+                                            "new buffer (rt.empty / rt.put)")
+                    out.append(Access(value.region, write))
+                    if write:
+                        written.append(value.region)
+                elif write:
+                    raise InvalidBuffer(
+                        f"op {name!r} writes a {type(value).__name__} of the driver: a worker cannot write "
+                        "driver memory; write into a buffer on a worker (rt.empty / rt.put) and read it "
+                        "back with rt.get(buf).result()")
+                elif not (isinstance(value, np.ndarray) or hasattr(value, "__array_interface__")
+                          or hasattr(value, "untyped_storage")):
+                    raise InvalidBuffer(f"op {name!r} reads a {type(value).__name__}: declare "
+                                        "RemoteBuffers or arrays; plain values need no declaration")
+                # a driver array is sent by value, as it is at the submit: nothing to order
+        return out, written
 
-    def _place(self, accesses: list[Access], run_on: str | int | None, name: str) -> int:
+    def _place(self, reads: list[Any], writes: list[Any], run_on: str | int | None) -> int:
+        """Where the op runs: ``run_on``, else where the first buffer it writes lives, else where the
+        first it reads lives, else the worker with the fewest ops in flight."""
         if run_on is not None:
             return self._worker_index(run_on)
-        for want_write in (True, False):
-            for a in accesses:
-                if a.write == want_write:
-                    return int(a.region.space[4:])
+        for values in (writes, reads):
+            for b in values:
+                if type(b) is RemoteBuffer:
+                    return b.worker
         return min(range(len(self._workers)), key=self._pending.__getitem__)
 
     def _wait_eager(self, workers: set[int]) -> None:
@@ -574,7 +584,11 @@ _WORKER_ANSWERS = (tuple, type(None))  # what Worker.run_op answers, where it ra
 
 
 def _writes_any(op: _Op, accesses: list[Access]) -> bool:
-    return any(r.overlaps(a.region) for r in op.writes for a in accesses)
+    for r in op.writes:  # loops, not a generator in any(): this runs for every dependency of a submit
+        for a in accesses:
+            if r.overlaps(a.region):
+                return True
+    return False
 
 
 def _copy_of(x: Any) -> Any:
