@@ -41,13 +41,11 @@ class Reports:
     """The eager ops in flight on each worker, and the reports that settle them (see the module)."""
 
     def __init__(self, handles: list[Any], lock: threading.RLock, tokens: list[str],
-                 settle: Callable[[list[tuple[Any, Any]]], None],
-                 settle_alone: Callable[[Any, Any], None]) -> None:
+                 settle: Callable[[list[tuple[Any, Any]]], None]) -> None:
         n = len(handles)
         self.handles = handles
         self.lock = lock
         self.settle = settle  # settles ops from their answers: [(op, answer)]
-        self.settle_alone = settle_alone  # settles one op from its answer (a Ray callback)
         self.waiting: list[list[tuple[Any, Any]]] = [[] for _ in range(n)]
         self.reporting = [False] * n
         self.told: list[tuple[str, int] | None] = [(t, 0) for t in tokens]
@@ -84,7 +82,7 @@ class Reports:
                     left, self.waiting[worker] = self.waiting[worker], []
                     self.reporting[worker] = False
                 for op, ref in left:
-                    ref._on_completed(lambda answer, op=op, ref=ref: self.settle_alone(op, answer))
+                    ref._on_completed(lambda answer, op=op, ref=ref: self.settle([(op, answer)]))
 
     def _reported(self, worker: int, count: int, answer: Any, flagged: bool = False) -> None:
         """A report of ``worker`` answered (a Ray callback thread): settle the ``count`` ops it covers,
@@ -107,7 +105,7 @@ class Reports:
             answered = []
             for (op, ref), got in zip(batch, answers):
                 if got is _NOT_YET:  # an answer overtaken by a later one's: wait for it alone
-                    ref._on_completed(lambda answer, op=op, ref=ref: self.settle_alone(op, answer))
+                    ref._on_completed(lambda answer, op=op, ref=ref: self.settle([(op, answer)]))
                 else:
                     answered.append((op, got))
             self.settle(answered)

@@ -48,6 +48,7 @@ from ..graph.buffers import Access, Region
 from ..observe.explain import explain_schedule
 from ..runtime import Future, GraphResult, OpNode
 from ..runtime.accel import DepsTracker, build_schedule
+from ..schedule.levels import wavefront_levels
 from ..schedule.plan import Schedule
 from ._worker import Incoming, OpSpec, Packed, SegmentSpec
 
@@ -149,15 +150,12 @@ class RayGraph:
         deps: list[list[int]] = []
         for v, op in enumerate(self._ops):
             deps.append(sorted(tracker.link(v, op.accesses)))
-        # each worker runs its ops by level (the most ops any chain has before one), ties in recording
-        # order: a pipeline whose last stage is on its first stage's worker runs every micro-batch's
-        # first stage before the last stages (recording order would wait for micro-batch 0 to go
-        # round the pipeline before micro-batch 1 begins). Levels rise along every edge, so the ops
-        # renumbered in this order are still in a topological order.
-        level: list[int] = []
-        for d in deps:
-            level.append(1 + max((level[u] for u in d), default=-1))
-        self._recorded = sorted(range(len(deps)), key=lambda v: (level[v], v))
+        # each worker runs its ops by wavefront level, ties in recording order: a pipeline whose last
+        # stage is on its first stage's worker runs every micro-batch's first stage before the last
+        # stages (recording order would wait for micro-batch 0 to go round the pipeline before
+        # micro-batch 1 begins). Levels rise along every edge, so the ops renumbered in this order
+        # are still in a topological order.
+        self._recorded = [v for level in wavefront_levels(deps) for v in level]
         at = {v: i for i, v in enumerate(self._recorded)}
         self._ops = [self._ops[v] for v in self._recorded]
         deps = [sorted(at[u] for u in deps[v]) for v in self._recorded]

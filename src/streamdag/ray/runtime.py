@@ -189,7 +189,7 @@ class Runtime:
         except Exception:
             self.close()
             raise
-        self._reports = Reports(self._workers, self._lock, self._tokens, self._finish_all, self._finish)
+        self._reports = Reports(self._workers, self._lock, self._tokens, self._finish_all)
 
     # --- buffers -------------------------------------------------------------------------------
     def empty(self, shape: int | Sequence[int], dtype: Any = np.float64, on: str | int = 0) -> RemoteBuffer:
@@ -316,10 +316,6 @@ class Runtime:
         ref = self._workers[buf.worker].export.remote(buf.id, fail_if, f"transfer of {buf!r}")
         self._exports[buf.id] = ref
         return ref
-
-    def _finish(self, op: _Op, done: Any) -> None:
-        """Settle ``op``'s future from its worker's answer (a Ray callback thread)."""
-        self._finish_all([(op, done)])
 
     def _finish_all(self, answered: list[tuple[_Op, Any]]) -> None:
         """Settle the futures of ops from their workers' answers, or the errors Ray gives instead (a
