@@ -176,9 +176,14 @@ def streamdag_runs(rt, weights, batches_shape):
 
 
 def time_rounds(variants: dict, batches, rounds: int) -> dict[str, list[float]]:
+    """Each variant's time per round, the order rotating from round to round so that no variant
+    always follows the same one: on cores that the driver, the actors and both compiled graphs'
+    polling share, a variant's time depends on what ran just before it."""
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for label, fn in variants.items():
+    labels = list(variants)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            fn = variants[label]
             t0 = time.perf_counter()
             fn(batches)
             times[label].append((time.perf_counter() - t0) * 1e3)
