@@ -19,7 +19,8 @@ the model and inputs hold (``peak_mib``: what it keeps reserved after its
 first calls, CUDA graph pools included, plus what one more call adds, which
 ``call_mib`` gives alone: a call's fresh outputs, say; ``compile_peak_mib``:
 the most it reserved while compiling), the host time of a call issued back
-to back (``host_us``, for the variants that replay graphs), the streams
+to back (``host_us``, for the variants that replay graphs) and of a call begun
+with the GPU idle (``idle_host_us``: the host path alone), the streams
 streamdag kept and anything it ran uncaptured or on the make_fx path. The
 table's ``x best`` is the best baseline's time over streamdag's (above 1,
 streamdag is faster) and ``mem/ro`` streamdag's peak over reduce-overhead's.
@@ -247,7 +248,7 @@ def _added(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...], int]
 def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
     import torch
 
-    from streamdag.suite.cuda_timing import host_us, interleaved_wall_ms
+    from streamdag.suite.cuda_timing import host_us, idle_host_us, interleaved_wall_ms
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     row: dict[str, Any] = {"model": name, "dtype": dtype_name, "batch": batch, "ms": {}, "rel_err": {},
@@ -285,8 +286,9 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
         try:
             _alarm(variant_s)
             row["ms"] = interleaved_wall_ms(calls, rounds=rounds, warmup=3)
-            row["host_us"] = {k: host_us(calls[k]) for k in ("cuda_graph", "inductor_ro", "streamdag")
-                              if k in calls}
+            replaying = [k for k in ("cuda_graph", "inductor_ro", "streamdag") if k in calls]
+            row["host_us"] = {k: host_us(calls[k]) for k in replaying}
+            row["idle_host_us"] = {k: idle_host_us(calls[k]) for k in replaying}
         except Exception as exc:
             row["errors"]["timing"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         finally:

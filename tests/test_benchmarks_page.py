@@ -143,3 +143,17 @@ def test_an_llm_decode_result_renders_one_row_per_config_and_batch(tmp_path):
     assert ("| 1b | 1.24B | bf16 | 8 | 20.000 (400.0) | 6.500 (1230.0) | 6.250 (1280.0) | 0.500 (16000.0) "
             "| 30.000 | 31.000 | 29.500 | streamdag: differs from token 17 |") in text
     assert "over 4.8 TB/s" in text
+
+
+def test_a_zoo_row_shows_host_time_over_a_replay_only_where_calls_were_timed_from_an_idle_gpu():
+    generator = load_generator()
+    base = {"model": "resnet50", "dtype": "fp32", "batch": 1, "streams": 1,
+            "ms": {"eager": 3.0, "cuda_graph": 0.9, "inductor": 2.0, "inductor_ro": 1.1, "streamdag": 0.6},
+            "peak_mib": {"inductor_ro": 56.0, "streamdag": 56.0},
+            "compile_s": {"inductor": 6.0, "streamdag": 7.0},
+            # back to back: the launch waited for the GPU, so it is no host figure and is not shown
+            "host_us": {"cuda_graph": 5.0, "streamdag": 150.0}}
+    idle = dict(base, batch=8, idle_host_us={"cuda_graph": 4.5, "streamdag": 17.0})
+    text = generator.render_zoo({"models": [base, idle]})
+    old_row, new_row = [line for line in text.splitlines() if line.startswith("| resnet50")]
+    assert old_row.endswith("| — |") and new_row.endswith("| 12.5 |")

@@ -139,7 +139,10 @@ class CompiledModel:
                 out = self._dispatch(args, kwargs)
                 self._called = True
                 return out
-        return self._dispatch(args, kwargs)
+        whole = self.whole  # (inline: a replay launches after as few Python calls as it can)
+        if whole is not None:
+            return whole(args, kwargs, self._through_dynamo)
+        return self._call(args, kwargs)
 
     def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         whole = self.whole

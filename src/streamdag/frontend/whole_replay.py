@@ -67,6 +67,9 @@ class CudaCalls:
             ext, "fresh_copies", None)
         self._launch_plan: Callable[..., Any] | None = getattr(ext, "launch_plan", None)
         self._whole_launch: Callable[..., bool] | None = getattr(ext, "whole_launch", None)
+        #: this replay follows the last one in the pool when that ran on another stream (bound once:
+        #: it runs before every launch)
+        self.order: Callable[[], None] = functools.partial(pool.order_current, device, self.index)
 
     def copy_into(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
         """Copy each of ``srcs`` into its ``dsts`` on the current stream by one ``cudaMemcpyAsync``
@@ -136,10 +139,6 @@ class CudaCalls:
         graph, out = self.capture(on_own_inputs, (), {}, private)
         fill_inputs(made, list(inputs))
         return graph, out, made
-
-    def order(self) -> None:
-        """This replay follows the last one in the pool when that ran on another stream."""
-        self.pool.order_current(self.device, self.index)
 
     def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
         """Each graph's median GPU time in ms, replayed in turn after the pool's last replay."""

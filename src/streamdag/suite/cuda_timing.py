@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_of", "host_us", "interleaved_rounds_ms", "interleaved_wall_ms", "loops_table", "wall_ms"]
+__all__ = ["graph_of", "host_us", "idle_host_us", "interleaved_rounds_ms", "interleaved_wall_ms",
+           "loops_table", "wall_ms"]
 
 
 def wall_ms(fn: Callable[[], Any], iters: int = 50, warmup: int = 3,
@@ -33,6 +34,23 @@ def host_us(call: Callable[[], Any], calls: int = 20, rounds: int = 5) -> float:
         per_call.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
     return statistics.median(per_call)
+
+
+def idle_host_us(call: Callable[[], Any], calls: int = 100) -> float:
+    """Median host time of one ``call()`` in µs, each begun with the GPU idle: the host path alone.
+
+    :func:`host_us` issues calls back to back, and once enough work is queued a launch waits for
+    the GPU (a graph of a few hundred kernels, a millisecond long, blocked its launch for 150-200
+    µs), so for such a call it measures the GPU instead of the host.
+    """
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def interleaved_wall_ms(fns: dict[str, Callable[[], Any]], rounds: int = 50, warmup: int = 3,
