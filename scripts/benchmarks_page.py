@@ -266,6 +266,8 @@ def render_zoo(data: dict) -> str:
     """One row per model, dtype and batch: each way's ms and streamdag against the best baseline."""
     rows = []
     for m in data["models"]:
+        if "dtype" not in m:  # a model the run skipped (over its time budget) or lost
+            continue
         ms = m["ms"]
         best = min((v for k, v in ms.items() if k != "streamdag" and v is not None), default=None)
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in

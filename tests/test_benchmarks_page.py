@@ -157,3 +157,11 @@ def test_a_zoo_row_shows_host_time_over_a_replay_only_where_calls_were_timed_fro
     text = generator.render_zoo({"models": [base, idle]})
     old_row, new_row = [line for line in text.splitlines() if line.startswith("| resnet50")]
     assert old_row.endswith("| — |") and new_row.endswith("| 12.5 |")
+
+
+def test_a_zoo_model_that_a_run_skipped_renders_no_row():
+    generator = load_generator()
+    done = {"model": "resnet50", "dtype": "fp32", "batch": 1, "streams": 1,
+            "ms": {"eager": 3.0, "cuda_graph": 0.9, "inductor": 2.0, "inductor_ro": 1.1, "streamdag": 0.6}}
+    text = generator.render_zoo({"models": [done, {"model": "vgg16", "skipped": "over the 120 s budget"}]})
+    assert "| resnet50 |" in text and "vgg16" not in text
