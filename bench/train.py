@@ -99,8 +99,9 @@ _LOSS_WEIGHTS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 def loss_of(out: Any) -> torch.Tensor:
     """``mean(out * W)`` for a fixed random ``W`` of the output's shape: every output element counts
-    with a weight of its own. (The mean of squares is constant under a final LayerNorm, BERT's last
-    hidden state, which leaves every gradient before it at rounding noise.)"""
+    with a weight of its own. (The mean of squares is nearly constant under a final LayerNorm,
+    BERT's last hidden state, which leaves every gradient before it near zero and its relative
+    error meaningless.)"""
     t = first_tensor(out).float()
     key = (tuple(t.shape), t.device)
     weights = _LOSS_WEIGHTS.get(key)
