@@ -257,7 +257,7 @@ def _compile_vs_inductor(seconds: dict) -> str:
 
 def _host_over_replay(host: dict) -> str:
     """streamdag's host time per call over a bare CUDA graph replay's, each call begun with the GPU
-    idle, in µs, e.g. ``17.8`` (rows measured before the zoo timed calls so: —)."""
+    idle, in µs, e.g. ``17.8`` (— for a row without ``idle_host_us``)."""
     ours, replay = host.get("streamdag"), host.get("cuda_graph")
     return "—" if ours is None or replay is None else f"{ours - replay:.1f}"
 
@@ -266,9 +266,9 @@ def render_zoo(data: dict) -> str:
     """One row per model, dtype and batch: each way's ms and streamdag against the best baseline."""
     rows = []
     for m in data["models"]:
-        if "dtype" not in m:  # a model the run skipped (over its time budget) or lost
+        if "dtype" not in m:  # a model the run skipped (over its time budget)
             continue
-        ms = m["ms"]
+        ms = m.get("ms") or {}  # none where the model's worker was lost (its errors say why)
         best = min((v for k, v in ms.items() if k != "streamdag" and v is not None), default=None)
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
                      ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")),
@@ -392,8 +392,8 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
             "streamdag.compile against eager, a CUDA graph of eager, torch.compile and its "
             "reduce-overhead mode; the ratio is the best baseline's time over streamdag's. Compile time is "
             "streamdag's first calls against torch.compile's, in one process after it (Inductor's caches "
-            "hold what torch.compile built); host time is a call's, issued back to back, over a bare "
-            "replay of a CUDA graph.", render_zoo),
+            "hold what torch.compile built); host time is a call's, begun with the GPU idle, over a "
+            "bare replay of a CUDA graph's.", render_zoo),
     "llm_decode": ("bench/llm_decode.py", "Greedy token generation with Llama-style configs (random "
                    "weights), a 512-token prompt and 256 new tokens: Hugging Face's generate eager, with a "
                    "static cache under torch.compile reduce-overhead, and `streamdag.decoder`.",

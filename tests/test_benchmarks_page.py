@@ -151,7 +151,7 @@ def test_a_zoo_row_shows_host_time_over_a_replay_only_where_calls_were_timed_fro
             "ms": {"eager": 3.0, "cuda_graph": 0.9, "inductor": 2.0, "inductor_ro": 1.1, "streamdag": 0.6},
             "peak_mib": {"inductor_ro": 56.0, "streamdag": 56.0},
             "compile_s": {"inductor": 6.0, "streamdag": 7.0},
-            # back to back: the launch waited for the GPU, so it is no host figure and is not shown
+            # calls issued back to back: the GPU's queue may be in it, so it is not shown
             "host_us": {"cuda_graph": 5.0, "streamdag": 150.0}}
     idle = dict(base, batch=8, idle_host_us={"cuda_graph": 4.5, "streamdag": 17.0})
     text = generator.render_zoo({"models": [base, idle]})
@@ -159,9 +159,12 @@ def test_a_zoo_row_shows_host_time_over_a_replay_only_where_calls_were_timed_fro
     assert old_row.endswith("| — |") and new_row.endswith("| 12.5 |")
 
 
-def test_a_zoo_model_that_a_run_skipped_renders_no_row():
+def test_a_zoo_model_that_a_run_skipped_renders_no_row_and_one_it_lost_a_row_without_times():
     generator = load_generator()
     done = {"model": "resnet50", "dtype": "fp32", "batch": 1, "streams": 1,
             "ms": {"eager": 3.0, "cuda_graph": 0.9, "inductor": 2.0, "inductor_ro": 1.1, "streamdag": 0.6}}
-    text = generator.render_zoo({"models": [done, {"model": "vgg16", "skipped": "over the 120 s budget"}]})
+    lost = {"model": "gpt2", "dtype": "bf16", "batch": 1, "errors": {"worker": "timed out after 600 s"}}
+    text = generator.render_zoo({"models": [done, {"model": "vgg16", "skipped": "over the 120 s budget"},
+                                            lost]})
     assert "| resnet50 |" in text and "vgg16" not in text
+    assert "| gpt2 | bf16 | 1 | — |" in text

@@ -40,8 +40,8 @@ def idle_host_us(call: Callable[[], Any], calls: int = 100) -> float:
     """Median host time of one ``call()`` in µs, each begun with the GPU idle: the host path alone.
 
     :func:`host_us` issues calls back to back, and once enough work is queued a launch waits for
-    the GPU (a graph of a few hundred kernels, a millisecond long, blocked its launch for 150-200
-    µs), so for such a call it measures the GPU instead of the host.
+    the GPU (a graph of a few hundred kernels a millisecond long, after some tens of calls): its
+    time is then the GPU's, not the host's.
     """
     times = []
     for _ in range(calls):
