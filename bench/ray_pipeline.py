@@ -22,10 +22,13 @@ the times depend on how many cores the nodes, actors and driver share)
 """
 
 import os
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
@@ -175,14 +178,17 @@ def streamdag_runs(rt, weights, batches_shape):
     return g, recorded, recorded_put_get, eager, recorded_run_only
 
 
-def time_rounds(variants: dict, batches, rounds: int) -> dict[str, list[float]]:
-    """Each variant's time per round, the order rotating from round to round so that no variant
-    always follows the same one: on cores that the driver, the actors and both compiled graphs'
-    polling share, a variant's time depends on what ran just before it."""
+def time_rounds(variants: dict[str, Callable[[list[np.ndarray]], Any]], batches: list[np.ndarray],
+                rounds: int) -> dict[str, list[float]]:
+    """Each variant's time per round, in an order shuffled afresh every round (seeded): on cores
+    that the driver, the actors and both compiled graphs' polling share, a variant's time depends
+    on what ran just before it, so no variant may keep one predecessor (a rotation would keep it
+    in all but the rounds where the variant goes first)."""
     times: dict[str, list[float]] = {k: [] for k in variants}
-    labels = list(variants)
     for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+        order = list(variants)
+        random.Random(r).shuffle(order)
+        for label in order:
             fn = variants[label]
             t0 = time.perf_counter()
             fn(batches)
