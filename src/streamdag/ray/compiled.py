@@ -15,11 +15,11 @@ pipeline is one task per op of each stage, so that its stages overlap. A segment
 from segments that begin earlier, so the tasks form a DAG.
 
 ``g.run()`` is one ``execute`` of the compiled graph: Ray's channels carry the values, and the
-driver does no work per op. A run's ``execute`` waits for the run of the graph before it: with more
-than one in flight, Ray's channels between nodes hang (a hand-written compiled graph of the same
-shape, a chain over two nodes whose tasks take their parts of the input as ``inp[i]``, times out
-within a few executes, and runs on one node), and a compiled graph's ``execute`` and ``ray.get``
-must not race from two threads (Ray's compiled graph is not thread-safe). The run's input is one
+driver does no work per op. A run's ``execute`` waits for the run of the graph before it: a
+compiled graph whose input is read by an actor on a node other than the driver's stalls with
+several executes in flight (with 8, a hand-written one of two actors hangs; read only on the
+driver's node, it runs them all), and a compiled graph's ``execute`` and ``ray.get`` must not
+race from two threads (Ray's compiled graph is not thread-safe). The run's input is one
 value per worker, each on a channel of its own to the worker's first segment: the run's number, the
 new values of the worker's buffers that ``g.run(inputs=...)`` gives (stored before the run's first
 op there) and the buffers that ``g.run(outputs=...)`` asks back, which the worker's last segment
