@@ -148,16 +148,14 @@ def max_rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     (a key projection's bias) has only rounding noise, which has no relative size. A parameter
     without a gradient counts as a zero gradient (AOTAutograd gives zeros where eager gives None:
     a BERT pooler outside the loss)."""
-    names = grads.keys() | ref.keys()
-    floor = 1e-3 * max((float(ref[n].norm()) for n in ref), default=0.0)
-    errs = []
-    for n in names:
-        if n in grads and n in ref:
-            diff = float((grads[n] - ref[n]).norm())
-        else:
-            diff = float((grads[n] if n in grads else ref[n]).norm())
-        errs.append(diff / max(float(ref[n].norm()) if n in ref else 0.0, floor) if floor > 0 else diff)
-    return max(errs, default=0.0)
+    floor = 1e-3 * max((float(r.norm()) for r in ref.values()), default=0.0)
+    errs = [0.0]
+    for n in grads.keys() | ref.keys():
+        g, r = grads.get(n), ref.get(n)
+        diff = float((g - r if g is not None and r is not None else g if r is None else r).norm())
+        scale = max(float(r.norm()) if r is not None else 0.0, floor)
+        errs.append(diff / scale if scale > 0 else diff)
+    return max(errs)
 
 
 def sync(device: str) -> None:
