@@ -10,6 +10,7 @@ against ``torch.compile``'s.
 
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -28,10 +29,10 @@ from streamdag.frontend.training import (  # noqa: E402
     _NOT_ASKED,
     TREES,
     TrainingGraph,
-    _copies,
     _why_not_trees,
     compile_training,
 )
+from streamdag.frontend.trees import copies  # noqa: E402
 from test_compile_training import train_steps  # noqa: E402
 
 
@@ -94,19 +95,19 @@ def test_with_clone_outputs_off_the_trees_outputs_are_returned_as_they_are():
 def test_copies_are_exact_for_every_dtype_and_keep_integer_tensors_integer():
     ts = [torch.tensor([-0.0, float("inf"), 1e-40, 3.0]), torch.tensor([1, 2]),
           torch.randn(2, dtype=torch.complex64)]
-    copies = _copies(ts)
-    for t, c in zip(ts, copies):
+    made = copies(ts)
+    for t, c in zip(ts, made):
         assert c.dtype == t.dtype
         assert torch.equal(c, t)
-    assert torch.signbit(copies[0][0])  # -0.0 stays -0.0
-    assert _copies([]) == []
+    assert torch.signbit(made[0][0])  # -0.0 stays -0.0
+    assert copies([]) == []
 
 
 def test_copies_of_floating_tensors_without_a_multiplication_are_clones():
     """float8 has no ``mul`` kernel: a graph returning one still returns an exact copy."""
     ts = [torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn), torch.tensor([1.5, 3.0])]
-    copies = _copies(ts)
-    for t, c in zip(ts, copies):
+    made = copies(ts)
+    for t, c in zip(ts, made):
         assert c.dtype == t.dtype and c.data_ptr() != t.data_ptr()
         assert torch.equal(c.float(), t.float())
 
@@ -146,6 +147,8 @@ def test_a_backward_is_put_under_the_trees_only_where_its_forward_runs_under_the
     assert _why_not_trees("backward", x, Options(), False, forward) == ""
     forward.chosen = Candidate("regions x2", 2, lambda a: a)
     assert "regions x2" in _why_not_trees("backward", x, Options(), False, forward)
+    forward.trees_call = object()  # its regions run under the trees too
+    assert _why_not_trees("backward", x, Options(), False, forward) == ""
     forward.captured, forward.chosen = False, None
     assert "uncaptured" in _why_not_trees("backward", x, Options(), False, forward)
     assert "uncaptured" in _why_not_trees("backward", x, Options(), False, None)
@@ -163,7 +166,8 @@ class FakeInductor:
         from torch._inductor import config
 
         self.calls.append({**kwargs, "config_cudagraphs": config.triton.cudagraphs,
-                           "config_trees": config.triton.cudagraph_trees})
+                           "config_trees": config.triton.cudagraph_trees,
+                           "config_partitions": getattr(config, "graph_partition", None)})
         if self.refuse and kwargs["cudagraphs"]:
             kwargs["cudagraphs"].value = False
         out = lambda args: [None]  # noqa: E731
@@ -204,18 +208,52 @@ def test_a_forward_and_its_backward_are_compiled_as_reduce_overhead_compiles_the
     assert not config.triton.cudagraphs
 
 
-def test_a_graph_inductors_trees_refuse_runs_uncaptured_with_inductors_reason(monkeypatch):
+def test_a_graph_inductors_trees_refuse_whole_is_compiled_again_in_partitions_as_reduce_overhead_does(
+        monkeypatch):
+    """Compiled whole first (partitions off, so that the regions could go under the trees too);
+    refused so, compiled with Inductor's partitions; refused again, it runs uncaptured with
+    Inductor's reason, and so does its backward."""
+    from torch._inductor import config
+
+    if not hasattr(config, "graph_partition"):
+        pytest.skip("this PyTorch's Inductor has no graph partitions")
     fake_inductor = FakeInductor(refuse=True)
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", fake_inductor)
     options = Options(regions="never")
     fw = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_inference": False}, 0)
     bw = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_backward": True}, 1, forward=fw)
+    whole, in_parts, backward = fake_inductor.calls
+    assert whole["config_partitions"] is False and whole["config_cudagraphs"]
+    assert in_parts["config_partitions"] == config.graph_partition and in_parts["config_cudagraphs"]
     assert not fw.captured and "cpu device" in fw.explain() and "refused" in fw.explain()
-    assert not fake_inductor.calls[1]["cudagraphs"]  # nor is its backward put under the trees
-    assert not fake_inductor.calls[1]["config_cudagraphs"]
+    assert not backward["cudagraphs"]  # nor is its backward put under the trees
+    assert not backward["config_cudagraphs"]
     assert not bw.captured and "its forward runs uncaptured" in bw.explain()
     fw._streams = 0
     assert fw._candidates()[0].label == "inductor"
+
+
+def test_a_backwards_donated_buffers_are_put_back_after_timing_and_not_donated_inside_its_regions(
+        monkeypatch):
+    """AOTAutograd lets a backward reuse saved activations it alone reads (donated buffers): a
+    timing run may write them, so they count as written; a region's placeholders are numbered
+    otherwise, so no region is compiled with them donated."""
+    from types import SimpleNamespace
+
+    from torch._guards import TracingContext, tracing
+
+    from streamdag.frontend.training import _no_donated_buffers
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", FakeInductor())
+    ctx = TracingContext(None)
+    ctx.fw_metadata = SimpleNamespace(bw_donated_idxs=[0])
+    with tracing(ctx):
+        bw = compile_training(tiny_graph(), [fake("cuda", 2)], Options(regions="never"),
+                              {"is_backward": True}, 1)
+    assert bw.written == [0]
+    with _no_donated_buffers(ctx):
+        assert ctx.fw_metadata.bw_donated_idxs == []
+    assert ctx.fw_metadata.bw_donated_idxs == [0]
 
 
 def test_on_the_cpu_nothing_is_compiled_under_the_trees_and_explain_says_nothing_of_them(monkeypatch):
@@ -278,6 +316,13 @@ def recorded_modes() -> set[str]:
     return modes
 
 
+def marked_steps(text: str) -> int:
+    """How many forward calls marked a new step of the trees, from ``explain()``."""
+    found = re.search(r"new steps of the trees marked before (\d+) call", text)
+    assert found is not None, text
+    return int(found.group(1))
+
+
 def batches(n, shape=(8, 3, 32, 32), seed=1):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [(torch.randn(*shape, device="cuda", generator=g),
@@ -301,7 +346,12 @@ def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_tr
     assert_same_state(model, ref)
     text = fast.explain()
     chosen = [line.strip() for line in text.splitlines() if "<- chosen" in line]
-    assert len(chosen) == 2 and all(c.startswith("candidate cudagraphs") for c in chosen), text
+    # the forward has one candidate; the backward's weight and input gradients may take two streams
+    assert len(chosen) == 2 and chosen[0].startswith("candidate cudagraphs"), text
+    assert chosen[1].startswith("candidate cudagraphs") or \
+        "regions x2 runs under Inductor's CUDA graph trees" in text, text
+    # (every forward but a first one, which may find no trees yet to mark)
+    assert marked_steps(text) in (4, 5), text
     stats = fast.statistics()
     # (five forwards and five backwards; more where the forward's candidates were timed)
     assert stats.tree_calls >= 10 and stats.tree_skips == 0, text
@@ -325,6 +375,62 @@ def test_on_cuda_gradient_accumulation_under_the_trees_sums_the_micro_batches_as
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
     assert_same_state(model, ref)
     assert fast.statistics().tree_calls >= 16 and fast.statistics().tree_skips == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_on_cuda_regions_on_two_streams_run_under_the_trees_and_train_as_eager_trains(monkeypatch,
+                                                                                   accumulate):
+    """A branchy net whose forward and backward both keep their regions (the choice forced): both
+    are recorded by the trees as multi-stream graphs and replayed, each candidate was timed
+    captured, and six micro-batches (an optimizer step every ``accumulate``) leave the losses,
+    parameters and running statistics as eager's."""
+    from test_compile_training import BranchyNet
+
+    monkeypatch.setattr("streamdag.frontend.training.pick", lambda cands, *a, **k: len(cands) - 1)
+    torch.manual_seed(0)
+    ref = BranchyNet().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, regions="always", candidates=["cudagraphs", "regions x2"])
+    data = batches(6, seed=3)
+    losses = train_steps(model, fast, data, sgd, accumulate=accumulate)
+    ref_losses = train_steps(ref, ref, data, sgd, accumulate=accumulate)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
+    assert_same_state(model, ref)
+    text = fast.explain()
+    chosen = [line.strip() for line in text.splitlines() if "<- chosen" in line]
+    assert len(chosen) == 2 and all(c.startswith("candidate regions x2") for c in chosen), text
+    assert text.count("regions x2 runs under Inductor's CUDA graph trees") == 2, text
+    assert text.count("candidate cudagraphs on 1 stream(s): ") == 2 and " ms" in text, text
+    stats = fast.statistics()
+    assert stats.tree_calls >= 12 and stats.tree_skips == 0, text
+    assert {"FORWARD", "BACKWARD"} <= recorded_modes()
+
+
+@pytest.mark.cuda
+def test_on_cuda_two_forwards_before_their_backward_mark_no_step_between_them_and_train_as_eager():
+    """Two micro-batches' forwards, then one backward of their summed loss: the second forward
+    must not start a new step of the trees (the first one's saved activations live in their
+    pool), so only the first forward of each iteration marks one; the gradients are eager's."""
+    torch.manual_seed(0)
+    ref = ConvChain().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model)
+    data = batches(6, seed=4)
+    for step_model, m in ((fast, model), (ref, ref)):
+        opt = sgd(m.parameters())
+        for a, b in zip(data[0::2], data[1::2]):
+            loss = torch.nn.functional.mse_loss(step_model(a[0]), a[1]) \
+                + torch.nn.functional.mse_loss(step_model(b[0]), b[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    assert_same_state(model, ref)
+    text = fast.explain()
+    assert marked_steps(text) in (2, 3), text  # of six forwards: the second of a pair never marks
+    assert fast.statistics().tree_skips == 0, text
 
 
 @pytest.mark.cuda

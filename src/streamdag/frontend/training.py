@@ -16,8 +16,13 @@ the inner compiler on each: the forward at once, the backward at the first
   backward has read them;
 * where the region planner finds independent branches (a backward's weight and
   input gradients, a forward's parallel convolutions), the graph cut into regions,
-  each compiled by Inductor, run on several streams on CUDA, uncaptured
-  (:class:`~.inductor_regions.RegionProgram`).
+  each compiled by Inductor, run on several streams
+  (:class:`~.inductor_regions.RegionProgram`). Where the whole graph goes under
+  the trees, the regions go there the same way (Inductor's own call that puts a
+  graph under the trees, :class:`TreesCall`, made again for the regions): the
+  program forks its side streams from the trees' stream and joins them, so the
+  trees record it as one multi-stream CUDA graph in their pool. Elsewhere they
+  run uncaptured.
 
 Activations pass from the forward to the backward as AOTAutograd passes them:
 the forward's outputs are the tensors its code made, not copies. Every output
@@ -27,11 +32,7 @@ forward candidate feeds either backward candidate.
 
 **The trees.** A backward is compiled under the trees only where its forward
 runs under them (its saved activations then live at the addresses the trees
-recorded): where the forward's regions were chosen, or the trees refused the
-forward, the backward is compiled uncaptured. A backward after a forward under
-the trees runs Inductor's whole graph, not regions: the trees replay a forward
-and then its backward, and timing a backward would replay it without its
-forward. Where Inductor's trees refuse a graph (a CPU tensor in it, an operator
+recorded). Where Inductor's trees refuse a graph (a CPU tensor in it, an operator
 they cannot capture) it runs uncaptured and ``explain()`` gives Inductor's
 reason; a call the trees skip at run time (an input written in place that is
 not a parameter or buffer) runs uncaptured too, and is counted
@@ -40,25 +41,33 @@ outputs other than the saved activations (the loss, the gradients) are copies
 out of the pool, unless ``clone_outputs=False``: the next replay overwrites the
 pool, and a loss kept across steps, or a ``.grad`` that the next micro-batch's
 backward adds to (AccumulateGrad keeps the tensor it is handed), must not
-change with it. Batch norm's running statistics are buffers, which the trees
-let a graph write in place; dropout's seeds come from the generator at each
-replay, as an uncaptured call takes them.
+change with it. Since a forward's returns are copies, a forward marks a new
+step of the trees (:func:`~.trees.start_step_if_idle`, the mark a ``reduce-overhead``
+training loop makes with ``torch.compiler.cudagraph_mark_step_begin()``) where no
+forward under them awaits its backward; with one awaiting (two micro-batches'
+forwards before their backward) the trees go on as they would unmarked. Batch
+norm's running statistics are buffers, which the trees let a graph write in
+place; dropout's seeds come from the generator at each replay, as an uncaptured
+call takes them.
 
-**Choosing.** At a graph's first call on one CUDA device, each candidate runs
-``rounds`` times, interleaved, timed by CUDA events on the caller's stream, and
-``candidates.pick`` keeps the fastest: the one-stream Inductor graph (under the
-trees, or not) is always a candidate, a candidate on more streams must beat the
-best on fewer by more than ``tie``, and one whose peak memory exceeds
-``memory_ratio`` times the one-stream peak (the graph's inputs counted with
-each) is not kept. The candidate under the trees runs three times untimed
-first (warm-up, recording, a replay), so that its rounds time replays. The
-timing runs repeat the graph: inputs it writes in place (batch norm's running
-statistics) are put back after each run, and the random number generators'
-states after the last, so the call that follows computes what a call without
-the timing would. Peaks are read with ``torch.cuda.reset_peak_memory_stats``:
-the first call of a training graph on CUDA with several candidates resets the
-device's peak memory statistics. A graph with one candidate (no regions) runs
-it untimed. Off a single CUDA device the whole graph runs (or the regions,
+**Choosing.** At a graph's first call on one CUDA device, each candidate is
+timed and ``candidates.pick`` keeps the fastest: the one-stream Inductor graph
+is always a candidate, a candidate on more streams must beat the best on fewer
+by more than ``tie``, and one whose peak memory exceeds ``memory_ratio`` times
+the one-stream peak (the graph's inputs counted with each) is not kept. For a
+graph under the trees each candidate is captured into a CUDA graph of its own
+pool, over the call's own inputs, and its replays are timed in ``rounds``
+rounds, as the trees will replay the one kept; the timing graphs are dropped
+before the call goes on. A backward is timed so at its first call, while its
+forward's saved activations are alive. A graph off the trees runs each
+candidate ``rounds`` times, interleaved, timed by CUDA events on the caller's
+stream, its peak read with ``torch.cuda.reset_peak_memory_stats`` (the first
+call of such a graph with several candidates resets the device's peak memory
+statistics). The timing runs repeat the graph: inputs it writes in place
+(batch norm's running statistics) are put back after each run, and the random
+number generators' states after the last, so the call that follows computes
+what a call without the timing would. A graph with one candidate (no regions)
+runs it untimed. Off a single CUDA device the whole graph runs (or the regions,
 where ``candidates`` keeps only them, as tests do).
 
 **Memory.** A region program hands each value it made, and, as Inductor's
@@ -95,7 +104,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -104,16 +113,15 @@ from torch._dynamo.utils import counters as _COUNTERS  # Inductor's counts, cuda
 from torch.fx import GraphModule
 
 from .._diagnostics import warn
+from ..backends.capture_memory import stream_reuse
 from .candidates import Candidate, pick, region_candidates
+from .trees import TreesCall, copies, refusal, seen_by_trees, start_step_if_idle, trees_config
 
 __all__ = ["TREES", "TrainingGraph", "compile_training"]
 
 #: the label of the candidate that runs Inductor's one-stream code under Inductor's CUDA graph
 #: trees, as ``torch.compile(mode="reduce-overhead")`` does
 TREES = "cudagraphs"
-#: untimed runs of that candidate before it is timed: the trees run a function eagerly at its first
-#: call (warm-up), record it at its second and replay it from its third
-TREE_WARMUP = 3
 
 
 class TrainingGraph:
@@ -147,6 +155,13 @@ class TrainingGraph:
         self.tree_skips = 0
         # a backward under the trees: its aten graph, run op by op for a create_graph backward
         self.uncaptured: GraphModule | None = None
+        # ``whole`` under the trees: Inductor's code as it compiled it (uncaptured, for timing the
+        # candidates captured) and how Inductor put it under the trees, to put the regions there too
+        self.raw: Callable[[list[Any]], Any] | None = None
+        self.trees_call: TreesCall | None = None
+        self._regions_in_trees: dict[int, Callable[[list[Any]], Any]] = {}
+        self._device_index: int | None = None
+        self.marked_steps = 0  # forwards before which a new step of the trees was marked
         self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
@@ -171,20 +186,52 @@ class TrainingGraph:
 
     def _run(self, args: list[Any], streams: int) -> Any:
         if streams == 0:
-            return self._run_trees(args) if self.captured else self.whole(args)
+            return self._run_trees(args, self.whole) if self.captured else self.whole(args)
+        if self.captured and self.trees_call is not None:
+            return self._run_trees(args, self._in_trees(streams))
+        return self._run_uncaptured(args, streams)
+
+    def _run_uncaptured(self, args: list[Any], streams: int) -> Any:
+        """The candidate as compiled, outside the trees: Inductor's code, or the regions."""
+        if streams == 0:
+            return (self.raw or self.whole)(args)
         inputs = list(args)
         args.clear()  # the boxed convention: the callee owns the inputs and frees them after use
         return self.program.run(inputs, streams)
 
-    def _run_trees(self, args: list[Any]) -> Any:
-        """``whole`` under the trees. The trees skip a call they cannot replay (an input written in
+    def _in_trees(self, streams: int) -> Callable[[list[Any]], Any]:
+        """The regions on ``streams`` streams under the trees, as Inductor puts its whole graph there:
+        the trees warm the program up, record it (its side streams fork from the trees' stream and
+        join it, so one capture holds them) and replay it, in the pool of its forward or backward."""
+        fn = self._regions_in_trees.get(streams)
+        if fn is None:
+            assert self.trees_call is not None
+            program = self.program
+
+            def regions(args: list[Any]) -> Any:
+                inputs = list(args)
+                args.clear()
+                with stream_reuse():  # (on while the trees warm it up and record it: no replay calls it)
+                    return program.run(inputs, streams)
+
+            fn = self._regions_in_trees[streams] = self.trees_call.wrap(regions)
+        return fn
+
+    def _run_trees(self, args: list[Any], fn: Callable[[list[Any]], Any]) -> Any:
+        """``fn`` under the trees. The trees skip a call they cannot replay (an input written in
         place that is no parameter, say) and log it in Inductor's ``cudagraph_skips`` counter: it is
         read around the call. Outputs other than saved activations are copied out of the trees'
         pool (``clone_outputs``): the next replay overwrites the pool, and a loss kept across steps
         or a ``.grad`` accumulated into over micro-batches must not change with it."""
+        if self.kind == "forward" and self.options.clone_outputs:
+            if self._device_index is None:
+                self._device_index = next((a.device.index for a in args
+                                           if isinstance(a, torch.Tensor) and a.is_cuda), -1)
+            if self._device_index >= 0:
+                self.marked_steps += start_step_if_idle(self._device_index)
         inductor = _COUNTERS["inductor"]
         skips = inductor["cudagraph_skips"]
-        out = self.whole(args)
+        out = fn(args)
         self.tree_calls += 1
         if inductor["cudagraph_skips"] != skips:
             self.tree_skips += 1
@@ -194,7 +241,7 @@ class TrainingGraph:
         if self._copy_at is None:  # which outputs are tensors is the same at every call
             n = len(out) if self.copied is None else min(self.copied, len(out))
             self._copy_at = [i for i in range(n) if isinstance(out[i], torch.Tensor)]
-        for i, t in zip(self._copy_at, _copies([out[i] for i in self._copy_at])):
+        for i, t in zip(self._copy_at, copies([out[i] for i in self._copy_at])):
             out[i] = t
         return out
 
@@ -210,12 +257,14 @@ class TrainingGraph:
     # -- choosing ---------------------------------------------------------------------------------
 
     def _candidates(self) -> list[Candidate]:
+        """The candidates, each running as compiled (its choice then runs under the trees, where
+        the graph is put there)."""
         def use(streams: int) -> Callable[[list[Any]], Any]:
-            return lambda args: self._run(args, streams)
+            return lambda args: self._run_uncaptured(args, streams)
 
         cands = [Candidate(TREES if self.captured else "inductor", 1, use(0))]
         wanted = self.options.candidates
-        if self.program is not None:
+        if self.program is not None and (not self.captured or self.trees_call is not None):
             top = min(self.options.streams, self.program.plan.streams)
             cands += region_candidates(top, wanted, use)
         if wanted is not None:
@@ -234,6 +283,8 @@ class TrainingGraph:
             best = next((c for c in cands if c.label in (TREES, "inductor")), cands[0])
             if len(cands) > 1:
                 self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
+        elif self.captured:
+            best = cands[_time_captured(cands, args, next(iter(devices)), self.written, self.options)]
         else:
             best = cands[_time(cands, args, next(iter(devices)), self.written, self.options)]
         self.chosen = best
@@ -247,9 +298,15 @@ class TrainingGraph:
             lines.append(f"    regions: {self.region_note}")
         lines += [f"    {c.describe(c is self.chosen, memory='peak')}" for c in self.candidates]
         if self.captured:
+            if self.chosen is not None and self.chosen.label not in (TREES, "inductor"):
+                lines.append(f"    {self.chosen.label} runs under Inductor's CUDA graph trees, captured as "
+                             "one multi-stream CUDA graph")
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
+            if self.kind == "forward":
+                lines.append(f"    new steps of the trees marked before {self.marked_steps} call(s) (the "
+                             "others ran while a forward awaited its backward)")
         elif self.tree_note:
             lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
@@ -273,11 +330,10 @@ def _time(cands: list[Candidate], args: list[Any], device: torch.device, written
             args[i].copy_(t)
 
     torch.cuda.synchronize(device)
-    for c in cands:  # untimed runs (first-launch costs; the trees' warm-up and recording) give its peak
+    for c in cands:  # an untimed run (first-launch costs) gives its peak
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(TREE_WARMUP if c.label == TREES else 1):
-            run(c)
+        run(c)
         c.peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in cands]
     for r in range(options.rounds):
@@ -297,6 +353,45 @@ def _time(cands: list[Candidate], args: list[Any], device: torch.device, written
         c.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
     # peaks in allocated bytes hold no segments of their own: no per-stream allowance
     return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args), segments_mib=0.0)
+
+
+def _time_captured(cands: list[Candidate], args: list[Any], device: torch.device,
+                   written: Sequence[int], options: Any) -> int:
+    """For a graph under the trees: each candidate captured into a CUDA graph of its own pool over
+    this call's inputs (none copied: the graphs are dropped once timed), its replays timed in
+    rounds; the index :func:`pick` keeps. A candidate that cannot be captured is not kept (its
+    error is in ``explain()``); the first, Inductor's whole graph, is kept where none can."""
+    from .candidates import CapturedGraph, SharedPool, time_replays
+    from .inductor_backend import _held_mib
+
+    saved = [args[i].clone() for i in written]
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
+    static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    pool = SharedPool()  # (each capture takes a pool of its own, released with its graph)
+    graphs: list[Any] = []
+    try:
+        for c in cands:
+            try:
+                graphs.append(CapturedGraph(c, args, static, (), pool, device, private=True))
+            except Exception as exc:  # the others are still compared
+                c.error = f"not captured: {type(exc).__name__}: {str(exc)[:200]}"
+                graphs.append(None)
+            for i, t in zip(written, saved):  # the warm-up runs wrote them
+                args[i].copy_(t)
+        timed = [(c, g) for c, g in zip(cands, graphs) if g is not None]
+        if len(timed) > 1:
+            for (c, g), ms in zip(timed, time_replays([g for _, g in timed], options.rounds, device)):
+                c.ms, c.peak_mib = ms, g.peak_bytes / 2**20
+    finally:
+        graphs.clear()
+        for i, t in zip(written, saved):
+            args[i].copy_(t)
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state(rng[1], device)
+    kept = [i for i, c in enumerate(cands) if c.ms is not None]
+    if len(kept) < 2:
+        return kept[0] if kept else 0
+    return kept[pick([cands[i] for i in kept], options.tie, options.memory_ratio, base_mib=_held_mib(args))]
 
 
 def _in_double_backward() -> bool:
@@ -382,16 +477,33 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
             else kwargs.get("boxed_forward_device_index")
     kwargs["boxed_forward_device_index"] = device_box
     # the strides of the whole graph's outputs, reported to AOTAutograd as Inductor reports them
-    # (the backward is compiled for the saved activations' strides), kept for the regions
-    with TracingContext.report_output_strides() as strides, _trees_config(bool(trees)):
+    # (the backward is compiled for the saved activations' strides), kept for the regions.
+    # Under the trees the graph is compiled whole, without Inductor's graph partitions, so that
+    # one call puts it there and the regions can go there the same way; where the trees refuse
+    # it so, it is compiled again with partitions, as reduce-overhead compiles it
+    spare = _pristine(gm) if trees else None
+    with TracingContext.report_output_strides() as strides, trees_config(bool(trees), partitions=False), \
+            seen_by_trees() as seen:
         whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
+    if spare is not None and not trees:
+        trees = kwargs["cudagraphs"] = BoxedBool(True)
+        with TracingContext.report_output_strides() as strides, trees_config(True), \
+                seen_by_trees() as seen:
+            whole = compile_fx_inner(spare, list(example_inputs), **kwargs)
+        seen.clear()  # (several calls, one per partition: no regions under the trees)
     if strides is not None and ctx is not None and ctx.output_strides is not None:
         ctx.output_strides.extend(strides)
-    graph = TrainingGraph(kind, index, whole, options, [] if pristine is None else _written_inputs(pristine),
-                          on_double_backward)
+    # the inputs a run may write: those its operators write in place, and a backward's donated
+    # buffers (saved activations its code may reuse as scratch): timing runs put them back
+    donated = list(getattr(getattr(ctx, "fw_metadata", None), "bw_donated_idxs", None) or ()) \
+        if kind == "backward" else []
+    written = sorted(set(donated) | set(_written_inputs(pristine) if pristine is not None else ()))
+    graph = TrainingGraph(kind, index, whole, options, written, on_double_backward)
     graph.device_box = device_box
     graph.captured = bool(trees)
     graph.uncaptured = uncaptured if graph.captured else None
+    if graph.captured and len(seen) == 1:
+        graph.raw, graph.trees_call = seen[0]
     if graph.captured and kind == "forward":
         # the forward's returns (the outputs, and inputs' and views' bases AOTAutograd needs) come
         # before the activations saved for the backward, which stay in the trees' pool
@@ -399,20 +511,19 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     if why_not and why_not != _NOT_ASKED:
         graph.tree_note = f"not used: {why_not}"
     elif not why_not and not graph.captured:
-        graph.tree_note = f"Inductor's trees refused the graph ({_refusal(whole)}): it runs uncaptured"
+        graph.tree_note = f"Inductor's trees refused the graph ({refusal(whole)}): it runs uncaptured"
     if pristine is None:
         graph.region_note = "symbolic shapes: the whole graph only" if dynamic else ""
-    elif kind == "backward" and not why_not:
-        # the trees replay a forward and then its backward, the backward's inputs being the forward's
-        # outputs in their pool; timing a backward would replay it again and again without its forward
-        graph.region_note = ("its forward runs under cudagraph trees: the backward runs Inductor's whole "
-                             "graph, under the trees where they take it")
+    elif graph.captured and graph.trees_call is None:
+        graph.region_note = ("Inductor put its code under the trees in parts (graph partitions): the "
+                             "whole graph only")
     elif _has_random(pristine):
         graph.region_note = ("random operators: the whole graph only (regions would draw other random "
                              "numbers than Inductor's whole graph)")
     else:
-        _add_regions(graph, pristine, example_inputs, options, kwargs, training=True,
-                     output_strides=strides)
+        with _no_donated_buffers(ctx):
+            _add_regions(graph, pristine, example_inputs, options, kwargs, training=True,
+                         output_strides=strides)
     graph.compile_s = time.perf_counter() - t0
     return graph
 
@@ -438,9 +549,26 @@ def _why_not_trees(kind: str, example_inputs: Sequence[Any], options: Any, dynam
     if kind == "backward":
         if forward is None or not forward.captured:
             return "its forward runs uncaptured (the saved activations are not in the trees' pool)"
-        if forward.chosen is not None and forward.chosen.label != TREES:
+        if forward.chosen is not None and forward.chosen.label != TREES and forward.trees_call is None:
             return f"its forward runs {forward.chosen.label}, uncaptured"
     return ""
+
+
+@contextlib.contextmanager
+def _no_donated_buffers(ctx: Any) -> Iterator[None]:
+    """No donated buffers while a backward's regions compile: Inductor reads AOTAutograd's donated
+    indices as placeholder indices of the graph it compiles, which in a region name other
+    tensors, and a saved activation one region may reuse as scratch may be read by another."""
+    meta = getattr(ctx, "fw_metadata", None)
+    donated = getattr(meta, "bw_donated_idxs", None)
+    if not donated:
+        yield
+        return
+    meta.bw_donated_idxs = []
+    try:
+        yield
+    finally:
+        meta.bw_donated_idxs = donated
 
 
 def _forward_returns(gm: torch.fx.GraphModule, meta: Any) -> int | None:
@@ -451,43 +579,6 @@ def _forward_returns(gm: torch.fx.GraphModule, meta: Any) -> int | None:
         return n
     visible = next(iter(reversed(gm.graph.nodes))).meta.get("user_visible_output_idxs")
     return None if visible is None else max(visible, default=-1) + 1
-
-
-def _trees_config(on: bool) -> Any:
-    """Inductor's configuration for a graph under its cudagraph trees, as ``mode="reduce-overhead"``
-    sets it (the code generator lays the graph out for capture: partitions around what cannot be)."""
-    if not on:
-        return contextlib.nullcontext()
-    from torch._inductor import config
-
-    return config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": True})
-
-
-def _refusal(whole: Any) -> str:
-    """Inductor's reason for not putting a compiled graph under the trees, on one line (its
-    stack trace cut: ``TORCH_LOGS=cudagraphs`` logs it whole)."""
-    reason = getattr(whole, "disabled_cudagraphs_reason", None)
-    info = getattr(whole, "cudagraph_info", None)
-    fails = getattr(info, "cudagraph_fail_reasons", None) if info is not None else None
-    text = " ".join(str(reason or "; ".join(str(f) for f in fails or ())).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return text or "no part of the graph can be captured"
-
-
-def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``ts`` with their strides: one ``_foreach_mul`` by 1 (exact) for floating tensors,
-    so that a backward's hundred gradients cost one call, not a hundred."""
-    if not ts:
-        return []
-    if all(t.dtype in _MULTIPLIED for t in ts):
-        return list(torch._foreach_mul(ts, 1))
-    return [t.clone() for t in ts]
-
-
-#: the dtypes :func:`_copies` copies by a multiplication (float8 has no ``mul`` kernel)
-_MULTIPLIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-                         torch.complex128})
 
 
 def warn_once(seen: set[str], key: str, message: str) -> None:
