@@ -8,18 +8,22 @@ TF32, or bf16 under ``torch.autocast``) and batch, in one run:
 * ``inductor``: ``torch.compile(model)``;
 * ``inductor_ro``: ``torch.compile(model, mode="reduce-overhead")`` (CUDA graph trees);
 * ``streamdag``: ``streamdag.compile(model)`` (on CUDA Inductor's code under CUDA graph
-  trees, as ``inductor_ro``, against the forward's regions on streams, timed at the first call).
+  trees, as ``inductor_ro``, against the forward's and backward's regions on streams under
+  the trees, timed at each graph's first call).
 
-Each variant trains its own copy of the model from the same weights. The first
-step's gradients of each compiled variant are compared with eager's
-(``grad_max_rel_err``: the largest relative norm error over the parameters; dropout
-is set to 0 so that the variants compute the same function). Times are medians
-of wall time per step between ``torch.cuda.synchronize()`` calls, variants
-interleaved round by round after three warm-up steps each (which compile, and
-capture or choose candidates). ``peak_mib`` is the peak memory of one step after
-the warm-up over what was allocated before it (the weights, the optimizer state
-and the variants set up before it are not counted; a variant under CUDA graph trees replays
-into memory its pool reserved when it recorded, which allocated bytes need not show). Models
+Each variant trains its own copy of the model from the same weights; on CUDA each
+runs in a process of its own (variants under the trees in one process would share
+their memory pool and state). The first step's gradients of each compiled variant
+are compared with eager's on a copy of the same weights (``grad_max_rel_err``: the
+largest relative norm error over the parameters; dropout is set to 0 so that the
+variants compute the same function). Times are medians of wall time per step
+between ``torch.cuda.synchronize()`` calls after three warm-up steps (which
+compile, and capture or choose candidates). ``peak_mib`` is the memory a variant
+holds between steps after the warm-up (the CUDA caching allocator's segments it
+added: the optimizer state, the gradients, the memory pools of CUDA graphs, whose
+temporaries allocated bytes would miss) plus what one step reserves on top; its
+copy of the weights is not counted. For streamdag the row keeps what each
+training graph chose and ``explain()``. Models
 come from ``bench/zoo_models.py`` (random weights, no downloads); ``tiny`` is a small branchy conv
 net that also runs on the CPU, where ``--quick`` trains it for a smoke check in a few minutes.
 
@@ -39,6 +43,7 @@ import contextlib
 import copy
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,10 +55,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from streamdag.suite.report import source_digest
-from zoo import commit, environment, host_load, kept_rows, utc_now
+from zoo import added_bytes, commit, environment, host_load, kept_rows, segments, utc_now
 from zoo_models import build, first_tensor
 
 VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
+#: ``streamdag.compile``'s options for this run (``--streamdag-regions``)
+STREAMDAG_OPTIONS: dict[str, Any] = {}
 MODELS = ("googlenet", "inception_v3", "resnet50", "vit_b_16", "swin_t", "bert", "llama", "tiny")
 
 
@@ -114,7 +121,8 @@ def loss_of(out: Any) -> torch.Tensor:
 
 def make_step(label: str, model: torch.nn.Module, args: tuple, kwargs: dict, bf16: bool,
               device: str) -> Callable[[bool], dict[str, torch.Tensor] | None]:
-    """The variant's training step; ``step(True)`` also returns the gradients before the update."""
+    """The variant's training step; ``step(True)`` also returns the gradients before the update.
+    ``step.compiled`` is what runs the model (``streamdag.compile``'s model, for its explanation)."""
     import streamdag as sd
 
     if label == "eager":
@@ -122,7 +130,7 @@ def make_step(label: str, model: torch.nn.Module, args: tuple, kwargs: dict, bf1
     elif label in ("inductor", "inductor_ro"):
         fn = torch.compile(model, mode="reduce-overhead" if label == "inductor_ro" else None)
     elif label == "streamdag":
-        fn = sd.compile(model)
+        fn = sd.compile(model, **STREAMDAG_OPTIONS)
     else:
         raise ValueError(label)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
@@ -139,6 +147,7 @@ def make_step(label: str, model: torch.nn.Module, args: tuple, kwargs: dict, bf1
         opt.step()
         opt.zero_grad(set_to_none=True)
         return kept
+    step.compiled = fn  # type: ignore[attr-defined]
     return step
 
 
@@ -163,47 +172,101 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_row(name: str, dtype: str, batch: int, device: str, rounds: int) -> dict[str, Any]:
-    _LOSS_WEIGHTS.clear()  # a language model's logits' weights alone are hundreds of MiB
+def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
+            variant_s: float | None = None, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Every variant of one row. On CUDA each runs in a process of its own (``variant_s``: its time
+    limit): variants under CUDA graph trees in one thread would share the trees' memory pool and
+    their state (one variant's step would start where the other's left the trees), and the
+    pool's memory would count for the first of them alone."""
     row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch, "ms": {}, "grad_max_rel_err": {},
                            "peak_mib": {}, "errors": {}}
+    for label in variants:
+        part = _in_child(label, name, dtype, batch, rounds, variant_s) if device == "cuda" \
+            else measure_variant(label, name, dtype, batch, device, rounds)
+        for key, value in part.items():
+            if isinstance(row.get(key), dict):
+                row[key].update(value)
+            else:
+                row[key] = value
+    return row
+
+
+def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
+              variant_s: float | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "variant.json"
+        cmd = [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
+               "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
+               "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto")]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s)
+        except subprocess.TimeoutExpired:
+            return {"errors": {label: f"over the variant's time limit of {variant_s:.0f} s"}}
+        if done.returncode != 0 or not out.exists():
+            return {"errors": {label: f"exit {done.returncode}: {done.stderr[-500:]}"}}
+        return json.loads(out.read_text())
+
+
+def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
+                    rounds: int) -> dict[str, Any]:
+    """One variant of a row: its first step's gradients against eager's (computed first, on a copy
+    of the same weights), its memory, and the median of ``rounds`` timed steps after the warm-up."""
+    _LOSS_WEIGHTS.clear()  # a language model's logits' weights alone are hundreds of MiB
+    part: dict[str, Any] = {"ms": {}, "grad_max_rel_err": {}, "peak_mib": {}, "errors": {}}
     torch.manual_seed(0)
     model, make_inputs = build_for_training(name, device)
     args, kwargs = make_inputs(batch)
     bf16 = dtype == "bf16"
-    steps: dict[str, Callable[[bool], Any]] = {}
-    ref: dict[str, torch.Tensor] | None = None
-    for label in VARIANTS:  # eager first: its first gradients are the reference
-        try:
-            step = make_step(label, copy.deepcopy(model), args, kwargs, bf16, device)
-            grads = step(True)  # compiles (and for streamdag, times its candidates)
-            for _ in range(2):  # captures, warms up
-                step(False)
-            if device == "cuda":  # one step's peak over what the variant holds between steps
-                sync(device)
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step(False)
-                sync(device)
-                row["peak_mib"][label] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            if label == "eager":
-                ref = grads
-            elif ref is not None and grads is not None:
-                row["grad_max_rel_err"][label] = max_rel_err(grads, ref)
-            steps[label] = step
-        except Exception as exc:  # one variant's failure is its row's note, not the run's end
-            row["errors"][label] = f"{type(exc).__name__}: {str(exc)[:500]}"
-    times: dict[str, list[float]] = {label: [] for label in steps}
-    for r in range(rounds):
-        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
-        for label in order:
+    try:
+        ref = None if label == "eager" else \
+            make_step("eager", copy.deepcopy(model), args, kwargs, bf16, device)(True)
+        variant_model = copy.deepcopy(model)
+        before = segments() if device == "cuda" else {}
+        step = make_step(label, variant_model, args, kwargs, bf16, device)
+        grads = step(True)  # compiles (and for streamdag, times its candidates)
+        for _ in range(2):  # captures, warms up
+            step(False)
+        if device == "cuda":
+            part["peak_mib"][label] = _step_peak(step, before) / 2**20
+        if ref is not None and grads is not None:
+            part["grad_max_rel_err"][label] = max_rel_err(grads, ref)
+        if label == "streamdag":
+            _describe_streamdag(step.compiled, part)  # type: ignore[attr-defined]
+        times = []
+        for _ in range(rounds):
             sync(device)
             t0 = time.perf_counter()
-            steps[label](False)
+            step(False)
             sync(device)
-            times[label].append((time.perf_counter() - t0) * 1e3)
-    row["ms"] = {label: statistics.median(ts) for label, ts in times.items() if ts}
-    return row
+            times.append((time.perf_counter() - t0) * 1e3)
+        part["ms"][label] = statistics.median(times)
+    except Exception as exc:  # one variant's failure is its row's note, not the run's end
+        part["errors"][label] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    return part
+
+
+def _step_peak(step: Callable[[bool], Any], before: dict[tuple[Any, ...], int]) -> int:
+    """The bytes a variant holds between steps (the segments it added since ``before``: optimizer
+    state, gradients, the pools of its CUDA graphs, whose temporaries allocated bytes miss) plus
+    what one step reserves on top."""
+    held = added_bytes(before, segments())
+    reserved = sum(segments().values())
+    torch.cuda.reset_peak_memory_stats()
+    step(False)
+    torch.cuda.synchronize()
+    return held + torch.cuda.max_memory_reserved() - reserved
+
+
+def _describe_streamdag(compiled: Any, row: dict[str, Any]) -> None:
+    """What streamdag chose for each training graph, and its explanation."""
+    graphs = [t for r in compiled.backend.runners for t in getattr(r, "training", ())]
+    row["streams"] = max((t.chosen.streams for t in graphs if t.chosen is not None), default=None)
+    row["streamdag"] = {
+        "chosen": [f"{t.kind}: {t.chosen.label if t.chosen is not None else '-'}" for t in graphs],
+        "candidates": [[{"label": c.label, "streams": c.streams, "ms": c.ms, "peak_mib": c.peak_mib,
+                         "error": c.error} for c in t.candidates] for t in graphs],
+        "statistics": vars(compiled.statistics()),
+        "explain": compiled.explain().splitlines()[:80]}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -227,6 +290,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny, fp32, batch 8, 3 rounds (a smoke check)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/train_<device>.json)")
+    p.add_argument("--variant-s", type=float, default=1200,
+                   help="on CUDA, the time limit of each variant's process (compiles included)")
+    p.add_argument("--streamdag-regions", choices=("auto", "always", "never"), default="auto",
+                   help="streamdag.compile's regions= (auto: where its cost model expects a gain)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; default all")
+    p.add_argument("--variant", choices=VARIANTS, default=None,
+                   help="measure this variant of the one row given and write its part of the row to --out "
+                        "(what a row's processes run)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the existing result file that this run does not redo")
     args = p.parse_args()
@@ -236,18 +307,31 @@ def main() -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
+    STREAMDAG_OPTIONS["regions"] = args.streamdag_regions
+    variants = tuple(args.variants.split(","))
+    if not set(variants) <= set(VARIANTS):
+        p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}: "
+                f"choose from {', '.join(VARIANTS)}")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
+    if args.variant is not None:
+        if args.out is None:
+            p.error("--variant writes its part of the row to --out")
+        part = measure_variant(args.variant, models[0], args.dtypes.split(",")[0],
+                               int(args.batches.split(",")[0]), device, args.rounds)
+        Path(args.out).write_text(json.dumps(part))
+        return 0
     name = torch.cuda.get_device_name().replace(" ", "_") if cuda else "cpu"
     # a smoke check's numbers are no result: --quick writes to the temporary directory
     folder = Path(tempfile.gettempdir()) if args.quick else Path(__file__).parent / "results"
     path = Path(args.out) if args.out else folder / f"train_{name}.json"
     env_args = argparse.Namespace(cold_compile=False, rounds=args.rounds)
     result: dict[str, Any] = {"environment": {**environment(env_args), "device": name, "tf32": cuda,
+                                              "streamdag_options": STREAMDAG_OPTIONS,
                                               "cudnn_benchmark": cuda, "optimizer": "AdamW",
                                               "loss": "mean of the first output times a fixed random weight "
                                                       "(seed 0)"},
@@ -255,9 +339,9 @@ def main() -> int:
     for model in models:
         for dtype in args.dtypes.split(","):
             for batch in map(int, args.batches.split(",")):
-                row = run_row(model, dtype, batch, device, args.rounds)
+                row = run_row(model, dtype, batch, device, args.rounds, args.variant_s, variants)
                 row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
-                                   "load_1min": host_load()}
+                                   "load_1min": host_load(), "variants_in_own_process": cuda}
                 result["models"].append(row)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=1))

@@ -119,7 +119,7 @@ def _setup(label: str, model: Any, args: tuple, kwargs: dict) -> tuple[Callable[
     return call, out, handle
 
 
-def _segments() -> dict[tuple[Any, ...], int]:
+def segments() -> dict[tuple[Any, ...], int]:
     """The CUDA caching allocator's segments once its unused cache is released: address -> bytes.
     They hold the tensors alive and the memory pools of CUDA graphs (a graph's temporaries are
     free blocks of its pool, so allocated bytes would miss them)."""
@@ -131,7 +131,7 @@ def _segments() -> dict[tuple[Any, ...], int]:
             for s in torch.cuda.memory_snapshot()}
 
 
-def _added(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...], int]) -> int:
+def added_bytes(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...], int]) -> int:
     """The bytes of the segments in ``after`` that ``before`` did not hold, a segment known by its
     address, size, pool and stream. (Not a difference of totals: a variant set up after another
     may release what the other held, as a recompile of the same module frees the earlier
@@ -157,7 +157,7 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
     held: dict[str, int] = {}
     with torch.inference_mode():
         for label in VARIANTS:
-            before = _segments()
+            before = segments()
             base = sum(before.values())
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -174,7 +174,7 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
                 signal.setitimer(signal.ITIMER_REAL, 0)
             row["compile_s"][label] = time.perf_counter() - t0
             row["compile_peak_mib"][label] = (torch.cuda.max_memory_reserved() - base) / 2**20
-            held[label] = _added(before, _segments())
+            held[label] = added_bytes(before, segments())
         if "eager" in outputs:
             row["rel_err"] = {k: rel_err(v, outputs["eager"]) for k, v in outputs.items() if k != "eager"}
         try:
@@ -188,7 +188,7 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         for label, call in calls.items():  # what it holds, plus what one call adds on top
-            reserved = sum(_segments().values())
+            reserved = sum(segments().values())
             torch.cuda.reset_peak_memory_stats()
             call()
             torch.cuda.synchronize()
