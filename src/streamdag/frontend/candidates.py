@@ -206,13 +206,15 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class CapturedGraph:
-    """A candidate captured for one set of static input addresses (see the module docstring)."""
+    """A candidate captured for one set of static input addresses (see the module docstring).
+    ``error_mode``: the capture's ``capture_error_mode`` ("thread_local" lets other threads make
+    CUDA calls while it records)."""
 
     WARMUP = 2
 
     def __init__(self, candidate: Candidate, args: Sequence[Any], static: Sequence[int],
                  mutated: Sequence[int], pool: SharedPool, device: torch.device,
-                 private: bool = False) -> None:
+                 private: bool = False, error_mode: str = "global") -> None:
         self.candidate = candidate
         self.device = device
         self.pool = pool
@@ -245,7 +247,7 @@ class CapturedGraph:
                 torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(device)
             self.graph, outs = capture_graph(lambda: candidate.run(list(self.inputs)), stream, device,
-                                             None if private else pool)
+                                             None if private else pool, error_mode)
         self.outputs: list[Any] = list(outs)
         self.out_type: type[tuple[Any, ...]] | type[list[Any]] = tuple if isinstance(outs, tuple) else list
         self.out_tensors: list[int] = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]

@@ -41,14 +41,12 @@ outputs other than the saved activations (the loss, the gradients) are copies
 out of the pool, unless ``clone_outputs=False``: the next replay overwrites the
 pool, and a loss kept across steps, or a ``.grad`` that the next micro-batch's
 backward adds to (AccumulateGrad keeps the tensor it is handed), must not
-change with it. Since a forward's returns are copies, a forward marks a new
-step of the trees (:func:`~.trees.start_step_if_idle`, the mark a ``reduce-overhead``
-training loop makes with ``torch.compiler.cudagraph_mark_step_begin()``) where no
-forward under them awaits its backward; with one awaiting (two micro-batches'
-forwards before their backward) the trees go on as they would unmarked. Batch
-norm's running statistics are buffers, which the trees let a graph write in
-place; dropout's seeds come from the generator at each replay, as an uncaptured
-call takes them.
+change with it. Steps are the trees' as under ``reduce-overhead``: a training
+loop that calls ``torch.compiler.cudagraph_mark_step_begin()`` at each step
+tells them where one begins (the mark is the process's, so streamdag leaves it
+to the loop). Batch norm's running statistics are buffers, which the trees let
+a graph write in place; dropout's seeds come from the generator at each replay,
+as an uncaptured call takes them.
 
 **Choosing.** At a graph's first call on one CUDA device, each candidate is
 timed and ``candidates.pick`` keeps the fastest: the one-stream Inductor graph
@@ -115,7 +113,7 @@ from torch.fx import GraphModule
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
 from .candidates import Candidate, pick, region_candidates
-from .trees import TreesCall, copies, refusal, seen_by_trees, start_step_if_idle, trees_config
+from .trees import TreesCall, copies, refusal, seen_by_trees, trees_config
 
 __all__ = ["TREES", "TrainingGraph", "compile_training"]
 
@@ -160,8 +158,6 @@ class TrainingGraph:
         self.raw: Callable[[list[Any]], Any] | None = None
         self.trees_call: TreesCall | None = None
         self._regions_in_trees: dict[int, Callable[[list[Any]], Any]] = {}
-        self._device_index: int | None = None
-        self.marked_steps = 0  # forwards before which a new step of the trees was marked
         self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
@@ -223,12 +219,6 @@ class TrainingGraph:
         read around the call. Outputs other than saved activations are copied out of the trees'
         pool (``clone_outputs``): the next replay overwrites the pool, and a loss kept across steps
         or a ``.grad`` accumulated into over micro-batches must not change with it."""
-        if self.kind == "forward" and self.options.clone_outputs:
-            if self._device_index is None:
-                self._device_index = next((a.device.index for a in args
-                                           if isinstance(a, torch.Tensor) and a.is_cuda), -1)
-            if self._device_index >= 0:
-                self.marked_steps += start_step_if_idle(self._device_index)
         inductor = _COUNTERS["inductor"]
         skips = inductor["cudagraph_skips"]
         out = fn(args)
@@ -304,9 +294,6 @@ class TrainingGraph:
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
-            if self.kind == "forward":
-                lines.append(f"    new steps of the trees marked before {self.marked_steps} call(s) (the "
-                             "others ran while a forward awaited its backward)")
         elif self.tree_note:
             lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
@@ -355,29 +342,44 @@ def _time(cands: list[Candidate], args: list[Any], device: torch.device, written
     return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args), segments_mib=0.0)
 
 
+def _trees_capture_lock() -> Any:
+    """The lock Inductor's trees hold while they record or warm up a graph (a plain lock where this
+    PyTorch has none)."""
+    from torch._inductor import cudagraph_trees
+
+    return getattr(cudagraph_trees, "graph_capture_lock", None) or threading.Lock()
+
+
 def _time_captured(cands: list[Candidate], args: list[Any], device: torch.device,
                    written: Sequence[int], options: Any) -> int:
     """For a graph under the trees: each candidate captured into a CUDA graph of its own pool over
     this call's inputs (none copied: the graphs are dropped once timed), its replays timed in
     rounds; the index :func:`pick` keeps. A candidate that cannot be captured is not kept (its
-    error is in ``explain()``); the first, Inductor's whole graph, is kept where none can."""
+    error is in ``explain()``): one that can is kept untimed where it is the only one, the first
+    (Inductor's whole graph) where none can. The captures take the trees' capture lock, and
+    another thread's CUDA calls during one do not end it (the trees' capture mode)."""
     from .candidates import CapturedGraph, SharedPool, time_replays
     from .inductor_backend import _held_mib
 
     saved = [args[i].clone() for i in written]
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
     static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    lock = _trees_capture_lock()
     pool = SharedPool()  # (each capture takes a pool of its own, released with its graph)
     graphs: list[Any] = []
+    graphs_ok: list[bool] = []
     try:
         for c in cands:
             try:
-                graphs.append(CapturedGraph(c, args, static, (), pool, device, private=True))
+                with lock:
+                    graphs.append(CapturedGraph(c, args, static, (), pool, device, private=True,
+                                                error_mode="thread_local"))
             except Exception as exc:  # the others are still compared
                 c.error = f"not captured: {type(exc).__name__}: {str(exc)[:200]}"
                 graphs.append(None)
             for i, t in zip(written, saved):  # the warm-up runs wrote them
                 args[i].copy_(t)
+        graphs_ok = [g is not None for g in graphs]
         timed = [(c, g) for c, g in zip(cands, graphs) if g is not None]
         if len(timed) > 1:
             for (c, g), ms in zip(timed, time_replays([g for _, g in timed], options.rounds, device)):
@@ -388,10 +390,11 @@ def _time_captured(cands: list[Candidate], args: list[Any], device: torch.device
             args[i].copy_(t)
         torch.set_rng_state(rng[0])
         torch.cuda.set_rng_state(rng[1], device)
-    kept = [i for i, c in enumerate(cands) if c.ms is not None]
-    if len(kept) < 2:
-        return kept[0] if kept else 0
-    return kept[pick([cands[i] for i in kept], options.tie, options.memory_ratio, base_mib=_held_mib(args))]
+    captured = [i for i, g in enumerate(graphs_ok) if g]
+    if len(captured) < 2:
+        return captured[0] if captured else 0
+    return captured[pick([cands[i] for i in captured], options.tie, options.memory_ratio,
+                         base_mib=_held_mib(args))]
 
 
 def _in_double_backward() -> bool:
@@ -451,7 +454,6 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
 
     ``forward``: for a backward, the forward it belongs to (it runs under the trees only if that does)."""
     from torch._guards import TracingContext
-    from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.cudagraph_utils import BoxedDeviceIndex
     from torch._inductor.utils import BoxedBool
 
@@ -476,21 +478,9 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
         device_box = forward.device_box if forward is not None and forward.device_box is not None \
             else kwargs.get("boxed_forward_device_index")
     kwargs["boxed_forward_device_index"] = device_box
-    # the strides of the whole graph's outputs, reported to AOTAutograd as Inductor reports them
-    # (the backward is compiled for the saved activations' strides), kept for the regions.
-    # Under the trees the graph is compiled whole, without Inductor's graph partitions, so that
-    # one call puts it there and the regions can go there the same way; where the trees refuse
-    # it so, it is compiled again with partitions, as reduce-overhead compiles it
-    spare = _pristine(gm) if trees else None
-    with TracingContext.report_output_strides() as strides, trees_config(bool(trees), partitions=False), \
-            seen_by_trees() as seen:
-        whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
-    if spare is not None and not trees:
-        trees = kwargs["cudagraphs"] = BoxedBool(True)
-        with TracingContext.report_output_strides() as strides, trees_config(True), \
-                seen_by_trees() as seen:
-            whole = compile_fx_inner(spare, list(example_inputs), **kwargs)
-        seen.clear()  # (several calls, one per partition: no regions under the trees)
+    whole, strides, seen, trees = _compile_whole(gm, example_inputs, kwargs, trees)
+    # the strides go to AOTAutograd as Inductor reports them (the backward is compiled for the
+    # saved activations' strides) and are kept for the regions
     if strides is not None and ctx is not None and ctx.output_strides is not None:
         ctx.output_strides.extend(strides)
     # the inputs a run may write: those its operators write in place, and a backward's donated
@@ -515,8 +505,13 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     if pristine is None:
         graph.region_note = "symbolic shapes: the whole graph only" if dynamic else ""
     elif graph.captured and graph.trees_call is None:
-        graph.region_note = ("Inductor put its code under the trees in parts (graph partitions): the "
-                             "whole graph only")
+        graph.region_note = ("Inductor did not put its code under the trees in one call (graph "
+                             "partitions): the whole graph only")
+    elif kind == "backward" and not why_not and not graph.captured:
+        # Inductor's code for a backward the trees refused tells them that the backward ran (its
+        # forward's activations are then free): regions in its place would leave them waiting
+        graph.region_note = ("Inductor's trees refused it after its forward ran under them: the whole "
+                             "graph only")
     elif _has_random(pristine):
         graph.region_note = ("random operators: the whole graph only (regions would draw other random "
                              "numbers than Inductor's whole graph)")
@@ -526,6 +521,33 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
                          output_strides=strides)
     graph.compile_s = time.perf_counter() - t0
     return graph
+
+
+def _compile_whole(gm: GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any],
+                   trees: Any) -> tuple[Any, Any, list[tuple[Any, TreesCall]], Any]:
+    """Inductor's code for the whole graph: (it, the strides of its outputs as Inductor reports them
+    to AOTAutograd, the calls that put it under the trees, the box saying whether it went there).
+
+    Under the trees the graph is compiled whole, without Inductor's graph partitions, so that one
+    call puts it there and its regions can go there the same way; where the trees refuse it so, it
+    is compiled again with partitions, as ``reduce-overhead`` compiles it (its regions then stay
+    out: one call per partition)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    from .inner_compile import _pristine
+
+    spare = _pristine(gm) if trees else None  # (Inductor's passes rewrite the graph they compile)
+    with TracingContext.report_output_strides() as strides, trees_config(bool(trees), partitions=False), \
+            seen_by_trees() as seen:
+        whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
+    if spare is not None and not trees:
+        trees = kwargs["cudagraphs"] = BoxedBool(True)
+        with TracingContext.report_output_strides() as strides, trees_config(True), seen_by_trees() as seen:
+            whole = compile_fx_inner(spare, list(example_inputs), **kwargs)
+        seen.clear()
+    return whole, strides, seen, trees
 
 
 #: why a graph is not compiled under the trees where that needs no saying: the candidates asked for

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MULTIPLIED", "TreesCall", "copies", "refusal", "seen_by_trees", "start_step_if_idle",
-           "trees_config"]
+__all__ = ["MULTIPLIED", "TreesCall", "copies", "refusal", "seen_by_trees", "trees_config"]
 
 
 class TreesCall:
@@ -34,30 +33,55 @@ class TreesCall:
         self.kwargs = kwargs
 
     def wrap(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        return self.cudagraphify(fn, static_input_idxs=self.static_input_idxs, **self.kwargs)
+        """``fn`` under the trees (Inductor's ``cudagraphify`` reads its configuration as it is
+        called: the trees' is set around it, as while the graph compiled)."""
+        with trees_config(True, partitions=False):
+            return self.cudagraphify(fn, static_input_idxs=self.static_input_idxs, **self.kwargs)
+
+
+# state, under _lock: _users counts the compiles inside seen_by_trees(); while it is above zero
+# compile_fx.cudagraphify is _record and _real the function it stood for. _local.seen is the list
+# of the compile in progress on this thread (None outside one).
+_lock = threading.Lock()
+_users = 0
+_real: Callable[..., Any] | None = None
+_local = threading.local()
+
+
+def _record(model: Any, static_input_idxs: Sequence[int] = (), **kwargs: Any) -> Any:
+    real = _real
+    assert real is not None
+    seen = getattr(_local, "seen", None)
+    if seen is not None:
+        seen.append((model, TreesCall(real, static_input_idxs, kwargs)))
+    return real(model, static_input_idxs=static_input_idxs, **kwargs)
 
 
 @contextlib.contextmanager
 def seen_by_trees() -> Iterator[list[tuple[Any, TreesCall]]]:
     """Inductor's calls of ``compile_fx.cudagraphify`` from this thread while a graph compiles, each
     as (the code it puts under the trees, a :class:`TreesCall`); each call goes on to the trees.
-    (Inductor imports that name at the call, the one place that puts a graph under the trees.)"""
+    (Inductor imports that name at the call, the one place that puts a graph under the trees.) The
+    name stands for a recorder while any thread compiles inside this; each thread's calls go to its
+    own list, and the name is put back when the last compile leaves."""
+    global _users, _real
     from torch._inductor import compile_fx
 
-    real = compile_fx.cudagraphify
-    me = threading.get_ident()
-    seen: list[tuple[Any, TreesCall]] = []
-
-    def cudagraphify(model: Any, static_input_idxs: Sequence[int] = (), **kwargs: Any) -> Any:
-        if threading.get_ident() == me:
-            seen.append((model, TreesCall(real, static_input_idxs, kwargs)))
-        return real(model, static_input_idxs=static_input_idxs, **kwargs)
-
-    compile_fx.cudagraphify = cudagraphify
+    with _lock:
+        if _users == 0:
+            _real = compile_fx.cudagraphify
+            compile_fx.cudagraphify = _record
+        _users += 1
+    outer = getattr(_local, "seen", None)
+    _local.seen = seen = []
     try:
         yield seen
     finally:
-        compile_fx.cudagraphify = real
+        _local.seen = outer
+        with _lock:
+            _users -= 1
+            if _users == 0 and compile_fx.cudagraphify is _record:
+                compile_fx.cudagraphify = _real
 
 
 def trees_config(on: bool, partitions: bool = True) -> Any:
@@ -97,24 +121,6 @@ def copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in ts]
 
 
-#: the dtypes :func:`_copies` copies by a multiplication (float8 has no ``mul`` kernel)
+#: the dtypes :func:`copies` copies by a multiplication (float8 has no ``mul`` kernel)
 MULTIPLIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
                          torch.complex128})
-
-
-def start_step_if_idle(device_index: int) -> bool:
-    """Tells the trees of ``device_index`` that a new step begins
-    (``torch.compiler.cudagraph_mark_step_begin()``, as a ``reduce-overhead`` training loop calls
-    it), unless a forward under them still awaits its backward: its saved activations live in
-    the pool that a new step overwrites. Whether one does is the trees' own record
-    (``running_forwards_with_pending_backwards``). Called before a training forward whose
-    outputs are copies out of the pool: on a step of googlenet (batch 8, fp32, one H200) the
-    mark takes the step from 6.9 ms to 4.9 ms, the time of ``reduce-overhead`` with the mark.
-    Whether a step was marked is returned."""
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
-    if manager is None or manager.running_forwards_with_pending_backwards:
-        return False
-    cudagraph_trees.mark_step_begin()
-    return True
