@@ -475,19 +475,7 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
     for w_ops in order.values():
         for before, v in itertools.pairwise(w_ops):
             cut[v] = cut[v] or before in sends
-    # an initial value read before the owner's first op comes from a segment of no ops before it
-    prefix = {ops[v].remote[bid].worker for v in range(n) for bid, writer in reads[v]
-              if writer < 0 and not any(u < v for u in order.get(ops[v].remote[bid].worker, []))}
-    runs: list[tuple[int, int, list[int]]] = []  # (first op or -1, worker, ops)
-    for w in sorted(set(order) | prefix):
-        mine: list[tuple[int, int, list[int]]] = [(-1, w, [])] if w in prefix else []
-        for v in order.get(w, []):
-            if not mine or cut[v]:
-                mine.append((v, w, []))
-            mine[-1][2].append(v)
-        runs += mine
-    # every edge goes from a segment that begins earlier to one that begins later: bind in that order
-    runs.sort(key=lambda r: r[0])
+    runs = _runs(ops, reads, order, cut)
     plan = _Plan()
     seen: set[int] = set()
     for start, w, members in runs:
@@ -537,6 +525,26 @@ def _segments(ops: Sequence[_Rec], deps: list[list[int]], sched: Schedule) -> _P
             OpSpec(v, op.name, op.fn, _rekey(op.args, ids), _rekey(op.kwargs, ids), fail_if,
                    tuple(reads[v]), tuple(snaps.get(v, ())), op.ids[False], op.ids[True]))
     return plan
+
+
+def _runs(ops: Sequence[_Rec], reads: list[list[tuple[int, int]]], order: dict[int, list[int]],
+          cut: list[bool]) -> list[tuple[int, int, list[int]]]:
+    """Each worker's program cut into segments, in the order they begin: (first op, worker, ops),
+    or (-1, worker, []) for a worker whose initial values are read before its first op."""
+    # an initial value read before the owner's first op comes from a segment of no ops before it
+    prefix = {ops[v].remote[bid].worker for v in range(len(ops)) for bid, writer in reads[v]
+              if writer < 0 and not any(u < v for u in order.get(ops[v].remote[bid].worker, []))}
+    runs: list[tuple[int, int, list[int]]] = []
+    for w in sorted(set(order) | prefix):
+        mine: list[tuple[int, int, list[int]]] = [(-1, w, [])] if w in prefix else []
+        for v in order.get(w, []):
+            if not mine or cut[v]:
+                mine.append((v, w, []))
+            mine[-1][2].append(v)
+        runs += mine
+    # every edge goes from a segment that begins earlier to one that begins later: bind in that order
+    runs.sort(key=lambda r: r[0])
+    return runs
 
 
 def _in_recording_order(sched: Schedule, recorded: Sequence[int]) -> Schedule:
