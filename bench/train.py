@@ -11,6 +11,9 @@ TF32, or bf16 under ``torch.autocast``) and batch, in one run:
   trees, as ``inductor_ro``, against the forward's and backward's regions on streams under
   the trees, timed at each graph's first call).
 
+Both variants under the trees mark each step's start with
+``torch.compiler.cudagraph_mark_step_begin()``, as a training loop over the trees does.
+
 Each variant trains its own copy of the model from the same weights; on CUDA each
 runs in a process of its own (variants under the trees in one process would share
 their memory pool and state). The first step's gradients of each compiled variant
@@ -137,7 +140,8 @@ def make_step(label: str, model: torch.nn.Module, args: tuple, kwargs: dict, bf1
                             **({"fused": True} if device == "cuda" else {"foreach": True}))
 
     def step(grads: bool = False) -> dict[str, torch.Tensor] | None:
-        if label == "inductor_ro" and device == "cuda":
+        if label in ("inductor_ro", "streamdag") and device == "cuda":
+            # the start of a step, as a training loop over CUDA graph trees tells them
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             out = fn(*args, **kwargs)
