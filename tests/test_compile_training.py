@@ -451,6 +451,35 @@ def test_a_write_through_a_boolean_mask_trains_in_one_compiled_graph_as_eager():
     assert (stats.graphs, stats.fallbacks, stats.eager_calls) == (1, 0, 0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+], ids=["sgd-foreach", "adamw-foreach"])
+def test_an_optimizer_step_compiled_by_streamdag_updates_the_parameters_as_eagers_step(make_opt):
+    """``streamdag.compile(opt.step)`` beside ``streamdag.compile(model)``: four steps leave the
+    parameters and the optimizer's state as eager's, each step a compiled graph. (A fused step is
+    Dynamo's to skip: ``torch.compile`` makes no graph of it either.)"""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    model = copy.deepcopy(ref)
+    fast, opt, ref_opt = sd.compile(model), make_opt(model.parameters()), make_opt(ref.parameters())
+    step = sd.compile(opt.step)
+    data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(4)]
+    for x, y in data:
+        torch.nn.functional.mse_loss(fast(x), y).backward()
+        step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_state(model, ref, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-6)
+    assert step.statistics().eager_calls == 0, step.explain()
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------
 
 
