@@ -157,18 +157,22 @@ class FakeInductor:
     """Stands for ``compile_fx_inner``: records what each compile was asked and under which
     configuration; ``refuse`` turns the box off as Inductor does for a graph its trees refuse."""
 
-    def __init__(self, refuse: bool = False) -> None:
+    def __init__(self, refuse: bool = False, refuse_whole: bool = False) -> None:
         self.calls: list[dict] = []
         self.refuse = refuse
+        self.refuse_whole = refuse_whole  # refuse a graph compiled without partitions only
 
     def __call__(self, gm, example_inputs, **kwargs):
+        from torch._dynamo.utils import counters
         from torch._inductor import config
 
         self.calls.append({**kwargs, "config_cudagraphs": config.triton.cudagraphs,
                            "config_trees": config.triton.cudagraph_trees,
                            "config_partitions": getattr(config, "graph_partition", None)})
-        if self.refuse and kwargs["cudagraphs"]:
+        whole = getattr(config, "graph_partition", None) is False
+        if (self.refuse or (self.refuse_whole and whole)) and kwargs.get("cudagraphs"):
             kwargs["cudagraphs"].value = False
+            counters["inductor"]["cudagraph_skips"] += 1  # as Inductor counts a refusal
         out = lambda args: [None]  # noqa: E731
         out.disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (x)" if self.refuse else None
         return out
@@ -296,6 +300,22 @@ def test_the_trees_calls_made_while_a_graph_compiles_are_seen_on_its_thread_alon
     assert seen[0][1].wrap("regions") == ("under the trees", "regions")
     assert calls[-1] == ("regions", (1,), {"device_index": 0})
     assert [c[0] for c in calls] == ["code", "elsewhere", "regions"]
+
+
+def test_a_graph_the_trees_take_only_in_partitions_goes_there_so_without_regions_or_a_counted_skip(
+        monkeypatch):
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    if not hasattr(config, "graph_partition"):
+        pytest.skip("this PyTorch's Inductor has no graph partitions")
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", FakeInductor(refuse_whole=True))
+    before = counters["inductor"]["cudagraph_skips"]
+    fw = compile_training(tiny_graph(), [fake("cuda", 2)], Options(regions="always"),
+                          {"is_inference": False}, 0)
+    assert fw.captured and fw.trees_call is None
+    assert "graph partitions" in fw.explain()
+    assert counters["inductor"]["cudagraph_skips"] == before
 
 
 def test_on_the_cpu_nothing_is_compiled_under_the_trees_and_explain_says_nothing_of_them(monkeypatch):

@@ -539,6 +539,7 @@ def _compile_whole(gm: GraphModule, example_inputs: Sequence[Any], kwargs: dict[
     from .inner_compile import _pristine
 
     spare = _pristine(gm) if trees else None  # (Inductor's passes rewrite the graph they compile)
+    skips = _COUNTERS["inductor"]["cudagraph_skips"]
     with TracingContext.report_output_strides() as strides, trees_config(bool(trees), partitions=False), \
             seen_by_trees() as seen:
         whole = compile_fx_inner(gm, list(example_inputs), **kwargs)
@@ -547,6 +548,8 @@ def _compile_whole(gm: GraphModule, example_inputs: Sequence[Any], kwargs: dict[
         with TracingContext.report_output_strides() as strides, trees_config(True), seen_by_trees() as seen:
             whole = compile_fx_inner(spare, list(example_inputs), **kwargs)
         seen.clear()
+        if trees:  # the graph went under the trees after all: the first refusal is no skip
+            _COUNTERS["inductor"]["cudagraph_skips"] = skips
     return whole, strides, seen, trees
 
 
