@@ -318,6 +318,17 @@ def test_a_graph_the_trees_take_only_in_partitions_goes_there_so_without_regions
     assert counters["inductor"]["cudagraph_skips"] == before
 
 
+def test_explain_asks_for_step_marks_until_the_process_makes_one(monkeypatch):
+    from torch._inductor import cudagraph_trees
+
+    forward = under_trees("forward", None)
+    monkeypatch.setattr(cudagraph_trees.MarkStepBox, "mark_step_counter", 0)
+    assert "call torch.compiler.cudagraph_mark_step_begin()" in forward.explain()
+    torch.compiler.cudagraph_mark_step_begin()
+    assert "no training step marked" not in forward.explain()
+    assert "no training step marked" not in under_trees("backward", None).explain()
+
+
 def test_on_the_cpu_nothing_is_compiled_under_the_trees_and_explain_says_nothing_of_them(monkeypatch):
     fake_inductor = FakeInductor()
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", fake_inductor)

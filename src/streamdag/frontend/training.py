@@ -294,6 +294,10 @@ class TrainingGraph:
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
+            if self.kind == "forward" and not _steps_marked():
+                lines.append("    no training step marked: call torch.compiler.cudagraph_mark_step_begin() "
+                             "at the start of each step, as under reduce-overhead (a googlenet step, batch 8 "
+                             "on an H200: 6.9 ms unmarked, 4.9 ms marked)")
         elif self.tree_note:
             lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
@@ -395,6 +399,14 @@ def _time_captured(cands: list[Candidate], args: list[Any], device: torch.device
         return captured[0] if captured else 0
     return captured[pick([cands[i] for i in captured], options.tie, options.memory_ratio,
                          base_mib=_held_mib(args))]
+
+
+def _steps_marked() -> bool:
+    """Whether this process has marked a step of the trees (``cudagraph_mark_step_begin``)."""
+    from torch._inductor import cudagraph_trees
+
+    box = getattr(cudagraph_trees, "MarkStepBox", None)
+    return box is None or box.mark_step_counter != 0
 
 
 def _in_double_backward() -> bool:
