@@ -33,6 +33,7 @@ net that also runs on the CPU, where ``--quick`` trains it for a smoke check in 
     PYTHONPATH=src python bench/train.py --quick              # the CPU, or a GPU: tiny only
     PYTHONPATH=src python bench/train.py --models resnet50,bert --dtypes bf16 --batches 8
     PYTHONPATH=src python bench/train.py                      # all models, fp32 and bf16, batch 8 and 32
+    PYTHONPATH=src python bench/train.py --gpus 4 --budget-s 500   # 4 rows at once, one per GPU
 
 Writes ``bench/results/train_<device>.json``: ``{"environment": {...}, "models": [{"model",
 "dtype", "batch", "ms": {variant: ms}, "grad_max_rel_err": {variant: err}, "peak_mib":
@@ -42,9 +43,11 @@ Writes ``bench/results/train_<device>.json``: ``{"environment": {...}, "models":
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import json
+import queue
 import statistics
 import subprocess
 import sys
@@ -58,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from streamdag.suite.report import source_digest
-from zoo import added_bytes, commit, environment, host_load, kept_rows, segments, utc_now
+from zoo import added_bytes, commit, environment, gpu_env, host_load, kept_rows, segments, utc_now
 from zoo_models import build, first_tensor
 
 VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
@@ -177,15 +180,16 @@ def sync(device: str) -> None:
 
 
 def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
-            variant_s: float | None = None, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
-    """Every variant of one row. On CUDA each runs in a process of its own (``variant_s``: its time
-    limit): variants under CUDA graph trees in one thread would share the trees' memory pool and
-    their state (one variant's step would start where the other's left the trees), and the
-    pool's memory would count for the first of them alone."""
+            variant_s: float | None = None, variants: tuple[str, ...] = VARIANTS,
+            gpu: int = 0) -> dict[str, Any]:
+    """Every variant of one row. On CUDA each runs in a process of its own on GPU ``gpu``
+    (``variant_s``: its time limit): variants under CUDA graph trees in one thread would share the
+    trees' memory pool and their state (one variant's step would start where the other's left the
+    trees), and the pool's memory would count for the first of them alone."""
     row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch, "ms": {}, "grad_max_rel_err": {},
                            "peak_mib": {}, "errors": {}}
     for label in variants:
-        part = _in_child(label, name, dtype, batch, rounds, variant_s) if device == "cuda" \
+        part = _in_child(label, name, dtype, batch, rounds, variant_s, gpu) if device == "cuda" \
             else measure_variant(label, name, dtype, batch, device, rounds)
         for key, value in part.items():
             if isinstance(row.get(key), dict):
@@ -196,14 +200,14 @@ def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
 
 
 def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
-              variant_s: float | None) -> dict[str, Any]:
+              variant_s: float | None, gpu: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variant.json"
         cmd = [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
                "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
                "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto")]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s, env=gpu_env(gpu))
         except subprocess.TimeoutExpired:
             return {"errors": {label: f"over the variant's time limit of {variant_s:.0f} s"}}
         if done.returncode != 0 or not out.exists():
@@ -294,6 +298,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny, fp32, batch 8, 3 rounds (a smoke check)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/train_<device>.json)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="on CUDA, time this many rows at once, one per GPU (identical GPUs)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no row after this many seconds (on a lent machine of limited time)")
     p.add_argument("--variant-s", type=float, default=1200,
                    help="on CUDA, the time limit of each variant's process (compiles included)")
     p.add_argument("--streamdag-regions", choices=("auto", "always", "never"), default="auto",
@@ -318,6 +326,8 @@ def main() -> int:
                 f"choose from {', '.join(VARIANTS)}")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    if args.gpus < 1 or args.gpus > max(torch.cuda.device_count(), 1) or (args.gpus > 1 and not cuda):
+        p.error(f"--gpus {args.gpus}: {torch.cuda.device_count()} GPU(s) visible")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -340,16 +350,35 @@ def main() -> int:
                                               "loss": "mean of the first output times a fixed random weight "
                                                       "(seed 0)"},
                               "models": kept_rows(path, models, args) if args.merge else []}
-    for model in models:
-        for dtype in args.dtypes.split(","):
-            for batch in map(int, args.batches.split(",")):
-                row = run_row(model, dtype, batch, device, args.rounds, args.variant_s, variants)
-                row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
-                                   "load_1min": host_load(), "variants_in_own_process": cuda}
-                result["models"].append(row)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(result, indent=1))
-                print(table([row]), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    keys = [(m, d, b) for m in models for d in args.dtypes.split(",") for b in batches]
+    free_gpus: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for gpu in range(args.gpus):
+        free_gpus.put(gpu)
+    t_start = time.perf_counter()
+
+    def one(key: tuple[str, str, int]) -> dict[str, Any] | None:
+        gpu = free_gpus.get()
+        try:
+            if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+                print(f"{key}: not run, over the {args.budget_s:.0f} s budget", flush=True)
+                return None
+            row = run_row(*key, device, args.rounds, args.variant_s, variants, gpu)
+            row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
+                               "load_1min": host_load(), "variants_in_own_process": cuda, "gpu": gpu}
+            return row
+        finally:
+            free_gpus.put(gpu)
+
+    with concurrent.futures.ThreadPoolExecutor(args.gpus) as pool:
+        for done in concurrent.futures.as_completed([pool.submit(one, k) for k in keys]):
+            row = done.result()
+            if row is None:
+                continue
+            result["models"].append(row)
+            path.write_text(json.dumps(result, indent=1))
+            print(table([row]), flush=True)
     print(table(result["models"]))
     print(path)
     return 0

@@ -456,14 +456,15 @@ def _prewarm(models: list[str], args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--warm-only", "--dtypes", args.dtypes,
                "--batches", args.batches, "--variant-s", str(args.variant_s), "--worker-out", os.devnull]
         with contextlib.suppress(subprocess.TimeoutExpired):  # the timed run meets it and records it
-            subprocess.run(cmd, timeout=args.model_s, capture_output=True, env=_gpu_env(gpu))
+            subprocess.run(cmd, timeout=args.model_s, capture_output=True, env=gpu_env(gpu))
 
     with concurrent.futures.ThreadPoolExecutor(args.prewarm) as pool:
         list(pool.map(one, models, [next(gpus) for _ in models]))
     print(f"prewarmed {len(models)} models in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def _gpu_env(gpu: int) -> dict[str, str]:
+def gpu_env(gpu: int) -> dict[str, str]:
+    """The environment of a process that sees only GPU ``gpu`` of those this one sees."""
     env = dict(os.environ)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
@@ -489,7 +490,7 @@ def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[
     note = None
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=_gpu_env(gpu))
+        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=gpu_env(gpu))
         if proc.returncode != 0:
             note = f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"
     except subprocess.TimeoutExpired:
