@@ -257,8 +257,8 @@ def _step_peak(step: Callable[[bool], Any], before: dict[tuple[Any, ...], int]) 
     """The bytes a variant holds between steps (the segments it added since ``before``: optimizer
     state, gradients, the pools of its CUDA graphs, whose temporaries allocated bytes miss) plus
     what one step reserves on top."""
-    held = added_bytes(before, segments())
-    reserved = sum(segments().values())
+    now = segments()
+    held, reserved = added_bytes(before, now), sum(now.values())
     torch.cuda.reset_peak_memory_stats()
     step(False)
     torch.cuda.synchronize()

@@ -451,7 +451,7 @@ def test_on_cuda_regions_on_two_streams_run_under_the_trees_and_train_as_eager_t
     parameters and running statistics as eager's."""
     from test_compile_training import BranchyNet
 
-    monkeypatch.setattr("streamdag.frontend.training.pick", lambda cands, *a, **k: len(cands) - 1)
+    monkeypatch.setattr("streamdag.frontend.training_timing.pick", lambda cands, *a, **k: len(cands) - 1)
     torch.manual_seed(0)
     ref = BranchyNet().cuda()
     model = copy.deepcopy(ref)

@@ -98,7 +98,6 @@ refuses the ``create_graph=True`` call first and names the setting to turn off.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import sys
 import threading
 import time
@@ -112,7 +111,8 @@ from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
-from .candidates import Candidate, pick, region_candidates
+from .candidates import Candidate, region_candidates
+from .training_timing import time_captured, time_uncaptured
 from .trees import TreesCall, copies, refusal, seen_by_trees, trees_config
 
 __all__ = ["TREES", "TrainingGraph", "compile_training"]
@@ -274,9 +274,9 @@ class TrainingGraph:
             if len(cands) > 1:
                 self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
         elif self.captured:
-            best = cands[_time_captured(cands, args, next(iter(devices)), self.written, self.options)]
+            best = cands[time_captured(cands, args, next(iter(devices)), self.written, self.options)]
         else:
-            best = cands[_time(cands, args, next(iter(devices)), self.written, self.options)]
+            best = cands[time_uncaptured(cands, args, next(iter(devices)), self.written, self.options)]
         self.chosen = best
         return 0 if best.label in (TREES, "inductor") else best.streams
 
@@ -296,8 +296,8 @@ class TrainingGraph:
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
             if self.kind == "forward" and not _steps_marked():
                 lines.append("    no training step marked: call torch.compiler.cudagraph_mark_step_begin() "
-                             "at the start of each step, as under reduce-overhead (a googlenet step, batch 8 "
-                             "on an H200: 6.9 ms unmarked, 4.9 ms marked)")
+                             "at the start of each step, as under reduce-overhead (the guide's Training "
+                             "section says what it saves)")
         elif self.tree_note:
             lines.append(f"    cudagraph trees: {self.tree_note}")
         if self.note:
@@ -305,100 +305,6 @@ class TrainingGraph:
         if self._streams is None:
             lines.append("    not called yet")
         return "\n".join(lines)
-
-
-def _time(cands: list[Candidate], args: list[Any], device: torch.device, written: Sequence[int],
-          options: Any) -> int:
-    """Each candidate run ``options.rounds`` times, interleaved; the index :func:`pick` keeps."""
-    from .inductor_backend import _held_mib
-
-    saved = [args[i].clone() for i in written]
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
-
-    def run(c: Candidate) -> None:
-        c.run(list(args))  # the outputs (activations, gradients) are dropped at once
-        for i, t in zip(written, saved):
-            args[i].copy_(t)
-
-    torch.cuda.synchronize(device)
-    for c in cands:  # an untimed run (first-launch costs) gives its peak
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run(c)
-        c.peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    times: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in cands]
-    for r in range(options.rounds):
-        k = r % len(cands)
-        for i in list(range(k, len(cands))) + list(range(k)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            cands[i].run(list(args))
-            end.record()
-            for j, t in zip(written, saved):
-                args[j].copy_(t)
-            times[i].append((start, end))
-    torch.cuda.synchronize(device)
-    torch.set_rng_state(rng[0])
-    torch.cuda.set_rng_state(rng[1], device)
-    for c, ts in zip(cands, times):
-        c.ms = statistics.median(a.elapsed_time(b) for a, b in ts)
-    # peaks in allocated bytes hold no segments of their own: no per-stream allowance
-    return pick(cands, options.tie, options.memory_ratio, base_mib=_held_mib(args), segments_mib=0.0)
-
-
-def _trees_capture_lock() -> Any:
-    """The lock Inductor's trees hold while they record or warm up a graph (a plain lock where this
-    PyTorch has none)."""
-    from torch._inductor import cudagraph_trees
-
-    return getattr(cudagraph_trees, "graph_capture_lock", None) or threading.Lock()
-
-
-def _time_captured(cands: list[Candidate], args: list[Any], device: torch.device,
-                   written: Sequence[int], options: Any) -> int:
-    """For a graph under the trees: each candidate captured into a CUDA graph of its own pool over
-    this call's inputs (none copied: the graphs are dropped once timed), its replays timed in
-    rounds; the index :func:`pick` keeps. A candidate that cannot be captured is not kept (its
-    error is in ``explain()``): one that can is kept untimed where it is the only one, the first
-    (Inductor's whole graph) where none can. The captures take the trees' capture lock, and
-    another thread's CUDA calls during one do not end it (the trees' capture mode)."""
-    from .candidates import CapturedGraph, SharedPool, time_replays
-    from .inductor_backend import _held_mib
-
-    saved = [args[i].clone() for i in written]
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
-    static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    lock = _trees_capture_lock()
-    pool = SharedPool()  # (each capture takes a pool of its own, released with its graph)
-    graphs: list[Any] = []
-    graphs_ok: list[bool] = []
-    try:
-        for c in cands:
-            try:
-                with lock:
-                    graphs.append(CapturedGraph(c, args, static, (), pool, device, private=True,
-                                                error_mode="thread_local"))
-            except Exception as exc:  # the others are still compared
-                c.error = f"not captured: {type(exc).__name__}: {str(exc)[:200]}"
-                graphs.append(None)
-            for i, t in zip(written, saved):  # the warm-up runs wrote them
-                args[i].copy_(t)
-        graphs_ok = [g is not None for g in graphs]
-        timed = [(c, g) for c, g in zip(cands, graphs) if g is not None]
-        if len(timed) > 1:
-            for (c, g), ms in zip(timed, time_replays([g for _, g in timed], options.rounds, device)):
-                c.ms, c.peak_mib = ms, g.peak_bytes / 2**20
-    finally:
-        graphs.clear()
-        for i, t in zip(written, saved):
-            args[i].copy_(t)
-        torch.set_rng_state(rng[0])
-        torch.cuda.set_rng_state(rng[1], device)
-    captured = [i for i, g in enumerate(graphs_ok) if g]
-    if len(captured) < 2:
-        return captured[0] if captured else 0
-    return captured[pick([cands[i] for i in captured], options.tie, options.memory_ratio,
-                         base_mib=_held_mib(args))]
 
 
 def _steps_marked() -> bool:
