@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # importing streamdag imports no torch
     from .frontend.compiled import Compiled
     from .frontend.compiled_model import CompiledModel
     from .frontend.decode import Decoder
+    from .frontend.step_graph import CapturedStep
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,19 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
         raise TypeError(f"streamdag.compile: {', '.join(aten_only)} belong to the make_fx path: "
                         "pass engine='aten' with them")
     return compile_v2(fn, **options)
+
+
+def capture_step(fn: Callable[..., Any], *, warmup: int = 3, max_signatures: int = 4) -> CapturedStep:
+    """A whole training step (forward, ``backward()``, the optimizer's step) replayed as one CUDA
+    graph per signature of its arguments, after ``warmup`` calls run as written
+    (:class:`streamdag.frontend.step_graph.CapturedStep`). The batch comes in as arguments, on
+    the GPU; optimizers inside are made with ``capturable=True``; the model may be
+    ``streamdag.compile``'d (its graphs then run inside the step's graph) or ``torch.compile``'d
+    with the default mode. Imports torch.
+    """
+    from .frontend.step_graph import CapturedStep
+
+    return CapturedStep(fn, warmup=warmup, max_signatures=max_signatures)
 
 
 def decoder(model: torch.nn.Module, *, max_length: int, compile: bool | None = None, lookahead: int = 2,
@@ -113,6 +127,7 @@ __all__ = [
     "WouldBlock",
     "__version__",
     "build_schedule",
+    "capture_step",
     "compile",
     "decoder",
     "generate",

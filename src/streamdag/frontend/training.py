@@ -48,6 +48,12 @@ to the loop). Batch norm's running statistics are buffers, which the trees let
 a graph write in place; dropout's seeds come from the generator at each replay,
 as an uncaptured call takes them.
 
+**Inside a captured step.** A forward compiled inside ``streamdag.capture_step``'s warm-up
+(:mod:`.step_graph`), and its backward, stay off the trees: the step's one CUDA graph holds them.
+Their candidates are timed captured, as that graph replays them. A graph under the trees called
+while another capture runs (a model compiled before it was put in a captured step) runs its
+chosen candidate uncaptured, where the outer capture records it.
+
 **Choosing.** At a graph's first call on one CUDA device, each candidate is
 timed and ``candidates.pick`` keeps the fastest: the one-stream Inductor graph
 is always a candidate, a candidate on more streams must beat the best on fewer
@@ -112,6 +118,7 @@ from torch.fx import GraphModule
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
 from .candidates import Candidate, region_candidates
+from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import TreesCall, copies, refusal, seen_by_trees, trees_config
 
@@ -161,6 +168,9 @@ class TrainingGraph:
         self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
+        # compiled inside ``streamdag.capture_step`` (a backward: its forward was): the step's CUDA
+        # graph holds this one, so its candidates are timed captured, as that graph replays them
+        self.in_step = False
 
     def __call__(self, args: list[Any]) -> Any:
         self.calls += 1
@@ -181,6 +191,9 @@ class TrainingGraph:
         return self._run(args, streams)
 
     def _run(self, args: list[Any], streams: int) -> Any:
+        if self.captured and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # inside another capture (a whole step's): the trees cannot record or replay there
+            return self._run_uncaptured(args, streams)
         if streams == 0:
             return self._run_trees(args, self.whole) if self.captured else self.whole(args)
         if self.captured and self.trees_call is not None:
@@ -273,7 +286,7 @@ class TrainingGraph:
             best = next((c for c in cands if c.label in (TREES, "inductor")), cands[0])
             if len(cands) > 1:
                 self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
-        elif self.captured:
+        elif self.captured or self.in_step:
             best = cands[time_captured(cands, args, next(iter(devices)), self.written, self.options)]
         else:
             best = cands[time_uncaptured(cands, args, next(iter(devices)), self.written, self.options)]
@@ -408,6 +421,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     written = sorted(set(donated) | set(_written_inputs(pristine) if pristine is not None else ()))
     graph = TrainingGraph(kind, index, whole, options, written, on_double_backward)
     graph.device_box = device_box
+    graph.in_step = forward.in_step if forward is not None else in_captured_step()
     graph.captured = bool(trees)
     graph.uncaptured = uncaptured if graph.captured else None
     if graph.captured and len(seen) == 1:
@@ -485,6 +499,8 @@ def _why_not_trees(kind: str, example_inputs: Sequence[Any], options: Any, dynam
     devices = {e.device for e in example_inputs if isinstance(e, torch.Tensor)}
     if {d.type for d in devices} <= {"cpu"}:
         return _NOT_ASKED  # (the trees are CUDA's: nothing to say on the CPU)
+    if (kind == "forward" and in_captured_step()) or (forward is not None and forward.in_step):
+        return "it runs inside streamdag.capture_step, whose CUDA graph of the whole step holds it"
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return "the graph's inputs are not on a single CUDA device"
     if dynamic:
