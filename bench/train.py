@@ -9,7 +9,12 @@ TF32, or bf16 under ``torch.autocast``) and batch, in one run:
 * ``inductor_ro``: ``torch.compile(model, mode="reduce-overhead")`` (CUDA graph trees);
 * ``streamdag``: ``streamdag.compile(model)`` (on CUDA Inductor's code under CUDA graph
   trees, as ``inductor_ro``, against the forward's and backward's regions on streams under
-  the trees, timed at each graph's first call).
+  the trees, timed at each graph's first call);
+* ``inductor_step`` (CUDA only): ``torch.compile(model)``'s whole step captured by hand into
+  one ``torch.cuda.CUDAGraph``, PyTorch's whole-network recipe (warm-up on a side stream,
+  static inputs copied in, AdamW ``capturable=True``);
+* ``streamdag_step`` (CUDA only): ``streamdag.capture_step`` of the step with
+  ``streamdag.compile(model)`` inside (AdamW ``capturable=True``).
 
 Both variants under the trees mark each step's start with
 ``torch.compiler.cudagraph_mark_step_begin()``, as a training loop over the trees does.
@@ -64,7 +69,9 @@ from streamdag.suite.report import source_digest
 from zoo import added_bytes, commit, environment, gpu_env, host_load, kept_rows, segments, utc_now
 from zoo_models import build, first_tensor
 
-VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag")
+VARIANTS = ("eager", "inductor", "inductor_ro", "streamdag", "inductor_step", "streamdag_step")
+#: variants whose whole step (forward, backward, optimizer) replays as one CUDA graph
+WHOLE_STEP = ("inductor_step", "streamdag_step")
 #: ``streamdag.compile``'s options for this run (``--streamdag-regions``)
 STREAMDAG_OPTIONS: dict[str, Any] = {}
 MODELS = ("googlenet", "inception_v3", "resnet50", "vit_b_16", "swin_t", "bert", "llama", "tiny")
@@ -127,35 +134,85 @@ def loss_of(out: Any) -> torch.Tensor:
 
 def make_step(label: str, model: torch.nn.Module, args: tuple, kwargs: dict, bf16: bool,
               device: str) -> Callable[[bool], dict[str, torch.Tensor] | None]:
-    """The variant's training step; ``step(True)`` also returns the gradients before the update.
-    ``step.compiled`` is what runs the model (``streamdag.compile``'s model, for its explanation)."""
+    """The variant's training step; ``step(True)`` also returns the gradients before the update
+    (a whole-step variant's first call, which runs as written). ``step.compiled`` is what runs
+    the model (``streamdag.compile``'s model, for its explanation)."""
     import streamdag as sd
 
     if label == "eager":
         fn: Callable[..., Any] = model
-    elif label in ("inductor", "inductor_ro"):
+    elif label in ("inductor", "inductor_ro", "inductor_step"):
         fn = torch.compile(model, mode="reduce-overhead" if label == "inductor_ro" else None)
-    elif label == "streamdag":
+    elif label in ("streamdag", "streamdag_step"):
         fn = sd.compile(model, **STREAMDAG_OPTIONS)
     else:
         raise ValueError(label)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                            **({"fused": True} if device == "cuda" else {"foreach": True}))
+    whole = label in WHOLE_STEP
+    if whole and device != "cuda":
+        raise ValueError(f"{label} needs CUDA graphs")
+    settings = {"fused": True, "capturable": whole} if device == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **settings)
+    kept: list[dict[str, torch.Tensor]] = []
+
+    def body(*a: Any, want_grads: bool = False, **k: Any) -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            out = fn(*a, **k)
+        loss = loss_of(out)
+        loss.backward()
+        if want_grads:
+            kept.append({n: q.grad.detach().float().clone() for n, q in model.named_parameters()
+                         if q.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    if label == "streamdag_step":
+        run = sd.capture_step(body)
+    elif label == "inductor_step":
+        run = _graphed_by_hand(body)
+    else:
+        run = body
 
     def step(grads: bool = False) -> dict[str, torch.Tensor] | None:
         if label in ("inductor_ro", "streamdag") and device == "cuda":
             # the start of a step, as a training loop over CUDA graph trees tells them
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            out = fn(*args, **kwargs)
-        loss_of(out).backward()
-        kept = {n: q.grad.detach().float().clone() for n, q in model.named_parameters()
-                if q.grad is not None} if grads else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return kept
+        kept.clear()
+        run(*args, **kwargs, **({"want_grads": True} if grads else {}))
+        return kept[0] if grads else None
     step.compiled = fn  # type: ignore[attr-defined]
+    step.runs = run  # type: ignore[attr-defined]
     return step
+
+
+def _graphed_by_hand(body: Callable[..., torch.Tensor], warmup: int = 3) -> Callable[..., torch.Tensor]:
+    """PyTorch's whole-network capture (the CUDA graphs section of its CUDA semantics notes): warm-up
+    calls on a side stream, then ``body`` captured over static copies of the batch, replayed after
+    the batch is copied in. One signature, as the recipe has it."""
+    state: dict[str, Any] = {"calls": 0}
+
+    def run(*a: Any, want_grads: bool = False, **k: Any) -> torch.Tensor:
+        state["calls"] += 1
+        if state["calls"] <= warmup or want_grads:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = body(*a, want_grads=want_grads, **k)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        leaves = [x for x in (*a, *k.values()) if isinstance(x, torch.Tensor)]
+        if "graph" not in state:
+            state["static"] = [x.clone() for x in leaves]
+            it = iter(state["static"])
+            s_a = [next(it) if isinstance(x, torch.Tensor) else x for x in a]
+            s_k = {n: next(it) if isinstance(x, torch.Tensor) else x for n, x in k.items()}
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["out"] = body(*s_a, **s_k)
+        torch._foreach_copy_(state["static"], leaves)
+        state["graph"].replay()
+        return state["out"].clone()
+    return run
 
 
 def max_rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -232,14 +289,16 @@ def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
         before = segments() if device == "cuda" else {}
         step = make_step(label, variant_model, args, kwargs, bf16, device)
         grads = step(True)  # compiles (and for streamdag, times its candidates)
-        for _ in range(2):  # captures, warms up
+        for _ in range(4 if label in WHOLE_STEP else 2):  # captures, warms up
             step(False)
         if device == "cuda":
             part["peak_mib"][label] = _step_peak(step, before) / 2**20
         if ref is not None and grads is not None:
             part["grad_max_rel_err"][label] = max_rel_err(grads, ref)
-        if label == "streamdag":
-            _describe_streamdag(step.compiled, part)  # type: ignore[attr-defined]
+        if label.startswith("streamdag"):
+            _describe_streamdag(step.compiled, part, label)  # type: ignore[attr-defined]
+        if label == "streamdag_step":
+            part[label]["step"] = step.runs.explain().splitlines()  # type: ignore[attr-defined]
         times = []
         for _ in range(rounds):
             sync(device)
@@ -265,11 +324,12 @@ def _step_peak(step: Callable[[bool], Any], before: dict[tuple[Any, ...], int]) 
     return held + torch.cuda.max_memory_reserved() - reserved
 
 
-def _describe_streamdag(compiled: Any, row: dict[str, Any]) -> None:
-    """What streamdag chose for each training graph, and its explanation."""
+def _describe_streamdag(compiled: Any, row: dict[str, Any], label: str) -> None:
+    """What streamdag chose for each training graph, and its explanation, under ``row[label]``."""
     graphs = [t for r in compiled.backend.runners for t in getattr(r, "training", ())]
-    row["streams"] = max((t.chosen.streams for t in graphs if t.chosen is not None), default=None)
-    row["streamdag"] = {
+    if label == "streamdag":
+        row["streams"] = max((t.chosen.streams for t in graphs if t.chosen is not None), default=None)
+    row[label] = {
         "chosen": [f"{t.kind}: {t.chosen.label if t.chosen is not None else '-'}" for t in graphs],
         "candidates": [[{"label": c.label, "streams": c.streams, "ms": c.ms, "peak_mib": c.peak_mib,
                          "error": c.error} for c in t.candidates] for t in graphs],
@@ -306,7 +366,8 @@ def main() -> int:
                    help="on CUDA, the time limit of each variant's process (compiles included)")
     p.add_argument("--streamdag-regions", choices=("auto", "always", "never"), default="auto",
                    help="streamdag.compile's regions= (auto: where its cost model expects a gain)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; default all")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated; default all (on the CPU those without CUDA graphs)")
     p.add_argument("--variant", choices=VARIANTS, default=None,
                    help="measure this variant of the one row given and write its part of the row to --out "
                         "(what a row's processes run)")
@@ -320,11 +381,12 @@ def main() -> int:
     if unknown:
         p.error(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
     STREAMDAG_OPTIONS["regions"] = args.streamdag_regions
-    variants = tuple(args.variants.split(","))
+    cuda = torch.cuda.is_available()
+    variants = tuple(args.variants.split(",")) if args.variants else \
+        tuple(v for v in VARIANTS if cuda or v not in WHOLE_STEP)
     if not set(variants) <= set(VARIANTS):
         p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}: "
                 f"choose from {', '.join(VARIANTS)}")
-    cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if args.gpus < 1 or args.gpus > max(torch.cuda.device_count(), 1) or (args.gpus > 1 and not cuda):
         p.error(f"--gpus {args.gpus}: {torch.cuda.device_count()} GPU(s) visible")

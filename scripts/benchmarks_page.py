@@ -333,17 +333,20 @@ def _submit_table(data: dict) -> str:
 
 
 def render_train(data: dict) -> str:
-    """One row per model, dtype and batch: each way's ms per training step, streamdag against the
-    faster torch.compile mode, the gradients' error against eager and each way's peak memory."""
+    """One row per model, dtype and batch: each way's ms per training step, streamdag's per-graph
+    path and its whole captured step against the faster torch.compile mode, the whole step captured
+    by hand, the gradients' error against eager and each way's peak memory."""
     rows = []
     for m in data["models"]:
         ms, err, peak = m.get("ms") or {}, m.get("grad_max_rel_err") or {}, m.get("peak_mib") or {}
         best = min((ms[k] for k in ("inductor", "inductor_ro") if ms.get(k)), default=None)
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
                      ("eager", "inductor", "inductor_ro", "streamdag")), ratio(best, ms.get("streamdag")),
+                     ms.get("inductor_step"), ratio(best, ms.get("streamdag_step")),
                      err.get("streamdag"), ", ".join(f"{k} {v:.0f}" for k, v in peak.items())])
     return table(["model", "dtype", "batch", "eager ms", "torch.compile ms", "reduce-overhead ms",
-                  "streamdag ms", "streamdag vs faster compile", "grad max rel err", "peak MiB"], rows)
+                  "streamdag ms", "streamdag vs faster compile", "whole step by hand ms",
+                  "streamdag.capture_step ms", "grad max rel err", "peak MiB"], rows)
 
 
 def render_flat(data: dict) -> str:
@@ -398,8 +401,9 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
                    "weights), a 512-token prompt and 256 new tokens: Hugging Face's generate eager, with a "
                    "static cache under torch.compile reduce-overhead, and `streamdag.decoder`.",
                    render_llm_decode),
-    "train": ("bench/train.py", "Training steps (forward, backward, SGD) of public models: eager, "
-              "torch.compile, its reduce-overhead mode and streamdag.compile.", render_train),
+    "train": ("bench/train.py", "Training steps (forward, backward, AdamW) of public models: eager, "
+              "torch.compile, its reduce-overhead mode, streamdag.compile, and the whole step as one "
+              "CUDA graph (by hand, and streamdag.capture_step).", render_train),
     "soak": ("bench/soak.py", "Random programs of every kind (eager, recorded graphs, failures, "
              "nested submits and waits, callbacks, close() racing submitters) checked against their "
              "serial run; files with `_plant_` ran with a planted defect that the soak must find.",
