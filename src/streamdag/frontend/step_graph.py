@@ -4,11 +4,10 @@ At small batches a training step spends its time on the host. Under CUDA graph
 trees (``reduce-overhead``) the forward and the backward are one replay each,
 but around them the trees rebuild every output tensor (a forward's saved
 activations, a backward's gradients), the autograd engine visits every
-parameter and the optimizer loops over its parameters in Python: on GoogLeNet
-at batch 8 about 3.8 ms of host time a step against a replay of some 3.7 ms of
-GPU work. Captured whole, the forward, the backward and the optimizer's step
-replay as one graph, and the host's part of a step is the copy of its inputs
-and one launch.
+parameter and the optimizer loops over its parameters in Python, which at
+small batches takes about as long as the GPU's work. Captured whole, the
+forward, the backward and the optimizer's step replay as one graph, and the
+host's part of a step is the copy of its inputs and one launch.
 
 A :class:`CapturedStep` keeps, per *signature* of its arguments (the pytree's
 structure; each tensor's shape, strides, dtype and device; every other value):
@@ -25,12 +24,20 @@ structure; each tensor's shape, strides, dtype and device; every other value):
 3. then, at every call, the copy of its tensors into the static inputs and a
    replay. The outputs (tensors, in any pytree) are copies out of the pool.
 
-A replay runs no Python, so what it cannot see is checked before it: the
-optimizers that stepped inside ``fn`` during the warm-up (found by PyTorch's
-global optimizer step hook) must be ``capturable``, and a change of their
-plain-number hyperparameters (a scheduler's new ``lr`` as a float) or of
-their parameters (another tensor, moved memory) captures the step again; an
-``lr`` given as a tensor is read by the graph and changes nothing.
+A replay runs no Python, so what it cannot see is checked (:mod:`.step_watch`).
+The optimizers that step inside ``fn`` during the warm-up (PyTorch's global
+optimizer step hook, on the calling thread) must keep their state on the GPU
+(``capturable=True``; SGD keeps no step count). Before each replay, a change of
+what the graph holds (a param group's plain-number setting, a scheduler's new
+float ``lr``; another parameter or moved memory; a ``.grad`` replaced or set to
+None outside the step; optimizer state replaced) captures the step again,
+after new warm-up calls where tensors were replaced; an ``lr`` given as a
+tensor is read by the graph and changes nothing. A step that changes its
+optimizers' settings while it runs (a scheduler stepped inside it) cannot be
+replayed and raises, as does a capture that fails; a signature whose capture
+failed raises at every call until ``reset()``. Tensor arguments the step
+writes in place are copied back after each replay. A replay on another stream
+than the last one waits for it before copying its batch in.
 
 On the CPU (no CUDA graphs) every call runs ``fn`` as written; ``explain()``
 says so.
@@ -41,16 +48,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
 from .candidates import _capture_stream, workspaces_in_pool
+from .step_watch import (
+    Baked,
+    host_state,
+    optimizers_stepping,
+    reachable_params,
+    settings,
+    settings_changed_inside,
+)
 
 __all__ = ["CapturedStep", "in_captured_step"]
 
@@ -76,49 +89,28 @@ def _inside_step() -> Iterator[None]:
         _inside.depth -= 1
 
 
-@dataclass
-class _OptimizerState:
-    """An optimizer that steps inside the step: what its captured graph baked in."""
-
-    optimizer: torch.optim.Optimizer
-    numbers: list[tuple[Any, ...]] = field(default_factory=list)
-
-    def snapshot(self) -> None:
-        self.numbers = self._read()
-
-    def changed(self) -> str:
-        """'' while the captured graph still computes what the optimizer would; else what changed."""
-        now = self._read()
-        if now == self.numbers:
-            return ""
-        for was, new in zip(self.numbers, now):
-            if was != new:
-                return (f"{type(self.optimizer).__name__}'s param group {was[0]}: {was[1]} was "
-                        f"{was[2]!r}, is {new[2]!r}")
-        return f"{type(self.optimizer).__name__}'s param groups changed"
-
-    def _read(self) -> list[tuple[Any, ...]]:
-        out: list[tuple[Any, ...]] = []
-        for g, group in enumerate(self.optimizer.param_groups):
-            for key, value in group.items():
-                if key == "params":
-                    out.append((g, "params", tuple((id(p), p.data_ptr()) for p in value)))
-                elif isinstance(value, torch.Tensor):
-                    out.append((g, key, ("tensor", id(value))))  # read by the graph where it lies
-                elif isinstance(value, (int, float, bool, tuple)) or value is None:
-                    out.append((g, key, value))
-        return out
-
-
 class _Signature:
-    """One signature's warm-up count, graph, static inputs and outputs."""
+    """One signature's warm-up count, graph, static inputs and outputs.
+
+    Invariants (under the step's lock): ``graph`` is None until a capture succeeds; then
+    ``inputs`` are its static inputs (one per tensor argument, in order), ``outputs`` its result in
+    the pool, and ``baked`` what it holds of the optimizers. ``failure`` is set by a capture that
+    failed: the signature is not captured again until ``reset()``. ``done`` is recorded on
+    ``stream`` after each replay, so that a call on another stream copies its batch in after it.
+    """
 
     def __init__(self) -> None:
         self.warm_calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: list[torch.Tensor] = []  # static inputs, in the order of the tensor leaves
-        self.outputs: Any = None  # the captured call's result (tensors in the pool)
-        self.optimizers: list[_OptimizerState] = []
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: Any = None
+        self.optimizers: list[torch.optim.Optimizer] = []  # those that stepped inside, in warm-ups
+        self.baked: Baked | None = None
+        self.written: set[int] = set()  # tensor arguments the step writes in place (copied back)
+        self.watched: list[torch.Tensor] = []  # parameters whose .grad the graph may write
+        self.failure: str = ""
+        self.done: torch.cuda.Event | None = None
+        self.stream: torch.cuda.Stream | None = None
         self.captures = 0
         self.replays = 0
         self.recapture_reasons: list[str] = []
@@ -141,6 +133,7 @@ class CapturedStep:
         self._signatures: dict[Hashable, _Signature] = {}
         self._lock = threading.Lock()
         self.eager_calls = 0  # calls off CUDA, run as written
+        self.warmup_calls = 0  # warm-up calls, all signatures (a signature warms up again after new tensors)
         self._recapture_warned = False
 
     # -- calling --------------------------------------------------------------------------------
@@ -170,18 +163,32 @@ class CapturedStep:
                         "fixed (pad, or drop the last short batch), or raise max_signatures")
                 sig = self._signatures[key] = _Signature()
             device = next(iter(devices))
-            if sig.graph is None and sig.warm_calls < self.warmup:
-                return self._warm(sig, args, kwargs, device)
+            if sig.failure:
+                raise RuntimeError(f"capture_step: this signature's capture failed ({sig.failure}); "
+                                   "fix the step, then call reset() to capture it again")
             if sig.graph is not None:
-                why = next((w for w in (o.changed() for o in sig.optimizers) if w), "")
+                why, replaced = sig.baked.changed() if sig.baked is not None else ("", False)
                 if why:
                     self._note_recapture(sig, why)
                     sig.graph = None
+                    if replaced:  # (new tensors: Dynamo may compile again, outside a capture)
+                        sig.warm_calls = 0
+            if sig.graph is None and sig.warm_calls < self.warmup:
+                return self._warm(sig, args, kwargs, tensors, device)
+            caller = torch.cuda.current_stream(device)
             if sig.graph is None:
                 self._capture(sig, args, kwargs, device)
             else:
+                if sig.stream is not None and sig.stream != caller and sig.done is not None:
+                    caller.wait_event(sig.done)  # the last replay, on another stream, read the inputs
                 _copy_in(sig.inputs, tensors)
                 sig.graph.replay()
+            for i in sig.written:
+                tensors[i].copy_(sig.inputs[i])
+            if sig.done is None:
+                sig.done = torch.cuda.Event()
+            sig.done.record(caller)
+            sig.stream = caller
             sig.replays += 1
             return _copies(sig.outputs)
 
@@ -195,84 +202,122 @@ class CapturedStep:
                  "reads its inputs only from its arguments)")
         return self.fn(*args, **kwargs)
 
-    def _warm(self, sig: _Signature, args: tuple, kwargs: dict, device: torch.device) -> Any:
-        seen: list[torch.optim.Optimizer] = []
-
-        def note(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-            if all(o is not optimizer for o in seen):
-                seen.append(optimizer)
-
+    def _warm(self, sig: _Signature, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+              device: torch.device) -> Any:
         caller = torch.cuda.current_stream(device)
         stream = _warm_stream(device)
         stream.wait_stream(caller)
-        handle = register_optimizer_step_pre_hook(note)
+        versions = [t._version for t in tensors]
         try:
-            with _inside_step(), torch.cuda.stream(stream):
+            with optimizers_stepping() as seen, _inside_step(), torch.cuda.stream(stream):
                 out = self.fn(*args, **kwargs)
         finally:
-            handle.remove()
             caller.wait_stream(stream)
-        for t in pytree.tree_leaves(out):  # made on the side stream, used on the caller's
+        sig.written |= {i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v}
+        leaves = pytree.tree_leaves(out)
+        _check_outputs(leaves)
+        for t in leaves:  # made on the side stream, used on the caller's
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(caller)
         sig.warm_calls += 1
-        known = {id(o.optimizer) for o in sig.optimizers}
-        sig.optimizers += [_OptimizerState(o) for o in seen if id(o) not in known]
+        self.warmup_calls += 1
+        sig.optimizers += [o for o in seen if all(o is not k for k in sig.optimizers)]
         return out
 
     def _capture(self, sig: _Signature, args: tuple, kwargs: dict, device: torch.device) -> None:
-        for state in sig.optimizers:
-            groups = state.optimizer.param_groups
-            # (an optimizer without the setting, SGD say, keeps no step count and is capturable as is)
-            if not all(g.get("capturable", True) for g in groups):
-                name = type(state.optimizer).__name__
-                raise RuntimeError(
-                    f"capture_step: {name} steps inside the captured step but is not capturable: "
-                    f"create it with capturable=True (e.g. torch.optim.{name}(params, fused=True, "
-                    "capturable=True)), so that its step count lives on the GPU where a replay "
-                    "advances it")
-        sig.graph = None
-        sig.outputs = None
+        """Capture ``fn`` over static copies of this call's tensors, then replay it once.
+
+        A parameter whose ``.grad`` was None before the capture and is a tensor after it got a
+        gradient the graph makes afresh at each replay, where ``backward()`` adds to the one it
+        finds (gradients accumulated over calls): such gradients start from zeros, and the step is
+        captured again, so that the graph adds to them as eager does."""
+        self._check_optimizers(sig, device)
+        sig.graph = sig.outputs = sig.baked = None
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig.inputs = [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor)]
         statics = iter(sig.inputs)
         s_args, s_kwargs = pytree.tree_unflatten(
             [next(statics) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        graph = torch.cuda.CUDAGraph()
+        sig.watched = reachable_params(self.fn, sig.optimizers)
         caller = torch.cuda.current_stream(device)
+        for attempt in range(2):
+            before = [p.grad for p in sig.watched]
+            graph, out = self._record(sig, s_args, s_kwargs, device, caller)
+            created = [p for p, g in zip(sig.watched, before) if g is None and p.grad is not None]
+            if not created or attempt == 1:
+                break
+            with torch.no_grad():  # (the first graph's pool goes back with it and these gradients)
+                for p in created:
+                    p.grad = torch.zeros_like(p)
+        sig.graph, sig.outputs = graph, out
+        sig.captures += 1
+        sig.baked = Baked(sig.optimizers, sig.watched)
+        graph.replay()  # (the capture recorded the step; this runs it)
+
+    def _record(self, sig: _Signature, s_args: Any, s_kwargs: Any, device: torch.device,
+                caller: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
+        graph = torch.cuda.CUDAGraph()
         stream = _capture_stream(device)
         stream.wait_stream(caller)
+        before = settings(sig.optimizers)
         try:
-            with _inside_step(), stream_reuse(), workspaces_in_pool(stream), \
+            with optimizers_stepping() as seen, _inside_step(), stream_reuse(), workspaces_in_pool(stream), \
                     torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 out = self.fn(*s_args, **s_kwargs)
         except Exception as exc:
+            self._failed(sig, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
             raise RuntimeError(
-                f"capture_step: the step could not be captured into a CUDA graph ({type(exc).__name__}: "
-                f"{str(exc)[:300]}). A captured step cannot wait for the host: no .item(), no printing "
-                "of a tensor, no branch on a tensor's value, no GradScaler (use bf16 autocast), no "
-                "torch.compile(mode='reduce-overhead') inside (use the default mode or "
-                "streamdag.compile); return tensors and read them after the call") from exc
-        out_leaves = pytree.tree_leaves(out)
-        stale = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor) and x is not None]
-        if stale:
-            raise TypeError(f"capture_step: the step returns {', '.join(sorted(set(stale)))}: a replay "
-                            "recomputes tensors only; return tensors (a loss, not loss.item())")
-        sig.graph, sig.outputs = graph, out
-        sig.captures += 1
-        for state in sig.optimizers:
-            state.snapshot()
-        graph.replay()  # (the capture recorded the step; this runs it)
+                f"capture_step: the step could not be captured into a CUDA graph ({sig.failure}). "
+                "A captured step cannot wait for the host: no .item(), no printing of a tensor, no "
+                "branch on a tensor's value; no torch.compile(mode='reduce-overhead') inside (use the "
+                "default mode or streamdag.compile), no streamdag.compile'd model called with "
+                "gradients off (its own CUDA graphs cannot replay inside the step's); return tensors "
+                "and read them after the call") from exc
         caller.wait_stream(stream)
+        why = settings_changed_inside(before, sig.optimizers)
+        new = [o for o in seen if all(o is not k for k in sig.optimizers)]
+        if why or new:
+            self._failed(sig, f"the step changed {why} while it ran" if why else
+                         f"{type(new[0]).__name__} stepped first in the capture, after the warm-up")
+            raise RuntimeError(
+                f"capture_step: {sig.failure}: a replay runs no Python and repeats what the capture "
+                "saw. Step a learning-rate scheduler outside the step (give lr as a tensor, "
+                "capturable=True, so that its changes reach the graph); an optimizer must step in "
+                "the warm-up calls already")
+        return graph, out
+
+    def _check_optimizers(self, sig: _Signature, device: torch.device) -> None:
+        """The optimizers that stepped in the warm-ups keep their state where a replay advances it."""
+        for o in sig.optimizers:
+            name = type(o).__name__
+            if not all(g.get("capturable", True) for g in o.param_groups):
+                raise RuntimeError(
+                    f"capture_step: {name} steps inside the captured step but is not capturable: "
+                    f"create it with capturable=True (e.g. torch.optim.{name}(params, fused=True, "
+                    "capturable=True)), so that its step count lives on the GPU where a replay "
+                    "advances it")
+        why = host_state(sig.optimizers, device)
+        if why:
+            raise RuntimeError(f"capture_step: {why}, which a replay of the GPU's work does not "
+                               "advance: use an optimizer made with capturable=True (Adam, AdamW, "
+                               "...) or one without step counts (SGD)")
+
+    def _failed(self, sig: _Signature, why: str) -> None:
+        """A failed capture: the signature is not captured again until ``reset()``, and gradients the
+        capture may have pointed into its pool are dropped."""
+        sig.failure = why
+        sig.graph = sig.outputs = sig.baked = None
+        for p in sig.watched:
+            p.grad = None
 
     def _note_recapture(self, sig: _Signature, why: str) -> None:
         sig.recapture_reasons.append(why)
         if sig.captures >= 2 and not self._recapture_warned:
             self._recapture_warned = True
-            warn(f"capture_step captures the step again at each change of a number its graph holds "
-                 f"({why}). A scheduler that changes lr every step makes every step a capture: create "
-                 "the optimizer with lr as a tensor (lr=torch.tensor(1e-3), capturable=True), which "
-                 "the graph reads where it lies")
+            warn(f"capture_step captures the step again at each change of what its graph holds ({why}): "
+                 "keep it unchanged between steps. Give lr as a tensor (lr=torch.tensor(1e-3, "
+                 "device='cuda'), capturable=True), which the graph reads where it lies and a scheduler "
+                 "updates in place, and zero the gradients inside the step")
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -286,7 +331,7 @@ class CapturedStep:
         """Calls run as written (warm-up and off CUDA), captures and replays, over all signatures."""
         sigs = list(self._signatures.values())
         return {"signatures": len(sigs),
-                "warmup_calls": sum(s.warm_calls for s in sigs),
+                "warmup_calls": self.warmup_calls,
                 "eager_calls": self.eager_calls,
                 "captures": sum(s.captures for s in sigs),
                 "replays": sum(s.replays for s in sigs)}
@@ -300,11 +345,13 @@ class CapturedStep:
                          "needs a CUDA device)")
         for i, sig in enumerate(self._signatures.values()):
             state = "captured" if sig.graph is not None else "warming up"
-            names = ", ".join(type(o.optimizer).__name__ for o in sig.optimizers) or "none seen"
+            names = ", ".join(type(o).__name__ for o in sig.optimizers) or "none seen"
             lines.append(f"  signature {i}: {state}; {sig.warm_calls} warm-up call(s), {sig.captures} "
                          f"capture(s), {sig.replays} replay(s); optimizers checked before each replay: "
                          f"{names}")
             lines += [f"    captured again: {why}" for why in sig.recapture_reasons[-3:]]
+            if sig.failure:
+                lines.append(f"    capture failed: {sig.failure} (reset() to try again)")
         return "\n".join(lines)
 
 
@@ -327,6 +374,13 @@ def _leaf_key(x: Any) -> Hashable:
     raise TypeError(f"capture_step: an argument of type {type(x).__name__}: a captured step takes "
                     "tensors and plain values (int, float, bool, str, None), the latter keyed by "
                     "value; reach other objects through the step's closure")
+
+
+def _check_outputs(leaves: list[Any]) -> None:
+    stale = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor) and x is not None]
+    if stale:
+        raise TypeError(f"capture_step: the step returns {', '.join(sorted(set(stale)))}: a replay "
+                        "recomputes tensors only; return tensors (a loss, not loss.item())")
 
 
 def _spec_key(spec: Any) -> Hashable:

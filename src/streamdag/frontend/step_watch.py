@@ -1,0 +1,211 @@
+"""What a captured training step's CUDA graph holds outside its arguments (see :mod:`.step_graph`).
+
+A replay runs no Python: it reads and writes the tensors the capture saw, and
+repeats every number the capture passed to a kernel. For the optimizers that
+step inside the step, :class:`Baked` keeps what the graph depends on, taken
+right after the capture:
+
+* each param group's settings: plain values by value (a float ``lr`` is a
+  kernel argument, repeated by every replay), tensors by identity (a tensor
+  ``lr`` is read where it lies: a scheduler's in-place update reaches it);
+* the parameters (identity and memory) and the optimizer's state tensors
+  (identity: ``load_state_dict`` replaces them);
+* the ``.grad`` of every parameter the step can reach (:func:`reachable_params`:
+  those of the optimizers and of the modules it names in its closure and
+  globals), by identity: the graph writes the gradient tensor the capture made
+  or found, and a ``zero_grad(set_to_none=True)`` outside the step replaces it.
+
+:meth:`Baked.changed` says what differs now, or ``''``; the step's graph is
+captured again (after a warm-up where tensors were replaced). It costs a few
+list comprehensions over the parameters per replay (tens of microseconds for
+a couple of hundred parameters, against milliseconds of a training step).
+
+:func:`settings_changed_inside` compares the settings around the capture
+itself: a step that changes them while it runs (a scheduler stepped inside it)
+cannot be replayed, since the replay repeats the captured values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["Baked", "host_state", "optimizers_stepping", "reachable_params", "settings",
+           "settings_changed_inside"]
+
+
+@contextmanager
+def optimizers_stepping() -> Iterator[list[torch.optim.Optimizer]]:
+    """Inside, the optimizers that step on this thread, in order of their first step (PyTorch's
+    global step hook; other threads' optimizers are not noted)."""
+    seen: list[torch.optim.Optimizer] = []
+    me = threading.get_ident()
+
+    def note(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if threading.get_ident() == me and all(o is not optimizer for o in seen):
+            seen.append(optimizer)
+
+    handle = register_optimizer_step_pre_hook(note)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def settings(optimizers: Sequence[torch.optim.Optimizer]) -> list[tuple[str, Any, int]]:
+    """Every param group's settings: (where, value, the version of a tensor value or -1)."""
+    out = []
+    for o in optimizers:
+        for g, group in enumerate(o.param_groups):
+            for key, value in group.items():
+                if key != "params":
+                    version = value._version if isinstance(value, torch.Tensor) else -1
+                    out.append((f"{type(o).__name__}'s param group {g}: {key}", value, version))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a replay that captured ``a`` computes what ``b`` asks: tensors by identity, other
+    values by equality (by identity where equality is no plain bool)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # (an object whose == is elementwise, or raises)
+        return False
+
+
+def _first_setting_changed(was: list[tuple[str, Any, int]], now: list[tuple[str, Any, int]],
+                           versions: bool) -> str:
+    if len(was) != len(now):
+        return "the optimizers' param groups changed"
+    for (where, a, va), (_, b, vb) in zip(was, now):
+        if not _same(a, b):
+            return f"{where} was {a!r}, is {b!r}"
+        if versions and va != vb:
+            return f"{where} (a tensor) was written"
+    return ""
+
+
+def settings_changed_inside(before: list[tuple[str, Any, int]],
+                            optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """What the step changed in its optimizers' settings while it ran (''): a tensor setting
+    written in place counts, as a replay would write the captured value again."""
+    return _first_setting_changed(before, settings(optimizers), versions=True)
+
+
+def host_state(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> str:
+    """The first optimizer whose state a replay would not advance (a step count kept as a Python
+    number or a CPU tensor, as Adagrad keeps it), '' if none: a captured graph only replays the
+    GPU's work."""
+    for o in optimizers:
+        for state in o.state.values():
+            for key, value in state.items():
+                if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor)
+                                                       and value.device != device):
+                    where = "a CPU tensor" if isinstance(value, torch.Tensor) else "a Python number"
+                    return f"{type(o).__name__} keeps its state {key!r} as {where}"
+    return ""
+
+
+def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters whose ``.grad`` a step may write: those of ``optimizers`` and of every module
+    or optimizer that ``fn`` reaches by name, as itself, its ``__self__``, its closure's cells and
+    the globals its code names, a method's object's attributes, one container (list, tuple, dict)
+    deep, and through functions two levels deep; a compiled wrapper counts for the module it
+    wraps."""
+    found: dict[int, torch.Tensor] = {}
+
+    def add(params: Any) -> None:
+        for p in params:
+            found.setdefault(id(p), p)
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.nn.Module):
+            add(value.parameters())
+        elif isinstance(value, torch.optim.Optimizer):
+            add(p for g in value.param_groups for p in g["params"])
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for item in value[:64]:
+                visit(item, 3)
+        elif isinstance(value, dict) and depth < 3:
+            for item in list(value.values())[:64]:
+                visit(item, 3)
+        elif callable(value):
+            inner = getattr(value, "__wrapped__", None)  # (streamdag.compile's model, functools.wraps)
+            if isinstance(inner, torch.nn.Module):
+                add(inner.parameters())
+            elif depth < 2:
+                visit_function(value, depth + 1)
+
+    def visit_function(f: Any, depth: int) -> None:
+        owner = getattr(f, "__self__", None)  # a method's object: a trainer's model and optimizer
+        visit(owner, depth)
+        if owner is not None and not isinstance(owner, torch.nn.Module):
+            visit(dict(getattr(owner, "__dict__", None) or {}), depth)
+        for cell in getattr(f, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # (an empty cell)
+                visit(cell.cell_contents, depth)
+        code, names = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if code is not None and isinstance(names, dict):
+            for name in code.co_names:
+                if name in names:
+                    visit(names[name], depth)
+
+    for o in optimizers:
+        visit(o, 0)
+    if isinstance(fn, torch.nn.Module):
+        visit(fn, 0)
+    else:
+        visit_function(fn, 0)
+    return list(found.values())
+
+
+class Baked:
+    """What a captured step's graph depends on in ``optimizers`` and in the ``.grad`` of
+    ``watched`` parameters (see the module docstring)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], watched: Sequence[torch.Tensor]) -> None:
+        self.optimizers = list(optimizers)
+        # strong references: an identity compared later must not be a freed object's reused id
+        self.params = self._params()
+        self.ptrs = [p.data_ptr() for p in self.params]
+        self.watched = list(watched)
+        self.grads = [p.grad for p in self.watched]
+        self.state = self._state()
+        self.settings = settings(self.optimizers)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def _state(self) -> list[Any]:
+        return [v for o in self.optimizers for p in self._params_of(o) for v in o.state.get(p, {}).values()]
+
+    @staticmethod
+    def _params_of(o: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [p for g in o.param_groups for p in g["params"]]
+
+    def changed(self) -> tuple[str, bool]:
+        """(what differs from the capture, '' if nothing; whether tensors were replaced, which
+        asks for a warm-up before the next capture)."""
+        params = self._params()
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return "the optimizers' parameters changed", True
+        if [p.data_ptr() for p in params] != self.ptrs:
+            return "a parameter's memory moved", True
+        if not all(map(operator.is_, [p.grad for p in self.watched], self.grads)):
+            return ("a parameter's .grad was replaced or set to None outside the step (zero the "
+                    "gradients inside the step)"), True
+        state = self._state()
+        if len(state) != len(self.state) or not all(map(operator.is_, self.state, state)):
+            return "the optimizers' state was replaced (load_state_dict?)", True
+        return _first_setting_changed(self.settings, settings(self.optimizers), versions=False), False
