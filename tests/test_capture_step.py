@@ -146,7 +146,10 @@ def test_the_watch_finds_the_parameters_a_step_reaches_and_the_optimizers_that_s
         return by_closure(x)
 
     ids = {id(p) for p in model.parameters()}
-    for fn in (by_closure, through_a_helper, Trainer().step, model):
+    import functools
+
+    for fn in (by_closure, through_a_helper, Trainer().step, model,
+               functools.partial(lambda m, x: m(x), model)):
         assert {id(p) for p in reachable_params(fn, [])} == ids
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     assert {id(p) for p in reachable_params(lambda x: x, [opt])} == {id(p) for p in other.parameters()}
@@ -297,7 +300,11 @@ def test_on_cuda_a_new_batch_shape_is_a_signature_of_its_own(no_tf32):
         torch.testing.assert_close(step(x, y)["loss"], eager(x, y)["loss"], rtol=1e-4, atol=1e-5)
     torch.cuda.synchronize()
     _same_state(model, ref, opt, ref_opt)
-    assert step.statistics()["signatures"] == 2 and step.statistics()["captures"] == 2
+    stats = step.statistics()
+    assert stats["signatures"] == 2 and stats["captures"] == 2
+    # each signature's graph owns the gradients it makes (the step zeroes them first): switching
+    # back replays, without new warm-up calls
+    assert stats["warmup_calls"] == 4 and stats["replays"] == 6, step.explain()
 
 
 @pytest.mark.cuda
@@ -367,9 +374,7 @@ def test_on_cuda_a_scheduler_stepped_inside_the_step_is_refused():
     step = sd.capture_step(step_and_schedule, warmup=1)
     x, y = batches(1, "cuda")[0]
     step(x, y)
-    # (refused after the capture, as the step wrote its lr; a PyTorch whose scheduler reads a tensor
-    # lr on the host fails the capture itself)
-    with pytest.raises(RuntimeError, match=r"scheduler outside the step|could not be captured"):
+    with pytest.raises(RuntimeError, match="scheduler outside the step"):
         step(x, y)
 
 

@@ -54,8 +54,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._diagnostics import warn
-from ..backends.capture_memory import stream_reuse
-from .candidates import _capture_stream, workspaces_in_pool
+from .candidates import _capture_stream, capture_graph, workspaces_in_pool
 from .step_watch import (
     Baked,
     host_state,
@@ -108,6 +107,8 @@ class _Signature:
         self.baked: Baked | None = None
         self.written: set[int] = set()  # tensor arguments the step writes in place (copied back)
         self.watched: list[torch.Tensor] = []  # parameters whose .grad the graph may write
+        # (parameter, the .grad the graph made and owns): put back before each replay
+        self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.failure: str = ""
         self.done: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -177,11 +178,15 @@ class CapturedStep:
                 return self._warm(sig, args, kwargs, tensors, device)
             caller = torch.cuda.current_stream(device)
             if sig.graph is None:
-                self._capture(sig, args, kwargs, device)
+                if not self._capture(sig, args, kwargs, device):
+                    return self._warm(sig, args, kwargs, tensors, device)
             else:
                 if sig.stream is not None and sig.stream != caller and sig.done is not None:
                     caller.wait_event(sig.done)  # the last replay, on another stream, read the inputs
                 _copy_in(sig.inputs, tensors)
+                for p, grad in sig.owned:
+                    if p.grad is not grad:
+                        p.grad = grad
                 sig.graph.replay()
             for i in sig.written:
                 tensors[i].copy_(sig.inputs[i])
@@ -224,13 +229,20 @@ class CapturedStep:
         sig.optimizers += [o for o in seen if all(o is not k for k in sig.optimizers)]
         return out
 
-    def _capture(self, sig: _Signature, args: tuple, kwargs: dict, device: torch.device) -> None:
-        """Capture ``fn`` over static copies of this call's tensors, then replay it once.
+    def _capture(self, sig: _Signature, args: tuple, kwargs: dict, device: torch.device) -> bool:
+        """Capture ``fn`` over static copies of this call's tensors and replay it once; False where
+        this call must run as written instead (below).
 
-        A parameter whose ``.grad`` was None before the capture and is a tensor after it got a
-        gradient the graph makes afresh at each replay, where ``backward()`` adds to the one it
-        finds (gradients accumulated over calls): such gradients start from zeros, and the step is
-        captured again, so that the graph adds to them as eager does."""
+        A replay repeats what the capture saw of each gradient, so the capture first finds out what
+        the step does with one. Captured with every reachable ``.grad`` None, a step that leaves a
+        gradient behind is captured again finding one (the call's own, or zeros): a step that adds
+        to it (gradients accumulated over calls, zeroed in place) keeps that tensor, which must be
+        there at each replay (:class:`.step_watch.Baked`); a step that drops it and makes its own
+        (``zero_grad`` at its start) owns the one it made, put back before each replay (so steps of
+        several signatures share no gradient). A step that drops every gradient it made
+        (``zero_grad`` at its end) is captured once. Where such a step finds gradients (made outside
+        it) it would add to them, which the graph, captured without them, would not: that call runs
+        as written, using them up, and the next is captured."""
         self._check_optimizers(sig, device)
         sig.graph = sig.outputs = sig.baked = None
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -238,32 +250,51 @@ class CapturedStep:
         statics = iter(sig.inputs)
         s_args, s_kwargs = pytree.tree_unflatten(
             [next(statics) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        sig.watched = reachable_params(self.fn, sig.optimizers)
-        caller = torch.cuda.current_stream(device)
-        for attempt in range(2):
-            before = [p.grad for p in sig.watched]
-            graph, out = self._record(sig, s_args, s_kwargs, device, caller)
-            created = [p for p, g in zip(sig.watched, before) if g is None and p.grad is not None]
-            if not created or attempt == 1:
-                break
-            with torch.no_grad():  # (the first graph's pool goes back with it and these gradients)
-                for p in created:
-                    p.grad = torch.zeros_like(p)
+        watched = sig.watched = reachable_params(self.fn, sig.optimizers)
+        given = [p.grad for p in watched]
+        try:
+            _set_grads(watched, [None] * len(watched))
+            graph, out = self._record(sig, s_args, s_kwargs, device)
+            made = [p.grad is not None for p in watched]
+            if any(g is not None and not m for g, m in zip(given, made)):
+                _set_grads(watched, given)
+                return False
+            start = [g if g is not None or not m else torch.zeros_like(p)
+                     for p, g, m in zip(watched, given, made)]
+            if any(x is not None for x in start):
+                graph = out = None  # (the first graph's pool goes back before the second capture)
+                _set_grads(watched, start)
+                graph, out = self._record(sig, s_args, s_kwargs, device)
+            post = [p.grad for p in watched]
+            if any(x is not None and q is None for x, q in zip(start, post)):
+                self._failed(sig, "the step adds to a gradient it finds, then sets it to None")
+                raise RuntimeError(f"capture_step: {sig.failure}: a replay would add to a tensor "
+                                   "no one holds. Zero the gradients at the start or the end of "
+                                   "the step, not in between")
+        except BaseException:
+            _set_grads(watched, given)  # (a capture runs nothing: the gradients are as found)
+            raise
+        sig.owned = [(p, q) for p, x, q in zip(watched, start, post)
+                     if x is not None and q is not None and q is not x]
+        owned = {id(p) for p, _ in sig.owned}
         sig.graph, sig.outputs = graph, out
         sig.captures += 1
-        sig.baked = Baked(sig.optimizers, sig.watched)
+        sig.baked = Baked(sig.optimizers, [p for p in watched if id(p) not in owned])
         graph.replay()  # (the capture recorded the step; this runs it)
+        return True
 
-    def _record(self, sig: _Signature, s_args: Any, s_kwargs: Any, device: torch.device,
-                caller: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
-        graph = torch.cuda.CUDAGraph()
+    def _record(self, sig: _Signature, s_args: Any, s_kwargs: Any,
+                device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """One capture of the step (:func:`.candidates.capture_graph`: a failed one leaves the
+        caller's stream current, the random generators and the allocator out of capture)."""
         stream = _capture_stream(device)
-        stream.wait_stream(caller)
+        stream.wait_stream(torch.cuda.current_stream(device))
         before = settings(sig.optimizers)
+        states = [len(o.state) for o in sig.optimizers]
         try:
-            with optimizers_stepping() as seen, _inside_step(), stream_reuse(), workspaces_in_pool(stream), \
-                    torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                out = self.fn(*s_args, **s_kwargs)
+            with optimizers_stepping() as seen, _inside_step(), workspaces_in_pool(stream):
+                graph, out = capture_graph(lambda: self.fn(*s_args, **s_kwargs), stream, device, None,
+                                           "thread_local")
         except Exception as exc:
             self._failed(sig, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
             raise RuntimeError(
@@ -273,17 +304,18 @@ class CapturedStep:
                 "default mode or streamdag.compile), no streamdag.compile'd model called with "
                 "gradients off (its own CUDA graphs cannot replay inside the step's); return tensors "
                 "and read them after the call") from exc
-        caller.wait_stream(stream)
         why = settings_changed_inside(before, sig.optimizers)
         new = [o for o in seen if all(o is not k for k in sig.optimizers)]
-        if why or new:
+        grew = [o for o, n in zip(sig.optimizers, states) if len(o.state) != n]
+        if why or new or grew:
             self._failed(sig, f"the step changed {why} while it ran" if why else
-                         f"{type(new[0]).__name__} stepped first in the capture, after the warm-up")
+                         f"{type(new[0]).__name__} stepped first in the capture, after the warm-up" if new
+                         else f"{type(grew[0]).__name__} made state for a parameter during the capture")
             raise RuntimeError(
                 f"capture_step: {sig.failure}: a replay runs no Python and repeats what the capture "
                 "saw. Step a learning-rate scheduler outside the step (give lr as a tensor, "
-                "capturable=True, so that its changes reach the graph); an optimizer must step in "
-                "the warm-up calls already")
+                "capturable=True, so that its changes reach the graph); optimizers must step, for "
+                "every parameter they update, in the warm-up calls already (raise warmup)")
         return graph, out
 
     def _check_optimizers(self, sig: _Signature, device: torch.device) -> None:
@@ -303,12 +335,9 @@ class CapturedStep:
                                "...) or one without step counts (SGD)")
 
     def _failed(self, sig: _Signature, why: str) -> None:
-        """A failed capture: the signature is not captured again until ``reset()``, and gradients the
-        capture may have pointed into its pool are dropped."""
+        """A failed capture: the signature is not captured again until ``reset()``."""
         sig.failure = why
         sig.graph = sig.outputs = sig.baked = None
-        for p in sig.watched:
-            p.grad = None
 
     def _note_recapture(self, sig: _Signature, why: str) -> None:
         sig.recapture_reasons.append(why)
@@ -374,6 +403,12 @@ def _leaf_key(x: Any) -> Hashable:
     raise TypeError(f"capture_step: an argument of type {type(x).__name__}: a captured step takes "
                     "tensors and plain values (int, float, bool, str, None), the latter keyed by "
                     "value; reach other objects through the step's closure")
+
+
+def _set_grads(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _check_outputs(leaves: list[Any]) -> None:

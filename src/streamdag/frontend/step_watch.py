@@ -28,6 +28,7 @@ cannot be replayed, since the replay repeats the captured values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from collections.abc import Iterator, Sequence
@@ -120,9 +121,10 @@ def host_state(optimizers: Sequence[torch.optim.Optimizer], device: torch.device
 def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The parameters whose ``.grad`` a step may write: those of ``optimizers`` and of every module
     or optimizer that ``fn`` reaches by name, as itself, its ``__self__``, its closure's cells and
-    the globals its code names, a method's object's attributes, one container (list, tuple, dict)
-    deep, and through functions two levels deep; a compiled wrapper counts for the module it
-    wraps."""
+    the globals its code names, a method's object's attributes, a partial's function and
+    arguments, one container (list, tuple, dict) deep, and through functions two levels deep; a
+    compiled wrapper counts for the module it wraps. A parameter reached otherwise is not
+    watched: ``CapturedStep.reset()`` after replacing its ``.grad`` outside the step."""
     found: dict[int, torch.Tensor] = {}
 
     def add(params: Any) -> None:
@@ -140,6 +142,8 @@ def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> li
         elif isinstance(value, dict) and depth < 3:
             for item in list(value.values())[:64]:
                 visit(item, 3)
+        elif isinstance(value, functools.partial):
+            visit([value.func, *value.args, *value.keywords.values()], depth)
         elif callable(value):
             inner = getattr(value, "__wrapped__", None)  # (streamdag.compile's model, functools.wraps)
             if isinstance(inner, torch.nn.Module):
@@ -163,10 +167,7 @@ def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> li
 
     for o in optimizers:
         visit(o, 0)
-    if isinstance(fn, torch.nn.Module):
-        visit(fn, 0)
-    else:
-        visit_function(fn, 0)
+    visit(fn, -1)  # (a function's own closure and globals at depth 0)
     return list(found.values())
 
 
