@@ -148,8 +148,15 @@ def test_the_watch_finds_the_parameters_a_step_reaches_and_the_optimizers_that_s
     ids = {id(p) for p in model.parameters()}
     import functools
 
-    for fn in (by_closure, through_a_helper, Trainer().step, model,
-               functools.partial(lambda m, x: m(x), model)):
+    class CallableTrainer:
+        def __init__(self):
+            self.model = model
+
+        def __call__(self, x):
+            return self.model(x)
+
+    for fn in (by_closure, through_a_helper, Trainer().step, model, CallableTrainer(),
+               functools.partial(lambda m, x: m(x), model), functools.partial(through_a_helper)):
         assert {id(p) for p in reachable_params(fn, [])} == ids
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     assert {id(p) for p in reachable_params(lambda x: x, [opt])} == {id(p) for p in other.parameters()}

@@ -107,8 +107,11 @@ class _Signature:
         self.baked: Baked | None = None
         self.written: set[int] = set()  # tensor arguments the step writes in place (copied back)
         self.watched: list[torch.Tensor] = []  # parameters whose .grad the graph may write
-        # (parameter, the .grad the graph made and owns): put back before each replay
-        self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (parameter, the .grad the graph made and owns, the one it found): put back before each replay
+        self.owned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # what the step does with each parameter's .grad (by id), as warm-ups and captures saw it:
+        # drops it (leaves None), keeps it (adds to the tensor it finds) or owns it (makes its own)
+        self.grads: dict[int, str] = {}
         self.failure: str = ""
         self.done: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -135,6 +138,7 @@ class CapturedStep:
         self._lock = threading.Lock()
         self.eager_calls = 0  # calls off CUDA, run as written
         self.warmup_calls = 0  # warm-up calls, all signatures (a signature warms up again after new tensors)
+        self.found_gradients = 0  # calls run as written: they found gradients the step drops at its end
         self._recapture_warned = False
 
     # -- calling --------------------------------------------------------------------------------
@@ -184,7 +188,7 @@ class CapturedStep:
                 if sig.stream is not None and sig.stream != caller and sig.done is not None:
                     caller.wait_event(sig.done)  # the last replay, on another stream, read the inputs
                 _copy_in(sig.inputs, tensors)
-                for p, grad in sig.owned:
+                for p, grad, _ in sig.owned:
                     if p.grad is not grad:
                         p.grad = grad
                 sig.graph.replay()
@@ -213,11 +217,19 @@ class CapturedStep:
         stream = _warm_stream(device)
         stream.wait_stream(caller)
         versions = [t._version for t in tensors]
+        watched = reachable_params(self.fn, sig.optimizers)
+        found = [p.grad for p in watched]
         try:
             with optimizers_stepping() as seen, _inside_step(), torch.cuda.stream(stream):
                 out = self.fn(*args, **kwargs)
         finally:
             caller.wait_stream(stream)
+        for p, before in zip(watched, found):  # what the step does with each gradient
+            after = p.grad
+            if after is None:
+                sig.grads[id(p)] = _DROPS
+            elif before is not None:
+                sig.grads[id(p)] = _KEEPS if after is before else _OWNS
         sig.written |= {i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v}
         leaves = pytree.tree_leaves(out)
         _check_outputs(leaves)
@@ -233,16 +245,18 @@ class CapturedStep:
         """Capture ``fn`` over static copies of this call's tensors and replay it once; False where
         this call must run as written instead (below).
 
-        A replay repeats what the capture saw of each gradient, so the capture first finds out what
-        the step does with one. Captured with every reachable ``.grad`` None, a step that leaves a
-        gradient behind is captured again finding one (the call's own, or zeros): a step that adds
-        to it (gradients accumulated over calls, zeroed in place) keeps that tensor, which must be
-        there at each replay (:class:`.step_watch.Baked`); a step that drops it and makes its own
-        (``zero_grad`` at its start) owns the one it made, put back before each replay (so steps of
-        several signatures share no gradient). A step that drops every gradient it made
-        (``zero_grad`` at its end) is captured once. Where such a step finds gradients (made outside
-        it) it would add to them, which the graph, captured without them, would not: that call runs
-        as written, using them up, and the next is captured."""
+        A replay repeats what the capture saw of each gradient, so each reachable one is captured
+        as the step expects it, by what warm-ups and earlier captures saw the step do with it
+        (``sig.grads``). One it *drops* (leaves None: zeroed at the step's end, or never made) is
+        captured None. One it *keeps* (adds to the tensor it finds: gradients accumulated over
+        calls, zeroed in place) is captured as the call finds it, zeros where it has none; that
+        tensor must be there at each replay (:class:`.step_watch.Baked`). One it *owns* (drops the
+        tensor it finds and makes its own: ``zero_grad`` at its start) is captured from zeros of
+        its own, held with the graph, and the one the graph makes is put back as ``.grad`` before
+        each replay (steps of several signatures share none). A gradient the capture made where
+        the step was to drop it is captured again from zeros, so that replays add to it as
+        ``backward()`` does. A call that finds a gradient the step drops at its end (made outside
+        it) runs as written: the step adds to it, which a graph captured without it would not."""
         self._check_optimizers(sig, device)
         sig.graph = sig.outputs = sig.baked = None
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -252,19 +266,23 @@ class CapturedStep:
             [next(statics) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         watched = sig.watched = reachable_params(self.fn, sig.optimizers)
         given = [p.grad for p in watched]
+        kinds = [sig.grads.get(id(p)) for p in watched]
+        if any(g is not None and k == _DROPS for g, k in zip(given, kinds)):
+            self._ran_as_written()
+            return False
+        # (a gradient the step drops and makes anew is captured from zeros of its own: what the
+        # graph found stays held, and an old graph's pool is not)
+        start = [None if k == _DROPS else torch.zeros_like(p) if g is None or k == _OWNS else g
+                 for p, g, k in zip(watched, given, kinds)]
         try:
-            _set_grads(watched, [None] * len(watched))
-            graph, out = self._record(sig, s_args, s_kwargs, device)
-            made = [p.grad is not None for p in watched]
-            if any(g is not None and not m for g, m in zip(given, made)):
-                _set_grads(watched, given)
-                return False
-            start = [g if g is not None or not m else torch.zeros_like(p)
-                     for p, g, m in zip(watched, given, made)]
-            if any(x is not None for x in start):
-                graph = out = None  # (the first graph's pool goes back before the second capture)
+            for attempt in range(2):
                 _set_grads(watched, start)
                 graph, out = self._record(sig, s_args, s_kwargs, device)
+                made = [x is None and p.grad is not None for p, x in zip(watched, start)]
+                if attempt == 1 or not any(made):
+                    break
+                graph = out = None  # (its pool goes back before the second capture)
+                start = [torch.zeros_like(p) if m else x for p, x, m in zip(watched, start, made)]
             post = [p.grad for p in watched]
             if any(x is not None and q is None for x, q in zip(start, post)):
                 self._failed(sig, "the step adds to a gradient it finds, then sets it to None")
@@ -274,14 +292,25 @@ class CapturedStep:
         except BaseException:
             _set_grads(watched, given)  # (a capture runs nothing: the gradients are as found)
             raise
-        sig.owned = [(p, q) for p, x, q in zip(watched, start, post)
+        # (the tensor it found is kept too: a step that read it, p.grad = p.grad + g, reads it on)
+        sig.owned = [(p, q, x) for p, x, q in zip(watched, start, post)
                      if x is not None and q is not None and q is not x]
-        owned = {id(p) for p, _ in sig.owned}
+        owned = {id(p) for p, _, _ in sig.owned}
+        for p, x in zip(watched, start):
+            if x is not None:
+                sig.grads[id(p)] = _OWNS if id(p) in owned else _KEEPS
         sig.graph, sig.outputs = graph, out
         sig.captures += 1
         sig.baked = Baked(sig.optimizers, [p for p in watched if id(p) not in owned])
         graph.replay()  # (the capture recorded the step; this runs it)
         return True
+
+    def _ran_as_written(self) -> None:
+        self.found_gradients += 1
+        if self.found_gradients == 1:
+            warn("capture_step ran the step as written: it found gradients made outside it, which "
+                 "it adds to before it zeroes them at its end, and a captured graph would not. Zero "
+                 "them before calling the step (or zero them at the step's start)")
 
     def _record(self, sig: _Signature, s_args: Any, s_kwargs: Any,
                 device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -295,6 +324,8 @@ class CapturedStep:
             with optimizers_stepping() as seen, _inside_step(), workspaces_in_pool(stream):
                 graph, out = capture_graph(lambda: self.fn(*s_args, **s_kwargs), stream, device, None,
                                            "thread_local")
+            # (the capture's prologue set the random generator's seed on the capture stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
         except Exception as exc:
             self._failed(sig, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
             raise RuntimeError(
@@ -385,6 +416,9 @@ class CapturedStep:
 
 
 _WARM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+_DROPS, _KEEPS, _OWNS = "drops", "keeps", "owns"
 
 
 def _warm_stream(device: torch.device) -> torch.cuda.Stream:

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import operator
 import threading
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -143,7 +144,8 @@ def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> li
             for item in list(value.values())[:64]:
                 visit(item, 3)
         elif isinstance(value, functools.partial):
-            visit([value.func, *value.args, *value.keywords.values()], depth)
+            for item in (value.func, *value.args, *value.keywords.values()):
+                visit(item, depth)
         elif callable(value):
             inner = getattr(value, "__wrapped__", None)  # (streamdag.compile's model, functools.wraps)
             if isinstance(inner, torch.nn.Module):
@@ -153,9 +155,14 @@ def reachable_params(fn: Any, optimizers: Sequence[torch.optim.Optimizer]) -> li
 
     def visit_function(f: Any, depth: int) -> None:
         owner = getattr(f, "__self__", None)  # a method's object: a trainer's model and optimizer
-        visit(owner, depth)
-        if owner is not None and not isinstance(owner, torch.nn.Module):
-            visit(dict(getattr(owner, "__dict__", None) or {}), depth)
+        if owner is None and not hasattr(f, "__code__"):
+            owner = f  # (an object with __call__: its attributes)
+        else:
+            visit(owner, depth)
+        if owner is not None and not isinstance(owner, (torch.nn.Module, type, types.ModuleType)):
+            attributes = getattr(owner, "__dict__", None)
+            if isinstance(attributes, dict):
+                visit(dict(attributes), depth)
         for cell in getattr(f, "__closure__", None) or ():
             with contextlib.suppress(ValueError):  # (an empty cell)
                 visit(cell.cell_contents, depth)
