@@ -93,8 +93,8 @@ def test_bad_settings_are_refused_with_the_fix(bad, error, words):
 
 def test_the_watch_sees_what_a_replay_would_miss_and_not_what_it_reads_where_it_lies():
     """Baked (what a captured graph holds of the optimizers): a float lr changed, a .grad replaced,
-    state replaced or a parameter's memory moved is a change; a tensor lr filled in place and
-    gradients zeroed in place are not."""
+    state replaced or cleared or a parameter's memory moved is a change; a tensor lr filled in
+    place and gradients zeroed in place are not."""
     from streamdag.frontend.step_watch import Baked
 
     model = Net()
@@ -118,9 +118,13 @@ def test_the_watch_sees_what_a_replay_would_miss_and_not_what_it_reads_where_it_
     opt.zero_grad(set_to_none=False)
     assert baked.changed() == ("", False)
     opt.zero_grad(set_to_none=True)
-    assert ".grad was replaced" in baked.changed()[0] and baked.changed()[1]
+    assert baked.changed() == ("a gradient the step adds to was replaced or set to None outside it "
+                               "(zero it in place, or inside the step)", False)
     baked = Baked([opt], list(model.parameters()))
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a checkpoint's state
+    assert "state was replaced" in baked.changed()[0]
+    baked = Baked([opt], list(model.parameters()))
+    opt.state.clear()
     assert "state was replaced" in baked.changed()[0]
     baked = Baked([opt], list(model.parameters()))
     model.head.weight.data = model.head.weight.data.clone()

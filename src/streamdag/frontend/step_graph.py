@@ -46,6 +46,7 @@ says so.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -111,7 +112,7 @@ class _Signature:
         self.owned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # what the step does with each parameter's .grad (by id), as warm-ups and captures saw it:
         # drops it (leaves None), keeps it (adds to the tensor it finds) or owns it (makes its own)
-        self.grads: dict[int, str] = {}
+        self.grads: dict[int, tuple[weakref.ref, str]] = {}
         self.failure: str = ""
         self.done: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -139,6 +140,7 @@ class CapturedStep:
         self.eager_calls = 0  # calls off CUDA, run as written
         self.warmup_calls = 0  # warm-up calls, all signatures (a signature warms up again after new tensors)
         self.found_gradients = 0  # calls run as written: they found gradients the step drops at its end
+        self._zero_grads: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # see _zeros()
         self._recapture_warned = False
 
     # -- calling --------------------------------------------------------------------------------
@@ -227,9 +229,9 @@ class CapturedStep:
         for p, before in zip(watched, found):  # what the step does with each gradient
             after = p.grad
             if after is None:
-                sig.grads[id(p)] = _DROPS
+                sig.grads[id(p)] = (weakref.ref(p), _DROPS)
             elif before is not None:
-                sig.grads[id(p)] = _KEEPS if after is before else _OWNS
+                sig.grads[id(p)] = (weakref.ref(p), _KEEPS if after is before else _OWNS)
         sig.written |= {i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v}
         leaves = pytree.tree_leaves(out)
         _check_outputs(leaves)
@@ -266,14 +268,14 @@ class CapturedStep:
             [next(statics) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         watched = sig.watched = reachable_params(self.fn, sig.optimizers)
         given = [p.grad for p in watched]
-        kinds = [sig.grads.get(id(p)) for p in watched]
+        kinds = [_kind(sig.grads, p) for p in watched]
         if any(g is not None and k == _DROPS for g, k in zip(given, kinds)):
             self._ran_as_written()
             return False
-        # (a gradient the step drops and makes anew is captured from zeros of its own: what the
-        # graph found stays held, and an old graph's pool is not)
-        start = [None if k == _DROPS else torch.zeros_like(p) if g is None or k == _OWNS else g
-                 for p, g, k in zip(watched, given, kinds)]
+        # (a gradient the step drops and makes anew is captured from zeros shared by every capture
+        # of the step, held with the graph: no old graph's pool stays held for it)
+        start = [None if k == _DROPS else self._zeros(p) if k == _OWNS else
+                 torch.zeros_like(p) if g is None else g for p, g, k in zip(watched, given, kinds)]
         try:
             for attempt in range(2):
                 _set_grads(watched, start)
@@ -292,18 +294,26 @@ class CapturedStep:
         except BaseException:
             _set_grads(watched, given)  # (a capture runs nothing: the gradients are as found)
             raise
-        # (the tensor it found is kept too: a step that read it, p.grad = p.grad + g, reads it on)
+        # (the tensor it found is held too, as a step that read it before it made its own would read
+        # it at each replay; such a step, p.grad = p.grad + g, is not supported: it reads zeros)
         sig.owned = [(p, q, x) for p, x, q in zip(watched, start, post)
                      if x is not None and q is not None and q is not x]
         owned = {id(p) for p, _, _ in sig.owned}
         for p, x in zip(watched, start):
             if x is not None:
-                sig.grads[id(p)] = _OWNS if id(p) in owned else _KEEPS
+                sig.grads[id(p)] = (weakref.ref(p), _OWNS if id(p) in owned else _KEEPS)
         sig.graph, sig.outputs = graph, out
         sig.captures += 1
         sig.baked = Baked(sig.optimizers, [p for p in watched if id(p) not in owned])
         graph.replay()  # (the capture recorded the step; this runs it)
         return True
+
+    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros like ``p``, one tensor per parameter for every capture of the step."""
+        held = self._zero_grads.get(id(p))
+        if held is None or held[0]() is not p:
+            held = self._zero_grads[id(p)] = (weakref.ref(p), torch.zeros_like(p))
+        return held[1]
 
     def _ran_as_written(self) -> None:
         self.found_gradients += 1
@@ -419,6 +429,13 @@ _WARM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 _DROPS, _KEEPS, _OWNS = "drops", "keeps", "owns"
+
+
+def _kind(grads: dict[int, tuple[weakref.ref, str]], p: torch.Tensor) -> str | None:
+    """What the step does with ``p``'s gradient, as far as seen (by id, checked against a weak
+    reference: a new parameter may take a freed one's id)."""
+    entry = grads.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
 
 
 def _warm_stream(device: torch.device) -> torch.cuda.Stream:

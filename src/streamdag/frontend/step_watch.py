@@ -9,7 +9,8 @@ right after the capture:
   kernel argument, repeated by every replay), tensors by identity (a tensor
   ``lr`` is read where it lies: a scheduler's in-place update reaches it);
 * the parameters (identity and memory) and the optimizer's state (the dict
-  object: ``load_state_dict`` puts in a new one);
+  object, which ``load_state_dict`` replaces, and its size; its tensors are
+  held, so that memory a replay writes is never handed out again);
 * the ``.grad`` of every parameter the step can reach (:func:`reachable_params`:
   those of the optimizers and of the modules it names in its closure and
   globals), by identity: the graph writes the gradient tensor the capture made
@@ -186,10 +187,14 @@ class Baked:
         self.optimizers = list(optimizers)
         # strong references: an identity compared later must not be a freed object's reused id
         self.params = self._params()
-        self.ptrs = [p.data_ptr() for p in self.params]
         self.watched = list(watched)
+        self.ptrs = [p.data_ptr() for p in self.watched]
         self.grads = [p.grad for p in self.watched]
         self.state = [o.state for o in self.optimizers]  # (load_state_dict puts in a new dict)
+        self.state_sizes = [len(o.state) for o in self.optimizers]
+        # held: a state tensor dropped from the optimizer (its state cleared) is still the graph's
+        self.state_tensors = [v for o in self.optimizers for st in o.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor)]
         self.settings = settings(self.optimizers)
 
     def _params(self) -> list[torch.Tensor]:
@@ -201,11 +206,13 @@ class Baked:
         params = self._params()
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return "the optimizers' parameters changed", True
-        if [p.data_ptr() for p in params] != self.ptrs:
+        if [p.data_ptr() for p in self.watched] != self.ptrs:
             return "a parameter's memory moved", True
-        if not all(map(operator.is_, [p.grad for p in self.watched], self.grads)):
-            return ("a parameter's .grad was replaced or set to None outside the step (zero the "
-                    "gradients inside the step)"), True
-        if not all(map(operator.is_, [o.state for o in self.optimizers], self.state)):
+        if not all(map(operator.is_, [o.state for o in self.optimizers], self.state)) or \
+                [len(o.state) for o in self.optimizers] != self.state_sizes:
             return "the optimizers' state was replaced (load_state_dict?)", True
+        if not all(map(operator.is_, [p.grad for p in self.watched], self.grads)):
+            # (nothing compiled depends on it: the step is captured again without a warm-up)
+            return ("a gradient the step adds to was replaced or set to None outside it (zero it "
+                    "in place, or inside the step)"), False
         return _first_setting_changed(self.settings, settings(self.optimizers), versions=False), False
