@@ -40,6 +40,9 @@ net that also runs on the CPU, where ``--quick`` trains it for a smoke check in 
     PYTHONPATH=src python bench/train.py                      # all models, fp32 and bf16, batch 8 and 32
     PYTHONPATH=src python bench/train.py --gpus 4 --budget-s 500   # 4 rows at once, one per GPU
 
+Rows timed at once share the host's cores: a step bound by its host (small batches under the CUDA
+graph trees) is slower while another row compiles beside it. Time such rows with ``--gpus 1``.
+
 Writes ``bench/results/train_<device>.json``: ``{"environment": {...}, "models": [{"model",
 "dtype", "batch", "ms": {variant: ms}, "grad_max_rel_err": {variant: err}, "peak_mib":
 {variant: MiB}, "errors": {variant: text}}]}``.
