@@ -112,7 +112,7 @@ class _Signature:
         self.owned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # what the step does with each parameter's .grad (by id), as warm-ups and captures saw it:
         # drops it (leaves None), keeps it (adds to the tensor it finds) or owns it (makes its own)
-        self.grads: dict[int, tuple[weakref.ref, str]] = {}
+        self.grads = _ByParam()
         self.failure: str = ""
         self.done: torch.cuda.Event | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -140,7 +140,7 @@ class CapturedStep:
         self.eager_calls = 0  # calls off CUDA, run as written
         self.warmup_calls = 0  # warm-up calls, all signatures (a signature warms up again after new tensors)
         self.found_gradients = 0  # calls run as written: they found gradients the step drops at its end
-        self._zero_grads: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # see _zeros()
+        self._zero_grads = _ByParam()  # zeros like each parameter: see _zeros()
         self._recapture_warned = False
 
     # -- calling --------------------------------------------------------------------------------
@@ -229,9 +229,9 @@ class CapturedStep:
         for p, before in zip(watched, found):  # what the step does with each gradient
             after = p.grad
             if after is None:
-                sig.grads[id(p)] = (weakref.ref(p), _DROPS)
+                sig.grads.put(p, _DROPS)
             elif before is not None:
-                sig.grads[id(p)] = (weakref.ref(p), _KEEPS if after is before else _OWNS)
+                sig.grads.put(p, _KEEPS if after is before else _OWNS)
         sig.written |= {i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v}
         leaves = pytree.tree_leaves(out)
         _check_outputs(leaves)
@@ -268,7 +268,7 @@ class CapturedStep:
             [next(statics) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         watched = sig.watched = reachable_params(self.fn, sig.optimizers)
         given = [p.grad for p in watched]
-        kinds = [_kind(sig.grads, p) for p in watched]
+        kinds = [sig.grads.of(p) for p in watched]
         if any(g is not None and k == _DROPS for g, k in zip(given, kinds)):
             self._ran_as_written()
             return False
@@ -301,7 +301,7 @@ class CapturedStep:
         owned = {id(p) for p, _, _ in sig.owned}
         for p, x in zip(watched, start):
             if x is not None:
-                sig.grads[id(p)] = (weakref.ref(p), _OWNS if id(p) in owned else _KEEPS)
+                sig.grads.put(p, _OWNS if id(p) in owned else _KEEPS)
         sig.graph, sig.outputs = graph, out
         sig.captures += 1
         sig.baked = Baked(sig.optimizers, [p for p in watched if id(p) not in owned])
@@ -310,10 +310,11 @@ class CapturedStep:
 
     def _zeros(self, p: torch.Tensor) -> torch.Tensor:
         """Zeros like ``p``, one tensor per parameter for every capture of the step."""
-        held = self._zero_grads.get(id(p))
-        if held is None or held[0]() is not p:
-            held = self._zero_grads[id(p)] = (weakref.ref(p), torch.zeros_like(p))
-        return held[1]
+        zeros = self._zero_grads.of(p)
+        if zeros is None:
+            zeros = torch.zeros_like(p)
+            self._zero_grads.put(p, zeros)
+        return zeros
 
     def _ran_as_written(self) -> None:
         self.found_gradients += 1
@@ -431,11 +432,16 @@ _WARM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _DROPS, _KEEPS, _OWNS = "drops", "keeps", "owns"
 
 
-def _kind(grads: dict[int, tuple[weakref.ref, str]], p: torch.Tensor) -> str | None:
-    """What the step does with ``p``'s gradient, as far as seen (by id, checked against a weak
-    reference: a new parameter may take a freed one's id)."""
-    entry = grads.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+class _ByParam(dict):
+    """Values by parameter: keyed by id, each checked against a weak reference to its parameter (a
+    new parameter may take a freed one's id)."""
+
+    def of(self, p: torch.Tensor) -> Any:
+        entry = self.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
+
+    def put(self, p: torch.Tensor, value: Any) -> None:
+        self[id(p)] = (weakref.ref(p), value)
 
 
 def _warm_stream(device: torch.device) -> torch.cuda.Stream:
