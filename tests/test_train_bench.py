@@ -52,3 +52,34 @@ def test_a_gradient_that_differs_counts_by_its_relative_error_and_one_missing_co
 def test_rounding_noise_on_a_gradient_that_is_zero_in_exact_arithmetic_is_no_error(train):
     ref = {"w": torch.ones(4), "bias": torch.full((4,), 1e-9)}
     assert train.max_rel_err({"w": torch.ones(4), "bias": torch.full((4,), -1e-9)}, ref) < 1e-5
+
+
+def test_a_variant_as_accurate_as_eager_against_float64_passes_the_check(train):
+    ref = {"w": torch.ones(4, dtype=torch.float64), "b": torch.full((4,), 2.0, dtype=torch.float64)}
+    eager = {"w": torch.full((4,), 1.01), "b": torch.full((4,), 2.0)}
+    assert train.grad_check({"w": torch.full((4,), 0.98), "b": torch.full((4,), 2.01)}, eager, ref) == "ok"
+
+
+def test_a_gradient_off_by_far_more_than_eager_rounding_fails_the_check_and_is_named(train):
+    ref = {"w": torch.ones(4, dtype=torch.float64), "b": torch.full((4,), 2.0, dtype=torch.float64)}
+    eager = {"w": torch.full((4,), 1.001), "b": torch.full((4,), 2.0)}
+    verdict = train.grad_check({"w": torch.full((4,), 1.001), "b": torch.full((4,), 2.2)}, eager, ref)
+    assert verdict.startswith("b: error 1.00e-01")
+    assert train.grad_check({"w": torch.full((4,), 1.001)}, eager, ref).startswith("b: error 1.00e+00")
+
+
+def test_the_float64_reference_is_the_same_step_in_float64(train):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+    ref = train.reference_grads(model, (x,), {})
+    assert all(g.dtype == torch.float64 for g in ref.values()) and model[0].weight.grad is None
+    train.loss_of(model(x)).backward()
+    assert train.max_rel_err({n: q.grad for n, q in model.named_parameters()}, ref) < 1e-5
+
+
+def test_the_tiny_row_on_the_cpu_passes_its_gradient_check_for_every_variant(train):
+    part = train.measure_variant("streamdag", "tiny", "fp32", 4, "cpu", rounds=1)
+    assert not part["errors"], part["errors"]
+    assert part["grad_check"] == {"streamdag": "ok"}
+    assert part["grad_max_rel_err"]["streamdag"] < 1e-3 and part["grad_max_rel_err"]["eager"] < 1e-3
