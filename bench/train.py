@@ -44,6 +44,7 @@ net that also runs on the CPU, where ``--quick`` trains it for a smoke check in 
     PYTHONPATH=src python bench/train.py --models resnet50,bert --dtypes bf16 --batches 8
     PYTHONPATH=src python bench/train.py                      # all models, fp32 and bf16, batch 8 and 32
     PYTHONPATH=src python bench/train.py --gpus 4 --budget-s 500   # 4 rows at once, one per GPU
+    PYTHONPATH=src python bench/train.py --models googlenet --batches 8 --prewarm 6   # compiles first
 
 Rows timed at once share the host's cores: a step bound by its host (small batches under the CUDA
 graph trees) is slower while another row compiles beside it. Time such rows with ``--gpus 1``.
@@ -295,12 +296,13 @@ def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
 
 
 def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
-              variant_s: float | None, gpu: int) -> dict[str, Any]:
+              variant_s: float | None, gpu: int, warm_only: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variant.json"
         cmd = [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
                "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
-               "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto")]
+               "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto"),
+               *(["--warm-only"] if warm_only else [])]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s, env=gpu_env(gpu))
         except subprocess.TimeoutExpired:
@@ -310,8 +312,26 @@ def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
         return json.loads(out.read_text())
 
 
+def prewarm(keys: list[tuple[str, str, int]], variants: tuple[str, ...], jobs: int, gpus: int,
+            variant_s: float | None) -> None:
+    """Compile every variant of every row untimed, ``jobs`` processes at a time over the GPUs, so that
+    the timed processes find Inductor's and AOTAutograd's caches filled (a variant's compile is then
+    a cache hit, not minutes: six variants of one row fit a lent machine's call). A failure here is
+    met again, and recorded, by the timed run."""
+    t0 = time.perf_counter()
+    work = [(v, *key) for key in keys for v in variants if v != "eager"]
+
+    def one(i: int, job: tuple[str, str, str, int]) -> None:
+        label, name, dtype, batch = job
+        _in_child(label, name, dtype, batch, 1, variant_s, i % gpus, warm_only=True)
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, range(len(work)), work))
+    print(f"prewarmed {len(work)} variant(s) in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
-                    rounds: int) -> dict[str, Any]:
+                    rounds: int, warm_only: bool = False) -> dict[str, Any]:
     """One variant of a row: its first step's gradients against eager's (computed first, on a copy
     of the same weights), its memory, and the median of ``rounds`` timed steps after the warm-up."""
     _LOSS_WEIGHTS.clear()  # a language model's logits' weights alone are hundreds of MiB
@@ -330,13 +350,15 @@ def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
         grads = step(True)  # compiles (and for streamdag, times its candidates)
         for _ in range(4 if label in WHOLE_STEP else 2):  # captures, warms up
             step(False)
-        if device == "cuda":
+        if device == "cuda" and not warm_only:
             part["peak_mib"][label] = _step_peak(step, before) / 2**20
         if grads is not None:
             part["grad_max_rel_err"][label] = max_rel_err(grads, ref64)
             if eager is not None:
                 part["grad_max_rel_err"]["eager"] = max_rel_err(eager, ref64)
                 part["grad_check"][label] = grad_check(grads, eager, ref64)
+        if warm_only:  # (--prewarm: the compiles, to fill the caches; no memory, no timing)
+            return part
         if label.startswith("streamdag"):
             _describe_streamdag(step.compiled, part, label)  # type: ignore[attr-defined]
         if label == "streamdag_step":
@@ -416,6 +438,9 @@ def main() -> int:
     p.add_argument("--variant", choices=VARIANTS, default=None,
                    help="measure this variant of the one row given and write its part of the row to --out "
                         "(what a row's processes run)")
+    p.add_argument("--prewarm", type=int, default=0, metavar="J",
+                   help="on CUDA, first compile every variant of every row untimed, J processes at a time")
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the existing result file that this run does not redo")
     args = p.parse_args()
@@ -443,7 +468,7 @@ def main() -> int:
         if args.out is None:
             p.error("--variant writes its part of the row to --out")
         part = measure_variant(args.variant, models[0], args.dtypes.split(",")[0],
-                               int(args.batches.split(",")[0]), device, args.rounds)
+                               int(args.batches.split(",")[0]), device, args.rounds, args.warm_only)
         Path(args.out).write_text(json.dumps(part))
         return 0
     name = torch.cuda.get_device_name().replace(" ", "_") if cuda else "cpu"
@@ -461,6 +486,8 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     keys = [(m, d, b) for m in models for d in args.dtypes.split(",") for b in batches]
+    if args.prewarm and cuda:
+        prewarm(keys, variants, args.prewarm, args.gpus, args.variant_s)
     free_gpus: queue.SimpleQueue[int] = queue.SimpleQueue()
     for gpu in range(args.gpus):
         free_gpus.put(gpu)

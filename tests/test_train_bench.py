@@ -83,3 +83,9 @@ def test_the_tiny_row_on_the_cpu_passes_its_gradient_check_for_every_variant(tra
     assert not part["errors"], part["errors"]
     assert part["grad_check"] == {"streamdag": "ok"}
     assert part["grad_max_rel_err"]["streamdag"] < 1e-3 and part["grad_max_rel_err"]["eager"] < 1e-3
+
+
+def test_a_warm_only_variant_process_compiles_and_measures_nothing(train):
+    part = train._in_child("streamdag", "tiny", "fp32", 4, 1, 300, 0, warm_only=True)
+    assert part["errors"] == {} and part["ms"] == {} and part["peak_mib"] == {}
+    assert part["grad_check"] == {"streamdag": "ok"}  # its first step ran, and was checked
