@@ -17,11 +17,17 @@ ready; Inductor's FX-graph and kernel caches stay on unless ``--cold-compile``,
 so a later variant may reuse an earlier one's kernels), its memory over what
 the model and inputs hold (``peak_mib``: what it keeps reserved after its
 first calls, CUDA graph pools included, plus what one more call adds, which
-``call_mib`` gives alone: a call's fresh outputs, say; ``compile_peak_mib``:
-the most it reserved while compiling), the host time of a call issued back
-to back (``host_us``, for the variants that replay graphs) and of a call begun
-with the GPU idle (``idle_host_us``: the host path alone), the streams
-streamdag kept and anything it ran uncaptured or on the make_fx path. The
+``call_mib`` gives alone: a call's fresh outputs, say; in the one process
+that times them all, the first variant to use a stream pays that stream's
+cuBLAS workspace and caches for those after it, so ``--memory-alone`` sets
+each variant up again alone in a process of its own for these two, at the
+cost of a setup more per variant; ``peak_mib_shared`` keeps the shared
+process's figures either way, and ``memory`` says which these are;
+``compile_peak_mib``: the most it reserved while compiling), the host time of
+a call issued back to back (``host_us``, for the variants that replay graphs)
+and of a call begun with the GPU idle (``idle_host_us``: the host path alone),
+the streams streamdag kept and anything it ran uncaptured or on the make_fx
+path. The
 table's ``x best`` is the best baseline's time over streamdag's (above 1,
 streamdag is faster) and ``mem/ro`` streamdag's peak over reduce-overhead's.
 
@@ -44,6 +50,7 @@ several runs (each row names the commit and time it was measured at).
     PYTHONPATH=src python bench/zoo.py --quick
     PYTHONPATH=src python bench/zoo.py --models resnet50,bert --dtypes bf16 --batches 1,8
     PYTHONPATH=src python bench/zoo.py --gpus 8 --prewarm 16 --merge
+    PYTHONPATH=src python bench/zoo.py --models googlenet,gpt2 --memory-alone --model-s 900 --merge
 """
 
 from __future__ import annotations
@@ -139,7 +146,8 @@ def added_bytes(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...],
     return sum(size for segment, size in after.items() if segment not in before)
 
 
-def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
+def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int,
+            memory_alone: bool = False) -> dict[str, Any]:
     import torch
 
     from streamdag.suite.cuda_timing import host_us, idle_host_us, interleaved_wall_ms
@@ -194,10 +202,67 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             torch.cuda.synchronize()
             row["call_mib"][label] = (torch.cuda.max_memory_reserved() - reserved) / 2**20
             row["peak_mib"][label] = held[label] / 2**20 + row["call_mib"][label]
+    row["peak_mib_shared"] = dict(row["peak_mib"])
+    row["memory"] = "all variants in one process"
+    if memory_alone:
+        _memory_of_each_alone(row, name, dtype_name, batch, list(calls), variant_s)
     fast = handles.get("streamdag")
     if fast is not None:
         _describe_streamdag(fast, row)
     return row
+
+
+def _memory_of_each_alone(row: dict[str, Any], name: str, dtype_name: str, batch: int,
+                          labels: list[str], variant_s: float) -> None:
+    """``row``'s ``peak_mib`` and ``call_mib`` of each variant set up alone in a process of its own
+    (:func:`memory_alone`); a variant whose process fails keeps its shared figure, and the row
+    says so in ``memory_errors``."""
+    errors = {}
+    for label in labels:
+        with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as tmp:
+            out_path = tmp.name
+        cmd = [sys.executable, __file__, "--worker", name, "--memory-of", label, "--dtypes", dtype_name,
+               "--batches", str(batch), "--variant-s", str(variant_s), "--worker-out", out_path]
+        try:
+            proc = subprocess.run(cmd, timeout=variant_s + 60, capture_output=True, text=True)
+            text = Path(out_path).read_text()
+            if proc.returncode != 0 or not text.strip():
+                errors[label] = f"exit {proc.returncode}: {proc.stderr[-500:]}"
+            else:
+                row["peak_mib"][label], row["call_mib"][label] = json.loads(text)
+        except subprocess.TimeoutExpired:
+            errors[label] = f"over the {variant_s + 60:.0f} s limit"
+        finally:
+            os.unlink(out_path)
+    row["memory"] = "each variant alone in a process" + (" (but those in memory_errors)" if errors else "")
+    if errors:
+        row["memory_errors"] = errors
+
+
+def memory_alone(name: str, dtype_name: str, batch: int, label: str, variant_s: float) -> tuple[float, float]:
+    """One variant of a row set up alone in this process, as :func:`run_row` sets it up: (MiB it
+    keeps after its first calls plus what one more call adds, MiB that call adds)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    model, make_inputs = build(name)
+    model = model.cuda().to(dtype)
+    args, kwargs = make_inputs(batch, dtype)
+    with torch.inference_mode():
+        before = segments()
+        _alarm(variant_s)
+        try:
+            call, out, _ = _setup(label, model, args, kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        del out
+        held = added_bytes(before, segments())
+        reserved = sum(segments().values())
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        call_mib = (torch.cuda.max_memory_reserved() - reserved) / 2**20
+    return held / 2**20 + call_mib, call_mib
 
 
 def _describe_streamdag(fast: Any, row: dict[str, Any]) -> None:
@@ -264,11 +329,16 @@ def worker(args: argparse.Namespace) -> int:
     if args.warm_only:
         warm(args.worker, args.dtypes, args.batches, args.variant_s)
         return 0
+    if args.memory_of:
+        figures = memory_alone(args.worker, args.dtypes, int(args.batches), args.memory_of, args.variant_s)
+        Path(args.worker_out).write_text(json.dumps(figures))
+        return 0
     with open(args.worker_out, "a") as out:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 try:
-                    row = run_row(args.worker, dtype, batch, args.variant_s, args.rounds)
+                    row = run_row(args.worker, dtype, batch, args.variant_s, args.rounds,
+                                  args.memory_alone)
                 except Exception as exc:  # the model itself failed (build, inputs): the row says so
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
@@ -376,7 +446,12 @@ def main() -> int:
                    help="first compile every row untimed, J processes at a time (fills Inductor's caches)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the existing result file that this run does not redo")
+    p.add_argument("--memory-alone", action="store_true",
+                   help="take each variant's memory with it set up alone in a process of its own (in the "
+                        "process that times them all, the first variant on a stream pays its workspaces "
+                        "for the others); a setup more per variant: raise --model-s")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -487,6 +562,8 @@ def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[
            "--batches", args.batches, "--variant-s", str(args.variant_s), "--rounds", str(args.rounds)]
     if args.cold_compile:
         cmd.append("--cold-compile")
+    if args.memory_alone:
+        cmd.append("--memory-alone")
     note = None
     t0 = time.perf_counter()
     try:

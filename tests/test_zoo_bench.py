@@ -1,0 +1,36 @@
+"""bench/zoo.py's row plumbing that runs without a GPU: a memory process that fails loses nothing."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    """bench/zoo.py, loaded with bench/ on the path, which is then put back as it was."""
+    path, modules = sys.path[:], set(sys.modules)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("zoo_bench", ROOT / "bench" / "zoo.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            del sys.modules[name]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the failure path: its process fails without CUDA")
+def test_a_variant_whose_memory_process_fails_keeps_its_shared_figure_and_the_row_says_why(zoo):
+    row = {"peak_mib": {"eager": 56.0}, "call_mib": {"eager": 24.0}}
+    # on a machine without CUDA the process fails (it moves the model to the GPU)
+    zoo._memory_of_each_alone(row, "bert", "fp32", 1, ["eager"], 60.0)
+    assert row["peak_mib"] == {"eager": 56.0} and row["call_mib"] == {"eager": 24.0}
+    assert row["memory"] == "each variant alone in a process (but those in memory_errors)"
+    assert set(row["memory_errors"]) == {"eager"} and row["memory_errors"]["eager"].startswith("exit ")
