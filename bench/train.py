@@ -61,6 +61,7 @@ import concurrent.futures
 import contextlib
 import copy
 import json
+import os
 import queue
 import statistics
 import subprocess
@@ -296,7 +297,11 @@ def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
 
 
 def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
-              variant_s: float | None, gpu: int, warm_only: bool = False) -> dict[str, Any]:
+              variant_s: float | None, gpu: int, warm_only: bool = False,
+              compile_threads: int | None = None) -> dict[str, Any]:
+    env = gpu_env(gpu)
+    if compile_threads is not None:  # (processes compiling side by side share the host's cores)
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variant.json"
         cmd = [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
@@ -304,7 +309,7 @@ def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
                "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto"),
                *(["--warm-only"] if warm_only else [])]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s, env=gpu_env(gpu))
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s, env=env)
         except subprocess.TimeoutExpired:
             return {"errors": {label: f"over the variant's time limit of {variant_s:.0f} s"}}
         if done.returncode != 0 or not out.exists():
@@ -320,10 +325,11 @@ def prewarm(keys: list[tuple[str, str, int]], variants: tuple[str, ...], jobs: i
     met again, and recorded, by the timed run."""
     t0 = time.perf_counter()
     work = [(v, *key) for key in keys for v in variants if v != "eager"]
+    threads = max(1, (os.cpu_count() or 1) // jobs)
 
     def one(i: int, job: tuple[str, str, str, int]) -> None:
         label, name, dtype, batch = job
-        _in_child(label, name, dtype, batch, 1, variant_s, i % gpus, warm_only=True)
+        _in_child(label, name, dtype, batch, 1, variant_s, i % gpus, warm_only=True, compile_threads=threads)
 
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         list(pool.map(one, range(len(work)), work))
@@ -486,6 +492,8 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     keys = [(m, d, b) for m in models for d in args.dtypes.split(",") for b in batches]
+    if args.prewarm < 0:
+        p.error(f"--prewarm {args.prewarm}: a number of processes, 0 for none")
     if args.prewarm and cuda:
         prewarm(keys, variants, args.prewarm, args.gpus, args.variant_s)
     free_gpus: queue.SimpleQueue[int] = queue.SimpleQueue()

@@ -146,8 +146,7 @@ def added_bytes(before: dict[tuple[Any, ...], int], after: dict[tuple[Any, ...],
     return sum(size for segment, size in after.items() if segment not in before)
 
 
-def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int,
-            memory_alone: bool = False) -> dict[str, Any]:
+def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: int) -> dict[str, Any]:
     import torch
 
     from streamdag.suite.cuda_timing import host_us, idle_host_us, interleaved_wall_ms
@@ -202,10 +201,8 @@ def run_row(name: str, dtype_name: str, batch: int, variant_s: float, rounds: in
             torch.cuda.synchronize()
             row["call_mib"][label] = (torch.cuda.max_memory_reserved() - reserved) / 2**20
             row["peak_mib"][label] = held[label] / 2**20 + row["call_mib"][label]
-    row["peak_mib_shared"] = dict(row["peak_mib"])
+    row["peak_mib_shared"], row["call_mib_shared"] = dict(row["peak_mib"]), dict(row["call_mib"])
     row["memory"] = "all variants in one process"
-    if memory_alone:
-        _memory_of_each_alone(row, name, dtype_name, batch, list(calls), variant_s)
     fast = handles.get("streamdag")
     if fast is not None:
         _describe_streamdag(fast, row)
@@ -257,6 +254,8 @@ def memory_alone(name: str, dtype_name: str, batch: int, label: str, variant_s: 
             signal.setitimer(signal.ITIMER_REAL, 0)
         del out
         held = added_bytes(before, segments())
+        for _ in range(10):  # (the shared process measures after its timed calls)
+            call()
         reserved = sum(segments().values())
         torch.cuda.reset_peak_memory_stats()
         call()
@@ -337,8 +336,7 @@ def worker(args: argparse.Namespace) -> int:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 try:
-                    row = run_row(args.worker, dtype, batch, args.variant_s, args.rounds,
-                                  args.memory_alone)
+                    row = run_row(args.worker, dtype, batch, args.variant_s, args.rounds)
                 except Exception as exc:  # the model itself failed (build, inputs): the row says so
                     row = {"model": args.worker, "dtype": dtype, "batch": batch,
                            "errors": {"row": f"{type(exc).__name__}: {exc}"},
@@ -347,6 +345,11 @@ def worker(args: argparse.Namespace) -> int:
                                    "rounds": args.rounds, "load_1min": host_load()}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
+                if args.memory_alone and "peak_mib" in row:  # (written again: a time limit keeps the first)
+                    _memory_of_each_alone(row, args.worker, dtype, batch, list(row["peak_mib"]),
+                                          args.variant_s)
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
     return 0
@@ -566,18 +569,28 @@ def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[
         cmd.append("--memory-alone")
     note = None
     t0 = time.perf_counter()
+    # a session of its own: at its time limit the worker goes with the processes it started
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gpu_env(gpu),
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, timeout=args.model_s, capture_output=True, text=True, env=gpu_env(gpu))
+        _, stderr = proc.communicate(timeout=args.model_s)
         if proc.returncode != 0:
-            note = f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"
+            note = f"worker exited {proc.returncode}: {stderr[-2000:]}"
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         note = f"worker over the {args.model_s:.0f} s limit"
-    rows = [json.loads(line) for line in Path(out_path).read_text().splitlines() if line.strip()]
+    last: dict[tuple[str, int], dict[str, Any]] = {}  # a row written again (its memory alone) counts last
+    for line in Path(out_path).read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # (a line cut off by the time limit)
+            row = json.loads(line)
+            last[(row["dtype"], row["batch"])] = row
     os.unlink(out_path)
+    rows = list(last.values())
     wanted = [(d, int(b)) for d in args.dtypes.split(",") for b in args.batches.split(",")]
-    have = {(r["dtype"], r["batch"]) for r in rows}
     for d, b in wanted:
-        if (d, b) not in have:
+        if (d, b) not in last:
             rows.append({"model": name, "dtype": d, "batch": b, "errors": {"row": note or "no row written"}})
     for r in rows:
         r.setdefault("worker_s", time.perf_counter() - t0)

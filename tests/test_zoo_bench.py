@@ -1,5 +1,6 @@
 """bench/zoo.py's row plumbing that runs without a GPU: a memory process that fails loses nothing."""
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -34,3 +35,11 @@ def test_a_variant_whose_memory_process_fails_keeps_its_shared_figure_and_the_ro
     assert row["peak_mib"] == {"eager": 56.0} and row["call_mib"] == {"eager": 24.0}
     assert row["memory"] == "each variant alone in a process (but those in memory_errors)"
     assert set(row["memory_errors"]) == {"eager"} and row["memory_errors"]["eager"].startswith("exit ")
+
+
+def test_a_worker_over_its_time_limit_leaves_each_row_it_owed_with_the_reason(zoo):
+    args = argparse.Namespace(dtypes="fp32,bf16", batches="1", variant_s=10.0, rounds=1, cold_compile=False,
+                              memory_alone=True, model_s=0.5)
+    rows = zoo._run_worker("bert", args)
+    assert sorted((r["dtype"], r["batch"]) for r in rows) == [("bf16", 1), ("fp32", 1)]
+    assert all(r["errors"] == {"row": "worker over the 0 s limit"} for r in rows)
