@@ -321,8 +321,7 @@ def prewarm(keys: list[tuple[str, str, int]], variants: tuple[str, ...], jobs: i
             variant_s: float | None) -> None:
     """Compile every variant of every row untimed, ``jobs`` processes at a time over the GPUs, so that
     the timed processes find Inductor's and AOTAutograd's caches filled (a variant's compile is then
-    a cache hit, not minutes: six variants of one row fit a lent machine's call). A failure here is
-    met again, and recorded, by the timed run."""
+    a cache hit, not minutes). A failure here is met again, and recorded, by the timed run."""
     t0 = time.perf_counter()
     work = [(v, *key) for key in keys for v in variants if v != "eager"]
     threads = max(1, (os.cpu_count() or 1) // jobs)

@@ -1,31 +1,17 @@
 """bench/train.py's gradient check compares what the variants compute: its loss reaches every
 parameter, and a gradient that one variant leaves as None and another as zeros is no error."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def train():
-    """bench/train.py, loaded with bench/ on the path (it imports its neighbours zoo.py and
-    zoo_models.py), which is then put back as it was, with the modules that loading added."""
-    path, modules = sys.path[:], set(sys.modules)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("train_bench", ROOT / "bench" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_script("train") as module:
         yield module
-    finally:
-        sys.path[:] = path
-        for name in set(sys.modules) - modules:
-            del sys.modules[name]
 
 
 def test_the_loss_of_a_layer_normed_output_still_reaches_the_layers_before_the_norm(train):

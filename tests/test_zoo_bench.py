@@ -1,30 +1,18 @@
 """bench/zoo.py's row plumbing that runs without a GPU: a memory process that fails loses nothing."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench_scripts import bench_script
+
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    """bench/zoo.py, loaded with bench/ on the path, which is then put back as it was."""
-    path, modules = sys.path[:], set(sys.modules)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("zoo_bench", ROOT / "bench" / "zoo.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_script("zoo") as module:
         yield module
-    finally:
-        sys.path[:] = path
-        for name in set(sys.modules) - modules:
-            del sys.modules[name]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the failure path: its process fails without CUDA")

@@ -1,0 +1,27 @@
+"""Loading a script of bench/ as a module in a test."""
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@contextmanager
+def bench_script(name: str) -> Iterator[ModuleType]:
+    """bench/<name>.py, loaded with bench/ on the path (scripts import their neighbours, such as
+    zoo_models.py), which is then put back as it was, with the modules that loading added."""
+    path, modules = sys.path[:], set(sys.modules)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path[:] = path
+        for added in set(sys.modules) - modules:
+            del sys.modules[added]
