@@ -123,9 +123,7 @@ def worker(ops: int) -> None:
         workloads.update({"cuda chain": (cuda_chain, ops), "rt.copy pinned 1 KiB": (copies, ops)})
     for run, n in workloads.values():  # warm up
         run(n)
-    print(json.dumps({"hot_path": native.status(where=False),
-                      "python": sorted(name for name, compiled in native.choices().items() if not compiled)}),
-          flush=True)
+    print(json.dumps(_hot_path_report(native)), flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
             break
@@ -137,6 +135,23 @@ def worker(ops: int) -> None:
         print(json.dumps(times), flush=True)
     for rt in runtimes:
         rt.close()
+
+
+def _hot_path_report(native) -> dict:
+    """What runs compiled, as this checkout's ``native`` says it; an older checkout (``--against``)
+    may lack ``choices`` and ``status``'s keyword, and reports what it has."""
+    try:
+        status = native.status(where=False)
+    except TypeError:
+        status = native.status()
+    choices = getattr(native, "choices", dict)()
+    return {"hot_path": status, "python": sorted(name for name, compiled in choices.items() if not compiled)}
+
+
+def _recorded(env: dict[str, str], commit: str | None) -> dict[str, str]:
+    """A configuration's settings as the results keep them: a second checkout by its commit."""
+    kept = {k: v for k, v in env.items() if k != "_SRC"}
+    return {**kept, "checkout": commit or "unknown"} if "_SRC" in env else kept
 
 
 def start(src: Path, env: dict[str, str], ops: int) -> subprocess.Popen:
@@ -164,9 +179,12 @@ def main() -> None:
 
     configs = (PIECES + (CUDA_PIECES if torch.cuda.is_available() else [])) if args.pieces else PIECES[:1]
     configs = [(args.label, {}), *configs[1:]]
+    commit = None
     if args.against is not None:
         label = args.against_label or f"{args.against.name}, all compiled"
         configs = [configs[0], (label, {"_SRC": str(args.against / "src")}), *configs[1:]]
+        commit = subprocess.run(["git", "-C", str(args.against), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
     procs = {}
     for label, env in configs:
         env = dict(env)
@@ -207,7 +225,8 @@ def main() -> None:
     print(write_json(Path(__file__).parent / "results", stem,
                      {"settings": {"rounds": args.rounds, "ops_per_round": args.ops,
                                    "machine": platform.processor() or platform.machine(),
-                                   "configs": {label: {**env, **info[label]} for label, env in configs}},
+                                   "configs": {label: {**_recorded(env, commit if "_SRC" in env else None),
+                                                       **info[label]} for label, env in configs}},
                       "us": medians, "x_first": ratios, "rounds_us": rounds}))
 
 
