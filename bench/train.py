@@ -64,7 +64,6 @@ import json
 import os
 import queue
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +74,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from children import run_child
 from streamdag.suite.report import source_digest
 from zoo import added_bytes, commit, environment, gpu_env, host_load, kept_rows, segments, utc_now
 from zoo_models import build, first_tensor
@@ -286,8 +286,11 @@ def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
     row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch, "ms": {}, "grad_max_rel_err": {},
                            "grad_check": {}, "peak_mib": {}, "errors": {}}
     for label in variants:
+        t0 = time.perf_counter()
         part = _in_child(label, name, dtype, batch, rounds, variant_s, gpu) if device == "cuda" \
             else measure_variant(label, name, dtype, batch, device, rounds)
+        outcome = part.get("errors", {}).get(label) or f"{part.get('ms', {}).get(label, float('nan')):.3f} ms"
+        print(f"  {name} {dtype} b{batch} {label}: {outcome} ({time.perf_counter() - t0:.0f} s)", flush=True)
         for key, value in part.items():
             if isinstance(row.get(key), dict):
                 row[key].update(value)
@@ -308,12 +311,11 @@ def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
                "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
                "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto"),
                *(["--warm-only"] if warm_only else [])]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_s, env=env)
-        except subprocess.TimeoutExpired:
+        done = run_child(cmd, variant_s, env=env)
+        if done.timed_out:
             return {"errors": {label: f"over the variant's time limit of {variant_s:.0f} s"}}
         if done.returncode != 0 or not out.exists():
-            return {"errors": {label: f"exit {done.returncode}: {done.stderr[-500:]}"}}
+            return {"errors": {label: f"exit {done.returncode}: {done.output[-500:]}"}}
         return json.loads(out.read_text())
 
 

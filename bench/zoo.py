@@ -72,6 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from children import run_child
 from zoo_models import MODELS, QUICK, SEQ, build, first_tensor, rel_err
 
 VARIANTS = ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")
@@ -220,17 +221,15 @@ def _memory_of_each_alone(row: dict[str, Any], name: str, dtype_name: str, batch
             out_path = tmp.name
         cmd = [sys.executable, __file__, "--worker", name, "--memory-of", label, "--dtypes", dtype_name,
                "--batches", str(batch), "--variant-s", str(variant_s), "--worker-out", out_path]
-        try:
-            proc = subprocess.run(cmd, timeout=variant_s + 60, capture_output=True, text=True)
-            text = Path(out_path).read_text()
-            if proc.returncode != 0 or not text.strip():
-                errors[label] = f"exit {proc.returncode}: {proc.stderr[-500:]}"
-            else:
-                row["peak_mib"][label], row["call_mib"][label] = json.loads(text)
-        except subprocess.TimeoutExpired:
+        done = run_child(cmd, variant_s + 60)
+        text = Path(out_path).read_text()
+        os.unlink(out_path)
+        if done.timed_out:
             errors[label] = f"over the {variant_s + 60:.0f} s limit"
-        finally:
-            os.unlink(out_path)
+        elif done.returncode != 0 or not text.strip():
+            errors[label] = f"exit {done.returncode}: {done.output[-500:]}"
+        else:
+            row["peak_mib"][label], row["call_mib"][label] = json.loads(text)
     row["memory"] = "each variant alone in a process" + (" (but those in memory_errors)" if errors else "")
     if errors:
         row["memory_errors"] = errors
@@ -533,8 +532,7 @@ def _prewarm(models: list[str], args: argparse.Namespace) -> None:
     def one(name: str, gpu: int) -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--warm-only", "--dtypes", args.dtypes,
                "--batches", args.batches, "--variant-s", str(args.variant_s), "--worker-out", os.devnull]
-        with contextlib.suppress(subprocess.TimeoutExpired):  # the timed run meets it and records it
-            subprocess.run(cmd, timeout=args.model_s, capture_output=True, env=gpu_env(gpu))
+        run_child(cmd, args.model_s, env=gpu_env(gpu))  # (a failure: the timed run meets it and records it)
 
     with concurrent.futures.ThreadPoolExecutor(args.prewarm) as pool:
         list(pool.map(one, models, [next(gpus) for _ in models]))
@@ -567,20 +565,10 @@ def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[
         cmd.append("--cold-compile")
     if args.memory_alone:
         cmd.append("--memory-alone")
-    note = None
     t0 = time.perf_counter()
-    # a session of its own: at its time limit the worker goes with the processes it started
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gpu_env(gpu),
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=args.model_s)
-        if proc.returncode != 0:
-            note = f"worker exited {proc.returncode}: {stderr[-2000:]}"
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        note = f"worker over the {args.model_s:.0f} s limit"
+    done = run_child(cmd, args.model_s, env=gpu_env(gpu))
+    note = (f"worker over the {args.model_s:.0f} s limit" if done.timed_out
+            else f"worker exited {done.returncode}: {done.output[-2000:]}" if done.returncode else None)
     last: dict[tuple[str, int], dict[str, Any]] = {}  # a row written again (its memory alone) counts last
     for line in Path(out_path).read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):  # (a line cut off by the time limit)

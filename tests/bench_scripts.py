@@ -19,6 +19,7 @@ def bench_script(name: str) -> Iterator[ModuleType]:
     try:
         spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (a dataclass looks its module up there)
         spec.loader.exec_module(module)
         yield module
     finally:

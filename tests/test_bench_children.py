@@ -1,0 +1,52 @@
+"""bench/children.py: a benchmark's child process ends at its time limit, with all it started."""
+
+import sys
+import time
+
+import pytest
+
+from bench_scripts import bench_script
+
+
+@pytest.fixture(scope="module")
+def children():
+    with bench_script("children") as module:
+        yield module
+
+
+# a child that starts a grandchild holding the child's output open for 30 s (as Inductor's compile
+# workers do), then either exits at once or sleeps past its limit
+_GRANDCHILD = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(30)']); print('started', flush=True); time.sleep(float(sys.argv[1]))")
+
+
+def test_a_child_that_exits_is_not_waited_for_past_its_grandchildren(children):
+    t0 = time.perf_counter()
+    done = children.run_child([sys.executable, "-c", _GRANDCHILD, "0"], timeout=20)
+    assert done.returncode == 0 and not done.timed_out
+    assert "started" in done.output
+    assert time.perf_counter() - t0 < 15
+
+
+def test_a_child_over_its_time_limit_is_killed_with_its_grandchildren(children):
+    t0 = time.perf_counter()
+    done = children.run_child([sys.executable, "-c", _GRANDCHILD, "60"], timeout=2)
+    assert done.timed_out and done.returncode is None
+    assert "started" in done.output
+    assert time.perf_counter() - t0 < 15
+
+
+def test_a_failing_child_reports_its_status_and_the_end_of_its_output(children):
+    done = children.run_child([sys.executable, "-c", "import sys; print('x' * 5000 + 'why'); sys.exit(3)"],
+                              timeout=20, tail=100)
+    assert done.returncode == 3 and len(done.output) == 100 and done.output.rstrip().endswith("why")
+
+
+def test_negative_control_reading_through_pipes_waits_for_the_grandchild(children):
+    """What run_child avoids: subprocess.run with captured output waits for the grandchild's 30 s."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", _GRANDCHILD, "0"], capture_output=True, timeout=3)
+    assert time.perf_counter() - t0 >= 3
