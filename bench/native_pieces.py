@@ -181,6 +181,7 @@ def main() -> None:
     configs = [(args.label, {}), *configs[1:]]
     commit = None
     if args.against is not None:
+        args.against = args.against.resolve()  # (the workers start in bench/)
         label = args.against_label or f"{args.against.name}, all compiled"
         configs = [configs[0], (label, {"_SRC": str(args.against / "src")}), *configs[1:]]
         commit = subprocess.run(["git", "-C", str(args.against), "rev-parse", "--short", "HEAD"],
