@@ -239,12 +239,14 @@ def render_compile_host(data: dict) -> str:
                   "graph replay ms (GPU)", "latency over replay µs", "compile s"], rows)
 
 
-def _memory_vs_ro(peak: dict) -> str:
-    """streamdag's peak memory over reduce-overhead's, e.g. ``52 MiB (1.04x)``."""
+def _memory_vs_ro(peak: dict, how: str | None = None) -> str:
+    """streamdag's peak memory over reduce-overhead's, e.g. ``52 MiB (1.04x)``; ``alone`` where each
+    variant was set up alone in a process (``how``, a zoo row's ``memory``), not after the others."""
     ours, ro = peak.get("streamdag"), peak.get("inductor_ro")
     if ours is None:
         return "—"
-    return f"{ours:.0f} MiB" + (f" ({ours / ro:.2f}x)" if ro else "")
+    alone = ", alone" if how and how.startswith("each variant alone") else ""
+    return f"{ours:.0f} MiB" + (f" ({ours / ro:.2f}x{alone})" if ro else "")
 
 
 def _compile_vs_inductor(seconds: dict) -> str:
@@ -273,7 +275,7 @@ def render_zoo(data: dict) -> str:
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
                      ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")),
                      ratio(best, ms.get("streamdag")), m.get("streams"),
-                     _memory_vs_ro(m.get("peak_mib") or {}), _compile_vs_inductor(m.get("compile_s") or {}),
+                     _memory_vs_ro(m.get("peak_mib") or {}, m.get("memory")), _compile_vs_inductor(m.get("compile_s") or {}),
                      _host_over_replay(m.get("idle_host_us") or {})])
     return table(["model", "dtype", "batch", "eager ms", "CUDA graph ms", "torch.compile ms",
                   "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams",
@@ -404,7 +406,10 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
             "reduce-overhead mode; the ratio is the best baseline's time over streamdag's. Compile time is "
             "streamdag's first calls against torch.compile's, in one process after it (Inductor's caches "
             "hold what torch.compile built); host time is a call's, begun with the GPU idle, over a "
-            "bare replay of a CUDA graph's.", render_zoo),
+            "bare replay of a CUDA graph's. Peak memory is each way's after the others in one process, "
+            "which moves with their order (the caching allocator keeps what an earlier way freed), "
+            "except where it says \"alone\": each way set up alone in a process of its own "
+            "(`--memory-alone`).", render_zoo),
     "llm_decode": ("bench/llm_decode.py", "Greedy token generation with Llama-style configs (random "
                    "weights), a 512-token prompt and 256 new tokens: Hugging Face's generate eager, with a "
                    "static cache under torch.compile reduce-overhead, and `streamdag.decoder`.",
