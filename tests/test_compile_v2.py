@@ -351,6 +351,11 @@ def test_options_of_the_make_fx_path_name_the_engine_that_takes_them():
         sd.compile(torch.relu, regions="sometimes")
 
 
+def test_a_misspelt_option_is_refused_by_streamdag_compile_listing_the_options_it_takes():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'stream'; it takes streams, regions, "):
+        sd.compile(torch.relu, stream=2)
+
+
 def test_a_graph_inductor_cannot_compile_runs_on_the_make_fx_path_and_says_so(monkeypatch):
     import torch._inductor.compile_fx as cfx
 

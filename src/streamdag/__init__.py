@@ -51,6 +51,8 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
     the make_fx path, one op per aten node (:func:`streamdag.frontend.compile`).
     Importing either imports torch.
     """
+    import inspect
+
     from .frontend import dynamo  # noqa: F401 - registers backend="streamdag"
     from .frontend.compiled_model import compile_v2
     from .frontend.inductor_backend import engine_from
@@ -63,6 +65,11 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
     if aten_only:
         raise TypeError(f"streamdag.compile: {', '.join(aten_only)} belong to the make_fx path: "
                         "pass engine='aten' with them")
+    known = [name for name in inspect.signature(compile_v2).parameters if name != "fn"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"streamdag.compile got unknown option(s) {', '.join(map(repr, unknown))}; "
+                        f"it takes {', '.join(known)} (and engine='aten' with its own)")
     return compile_v2(fn, **options)
 
 
