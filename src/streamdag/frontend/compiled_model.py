@@ -8,6 +8,7 @@ and says once why. :mod:`.inductor_backend` is the graphs' side.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import sys
@@ -94,6 +95,44 @@ def _with_room_to_recompile(compiled: Callable[..., Any], args: tuple[Any, ...],
                 setattr(config, _LIMIT, _limit_outside)
 
 
+class _HookGuards:
+    """Dynamo's guards on module hooks, on for the calls on Dynamo's path that run now (entered by
+    each, in any thread; the last to leave puts back the setting in force outside them, unless
+    another was set meanwhile).
+
+    Dynamo skips them by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a forward
+    hook added after the first call went unseen: the call ran the code compiled without it, and so
+    did a whole-call graph captured again after the model's state showed the change. With them on,
+    a hook added or removed compiles the graph again. They are on for calls without gradients: on
+    the GPU those reach Dynamo only to capture a whole call (a replay checks the hooks in its own
+    state check). A training call goes through Dynamo's guards at every step, where these cost
+    about 1.2 µs per submodule (on the CPU, 120 submodules took a call from 555 to 705 µs), so training
+    keeps Dynamo's default, as ``torch.compile`` does."""
+
+    _lock = threading.Lock()
+    _depth = 0  # calls inside, in any thread
+    _outside = True  # the setting in force outside them
+
+    def __enter__(self) -> None:
+        config = torch._dynamo.config
+        with self._lock:
+            if _HookGuards._depth == 0:
+                _HookGuards._outside = config.skip_nnmodule_hook_guards
+                config.skip_nnmodule_hook_guards = False
+            _HookGuards._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        config = torch._dynamo.config
+        with self._lock:
+            _HookGuards._depth -= 1
+            if _HookGuards._depth == 0 and config.skip_nnmodule_hook_guards is False:
+                config.skip_nnmodule_hook_guards = _HookGuards._outside
+
+
+_hook_guards = _HookGuards() if hasattr(torch._dynamo.config, "skip_nnmodule_hook_guards") else None
+_NO_GUARDS = contextlib.nullcontext()
+
+
 def _rnn_left_to_eager(fn: Any) -> str:
     """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
     (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""
@@ -159,10 +198,11 @@ class CompiledModel:
             return self.__wrapped__(*args, **kwargs)
         ran = self.backend.ran
         before = ran.count
-        if _OWN_RECOMPILE_LIMIT:
-            out = self._compiled(*args, **kwargs)
-        else:
-            out = _with_room_to_recompile(self._compiled, args, kwargs)
+        with _hook_guards if _hook_guards is not None and not torch.is_grad_enabled() else _NO_GUARDS:
+            if _OWN_RECOMPILE_LIMIT:
+                out = self._compiled(*args, **kwargs)
+            else:
+                out = _with_room_to_recompile(self._compiled, args, kwargs)
         if ran.count == before:
             self._ran_eagerly()
         return out
