@@ -216,6 +216,7 @@ def _memory_of_each_alone(row: dict[str, Any], name: str, dtype_name: str, batch
     (:func:`memory_alone`); a variant whose process fails keeps its shared figure, and the row
     says so in ``memory_errors``."""
     errors = {}
+    every = set(labels) == set(row["peak_mib"])
     for label in labels:
         with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as tmp:
             out_path = tmp.name
@@ -230,9 +231,22 @@ def _memory_of_each_alone(row: dict[str, Any], name: str, dtype_name: str, batch
             errors[label] = f"exit {done.returncode}: {done.output[-500:]}"
         else:
             row["peak_mib"][label], row["call_mib"][label] = json.loads(text)
-    row["memory"] = "each variant alone in a process" + (" (but those in memory_errors)" if errors else "")
+    row["memory"] = (("each variant alone in a process" if every
+                      else f"alone in a process each: {', '.join(labels)}; the others in one")
+                     + (" (but those in memory_errors)" if errors else ""))
     if errors:
         row["memory_errors"] = errors
+
+
+def alone_labels(chosen: str, labels: list[str]) -> list[str]:
+    """The variants of ``labels`` whose memory ``--memory-alone chosen`` takes alone ('all': each)."""
+    if chosen == "all":
+        return labels
+    wanted = [v.strip() for v in chosen.split(",") if v.strip()]
+    unknown = sorted(set(wanted) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--memory-alone: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    return [label for label in labels if label in wanted]
 
 
 def memory_alone(name: str, dtype_name: str, batch: int, label: str, variant_s: float) -> tuple[float, float]:
@@ -345,8 +359,8 @@ def worker(args: argparse.Namespace) -> int:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 if args.memory_alone and "peak_mib" in row:  # (written again: a time limit keeps the first)
-                    _memory_of_each_alone(row, args.worker, dtype, batch, list(row["peak_mib"]),
-                                          args.variant_s)
+                    alone = alone_labels(args.memory_alone, list(row["peak_mib"]))
+                    _memory_of_each_alone(row, args.worker, dtype, batch, alone, args.variant_s)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                 torch._dynamo.reset()
@@ -448,10 +462,11 @@ def main() -> int:
                    help="first compile every row untimed, J processes at a time (fills Inductor's caches)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the existing result file that this run does not redo")
-    p.add_argument("--memory-alone", action="store_true",
+    p.add_argument("--memory-alone", nargs="?", const="all", default=None, metavar="VARIANTS",
                    help="take each variant's memory with it set up alone in a process of its own (in the "
                         "process that times them all, the first variant on a stream pays its workspaces "
-                        "for the others); a setup more per variant: raise --model-s")
+                        "for the others); a setup more per variant: raise --model-s. A comma list "
+                        "(e.g. streamdag,inductor_ro) takes those variants' alone, the others' shared"),
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
@@ -470,6 +485,8 @@ def main() -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
+    if args.memory_alone:
+        alone_labels(args.memory_alone, list(VARIANTS))  # (a misspelt variant stops the run here)
     import torch
 
     if not torch.cuda.is_available():
@@ -564,7 +581,7 @@ def _run_worker(name: str, args: argparse.Namespace, gpu: int = 0) -> list[dict[
     if args.cold_compile:
         cmd.append("--cold-compile")
     if args.memory_alone:
-        cmd.append("--memory-alone")
+        cmd += ["--memory-alone", args.memory_alone]
     t0 = time.perf_counter()
     done = run_child(cmd, args.model_s, env=gpu_env(gpu))
     note = (f"worker over the {args.model_s:.0f} s limit" if done.timed_out

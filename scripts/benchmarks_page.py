@@ -245,7 +245,8 @@ def _memory_vs_ro(peak: dict, how: str | None = None) -> str:
     ours, ro = peak.get("streamdag"), peak.get("inductor_ro")
     if ours is None:
         return "—"
-    alone = ", alone" if how and how.startswith("each variant alone") else ""
+    alone = ", alone" if how and (how.startswith("each variant alone") or (
+        how.startswith("alone in a process each:") and "streamdag" in how and "inductor_ro" in how)) else ""
     return f"{ours:.0f} MiB" + (f" ({ours / ro:.2f}x{alone})" if ro else "")
 
 
@@ -275,7 +276,8 @@ def render_zoo(data: dict) -> str:
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
                      ("eager", "cuda_graph", "inductor", "inductor_ro", "streamdag")),
                      ratio(best, ms.get("streamdag")), m.get("streams"),
-                     _memory_vs_ro(m.get("peak_mib") or {}, m.get("memory")), _compile_vs_inductor(m.get("compile_s") or {}),
+                     _memory_vs_ro(m.get("peak_mib") or {}, m.get("memory")),
+                     _compile_vs_inductor(m.get("compile_s") or {}),
                      _host_over_replay(m.get("idle_host_us") or {})])
     return table(["model", "dtype", "batch", "eager ms", "CUDA graph ms", "torch.compile ms",
                   "reduce-overhead ms", "streamdag ms", "streamdag vs best", "streams",
