@@ -51,6 +51,7 @@ several runs (each row names the commit and time it was measured at).
     PYTHONPATH=src python bench/zoo.py --models resnet50,bert --dtypes bf16 --batches 1,8
     PYTHONPATH=src python bench/zoo.py --gpus 8 --prewarm 16 --merge
     PYTHONPATH=src python bench/zoo.py --models googlenet,gpt2 --memory-alone --model-s 900 --merge
+    PYTHONPATH=src python bench/zoo.py --gpus 4 --memory-alone streamdag,inductor_ro --merge
 """
 
 from __future__ import annotations
