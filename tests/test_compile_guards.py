@@ -613,45 +613,6 @@ def test_a_module_first_called_in_inference_mode_runs_under_no_grad_too(engine, 
     assert c.statistics().eager_calls == 0
 
 
-# --- hooks added after the first calls ----------------------------------------------------------
-
-def _hooked_calls(c, m, device, calls=4):
-    """Calls before a forward hook, with it, and after its removal; each output against eager's."""
-    x = torch.randn(4, 8, device=device)
-    with torch.no_grad():
-        for _ in range(calls):
-            torch.testing.assert_close(c(x), m(x))
-        handle = m[0].register_forward_hook(lambda module, args, out: out * 3)
-        with_hook = [(c(x), m(x)) for _ in range(calls)]
-        handle.remove()
-        without = [(c(x), m(x)) for _ in range(calls)]
-    return with_hook, without
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_forward_hook_added_after_the_first_calls_runs_from_the_next_call_and_stops_when_removed(
-        engine, device):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).to(device).eval()
-    c = sd.compile(m, engine=engine)
-    with_hook, without = _hooked_calls(c, m, device)
-    for got, want in with_hook + without:
-        torch.testing.assert_close(got, want)
-    assert torch._dynamo.config.skip_nnmodule_hook_guards  # Dynamo's own setting, put back after each call
-
-
-@pytest.mark.slow
-def test_negative_control_without_the_hook_guards_a_hook_added_later_goes_unseen(monkeypatch):
-    from streamdag.frontend import compiled_model
-
-    monkeypatch.setattr(compiled_model, "_hook_guards", None)  # Dynamo's default: hooks unguarded
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
-    with_hook, _ = _hooked_calls(sd.compile(m), m, "cpu")
-    assert all(not torch.allclose(got, want) for got, want in with_hook)
-
-
 # --- on a GPU -------------------------------------------------------------------------------
 
 @pytest.mark.cuda

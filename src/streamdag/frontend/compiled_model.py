@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from .._diagnostics import warn
+from .hook_watch import HookWatch
 from .inductor_backend import _EAGER_WHY, MIN_GAIN, StreamdagBackend, V2Statistics, _Fallback
+from .state_watch import root_module
 from .whole_call import WholeCall
 
 __all__ = ["CompiledModel", "compile_v2"]
@@ -30,6 +32,10 @@ __all__ = ["CompiledModel", "compile_v2"]
 #: recompile limit, so the ninth compiled instance of a module class would run eagerly
 _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
+#: the compiles again for moved hooks (:meth:`CompiledModel._compile_again_for_hooks`) before calls
+#: with gradients run as written: a model whose hooks change at every step would compile at each
+_HOOK_COMPILES = 4
 
 _compiles = itertools.count(1)
 _compiles_made = 0  # streamdag.compile calls so far in this process
@@ -106,8 +112,9 @@ class _HookGuards:
     a hook added or removed compiles the graph again. They are on for calls without gradients: on
     the GPU those reach Dynamo only to capture a whole call (a replay checks the hooks in its own
     state check). A training call goes through Dynamo's guards at every step, where these cost
-    about 1.2 µs per submodule (on the CPU, 120 submodules took a call from 555 to 705 µs), so training
-    keeps Dynamo's default, as ``torch.compile`` does."""
+    about 1.2 µs per submodule (on the CPU, 120 submodules took a call from 555 to 705 µs): training
+    calls compare a snapshot of the hooks instead (:class:`.hook_watch.HookWatch`, under a µs where
+    the dicts' version tags are compiled) and compile again where they moved."""
 
     _lock = threading.Lock()
     _depth = 0  # calls inside, in any thread
@@ -166,6 +173,10 @@ class CompiledModel:
         target = fn if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(fn)
         self._compiled = torch.compile(target, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
+        root = root_module(fn)
+        #: the hooks the code compiled for calls with gradients runs (Dynamo does not guard them there)
+        self._hooks: HookWatch | None = HookWatch(root) if root is not None else None
+        self._hook_compiles = 0  # compiles again because the hooks moved
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
         options = backend.options
@@ -196,9 +207,18 @@ class CompiledModel:
         if self.backend.eager_reason and torch.is_grad_enabled():  # (explain() says why)
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        if grad and self._hooks is not None and not self._hooks.unchanged():
+            if not self._hooks.hooks_hold():
+                if not self._compile_again_for_hooks():
+                    return self._call(args, kwargs)  # (now with eager_reason set)
+            elif not self._hooks.children_hold():  # (Dynamo compiles a new submodule again itself)
+                self._hooks.take()
+            else:  # (a hook added and removed again)
+                self._hooks.retag()
         ran = self.backend.ran
         before = ran.count
-        with _hook_guards if _hook_guards is not None and not torch.is_grad_enabled() else _NO_GUARDS:
+        with _hook_guards if _hook_guards is not None and not grad else _NO_GUARDS:
             if _OWN_RECOMPILE_LIMIT:
                 out = self._compiled(*args, **kwargs)
             else:
@@ -206,6 +226,30 @@ class CompiledModel:
         if ran.count == before:
             self._ran_eagerly()
         return out
+
+    def _compile_again_for_hooks(self) -> bool:
+        """The model's hooks moved since the code for calls with gradients was compiled, which runs
+        the hooks it was traced with: compile it again (a fresh ``torch.compile`` of the same model
+        and backend shares no compiled code with the old one). After ``_HOOK_COMPILES`` of these,
+        calls with gradients run as written, and say why. False then."""
+        self._hooks.take()
+        name = type(self._hooks.root).__qualname__
+        if self._hook_compiles >= _HOOK_COMPILES:
+            self.backend.eager_reason = (
+                f"the hooks of {name} changed after {_HOOK_COMPILES} compiles for earlier changes of them: "
+                "calls with gradients run as written (Dynamo does not guard module hooks with gradients "
+                "on; register hooks before the first call, or compile the model again)")
+            warn(f"streamdag.compile: {self.backend.eager_reason}")
+            return False
+        self._hook_compiles += 1
+        target = self.__wrapped__ if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(self.__wrapped__)
+        self._compiled = torch.compile(target, backend=self.backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
+        if "hooks" not in self.backend._warned:
+            self.backend._warned.add("hooks")
+            warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "
+                 "first calls with gradients: compiled again so that it runs (Dynamo does not guard module "
+                 "hooks with gradients on); registering hooks before the first call saves the compile")
+        return True
 
     def _ran_eagerly(self) -> None:
         self.backend.stats.eager_calls += 1

@@ -79,7 +79,7 @@ def _probed(name: str, check: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, bo
     return None, False
 
 
-def _dict_tags() -> Any:
+def dict_tags() -> Any:
     """The compiled module's dict version tags, where they follow every change of an attribute
     (from CPython 3.13: once each object's dict is its own); a probe finds out, and otherwise (as
     where the compiled module is missing) the Python comparison runs alone."""
@@ -93,7 +93,7 @@ def _dict_tags() -> Any:
 
 def _dict_watcher() -> Any:
     """The compiled module's dict watcher (CPython 3.12 on), where its change count moves with
-    every change of an attribute: a probe finds out, as for :func:`_dict_tags`."""
+    every change of an attribute: a probe finds out, as for :func:`dict_tags`."""
     global _native_watch, _watch_checked, _watch_needs_own_dicts
     if not _watch_checked:
         _watch_checked = True
@@ -102,7 +102,8 @@ def _dict_watcher() -> Any:
     return _native_watch
 
 
-def _root_module(fn: Any) -> torch.nn.Module | None:
+def root_module(fn: Any) -> torch.nn.Module | None:
+    """The module ``fn`` is, or whose bound method it is; None otherwise."""
     if isinstance(fn, torch.nn.Module):
         return fn
     owner = getattr(fn, "__self__", None)
@@ -111,7 +112,7 @@ def _root_module(fn: Any) -> torch.nn.Module | None:
 
 def _code_of(fn: Any) -> Any:
     """The Python function whose globals and closure a call reads first: ``forward``, or ``fn``."""
-    root = _root_module(fn)
+    root = root_module(fn)
     target = getattr(type(root), "forward", None) if root is fn else fn
     target = getattr(target, "__func__", target)
     return target if hasattr(target, "__code__") and hasattr(target, "__globals__") else None
@@ -135,7 +136,7 @@ class StateWatch:
     def __init__(self, fn: Any) -> None:
         from ..runtime.capture import _layout_check
 
-        root = _root_module(fn)
+        root = root_module(fn)
         self.modules: ModuleState | None = ModuleState(root) if root is not None else None
         code = _code_of(fn)
         self.globals: dict[str, Any] = code.__globals__ if code is not None else {}
@@ -156,7 +157,7 @@ class StateWatch:
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
-        self._watch, self._native = _dict_watcher(), _dict_tags()
+        self._watch, self._native = _dict_watcher(), dict_tags()
         if ((self._watch is not None and _watch_needs_own_dicts)
                 or (self._native is not None and _tags_need_own_dicts)):
             owners = [*(root.modules() if root is not None else ()), *(o for _, o in found)]

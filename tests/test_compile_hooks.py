@@ -1,0 +1,162 @@
+"""Module hooks registered or removed after a compiled model's first calls run as eager runs them.
+
+Dynamo does not guard module hooks by default; calls without gradients run it with those guards
+on, and calls with gradients compile again where a snapshot of the hooks moved."""
+
+import copy
+import warnings
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+ENGINES = [pytest.param("inductor", marks=pytest.mark.slow), "aten"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo keeps its compiled code per code object: each test starts from none."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(device="cpu"):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).to(device)
+
+
+# --- calls without gradients ---------------------------------------------------------------------
+
+def _hooked_calls(c, m, device, calls=4):
+    """Calls before a forward hook, with it, and after its removal; each output against eager's."""
+    x = torch.randn(4, 8, device=device)
+    with torch.no_grad():
+        for _ in range(calls):
+            torch.testing.assert_close(c(x), m(x))
+        handle = m[0].register_forward_hook(lambda module, args, out: out * 3)
+        with_hook = [(c(x), m(x)) for _ in range(calls)]
+        handle.remove()
+        without = [(c(x), m(x)) for _ in range(calls)]
+    return with_hook, without
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_forward_hook_added_after_the_first_calls_runs_from_the_next_call_and_stops_when_removed(
+        engine, device):
+    m = _model(device).eval()
+    c = sd.compile(m, engine=engine)
+    with_hook, without = _hooked_calls(c, m, device)
+    for got, want in with_hook + without:
+        torch.testing.assert_close(got, want)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # Dynamo's own setting, put back after each call
+
+
+@pytest.mark.slow
+def test_negative_control_without_the_hook_guards_a_hook_added_later_goes_unseen(monkeypatch):
+    from streamdag.frontend import compiled_model
+
+    monkeypatch.setattr(compiled_model, "_hook_guards", None)  # Dynamo's default: hooks unguarded
+    m = _model().eval()
+    with_hook, _ = _hooked_calls(sd.compile(m), m, "cpu")
+    assert all(not torch.allclose(got, want) for got, want in with_hook)
+
+
+# --- calls with gradients (training) --------------------------------------------------------------
+
+def _step(call, model, x):
+    """One forward by ``call`` and backward: the output and ``model``'s gradients, then cleared."""
+    out = call(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return out.detach(), grads
+
+
+def _same_steps(c, m, ref, x, steps=2):
+    for _ in range(steps):
+        (out, grads), (want, want_grads) = _step(c, m, x), _step(ref, ref, x)
+        torch.testing.assert_close(out, want)
+        for got, expected in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, expected)
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "streamdag.compile" in str(w.message)]
+
+
+def test_a_forward_hook_added_after_the_first_training_steps_runs_from_the_next_step_and_stops_when_removed():
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    handles = [mod[0].register_forward_hook(lambda module, args, out: out * 3) for mod in (m, ref)]
+    said = _caught(lambda: _same_steps(c, m, ref, x))
+    assert len(said) == 1 and "compiled again so that it runs" in said[0]
+    for handle in handles:
+        handle.remove()
+    _same_steps(c, m, ref, x)
+    assert c.statistics().eager_calls == 0
+
+
+def test_a_backward_hook_added_after_the_first_training_steps_changes_the_gradients_as_in_eager():
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    for mod in (m, ref):
+        mod[2].register_full_backward_pre_hook(lambda module, grad_out: (grad_out[0] * 0.5,))
+    _caught(lambda: _same_steps(c, m, ref, x))
+
+
+def test_a_hook_on_a_submodule_put_in_after_the_first_training_steps_runs():
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    m[2] = copy.deepcopy(ref[2])  # (Dynamo compiles the new submodule again; its hooks come after)
+    _same_steps(c, m, ref, x)
+    for mod in (m, ref):
+        mod[2].register_forward_hook(lambda module, args, out: out - 1)
+    _caught(lambda: _same_steps(c, m, ref, x))
+
+
+def test_hooks_that_change_at_every_step_end_in_steps_run_as_written_that_say_why():
+    from streamdag.frontend.compiled_model import _HOOK_COMPILES
+
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x, steps=1)
+    said = []
+    for scale in range(2, _HOOK_COMPILES + 4):
+        handles = [mod[0].register_forward_hook(lambda module, args, out, s=scale: out * s)
+                   for mod in (m, ref)]
+        said += _caught(lambda: _same_steps(c, m, ref, x, steps=1))
+        for handle in handles:
+            handle.remove()
+    assert any("calls with gradients run as written" in s for s in said)
+    assert c.statistics().eager_calls >= 1
+    assert "register hooks before the first call" in c.explain()
+
+
+def test_negative_control_without_the_hook_watch_a_training_step_misses_a_hook_added_later():
+    m = _model()
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _step(c, m, x)
+    c._hooks = None  # Dynamo's default alone
+    m[0].register_forward_hook(lambda module, args, out: out * 3)
+    assert not torch.allclose(_step(c, m, x)[0], _step(m, m, x)[0])
