@@ -157,6 +157,16 @@ def test_negative_control_without_the_hook_watch_a_training_step_misses_a_hook_a
     c = sd.compile(m)
     x = torch.randn(4, 8)
     _step(c, m, x)
-    c._hooks = None  # Dynamo's default alone
+    c._hook_root, c._hooks = None, None  # Dynamo's default alone
     m[0].register_forward_hook(lambda module, args, out: out * 3)
     assert not torch.allclose(_step(c, m, x)[0], _step(m, m, x)[0])
+
+
+def test_hooks_registered_between_compile_and_the_first_step_compile_once_and_warn_of_nothing():
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    for mod in (m, ref):
+        mod[0].register_forward_hook(lambda module, args, out: out + 1)
+    said = _caught(lambda: _same_steps(c, m, ref, torch.randn(4, 8)))
+    assert said == [] and c.statistics().graphs == 1

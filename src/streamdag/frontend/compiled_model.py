@@ -173,9 +173,10 @@ class CompiledModel:
         target = fn if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(fn)
         self._compiled = torch.compile(target, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
-        root = root_module(fn)
-        #: the hooks the code compiled for calls with gradients runs (Dynamo does not guard them there)
-        self._hooks: HookWatch | None = HookWatch(root) if root is not None else None
+        #: the module whose hooks the code compiled for calls with gradients runs (Dynamo does not
+        #: guard them there), and those hooks, from the first such call on
+        self._hook_root = root_module(fn)
+        self._hooks: HookWatch | None = None
         self._hook_compiles = 0  # compiles again because the hooks moved
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
@@ -208,7 +209,9 @@ class CompiledModel:
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
         grad = torch.is_grad_enabled()
-        if grad and self._hooks is not None and not self._hooks.unchanged():
+        if grad and self._hooks is None and self._hook_root is not None:
+            self._hooks = HookWatch(self._hook_root)
+        elif grad and self._hooks is not None and not self._hooks.unchanged():
             if not self._hooks.hooks_hold():
                 if not self._compile_again_for_hooks():
                     return self._call(args, kwargs)  # (now with eager_reason set)
