@@ -148,6 +148,16 @@ def test_a_compiled_batch_norm_updates_its_statistics_after_train(engine):
 
 # --- replaced parameters, buffers, submodules and attributes --------------------------------
 
+class _Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.tag = "x1"
+
+    def forward(self, x):
+        return self.lin(x) * len(self.tag)
+
+
 class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()
@@ -243,26 +253,45 @@ def test_on_the_aten_engine_a_module_whose_state_changes_every_call_warns_once_t
 
 @pytest.mark.slow
 def test_on_the_inductor_engine_calls_past_dynamos_recompile_limit_run_eagerly_and_say_so_once():
-    m = _Scaled().eval()
+    from streamdag.frontend import compiled_model
+
+    m = _Tagged().eval()
     c = sd.compile(m)
     x = torch.randn(2, 4)
-    calls, limit = 12, torch._dynamo.config.recompile_limit
+    calls, limit = 20, torch._dynamo.config.recompile_limit
 
     def call_with_a_new_scale_each_time():
         for i in range(calls):
-            m.scale = float(i)
+            m.tag = f"x{i}"  # a string stays a constant, with symbolic shapes too: each new one compiles
             torch.testing.assert_close(c(x), m(x))
 
     with torch.no_grad():
         _, caught = _warnings_of(call_with_a_new_scale_each_time)
-    from streamdag.frontend import compiled_model
-
     if not compiled_model._OWN_RECOMPILE_LIMIT:  # its room to recompile, where torch cannot isolate
         limit *= min(compiled_model._compiles_made, compiled_model._ROOM_FOR)
+    limit += compiled_model._STATIC_COMPILES  # the compiles with static shapes, before the limit's own
     s = c.statistics()
     assert (s.graphs, s.eager_calls) == (limit, calls - limit)
     assert len(caught) == 1 and "recompile_limit" in caught[0] and "TORCH_LOGS=recompiles" in caught[0]
     assert f"{calls - limit} calls ran no compiled graph" in c.explain()
+
+
+@pytest.mark.parametrize("change", ["shape", "float attribute"])
+def test_a_model_called_with_a_new_shape_or_value_each_time_compiles_with_symbolic_shapes_and_stays_compiled(
+        change):
+    from streamdag.frontend import compiled_model
+
+    m = _Scaled().eval()
+    c = sd.compile(m)
+    calls = 3 * torch._dynamo.config.recompile_limit
+    with torch.no_grad():
+        for i in range(1, calls + 1):
+            x = torch.randn(i if change == "shape" else 2, 4)
+            m.scale = float(i) if change == "float attribute" else 1.0
+            torch.testing.assert_close(c(x), m(x))
+    s = c.statistics()
+    assert s.eager_calls == 0 and s.graphs <= compiled_model._STATIC_COMPILES + 2, c.explain()
+    assert "compiles calls without gradients with symbolic shapes after 4 of them" in c.explain()
 
 
 def test_a_recurrent_model_that_dynamo_runs_as_written_says_so_and_names_the_switch():

@@ -19,13 +19,15 @@ from typing import Any
 
 import torch
 
-from .._diagnostics import warn
+from .._diagnostics import get_logger, warn
 from .hook_watch import HookWatch
 from .inductor_backend import _EAGER_WHY, MIN_GAIN, StreamdagBackend, V2Statistics, _Fallback
 from .state_watch import root_module
 from .whole_call import WholeCall
 
 __all__ = ["CompiledModel", "compile_v2"]
+
+log = get_logger(__name__)
 
 #: Dynamo keeps compiled code per code object, and every ``streamdag.compile`` has a backend of its
 #: own: without isolation the compiles of all the models sharing a ``forward`` count against one
@@ -36,6 +38,10 @@ _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
 #: the compiles again for moved hooks (:meth:`CompiledModel._compile_again_for_hooks`) before calls
 #: with gradients run as written: a model whose hooks change at every step would compile at each
 _HOOK_COMPILES = 4
+
+#: calls that compile with every shape static before the model compiles with symbolic shapes
+#: (:meth:`CompiledModel._compile_with_symbolic_shapes`), under Dynamo's recompile limit of 8
+_STATIC_COMPILES = 4
 
 _compiles = itertools.count(1)
 _compiles_made = 0  # streamdag.compile calls so far in this process
@@ -170,9 +176,11 @@ class CompiledModel:
 
     def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
         self.backend: StreamdagBackend = backend
-        target = fn if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(fn)
-        self._compiled = torch.compile(target, backend=backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
         self.__wrapped__ = fn
+        self._compiled = self._wrapped(dynamic=False)
+        #: the wrapper that calls without gradients take once ``_STATIC_COMPILES`` of them compiled
+        self._compiled_symbolic: Callable[..., Any] | None = None
+        self._compile_calls = 0  # calls without gradients on Dynamo's path that compiled a graph
         #: the module whose hooks the code compiled for calls with gradients runs (Dynamo does not
         #: guard them there), and those hooks, from the first such call on
         self._hook_root = root_module(fn)
@@ -221,14 +229,40 @@ class CompiledModel:
                 self._hooks.retag()
         ran = self.backend.ran
         before = ran.count
+        graphs = self.backend.stats.graphs
+        compiled = self._compiled if grad or self._compiled_symbolic is None else self._compiled_symbolic
         with _hook_guards if _hook_guards is not None and not grad else _NO_GUARDS:
             if _OWN_RECOMPILE_LIMIT:
-                out = self._compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
             else:
-                out = _with_room_to_recompile(self._compiled, args, kwargs)
+                out = _with_room_to_recompile(compiled, args, kwargs)
+        if not grad and self.backend.stats.graphs != graphs and self._compiled_symbolic is None:
+            self._compile_calls += 1
+            if self._compile_calls >= _STATIC_COMPILES:
+                self._compile_with_symbolic_shapes()
         if ran.count == before:
             self._ran_eagerly()
         return out
+
+    def _wrapped(self, dynamic: bool) -> Callable[..., Any]:
+        """The model under ``torch.compile`` with this backend, afresh: it shares no compiled code
+        with an earlier wrapper (Dynamo keeps each wrapper's code apart)."""
+        fn = self.__wrapped__
+        target = fn if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(fn)
+        return torch.compile(target, backend=self.backend, dynamic=dynamic, **_OWN_RECOMPILE_LIMIT)
+
+    def _compile_with_symbolic_shapes(self) -> None:
+        """After ``_STATIC_COMPILES`` calls without gradients that compiled (new input shapes, other
+        argument values), later such calls go through a wrapper that compiles with symbolic shapes,
+        whose code every shape runs: Dynamo's recompile limit would otherwise leave the ninth shape
+        as written. On a GPU each shape still gets its whole-call graph, and those captured before
+        replay as they did. Calls with gradients keep the static wrapper: a training graph with
+        symbolic shapes runs outside the CUDA graph trees."""
+        self._compiled_symbolic = self._wrapped(dynamic=True)
+        self.backend.dynamic_note = (f"compiles calls without gradients with symbolic shapes after "
+                                     f"{_STATIC_COMPILES} of them compiled with static ones (new input "
+                                     "shapes and the like)")
+        log.info("streamdag.compile: %s", self.backend.dynamic_note)
 
     def _compile_again_for_hooks(self) -> bool:
         """The model's hooks moved since the code for calls with gradients was compiled, which runs
@@ -245,8 +279,7 @@ class CompiledModel:
             warn(f"streamdag.compile: {self.backend.eager_reason}")
             return False
         self._hook_compiles += 1
-        target = self.__wrapped__ if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(self.__wrapped__)
-        self._compiled = torch.compile(target, backend=self.backend, dynamic=False, **_OWN_RECOMPILE_LIMIT)
+        self._compiled = self._wrapped(dynamic=False)
         if "hooks" not in self.backend._warned:
             self.backend._warned.add("hooks")
             warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "

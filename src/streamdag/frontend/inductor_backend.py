@@ -426,6 +426,7 @@ class StreamdagBackend:
         self._warned: set[str] = set()
         self.eager_reason: str = ""  # why streamdag.compile's model runs eagerly with gradients on
         self.eager_why: str = _EAGER_WHY  # why Dynamo ran a call as written (no compiled graph ran)
+        self.dynamic_note: str = ""  # since when the model compiles with symbolic shapes, if it does
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -483,6 +484,8 @@ class StreamdagBackend:
         if n:
             why = self.eager_reason or self.eager_why
             parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {why}")
+        if self.dynamic_note:
+            parts.append(f"the model {self.dynamic_note}")
         return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
     def statistics(self) -> V2Statistics:
