@@ -8,7 +8,6 @@ and says once why. :mod:`.inductor_backend` is the graphs' side.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import sys
@@ -107,45 +106,6 @@ def _with_room_to_recompile(compiled: Callable[..., Any], args: tuple[Any, ...],
                 setattr(config, _LIMIT, _limit_outside)
 
 
-class _HookGuards:
-    """Dynamo's guards on module hooks, on for the calls on Dynamo's path that run now (entered by
-    each, in any thread; the last to leave puts back the setting in force outside them, unless
-    another was set meanwhile).
-
-    Dynamo skips them by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a forward
-    hook added after the first call went unseen: the call ran the code compiled without it, and so
-    did a whole-call graph captured again after the model's state showed the change. With them on,
-    a hook added or removed compiles the graph again. They are on for calls without gradients: on
-    the GPU those reach Dynamo only to capture a whole call (a replay checks the hooks in its own
-    state check). A training call goes through Dynamo's guards at every step, where these cost
-    about 1.2 µs per submodule (on the CPU, 120 submodules took a call from 555 to 705 µs): training
-    calls compare a snapshot of the hooks instead (:class:`.hook_watch.HookWatch`, under a µs where
-    the dicts' version tags are compiled) and compile again where they moved."""
-
-    _lock = threading.Lock()
-    _depth = 0  # calls inside, in any thread
-    _outside = True  # the setting in force outside them
-
-    def __enter__(self) -> None:
-        config = torch._dynamo.config
-        with self._lock:
-            if _HookGuards._depth == 0:
-                _HookGuards._outside = config.skip_nnmodule_hook_guards
-                config.skip_nnmodule_hook_guards = False
-            _HookGuards._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        config = torch._dynamo.config
-        with self._lock:
-            _HookGuards._depth -= 1
-            if _HookGuards._depth == 0 and config.skip_nnmodule_hook_guards is False:
-                config.skip_nnmodule_hook_guards = _HookGuards._outside
-
-
-_hook_guards = _HookGuards() if hasattr(torch._dynamo.config, "skip_nnmodule_hook_guards") else None
-_NO_GUARDS = contextlib.nullcontext()
-
-
 def _rnn_left_to_eager(fn: Any) -> str:
     """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
     (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""
@@ -181,11 +141,12 @@ class CompiledModel:
         #: the wrapper that calls without gradients take once ``_STATIC_COMPILES`` of them compiled
         self._compiled_symbolic: Callable[..., Any] | None = None
         self._compile_calls = 0  # calls without gradients on Dynamo's path that compiled a graph
-        #: the module whose hooks the code compiled for calls with gradients runs (Dynamo does not
-        #: guard them there), and those hooks, from the first such call on
+        #: the module whose hooks the compiled code runs (Dynamo does not guard them), and those
+        #: hooks, from the first call on Dynamo's path on
         self._hook_root = root_module(fn)
         self._hooks: HookWatch | None = None
         self._hook_compiles = 0  # compiles again because the hooks moved
+        self._as_written = ""  # why every call on Dynamo's path runs the model as written, if they do
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
         options = backend.options
@@ -213,29 +174,29 @@ class CompiledModel:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.backend.eager_reason and torch.is_grad_enabled():  # (explain() says why)
+        grad = torch.is_grad_enabled()
+        if (self.backend.eager_reason and grad) or self._as_written:  # (explain() says why)
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
-        grad = torch.is_grad_enabled()
-        if grad and self._hooks is None and self._hook_root is not None:
+        hooks = self._hooks
+        if hooks is None and self._hook_root is not None:
             self._hooks = HookWatch(self._hook_root)
-        elif grad and self._hooks is not None and not self._hooks.unchanged():
-            if not self._hooks.hooks_hold():
-                if not self._compile_again_for_hooks():
-                    return self._call(args, kwargs)  # (now with eager_reason set)
-            elif not self._hooks.children_hold():  # (Dynamo compiles a new submodule again itself)
-                self._hooks.take()
+        elif hooks is not None and not hooks.unchanged():
+            if not hooks.hooks_hold():
+                self._compile_again_for_hooks()
+                return self._call(args, kwargs)
+            if not hooks.children_hold():  # (Dynamo compiles a new submodule again itself)
+                hooks.take()
             else:  # (a hook added and removed again)
-                self._hooks.retag()
+                hooks.retag()
         ran = self.backend.ran
         before = ran.count
         graphs = self.backend.stats.graphs
         compiled = self._compiled if grad or self._compiled_symbolic is None else self._compiled_symbolic
-        with _hook_guards if _hook_guards is not None and not grad else _NO_GUARDS:
-            if _OWN_RECOMPILE_LIMIT:
-                out = compiled(*args, **kwargs)
-            else:
-                out = _with_room_to_recompile(compiled, args, kwargs)
+        if _OWN_RECOMPILE_LIMIT:
+            out = compiled(*args, **kwargs)
+        else:
+            out = _with_room_to_recompile(compiled, args, kwargs)
         if not grad and self.backend.stats.graphs != graphs and self._compiled_symbolic is None:
             self._compile_calls += 1
             if self._compile_calls >= _STATIC_COMPILES:
@@ -264,28 +225,30 @@ class CompiledModel:
                                      "shapes and the like)")
         log.info("streamdag.compile: %s", self.backend.dynamic_note)
 
-    def _compile_again_for_hooks(self) -> bool:
-        """The model's hooks moved since the code for calls with gradients was compiled, which runs
-        the hooks it was traced with: compile it again (a fresh ``torch.compile`` of the same model
-        and backend shares no compiled code with the old one). After ``_HOOK_COMPILES`` of these,
-        calls with gradients run as written, and say why. False then."""
+    def _compile_again_for_hooks(self) -> None:
+        """The model's hooks moved since its code was compiled, which runs the hooks it was traced
+        with (Dynamo does not guard module hooks): compile it again, by fresh ``torch.compile``
+        wrappers of the same model and backend, which share no compiled code with the old ones.
+        After ``_HOOK_COMPILES`` of these, calls on Dynamo's path run the model as written, and
+        say why."""
         self._hooks.take()
         name = type(self._hooks.root).__qualname__
         if self._hook_compiles >= _HOOK_COMPILES:
-            self.backend.eager_reason = (
+            self._as_written = (
                 f"the hooks of {name} changed after {_HOOK_COMPILES} compiles for earlier changes of them: "
-                "calls with gradients run as written (Dynamo does not guard module hooks with gradients "
-                "on; register hooks before the first call, or compile the model again)")
-            warn(f"streamdag.compile: {self.backend.eager_reason}")
-            return False
+                "calls run as written (Dynamo does not guard module hooks; register hooks before the "
+                "first call, or compile the model again)")
+            warn(f"streamdag.compile: {self._as_written}")
+            return
         self._hook_compiles += 1
         self._compiled = self._wrapped(dynamic=False)
+        if self._compiled_symbolic is not None:
+            self._compiled_symbolic = self._wrapped(dynamic=True)
         if "hooks" not in self.backend._warned:
             self.backend._warned.add("hooks")
             warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "
-                 "first calls with gradients: compiled again so that it runs (Dynamo does not guard module "
-                 "hooks with gradients on); registering hooks before the first call saves the compile")
-        return True
+                 "first calls: compiled again so that it runs (Dynamo does not guard module hooks); "
+                 "registering hooks before the first call saves the compile")
 
     def _ran_eagerly(self) -> None:
         self.backend.stats.eager_calls += 1
@@ -301,6 +264,8 @@ class CompiledModel:
         """Each graph: its region plan, every candidate with its time, and the one chosen; the
         whole-call graphs, and why a call that has none runs on Dynamo's path."""
         text = self.backend.explain()
+        if self._as_written:
+            text += f"\n\n{self._as_written}"
         return text if self.whole is None else f"{text}\n\n{self.whole.explain()}"
 
     def statistics(self) -> V2Statistics:
