@@ -169,3 +169,24 @@ def test_hooks_registered_between_compile_and_the_first_step_compile_once_and_wa
         mod[0].register_forward_hook(lambda module, args, out: out + 1)
     said = _caught(lambda: _same_steps(c, m, ref, torch.randn(4, 8)))
     assert said == [] and c.statistics().graphs == 1
+
+
+def test_a_model_holding_a_scripted_submodule_trains_and_sees_a_hook_added_later():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scripted = torch.jit.script(nn.Linear(8, 8))  # (its submodules are no plain dict)
+            self.tail = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.tail(self.scripted(x))
+
+    torch.manual_seed(0)
+    m = Holder()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    for mod in (m, ref):
+        mod.tail.register_forward_hook(lambda module, args, out: out * 2)
+    _caught(lambda: _same_steps(c, m, ref, x))

@@ -55,7 +55,7 @@ class HookWatch:
                        if isinstance(d := m.__dict__.get(kind), dict)] + _global_hooks()
         self._lengths = tuple(map(len, self._hooks))
         self._keys = [(d, tuple(d)) for d in self._hooks if d]
-        self._children = [m._modules for m in modules]
+        self._children = [d for m in modules if isinstance(d := m.__dict__.get("_modules"), dict)]
         self._child_lengths = tuple(map(len, self._children))
         self._child_values = tuple(itertools.chain.from_iterable(map(dict.values, self._children)))
         self._all = [*self._hooks, *self._children]
