@@ -294,6 +294,26 @@ def test_a_model_called_with_a_new_shape_or_value_each_time_compiles_with_symbol
     assert "compiles calls without gradients with symbolic shapes after 4 of them" in c.explain()
 
 
+def test_a_model_holding_a_torchscript_module_that_dynamo_runs_as_written_says_so_and_names_the_fix():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scripted = torch.jit.script(nn.Linear(4, 4))
+            self.tail = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.tail(self.scripted(x))
+
+    m = Holder().eval()
+    c = sd.compile(m)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        got, caught = _warnings_of(lambda: c(x))
+    torch.testing.assert_close(got, m(x))
+    assert len(caught) == 1 and "Dynamo does not trace TorchScript modules (scripted)" in caught[0]
+    assert "compile the eager modules they were scripted from" in c.explain()
+
+
 def test_a_recurrent_model_that_dynamo_runs_as_written_says_so_and_names_the_switch():
     gru = nn.GRU(8, 16, batch_first=True).eval()
     c = sd.compile(gru)

@@ -120,6 +120,21 @@ def _rnn_left_to_eager(fn: Any) -> str:
             "kernels are one call each); set it before the first call to compile them")
 
 
+def _script_left_to_eager(fn: Any) -> str:
+    """Why Dynamo ran a model as written where it holds TorchScript modules, which Dynamo does not
+    trace (they run in the TorchScript interpreter); '' where it holds none."""
+    root = root_module(fn)
+    if root is None:
+        return ""
+    names = [name or type(root).__name__ for name, m in root.named_modules()
+             if isinstance(m, torch.jit.ScriptModule)]
+    if not names:
+        return ""
+    return (f"Dynamo does not trace TorchScript modules ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}), and stops at the frame that calls one: compile the "
+            "eager modules they were scripted from")
+
+
 class CompiledModel:
     """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
 
@@ -255,7 +270,8 @@ class CompiledModel:
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
-            self.backend.eager_why = _rnn_left_to_eager(self.__wrapped__) or _EAGER_WHY
+            self.backend.eager_why = (_rnn_left_to_eager(self.__wrapped__)
+                                      or _script_left_to_eager(self.__wrapped__) or _EAGER_WHY)
             # the caller's line, past the whole-call path's frames (as many as the path it took)
             warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
                  f"{self.backend.eager_why}; statistics().eager_calls counts such calls")
