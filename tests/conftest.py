@@ -130,7 +130,7 @@ def state_checks(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(state_watch, "_native_tags", None)
         monkeypatch.setattr(state_watch, "_native_checked", True)
-    elif request.param in ("native", "own dicts") and state_watch._dict_tags() is None:
+    elif request.param in ("native", "own dicts") and state_watch.dict_tags() is None:
         pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.14 on)")
     if request.param == "own dicts":
         monkeypatch.setattr(state_watch, "_tags_need_own_dicts", True)

@@ -169,7 +169,7 @@ def test_the_state_watch_holds_through_in_place_updates_and_values_set_to_themse
 
 
 def test_the_state_watch_stays_on_its_fast_check_while_a_script_assigns_other_globals():
-    if state_watch._dict_tags() is None:
+    if state_watch.dict_tags() is None:
         pytest.skip("no compiled dict-version check here")
     m = Scaled().eval()
     watch = StateWatch(m)
@@ -184,7 +184,7 @@ def test_the_state_watch_stays_on_its_fast_check_while_a_script_assigns_other_gl
 
 
 def test_the_watched_state_checks_no_dict_until_one_changes():
-    if state_watch._dict_watcher() is None or state_watch._dict_tags() is None:
+    if state_watch._dict_watcher() is None or state_watch.dict_tags() is None:
         pytest.skip("no compiled dict watcher and tags here (CPython 3.12 and 3.13 with a compiled module)")
     m, other = Scaled().eval(), Scaled().eval()
     watch, _ = StateWatch(m), StateWatch(other)
