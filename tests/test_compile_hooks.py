@@ -191,3 +191,62 @@ def test_a_model_holding_a_scripted_submodule_trains_and_sees_a_hook_added_later
     for mod in (m, ref):
         mod.tail.register_forward_hook(lambda module, args, out: out * 2)
     _caught(lambda: _same_steps(c, m, ref, x))
+
+
+def test_a_submodule_put_in_with_a_hook_already_on_it_runs_the_hook():
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    for mod in (m, ref):
+        hooked = nn.Linear(8, 8)
+        hooked.load_state_dict(mod[2].state_dict())
+        hooked.register_forward_hook(lambda module, args, out: out - 1)
+        mod[2] = hooked  # (the same class: Dynamo's guards alone would keep the old code)
+    _caught(lambda: _same_steps(c, m, ref, x))
+
+
+def test_threads_that_call_after_a_hook_change_all_run_the_hook_and_the_model_compiles_once_for_it():
+    import sys
+    import threading
+
+    m = _model().eval()
+    c = sd.compile(m, whole_call=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        c(x)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads take turns often: the window between check and compile)
+    try:
+        graphs = c.statistics().graphs
+        m[2].register_forward_hook(lambda module, args, out: out * 3)
+        with torch.no_grad():
+            want = m(x)
+        results, start = [], threading.Barrier(6)
+
+        def call():
+            with torch.no_grad():
+                start.wait()
+                results.append(c(x))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            threads = [threading.Thread(target=call) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert len(results) == 6 and all(torch.allclose(r, want) for r in results)
+    assert c.statistics().graphs == graphs + 1 and c._hook_compiles == 1
+
+
+def test_a_lazy_module_compiles_once_and_warns_of_no_hook():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 8))
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    said = _caught(lambda: [c(x).sum().backward() for _ in range(3)])
+    assert said == [] and c.statistics().graphs == 1

@@ -34,13 +34,9 @@ log = get_logger(__name__)
 _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
-#: the compiles again for moved hooks (:meth:`CompiledModel._compile_again_for_hooks`) before calls
+#: the compiles again for moved hooks (:meth:`CompiledModel._after_a_change`) before calls
 #: on Dynamo's path run as written: a model whose hooks change at every call would compile at each
 _HOOK_COMPILES = 4
-
-#: calls that compile with every shape static before the model compiles with symbolic shapes
-#: (:meth:`CompiledModel._compile_with_symbolic_shapes`), under Dynamo's recompile limit of 8
-_STATIC_COMPILES = 4
 
 _compiles = itertools.count(1)
 _compiles_made = 0  # streamdag.compile calls so far in this process
@@ -153,7 +149,7 @@ class CompiledModel:
         self.backend: StreamdagBackend = backend
         self.__wrapped__ = fn
         self._compiled = self._wrapped(dynamic=False)
-        #: the wrapper that calls without gradients take once ``_STATIC_COMPILES`` of them compiled
+        #: the wrapper that calls without gradients take once Dynamo's recompile limit of them compiled
         self._compiled_symbolic: Callable[..., Any] | None = None
         self._compile_calls = 0  # calls without gradients on Dynamo's path that compiled a graph
         #: the module whose hooks the compiled code runs (Dynamo does not guard them), and those
@@ -194,16 +190,17 @@ class CompiledModel:
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
         hooks = self._hooks
-        if hooks is None and self._hook_root is not None:
-            self._hooks = HookWatch(self._hook_root)
-        elif hooks is not None and not hooks.unchanged():
-            if not hooks.hooks_hold():
-                self._compile_again_for_hooks()
-                return self._call(args, kwargs)
-            if not hooks.children_hold():  # (Dynamo compiles a new submodule again itself)
-                hooks.take()
-            else:  # (a hook added and removed again)
-                hooks.retag()
+        if hooks is not None and not hooks.unchanged():
+            with self._first_call:  # (one thread compiles again; the others wait, then find it done)
+                if not hooks.unchanged():
+                    return self._after_a_change(hooks, grad, args, kwargs)
+        out = self._run(grad, args, kwargs)
+        if hooks is None and self._hook_root is not None:  # (after the first call: a lazy module's
+            self._hooks = HookWatch(self._hook_root)     # initializing hook has gone during it)
+        return out
+
+    def _run(self, grad: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call through Dynamo, by the wrapper for its grad mode."""
         ran = self.backend.ran
         before = ran.count
         graphs = self.backend.stats.graphs
@@ -214,7 +211,7 @@ class CompiledModel:
             out = _with_room_to_recompile(compiled, args, kwargs)
         if not grad and self.backend.stats.graphs != graphs and self._compiled_symbolic is None:
             self._compile_calls += 1
-            if self._compile_calls >= _STATIC_COMPILES:
+            if self._compile_calls >= getattr(torch._dynamo.config, _LIMIT):
                 self._compile_with_symbolic_shapes()
         if ran.count == before:
             self._ran_eagerly()
@@ -228,33 +225,45 @@ class CompiledModel:
         return torch.compile(target, backend=self.backend, dynamic=dynamic, **_OWN_RECOMPILE_LIMIT)
 
     def _compile_with_symbolic_shapes(self) -> None:
-        """After ``_STATIC_COMPILES`` calls without gradients that compiled (new input shapes, other
-        argument values), later such calls go through a wrapper that compiles with symbolic shapes,
-        whose code every shape runs: Dynamo's recompile limit would otherwise leave the ninth shape
-        as written. On a GPU each shape still gets its whole-call graph, and those captured before
-        replay as they did. Calls with gradients keep the static wrapper: a training graph with
+        """Once calls without gradients have compiled as often as Dynamo's recompile limit allows
+        (new input shapes, other argument values), later such calls go through a wrapper that
+        compiles with symbolic shapes, whose code serves every shape: past the limit Dynamo would
+        run each new one as written. That code runs uncaptured (a graph with symbolic shapes is
+        neither captured nor part of a whole-call graph); the shapes captured before keep their
+        whole-call graphs. Calls with gradients keep the static wrapper: a training graph with
         symbolic shapes runs outside the CUDA graph trees."""
         self._compiled_symbolic = self._wrapped(dynamic=True)
         self.backend.dynamic_note = (f"compiles calls without gradients with symbolic shapes after "
-                                     f"{_STATIC_COMPILES} of them compiled with static ones (new input "
-                                     "shapes and the like)")
+                                     f"{self._compile_calls} of them compiled with static ones, Dynamo's "
+                                     "recompile limit (new input shapes and the like); their code runs "
+                                     "uncaptured")
         log.info("streamdag.compile: %s", self.backend.dynamic_note)
 
-    def _compile_again_for_hooks(self) -> None:
-        """The model's hooks moved since its code was compiled, which runs the hooks it was traced
-        with (Dynamo does not guard module hooks): compile it again, by fresh ``torch.compile``
-        wrappers of the same model and backend, which share no compiled code with the old ones.
-        After ``_HOOK_COMPILES`` of these, calls on Dynamo's path run the model as written, and
-        say why."""
-        self._hooks.take()
-        name = type(self._hooks.root).__qualname__
-        if self._hook_compiles >= _HOOK_COMPILES:
+    def _after_a_change(self, hooks: HookWatch, grad: bool, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Any:
+        """This call, after a hook dict or a submodule dict of the model changed (under
+        ``_first_call``). Where the hooks the model runs are as they were (a hook added and removed
+        again, a submodule without hooks put in), the snapshot is taken again. Where they moved, the
+        compiled code runs the old ones (Dynamo does not guard module hooks): the model is compiled
+        again by fresh ``torch.compile`` wrappers, which share no compiled code with the old ones,
+        and this call compiles before the snapshot is taken again, so that other threads wait for
+        it. After ``_HOOK_COMPILES`` of these, or where PyTorch cannot keep a wrapper's code apart
+        (no ``isolate_recompiles``: the frames after a graph break are shared), calls on Dynamo's
+        path run the model as written, and say why."""
+        if not hooks.moved():
+            hooks.take()
+            return self._run(grad, args, kwargs)
+        name = type(hooks.root).__qualname__
+        if self._hook_compiles >= _HOOK_COMPILES or not _OWN_RECOMPILE_LIMIT:
+            why = (f"after {_HOOK_COMPILES} compiles for earlier changes of them" if _OWN_RECOMPILE_LIMIT
+                   else "and this PyTorch's torch.compile has no isolate_recompiles to compile them anew")
             self._as_written = (
-                f"the hooks of {name} changed after {_HOOK_COMPILES} compiles for earlier changes of them: "
-                "calls run as written (Dynamo does not guard module hooks; register hooks before the "
-                "first call, or compile the model again)")
+                f"the hooks of {name} changed {why}: calls run as written (Dynamo does not guard "
+                "module hooks; register hooks before the first call, or compile the model again)")
             warn(f"streamdag.compile: {self._as_written}")
-            return
+            hooks.take()
+            self.backend.stats.eager_calls += 1
+            return self.__wrapped__(*args, **kwargs)
         self._hook_compiles += 1
         self._compiled = self._wrapped(dynamic=False)
         if self._compiled_symbolic is not None:
@@ -264,6 +273,9 @@ class CompiledModel:
             warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "
                  "first calls: compiled again so that it runs (Dynamo does not guard module hooks); "
                  "registering hooks before the first call saves the compile")
+        out = self._run(grad, args, kwargs)
+        hooks.take()
+        return out
 
     def _ran_eagerly(self) -> None:
         self.backend.stats.eager_calls += 1
