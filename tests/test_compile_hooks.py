@@ -16,17 +16,22 @@ nn = torch.nn
 ENGINES = [pytest.param("inductor", marks=pytest.mark.slow), "aten"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Dynamo keeps its compiled code per code object: each test starts from none."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (Dynamo's compiled code: none at each start)
 
 
 def _model(device="cpu"):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).to(device)
+
+
+def _trained():
+    """A model, its eager twin, the model compiled, an input: after two steps that agree."""
+    m = _model()
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    _same_steps(c, m, ref, x)
+    return m, ref, c, x
 
 
 # --- calls without gradients ---------------------------------------------------------------------
@@ -93,11 +98,7 @@ def _caught(fn):
 
 
 def test_a_forward_hook_added_after_the_first_training_steps_runs_from_the_next_step_and_stops_when_removed():
-    m = _model()
-    ref = copy.deepcopy(m)
-    c = sd.compile(m)
-    x = torch.randn(4, 8)
-    _same_steps(c, m, ref, x)
+    m, ref, c, x = _trained()
     handles = [mod[0].register_forward_hook(lambda module, args, out: out * 3) for mod in (m, ref)]
     said = _caught(lambda: _same_steps(c, m, ref, x))
     assert len(said) == 1 and "compiled again so that it runs" in said[0]
@@ -108,22 +109,14 @@ def test_a_forward_hook_added_after_the_first_training_steps_runs_from_the_next_
 
 
 def test_a_backward_hook_added_after_the_first_training_steps_changes_the_gradients_as_in_eager():
-    m = _model()
-    ref = copy.deepcopy(m)
-    c = sd.compile(m)
-    x = torch.randn(4, 8)
-    _same_steps(c, m, ref, x)
+    m, ref, c, x = _trained()
     for mod in (m, ref):
         mod[2].register_full_backward_pre_hook(lambda module, grad_out: (grad_out[0] * 0.5,))
     _caught(lambda: _same_steps(c, m, ref, x))
 
 
 def test_a_hook_on_a_submodule_put_in_after_the_first_training_steps_runs():
-    m = _model()
-    ref = copy.deepcopy(m)
-    c = sd.compile(m)
-    x = torch.randn(4, 8)
-    _same_steps(c, m, ref, x)
+    m, ref, c, x = _trained()
     m[2] = copy.deepcopy(ref[2])  # (Dynamo compiles the new submodule again; its hooks come after)
     _same_steps(c, m, ref, x)
     for mod in (m, ref):
@@ -194,11 +187,7 @@ def test_a_model_holding_a_scripted_submodule_trains_and_sees_a_hook_added_later
 
 
 def test_a_submodule_put_in_with_a_hook_already_on_it_runs_the_hook():
-    m = _model()
-    ref = copy.deepcopy(m)
-    c = sd.compile(m)
-    x = torch.randn(4, 8)
-    _same_steps(c, m, ref, x)
+    m, ref, c, x = _trained()
     for mod in (m, ref):
         hooked = nn.Linear(8, 8)
         hooked.load_state_dict(mod[2].state_dict())

@@ -105,8 +105,8 @@ def _with_room_to_recompile(compiled: Callable[..., Any], args: tuple[Any, ...],
 def _rnn_left_to_eager(fn: Any) -> str:
     """Why Dynamo ran a model's recurrent layers as written, where it has some and leaves them so
     (``torch._dynamo.config.allow_rnn`` off, PyTorch's default); '' otherwise."""
-    root = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(root, torch.nn.Module) or torch._dynamo.config.allow_rnn:
+    root = root_module(fn)
+    if root is None or torch._dynamo.config.allow_rnn:
         return ""
     kinds = sorted({type(m).__name__ for m in root.modules() if isinstance(m, torch.nn.RNNBase)})
     if not kinds:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,19 +53,21 @@ class HookWatch:
 
     def take(self) -> None:
         """Snapshot the hooks and the submodules as they are now."""
-        self._hooks = self._hook_dicts()
+        modules = list(self.root.modules())
+        self._hooks = self._hook_dicts(modules)
         self._lengths = tuple(map(len, self._hooks))
         self._keys = [(d, tuple(d)) for d in self._hooks if d]
         self._signature = self._signature_of(self._hooks)
-        self._children = [d for m in self.root.modules() if isinstance(d := m.__dict__.get("_modules"), dict)]
+        self._children = [d for m in modules if isinstance(d := m.__dict__.get("_modules"), dict)]
         self._child_lengths = tuple(map(len, self._children))
         self._child_values = tuple(itertools.chain.from_iterable(map(dict.values, self._children)))
         self._all = [*self._hooks, *self._children]
         self._native = dict_tags()
         self._tags = self._native.dict_versions(self._all) if self._native is not None else None
 
-    def _hook_dicts(self) -> list[dict[Any, Any]]:
-        return [d for m in self.root.modules() for kind in _KINDS
+    @staticmethod
+    def _hook_dicts(modules: Iterable[torch.nn.Module]) -> list[dict[Any, Any]]:
+        return [d for m in modules for kind in _KINDS
                 if isinstance(d := m.__dict__.get(kind), dict)] + _global_hooks()
 
     @staticmethod
@@ -83,4 +86,4 @@ class HookWatch:
 
     def moved(self) -> bool:
         """Whether the hooks the model runs now differ from the snapshot's (a walk of the model)."""
-        return self._signature_of(self._hook_dicts()) != self._signature
+        return self._signature_of(self._hook_dicts(self.root.modules())) != self._signature
