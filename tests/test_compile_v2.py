@@ -839,6 +839,7 @@ def test_on_cuda_a_capture_holds_the_cublas_workspace_in_its_pool_not_outside_it
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         a @ a  # the workspace of this thread's handle on the capture stream
+    expected = a @ a  # (first: a workspace of the current stream's, in both measurements)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     graph = torch.cuda.CUDAGraph()
@@ -846,8 +847,8 @@ def test_on_cuda_a_capture_holds_the_cublas_workspace_in_its_pool_not_outside_it
         out = a @ a
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, a @ a)
     assert torch.cuda.memory_allocated() < before
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("kwargs, match", [
