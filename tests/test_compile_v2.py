@@ -751,6 +751,32 @@ def test_a_replaced_parameter_is_captured_again_on_cuda():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("whole_call", [True, False])
+def test_on_cuda_a_convolution_captured_with_tf32_is_captured_again_when_cudnn_tf32_goes_off(whole_call):
+    """cuDNN's TF32 switch, which Dynamo does not guard, reaches a compiled model as it reaches eager
+    code: after it goes off, the outputs equal eager's without TF32 (bit for bit where both run the
+    same algorithm, so compared closer than TF32's rounding)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU()).eval().cuda()
+    c = sd.compile(m, whole_call=whole_call)
+    x = torch.randn(8, 64, 32, 32, device="cuda")
+    was = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            for _ in range(3):
+                c(x)
+            torch.backends.cudnn.allow_tf32 = False
+            for _ in range(3):
+                got, want = c(x), m(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = was
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    stats = c.statistics()
+    assert (stats.whole_captures if whole_call else stats.captures) >= 2
+
+
+@pytest.mark.cuda
 def test_the_dynamo_backend_by_name_replays_a_cuda_graph():
     import streamdag.frontend.dynamo  # noqa: F401
     from streamdag.frontend.inductor_backend import default_backend

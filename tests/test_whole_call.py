@@ -249,13 +249,22 @@ def test_replayed_outputs_belong_to_the_caller(fake_device, mode):
     assert all(o.untyped_storage().data_ptr() != graph_memory for o in outs)
 
 
-def test_a_replaced_parameter_captures_again(fake_device, state_checks):
+def _replaying(fake_device):
+    """A model, its whole calls and Dynamo's path, and an input, after three calls: one capture, two
+    replays."""
     m = mlp()
     w, dynamo = whole(m, fake_device)
     x = torch.randn(3, 8)
     with torch.no_grad():
         for _ in range(3):
             w((x,), {}, dynamo)
+    assert w.captures == 1 and w.replays == 2
+    return m, w, dynamo, x
+
+
+def test_a_replaced_parameter_captures_again(fake_device, state_checks):
+    m, w, dynamo, x = _replaying(fake_device)
+    with torch.no_grad():
         m[0].weight = nn.Parameter(torch.randn(16, 8))
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
         torch.testing.assert_close(w((x,), {}, dynamo), m(x))
@@ -443,6 +452,26 @@ def test_a_new_input_shape_captures_a_graph_of_its_own(fake_device):
             x = torch.randn(batch, 8)
             torch.testing.assert_close(w((x,), {}, dynamo), m(x))
     assert w.captures == 2 and w.replays == 4 and w.recaptures == 0
+
+
+@pytest.fixture
+def cudnn_switches():
+    """cuDNN's switches as they were, after the test."""
+    was = (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled)
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled = was
+
+
+@pytest.mark.parametrize("switch", ["allow_tf32", "deterministic", "enabled"])
+def test_a_graph_captured_under_other_cudnn_switches_is_not_replayed(fake_device, cudnn_switches, switch):
+    """Dynamo's global-state guard leaves cuDNN's switches out; a graph replays the convolutions
+    chosen under those of its capture, so a call under others captures again."""
+    m, w, dynamo, x = _replaying(fake_device)
+    with torch.no_grad():
+        setattr(torch.backends.cudnn, switch, not getattr(torch.backends.cudnn, switch))
+        for _ in range(3):
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert w.captures == 2 and w.replays == 4, "the first graph is not replayed under the new switch"
 
 
 def test_with_grad_enabled_every_call_takes_dynamos_path(fake_device):

@@ -35,8 +35,17 @@ import torch
 from ..backends.capture_memory import stream_reuse
 from ..native import load_torch
 
-__all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "capture_graph", "choose", "pick",
-           "region_candidates", "static_indices", "time_replays", "workspaces_in_pool"]
+__all__ = ["REGIONS", "Candidate", "CapturedGraph", "SharedPool", "capture_graph", "choose", "cudnn_settings",
+           "pick", "region_candidates", "static_indices", "time_replays", "workspaces_in_pool"]
+
+
+def cudnn_settings() -> tuple[bool, bool, bool]:
+    """cuDNN's switches that change what a convolution computes: TF32, deterministic algorithms,
+    cuDNN itself. A captured graph replays the kernels chosen under the switches of its capture,
+    while eager code and uncaptured Inductor code read them at each call, and Dynamo's guards
+    (``GlobalStateGuard``) leave them out; so a replay is only for calls under the same ones."""
+    return (torch._C._get_cudnn_allow_tf32(), torch._C._get_cudnn_deterministic(),
+            torch._C._get_cudnn_enabled())
 
 
 #: the label of a graph's regions on N streams is REGIONS + str(N)
@@ -248,6 +257,7 @@ class CapturedGraph:
             base = torch.cuda.memory_reserved(device)
             self.graph, outs = capture_graph(lambda: candidate.run(list(self.inputs)), stream, device,
                                              None if private else pool, error_mode)
+        self.settings = cudnn_settings()
         self.outputs: list[Any] = list(outs)
         self.out_type: type[tuple[Any, ...]] | type[list[Any]] = tuple if isinstance(outs, tuple) else list
         self.out_tensors: list[int] = [i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)]

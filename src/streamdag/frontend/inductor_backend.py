@@ -46,7 +46,15 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .._diagnostics import get_logger, warn
-from .candidates import Candidate, CapturedGraph, SharedPool, choose, region_candidates, static_indices
+from .candidates import (
+    Candidate,
+    CapturedGraph,
+    SharedPool,
+    choose,
+    cudnn_settings,
+    region_candidates,
+    static_indices,
+)
 from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
 from .masked_writes import rewrite_masked_writes
 from .whole_call import ACTIVE, NotWholeCapturable
@@ -311,19 +319,21 @@ class GraphRunner:
             self.captures = []
 
     def _replay(self, args: Sequence[Any]) -> Any:
+        settings = cudnn_settings()
         for g in self.captures:
-            if g.statics_match(args):
+            if g.settings == settings and g.statics_match(args):
                 self.stats.replays += 1
                 return g(args, self.options.clone_outputs)
         return self._recapture(args)
 
     def _recapture(self, args: Sequence[Any]) -> Any:
-        """Parameters moved (replaced, or another model's), or the graphs were parked: capture the
-        chosen candidate for these arguments."""
+        """Parameters moved (replaced, or another model's), cuDNN's settings changed, or the graphs
+        were parked: capture the chosen candidate for these arguments."""
         assert self.chosen is not None and self.switch is not None
         with self._lock:
             # another thread may have captured for these arguments meanwhile
-            g = next((g for g in self.captures if g.statics_match(args)), None)
+            settings = cudnn_settings()
+            g = next((g for g in self.captures if g.settings == settings and g.statics_match(args)), None)
             moved = bool(self.captures)  # none left: parked (a captured graph always keeps one)
             if g is None and not (moved and len(self.captures) >= self.options.max_captures):
                 device = next(a.device for a in args if isinstance(a, torch.Tensor))
@@ -333,8 +343,8 @@ class GraphRunner:
                 self.stats.captures += 1
                 self.stats.recaptures += int(moved)
         if g is None:
-            self.note = (f"parameters moved more than {self.options.max_captures} times: "
-                         "the chosen candidate runs uncaptured")
+            self.note = ("parameters moved or cuDNN's settings changed more than "
+                         f"{self.options.max_captures} times: the chosen candidate runs uncaptured")
             self.stats.uncaptured_calls += 1
             self._set_switch(self.chosen)
             return self.compiled(*args) if self.chosen.label != "eager" else self.eager(*args)

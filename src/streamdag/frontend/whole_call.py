@@ -35,7 +35,8 @@ Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
   values of non-tensor arguments (``None``, numbers, strings), and whether
   inference mode is on; with grad mode on, Dynamo's path always runs;
 * the global state Dynamo guards (``GlobalStateGuard``: grad mode, default
-  dtype, deterministic algorithms, ...), as it was at the capture;
+  dtype, deterministic algorithms, ...) and cuDNN's switches, which it leaves
+  out (TF32, deterministic algorithms, cuDNN on), as they were at the capture;
 * the module's state (:class:`StateWatch`): its submodules' attributes,
   parameters, buffers, submodules and hooks, the globals its ``forward``
   names, the tensors among them by address, shape and strides.
@@ -72,6 +73,7 @@ from torch.utils import _pytree as pytree
 
 from .call_key import CONSTANTS as _CONSTANTS
 from .call_key import call_key
+from .candidates import cudnn_settings
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .result_objects import Template, template
 from .state_watch import StateWatch
@@ -144,17 +146,31 @@ class _State:
     compiles: dict[Any, int] = field(default_factory=dict)  # calls of each key that compiled a graph
 
 
-def _global_state() -> Any:
-    try:
-        from torch._C._dynamo.guards import GlobalStateGuard
-    except ImportError:  # a torch without it: grad mode, the one that matters most
-        grad = torch.is_grad_enabled()
+class _GlobalState:
+    """The global state a capture ran under: what Dynamo's ``GlobalStateGuard`` holds, and
+    cuDNN's switches, which it leaves out (:func:`.candidates.cudnn_settings`)."""
 
-        class _Grad:
-            def check(self) -> bool:
-                return torch.is_grad_enabled() == grad
-        return _Grad()
-    return GlobalStateGuard()
+    __slots__ = ("cudnn", "dynamo")
+
+    def __init__(self) -> None:
+        try:
+            from torch._C._dynamo.guards import GlobalStateGuard
+        except ImportError:  # a torch without it: grad mode, the one that matters most
+            self.dynamo: Any = _GradMode()
+        else:
+            self.dynamo = GlobalStateGuard()
+        self.cudnn = cudnn_settings()
+
+    def check(self) -> bool:
+        return self.dynamo.check() and cudnn_settings() == self.cudnn
+
+
+class _GradMode:
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+
+    def check(self) -> bool:
+        return torch.is_grad_enabled() == self.grad
 
 
 class WholeCall:
@@ -293,7 +309,7 @@ class WholeCall:
         dev = _device_for(device, self.backend.pool)
         marks = self._marks()
         caller = dev.caller()
-        gs = _global_state()
+        gs = _GlobalState()
         # the graphs note their own writes; eager code that Dynamo runs at a graph break writes
         # unseen, and only the version counters show it (an inference tensor keeps none)
         watched = [*statics, *state.watch.tensors]
