@@ -264,8 +264,16 @@ def main() -> int:
                    help="keep the rows of the existing result file that this run does not redo")
     p.add_argument("--regions", action="store_true",
                    help=f"also {REGIONS}: the decode step's regions on streams (regions='always')")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated variants to run, of {', '.join((*VARIANTS, REGIONS))} "
+                        "(default: all, with --regions)")
     args = p.parse_args()
     args.variants = (*VARIANTS, REGIONS) if args.regions else VARIANTS
+    if args.only:
+        unknown = sorted(set(args.only.split(",")) - {*VARIANTS, REGIONS})
+        if unknown:
+            p.error(f"unknown variants {unknown}: choose from {', '.join((*VARIANTS, REGIONS))}")
+        args.variants = tuple(args.only.split(","))
     import torch
 
     from streamdag.suite.report import source_digest
