@@ -9,6 +9,7 @@ the errors of steps that cannot be captured.
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -129,6 +130,29 @@ def test_the_watch_sees_what_a_replay_would_miss_and_not_what_it_reads_where_it_
     baked = Baked([opt], list(model.parameters()))
     model.head.weight.data = model.head.weight.data.clone()
     assert "memory moved" in baked.changed()[0]
+
+
+@pytest.mark.parametrize("switch", ["cudnn.allow_tf32", "cudnn.deterministic", "cuda.matmul.allow_tf32"])
+def test_the_watch_sees_a_precision_switch_turned_after_the_capture(no_tf32, switch):
+    """A graph repeats the kernels its capture chose: a switch of what a convolution or a matmul
+    computes, turned since, is a change that asks for a warm-up (Dynamo may compile again)."""
+    from streamdag.frontend.step_watch import Baked
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    make_step(model, opt)(*batches(1, "cpu")[0])
+    *path, name = switch.split(".")
+    where = functools.reduce(getattr, path, torch.backends)
+    was = getattr(where, name)
+    baked = Baked([opt], list(model.parameters()))
+    try:
+        setattr(where, name, not was)
+        why, replaced = baked.changed()
+        assert "precision switch" in why and replaced
+        setattr(where, name, was)
+        assert baked.changed() == ("", False)
+    finally:
+        setattr(where, name, was)
 
 
 def test_the_watch_finds_the_parameters_a_step_reaches_and_the_optimizers_that_step():
@@ -262,6 +286,20 @@ def test_on_cuda_a_float_lr_changed_by_a_scheduler_captures_again_and_a_tensor_l
         warned = [w for w in seen
                   if issubclass(w.category, sd.StreamdagWarning) and "lr as a tensor" in str(w.message)]
         assert len(warned) == (0 if tensor_lr else 1)
+
+
+@cuda
+def test_on_cuda_a_precision_switch_turned_after_the_capture_captures_the_step_again(no_tf32):
+    step, _, _, eager, _, _ = _pair("cuda")
+    data = batches(6, "cuda")
+    torch.backends.cudnn.allow_tf32 = True
+    for x, y in data[:3]:  # two warm-ups, the capture
+        step(x, y)
+        eager(x, y)
+    torch.backends.cudnn.allow_tf32 = False
+    for x, y in data[3:]:  # two warm-ups, the capture under the new switch
+        torch.testing.assert_close(step(x, y)["loss"], eager(x, y)["loss"], rtol=1e-3, atol=1e-4)
+    assert step.statistics()["captures"] == 2, step.explain()
 
 
 @pytest.mark.cuda

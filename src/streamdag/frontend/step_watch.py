@@ -14,7 +14,10 @@ right after the capture:
 * the ``.grad`` of every parameter the step can reach (:func:`reachable_params`:
   those of the optimizers and of the modules it names in its closure and
   globals), by identity: the graph writes the gradient tensor the capture made
-  or found, and a ``zero_grad(set_to_none=True)`` outside the step replaces it.
+  or found, and a ``zero_grad(set_to_none=True)`` outside the step replaces it;
+* the switches that choose what a matmul or a convolution computes
+  (:func:`precision_switches`): the graph repeats the kernels chosen under
+  those of its capture, while eager code reads them at each call.
 
 :meth:`Baked.changed` says what differs now, or ``''``; the step's graph is
 captured again (after a warm-up where tensors were replaced). It costs a few
@@ -40,8 +43,18 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["Baked", "host_state", "optimizers_stepping", "reachable_params", "settings",
+from .candidates import cudnn_settings
+
+__all__ = ["Baked", "host_state", "optimizers_stepping", "precision_switches", "reachable_params", "settings",
            "settings_changed_inside"]
+
+
+def precision_switches() -> tuple[Any, ...]:
+    """cuDNN's switches (:func:`.candidates.cudnn_settings`) and the float32 matmul precision with
+    the reduced-precision reductions of half-precision matmuls."""
+    matmul = torch.backends.cuda.matmul
+    return (cudnn_settings(), torch.get_float32_matmul_precision(),
+            matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
 
 
 @contextmanager
@@ -192,6 +205,7 @@ class Baked:
         self.state_tensors = [v for o in self.optimizers for st in o.state.values() for v in st.values()
                               if isinstance(v, torch.Tensor)]
         self.settings = settings(self.optimizers)
+        self.switches = precision_switches()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
@@ -211,4 +225,6 @@ class Baked:
             # (nothing compiled depends on it: the step is captured again without a warm-up)
             return ("a gradient the step adds to was replaced or set to None outside it (zero it "
                     "in place, or inside the step)"), False
+        if precision_switches() != self.switches:  # (Dynamo may compile again for a matmul switch)
+            return "a matmul or cuDNN precision switch changed (TF32, deterministic algorithms, ...)", True
         return _first_setting_changed(self.settings, settings(self.optimizers), versions=False), False
