@@ -295,6 +295,35 @@ def test_a_model_called_with_a_new_shape_or_value_each_time_compiles_with_symbol
     assert f"compiles calls without gradients with symbolic shapes after {limit} of them" in c.explain()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_training_steps_over_more_shapes_than_the_recompile_limit_stay_compiled_with_eagers_gradients(
+        device):
+    """Past Dynamo's recompile limit of calls with gradients, new shapes compile once with symbolic
+    shapes (Dynamo would run them as written); a shape compiled before keeps its static graphs."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    limit = torch._dynamo.config.recompile_limit
+
+    def step(batch):
+        x = torch.randn(batch, 4, device=device)
+        torch.compiler.cudagraph_mark_step_begin()  # (a training step: the trees' outputs are free)
+        c(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad = q.grad = None
+
+    for batch in range(1, limit + 5):
+        step(batch)
+    s = c.statistics()
+    assert s.eager_calls == 0 and s.graphs <= limit + 2, c.explain()
+    assert f"compiles calls with gradients with symbolic shapes after {limit} of them" in c.explain()
+    step(1)  # a shape of the static wrapper's: its graphs, none compiled
+    assert c.statistics().graphs == s.graphs
+
+
 def test_a_model_holding_a_torchscript_module_that_dynamo_runs_as_written_says_so_and_names_the_fix():
     class Holder(nn.Module):
         def __init__(self):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._diagnostics import get_logger, warn
+from .call_key import call_key
 from .hook_watch import HookWatch
 from .inductor_backend import _EAGER_WHY, MIN_GAIN, StreamdagBackend, V2Statistics, _Fallback
 from .state_watch import root_module
@@ -149,9 +150,16 @@ class CompiledModel:
         self.backend: StreamdagBackend = backend
         self.__wrapped__ = fn
         self._compiled = self._wrapped(dynamic=False)
-        #: the wrapper that calls without gradients take once Dynamo's recompile limit of them compiled
+        #: the wrapper with symbolic shapes, made when calls of one grad mode reach Dynamo's
+        #: recompile limit (:meth:`_compile_with_symbolic_shapes`)
         self._compiled_symbolic: Callable[..., Any] | None = None
         self._compile_calls = 0  # calls without gradients on Dynamo's path that compiled a graph
+        self._no_grad_symbolic = False  # calls without gradients take the symbolic wrapper
+        #: calls with gradients: the keys (:func:`.call_key.call_key`) of those that compiled a graph
+        #: on the static wrapper, and whether they reached Dynamo's recompile limit (then the others
+        #: take the symbolic wrapper: the static one keeps its graphs, and the trees, for these keys)
+        self._grad_static_keys: set[Any] = set()
+        self._grad_symbolic = False
         #: the module whose hooks the compiled code runs (Dynamo does not guard them), and those
         #: hooks, from the first call on Dynamo's path on
         self._hook_root = root_module(fn)
@@ -204,15 +212,18 @@ class CompiledModel:
         ran = self.backend.ran
         before = ran.count
         graphs = self.backend.stats.graphs
-        compiled = self._compiled if grad or self._compiled_symbolic is None else self._compiled_symbolic
+        if grad:
+            compiled = self._compiled
+            if self._grad_symbolic and call_key(args, kwargs) not in self._grad_static_keys:
+                compiled = self._compiled_symbolic or self._compiled
+        else:
+            compiled = self._compiled_symbolic if self._no_grad_symbolic else self._compiled
         if _OWN_RECOMPILE_LIMIT:
             out = compiled(*args, **kwargs)
         else:
             out = _with_room_to_recompile(compiled, args, kwargs)
-        if not grad and self.backend.stats.graphs != graphs and self._compiled_symbolic is None:
-            self._compile_calls += 1
-            if self._compile_calls >= getattr(torch._dynamo.config, _LIMIT):
-                self._compile_with_symbolic_shapes()
+        if self.backend.stats.graphs != graphs and compiled is self._compiled:
+            self._count_static_compile(grad, args, kwargs)
         if ran.count == before:
             self._ran_eagerly()
         return out
@@ -224,20 +235,38 @@ class CompiledModel:
         target = fn if _OWN_RECOMPILE_LIMIT else _frame_of_its_own(fn)
         return torch.compile(target, backend=self.backend, dynamic=dynamic, **_OWN_RECOMPILE_LIMIT)
 
-    def _compile_with_symbolic_shapes(self) -> None:
-        """Once calls without gradients have compiled as often as Dynamo's recompile limit allows
+    def _count_static_compile(self, grad: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call on the static wrapper compiled a graph: at Dynamo's recompile limit of such calls
+        in its grad mode, that mode goes on with symbolic shapes (:meth:`_compile_with_symbolic_shapes`)."""
+        limit = getattr(torch._dynamo.config, _LIMIT)
+        if not grad:
+            self._compile_calls += 1
+            if self._compile_calls >= limit and not self._no_grad_symbolic:
+                self._no_grad_symbolic = True
+                self._compile_with_symbolic_shapes("without")
+        elif not self._grad_symbolic:
+            self._grad_static_keys.add(call_key(args, kwargs))
+            if len(self._grad_static_keys) >= limit:
+                self._grad_symbolic = True
+                self._compile_with_symbolic_shapes("with")
+
+    def _compile_with_symbolic_shapes(self, gradients: str) -> None:
+        """Once calls of one grad mode have compiled as often as Dynamo's recompile limit allows
         (new input shapes, other argument values), later such calls go through a wrapper that
         compiles with symbolic shapes, whose code serves every shape: past the limit Dynamo would
         run each new one as written. That code runs uncaptured (a graph with symbolic shapes is
-        neither captured nor part of a whole-call graph); the shapes captured before keep their
-        whole-call graphs. Calls with gradients keep the static wrapper: a training graph with
-        symbolic shapes runs outside the CUDA graph trees."""
-        self._compiled_symbolic = self._wrapped(dynamic=True)
-        self.backend.dynamic_note = (f"compiles calls without gradients with symbolic shapes after "
-                                     f"{self._compile_calls} of them compiled with static ones, Dynamo's "
-                                     "recompile limit (new input shapes and the like); their code runs "
-                                     "uncaptured")
-        log.info("streamdag.compile: %s", self.backend.dynamic_note)
+        neither captured, nor part of a whole-call graph, nor under the CUDA graph trees). Without
+        gradients, the shapes captured before keep their whole-call graphs; with gradients, calls
+        keyed as one that compiled before keep the static wrapper and its graphs."""
+        if self._compiled_symbolic is None:
+            self._compiled_symbolic = self._wrapped(dynamic=True)
+        count = self._compile_calls if gradients == "without" else len(self._grad_static_keys)
+        note = (f"compiles calls {gradients} gradients with symbolic shapes after {count} of them compiled "
+                "with static ones, Dynamo's recompile limit (new input shapes and the like); their code "
+                "runs uncaptured")
+        earlier = self.backend.dynamic_note
+        self.backend.dynamic_note = f"{earlier}; {note}" if earlier else note
+        log.info("streamdag.compile: %s", note)
 
     def _after_a_change(self, hooks: HookWatch, grad: bool, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
