@@ -29,6 +29,9 @@ kernels round differently, so the rows record the first position that differs.
 
     PYTHONPATH=src python bench/llm_decode.py                  # on a GPU: 1b and wide, batch 1 and 8, bf16
     PYTHONPATH=src python bench/llm_decode.py --quick          # a tiny config on the CPU: a smoke check
+
+``--profile TOKENS`` adds, per variant, where a decode step's time goes (torch.profiler over one
+more generate call): the GPU's busy time per token and the kernels that take most of it.
 """
 
 from __future__ import annotations
@@ -153,6 +156,46 @@ def time_variant(v: Variant, ids: Any, new: int, repeats: int, warmup: int, devi
             "tokens_per_s": ids.shape[0] * 1e3 / step_ms if step_ms > 0 else None, "setup_s": setup_s}
 
 
+def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) -> dict[str, Any]:
+    """Where a decode step's time goes, by torch.profiler over a generate call of ``new`` tokens
+    (after the timed ones): per token, the GPU's busy time (the sum of its kernels' and copies'
+    times; on the CPU, of the operators' own times) and, for the ``top`` kernels by time, their
+    time, their launches and their time each. The prefill is one call's share of it."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        v.run(ids, new)
+        _sync(device)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if device == "cuda" and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time if device == "cuda" else e.self_cpu_time_total
+        by_name[e.name[:100]][0] += 1
+        by_name[e.name[:100]][1] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"tokens": new, "busy_ms_per_token": sum(t for _, t in by_name.values()) / new / 1e3,
+            "launches_per_token": sum(n for n, _ in by_name.values()) / new,
+            "top": [{"name": k, "us_per_token": t / new, "per_token": n / new, "us_each": t / max(n, 1)}
+                    for k, (n, t) in ranked[:top]]}
+
+
+def profile_table(row: dict[str, Any]) -> str:
+    from streamdag.suite.report import format_table
+
+    out = []
+    for variant, prof in row.get("profile", {}).items():
+        busy, launches = prof["busy_ms_per_token"] * 1e3, prof["launches_per_token"]
+        out.append([variant, "all", f"{busy:.1f}", f"{launches:.0f}", ""])
+        out += [["", k["name"][:70], f"{k['us_per_token']:.1f}", f"{k['per_token']:.1f}",
+                 f"{k['us_each']:.2f}"] for k in prof["top"]]
+    return format_table(["variant", "kernel", "us/token", "launches/token", "us each"], out)
+
+
 def compare(a: Any, b: Any, prompt: int) -> dict[str, Any]:
     if a.shape != b.shape:
         return {"equal": False, "note": f"shapes {tuple(a.shape)} and {tuple(b.shape)}"}
@@ -188,6 +231,8 @@ def run_row(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
                 row[key][vname] = r[key]
             if vname == "inductor_ro_static_cache":
                 row["inductor_ro_compiled"] = v.compiled
+            if args.profile:
+                row.setdefault("profile", {})[vname] = profile_variant(v, ids, args.profile, args.device)
             if vname.startswith("streamdag"):
                 stats = v.decoder.statistics().get(batch)
                 row[f"{vname}_statistics"] = vars(stats) if stats is not None else None
@@ -264,6 +309,9 @@ def main() -> int:
                    help="keep the rows of the existing result file that this run does not redo")
     p.add_argument("--regions", action="store_true",
                    help=f"also {REGIONS}: the decode step's regions on streams (regions='always')")
+    p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="also profile a generate call of TOKENS new tokens per variant (torch.profiler): "
+                        "the kernels a decode step spends its time in, into the row's 'profile'")
     p.add_argument("--only", default=None,
                    help=f"comma-separated variants to run, of {', '.join((*VARIANTS, REGIONS))} "
                         "(default: all, with --regions)")
@@ -306,6 +354,8 @@ def main() -> int:
             result["rows"].append(row)
             path.write_text(json.dumps(result, indent=1))
             print(table(result["rows"][-1:], args.variants), flush=True)
+            if args.profile:
+                print(profile_table(result["rows"][-1]), flush=True)
     print(table(result["rows"], args.variants))
     print(path)
     return 0

@@ -268,3 +268,17 @@ def test_cuda_regions_of_a_decode_step_run_on_streams_inside_the_whole_call_grap
     text = dec.explain()
     assert "its regions on" in text, text
     assert dec.statistics()[2].whole_captures == 1
+
+
+def test_the_decode_bench_profile_says_where_a_step_spends_its_time():
+    from bench_scripts import bench_script
+
+    with bench_script("llm_decode") as bench:
+        model = bench.build("tiny", "cpu", torch.float32, 48)
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        prof = bench.profile_variant(bench.Variant("hf_eager", model, 16, 8), ids, 8, "cpu", top=5)
+        shown = bench.profile_table({"profile": {"hf_eager": prof}})
+    times = [k["us_per_token"] for k in prof["top"]]
+    assert len(times) == 5 and times == sorted(times, reverse=True) and times[-1] > 0
+    assert prof["busy_ms_per_token"] * 1e3 >= sum(times) and prof["launches_per_token"] >= 5
+    assert prof["top"][0]["name"] in shown and "us/token" in shown
