@@ -132,10 +132,16 @@ def test_the_watch_sees_what_a_replay_would_miss_and_not_what_it_reads_where_it_
     assert "memory moved" in baked.changed()[0]
 
 
-@pytest.mark.parametrize("switch", ["cudnn.allow_tf32", "cudnn.deterministic", "cuda.matmul.allow_tf32"])
+NEW_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+@pytest.mark.parametrize("switch", [
+    "cudnn.allow_tf32", "cudnn.deterministic", "cuda.matmul.allow_tf32",
+    *(["cudnn.conv.fp32_precision", "cuda.matmul.fp32_precision"] if NEW_PRECISION else [])])
 def test_the_watch_sees_a_precision_switch_turned_after_the_capture(no_tf32, switch):
     """A graph repeats the kernels its capture chose: a switch of what a convolution or a matmul
-    computes, turned since, is a change that asks for a warm-up (Dynamo may compile again)."""
+    computes, turned since (a flag, or a per-operator precision where PyTorch has them, after which
+    the flags raise when read), is a change that asks for a warm-up (Dynamo may compile again)."""
     from streamdag.frontend.step_watch import Baked
 
     model = Net()
@@ -146,7 +152,7 @@ def test_the_watch_sees_a_precision_switch_turned_after_the_capture(no_tf32, swi
     was = getattr(where, name)
     baked = Baked([opt], list(model.parameters()))
     try:
-        setattr(where, name, not was)
+        setattr(where, name, ("ieee" if was == "tf32" else "tf32") if isinstance(was, str) else not was)
         why, replaced = baked.changed()
         assert "precision switch" in why and replaced
         setattr(where, name, was)

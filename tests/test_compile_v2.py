@@ -761,19 +761,24 @@ def test_on_cuda_a_convolution_captured_with_tf32_is_captured_again_when_cudnn_t
     c = sd.compile(m, whole_call=whole_call)
     x = torch.randn(8, 64, 32, 32, device="cuda")
     was = torch.backends.cudnn.allow_tf32
+
+    def captures():
+        stats = c.statistics()
+        return stats.whole_captures if whole_call else stats.captures
+
     try:
         torch.backends.cudnn.allow_tf32 = True
         with torch.no_grad():
             for _ in range(3):
                 c(x)
+            before = captures()
             torch.backends.cudnn.allow_tf32 = False
             for _ in range(3):
                 got, want = c(x), m(x)
     finally:
         torch.backends.cudnn.allow_tf32 = was
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    stats = c.statistics()
-    assert (stats.whole_captures if whole_call else stats.captures) >= 2
+    assert captures() == before + 1
 
 
 @pytest.mark.cuda

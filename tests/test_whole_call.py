@@ -454,21 +454,34 @@ def test_a_new_input_shape_captures_a_graph_of_its_own(fake_device):
     assert w.captures == 2 and w.replays == 4 and w.recaptures == 0
 
 
+CUDNN = torch.backends.cudnn
+#: a switch, and how to turn it: the flags, and the per-operator precision where PyTorch has it
+#: (``torch.backends.cudnn.conv.fp32_precision``; the flag of both then raises when read)
+SWITCHES = {name: (lambda name=name: setattr(CUDNN, name, not getattr(CUDNN, name)))
+            for name in ("allow_tf32", "deterministic", "enabled")}
+if hasattr(getattr(CUDNN, "conv", None), "fp32_precision"):
+    SWITCHES["conv.fp32_precision"] = lambda: setattr(CUDNN.conv, "fp32_precision", "ieee")
+
+
 @pytest.fixture
 def cudnn_switches():
     """cuDNN's switches as they were, after the test."""
-    was = (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled)
+    was = (CUDNN.allow_tf32, CUDNN.deterministic, CUDNN.enabled)
+    precisions = ([(CUDNN.conv, CUDNN.conv.fp32_precision), (CUDNN.rnn, CUDNN.rnn.fp32_precision)]
+                  if "conv.fp32_precision" in SWITCHES else [])
     yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled = was
+    for where, value in precisions:
+        where.fp32_precision = value
+    CUDNN.allow_tf32, CUDNN.deterministic, CUDNN.enabled = was
 
 
-@pytest.mark.parametrize("switch", ["allow_tf32", "deterministic", "enabled"])
+@pytest.mark.parametrize("switch", list(SWITCHES))
 def test_a_graph_captured_under_other_cudnn_switches_is_not_replayed(fake_device, cudnn_switches, switch):
     """Dynamo's global-state guard leaves cuDNN's switches out; a graph replays the convolutions
     chosen under those of its capture, so a call under others captures again."""
     m, w, dynamo, x = _replaying(fake_device)
     with torch.no_grad():
-        setattr(torch.backends.cudnn, switch, not getattr(torch.backends.cudnn, switch))
+        SWITCHES[switch]()
         for _ in range(3):
             torch.testing.assert_close(w((x,), {}, dynamo), m(x))
     assert w.captures == 2 and w.replays == 4, "the first graph is not replayed under the new switch"

@@ -44,8 +44,15 @@ def cudnn_settings() -> tuple[bool, bool, bool]:
     cuDNN itself. A captured graph replays the kernels chosen under the switches of its capture,
     while eager code and uncaptured Inductor code read them at each call, and Dynamo's guards
     (``GlobalStateGuard``) leave them out; so a replay is only for calls under the same ones."""
-    return (torch._C._get_cudnn_allow_tf32(), torch._C._get_cudnn_deterministic(),
-            torch._C._get_cudnn_enabled())
+    return (_cudnn_tf32(), torch._C._get_cudnn_deterministic(), torch._C._get_cudnn_enabled())
+
+
+def _cudnn_tf32() -> Any:
+    try:
+        return torch._C._get_cudnn_allow_tf32()
+    except RuntimeError:  # set per operator (``torch.backends.cudnn.conv.fp32_precision``), which the
+        cudnn = torch.backends.cudnn  # flag of both then cannot say
+        return (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision)
 
 
 #: the label of a graph's regions on N streams is REGIONS + str(N)

@@ -53,8 +53,12 @@ def precision_switches() -> tuple[Any, ...]:
     """cuDNN's switches (:func:`.candidates.cudnn_settings`) and the float32 matmul precision with
     the reduced-precision reductions of half-precision matmuls."""
     matmul = torch.backends.cuda.matmul
-    return (cudnn_settings(), torch.get_float32_matmul_precision(),
-            matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    try:
+        fp32 = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set per backend (``torch.backends.cuda.matmul.fp32_precision``)
+        fp32 = matmul.fp32_precision
+    return (cudnn_settings(), fp32, matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction)
 
 
 @contextmanager
