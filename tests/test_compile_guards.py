@@ -292,36 +292,84 @@ def test_a_model_called_with_a_new_shape_or_value_each_time_compiles_with_symbol
             torch.testing.assert_close(c(x), m(x))
     s = c.statistics()
     assert s.eager_calls == 0 and s.graphs <= limit + 2, c.explain()
-    assert f"compiles calls without gradients with symbolic shapes after {limit} of them" in c.explain()
+    assert f"compiles with symbolic shapes after {limit} calls compiled with static ones" in c.explain()
+
+
+class _TakesAList(nn.Module):
+    """A model called with a list: its arguments have no whole-call key."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 2)
+
+    def forward(self, xs):
+        return self.b(torch.relu(self.a(xs[0])))
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 2))  # (reads .training)
+
+
+def _training_pair(device, make=_mlp):
+    """A model, its eager twin, the model compiled, and a training step of both on a batch size
+    (gradients compared with eager's, then cleared); ``step(batch, grad=False)`` calls without them."""
+    torch.manual_seed(0)
+    m = make().to(device)
+    ref = copy.deepcopy(m)
+    c = sd.compile(m)
+    wrap = (lambda x: [x]) if isinstance(m, _TakesAList) else (lambda x: x)
+
+    def step(batch, grad=True):
+        x = torch.randn(batch, 4, device=device)
+        torch.compiler.cudagraph_mark_step_begin()  # (a training step: the trees' outputs are free)
+        if not grad:
+            with torch.no_grad():
+                torch.testing.assert_close(c(wrap(x)), ref(wrap(x)))
+            return
+        c(wrap(x)).square().sum().backward()
+        ref(wrap(x)).square().sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad = q.grad = None
+    return m, c, step
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_training_steps_over_more_shapes_than_the_recompile_limit_stay_compiled_with_eagers_gradients(
         device):
-    """Past Dynamo's recompile limit of calls with gradients, new shapes compile once with symbolic
-    shapes (Dynamo would run them as written); a shape compiled before keeps its static graphs."""
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
-    ref = copy.deepcopy(m)
-    c = sd.compile(m)
+    """Past Dynamo's recompile limit, new shapes compile once with symbolic shapes (Dynamo would run
+    them as written); a training call of a shape compiled before keeps its static graphs."""
+    _, c, step = _training_pair(device)
     limit = torch._dynamo.config.recompile_limit
-
-    def step(batch):
-        x = torch.randn(batch, 4, device=device)
-        torch.compiler.cudagraph_mark_step_begin()  # (a training step: the trees' outputs are free)
-        c(x).square().sum().backward()
-        ref(x).square().sum().backward()
-        for p, q in zip(m.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
-            p.grad = q.grad = None
-
     for batch in range(1, limit + 5):
         step(batch)
     s = c.statistics()
     assert s.eager_calls == 0 and s.graphs <= limit + 2, c.explain()
-    assert f"compiles calls with gradients with symbolic shapes after {limit} of them" in c.explain()
+    assert f"compiles with symbolic shapes after {limit} calls compiled with static ones" in c.explain()
     step(1)  # a shape of the static wrapper's: its graphs, none compiled
     assert c.statistics().graphs == s.graphs
+
+
+@pytest.mark.parametrize("case", ["arguments without a key", "validation between steps",
+                                  "eval with gradients on a known shape"])
+def test_training_past_the_recompile_limit_never_runs_as_written(case):
+    """Dynamo counts one limit for a wrapper, both grad modes together, and guards more than a
+    call's key: a model called with a list, training steps with calls without gradients between,
+    and a known shape called after eval() all go on compiled (one call may run as written where
+    a guard the key does not hold fails on the full static wrapper)."""
+    m, c, step = _training_pair("cpu", _TakesAList if case == "arguments without a key" else _mlp)
+    limit = torch._dynamo.config.recompile_limit
+    for batch in range(1, limit + 5):
+        step(batch)
+        if case == "validation between steps":
+            step(batch, grad=False)
+    allowed = 0
+    if case == "eval with gradients on a known shape":
+        m.eval()
+        for _ in range(3):
+            step(1)
+        allowed = 1
+    assert c.statistics().eager_calls <= allowed, c.explain()
 
 
 def test_a_model_holding_a_torchscript_module_that_dynamo_runs_as_written_says_so_and_names_the_fix():

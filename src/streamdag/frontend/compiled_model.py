@@ -150,16 +150,15 @@ class CompiledModel:
         self.backend: StreamdagBackend = backend
         self.__wrapped__ = fn
         self._compiled = self._wrapped(dynamic=False)
-        #: the wrapper with symbolic shapes, made when calls of one grad mode reach Dynamo's
-        #: recompile limit (:meth:`_compile_with_symbolic_shapes`)
+        #: the wrapper with symbolic shapes, made when the static one reaches Dynamo's recompile
+        #: limit (:meth:`_compile_with_symbolic_shapes`)
         self._compiled_symbolic: Callable[..., Any] | None = None
-        self._compile_calls = 0  # calls without gradients on Dynamo's path that compiled a graph
-        self._no_grad_symbolic = False  # calls without gradients take the symbolic wrapper
-        #: calls with gradients: the keys (:func:`.call_key.call_key`) of those that compiled a graph
-        #: on the static wrapper, and whether they reached Dynamo's recompile limit (then the others
-        #: take the symbolic wrapper: the static one keeps its graphs, and the trees, for these keys)
+        #: calls on the static wrapper that compiled a graph, with gradients or without: Dynamo
+        #: counts them together against its limit (a grad mode of its own is one more guard)
+        self._compile_calls = 0
+        #: the keys (:func:`.call_key.call_key`) of calls with gradients that compiled on the static
+        #: wrapper: past the limit they keep its graphs (and the trees), the others go symbolic
         self._grad_static_keys: set[Any] = set()
-        self._grad_symbolic = False
         #: the module whose hooks the compiled code runs (Dynamo does not guard them), and those
         #: hooks, from the first call on Dynamo's path on
         self._hook_root = root_module(fn)
@@ -212,19 +211,23 @@ class CompiledModel:
         ran = self.backend.ran
         before = ran.count
         graphs = self.backend.stats.graphs
-        if grad:
-            compiled = self._compiled
-            if self._grad_symbolic and call_key(args, kwargs) not in self._grad_static_keys:
-                compiled = self._compiled_symbolic or self._compiled
-        else:
-            compiled = self._compiled_symbolic if self._no_grad_symbolic else self._compiled
+        compiled, key = self._compiled, None
+        if self._compiled_symbolic is not None:  # (the static wrapper is full)
+            if grad:
+                key = call_key(args, kwargs)
+                if key not in self._grad_static_keys:
+                    compiled = self._compiled_symbolic
+            else:
+                compiled = self._compiled_symbolic
         if _OWN_RECOMPILE_LIMIT:
             out = compiled(*args, **kwargs)
         else:
             out = _with_room_to_recompile(compiled, args, kwargs)
-        if self.backend.stats.graphs != graphs and compiled is self._compiled:
+        if compiled is self._compiled and self.backend.stats.graphs != graphs:
             self._count_static_compile(grad, args, kwargs)
         if ran.count == before:
+            if key is not None and compiled is self._compiled:  # a guard other than the key's failed on the
+                self._grad_static_keys.discard(key)              # full static wrapper: symbolic from now on
             self._ran_eagerly()
         return out
 
@@ -236,37 +239,33 @@ class CompiledModel:
         return torch.compile(target, backend=self.backend, dynamic=dynamic, **_OWN_RECOMPILE_LIMIT)
 
     def _count_static_compile(self, grad: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A call on the static wrapper compiled a graph: at Dynamo's recompile limit of such calls
-        in its grad mode, that mode goes on with symbolic shapes (:meth:`_compile_with_symbolic_shapes`)."""
-        limit = getattr(torch._dynamo.config, _LIMIT)
-        if not grad:
+        """A call on the static wrapper compiled a graph: at Dynamo's recompile limit of them, later
+        calls go on with symbolic shapes (:meth:`_compile_with_symbolic_shapes`)."""
+        with self._first_call:  # (threads at the limit together make one wrapper)
+            if self._compiled_symbolic is not None:
+                return
             self._compile_calls += 1
-            if self._compile_calls >= limit and not self._no_grad_symbolic:
-                self._no_grad_symbolic = True
-                self._compile_with_symbolic_shapes("without")
-        elif not self._grad_symbolic:
-            self._grad_static_keys.add(call_key(args, kwargs))
-            if len(self._grad_static_keys) >= limit:
-                self._grad_symbolic = True
-                self._compile_with_symbolic_shapes("with")
+            key = call_key(args, kwargs) if grad else None
+            if isinstance(key, tuple):  # (a string: arguments without a key, never taken as known)
+                self._grad_static_keys.add(key)
+            if self._compile_calls >= getattr(torch._dynamo.config, _LIMIT):
+                self._compile_with_symbolic_shapes()
 
-    def _compile_with_symbolic_shapes(self, gradients: str) -> None:
-        """Once calls of one grad mode have compiled as often as Dynamo's recompile limit allows
-        (new input shapes, other argument values), later such calls go through a wrapper that
-        compiles with symbolic shapes, whose code serves every shape: past the limit Dynamo would
-        run each new one as written. That code runs uncaptured (a graph with symbolic shapes is
-        neither captured, nor part of a whole-call graph, nor under the CUDA graph trees). Without
-        gradients, the shapes captured before keep their whole-call graphs; with gradients, calls
-        keyed as one that compiled before keep the static wrapper and its graphs."""
-        if self._compiled_symbolic is None:
-            self._compiled_symbolic = self._wrapped(dynamic=True)
-        count = self._compile_calls if gradients == "without" else len(self._grad_static_keys)
-        note = (f"compiles calls {gradients} gradients with symbolic shapes after {count} of them compiled "
-                "with static ones, Dynamo's recompile limit (new input shapes and the like); their code "
-                "runs uncaptured")
-        earlier = self.backend.dynamic_note
-        self.backend.dynamic_note = f"{earlier}; {note}" if earlier else note
-        log.info("streamdag.compile: %s", note)
+    def _compile_with_symbolic_shapes(self) -> None:
+        """Once calls have compiled on the static wrapper as often as Dynamo's recompile limit
+        allows (new input shapes, other argument values, either grad mode), later calls go through
+        a wrapper that compiles with symbolic shapes, whose code serves every shape: past the limit
+        Dynamo would run each new one as written. That code runs uncaptured (a graph with symbolic
+        shapes is neither captured, nor part of a whole-call graph, nor under the CUDA graph trees).
+        Without gradients, the shapes captured before keep their whole-call graphs; with gradients,
+        a call keyed as one that compiled before keeps the static wrapper and its graphs, until a
+        guard the key does not hold fails there (``eval()`` with gradients on, say)."""
+        self.backend.dynamic_note = (
+            f"compiles with symbolic shapes after {self._compile_calls} calls compiled with static ones, "
+            "Dynamo's recompile limit (new input shapes and the like): their code runs uncaptured; calls "
+            "with gradients keyed as one compiled before keep the static code")
+        self._compiled_symbolic = self._wrapped(dynamic=True)
+        log.info("streamdag.compile: %s", self.backend.dynamic_note)
 
     def _after_a_change(self, hooks: HookWatch, grad: bool, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
