@@ -159,8 +159,9 @@ def time_variant(v: Variant, ids: Any, new: int, repeats: int, warmup: int, devi
 def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) -> dict[str, Any]:
     """Where a decode step's time goes, by torch.profiler over a generate call of ``new`` tokens
     (after the timed ones): per token, the GPU's busy time (the sum of its kernels' and copies'
-    times; on the CPU, of the operators' own times) and, for the ``top`` kernels by time, their
-    time, their launches and their time each. The prefill is one call's share of it."""
+    times; on the CPU, of the operators' own times), the kernels it ran (those inside a CUDA
+    graph's replay each count) and, for the ``top`` kernels by time, their time, their count and
+    their time each. The prefill is one call's share of it."""
     import collections
 
     import torch
@@ -179,7 +180,7 @@ def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) 
         by_name[e.name[:100]][1] += us
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     return {"tokens": new, "busy_ms_per_token": sum(t for _, t in by_name.values()) / new / 1e3,
-            "launches_per_token": sum(n for n, _ in by_name.values()) / new,
+            "kernels_per_token": sum(n for n, _ in by_name.values()) / new,
             "top": [{"name": k, "us_per_token": t / new, "per_token": n / new, "us_each": t / max(n, 1)}
                     for k, (n, t) in ranked[:top]]}
 
@@ -189,11 +190,11 @@ def profile_table(row: dict[str, Any]) -> str:
 
     out = []
     for variant, prof in row.get("profile", {}).items():
-        busy, launches = prof["busy_ms_per_token"] * 1e3, prof["launches_per_token"]
-        out.append([variant, "all", f"{busy:.1f}", f"{launches:.0f}", ""])
+        busy, kernels = prof["busy_ms_per_token"] * 1e3, prof["kernels_per_token"]
+        out.append([variant, "all", f"{busy:.1f}", f"{kernels:.0f}", ""])
         out += [["", k["name"][:70], f"{k['us_per_token']:.1f}", f"{k['per_token']:.1f}",
                  f"{k['us_each']:.2f}"] for k in prof["top"]]
-    return format_table(["variant", "kernel", "us/token", "launches/token", "us each"], out)
+    return format_table(["variant", "kernel", "us/token", "kernels/token", "us each"], out)
 
 
 def compare(a: Any, b: Any, prompt: int) -> dict[str, Any]:
@@ -322,6 +323,9 @@ def main() -> int:
         if unknown:
             p.error(f"unknown variants {unknown}: choose from {', '.join((*VARIANTS, REGIONS))}")
         args.variants = tuple(args.only.split(","))
+        if args.merge:
+            p.error("--only with --merge would drop the other variants' numbers from the rows it redoes: "
+                    "write the run to its own file (--out)")
     import torch
 
     from streamdag.suite.report import source_digest
