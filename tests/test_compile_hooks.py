@@ -239,3 +239,24 @@ def test_a_lazy_module_compiles_once_and_warns_of_no_hook():
     x = torch.randn(4, 8)
     said = _caught(lambda: [c(x).sum().backward() for _ in range(3)])
     assert said == [] and c.statistics().graphs == 1
+
+
+def test_a_model_compiled_again_for_its_hooks_counts_dynamos_limit_from_none():
+    """A hook change compiles the model again by a new wrapper, whose recompile limit starts over:
+    the shapes before the change do not count towards the switch to symbolic shapes after it."""
+    from streamdag.frontend import compiled_model
+
+    if not compiled_model._OWN_RECOMPILE_LIMIT:
+        pytest.skip("without isolate_recompiles a hook change runs the model as written")
+    m = _model().eval()
+    c = sd.compile(m)
+    limit = torch._dynamo.config.recompile_limit
+    before = limit // 2 + 1
+    with torch.no_grad():
+        for batch in range(1, before + 1):
+            c(torch.randn(batch, 8))
+        m[0].register_forward_hook(lambda module, args, out: out * 3)
+        for batch in range(1, limit - 1):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(c(x), m(x))
+    assert "symbolic shapes" not in c.explain() and c.statistics().eager_calls == 0

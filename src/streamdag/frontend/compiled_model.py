@@ -296,6 +296,9 @@ class CompiledModel:
         self._compiled = self._wrapped(dynamic=False)
         if self._compiled_symbolic is not None:
             self._compiled_symbolic = self._wrapped(dynamic=True)
+        else:  # (a new static wrapper: Dynamo's limit counts its compiles from none)
+            self._compile_calls = 0
+            self._grad_static_keys.clear()
         if "hooks" not in self.backend._warned:
             self.backend._warned.add("hooks")
             warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "
