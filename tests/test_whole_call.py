@@ -487,6 +487,21 @@ def test_a_graph_captured_under_other_cudnn_switches_is_not_replayed(fake_device
     assert w.captures == 2 and w.replays == 4, "the first graph is not replayed under the new switch"
 
 
+def test_calls_that_alternate_global_settings_replay_a_graph_of_each_and_capture_once_each(fake_device):
+    """A graph captured under other global settings (here autocast) is kept for calls under them:
+    calls that alternate settings replay, where they used to capture at every call."""
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for i in range(10):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(i % 2)):
+                out = w((x,), {}, dynamo)
+                torch.testing.assert_close(out, m(x))
+    assert (w.captures, w.replays) == (2, 8), w.explain()
+    assert "captured under other global settings" in w.explain()
+
+
 def test_with_grad_enabled_every_call_takes_dynamos_path(fake_device):
     m = mlp()
     w, dynamo = whole(m, fake_device)

@@ -36,14 +36,18 @@ Every call checks cheaply (:meth:`WholeCall.__call__`, a few microseconds):
   inference mode is on; with grad mode on, Dynamo's path always runs;
 * the global state Dynamo guards (``GlobalStateGuard``: grad mode, default
   dtype, deterministic algorithms, ...) and cuDNN's switches, which it leaves
-  out (TF32, deterministic algorithms, cuDNN on), as they were at the capture;
+  out (TF32, deterministic algorithms, cuDNN on), as they were at the capture
+  (a key keeps the graphs of a few other such states, :data:`MAX_OTHERS`, for
+  calls that alternate them);
 * the module's state (:class:`StateWatch`): its submodules' attributes,
   parameters, buffers, submodules and hooks, the globals its ``forward``
   names, the tensors among them by address, shape and strides.
 
-The key picks the graph; the other two checks run after its launch, while the
-GPU runs it, where the graph writes nothing outside its own memory
-(:mod:`.whole_replay` says why that is safe). A call first tries the graph the
+The key picks the graph; the module-state check runs after its launch, while
+the GPU runs it, where the graph writes nothing outside its own memory
+(:mod:`.whole_replay` says why that is safe), and so does the global one on the
+last call's graph (on a keyed lookup it runs first: under a microsecond, and a
+call under other settings then launches nothing for nothing). A call first tries the graph the
 last call replayed (:meth:`Entry.launch_if`): its arguments are compared with
 that graph's captured ones by the key's rules, without building a key, and
 where the torch extension is loaded the comparison, the input copies and the
@@ -87,6 +91,9 @@ MAX_STATES = 4
 #: a key whose capture fails this often for a passing reason (the state changed during the call)
 #: stays on Dynamo's path
 MAX_ATTEMPTS = 3
+#: entries kept per key for global settings other than the current one's (each holds its graph
+#: and memory)
+MAX_OTHERS = 3
 
 
 class NotWholeCapturable(RuntimeError):
@@ -142,6 +149,9 @@ class _State:
 
     watch: StateWatch
     entries: dict[Any, Entry] = field(default_factory=dict)
+    #: each key's entries captured under other global settings (autocast, default dtype, cuDNN's
+    #: switches...), the latest last: a call under one of them replays it instead of capturing
+    others: dict[Any, list[Entry]] = field(default_factory=dict)
     attempts: dict[Any, int] = field(default_factory=dict)
     compiles: dict[Any, int] = field(default_factory=dict)  # calls of each key that compiled a graph
 
@@ -216,9 +226,9 @@ class WholeCall:
             entry = state.entries.get(key)
             if entry is not None:
                 with self._lock:
-                    if entry.speculative:
+                    if entry.speculative and entry.global_state.check():  # (checked first: cheap)
                         tensors = entry.launch(args, kwargs)
-                        if entry.global_state.check() and state.watch.holds():
+                        if state.watch.holds():
                             self.replays += 1
                             if state is self.current and state.entries.get(key) is entry:  # still kept
                                 self._last = (state, entry)
@@ -248,8 +258,17 @@ class WholeCall:
             if entry is not None and entry.global_state.check():
                 self.replays += 1
                 return entry.replay(args, kwargs)
-            state.entries.pop(key, None)  # captured under other global settings
-            self._last = None
+            self._last = None  # (calls that alternate settings take the keyed path: no wasted launch)
+            others = state.others.setdefault(key, [])
+            if entry is not None:  # captured under other global settings: kept for calls under them
+                others.append(state.entries.pop(key))
+            other = next((e for e in reversed(others) if e.global_state.check()), None)
+            if other is not None:
+                others.remove(other)
+                state.entries[key] = other
+                self.replays += 1
+                return other.replay(args, kwargs)
+            del others[:-MAX_OTHERS]
             return self._capture(state, key, device, args, kwargs, dynamo)
 
     def _state(self) -> _State:
@@ -443,6 +462,10 @@ class WholeCall:
             if entry.native is not None:
                 when += " (arguments compared, copied in and launched in C++)"
             lines.append(f"  {_describe(key)}: {entry.replays} replays, {when}")
+            kept = len(self.current.others.get(key, ())) if self.current is not None else 0
+            if kept:
+                lines.append(f"    and {kept} graph(s) of it captured under other global settings (autocast, "
+                             "default dtype, cuDNN's switches...), replayed under them")
         for key, reason in self.refused.items():
             lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
         if self.note and self.note not in self.refused.values():
