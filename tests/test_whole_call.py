@@ -500,6 +500,37 @@ def test_calls_that_alternate_global_settings_replay_a_graph_of_each_and_capture
                 torch.testing.assert_close(out, m(x))
     assert (w.captures, w.replays) == (2, 8), w.explain()
     assert "captured under other global settings" in w.explain()
+    key = next(iter(w.current.others))
+    w._refuse(key, "refused for a test")  # (a key refused later: its kept graphs' memory goes back)
+    assert not w.current.others
+
+
+SETTINGS = [torch.float32, torch.float64, torch.float16]
+
+
+def test_calls_under_more_settings_than_the_compile_limit_each_compile_once_and_capture(fake_device):
+    """Dynamo compiles a key's graphs again for each new global setting (default dtype, autocast):
+    a compile then a capture per setting is no compile loop, so the key is not refused."""
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    seen = set()
+
+    def compiling(*args, **kwargs):  # as Dynamo is: the first call under a setting compiles
+        if torch.get_default_dtype() not in seen:
+            seen.add(torch.get_default_dtype())
+            w.backend.stats.graphs += 1
+        return dynamo(*args, **kwargs)
+
+    x = torch.randn(3, 8)
+    before = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            for i in range(4 * len(SETTINGS)):
+                torch.set_default_dtype(SETTINGS[i % len(SETTINGS)])
+                w((x,), {}, compiling)
+    finally:
+        torch.set_default_dtype(before)
+    assert not w.refused and w.captures == len(SETTINGS), w.explain()
 
 
 def test_with_grad_enabled_every_call_takes_dynamos_path(fake_device):

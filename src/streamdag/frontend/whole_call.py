@@ -153,7 +153,8 @@ class _State:
     #: switches...), the latest last: a call under one of them replays it instead of capturing
     others: dict[Any, list[Entry]] = field(default_factory=dict)
     attempts: dict[Any, int] = field(default_factory=dict)
-    compiles: dict[Any, int] = field(default_factory=dict)  # calls of each key that compiled a graph
+    #: calls of each key that compiled a graph since its last capture, per global settings
+    compiles: dict[Any, list[list[Any]]] = field(default_factory=dict)
 
 
 class _GlobalState:
@@ -259,9 +260,9 @@ class WholeCall:
                 self.replays += 1
                 return entry.replay(args, kwargs)
             self._last = None  # (calls that alternate settings take the keyed path: no wasted launch)
-            others = state.others.setdefault(key, [])
             if entry is not None:  # captured under other global settings: kept for calls under them
-                others.append(state.entries.pop(key))
+                state.others.setdefault(key, []).append(state.entries.pop(key))
+            others = state.others.get(key, [])
             other = next((e for e in reversed(others) if e.global_state.check()), None)
             if other is not None:
                 others.remove(other)
@@ -307,6 +308,8 @@ class WholeCall:
     def _refuse(self, key: Any, reason: str) -> None:
         self.refused[key] = reason
         self.note = reason
+        for state in self.states:  # (no call of a refused key replays: their memory goes back)
+            state.others.pop(key, None)
 
     def _passing(self, state: _State, key: Any, reason: str) -> None:
         """The capture waits for a later call; after ``MAX_ATTEMPTS`` such calls the key is refused."""
@@ -389,6 +392,7 @@ class WholeCall:
                 kept.native = dev.launch_plan(args, kwargs, kept.statics, kept.graph.replay, key[-1])
                 self._last = (state, kept)
             state.attempts.pop(key, None)
+            state.compiles.pop(key, None)  # (a compile for new settings, then a capture: no loop)
             self.captures += 1
             over = frozenset(map(id, state.watch.tensors))
             if self._captured_over.get(key, over) != over:
@@ -421,14 +425,20 @@ class WholeCall:
         return eager if kept else entry
 
     def _recompiles(self, state: _State, key: Any, graphs_before: int) -> bool:
-        """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state; the key is
-        then refused. Dynamo compiles a key's graphs once per state unless its guards fail on a value
-        the key and the state do not hold (a number that ``.item()`` returns, passed on past the graph
+        """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state under
+        the same global settings since its last capture; the key is then refused. Dynamo compiles a
+        key's graphs once per state and global settings unless its guards fail on a value the key
+        and the state do not hold (a number that ``.item()`` returns, passed on past the graph
         break), and then it compiles at every call, so no call would ever capture."""
         if self.backend.stats.graphs == graphs_before:
             return False
-        state.compiles[key] = state.compiles.get(key, 0) + 1
-        if state.compiles[key] < MAX_ATTEMPTS:
+        counts = state.compiles.setdefault(key, [])  # per global settings: [_GlobalState, compiles]
+        mine = next((c for c in counts if c[0].check()), None)
+        if mine is None:
+            mine = [_GlobalState(), 0]
+            counts.append(mine)
+        mine[1] += 1
+        if mine[1] < MAX_ATTEMPTS:
             return False
         self._refuse(key, f"Dynamo compiled a graph in each of {MAX_ATTEMPTS} calls with these arguments: "
                           "a value the code reads changes from call to call, such as a number from "
