@@ -73,16 +73,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch._C._dynamo.guards import GlobalStateGuard
 from torch.utils import _pytree as pytree
 
-from .call_key import CONSTANTS as _CONSTANTS
 from .call_key import call_key
 from .candidates import cudnn_settings
 from .eager_graph import capture_eager, eager_refusal, keep_eager
-from .result_objects import Template, template
 from .state_watch import StateWatch
-from .unflatten import unflattener
-from .whole_replay import CudaCalls, Entry, copy_plan, empty_like_input, fill_inputs, with_tensors_replaced
+from .whole_replay import CudaCalls, Entry, empty_like_input, fill_inputs, with_tensors_replaced
+from .whole_results import result_parts
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
 
@@ -164,24 +163,11 @@ class _GlobalState:
     __slots__ = ("cudnn", "dynamo")
 
     def __init__(self) -> None:
-        try:
-            from torch._C._dynamo.guards import GlobalStateGuard
-        except ImportError:  # a torch without it: grad mode, the one that matters most
-            self.dynamo: Any = _GradMode()
-        else:
-            self.dynamo = GlobalStateGuard()
+        self.dynamo = GlobalStateGuard()
         self.cudnn = cudnn_settings()
 
     def check(self) -> bool:
         return self.dynamo.check() and cudnn_settings() == self.cudnn
-
-
-class _GradMode:
-    def __init__(self) -> None:
-        self.grad = torch.is_grad_enabled()
-
-    def check(self) -> bool:
-        return torch.is_grad_enabled() == self.grad
 
 
 class WholeCall:
@@ -340,7 +326,7 @@ class WholeCall:
             out = dynamo(*s_args, **s_kwargs)
             parks = list(active.parkable.values())
         bumped = {i for i, (a, b) in enumerate(zip(versions, _versions(watched))) if a != b}
-        parts = _result_parts(out, device, statics, state.watch.tensors)
+        parts = result_parts(out, device, statics, state.watch.tensors)
         leaves = parts.outputs if not isinstance(parts, str) else pytree.tree_leaves(out)
         dev.join(caller, [t for t in leaves if isinstance(t, torch.Tensor) and t.device == device])
         # what the call wrote into its inputs, in a graph or in the Python between (an inference
@@ -452,7 +438,7 @@ class WholeCall:
     def _entry(self, graph: Any, dev: Any, statics: list[torch.Tensor], arg_index: list[int],
                kw_names: list[str], write_back: list[int], out: Any, gs: Any,
                held: Sequence[Any] = ()) -> Entry | str:
-        parts = _result_parts(out, dev.device, statics, list(held))
+        parts = result_parts(out, dev.device, statics, list(held))
         if isinstance(parts, str):
             return parts
         return Entry(graph=graph, device=dev, statics=statics, arg_index=arg_index, kw_names=kw_names,
@@ -556,76 +542,3 @@ def _one_cuda_device(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[torch
     if device.type != "cuda":
         return None, f"the arguments are on the {device.type.upper()}: whole-call graphs are CUDA graphs"
     return device, ""
-
-
-@dataclass
-class _ResultParts:
-    spec: Any  # the result's structure
-    outputs: list[torch.Tensor]  # its distinct tensors, those inside objects too
-    leaves: list[Any]  # its leaves, with None where a tensor or an object goes
-    slots: list[int]  # for each leaf, its output (-1: none)
-    objects: list[tuple[int, Template]]  # the leaves that are objects, rebuilt at each replay
-    copied: list[torch.Tensor] | None = None  # where outputs share memory: see whole_replay.copy_plan
-    views: list[Any] | None = None
-    unflatten: Any = None  # the structure's rebuild around the leaves (.unflatten.unflattener)
-
-
-def _result_parts(out: Any, device: torch.device, statics: list[torch.Tensor],
-                  held: list[torch.Tensor]) -> _ResultParts | str:
-    """A call's result taken apart for replays, or why its outputs cannot come from a replay."""
-    leaves, spec = pytree.tree_flatten(out)
-    outputs: list[torch.Tensor] = []
-    slot_of: dict[int, int] = {}
-
-    def slot(t: torch.Tensor) -> int:
-        if slot_of.setdefault(id(t), len(outputs)) == len(outputs):
-            outputs.append(t)
-        return slot_of[id(t)]
-
-    slots, kept, objects = [], [], []
-    for pos, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            slots.append(slot(leaf))
-            kept.append(None)
-            continue
-        slots.append(-1)
-        kept.append(leaf if isinstance(leaf, _CONSTANTS) else None)
-        if isinstance(leaf, _CONSTANTS):
-            continue
-        tpl = template(leaf, slot)
-        if isinstance(tpl, str):
-            hf = any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
-                     for c in type(leaf).__mro__)
-            return (f"the result holds a {type(leaf).__name__} that holds {tpl}: whole-call graphs return "
-                    "tensors, numbers, strings and None in tuples, lists, dicts, the containers "
-                    "torch.utils._pytree knows and plain objects of them"
-                    + ("; a Hugging Face model's KV cache: call it with use_cache=False, or generate with "
-                       "streamdag.decoder" if hf else ""))
-        objects.append((pos, tpl))
-    reason = _output_refusal(outputs, device, statics, held)
-    if reason:
-        return reason
-    plan = copy_plan(outputs)
-    if isinstance(plan, str):
-        return plan
-    return _ResultParts(spec, outputs, kept, slots, objects, *plan, unflattener(spec, out))
-
-
-def _output_refusal(outputs: list[torch.Tensor], device: torch.device, statics: list[torch.Tensor],
-                    held: list[torch.Tensor]) -> str:
-    """Why these output tensors cannot come from a replay ('' where they can)."""
-    inputs = {s.untyped_storage().data_ptr() for s in statics} - {0}  # 0: no memory (no elements)
-    kept = {t.untyped_storage().data_ptr() for t in held if t.device == device} - {0}
-    for leaf in outputs:
-        if leaf.layout != torch.strided:
-            return f"an output is a {leaf.layout} tensor"
-        if leaf.device != device:
-            return f"an output is on {leaf.device}, not on {device}"
-        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-            return f"an output is a {type(leaf).__name__}, a tensor subclass"
-        ptr = leaf.untyped_storage().data_ptr()
-        if ptr in inputs:
-            return "an output is an input or a view of one: the caller's tensor, not a copy, is returned"
-        if ptr in kept:
-            return "an output is a parameter or buffer or a view of one: the module's tensor is returned"
-    return ""
