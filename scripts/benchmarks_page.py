@@ -289,6 +289,9 @@ def render_llm_decode(data: dict) -> str:
     """One row per config and batch: ms per decode step of each way (and its tokens/s), the
     bandwidth bound, the prefill, and whether the token ids equal Hugging Face eager's."""
     ways = ("hf_eager", "inductor_ro_static_cache", "streamdag")
+    regions = any("streamdag_regions" in r["ms_per_token"] for r in data["rows"])
+    if regions:  # (a run with --regions or --only: the decode step's regions on streams too)
+        ways += ("streamdag_regions",)
     rows = []
     for r in data["rows"]:
         c, ms, tps, bound = r["config"], r["ms_per_token"], r["tokens_per_s"], r["bound"]
@@ -302,8 +305,10 @@ def render_llm_decode(data: dict) -> str:
     return ("ms per decode step (tokens/s of the batch); the bound: weight bytes over "
             f"{data['rows'][0]['bound']['bandwidth_tbs'] if data['rows'] else '?'} TB/s.\n\n"
             + table(["config", "params", "dtype", "batch", "HF eager", "HF static + reduce-overhead",
-                     "**streamdag**", "bandwidth bound", "HF eager prefill ms",
-                     "reduce-overhead prefill ms", "streamdag prefill ms", "token ids vs HF eager"], rows))
+                     "**streamdag**", *(["streamdag, regions on streams"] if regions else []),
+                     "bandwidth bound", "HF eager prefill ms", "reduce-overhead prefill ms",
+                     "streamdag prefill ms", *(["regions prefill ms"] if regions else []),
+                     "token ids vs HF eager"], rows))
 
 
 def render_soak(data: dict) -> str:

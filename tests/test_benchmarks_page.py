@@ -145,6 +145,20 @@ def test_an_llm_decode_result_renders_one_row_per_config_and_batch(tmp_path):
     assert "over 4.8 TB/s" in text
 
 
+def test_an_llm_decode_result_with_the_regions_variant_shows_its_columns_and_others_show_none():
+    generator = load_generator()
+    row = {"config": {"name": "wide", "params": 8.03e9, "dtype": "bf16", "batch": 1},
+           "ms_per_token": {"streamdag": 5.8, "streamdag_regions": 5.85},
+           "tokens_per_s": {"streamdag": 172.5, "streamdag_regions": 171.1},
+           "prefill_ms": {"streamdag": 23.8, "streamdag_regions": 40.4},
+           "bound": {"ms_per_token": 3.346, "tokens_per_s": 298.9, "bandwidth_tbs": 4.8}}
+    text = generator.render_llm_decode({"rows": [row]})
+    assert "streamdag, regions on streams" in text and "regions prefill ms" in text
+    assert "| 5.800 (172.5) | 5.850 (171.1) | 3.346 (298.9) |" in text
+    plain = dict(row, ms_per_token={"streamdag": 5.8}, prefill_ms={"streamdag": 23.8})
+    assert "regions" not in generator.render_llm_decode({"rows": [plain]})
+
+
 def test_a_zoo_row_shows_host_time_over_a_replay_only_where_calls_were_timed_from_an_idle_gpu():
     generator = load_generator()
     base = {"model": "resnet50", "dtype": "fp32", "batch": 1, "streams": 1,
