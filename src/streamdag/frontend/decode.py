@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from .decode_attention import attention_for_decode
+
 __all__ = ["Decoder", "TokenStream", "generate"]
 
 #: how many decode steps a stream keeps queued ahead of the token being read (on CUDA)
@@ -94,7 +96,10 @@ class _Slot:
         self.step_module: torch.nn.Module = _Step(model, self.cache)
         self.step: Any = self.step_module
         if compile_step:
+            from .adjacent_linears import pack_sibling_linears
             from .compiled_model import compile_v2
+
+            pack_sibling_linears(model)  # so that the compile fuses each block's projections
 
             # the stream copies each step's tokens out before the next replay overwrites them
             self.step = compile_v2(self.step_module, **{"clone_outputs": False, **options})
@@ -249,8 +254,10 @@ class TokenStream:
 
     def _prefill(self) -> None:
         self.slot.cache.reset()  # in place: the captured step reads the cache where it is
-        logits = self.decoder.model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
-                                    logits_to_keep=1).logits
+        model = self.decoder.model
+        with attention_for_decode(model):
+            logits = model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
+                           logits_to_keep=1).logits
         tokens = logits[:, -1].argmax(-1, keepdim=True)
         self._finished = torch.zeros_like(tokens, dtype=torch.bool) if self.eos is not None else None
         self._emit(tokens)
@@ -273,7 +280,7 @@ class TokenStream:
         target = min(target, self.max_new_tokens)
         if self.enqueued >= target:
             return
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_for_decode(self.decoder.model):
             while self.enqueued < target:
                 self._emit(self.slot.step(self.tokens))
 

@@ -46,6 +46,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .._diagnostics import get_logger, warn
+from .adjacent_linears import AdjacentLayout, fuse_adjacent_linears
 from .candidates import (
     Candidate,
     CapturedGraph,
@@ -128,10 +129,15 @@ class GraphRunner:
         self.captured_run: bool = False  # whether _run replays a CUDA graph of the chosen candidate
         self.not_whole: str = ""  # why this graph cannot be part of a whole-call graph ('' where it can)
         self.training: list[Any] = []  # a training graph's forward and backward (:mod:`.training`)
+        #: where the weights of linear layers fused into one product must lie (:mod:`.adjacent_linears`)
+        self.layout: AdjacentLayout | None = None
+        self.layout_moved: int = 0  # calls that ran the graph as traced: those weights had moved
 
     def __call__(self, *args: Any) -> Any:
         self.stats.calls += 1
         self.ran.count += 1
+        if self.layout is not None and not self.layout.holds(args):
+            return self._as_traced(args)
         if ACTIVE.mode is not None:
             return self._in_whole_call(args)
         run = self._run
@@ -174,6 +180,16 @@ class GraphRunner:
             self._set_switch(self.chosen)
             return _made(self.chosen.run(list(args)))
         return _made(self._run(args))
+
+    def _as_traced(self, args: Sequence[Any]) -> Any:
+        """A call whose fused linear layers' weights no longer lie side by side: the graph as Dynamo
+        traced it, op by op (correct, not fast), with one warning."""
+        if not self.layout_moved:
+            warn(f"streamdag: graph {self.index} fused linear layers whose weights lay side by side in "
+                 "memory, and they have moved (a parameter's .data was replaced): the graph runs as "
+                 "traced, op by op; call torch._dynamo.reset() and compile again to fuse them anew")
+        self.layout_moved += 1
+        return self.eager(*args)
 
     # -- choosing ---------------------------------------------------------------------------------
 
@@ -363,6 +379,11 @@ class GraphRunner:
         lines += [f"  {c.describe(c is self.chosen)}" for c in self.candidates]
         if self.note:
             lines.append(f"  {self.note}")
+        if self.layout is not None:
+            lines.append(f"  {self.layout.products} groups of linear layers over one input run as one "
+                         "product each (their weights lie side by side)")
+            if self.layout_moved:
+                lines.append(f"  {self.layout_moved} calls ran as traced: those weights had moved")
         lines += [t.explain() for t in self.training]
         if self._run is None:
             lines.append("  not called yet")
@@ -446,6 +467,7 @@ class StreamdagBackend:
         index = len(self.runners)
         rewrite_masked_writes(gm)  # first: the eager fallback's copy gets the static shapes too
         eager = _pristine(gm)
+        layout = fuse_adjacent_linears(gm, example_inputs)  # after the copy: it depends on a layout
         switches: list[_Switch] = []
         trained: list[Any] = []
 
@@ -467,6 +489,7 @@ class StreamdagBackend:
         runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
                              self.pool, self.stats, index, self.ran)
         runner.training = trained  # the backward joins it when autograd first needs it
+        runner.layout = layout if layout.groups else None
         self.runners.append(runner)
         return runner
 

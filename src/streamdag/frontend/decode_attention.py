@@ -1,0 +1,75 @@
+"""Attention of a decode step over the key/value heads it shares, without copying them per query head.
+
+Under grouped-query attention (Llama, Mistral, Qwen: 32 query heads, 8 key/value
+heads) Hugging Face's ``sdpa`` attention copies each layer's keys and values once
+per query head of a group (``repeat_kv``) whenever there is a mask, and a static
+cache always has one: at a decode step that copies the layer's whole cache,
+every position up to ``max_length``, to read it once. PyTorch's
+``scaled_dot_product_attention(..., enable_gqa=True)`` reads the shared heads
+where they are. On an H200 a Llama-1B layer's attention over a 768-position cache
+takes 13.7 µs the first way and 6.8 µs the second (4,096 positions: 26.6 and 9.7);
+the results are equal.
+
+:func:`grouped_attention` is that attention for one new token per sequence (a
+decode step), and Hugging Face's own ``sdpa`` for everything else (the prefill);
+it is registered with ``transformers`` under :data:`NAME` with ``sdpa``'s masks.
+:func:`attention_for_decode` switches a model that uses ``sdpa`` to it while the
+decoder runs the model, and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["NAME", "attention_for_decode", "grouped_attention"]
+
+#: the name the attention is registered under in ``transformers``' attention interfaces
+NAME = "streamdag_grouped_sdpa"
+
+
+def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``sdpa`` attention, reading grouped key/value heads in place for a single query position."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (query.shape[2] != 1 or groups == 1 or key.shape[-1] != value.shape[-1]
+            or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sinks", "s_aux"))
+            or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, :key.shape[-2]]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, grouped_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def attention_for_decode(model: torch.nn.Module) -> Iterator[None]:
+    """While in the block, a model whose attention is ``sdpa`` runs :func:`grouped_attention`."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    _register()
+    config._attn_implementation = NAME  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"  # type: ignore[union-attr]

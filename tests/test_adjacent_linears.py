@@ -1,0 +1,177 @@
+"""Linear layers over one input whose weights lie side by side run as one product, only while they do,
+and the decoder's grouped-query attention computes what Hugging Face's sdpa does."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import streamdag as sd
+from streamdag.frontend.adjacent_linears import pack_sibling_linears
+
+
+class Block(torch.nn.Module):
+    def __init__(self, bias: bool = False, d: int = 16) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(d, d, bias=bias)
+        self.k_proj = torch.nn.Linear(d, d // 2, bias=bias)
+        self.v_proj = torch.nn.Linear(d, d // 2, bias=bias)
+        self.o_proj = torch.nn.Linear(d, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(*x.shape[:-1], 4, -1)  # a view of the result, as attention code makes
+        k, v = self.k_proj(x), self.v_proj(x)
+        return self.o_proj(q.flatten(-2)) + torch.cat([k, v], -1).relu()
+
+
+def _fused_groups(compiled) -> int:
+    text = compiled.explain()
+    return sum(int(line.split()[0]) for line in text.splitlines() if "groups of linear layers" in line)
+
+
+def _block(bias: bool, seed: int = 0) -> Block:
+    torch.manual_seed(seed)
+    return Block(bias).eval()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packing_keeps_each_parameter_and_its_values_and_lays_them_side_by_side(bias):
+    block = _block(bias)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    params = {n: p for n, p in block.named_parameters()}
+    assert pack_sibling_linears(block) == 1
+    assert pack_sibling_linears(block) == 0  # already packed
+    assert {n: p for n, p in block.named_parameters()} == params  # the same objects
+    for k, v in block.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    q, k, v = block.q_proj.weight, block.k_proj.weight, block.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert block.o_proj.weight.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    if bias:
+        assert block.k_proj.bias.data_ptr() == block.q_proj.bias.data_ptr() + 16 * 4
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_projections_run_as_one_product_and_equal_eager(bias, fresh_dynamo):
+    block = _block(bias)
+    pack_sibling_linears(block)
+    compiled = sd.compile(block)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        expected = block(x)
+        got = compiled(x)
+    torch.testing.assert_close(got, expected)
+    assert _fused_groups(compiled) == 1, compiled.explain()
+
+
+def test_weights_apart_in_memory_or_gradients_on_are_left_as_separate_products(fresh_dynamo):
+    x = torch.randn(3, 16)
+    apart = sd.compile(_block(False))
+    with torch.no_grad():
+        apart(x)
+    assert _fused_groups(apart) == 0  # negative control: the weights are not side by side
+    block = _block(False)
+    pack_sibling_linears(block)
+    with_grad = sd.compile(block)
+    out = with_grad(x)
+    out.sum().backward()
+    assert _fused_groups(with_grad) == 0
+    assert block.k_proj.weight.grad is not None and block.k_proj.weight.grad.abs().sum() > 0
+
+
+def _packed_and_compiled(bias: bool) -> tuple[Block, object, torch.Tensor]:
+    block = _block(bias)
+    pack_sibling_linears(block)
+    compiled = sd.compile(block)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled(x)
+    return block, compiled, x
+
+
+def test_a_weight_moved_after_the_compile_is_read_where_it_now_is(fresh_dynamo):
+    block, compiled, x = _packed_and_compiled(True)
+    with torch.no_grad():
+        block.k_proj.weight.data = torch.randn(8, 16)  # a new tensor, elsewhere; same shape
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(x)
+            again = compiled(x)
+        expected = block(x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(again, expected)
+    assert sum("have moved" in str(w.message) for w in caught) == 1
+    assert "2 calls ran as traced" in compiled.explain()
+
+
+def test_a_weight_updated_in_place_is_read_by_the_fused_product(fresh_dynamo):
+    block, compiled, x = _packed_and_compiled(False)
+    with torch.no_grad():
+        block.v_proj.weight.mul_(-2.0)
+        torch.testing.assert_close(compiled(x), block(x))
+
+
+tf = pytest.importorskip("transformers")
+
+
+def test_grouped_attention_equals_sdpa_at_every_decode_step():
+    from transformers.cache_utils import StaticCache
+
+    from streamdag.frontend.decode_attention import NAME, attention_for_decode
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    logits = {}
+    for grouped in (False, True):
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        steps = []
+        with torch.inference_mode():
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                if grouped:
+                    with attention_for_decode(model):
+                        assert model.config._attn_implementation == NAME
+                        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                else:
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                steps.append(out.logits)
+                token = out.logits[:, -1:].argmax(-1)
+        logits[grouped] = torch.stack(steps)
+    assert model.config._attn_implementation == "sdpa"  # put back
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_with_another_attention_is_left_as_it_is():
+    from streamdag.frontend.decode_attention import attention_for_decode
+
+    cfg = tf.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "eager"
+    model = tf.LlamaForCausalLM(cfg).eval()
+    with attention_for_decode(model):
+        assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_fused_product_replays_in_the_whole_call_and_a_moved_weight_is_read_where_it_is(
+        no_tf32, fresh_dynamo):
+    block = _block(True).cuda()
+    pack_sibling_linears(block)
+    compiled = sd.compile(block)
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), block(x))
+        assert compiled.statistics().whole_replays >= 1 and _fused_groups(compiled) == 1
+        block.k_proj.weight.data = torch.randn(8, 16, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                torch.testing.assert_close(compiled(x), block(x))
