@@ -611,8 +611,6 @@ def _step_peak_mib(label: str) -> float:
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="the trees' pool stays reserved: a step under them reserves more "
-                   "than torch.compile default's peak (and less than reduce-overhead's)")
 def test_on_cuda_a_step_under_the_trees_peaks_within_the_memory_rule_of_torch_compile_default():
     """Reserved memory (the trees' pool counted whole) over a few steps of a batch-32 model whose
     activations dwarf its weights: within 1.1 times ``torch.compile``'s, plus the allocator's
