@@ -175,3 +175,34 @@ def test_on_cuda_the_fused_product_replays_in_the_whole_call_and_a_moved_weight_
             warnings.simplefilter("ignore")
             for _ in range(3):
                 torch.testing.assert_close(compiled(x), block(x))
+
+
+def test_a_packed_hugging_face_model_saves_and_loads_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # biased q/k/v
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert pack_sibling_linears(model) == 4
+    model.save_pretrained(tmp_path)
+    loaded = tf.Qwen2ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected)
+        torch.testing.assert_close(model(ids).logits, expected)
+
+
+def test_projections_made_under_inference_mode_are_packed_and_fused(fresh_dynamo):
+    with torch.inference_mode():
+        block = _block(True)
+        x = torch.randn(3, 16)
+        expected = block(x)
+    assert block.q_proj.weight.is_inference()
+    assert pack_sibling_linears(block) == 1
+    assert block.k_proj.weight.data_ptr() == block.q_proj.weight.data_ptr() + 16 * 16 * 4
+    compiled = sd.compile(block)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), expected)
+        torch.testing.assert_close(block(x), expected)
+    assert _fused_groups(compiled) == 1, compiled.explain()

@@ -182,8 +182,10 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
     """Put the weights (and biases) of each module's sibling projections (``siblings``: child names
     that read one input, such as ``q_proj``, ``k_proj``, ``v_proj``) side by side in one storage, in
     place: each parameter keeps its object and values, its ``.data`` becomes a slice of the packed
-    tensor, and the old memory goes. Siblings already so, of other input sizes, dtypes or devices,
-    or with biases on some only, are left. How many groups were packed."""
+    tensor, and the old memory goes. Inference tensors (made under ``torch.inference_mode()``) have
+    no ``.data`` to replace: those layers get new parameters over the slices, without gradients, as
+    inference tensors can have none. Siblings already side by side, of other input sizes, dtypes or
+    devices, or with biases on some only, are left. How many groups were packed."""
     packed = 0
     with torch.no_grad():
         for module in model.modules():
@@ -197,13 +199,24 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
                 if any(has_bias) and not all(has_bias):
                     continue
                 if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1 or any(
-                        w.is_inference() or w.device.type == "meta" for w in weights):
+                        w.device.type == "meta" for w in weights):
                     continue
                 if _side_by_side(weights) and (not all(has_bias) or _side_by_side(biases)):  # type: ignore[arg-type]
                     continue
-                for params in (weights, biases) if all(has_bias) else (weights,):
-                    whole = torch.cat([p.detach() for p in params])  # type: ignore[union-attr]
-                    for p, part in zip(params, whole.split([p.shape[0] for p in params])):  # type: ignore[union-attr]
-                        p.data = part  # type: ignore[union-attr]
+                for name, params in (("weight", weights), ("bias", biases)) if all(has_bias) else (
+                        ("weight", weights),):
+                    _pack(layers, name, params)  # type: ignore[arg-type]
                 packed += 1
     return packed
+
+
+def _pack(layers: list[Any], name: str, params: list[torch.nn.Parameter]) -> None:
+    """The ``name`` parameters of ``layers`` (``params``) made slices of one new tensor."""
+    inference = any(p.is_inference() for p in params)
+    with torch.inference_mode(inference):
+        whole = torch.cat([p.detach() for p in params])
+    for layer, p, part in zip(layers, params, whole.split([p.shape[0] for p in params])):
+        if inference:
+            setattr(layer, name, torch.nn.Parameter(part, requires_grad=False))
+        else:
+            p.data = part
