@@ -11,16 +11,26 @@ only where they already are one matrix: each weight starts where the previous
 one ends in the same storage (``pack_sibling_linears`` arranges that for a
 model, in place).
 
-The rewrite is made on Dynamo's graph, before AOTAutograd, for graphs traced
-without gradients (a product over a view that reaches past one weight into the
-next would give the neighbours no gradient). The members' results are slices of
-the one product, each made contiguous (the code after them may ``view`` them as
-it viewed the separate results).
+The rewrite is made on Dynamo's graph, before AOTAutograd, and only where it is
+exact:
+
+* the linear layers run without gradients (a product over a view that reaches
+  past one weight into the next would give the neighbours no gradient; code that
+  turns grad mode on inside is seen in the traced results);
+* their weights and biases are parameters or buffers Dynamo holds static, of
+  static shapes (an argument tensor may be copied into memory of its own size
+  before a captured graph reads it, and its shapes may change from call to call);
+* nothing between the first and the last of them may write into memory or switch
+  grad mode (the one product runs where the first one ran).
+
+The members' results are slices of the one product, each made contiguous (the
+code after them may ``view`` them as it viewed the separate results).
 
 The layout is a fact about the tensors at the compile, not one Dynamo guards:
 :class:`AdjacentLayout` checks it again before a call runs the graph (a list
 comparison of addresses while they stay those last checked), and a call whose
-weights no longer lie so runs the graph as Dynamo traced it.
+weights no longer lie so runs the graph as Dynamo traced it, outside any whole-call
+graph.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from .candidates import static_indices
 
 __all__ = ["AdjacentLayout", "fuse_adjacent_linears", "pack_sibling_linears"]
 
@@ -87,8 +99,43 @@ def _linear_parts(node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
     if node.op != "call_function" or node.target not in _LINEARS:
         return None
     args = list(node.args) + [None] * (3 - len(node.args))
-    x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-    return x, weight, bias
+    x = node.kwargs.get("input", args[0])
+    weight, bias = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    return None if x is None or weight is None else (x, weight, bias)
+
+
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                      operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _may_write(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write into memory it did not make (an in-place method or function, an
+    ``out=`` or ``inplace=True``, a mutable operator) or switch grad mode: nothing such may run between
+    linear layers the rewrite moves together."""
+    if node.op in ("placeholder", "output", "get_attr"):
+        return False
+    if node.op == "call_module":
+        return True
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    if target in _INPLACE_OPERATORS or "grad_enabled" in name:
+        return True
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _fusable_inputs(node: torch.fx.Node, example: Any) -> bool:
+    """A weight or bias the rewrite may read as part of one block: a parameter or a buffer Dynamo
+    holds static (so no captured graph copies it into memory of its own size), of static shape."""
+    if not isinstance(example, torch.Tensor) or not static_indices([example]):
+        return False
+    val = node.meta.get("example_value")
+    return isinstance(val, torch.Tensor) and all(type(d) is int for d in val.shape)
 
 
 def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> AdjacentLayout:
@@ -107,14 +154,24 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         x, weight, bias = parts
         if weight not in placeholders or (bias is not None and bias not in placeholders):
             continue
+        out = node.meta.get("example_value")
+        if not isinstance(out, torch.Tensor) or out.requires_grad:  # (grad mode turned on in the code)
+            continue
         w = example_inputs[placeholders[weight]]
-        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        if not _fusable_inputs(weight, w) or w.dim() != 2 or (
+                bias is not None and not _fusable_inputs(bias, example_inputs[placeholders[bias]])):
             continue
         by_input.setdefault(x, []).append((node, placeholders[weight],
                                            None if bias is None else placeholders[bias]))
+    if not by_input:
+        return layout
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    writes = [order[n] for n in gm.graph.nodes if _may_write(n)]
     for members in by_input.values():
         for run in _runs(members, example_inputs):
-            _rewrite(gm, run, example_inputs, layout)
+            first, last = min(order[m[0]] for m in run), max(order[m[0]] for m in run)
+            if not any(first < w < last for w in writes):  # nothing written between them
+                _rewrite(gm, run, example_inputs, layout)
     if layout.groups:
         gm.graph.lint()
         gm.recompile()
@@ -186,12 +243,15 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
     no ``.data`` to replace: those layers get new parameters over the slices, without gradients, as
     inference tensors can have none. Siblings already side by side, of other input sizes, dtypes or
     devices, or with biases on some only, are left. How many groups were packed."""
+    from torch.nn.utils.parametrize import is_parametrized
+
     packed = 0
     with torch.no_grad():
         for module in model.modules():
             for names in siblings:
                 layers = [getattr(module, n, None) for n in names]
-                if not all(isinstance(layer, torch.nn.Linear) for layer in layers):
+                if not all(isinstance(layer, torch.nn.Linear) and not is_parametrized(layer)
+                           for layer in layers):
                     continue
                 weights = [layer.weight for layer in layers]  # type: ignore[union-attr]
                 biases = [layer.bias for layer in layers]  # type: ignore[union-attr]

@@ -60,16 +60,37 @@ def _register() -> None:
         AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
+def _configs(config: Any) -> Iterator[Any]:
+    """``config`` and its sub-configs (a multimodal model's text and vision configs), depth first."""
+    yield config
+    for key in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield from _configs(sub)
+
+
 @contextmanager
 def attention_for_decode(model: torch.nn.Module) -> Iterator[None]:
-    """While in the block, a model whose attention is ``sdpa`` runs :func:`grouped_attention`."""
+    """While in the block, the parts of a model whose attention is ``sdpa`` run
+    :func:`grouped_attention`; each config's own setting is put back after it.
+
+    Only models that take their attention from the interface (``_supports_attention_backend``):
+    some test ``_attn_implementation == "sdpa"`` in their own code and would take another path.
+    """
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if config is None or not getattr(model, "_supports_attention_backend", False):
+        yield
+        return
+    # set on each config itself: the property's setter would overwrite every sub-config's own setting
+    switched = [c for c in _configs(config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"]
+    if not switched:
         yield
         return
     _register()
-    config._attn_implementation = NAME  # type: ignore[union-attr]
+    for c in switched:
+        c._attn_implementation_internal = NAME
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"  # type: ignore[union-attr]
+        for c in switched:
+            c._attn_implementation_internal = "sdpa"

@@ -182,13 +182,20 @@ class GraphRunner:
         return _made(self._run(args))
 
     def _as_traced(self, args: Sequence[Any]) -> Any:
-        """A call whose fused linear layers' weights no longer lie side by side: the graph as Dynamo
-        traced it, op by op (correct, not fast), with one warning."""
+        """A call whose fused linear layers' weights do not lie side by side: the graph as Dynamo
+        traced it, op by op (correct, not fast), with one warning. No whole-call graph takes such a
+        call in: what it would write and read goes unrecorded on this path."""
         if not self.layout_moved:
             warn(f"streamdag: graph {self.index} fused linear layers whose weights lay side by side in "
-                 "memory, and they have moved (a parameter's .data was replaced): the graph runs as "
-                 "traced, op by op; call torch._dynamo.reset() and compile again to fuse them anew")
+                 "memory, and at this call they do not (a parameter's .data was replaced, or another "
+                 "module's weights came through the same graph): the graph runs as traced, op by op; "
+                 "call torch._dynamo.reset() and compile again to fuse them anew")
         self.layout_moved += 1
+        if ACTIVE.mode is not None:
+            ACTIVE.refusal = ACTIVE.refusal or (
+                f"graph {self.index}: the weights of its fused linear layers have moved")
+            if ACTIVE.mode == "capture":
+                raise NotWholeCapturable(ACTIVE.refusal)
         return self.eager(*args)
 
     # -- choosing ---------------------------------------------------------------------------------
