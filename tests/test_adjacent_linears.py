@@ -228,6 +228,44 @@ def test_a_graph_whose_weights_moved_takes_no_part_in_a_whole_call_graph(fresh_d
             compiled(x)
 
 
+class _Counting(torch.nn.Module):
+    """A packed gate/up pair and a buffer each call adds one to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(16, 16, bias=False)
+        self.up_proj = torch.nn.Linear(16, 16, bias=False)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.gate_proj(x) * self.up_proj(x)
+
+
+@pytest.mark.slow
+def test_through_a_whole_call_a_moved_weight_is_read_where_it_is_and_the_state_updated_once_per_call(
+        fake_device, cpu_code_as_gpus):
+    torch.manual_seed(0)
+    model = _Counting().eval()
+    pack_sibling_linears(model)
+    with torch.inference_mode():  # an inference buffer: no version counter shows its writes
+        model.calls = torch.zeros(())
+    fake_device(model)
+    compiled = sd.compile(model)
+    x = torch.randn(2, 16)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            compiled(x)
+        assert compiled.statistics().whole_replays >= 1 and _fused_groups(compiled) == 1
+        model.up_proj.weight.data = torch.randn(16, 16)
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), model.gate_proj(x) * model.up_proj(x))
+        model.some_flag = True  # a state check fails: the call takes Dynamo's path
+        compiled(x)
+    assert model.calls.item() == 9
+
+
 tf = pytest.importorskip("transformers")
 
 
@@ -381,3 +419,20 @@ def test_a_model_that_tests_for_sdpa_in_its_own_code_decodes_as_hugging_face_doe
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
     got = sd.decoder(model, max_length=40, compile=False).generate(ids, 10, eos_token_id=None)
     assert torch.equal(got, expected)
+
+
+def test_overlapping_decodes_of_one_model_switch_its_attention_back_when_the_last_one_ends():
+    from contextlib import ExitStack
+
+    from streamdag.frontend.decode_attention import NAME, attention_for_decode
+
+    cfg = tf.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    first, second = ExitStack(), ExitStack()  # two threads' streams, as their blocks interleave
+    first.enter_context(attention_for_decode(model))
+    second.enter_context(attention_for_decode(model))
+    first.close()
+    assert model.config._attn_implementation == NAME  # the second still decodes
+    second.close()
+    assert model.config._attn_implementation == "sdpa"

@@ -19,6 +19,7 @@ decoder runs the model, and back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -81,16 +82,30 @@ def attention_for_decode(model: torch.nn.Module) -> Iterator[None]:
     if config is None or not getattr(model, "_supports_attention_backend", False):
         yield
         return
-    # set on each config itself: the property's setter would overwrite every sub-config's own setting
-    switched = [c for c in _configs(config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"]
-    if not switched:
-        yield
-        return
-    _register()
-    for c in switched:
-        c._attn_implementation_internal = NAME
+    with _LOCK:
+        entry = _SWITCHED.get(id(config))
+        if entry is None:
+            # set on each config itself: the property's setter would overwrite every sub-config's own
+            switched = [c for c in _configs(config)
+                        if getattr(c, "_attn_implementation_internal", None) == "sdpa"]
+            if switched:
+                _register()
+                for c in switched:
+                    c._attn_implementation_internal = NAME
+            entry = _SWITCHED[id(config)] = [0, switched]
+        entry[0] += 1
     try:
         yield
     finally:
-        for c in switched:
-            c._attn_implementation_internal = "sdpa"
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:  # the last block over this model: each config as it was
+                del _SWITCHED[id(config)]
+                for c in entry[1]:
+                    c._attn_implementation_internal = "sdpa"
+
+
+#: per model config inside an :func:`attention_for_decode` block: [blocks open (several threads may
+#: decode with one model), the configs switched by the first]; the last block to close switches back
+_SWITCHED: dict[int, list[Any]] = {}
+_LOCK = threading.Lock()
