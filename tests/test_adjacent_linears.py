@@ -147,6 +147,106 @@ def test_linear_layers_with_a_write_between_them_stay_apart(target, fresh_dynamo
     assert _fused_groups(compiled) == 0
 
 
+class _Between(torch.nn.Module):
+    """q over h, then ``between(h)``, then k and v over h."""
+
+    def __init__(self, between) -> None:
+        super().__init__()
+        self.block = _block(False)
+        self.between = between
+
+    def forward(self, x: torch.Tensor):
+        b = self.block
+        h = x.clone()
+        q = b.q_proj(h)
+        self.between(h)
+        return q, b.k_proj(h), b.v_proj(h)
+
+
+class _AutocastBetween(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _block(False)
+
+    def forward(self, x: torch.Tensor):
+        b = self.block
+        q = b.q_proj(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            k = b.k_proj(x)
+        return q, k, b.v_proj(x)
+
+
+_WRITERS = {
+    "positional inplace (LeakyReLU)": lambda: torch.nn.LeakyReLU(0.2, inplace=True),
+    "positional inplace (ReLU6)": lambda: torch.nn.ReLU6(inplace=True),
+    "F.relu(h, True)": lambda: (lambda h: torch.nn.functional.relu(h, True)),
+    "__iadd__": lambda: (lambda h: h.__iadd__(1.0)),
+    "a checkpointed body": lambda: (lambda h: torch.utils.checkpoint.checkpoint(
+        lambda t: t.add_(1.0), h, use_reentrant=False)),
+}
+
+
+@pytest.mark.parametrize("writer", [*_WRITERS, "autocast"])
+def test_every_way_of_writing_or_switching_modes_between_layers_keeps_them_apart(writer, fresh_dynamo):
+    if writer == "autocast":
+        model, reference = _AutocastBetween().eval(), _AutocastBetween().eval()
+    else:
+        model, reference = _Between(_WRITERS[writer]()).eval(), _Between(_WRITERS[writer]()).eval()
+    reference.load_state_dict(model.state_dict())
+    pack_sibling_linears(model.block)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        compiled = sd.compile(model)
+        for got, expected in zip(compiled(x), reference(x)):
+            assert got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected)
+    assert _fused_groups(compiled) == 0
+
+
+def test_a_graph_reused_for_other_buffers_reads_its_fused_weights_in_place(fresh_dynamo):
+    from streamdag.frontend import inductor_backend as ib
+
+    class Buffers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            w = torch.randn(32, 16)
+            self.register_buffer("wq", w[:16])
+            self.register_buffer("wk", w[16:])
+
+        def forward(self, x):
+            f = torch.nn.functional.linear
+            return f(x, self.wq) + 2 * f(x, self.wk)
+
+    backend = ib.StreamdagBackend()
+    fn = torch.compile(lambda blk, x: blk(x), backend=backend)
+    first, second, x = Buffers(), Buffers(), torch.randn(3, 16)
+    seen = []
+    call = ib.GraphRunner.__call__
+
+    def spy(self, *args):
+        seen.append(args)
+        return call(self, *args)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ib.GraphRunner, "__call__", spy)
+        fn(first, x)
+        torch.testing.assert_close(fn(second, x), second(x))
+    runner, args = backend.runners[0], seen[-1]
+    assert runner.layout is not None and runner.layout.holds(args)
+    # a captured graph copies the inputs it does not read in place: never the fused weights
+    assert {i for indices, _ in runner.layout.groups for i in indices} <= set(runner._static(args))
+
+
+def test_models_whose_code_tests_for_sdpa_keep_their_attention():
+    import transformers.models.falcon.modeling_falcon
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from streamdag.frontend.decode_attention import _names_sdpa
+
+    assert _names_sdpa("transformers.models.falcon.modeling_falcon")
+    assert not _names_sdpa("transformers.models.llama.modeling_llama")
+
+
 class _GradInside(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

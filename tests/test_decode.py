@@ -173,6 +173,7 @@ def test_compiled_step_on_the_cpu_gives_the_same_tokens():
     assert stats.graphs == 1  # positions are data: no recompile as the sequence grows
     # each layer's q/k/v and gate/up projections, packed by the decoder, run as one product each
     assert "4 groups of linear layers over one input run as one product" in dec.explain(), dec.explain()
+    assert "attention: scaled_dot_product_attention with enable_gqa" in dec.explain()
 
 
 class _CacheKeepingDevice(StandInDevice):

@@ -671,7 +671,8 @@ def test_calls_from_several_threads_without_the_replay_lock_would_be_caught(fake
     m = mlp()
     w, dynamo = whole(m, fake_device)
     w._lock = _NoLock()
-    assert _calls_from_threads(w, dynamo, m) > 0
+    # a race needs a thread switch inside a replay: on a loaded machine one round may see none
+    assert any(_calls_from_threads(w, dynamo, m) > 0 for _ in range(5))
 
 
 def test_a_state_watch_and_a_compiled_model_go_with_their_last_reference():

@@ -21,7 +21,11 @@ exact:
   static shapes (an argument tensor may be copied into memory of its own size
   before a captured graph reads it, and its shapes may change from call to call);
 * nothing between the first and the last of them may write into memory or switch
-  grad mode (the one product runs where the first one ran).
+  a mode they run under (grad mode, autocast); a higher-order operator (a
+  checkpointed body) counts as writing (the one product runs where the first one
+  ran);
+* where a graph is reused for other modules, their weights are read in place too:
+  a captured graph never copies the fused weights (``GraphRunner._static``).
 
 The members' results are slices of the one product, each made contiguous (the
 code after them may ``view`` them as it viewed the separate results).
@@ -35,6 +39,7 @@ graph.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,19 +114,43 @@ _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.i
                       operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
 
 
+#: in-place dunder methods Dynamo may leave as ``call_method`` (``h.__iadd__(1)``)
+_INPLACE_DUNDERS = {"__setitem__", "__delitem__"} | {
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+                            "lshift", "rshift", "matmul")}
+#: parts of the names of the functions by which Dynamo's graph switches a mode the layers run under
+_MODE_SWITCHES = ("grad_enabled", "autocast", "inference_mode")
+
+
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """``node``'s arguments by name where its target's signature says them (``F.relu(x, True)``:
+    ``inplace`` is positional), else its keyword arguments."""
+    target = node.target
+    if node.op == "call_function" and callable(target) and not isinstance(target, torch._ops.OpOverload):
+        try:
+            return dict(inspect.signature(target).bind(*node.args, **node.kwargs).arguments)
+        except (TypeError, ValueError):
+            pass
+    return dict(node.kwargs)
+
+
 def _may_write(node: torch.fx.Node) -> bool:
     """Whether ``node`` may write into memory it did not make (an in-place method or function, an
-    ``out=`` or ``inplace=True``, a mutable operator) or switch grad mode: nothing such may run between
-    linear layers the rewrite moves together."""
+    ``out=`` or ``inplace=True``, a mutable operator, a higher-order operator's body) or switch a mode
+    the layers run under (grad mode, autocast): nothing such may run between linear layers the
+    rewrite moves together."""
     if node.op in ("placeholder", "output", "get_attr"):
         return False
     if node.op == "call_module":
         return True
     target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+    if isinstance(target, torch._ops.HigherOrderOperator):  # (wrap, checkpoint: a body of its own)
         return True
-    if target in _INPLACE_OPERATORS or "grad_enabled" in name:
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    arguments = _arguments(node)
+    if arguments.get("out") is not None or arguments.get("inplace") is True:
+        return True
+    if target in _INPLACE_OPERATORS or name in _INPLACE_DUNDERS or any(s in name for s in _MODE_SWITCHES):
         return True
     if name.endswith("_") and not name.endswith("__"):
         return True

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .decode_attention import attention_for_decode
+from .decode_attention import attention_for_decode, describe
 
 __all__ = ["Decoder", "TokenStream", "generate"]
 
@@ -195,6 +195,8 @@ class Decoder:
             how = (s.step.explain() if s.step is not s.step_module
                    else "the step runs eagerly (not compiled; compile=True compiles it)")
             parts.append(f"batch {b}:\n{how}")
+        if parts:
+            parts.append(describe(self.model))
         return "\n\n".join(parts) or "nothing decoded yet"
 
 

@@ -19,6 +19,9 @@ decoder runs the model, and back.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAME", "attention_for_decode", "grouped_attention"]
+__all__ = ["NAME", "attention_for_decode", "describe", "grouped_attention"]
 
 #: the name the attention is registered under in ``transformers``' attention interfaces
 NAME = "streamdag_grouped_sdpa"
@@ -70,18 +73,52 @@ def _configs(config: Any) -> Iterator[Any]:
             yield from _configs(sub)
 
 
+@functools.cache
+def _names_sdpa(module_name: str) -> bool:
+    """Whether a ``transformers`` module's code names ``"sdpa"`` itself (Falcon takes another path
+    ``if config._attn_implementation == "sdpa"``; DeepSeek-V3.2 masks its sparse attention only for
+    ``"eager"`` and ``"sdpa"``): its models keep their own attention. Llama's, Mistral's, Qwen's,
+    Gemma's and Phi's code takes attention from the interface alone."""
+    module = sys.modules.get(module_name)
+    if module is None or not module_name.startswith("transformers."):
+        return False
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return True  # unknown: keep the model's own
+    return '"sdpa"' in source or "'sdpa'" in source
+
+
+def _switchable(model: torch.nn.Module) -> bool:
+    """Whether the decoder may switch ``model``'s ``sdpa`` attention to :func:`grouped_attention`."""
+    if getattr(model, "config", None) is None or not getattr(model, "_supports_attention_backend", False):
+        return False
+    return not any(map(_names_sdpa, {type(m).__module__ for m in model.modules()}))
+
+
+def describe(model: torch.nn.Module) -> str:
+    """Which attention the decoder's steps run for ``model`` (for ``explain()``)."""
+    config = getattr(model, "config", None)
+    own = getattr(config, "_attn_implementation", None)
+    if _switchable(model) and any(
+            getattr(c, "_attn_implementation_internal", None) in ("sdpa", NAME) for c in _configs(config)):
+        return ("decode steps' attention: scaled_dot_product_attention with enable_gqa (the shared "
+                "key/value heads read in place); the prefill's: sdpa")
+    return f"attention: the model's own ({own})"
+
+
 @contextmanager
 def attention_for_decode(model: torch.nn.Module) -> Iterator[None]:
     """While in the block, the parts of a model whose attention is ``sdpa`` run
     :func:`grouped_attention`; each config's own setting is put back after it.
 
-    Only models that take their attention from the interface (``_supports_attention_backend``):
-    some test ``_attn_implementation == "sdpa"`` in their own code and would take another path.
+    Only models that take their attention from the interface (``_supports_attention_backend``) and
+    whose code does not test for ``"sdpa"`` itself (it would take another path under another name).
     """
-    config = getattr(model, "config", None)
-    if config is None or not getattr(model, "_supports_attention_backend", False):
+    if not _switchable(model):
         yield
         return
+    config = model.config
     with _LOCK:
         entry = _SWITCHED.get(id(config))
         if entry is None:

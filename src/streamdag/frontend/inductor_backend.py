@@ -181,6 +181,14 @@ class GraphRunner:
             return _made(self.chosen.run(list(args)))
         return _made(self._run(args))
 
+    def _static(self, args: Sequence[Any]) -> list[int]:
+        """The inputs a captured graph reads in place: the static ones, and the weights of fused linear
+        layers (the one product reads past each first weight into the others: never copied)."""
+        static = set(static_indices(args))
+        if self.layout is not None:
+            static.update(i for indices, _ in self.layout.groups for i in indices)
+        return sorted(static)
+
     def _as_traced(self, args: Sequence[Any]) -> Any:
         """A call whose fused linear layers' weights do not lie side by side: the graph as Dynamo
         traced it, op by op (correct, not fast), with one warning. No whole-call graph takes such a
@@ -270,7 +278,7 @@ class GraphRunner:
             return self._uncaptured("the graph mutates an input's metadata or returns a view of an input: "
                                     "run uncaptured so the caller's tensors stay as eager leaves them",
                                     whole=not sw.mutates_metadata)
-        static = static_indices(args)
+        static = self._static(args)
         if set(static) & set(sw.mutated_inputs):
             # a whole call's graph is captured after its warm-up, not warmed up inside: it updates once.
             # Untimed, the regions run where they were compiled (the planner's gain reached min_gain)
@@ -360,7 +368,7 @@ class GraphRunner:
             moved = bool(self.captures)  # none left: parked (a captured graph always keeps one)
             if g is None and not (moved and len(self.captures) >= self.options.max_captures):
                 device = next(a.device for a in args if isinstance(a, torch.Tensor))
-                g = CapturedGraph(self.chosen, args, static_indices(args), self.switch.mutated_inputs,
+                g = CapturedGraph(self.chosen, args, self._static(args), self.switch.mutated_inputs,
                                   self.pool, device)
                 self.captures.append(g)
                 self.stats.captures += 1
