@@ -536,3 +536,19 @@ def test_overlapping_decodes_of_one_model_switch_its_attention_back_when_the_las
     assert model.config._attn_implementation == NAME  # the second still decodes
     second.close()
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_subclassed_layers_and_parameters_are_left_as_they_are():
+    class Quantized(torch.nn.Linear):  # stands for a layer that keeps state beside its weight
+        pass
+
+    class Flagged(torch.nn.Parameter):
+        pass
+
+    block = _block(False)
+    block.k_proj = Quantized(16, 8, bias=False)
+    assert pack_sibling_linears(block) == 0
+    block = _block(False)
+    block.v_proj.weight = Flagged(block.v_proj.weight.detach())
+    assert pack_sibling_linears(block) == 0
+    assert pack_sibling_linears(_block(False)) == 1  # control

@@ -271,7 +271,8 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
     tensor, and the old memory goes. Inference tensors (made under ``torch.inference_mode()``) have
     no ``.data`` to replace: those layers get new parameters over the slices, without gradients, as
     inference tensors can have none. Siblings already side by side, of other input sizes, dtypes or
-    devices, or with biases on some only, are left. How many groups were packed."""
+    devices, with biases on some only, or of a subclass of ``Linear`` or ``Parameter`` (quantized
+    layers keep state a concatenation would lose) are left. How many groups were packed."""
     from torch.nn.utils.parametrize import is_parametrized
 
     packed = 0
@@ -279,8 +280,10 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
         for module in model.modules():
             for names in siblings:
                 layers = [getattr(module, n, None) for n in names]
-                if not all(isinstance(layer, torch.nn.Linear) and not is_parametrized(layer)
-                           for layer in layers):
+                # plain layers and tensors only: a subclass (a quantized layer, a tensor subclass's
+                # weight) keeps state that a concatenation would lose
+                if not all(type(layer) is torch.nn.Linear and not is_parametrized(layer)
+                           and type(layer.weight) is torch.nn.Parameter for layer in layers):
                     continue
                 weights = [layer.weight for layer in layers]  # type: ignore[union-attr]
                 biases = [layer.bias for layer in layers]  # type: ignore[union-attr]
