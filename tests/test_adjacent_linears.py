@@ -552,3 +552,15 @@ def test_subclassed_layers_and_parameters_are_left_as_they_are():
     block.v_proj.weight = Flagged(block.v_proj.weight.detach())
     assert pack_sibling_linears(block) == 0
     assert pack_sibling_linears(_block(False)) == 1  # control
+
+
+def test_explain_names_the_grouped_attention_only_for_models_with_grouped_heads():
+    from streamdag.frontend.decode_attention import describe
+
+    def llama(kv_heads: int):
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=4,
+                                                  num_key_value_heads=kv_heads))
+
+    assert "enable_gqa" in describe(llama(2))
+    assert "enable_gqa" not in describe(llama(4))

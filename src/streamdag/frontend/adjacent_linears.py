@@ -2,8 +2,8 @@
 
 A transformer's query, key and value projections read the same hidden states,
 and so do an MLP's gate and up projections. At a decode step (one token per
-sequence) each is a matrix-vector product bound by its launch and its tail, not
-by memory: on an H200 a Llama-1B layer's three attention projections take 17.4
+sequence) each is a matrix-vector product short enough that its launch and its
+tail count: on an H200 a Llama-1B layer's three attention projections take 17.4
 µs one after another and 6.5 µs as one product over the three weights (a 64
 MiB gate/up pair: 21.5 against 18.3 µs). One product needs the weights in one
 matrix; copying them into one would double their memory, so the rewrite is made
@@ -268,9 +268,9 @@ def pack_sibling_linears(model: torch.nn.Module, siblings: Sequence[Sequence[str
     """Put the weights (and biases) of each module's sibling projections (``siblings``: child names
     that read one input, such as ``q_proj``, ``k_proj``, ``v_proj``) side by side in one storage, in
     place: each parameter keeps its object and values, its ``.data`` becomes a slice of the packed
-    tensor, and the old memory goes. Inference tensors (made under ``torch.inference_mode()``) have
-    no ``.data`` to replace: those layers get new parameters over the slices, without gradients, as
-    inference tensors can have none. Siblings already side by side, of other input sizes, dtypes or
+    tensor, and the old memory goes. Where PyTorch does not let an inference tensor's ``.data`` be
+    replaced, its layer gets a new parameter over its slice, without gradients, as inference
+    tensors can have none. Siblings already side by side, of other input sizes, dtypes or
     devices, with biases on some only, or of a subclass of ``Linear`` or ``Parameter`` (quantized
     layers keep state a concatenation would lose) are left. How many groups were packed."""
     from torch.nn.utils.parametrize import is_parametrized
@@ -308,7 +308,7 @@ def _pack(layers: list[Any], name: str, params: list[torch.nn.Parameter]) -> Non
     with torch.inference_mode(inference):
         whole = torch.cat([p.detach() for p in params])
     for layer, p, part in zip(layers, params, whole.split([p.shape[0] for p in params])):
-        if inference:
-            setattr(layer, name, torch.nn.Parameter(part, requires_grad=False))
-        else:
+        try:
             p.data = part
+        except RuntimeError:  # (an inference tensor's, on PyTorch versions that refuse it)
+            setattr(layer, name, torch.nn.Parameter(part, requires_grad=False))

@@ -18,6 +18,12 @@ of one CUDA graph:
   whole call captured into one CUDA graph (:mod:`.whole_call`) that every later
   step replays. A call copies the previous step's tokens into the graph's input
   and replays it; the cache is read and written in place.
+* **Sibling projections packed, attention over shared heads.** Before it
+  compiles the step, the decoder lays each block's q/k/v and gate/up weights
+  side by side in one storage, in place on the user's model (same values;
+  :func:`.adjacent_linears.pack_sibling_linears`), so that each group runs as
+  one product; and while it runs the model, a decode step's grouped-query
+  attention reads the shared key/value heads in place (:mod:`.decode_attention`).
 * **Tokens stream out without stalls.** :class:`TokenStream` keeps
   ``lookahead`` steps queued ahead of the token being read: each step's tokens
   are copied into a pinned host buffer and an event is recorded after the copy,
@@ -189,7 +195,8 @@ class Decoder:
         return {b: s.step.statistics() for b, s in self._slots.items() if s.step is not s.step_module}
 
     def explain(self) -> str:
-        """Per batch size: how the step runs (its graphs, region plan and whole-call graph)."""
+        """Per batch size: how the step runs (its graphs, region plan and whole-call graph), and which
+        attention the steps run."""
         parts = []
         for b, s in sorted(self._slots.items()):
             how = (s.step.explain() if s.step is not s.step_module

@@ -1,9 +1,9 @@
 """Attention of a decode step over the key/value heads it shares, without copying them per query head.
 
 Under grouped-query attention (Llama, Mistral, Qwen: 32 query heads, 8 key/value
-heads) Hugging Face's ``sdpa`` attention copies each layer's keys and values once
-per query head of a group (``repeat_kv``) whenever there is a mask, and a static
-cache always has one: at a decode step that copies the layer's whole cache,
+heads) Hugging Face's ``sdpa`` attention in a traced step copies each layer's keys
+and values once per query head of a group (``repeat_kv``) whenever there is a
+mask, and a static cache always has one: at a decode step that copies the layer's whole cache,
 every position up to ``max_length``, to read it once. PyTorch's
 ``scaled_dot_product_attention(..., enable_gqa=True)`` reads the shared heads
 where they are. On an H200 a Llama-1B layer's attention over a 768-position cache
@@ -100,7 +100,9 @@ def describe(model: torch.nn.Module) -> str:
     """Which attention the decoder's steps run for ``model`` (for ``explain()``)."""
     config = getattr(model, "config", None)
     own = getattr(config, "_attn_implementation", None)
-    if _switchable(model) and any(
+    grouped = any(getattr(c, "num_key_value_heads", None) is not None
+                  and c.num_key_value_heads < getattr(c, "num_attention_heads", 0) for c in _configs(config))
+    if _switchable(model) and grouped and any(
             getattr(c, "_attn_implementation_internal", None) in ("sdpa", NAME) for c in _configs(config)):
         return ("decode steps' attention: scaled_dot_product_attention with enable_gqa (the shared "
                 "key/value heads read in place); the prefill's: sdpa")

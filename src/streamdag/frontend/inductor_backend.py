@@ -197,7 +197,8 @@ class GraphRunner:
             warn(f"streamdag: graph {self.index} fused linear layers whose weights lay side by side in "
                  "memory, and at this call they do not (a parameter's .data was replaced, or another "
                  "module's weights came through the same graph): the graph runs as traced, op by op; "
-                 "call torch._dynamo.reset() and compile again to fuse them anew")
+                 "lay the weights side by side again (a new streamdag.decoder packs a model's "
+                 "projections), or call torch._dynamo.reset() to compile them as separate products")
         self.layout_moved += 1
         if ACTIVE.mode is not None:
             ACTIVE.refusal = ACTIVE.refusal or (
