@@ -192,15 +192,15 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
             continue
         by_input.setdefault(x, []).append((node, placeholders[weight],
                                            None if bias is None else placeholders[bias]))
-    if not by_input:
+    runs = [run for members in by_input.values() for run in _runs(members, example_inputs)]
+    if not runs:  # (most graphs: the scan for writes below binds each call's arguments)
         return layout
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     writes = [order[n] for n in gm.graph.nodes if _may_write(n)]
-    for members in by_input.values():
-        for run in _runs(members, example_inputs):
-            first, last = min(order[m[0]] for m in run), max(order[m[0]] for m in run)
-            if not any(first < w < last for w in writes):  # nothing written between them
-                _rewrite(gm, run, example_inputs, layout)
+    for run in runs:
+        first, last = min(order[m[0]] for m in run), max(order[m[0]] for m in run)
+        if not any(first < w < last for w in writes):  # nothing written between them
+            _rewrite(gm, run, example_inputs, layout)
     if layout.groups:
         gm.graph.lint()
         gm.recompile()
