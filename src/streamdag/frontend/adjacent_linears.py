@@ -114,10 +114,8 @@ _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.i
                       operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
 
 
-#: in-place dunder methods Dynamo may leave as ``call_method`` (``h.__iadd__(1)``)
-_INPLACE_DUNDERS = {"__setitem__", "__delitem__"} | {
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-                            "lshift", "rshift", "matmul")}
+#: the same as methods, as Dynamo may leave them (``call_method`` ``__iadd__``)
+_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS} | {"__delitem__"}
 #: parts of the names of the functions by which Dynamo's graph switches a mode the layers run under
 _MODE_SWITCHES = ("grad_enabled", "autocast", "inference_mode")
 
@@ -198,9 +196,10 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     writes = [order[n] for n in gm.graph.nodes if _may_write(n)]
     for run in runs:
-        first, last = min(order[m[0]] for m in run), max(order[m[0]] for m in run)
-        if not any(first < w < last for w in writes):  # nothing written between them
-            _rewrite(gm, run, example_inputs, layout)
+        first = min((m[0] for m in run), key=order.__getitem__)
+        last = max(order[m[0]] for m in run)
+        if not any(order[first] < w < last for w in writes):  # nothing written between them
+            _rewrite(gm, run, first, example_inputs, layout)
     if layout.groups:
         gm.graph.lint()
         gm.recompile()
@@ -236,11 +235,10 @@ def _runs(members: list[tuple[torch.fx.Node, int, int | None]],
     return runs
 
 
-def _rewrite(gm: torch.fx.GraphModule, run: list[tuple[torch.fx.Node, int, int | None]],
+def _rewrite(gm: torch.fx.GraphModule, run: list[tuple[torch.fx.Node, int, int | None]], first: torch.fx.Node,
              example_inputs: Sequence[Any], layout: AdjacentLayout) -> None:
+    """One product in place of ``run``'s linear layers, where ``first`` of them ran."""
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min((m[0] for m in run), key=order.__getitem__)
     weights = [example_inputs[m[1]] for m in run]
     rows = [w.shape[0] for w in weights]
     x, weight0, bias0 = _linear_parts(run[0][0])  # type: ignore[misc]

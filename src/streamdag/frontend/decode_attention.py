@@ -23,6 +23,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -90,10 +91,19 @@ def _names_sdpa(module_name: str) -> bool:
 
 
 def _switchable(model: torch.nn.Module) -> bool:
-    """Whether the decoder may switch ``model``'s ``sdpa`` attention to :func:`grouped_attention`."""
-    if getattr(model, "config", None) is None or not getattr(model, "_supports_attention_backend", False):
-        return False
-    return not any(map(_names_sdpa, {type(m).__module__ for m in model.modules()}))
+    """Whether the decoder may switch ``model``'s ``sdpa`` attention to :func:`grouped_attention`
+    (asked at every batch of queued steps: the walk over the model's modules, ~0.1 ms for a
+    16-layer Llama, is made once per model)."""
+    known = _SWITCHABLE.get(model)
+    if known is None:
+        interface = getattr(model, "config", None) is not None and bool(
+            getattr(model, "_supports_attention_backend", False))
+        known = _SWITCHABLE[model] = interface and not any(
+            map(_names_sdpa, {type(m).__module__ for m in model.modules()}))
+    return known
+
+
+_SWITCHABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def describe(model: torch.nn.Module) -> str:
