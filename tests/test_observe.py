@@ -135,3 +135,18 @@ def test_cli_bench_without_matplotlib_keeps_its_results_and_says_how_to_get_the_
     for name in ("sched_scale.json", "cpu_wide.json", "trace.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert not (tmp_path / "timeline.png").exists()
+
+
+def test_a_flow_starts_inside_its_slice_whatever_the_rounding_of_times():
+    """Start and duration are rounded to the nanosecond apart: a flow placed at the exact end, rounded
+    on its own, could fall past the slice as written, where a viewer binds it to no slice."""
+    rng = np.random.default_rng(0)
+    spans, free = [], [0.0, 0.0]  # two lanes, one op after another on each
+    for seq in range(400):
+        lane = seq % 2
+        start = free[lane] + float(rng.uniform(0, 1e-3))
+        end = start + float(rng.choice([0.0, 1e-6, 1.5e-6, rng.uniform(0, 0.01)]))
+        free[lane] = end
+        spans.append(Span(seq, f"op{seq}", "cpu", lane, "compute", start, end,
+                          deps=(seq - 1,) if seq else ()))
+    check_trace(Timeline(spans, origin_ns=1_700_000_000_123_456_789).to_chrome_trace())

@@ -171,11 +171,13 @@ class Timeline:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                            "args": {"name": f"streamdag {d} {lane} {stream} ({spans[0].kind})"}})
         by_seq = {s.seq: s for s in self.spans}
+        placed: dict[int, tuple[float, float]] = {}  # each slice's ts and dur, as written
         for s in self.spans:
             pid, tid = track(s)
+            placed[s.seq] = start, dur = ts(s.start), round(max(s.duration, 0.0) * 1e3, 3)
             events.append({
                 "ph": "X", "name": s.name, "cat": f"streamdag {s.kind}", "pid": pid, "tid": tid,
-                "ts": ts(s.start), "dur": round(max(s.duration, 0.0) * 1e3, 3),
+                "ts": start, "dur": dur,
                 "args": {"op": s.seq, "deps": list(s.deps), "failed": s.failed, "device": s.device,
                          "stream": s.stream},
             })
@@ -186,9 +188,12 @@ class Timeline:
                 if src is None or (src.device, src.stream) == (s.device, s.stream):
                     continue
                 flow += 1
-                inside_end = src.end - min(1e-6, src.duration / 2)  # within the slice
+                # just inside the source's slice as written (rounding the end on its own could put
+                # it past the rounded slice, where a viewer binds it to no slice)
+                start, dur = placed[src.seq]
                 events.append({"ph": "s", "id": flow, "name": "wait", "cat": "streamdag dependency",
-                               "pid": track(src)[0], "tid": track(src)[1], "ts": ts(inside_end)})
+                               "pid": track(src)[0], "tid": track(src)[1],
+                               "ts": start + (dur - min(1e-3, dur / 2))})
                 events.append({"ph": "f", "bp": "e", "id": flow, "name": "wait",
                                "cat": "streamdag dependency", "pid": track(s)[0], "tid": track(s)[1],
                                "ts": ts(s.start)})
