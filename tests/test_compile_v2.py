@@ -903,6 +903,76 @@ def test_an_option_of_the_wrong_type_is_refused_at_compile_naming_what_it_takes(
         sd.compile(torch.nn.Linear(4, 4), **kwargs)
 
 
+@pytest.mark.parametrize("inductor, error, match", [
+    ({"combo_kernel": True}, ValueError, "no Inductor setting named 'combo_kernel'"),
+    ({"triton.cudagraph": True}, ValueError, "nested ones by dotted name"),
+    (["combo_kernels"], TypeError, "a dict of Inductor settings by name"),
+])
+def test_an_unknown_inductor_setting_is_refused_at_compile_not_at_the_first_call(inductor, error, match):
+    with pytest.raises(error, match=match):
+        sd.compile(torch.nn.Linear(4, 4), inductor=inductor)
+
+
+class _SeenPass:
+    """An Inductor graph pass that counts the graphs it sees (only a compile under the setting runs it)."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        seen = self.seen = []
+
+        class Count(CustomGraphPass):
+            def __call__(self, graph):
+                seen.append(len(graph.nodes))
+
+            def uuid(self):
+                return None  # (no cache entry: every compile runs the pass)
+
+        self.graph_pass = Count()
+
+
+@pytest.mark.slow
+def test_inductor_settings_reach_the_forward_and_the_backward_compiled_later():
+    seen = _SeenPass()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    fast = sd.compile(model, inductor={"post_grad_custom_post_pass": seen.graph_pass})
+    x = torch.randn(4, 8)
+    out = fast(x)
+    assert len(seen.seen) == 1  # the forward
+    out.sum().backward()
+    assert len(seen.seen) == 2  # the backward, compiled at the first backward() (outside the compile call)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want)
+    plain = sd.compile(torch.nn.Linear(8, 2).eval())
+    with torch.no_grad():
+        plain(x)
+    assert len(seen.seen) == 2  # a model compiled without the settings does not get them
+
+
+@pytest.mark.slow
+def test_the_dynamo_backend_by_name_takes_inductor_settings_as_options_and_refuses_a_mode():
+    import streamdag.frontend.dynamo  # noqa: F401 - registers the name
+
+    seen = _SeenPass()
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Sigmoid()).eval()
+    opt = torch.compile(m, backend="streamdag", options={"post_grad_custom_post_pass": seen.graph_pass})
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), m(x))
+    assert len(seen.seen) == 1
+    torch._dynamo.reset()
+    no_mode = r"takes no mode .* pass Inductor settings as options"
+    with pytest.raises(Exception, match=no_mode), torch.no_grad():
+        torch.compile(m, backend="streamdag", mode="max-autotune")(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="no Inductor setting named 'combo_kernel'"), torch.no_grad():
+        torch.compile(m, backend="streamdag", options={"combo_kernel": True})(x)
+
+
 def test_one_candidate_given_as_a_string_is_one_label_not_its_letters():
     model = torch.nn.Linear(4, 4).eval()
     fast = sd.compile(model, candidates="inductor")

@@ -249,6 +249,27 @@ def test_cuda_every_step_replays_one_whole_call_graph_and_tokens_equal_generate(
 
 
 @pytest.mark.cuda
+def test_cuda_a_full_size_1b_decoder_generates_eager_generates_tokens(no_tf32):
+    """Llama 3.2 1B's shapes with random weights, in fp32 (TF32 off): the compiled, packed and captured
+    steps pick the tokens of Hugging Face's eager greedy generate (in bf16, near-tied logits may pick
+    another token wherever two kernels round differently)."""
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=1024)
+    with torch.device("cuda"):
+        model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(3)).cuda()
+    new = 40
+    expected = _hf_greedy(model, ids, new, **EVERY)
+    dec = sd.decoder(model, max_length=ids.shape[1] + new)
+    assert torch.equal(dec.generate(ids, new, **EVERY), expected)
+    text = dec.explain()
+    assert "32 groups of linear layers over one input run as one product" in text, text
+    assert dec.statistics()[2].whole_replays == new - 1 - 2
+
+
+@pytest.mark.cuda
 def test_cuda_steps_are_queued_ahead_of_the_token_being_read():
     model = _llama(hidden=256, layers=4, vocab=2048, device="cuda")
     ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()

@@ -366,12 +366,16 @@ def _warn_of_stale_guards() -> None:
 
 def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
                min_gain: float = MIN_GAIN, candidates: Sequence[str] | None = None,
-               clone_outputs: bool = True, whole_call: bool = True) -> CompiledModel:
-    """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams."""
+               clone_outputs: bool = True, whole_call: bool = True,
+               inductor: dict[str, Any] | None = None) -> CompiledModel:
+    """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams.
+
+    ``inductor``: Inductor settings by name for this model's graphs, as ``torch.compile``'s
+    ``options`` takes them (e.g. ``{"combo_kernels": True}``)."""
     if not callable(fn):
         raise TypeError(f"streamdag.compile needs a function or torch.nn.Module, got {type(fn).__name__}")
     _warn_of_stale_guards()
     backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
-                               clone_outputs=clone_outputs)
+                               clone_outputs=clone_outputs, inductor=inductor)
     backend.options.whole_call = bool(whole_call)
     return CompiledModel(fn, backend)

@@ -52,6 +52,12 @@ __all__ = ["Decoder", "TokenStream", "generate"]
 #: how many decode steps a stream keeps queued ahead of the token being read (on CUDA)
 LOOKAHEAD = 2
 
+#: Inductor settings for a decode step (a decoder's ``inductor=`` replaces them): combo kernels put
+#: independent small kernels into one launch, e.g. a layer's value write to the cache beside its query's
+#: rotation; on an H200 a Llama-3.2-1B-sized step (bf16, batch 1) went from 248 kernels and
+#: 1.218 ms to 202 and 1.144 ms with them
+DECODE_INDUCTOR: dict[str, Any] = {"combo_kernels": True}
+
 #: the default of ``eos_token_id`` and ``pad_token_id``: the model's ``generation_config``, as
 #: ``model.generate`` takes them (an explicit ``eos_token_id=None`` generates every token asked for)
 FROM_MODEL: Any = "from the model's generation_config"
@@ -108,7 +114,8 @@ class _Slot:
             pack_sibling_linears(model)  # so that the compile fuses each block's projections
 
             # the stream copies each step's tokens out before the next replay overwrites them
-            self.step = compile_v2(self.step_module, **{"clone_outputs": False, **options})
+            self.step = compile_v2(self.step_module,
+                                   **{"clone_outputs": False, "inductor": DECODE_INDUCTOR, **options})
 
 
 def _check_transformers() -> None:

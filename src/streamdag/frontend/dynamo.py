@@ -19,18 +19,30 @@ from .compiled import Compiled
 __all__ = ["streamdag_backend"]
 
 
-def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
+                      options: dict[str, Any] | None = None, mode: str | None = None) -> Any:
     """Inductor's kernels on streamdag's streams; the make_fx path where the engine says ``aten``.
 
-    On the make_fx path the module state is Dynamo's to guard: its graph takes parameters and
-    buffers as inputs and has the training flag and Python attributes baked in, and it
-    recompiles when they change.
+    ``options`` (``torch.compile(..., options={...})``) are Inductor settings by name, as for
+    Inductor's own backend. On the make_fx path the module state is Dynamo's to guard: its graph
+    takes parameters and buffers as inputs and has the training flag and Python attributes baked
+    in, and it recompiles when they change.
     """
     from .inductor_backend import default_backend, engine_from
+    from .inner_compile import Options
 
+    if mode is not None:
+        raise TypeError(f"torch.compile(backend='streamdag') takes no mode (got mode={mode!r}): streamdag "
+                        "chooses streams and CUDA graphs itself; pass Inductor settings as "
+                        "options={...}, e.g. options={'max_autotune': True}")
     if engine_from(None) == "aten":  # traced to aten ops at the first real call (examples may be fake)
+        if options:
+            raise TypeError("options are Inductor settings: the make_fx path (STREAMDAG_COMPILE_ENGINE=aten) "
+                            "has no Inductor; unset the variable or drop options")
         return Compiled(gm, guard_module=False)
-    return default_backend()(gm, example_inputs)
+    if options:
+        Options(inductor=options)  # a clear error now for a setting Inductor does not have
+    return default_backend(options)(gm, example_inputs)
 
 
 try:

@@ -462,10 +462,12 @@ class StreamdagBackend:
     """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
 
     def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
-                 candidates: Sequence[str] | None = None, clone_outputs: bool = True) -> None:
+                 candidates: Sequence[str] | None = None, clone_outputs: bool = True,
+                 inductor: dict[str, Any] | None = None) -> None:
         self.options: Options = Options(
             streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-            candidates=None if candidates is None else _labels(candidates), clone_outputs=clone_outputs)
+            candidates=None if candidates is None else _labels(candidates), clone_outputs=clone_outputs,
+            inductor=inductor)
         self.pool: SharedPool = SharedPool()
         self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
@@ -494,7 +496,9 @@ class StreamdagBackend:
         try:
             # AOTAutograd's cache would hand back a plain Inductor result and skip the inner compiler
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                compiled = compile_fx(gm, example_inputs, inner_compile=inner)
+                # (compile_fx applies the settings to the backward too, whenever AOTAutograd compiles it)
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner,
+                                      config_patches=self.options.inductor)
         except _DYNAMO_SIGNALS:
             self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
             raise
@@ -558,10 +562,21 @@ _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_backend() -> StreamdagBackend:
-    """The backend ``torch.compile(..., backend="streamdag")`` uses: one per process, one pool per device."""
+#: the backends of ``torch.compile(..., backend="streamdag", options=...)``, one per distinct options
+_WITH_SETTINGS: dict[str, StreamdagBackend] = {}
+
+
+def default_backend(inductor: dict[str, Any] | None = None) -> StreamdagBackend:
+    """The backend ``torch.compile(..., backend="streamdag")`` uses: one per process (one pool per
+    device), and one more per distinct Inductor settings passed as ``options``."""
     global _DEFAULT
     with _DEFAULT_LOCK:
+        if inductor:
+            key = repr(sorted(inductor.items()))
+            backend = _WITH_SETTINGS.get(key)
+            if backend is None:
+                backend = _WITH_SETTINGS[key] = StreamdagBackend(inductor=inductor)
+            return backend
         if _DEFAULT is None:
             _DEFAULT = StreamdagBackend()
         return _DEFAULT

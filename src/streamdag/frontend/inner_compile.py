@@ -44,6 +44,9 @@ class Options:
     tie: float = 0.02
     memory_ratio: float = 1.1
     whole_call: bool = True
+    # Inductor settings by name for this model's graphs (``torch._inductor.config``, dotted names for
+    # nested ones), as ``torch.compile(options=...)`` takes them; None: the process's settings
+    inductor: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.streams, int) or isinstance(self.streams, bool):
@@ -59,11 +62,30 @@ class Options:
         if not self.min_gain >= 0:  # (NaN too)
             raise ValueError(f"min_gain is the least fraction of a graph's one-stream time that its regions "
                              f"must save (0.15: 15%), at least 0; got {self.min_gain!r}")
+        _check_inductor_settings(self.inductor)
+        if self.inductor is not None:
+            self.inductor = dict(self.inductor)  # (the caller's dict may change later)
         unknown = [c for c in self.candidates or () if not _is_candidate_label(c)]
         if unknown:
             raise ValueError(f"unknown candidates {unknown}: name some of 'eager', 'inductor', 'regions', "
                              "'cudagraphs' (training graphs under Inductor's CUDA graph trees), or a label "
                              "such as 'regions x2'")
+
+
+def _check_inductor_settings(settings: object) -> None:
+    """A clear error now for settings Inductor would refuse only at the first call's compile."""
+    if settings is None:
+        return
+    if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
+        raise TypeError("inductor takes a dict of Inductor settings by name, e.g. "
+                        f"inductor={{'combo_kernels': True}}; got {settings!r}")
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    unknown = sorted(k for k in settings if k not in known)
+    if unknown:
+        raise ValueError(f"no Inductor setting named {', '.join(map(repr, unknown))} in this PyTorch "
+                         "(torch._inductor.config; nested ones by dotted name, e.g. 'triton.cudagraphs')")
 
 
 def _is_candidate_label(label: object) -> bool:
