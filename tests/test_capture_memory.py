@@ -2,7 +2,9 @@
 (PyTorch's ``graph_capture_record_stream_reuse``), on only while a capture of streamdag's runs,
 and never against the user's own allocator setting."""
 
-import contextlib
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -92,22 +94,46 @@ def _crossing_values(side: torch.cuda.Stream, n: int) -> torch.Tensor:
     return total
 
 
+_REUSE_SCRIPT = """
+import contextlib, sys
+import torch
+sys.path.insert(0, {tests!r})
+from streamdag.backends.capture_memory import stream_reuse
+from test_capture_memory import _crossing_values
+
+side = torch.cuda.Stream()
+for reuse in (False, True):
+    pool = torch.cuda.graph_pool_handle()
+    before = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with (stream_reuse() if reuse else contextlib.nullcontext()), torch.cuda.graph(graph, pool=pool):
+        out = _crossing_values(side, 12)
+    reserved = torch.cuda.memory_reserved() - before
+    graph.replay()
+    torch.cuda.synchronize()
+    print(reuse, reserved, out.item())
+    del graph, out
+    torch.cuda.empty_cache()
+"""
+
+
 @pytest.mark.cuda
 def test_a_capture_reuses_values_that_crossed_streams_and_replays_right():
-    side = torch.cuda.Stream()
+    """Run in a fresh interpreter: in a process that ran other tests, the allocator's cached blocks
+    and settings from before change what a capture reserves."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(tests, "..", "src"), tests,
+                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    done = subprocess.run([sys.executable, "-c", _REUSE_SCRIPT.format(tests=tests)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     reserved = {}
-    for reuse in (False, True):
-        pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with (stream_reuse() if reuse else contextlib.nullcontext()), torch.cuda.graph(graph, pool=pool):
-            out = _crossing_values(side, 12)
-        reserved[reuse] = torch.cuda.memory_reserved() - before
-        graph.replay()
-        torch.cuda.synchronize()
-        assert out.item() == sum(range(12)) * (1 << 20)
-        del graph, out
-        torch.cuda.empty_cache()
+    for line in done.stdout.strip().splitlines()[-2:]:
+        reuse, size, total = line.split()
+        assert float(total) == sum(range(12)) * (1 << 20)  # the replay read every value right
+        reserved[reuse == "True"] = int(size)
     # without it every value keeps its block until the capture ends: 12 x 4 MiB, not one or two
-    assert reserved[True] < reserved[False] / 2
+    assert reserved[True] < reserved[False] / 2, reserved

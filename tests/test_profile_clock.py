@@ -71,13 +71,20 @@ def test_on_cuda_an_event_behind_queued_work_is_timed_when_it_ran():
         event = CudaEvent(True, backend.torch_device)
         recorded = time.time_ns()
         event.record(busy)
-        while not event.query():
-            pass
+        pending = recorded  # a time before a query that found the event still pending
+        while True:
+            before = time.time_ns()
+            if event.query():
+                break
+            pending = before
         seen = time.time_ns()
         wall = backend.wall_of(event)
         if wall is None:
             pytest.skip("no clock mark here (no torch extension, or every bracket too wide)")
-        assert seen - 2_000_000 <= wall <= seen + CLOCK_BRACKET_NS, (wall - seen) / 1e6
+        # the event completed between the last query that found it pending and the one that found it
+        # done (a thread switch between them, on a loaded host, widens that window, not the error)
+        assert pending - CLOCK_BRACKET_NS <= wall <= seen + CLOCK_BRACKET_NS, \
+            ((wall - pending) / 1e6, (seen - wall) / 1e6)
         assert wall - recorded > (seen - recorded) / 2, "timed at its record, not when it ran"
     finally:
         backend.close()
