@@ -65,6 +65,28 @@ def test_greedy_tokens_of_other_decoder_families_equal_hugging_face_generate(fam
     assert torch.equal(dec.generate(ids, 10, **EVERY), expected)
 
 
+@pytest.mark.parametrize("options, error, match", [
+    (dict(regoins="always"), TypeError, "unknown option.*'regoins'.* regions"),
+    (dict(regions="sometimes"), ValueError, "regions must be 'auto', 'always' or 'never'"),
+    (dict(inductor={"combo_kernel": True}), ValueError, "no Inductor setting named 'combo_kernel'"),
+])
+def test_a_decoders_bad_compile_option_raises_when_it_is_made_not_at_its_first_use(options, error, match):
+    with pytest.raises(error, match=match):
+        sd.decoder(_llama(), max_length=40, **options)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_cuda_other_decoder_families_compiled_and_captured_give_eager_generates_tokens(family, no_tf32):
+    torch.manual_seed(0)
+    model = _FAMILIES[family]().eval().cuda()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    expected = _hf_greedy(model, ids, 24, eos_token_id=None, pad_token_id=0)
+    dec = sd.decoder(model, max_length=40)
+    assert torch.equal(dec.generate(ids, 24, **EVERY), expected)
+    assert dec.statistics()[2].whole_replays == 24 - 1 - 2, dec.explain()
+
+
 def test_a_decoder_decodes_prompt_after_prompt_with_one_cache():
     model = _llama()
     dec = sd.decoder(model, max_length=40)

@@ -130,6 +130,21 @@ def _check_transformers() -> None:
                           "pip install 'transformers>=5'")
 
 
+def _check_compile_options(options: dict[str, Any]) -> None:
+    """Unknown or ill-typed options of the step's compile raise now, not at the first generate."""
+    import inspect
+
+    from .compiled_model import compile_v2
+    from .inner_compile import Options
+
+    known = [name for name in inspect.signature(compile_v2).parameters if name != "fn"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"streamdag.decoder got unknown option(s) {', '.join(map(repr, unknown))}; it takes "
+                        f"max_length, compile, lookahead and streamdag.compile's {', '.join(known)}")
+    Options(**{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
+
+
 def _check_model(model: Any) -> None:
     _check_transformers()
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
@@ -155,6 +170,7 @@ class Decoder:
                              f"got {max_length!r}")
         if lookahead < 0:
             raise ValueError(f"lookahead must be 0 or more, got {lookahead}")
+        _check_compile_options(compile_options)
         self.model = model
         self.max_length = max_length
         self.compile = compile
