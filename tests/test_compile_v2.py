@@ -907,6 +907,7 @@ def test_an_option_of_the_wrong_type_is_refused_at_compile_naming_what_it_takes(
     ({"combo_kernel": True}, ValueError, "no Inductor setting named 'combo_kernel'"),
     ({"triton.cudagraph": True}, ValueError, "nested ones by dotted name"),
     (["combo_kernels"], TypeError, "a dict of Inductor settings by name"),
+    ({"combo_kernels": "no"}, TypeError, "Inductor's combo_kernels takes a bool .*, got 'no'"),
 ])
 def test_an_unknown_inductor_setting_is_refused_at_compile_not_at_the_first_call(inductor, error, match):
     with pytest.raises(error, match=match):
@@ -929,6 +930,44 @@ class _SeenPass:
                 return None  # (no cache entry: every compile runs the pass)
 
         self.graph_pass = Count()
+
+
+def test_inductor_settings_read_dashes_as_underscores_as_torch_compile_does():
+    fast = sd.compile(torch.nn.Linear(4, 4), inductor={"combo-kernels": True})
+    assert fast.backend.options.inductor == {"combo_kernels": True}
+
+
+def test_the_aten_engine_refuses_inductor_settings_naming_the_engine():
+    with pytest.raises(TypeError, match="the aten engine runs no Inductor"):
+        sd.compile(torch.nn.Linear(4, 4), engine="aten", inductor={"combo_kernels": True})
+
+
+def test_models_compiled_by_name_with_equal_settings_share_a_backend_and_other_objects_do_not():
+    from streamdag.frontend.inductor_backend import default_backend
+
+    class Pass:  # equal-looking objects that are not equal: two passes
+        def __repr__(self):
+            return "Pass()"
+
+    a, b = Pass(), Pass()
+    assert default_backend({"post_grad_custom_post_pass": a}) is default_backend(
+        {"post_grad_custom_post_pass": a})
+    assert default_backend({"post_grad_custom_post_pass": a}) is not default_backend(
+        {"post_grad_custom_post_pass": b})
+    assert default_backend({"combo-kernels": True}) is default_backend({"combo_kernels": True})
+    assert default_backend({"combo_kernels": True}) is not default_backend()
+
+
+@pytest.mark.slow
+def test_inductor_settings_reach_every_region_a_graph_is_cut_into():
+    seen = _SeenPass()
+    args = inception_args()
+    fast = sd.compile(inception, regions="always", inductor={"post_grad_custom_post_pass": seen.graph_pass})
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*args), inception(*args))
+    text = fast.explain()
+    assert "regions" in text
+    assert len(seen.seen) > 1, text  # the whole graph, then each region
 
 
 @pytest.mark.slow
@@ -966,11 +1005,14 @@ def test_the_dynamo_backend_by_name_takes_inductor_settings_as_options_and_refus
     assert len(seen.seen) == 1
     torch._dynamo.reset()
     no_mode = r"takes no mode .* pass Inductor settings as options"
-    with pytest.raises(Exception, match=no_mode), torch.no_grad():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=no_mode) as failed, torch.no_grad():
         torch.compile(m, backend="streamdag", mode="max-autotune")(x)
+    assert isinstance(failed.value.inner_exception, TypeError)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="no Inductor setting named 'combo_kernel'"), torch.no_grad():
+    unknown = "no Inductor setting named 'combo_kernel'"
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=unknown) as failed, torch.no_grad():
         torch.compile(m, backend="streamdag", options={"combo_kernel": True})(x)
+    assert isinstance(failed.value.inner_exception, ValueError)
 
 
 def test_one_candidate_given_as_a_string_is_one_label_not_its_letters():

@@ -60,6 +60,10 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
     if engine_from(engine) == "aten":
         from .frontend import compile as _compile
 
+        if "inductor" in options:
+            raise TypeError("streamdag.compile: inductor= takes Inductor settings, and the aten engine "
+                            "runs no Inductor: drop it, or compile with engine='inductor'")
+
         return _compile(fn, **options)
     aten_only = sorted(set(options) & {"device", "batch"})
     if aten_only:

@@ -2,10 +2,12 @@
 
 Registered through the ``torch_dynamo_backends`` entry point, so installing
 streamdag is enough; importing this module registers it too. Graph breaks are
-Dynamo's: every piece it captures goes to the process's
+Dynamo's: every piece it captures goes to
 :func:`~streamdag.frontend.inductor_backend.default_backend` (Inductor's
-kernels on streamdag's streams), or, with ``STREAMDAG_COMPILE_ENGINE=aten``,
-becomes one :class:`~streamdag.frontend.Compiled` (the make_fx path).
+kernels on streamdag's streams; one backend per process, and one per set of
+Inductor settings passed as ``options``), or, with
+``STREAMDAG_COMPILE_ENGINE=aten``, becomes one
+:class:`~streamdag.frontend.Compiled` (the make_fx path).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     in, and it recompiles when they change.
     """
     from .inductor_backend import default_backend, engine_from
-    from .inner_compile import Options
 
     if mode is not None:
         raise TypeError(f"torch.compile(backend='streamdag') takes no mode (got mode={mode!r}): streamdag "
@@ -40,8 +41,6 @@ def streamdag_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
             raise TypeError("options are Inductor settings: the make_fx path (STREAMDAG_COMPILE_ENGINE=aten) "
                             "has no Inductor; unset the variable or drop options")
         return Compiled(gm, guard_module=False)
-    if options:
-        Options(inductor=options)  # a clear error now for a setting Inductor does not have
     return default_backend(options)(gm, example_inputs)
 
 

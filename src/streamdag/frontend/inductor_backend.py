@@ -562,20 +562,24 @@ _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-#: the backends of ``torch.compile(..., backend="streamdag", options=...)``, one per distinct options
-_WITH_SETTINGS: dict[str, StreamdagBackend] = {}
+#: the backends of ``torch.compile(..., backend="streamdag", options=...)``: one per settings that
+#: compare equal (objects among the values, such as graph passes, compare as themselves: by identity
+#: unless their class says otherwise); under _DEFAULT_LOCK
+_WITH_SETTINGS: list[tuple[dict[str, Any], StreamdagBackend]] = []
 
 
 def default_backend(inductor: dict[str, Any] | None = None) -> StreamdagBackend:
     """The backend ``torch.compile(..., backend="streamdag")`` uses: one per process (one pool per
-    device), and one more per distinct Inductor settings passed as ``options``."""
+    device), and one more for each set of Inductor settings passed as ``options`` (models compiled
+    with equal settings share it: its statistics and its pools)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if inductor:
-            key = repr(sorted(inductor.items()))
-            backend = _WITH_SETTINGS.get(key)
-            if backend is None:
-                backend = _WITH_SETTINGS[key] = StreamdagBackend(inductor=inductor)
+            backend = StreamdagBackend(inductor=inductor)  # (the settings checked and normalized)
+            for settings, kept in _WITH_SETTINGS:
+                if settings == backend.options.inductor:
+                    return kept
+            _WITH_SETTINGS.append((backend.options.inductor or {}, backend))
             return backend
         if _DEFAULT is None:
             _DEFAULT = StreamdagBackend()

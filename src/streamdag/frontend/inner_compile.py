@@ -62,9 +62,7 @@ class Options:
         if not self.min_gain >= 0:  # (NaN too)
             raise ValueError(f"min_gain is the least fraction of a graph's one-stream time that its regions "
                              f"must save (0.15: 15%), at least 0; got {self.min_gain!r}")
-        _check_inductor_settings(self.inductor)
-        if self.inductor is not None:
-            self.inductor = dict(self.inductor)  # (the caller's dict may change later)
+        self.inductor = _inductor_settings(self.inductor)  # (a copy: the caller's dict may change later)
         unknown = [c for c in self.candidates or () if not _is_candidate_label(c)]
         if unknown:
             raise ValueError(f"unknown candidates {unknown}: name some of 'eager', 'inductor', 'regions', "
@@ -72,20 +70,32 @@ class Options:
                              "such as 'regions x2'")
 
 
-def _check_inductor_settings(settings: object) -> None:
-    """A clear error now for settings Inductor would refuse only at the first call's compile."""
+def _inductor_settings(settings: object) -> dict[str, Any] | None:
+    """The settings as ``torch.compile``'s ``options`` takes them (``-`` read as ``_``; a value of
+    the setting's type where that type is a plain class), checked now: Inductor would refuse an
+    unknown name only at the first call's compile, and take a value of another type silently."""
     if settings is None:
-        return
+        return None
     if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
         raise TypeError("inductor takes a dict of Inductor settings by name, e.g. "
                         f"inductor={{'combo_kernels': True}}; got {settings!r}")
+    import typing
+
     from torch._inductor import config
 
     known = config.get_config_copy()
-    unknown = sorted(k for k in settings if k not in known)
+    named = {key.replace("-", "_"): value for key, value in settings.items()}
+    unknown = sorted(k for k in named if k not in known)
     if unknown:
         raise ValueError(f"no Inductor setting named {', '.join(map(repr, unknown))} in this PyTorch "
                          "(torch._inductor.config; nested ones by dotted name, e.g. 'triton.cudagraphs')")
+    get_type = getattr(config, "get_type", None)
+    for name, value in named.items():
+        kind = get_type(name) if get_type is not None else None
+        if isinstance(kind, type) and typing.get_origin(kind) is None and not isinstance(value, kind):
+            raise TypeError(f"Inductor's {name} takes a {kind.__name__} (it is "
+                            f"{known[name]!r} now), got {value!r}")
+    return named
 
 
 def _is_candidate_label(label: object) -> bool:
