@@ -147,6 +147,42 @@ def test_linear_layers_with_a_write_between_them_stay_apart(target, fresh_dynamo
     assert _fused_groups(compiled) == 0
 
 
+class _WritesBefore(torch.nn.Module):
+    """A write into a weight (or a view of it) of the group, or into an unrelated buffer, before it."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.block = _block(False)
+        self.register_buffer("steps", torch.zeros(()))
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        if self.target == "first weight":
+            b.q_proj.weight.add_(0.125)
+        elif self.target == "a view of a later weight":
+            b.v_proj.weight[0].mul_(-1.0)
+        else:
+            self.steps.add_(1)  # (a decode step's cache and counters are written so: no weight)
+        return torch.cat([b.q_proj(x), b.k_proj(x), b.v_proj(x)], -1) + self.steps
+
+
+@pytest.mark.parametrize("target, fused", [("first weight", 0), ("a view of a later weight", 0),
+                                           ("a buffer", 1)])
+def test_a_write_before_the_layers_into_their_weights_keeps_them_apart(target, fused, fresh_dynamo):
+    model = _WritesBefore(target).eval()
+    pack_sibling_linears(model.block)
+    reference = _WritesBefore(target).eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        compiled = sd.compile(model)
+        for _ in range(2):  # (the graph as traced reads what the write made: one product would not)
+            torch.testing.assert_close(compiled(x), reference(x))
+    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+    assert _fused_groups(compiled) == fused, compiled.explain()
+
+
 class _Between(torch.nn.Module):
     """q over h, then ``between(h)``, then k and v over h."""
 

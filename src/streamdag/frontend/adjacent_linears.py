@@ -23,7 +23,8 @@ exact:
 * nothing between the first and the last of them may write into memory or switch
   a mode they run under (grad mode, autocast); a higher-order operator (a
   checkpointed body) counts as writing (the one product runs where the first one
-  ran);
+  ran); nothing before them may write into their weights or biases, or into a
+  value made from them (the one product reads the block where the weights lie);
 * where a graph is reused for other modules, their weights are read in place too:
   a captured graph never copies the fused weights (``GraphRunner._static``).
 
@@ -156,6 +157,36 @@ def _may_write(node: torch.fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def _written(node: torch.fx.Node) -> list[Any] | None:
+    """The nodes whose memory a writing ``node`` (:func:`_may_write`) may write into; None where that
+    is not known (a module, a higher-order operator's body, an operator with a mutable schema)."""
+    if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return None
+    arguments = _arguments(node)
+    targets = [arguments.get("out")]
+    if arguments.get("inplace") is True or node.op == "call_method" or node.target in _INPLACE_OPERATORS or (
+            getattr(node.target, "__name__", "").endswith("_")):
+        targets.append(node.args[0] if node.args else arguments.get("input"))
+    found: list[Any] = []
+    torch.fx.node.map_arg(targets, found.append)
+    return found
+
+
+def _derived(sources: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``sources`` and every node computed from them: all that may be a view of their memory."""
+    seen = set(sources)
+    todo = list(sources)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
 def _fusable_inputs(node: torch.fx.Node, example: Any) -> bool:
     """A weight or bias the rewrite may read as part of one block: a parameter or a buffer Dynamo
     holds static (so no captured graph copies it into memory of its own size), of static shape."""
@@ -194,12 +225,20 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     if not runs:  # (most graphs: the scan for writes below binds each call's arguments)
         return layout
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    writes = [order[n] for n in gm.graph.nodes if _may_write(n)]
+    writers = [n for n in gm.graph.nodes if _may_write(n)]
     for run in runs:
         first = min((m[0] for m in run), key=order.__getitem__)
         last = max(order[m[0]] for m in run)
-        if not any(order[first] < w < last for w in writes):  # nothing written between them
-            _rewrite(gm, run, first, example_inputs, layout)
+        if any(order[first] < order[w] < last for w in writers):  # something written between them
+            continue
+        # nor may anything before them write into their weights or biases: the one product reads the
+        # block where they lie, while the graph as traced reads what such a write made
+        params = [p for node, _, _ in run for p in _linear_parts(node)[1:] if p is not None]  # type: ignore[index]
+        weights = _derived(params)
+        if any((targets := _written(w)) is None or weights.intersection(targets)
+               for w in writers if order[w] < order[first]):
+            continue
+        _rewrite(gm, run, first, example_inputs, layout)
     if layout.groups:
         gm.graph.lint()
         gm.recompile()
