@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streamdag as sd
 from streamdag.frontend.masked_writes import rewrite_masked_writes
@@ -139,3 +141,40 @@ def test_on_cuda_a_masked_write_is_captured_in_the_whole_call_graph_and_replays_
             torch.testing.assert_close(fast(x, mask), model(x, mask))
     stats = fast.statistics()
     assert stats.whole_captures == 1 and stats.whole_replays >= 2, stats
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+
+
+def _write(x, mask, value):
+    y = x + 0 if x.dtype is not torch.bool else x.clone()
+    y[mask] = value
+    return y
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), dtype=st.sampled_from(_DTYPES),
+       mask_dims=st.integers(1, 3), value_kind=st.sampled_from(["int", "float", "bool", "0-d", "row"]),
+       value_dtype=st.sampled_from(_DTYPES), seed=st.integers(0, 2**16))
+def test_random_masked_writes_compute_or_raise_what_the_write_as_written_does(
+        shape, dtype, mask_dims, value_kind, value_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    big = 2**24 + 1 if dtype in (torch.int64, torch.int32) else 100  # (rounded through float32, it moves)
+    x = (torch.randint(0, big, shape, generator=g) if not dtype.is_floating_point
+         else torch.randn(shape, generator=g) * 3).to(dtype)
+    mask = torch.rand(shape[:min(mask_dims, len(shape))], generator=g) < 0.5
+    trailing = shape[mask.dim():]
+    value: object = {"int": 7, "float": 2.75, "bool": True}.get(value_kind)
+    if value_kind == "0-d":
+        value = torch.tensor(2.75).to(value_dtype)
+    elif value_kind == "row":
+        value = (torch.rand(trailing, generator=g) * 5).to(value_dtype)
+    try:
+        expected = _write(x, mask, value)
+    except RuntimeError as exc:  # the write as written raises (a row of another dtype): so must ours
+        with pytest.raises(Exception, match=str(exc)[:40].replace("(", ".").replace(")", ".")):
+            _rewritten(_write, x, mask, value)
+        return
+    got, _ = _rewritten(_write, x, mask, value)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected), (x, mask, value, got, expected)

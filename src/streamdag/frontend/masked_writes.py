@@ -13,7 +13,9 @@ same (the value's is the sum over the selected positions, ``x``'s is zero there)
 The rewrite is made on Dynamo's graph, before AOTAutograd, and only where the example values
 prove it exact: the index is one boolean tensor over ``x``'s leading dimensions, ``value`` is a
 number or a tensor that broadcasts to ``x.shape[mask.dim():]``, and no shape is symbolic. A value
-with one row per selected position (its length depends on the data) is left as it is.
+with one row per selected position (its length depends on the data) is left as it is, and so is a
+row of another dtype than ``x``'s (the write raises on it); a number or a zero-dimensional value
+is converted to ``x``'s dtype first, as the write converts it.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def _select_form(target: Any, index: Any, value: Any) -> int | None:
         return None
     trailing = target.shape[index.dim():]
     if isinstance(value, torch.Tensor):
-        if value.device != target.device and value.dim() != 0:
-            return None
+        if value.dim() != 0 and (value.device != target.device or value.dtype != target.dtype):
+            return None  # (a row of another dtype: the write as written raises, and so it stays)
         return target.dim() - index.dim() if _broadcasts(value, trailing) else None
     if isinstance(value, (bool, int, float)):
         return target.dim() - index.dim()
@@ -73,6 +75,16 @@ def rewrite_masked_writes(gm: torch.fx.GraphModule) -> int:
             mask = index
             if trailing:  # a size-1 dimension for each one the mask leaves whole
                 mask = gm.graph.call_function(operator.getitem, (index, (Ellipsis, *[None] * trailing)))
+            # a number or a zero-dimensional value in the target's dtype first, as the write converts
+            # it: ``where`` would promote both to a common dtype, and an int64 target's values past
+            # 2**24 would come back rounded through float32 where the value is a float
+            target_dtype = _example(target).dtype
+            example = _example(value)
+            if isinstance(example, torch.Tensor):
+                if example.dtype != target_dtype:
+                    value = gm.graph.call_method("to", (value, target_dtype))
+            elif torch.result_type(_example(target), example) != target_dtype:
+                value = gm.graph.call_method("new_full", (target, (), value))
             selected = gm.graph.call_function(torch.where, (mask, value, target))
             gm.graph.call_method("copy_", (target, selected))
         gm.graph.erase_node(node)
