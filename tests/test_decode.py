@@ -5,10 +5,13 @@ every step after the first few replays one captured graph."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import streamdag as sd
 from stand_in_device import StandInDevice
@@ -328,3 +331,34 @@ def test_the_decode_bench_profile_says_where_a_step_spends_its_time():
     assert len(times) == 5 and times == sorted(times, reverse=True) and times[-1] > 0
     assert prof["busy_ms_per_token"] * 1e3 >= sum(times) and prof["kernels_per_token"] >= 5
     assert prof["top"][0]["name"] in shown and "us/token" in shown
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 4), length=st.integers(1, 9), new=st.integers(1, 14), eos_picks=st.integers(0, 3),
+       pad=st.sampled_from([None, 0, 5]), lookahead=st.integers(0, 3),
+       read=st.sampled_from(["generate", "stream"]), seed=st.integers(0, 2**16))
+def test_random_requests_with_ends_of_sequence_give_hugging_face_generates_tokens(
+        batch, length, new, eos_picks, pad, lookahead, read, seed):
+    """End-of-sequence ids drawn from the tokens the model makes (so that sequences end at various
+    steps), paddings, lookaheads and prompts of one decoder, one after another, against generate."""
+    model = _random_model()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, length), generator=gen)
+    free = _hf_greedy(model, ids, new, eos_token_id=None, pad_token_id=0)[:, length:].flatten().tolist()
+    eos = sorted({free[int(i)] for i in torch.randint(0, len(free), (eos_picks,), generator=gen)}) or None
+    expected = _hf_greedy(model, ids, new, eos_token_id=eos, pad_token_id=pad)
+    dec = _RANDOM_DECODERS.setdefault(lookahead, sd.decoder(model, max_length=32, lookahead=lookahead))
+    if read == "generate":
+        got = dec.generate(ids, new, eos_token_id=eos, pad_token_id=pad)
+    else:
+        tokens = list(dec.stream(ids, new, eos_token_id=eos, pad_token_id=pad))
+        got = torch.cat([ids, torch.stack(tokens, 1)], 1) if tokens else ids
+    assert torch.equal(got, expected), (eos, pad, got, expected)
+
+
+_RANDOM_DECODERS: dict[int, object] = {}  # one decoder per lookahead, reused from request to request
+
+
+@functools.cache
+def _random_model() -> torch.nn.Module:
+    return _llama(seed=11)
