@@ -96,3 +96,45 @@ def test_random_programs_compiled_compute_and_write_what_eager_does(steps, retur
             got = compiled(cx, cy)
         _same(got, expected)
         torch.testing.assert_close((cx, cy), (ex, ey))  # the writes into the inputs, as eager made them
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(_STEP, min_size=1, max_size=10).map(tuple),
+       regions=st.sampled_from(["auto", "always"]), seed=st.integers(0, 2**16))
+def test_random_programs_trained_a_few_steps_get_eagers_gradients_and_parameters(
+        steps, regions, seed, fresh_dynamo):
+    """Forward, backward and an SGD step per call, with gradients on: the gradients and the parameters
+    after each step are eager's (a program whose eager backward raises, for a value written in place
+    after a product saved it, is skipped: the compiled one may not raise)."""
+    # inputs stay as they are; a layer over the first input, and every value returned, so that the
+    # loss reaches the layers
+    steps = (("linear", 0, seed), *(s for s in steps if s[0] != "write_input"))
+    torch.manual_seed(seed)
+    model = Program(steps, tuple(range(2, 2 + len(steps))), "tuple").train()
+    reference = copy.deepcopy(model)
+    compiled = sd.compile(model, regions=regions)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x, y = torch.randn(4, C, generator=gen), torch.randn(4, C, generator=gen)
+        loss = sum(t.square().mean() for t in reference(x.clone(), y.clone())[:-1])
+        if not loss.requires_grad:  # (no layer reaches the results: nothing to train)
+            return
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            assert "inplace operation" in str(exc)
+            return
+        got = sum(t.square().mean() for t in compiled(x.clone(), y.clone())[:-1])
+        got.backward()
+        torch.testing.assert_close(got, loss)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        torch.testing.assert_close(model.state_dict(), reference.state_dict())
