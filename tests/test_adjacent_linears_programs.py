@@ -84,18 +84,19 @@ _GROUPINGS = [((0, 1, 2), (3, 4)), ((0, 1), (2, 3), (4, 5)), ((0, 1, 2, 3, 4, 5)
 @given(outs=st.lists(st.sampled_from([3, 4, 8]), min_size=LAYERS, max_size=LAYERS),
        bias=st.booleans(), grouping=st.sampled_from(_GROUPINGS),
        steps=st.lists(_STEP, min_size=2, max_size=10).map(tuple),
-       between=st.sampled_from(["nothing", "move", "update"]), seed=st.integers(0, 2**16))
+       between=st.sampled_from(["nothing", "move", "update"]), lead=st.sampled_from([(2,), (2, 3), (1, 1)]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
 def test_random_programs_over_packed_and_apart_linear_layers_compute_what_eager_does(
-        outs, bias, grouping, steps, between, seed, fresh_dynamo):
+        outs, bias, grouping, steps, between, lead, dtype, seed, fresh_dynamo):
     torch._dynamo.reset()
     torch.manual_seed(seed)
-    model = Program(outs, bias, steps).eval()
+    model = Program(outs, bias, steps).eval().to(dtype)
     pack_sibling_linears(model, [tuple(NAMES[i] for i in group) for group in grouping])
     reference = copy.deepcopy(model)
     compiled = sd.compile(model)
     gen = torch.Generator().manual_seed(seed)
     for call in range(3):
-        x, y = torch.randn(2, D, generator=gen), torch.randn(2, D, generator=gen)
+        x, y = (torch.randn(*lead, D, generator=gen, dtype=dtype) for _ in range(2))
         with torch.no_grad():
             expected = reference(x.clone(), y.clone())
             got = compiled(x.clone(), y.clone())
