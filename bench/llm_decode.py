@@ -30,8 +30,9 @@ kernels round differently, so the rows record the first position that differs.
     PYTHONPATH=src python bench/llm_decode.py                  # on a GPU: 1b and wide, batch 1 and 8, bf16
     PYTHONPATH=src python bench/llm_decode.py --quick          # a tiny config on the CPU: a smoke check
 
-``--profile TOKENS`` adds, per variant, where a decode step's time goes (torch.profiler over one
-more generate call): the GPU's busy time per token and the kernels that take most of it.
+``--profile TOKENS`` adds, per variant, where a decode step's time goes (torch.profiler over a
+generate call of TOKENS new tokens, less one of a single token: the steps alone, without the
+prefill): the GPU's busy time per step and the kernels that take most of it.
 """
 
 from __future__ import annotations
@@ -156,12 +157,9 @@ def time_variant(v: Variant, ids: Any, new: int, repeats: int, warmup: int, devi
             "tokens_per_s": ids.shape[0] * 1e3 / step_ms if step_ms > 0 else None, "setup_s": setup_s}
 
 
-def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) -> dict[str, Any]:
-    """Where a decode step's time goes, by torch.profiler over a generate call of ``new`` tokens
-    (after the timed ones): per token, the GPU's busy time (the sum of its kernels' and copies'
-    times; on the CPU, of the operators' own times), the kernels it ran (those inside a CUDA
-    graph's replay each count) and, for the ``top`` kernels by time, their time, their count and
-    their time each. The prefill is one call's share of it."""
+def _kernel_times(v: Variant, ids: Any, new: int, device: str) -> dict[str, list[float]]:
+    """Per kernel name (on the CPU, per operator), how many ran and their time in µs, over a
+    generate call of ``new`` tokens under torch.profiler."""
     import collections
 
     import torch
@@ -178,10 +176,29 @@ def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) 
         us = e.device_time if device == "cuda" else e.self_cpu_time_total
         by_name[e.name[:100]][0] += 1
         by_name[e.name[:100]][1] += us
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {"tokens": new, "busy_ms_per_token": sum(t for _, t in by_name.values()) / new / 1e3,
-            "kernels_per_token": sum(n for n, _ in by_name.values()) / new,
-            "top": [{"name": k, "us_per_token": t / new, "per_token": n / new, "us_each": t / max(n, 1)}
+    return by_name
+
+
+def profile_variant(v: Variant, ids: Any, new: int, device: str, top: int = 12) -> dict[str, Any]:
+    """Where a decode step's time goes, by torch.profiler (after the timed calls): per decode step,
+    the GPU's busy time (the sum of its kernels' and copies' times; on the CPU, of the operators'
+    own times), the kernels it ran (those inside a CUDA graph's replay each count) and, for the
+    ``top`` kernels by time, their time, their count and their time each. The steps' share is a
+    generate call of ``new`` tokens less one of a single token (the prefill and the first token),
+    kernel by kernel, over its ``new - 1`` steps."""
+    steps = max(new - 1, 1)
+    whole = _kernel_times(v, ids, new, device)
+    prefill = _kernel_times(v, ids, 1, device) if new > 1 else {}
+    per_step: dict[str, list[float]] = {}
+    for name, (n, t) in whole.items():
+        n0, t0 = prefill.get(name, (0, 0.0))
+        if n - n0 > 0 and t - t0 > 0:
+            per_step[name] = [n - n0, t - t0]
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][1])
+    return {"tokens": new, "steps": steps,
+            "busy_ms_per_token": sum(t for _, t in per_step.values()) / steps / 1e3,
+            "kernels_per_token": sum(n for n, _ in per_step.values()) / steps,
+            "top": [{"name": k, "us_per_token": t / steps, "per_token": n / steps, "us_each": t / max(n, 1)}
                     for k, (n, t) in ranked[:top]]}
 
 
