@@ -78,6 +78,14 @@ def test_a_decoders_bad_compile_option_raises_when_it_is_made_not_at_its_first_u
         sd.decoder(_llama(), max_length=40, **options)
 
 
+def test_a_decoder_takes_the_compile_options_as_streamdag_compile_takes_them():
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    dec = sd.decoder(model, max_length=24, candidates="inductor", streams=2,
+                     inductor={"combo-kernels": False})
+    assert torch.equal(dec.generate(ids, 4), _hf_greedy(model, ids, 4))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
 def test_cuda_other_decoder_families_compiled_and_captured_give_eager_generates_tokens(family, no_tf32):

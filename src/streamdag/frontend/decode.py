@@ -135,6 +135,7 @@ def _check_compile_options(options: dict[str, Any]) -> None:
     import inspect
 
     from .compiled_model import compile_v2
+    from .inductor_backend import _labels
     from .inner_compile import Options
 
     known = [name for name in inspect.signature(compile_v2).parameters if name != "fn"]
@@ -142,7 +143,10 @@ def _check_compile_options(options: dict[str, Any]) -> None:
     if unknown:
         raise TypeError(f"streamdag.decoder got unknown option(s) {', '.join(map(repr, unknown))}; it takes "
                         f"max_length, compile, lookahead and streamdag.compile's {', '.join(known)}")
-    Options(**{k: v for k, v in options.items() if k in Options.__dataclass_fields__})
+    checked = {k: v for k, v in options.items() if k in Options.__dataclass_fields__}
+    if checked.get("candidates") is not None:  # (one label as a string, as streamdag.compile takes it)
+        checked["candidates"] = _labels(checked["candidates"])
+    Options(**checked)
 
 
 def _check_model(model: Any) -> None:
