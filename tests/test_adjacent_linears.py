@@ -133,17 +133,25 @@ class _WritesBetween(torch.nn.Module):
         return torch.cat([q, b.k_proj(h), b.v_proj(h)], -1)
 
 
-@pytest.mark.parametrize("target", ["weight", "input"])
-def test_linear_layers_with_a_write_between_them_stay_apart(target, fresh_dynamo):
-    model = _WritesBetween(target).eval()
+def _compiled_against_eager(cls, target: str):
+    """``cls(target)`` packed and compiled, called twice against an unpacked copy run eagerly (its
+    writes repeat at each call, in both): the compiled model."""
+    model = cls(target).eval()
     pack_sibling_linears(model.block)
-    reference = _WritesBetween(target).eval()
+    reference = cls(target).eval()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(3, 16)
     with torch.no_grad():
         compiled = sd.compile(model)
-        for _ in range(2):  # the weight halves at each call, in both
+        for _ in range(2):
             torch.testing.assert_close(compiled(x), reference(x))
+    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+    return compiled
+
+
+@pytest.mark.parametrize("target", ["weight", "input"])
+def test_linear_layers_with_a_write_between_them_stay_apart(target, fresh_dynamo):
+    compiled = _compiled_against_eager(_WritesBetween, target)
     assert _fused_groups(compiled) == 0
 
 
@@ -170,16 +178,8 @@ class _WritesBefore(torch.nn.Module):
 @pytest.mark.parametrize("target, fused", [("first weight", 0), ("a view of a later weight", 0),
                                            ("a buffer", 1)])
 def test_a_write_before_the_layers_into_their_weights_keeps_them_apart(target, fused, fresh_dynamo):
-    model = _WritesBefore(target).eval()
-    pack_sibling_linears(model.block)
-    reference = _WritesBefore(target).eval()
-    reference.load_state_dict(model.state_dict())
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        compiled = sd.compile(model)
-        for _ in range(2):  # (the graph as traced reads what the write made: one product would not)
-            torch.testing.assert_close(compiled(x), reference(x))
-    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+    # (the graph as traced reads what the write made: one product over the block would not)
+    compiled = _compiled_against_eager(_WritesBefore, target)
     assert _fused_groups(compiled) == fused, compiled.explain()
 
 

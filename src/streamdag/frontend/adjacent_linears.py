@@ -226,6 +226,7 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         return layout
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     writers = [n for n in gm.graph.nodes if _may_write(n)]
+    written = {w: _written(w) for w in writers}
     for run in runs:
         first = min((m[0] for m in run), key=order.__getitem__)
         last = max(order[m[0]] for m in run)
@@ -233,11 +234,12 @@ def fuse_adjacent_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
             continue
         # nor may anything before them write into their weights or biases: the one product reads the
         # block where they lie, while the graph as traced reads what such a write made
-        params = [p for node, _, _ in run for p in _linear_parts(node)[1:] if p is not None]  # type: ignore[index]
-        weights = _derived(params)
-        if any((targets := _written(w)) is None or weights.intersection(targets)
-               for w in writers if order[w] < order[first]):
-            continue
+        before = [written[w] for w in writers if order[w] < order[first]]
+        if before:
+            params = [p for node, _, _ in run for p in _linear_parts(node)[1:] if p is not None]  # type: ignore[index]
+            weights = _derived(params)
+            if any(targets is None or weights.intersection(targets) for targets in before):
+                continue
         _rewrite(gm, run, first, example_inputs, layout)
     if layout.groups:
         gm.graph.lint()

@@ -135,18 +135,15 @@ def _check_compile_options(options: dict[str, Any]) -> None:
     import inspect
 
     from .compiled_model import compile_v2
-    from .inductor_backend import _labels
-    from .inner_compile import Options
+    from .inner_compile import compile_options
 
     known = [name for name in inspect.signature(compile_v2).parameters if name != "fn"]
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"streamdag.decoder got unknown option(s) {', '.join(map(repr, unknown))}; it takes "
                         f"max_length, compile, lookahead and streamdag.compile's {', '.join(known)}")
-    checked = {k: v for k, v in options.items() if k in Options.__dataclass_fields__}
-    if checked.get("candidates") is not None:  # (one label as a string, as streamdag.compile takes it)
-        checked["candidates"] = _labels(checked["candidates"])
-    Options(**checked)
+    taken = inspect.signature(compile_options).parameters
+    compile_options(**{k: v for k, v in options.items() if k in taken})
 
 
 def _check_model(model: Any) -> None:

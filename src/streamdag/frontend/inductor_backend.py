@@ -56,7 +56,15 @@ from .candidates import (
     region_candidates,
     static_indices,
 )
-from .inner_compile import MIN_GAIN, Options, _pristine, _Switch, inner_compile
+from .inner_compile import (
+    MIN_GAIN,
+    Options,
+    _pristine,
+    _Switch,
+    compile_options,
+    inductor_settings,
+    inner_compile,
+)
 from .masked_writes import rewrite_masked_writes
 from .whole_call import ACTIVE, NotWholeCapturable
 
@@ -453,21 +461,15 @@ def _made(out: Any) -> Any:
     return out
 
 
-def _labels(candidates: Sequence[str]) -> tuple[str, ...]:
-    """The candidates' labels: a single string is one label, not its letters."""
-    return (candidates,) if isinstance(candidates, str) else tuple(candidates)
-
-
 class StreamdagBackend:
     """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
 
     def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True,
                  inductor: dict[str, Any] | None = None) -> None:
-        self.options: Options = Options(
-            streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
-            candidates=None if candidates is None else _labels(candidates), clone_outputs=clone_outputs,
-            inductor=inductor)
+        self.options: Options = compile_options(streams=streams, regions=regions, min_gain=min_gain,
+                                                candidates=candidates, clone_outputs=clone_outputs,
+                                                inductor=inductor)
         self.pool: SharedPool = SharedPool()
         self.stats: V2Statistics = V2Statistics()
         self.runners: list[GraphRunner | _Fallback] = []
@@ -575,11 +577,12 @@ def default_backend(inductor: dict[str, Any] | None = None) -> StreamdagBackend:
     global _DEFAULT
     with _DEFAULT_LOCK:
         if inductor:
-            backend = StreamdagBackend(inductor=inductor)  # (the settings checked and normalized)
-            for settings, kept in _WITH_SETTINGS:
-                if settings == backend.options.inductor:
+            settings = inductor_settings(inductor)  # (checked, and named as Inductor names them)
+            for kept_settings, kept in _WITH_SETTINGS:
+                if kept_settings == settings:
                     return kept
-            _WITH_SETTINGS.append((backend.options.inductor or {}, backend))
+            backend = StreamdagBackend(inductor=settings)
+            _WITH_SETTINGS.append((settings, backend))  # type: ignore[arg-type]
             return backend
         if _DEFAULT is None:
             _DEFAULT = StreamdagBackend()

@@ -23,7 +23,7 @@ from .candidates import REGIONS
 from .kernels_together import kernels_compiled_together
 from .regions import RegionPlan, plan_regions
 
-__all__ = ["MIN_GAIN", "Options", "inner_compile"]
+__all__ = ["MIN_GAIN", "Options", "compile_options", "inductor_settings", "inner_compile"]
 
 #: the least gain the region cost model must predict before a graph's regions are compiled: two
 #: and a half times the model's error on its calibration models (``regions.REGION_MODEL``), so
@@ -62,7 +62,7 @@ class Options:
         if not self.min_gain >= 0:  # (NaN too)
             raise ValueError(f"min_gain is the least fraction of a graph's one-stream time that its regions "
                              f"must save (0.15: 15%), at least 0; got {self.min_gain!r}")
-        self.inductor = _inductor_settings(self.inductor)  # (a copy: the caller's dict may change later)
+        self.inductor = inductor_settings(self.inductor)  # (a copy: the caller's dict may change later)
         unknown = [c for c in self.candidates or () if not _is_candidate_label(c)]
         if unknown:
             raise ValueError(f"unknown candidates {unknown}: name some of 'eager', 'inductor', 'regions', "
@@ -70,7 +70,18 @@ class Options:
                              "such as 'regions x2'")
 
 
-def _inductor_settings(settings: object) -> dict[str, Any] | None:
+def compile_options(*, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
+                    candidates: Sequence[str] | str | None = None, clone_outputs: bool = True,
+                    inductor: dict[str, Any] | None = None) -> Options:
+    """The options as ``streamdag.compile`` takes them, checked: no ``streams`` is 4, and a single
+    string of ``candidates`` is one label, not its letters."""
+    labels = None if candidates is None else (
+        (candidates,) if isinstance(candidates, str) else tuple(candidates))
+    return Options(streams=4 if streams is None else streams, regions=regions, min_gain=min_gain,
+                   candidates=labels, clone_outputs=clone_outputs, inductor=inductor)
+
+
+def inductor_settings(settings: object) -> dict[str, Any] | None:
     """The settings as ``torch.compile``'s ``options`` takes them (``-`` read as ``_``; a value of
     the setting's type where that type is a plain class), checked now: Inductor would refuse an
     unknown name only at the first call's compile, and take a value of another type silently."""
