@@ -43,6 +43,10 @@ class StandInDevice:
     def fresh_copies(self, tensors):
         return None  # torch.empty_like and a copy each
 
+    def capture_beside(self, graph, fn, args, kwargs):
+        """``capture`` again: the stand-in has no memory pools."""
+        return self.capture(fn, args, kwargs)
+
     def capture_own_inputs(self, fn, args, kwargs, inputs, private=False):
         """``capture`` on tensors of the graph's own in place of ``inputs``, holding their values."""
         own = [empty_like_input(t) for t in inputs]

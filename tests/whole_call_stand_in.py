@@ -25,14 +25,15 @@ class FakeGraph:
 
 
 def tensors_of(result):
-    """Every tensor of a result, those inside plain objects (a cache) too: what a graph writes."""
-    found = []
+    """Every distinct tensor of a result, those inside plain objects (a cache) too, in the order
+    ``result_parts`` gives them: what a graph writes."""
+    found = {}
     for leaf in pytree.tree_leaves(result):
         if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
+            found.setdefault(id(leaf), leaf)
         else:
-            template(leaf, lambda t: found.append(t) or 0)
-    return found
+            template(leaf, lambda t: found.setdefault(id(t), t) is None or 0)
+    return list(found.values())
 
 
 class FakeDevice(StandInDevice):

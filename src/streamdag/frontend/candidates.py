@@ -23,6 +23,7 @@ read off the pool); the one kept is captured again in the shared pool.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -132,9 +133,10 @@ class SharedPool:
 
 
 def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream, device: torch.device,
-                  pool: SharedPool | None, error_mode: str = "global") -> tuple[Any, Any]:
+                  pool: SharedPool | None, error_mode: str = "global", beside: Any = None) -> tuple[Any, Any]:
     """``fn()`` captured into a new CUDA graph on ``stream``, in ``pool``'s memory pool (None: a
-    pool of its own, all of which goes back when the graph goes): (the graph, ``fn``'s result).
+    pool of its own, all of which goes back when the graph goes), or in the pool of the graph
+    ``beside`` (taking ``pool``'s lock): (the graph, ``fn``'s result).
 
     Captures into one shared pool take its lock: two at once would fail, and the cleanup of
     one would end the other's recording. A failed capture leaves the process as it found it:
@@ -142,6 +144,9 @@ def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream, device: torc
     every later random op fails), and the pool takes no more allocations. Where an earlier
     failed capture left the shared pool recording all the same ("already recording to
     mempool_id"), the capture goes to a new shared pool instead."""
+    if beside is not None:
+        with pool.lock if pool is not None else contextlib.nullcontext():
+            return _capture_once(fn, stream, device, beside.pool(), False, error_mode)
     if pool is None:
         return _capture_once(fn, stream, device, torch.cuda.graph_pool_handle(), True, error_mode)
     with pool.lock:

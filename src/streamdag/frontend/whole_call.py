@@ -58,7 +58,10 @@ work (printing, appending to a list, a global other than those ``forward``
 names): a replay runs none of it. ``streamdag.compile(model, whole_call=False)``
 keeps every call on Dynamo's path.
 
-Outputs belong to the caller: each replay copies them into fresh tensors.
+Outputs belong to the caller: no later call changes them. The call is
+captured twice more, and a replay lends the caller the outputs of a graph whose
+outputs it no longer holds, or copies them into fresh tensors where it holds
+them all (:mod:`.lent_outputs`).
 Inputs are copied into the graph's own tensors; an input that the call writes
 into is copied back after the replay.
 """
@@ -68,7 +71,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -79,6 +82,7 @@ from torch.utils import _pytree as pytree
 from .call_key import call_key
 from .candidates import cudnn_settings
 from .eager_graph import capture_eager, eager_refusal, keep_eager
+from .lent_outputs import LENT_SETS, LentSet, OutputSets, lend_refusal
 from .state_watch import StateWatch
 from .whole_replay import CudaCalls, Entry, empty_like_input, fill_inputs, with_tensors_replaced
 from .whole_results import result_parts
@@ -374,8 +378,13 @@ class WholeCall:
             kept = state.entries[key] = self._against_eager(entry, dev, s_args, s_kwargs, updates_state,
                                                             state.watch.tensors)
             kept.key = key
+            if kept is entry:
+                self._lend(kept, dev, dynamo, s_args, s_kwargs, state.watch.tensors, compiled=True)
+            else:
+                e_args, e_kwargs = with_tensors_replaced(s_args, s_kwargs, entry.statics, kept.statics)
+                self._lend(kept, dev, self.fn, e_args, e_kwargs, state.watch.tensors, compiled=False)
             if kept.speculative:
-                kept.native = dev.launch_plan(args, kwargs, kept.statics, kept.graph.replay, key[-1])
+                kept.native = dev.launch_plan(args, kwargs, kept.statics, kept.replay_graph, key[-1])
                 self._last = (state, kept)
             state.attempts.pop(key, None)
             state.compiles.pop(key, None)  # (a compile for new settings, then a capture: no loop)
@@ -409,6 +418,54 @@ class WholeCall:
         eager.speculative = entry.speculative
         kept, self.baseline = keep_eager(dev, entry, eager)
         return eager if kept else entry
+
+    def _lend(self, entry: Entry, dev: Any, fn: Callable[..., Any], args: Sequence[Any],
+              kwargs: dict[str, Any], held: list[torch.Tensor], compiled: bool) -> None:
+        """The call captured :data:`LENT_SETS` more times beside ``entry``'s graph, each graph
+        copying its outputs into a set of tensors of its own, lent to the caller in turn
+        (:mod:`.lent_outputs`), where the outputs may be lent. ``compiled``: ``fn`` is Dynamo's
+        path, captured as the entry was; a capture that compiles a graph, or takes other code
+        than the first, lends nothing (the entry copies).
+
+        A set's tensors are allocated outside the graphs' pool: any graph's outputs in the pool
+        may lie in memory that another graph of the pool uses for its temporaries (the graphs of a
+        pool replay one after another, so each may reuse what the others freed at their capture),
+        and a replay of that graph would overwrite a result the caller still holds."""
+        entry.lending = lend_refusal(entry.outputs, entry.clone) or (
+            "outputs copied at each replay: some share memory" if entry.copied is not None else "")
+        if entry.lending or not entry.outputs:
+            return
+        marks = self._marks()
+        sets: list[LentSet] = []
+        for _ in range(LENT_SETS):
+            own = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+                   for o in entry.outputs]
+            made: list[Any] = []
+
+            def run_and_copy(*a: Any, own: list[torch.Tensor] = own, made: list[Any] = made,
+                             **k: Any) -> list[torch.Tensor]:
+                parts = result_parts(fn(*a, **k), dev.device, entry.statics, held)
+                made.append(parts)
+                if _same_parts(parts, entry):
+                    fill_inputs(own, parts.outputs)
+                return own
+            try:
+                with _active("capture") if compiled else nullcontext() as active:
+                    graph, _ = dev.capture_beside(entry.graph, run_and_copy, args, kwargs)
+            except Exception as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                entry.lending = (f"outputs copied at each replay: a second capture failed "
+                                 f"({type(exc).__name__}: {first[:160]})")
+                return
+            if active is not None and (active.refusal or active.compiled or self._marks() != marks):
+                entry.lending = ("outputs copied at each replay: a second capture ran other code than "
+                                 "the first")
+                return
+            if not _same_parts(made[0], entry):
+                entry.lending = "outputs copied at each replay: a second capture returned other outputs"
+                return
+            sets.append(LentSet(graph, own))
+        entry.lend_from(OutputSets(entry.graph, sets))
 
     def _recompiles(self, state: _State, key: Any, graphs_before: int) -> bool:
         """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state under
@@ -458,6 +515,11 @@ class WholeCall:
             if entry.native is not None:
                 when += " (arguments compared, copied in and launched in C++)"
             lines.append(f"  {_describe(key)}: {entry.replays} replays, {when}")
+            if entry.sets is not None:
+                lines.append(f"    outputs lent from {len(entry.sets.sets)} sets in turn; copied in "
+                             f"{entry.sets.copied} replays, which found every set held by the caller")
+            elif entry.lending:
+                lines.append(f"    {entry.lending}")
             kept = len(self.current.others.get(key, ())) if self.current is not None else 0
             if kept:
                 lines.append(f"    and {kept} graph(s) of it captured under other global settings (autocast, "
@@ -471,6 +533,17 @@ class WholeCall:
 
 def _metas(entry: Entry) -> list[tuple[Any, Any]]:
     return [(o.shape, o.dtype) for o in entry.outputs]
+
+
+def _same_parts(parts: Any, entry: Entry) -> bool:
+    """Whether a capture's result taken apart (or why it cannot be) is as ``entry``'s."""
+    return (not isinstance(parts, str) and parts.spec == entry.spec and parts.slots == entry.slots
+            and len(parts.objects) == len(entry.objects)
+            and _layouts(parts.outputs) == _layouts(entry.outputs))
+
+
+def _layouts(outputs: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    return [(o.shape, o.stride(), o.dtype, o.device) for o in outputs]
 
 
 def _describe(key: Any) -> str:

@@ -1,8 +1,9 @@
 """A captured whole call, and the CUDA calls that capture and replay it (:mod:`.whole_call` says when).
 
 A replay (:meth:`Entry.replay`) copies the caller's tensors into the graph's
-inputs, launches the graph, and copies its outputs into fresh tensors that
-belong to the caller. Host time before the launch adds to every call's time,
+inputs, launches the graph, and hands the caller its outputs: tensors over the
+memory of a set of outputs that the caller no longer holds (:mod:`.lent_outputs`),
+else fresh copies. Host time before the launch adds to every call's time,
 so the copies are one ``cudaMemcpyAsync`` each where the layouts allow, not
 ``copy_``'s dispatch: the torch extension's ``whole_launch`` compares the call's
 arguments with the captured ones, copies them in and launches the graph in one
@@ -45,6 +46,7 @@ from torch.utils import _pytree as pytree
 from ..native import load_torch
 from .call_key import call_key
 from .candidates import capture_graph, time_replays, workspaces_in_pool
+from .lent_outputs import OutputSets
 from .result_objects import rebuild
 
 __all__ = ["CudaCalls", "Entry", "copy_plan", "empty_like_input", "fill_inputs", "with_tensors_replaced"]
@@ -116,6 +118,18 @@ class CudaCalls:
                                        None if private else self.pool, error_mode="thread_local")
         caller.wait_stream(self.stream)
         return graph, out
+
+    def capture_beside(self, graph: Any, fn: Callable[..., Any], args: Sequence[Any],
+                       kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``fn(*args, **kwargs)`` captured into the memory pool of ``graph``, one of this device's
+        captures: (the graph, its outputs). The graphs of one entry replay one at a time, so their
+        temporaries share memory, and their pool goes back when the last of them goes."""
+        caller = self.caller()
+        with workspaces_in_pool(self.stream):
+            again, out = capture_graph(lambda: fn(*args, **kwargs), self.stream, self.device, self.pool,
+                                       error_mode="thread_local", beside=graph)
+        caller.wait_stream(self.stream)
+        return again, out
 
     def capture_own_inputs(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                            inputs: Sequence[torch.Tensor],
@@ -242,10 +256,21 @@ class Entry:
     #: the result's structure rebuilt around its leaves (.unflatten.unflattener; None: tree_unflatten)
     unflatten: Callable[[list[Any]], Any] | None = None
     native: Callable[..., bool] | None = None  # the torch extension's launch_if (CudaCalls.launch_plan)
+    #: the output sets lent in turn (:mod:`.lent_outputs`); None: every replay copies its outputs
+    sets: OutputSets | None = None
+    lending: str = ""  # why the outputs are not lent, in words ('' where they are)
     single: bool = field(init=False)
+    #: what a launch replays: the graph, or a free lent set's (``sets.replay``)
+    replay_graph: Callable[[], None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.single = self.spec.is_leaf() and len(self.outputs) == 1 and not self.objects
+        self.replay_graph = self.graph.replay
+
+    def lend_from(self, sets: OutputSets) -> None:
+        """Lend the caller the outputs of ``sets`` in turn from now on."""
+        self.sets = sets
+        self.replay_graph = sets.replay
 
     def replay(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return self.result(self.launch(args, kwargs))
@@ -270,7 +295,7 @@ class Entry:
         # first: the inputs are written only after the last replay (on any stream) has read them
         self.device.order()
         self._copy(self.statics, tensors)
-        self.graph.replay()
+        self.replay_graph()
         return tensors
 
     def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -283,12 +308,16 @@ class Entry:
             torch._foreach_copy_(dsts, srcs)
 
     def result(self, tensors: list[torch.Tensor]) -> Any:
-        """The launched replay's result, in fresh tensors; the caller's ``tensors`` it wrote into get
-        its writes."""
+        """The launched replay's result, in tensors that are the caller's (lent or fresh copies); the
+        caller's ``tensors`` it wrote into get its writes."""
         self.replays += 1
         for i in self.write_back:
             tensors[i].copy_(self.statics[i])
-        if not self.clone:
+        lent = self.sets.lent_now if self.sets is not None else None
+        if lent is not None:
+            self.sets.lent_now = None
+            fresh = lent.lend()
+        elif not self.clone:
             fresh = self.outputs
         else:
             sources = self.outputs if self.copied is None else self.copied

@@ -1,0 +1,229 @@
+"""A whole call's outputs lent in turn: no later call changes a result its caller still holds.
+
+On the CPU, the stand-in device's replay writes the model's result into the captured outputs, as a
+CUDA graph writes into its own memory: a replay into a set the caller still holds would change the
+caller's tensors, and the comparisons with values taken at each call catch it (the negative control
+shows they do).
+"""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from streamdag.frontend import lent_outputs  # noqa: E402
+from streamdag.frontend.lent_outputs import LENT_SETS, LentSet  # noqa: E402
+from whole_call_stand_in import MODES, mlp, whole  # noqa: E402
+
+
+def _entry(w):
+    return next(iter(w.current.entries.values()))
+
+
+def _sets_replayed(w):
+    """How many replays went to lent sets, and how many copied."""
+    entry = _entry(w)
+    return entry.replays - entry.sets.copied, entry.sets.copied
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_loop_that_keeps_the_last_result_is_served_by_the_lent_sets_in_turn(fake_device, mode):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    y = None
+    with MODES[mode]():
+        for _ in range(8):
+            x = torch.randn(3, 8)
+            before = None if y is None else y.clone()
+            y = w((x,), {}, dynamo)  # the previous y is still held while this call runs
+            torch.testing.assert_close(y, m(x))
+            if before is not None:
+                assert not torch.equal(before, y)
+    assert _sets_replayed(w) == (7, 0), w.explain()
+    assert f"outputs lent from {LENT_SETS} sets in turn; copied in 0 replays" in w.explain()
+    assert y.is_inference() == (mode == "inference_mode")
+
+
+def test_results_kept_in_a_list_keep_their_values(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        xs = [torch.randn(3, 8) for _ in range(6)]
+        outs = [w((x,), {}, dynamo) for x in xs]
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, m(x))
+    lent, copied = _sets_replayed(w)
+    assert (lent, copied) == (LENT_SETS, 5 - LENT_SETS), w.explain()
+
+
+def test_a_view_of_a_result_holds_its_set(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, dynamo)
+        x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+        row = w((x1,), {}, dynamo)[1]  # only a view of the first lent result is kept
+        other = w((x2,), {}, dynamo)  # the second set
+        for _ in range(3):  # every later call finds both sets held
+            w((torch.randn(3, 8),), {}, dynamo)
+        torch.testing.assert_close(row, m(x1)[1])
+        torch.testing.assert_close(other, m(x2))
+        assert _entry(w).sets.copied == 3, w.explain()
+        del other
+        w((torch.randn(3, 8),), {}, dynamo)  # the second set is free again
+        torch.testing.assert_close(row, m(x1)[1])
+    assert _entry(w).sets.copied == 3, w.explain()
+
+
+def test_a_result_written_in_place_by_the_caller_stays_the_callers(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, dynamo)
+        x = torch.randn(3, 8)
+        y = w((x,), {}, dynamo)
+        y.mul_(2)
+        for _ in range(4):
+            z = w((torch.randn(3, 8),), {}, dynamo)
+            torch.testing.assert_close(y, m(x) * 2)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+        del z
+
+
+def test_a_result_fed_back_as_the_next_input_is_read_before_it_is_written(fake_device):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        x = want = torch.randn(3, 8)
+        for _ in range(8):
+            x, want = w((x,), {}, dynamo), m(want)
+            torch.testing.assert_close(x, want)
+
+
+def test_outputs_over_the_lending_limit_are_copied_and_explain_says_so(fake_device, monkeypatch):
+    monkeypatch.setattr(lent_outputs, "LEND_BYTES", 16)
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert _entry(w).sets is None
+    assert "outputs copied at each replay: their 0 MiB are over the 0 MiB lent in turn" in w.explain()
+
+
+def test_a_caller_that_resizes_a_lent_result_never_gets_that_set_again(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, dynamo)
+        y = w((torch.randn(3, 8),), {}, dynamo)
+        y.resize_(1000)  # the storage gets other memory: the set's graph would write elsewhere
+        del y
+        for _ in range(4):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(w((x,), {}, dynamo), m(x))
+    assert sum(s.spoiled for s in _entry(w).sets.sets) == 1
+
+
+def test_lending_while_the_caller_holds_the_set_would_be_caught(fake_device, monkeypatch):
+    """Negative control: a set taken as free while the caller holds its result is overwritten by
+    the next call, and the comparison with the value of then sees it."""
+    monkeypatch.setattr(LentSet, "free", lambda self: True)
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        xs = [torch.randn(3, 8) for _ in range(5)]
+        outs = [w((x,), {}, dynamo) for x in xs]
+    with pytest.raises(AssertionError):
+        for x, out in zip(xs, outs):
+            torch.testing.assert_close(out, m(x))
+
+
+STEPS = st.lists(st.tuples(st.sampled_from(["keep", "drop", "view", "write", "feed"]), st.booleans()),
+                 min_size=3, max_size=30)
+
+
+@given(steps=STEPS)
+def test_a_random_pattern_of_holding_results_never_sees_them_change(steps, monkeypatch_module):
+    """Each call's result is kept whole, dropped, kept as a view, written in place, or fed back as
+    the next input; with or without dropping an older result first. Every result still held equals
+    what the model returned for it, at the end."""
+    from streamdag.frontend import whole_call as wc
+    from whole_call_stand_in import FakeDevice
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
+    dev = FakeDevice(m)
+    monkeypatch_module.setattr(wc, "_device_for", lambda device, pool: dev)
+    monkeypatch_module.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
+    w, dynamo = whole_from(m)
+    held = []  # (tensor the caller holds, the value it must have)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for what, drop_oldest in steps:
+            if drop_oldest and held:
+                held.pop(0)
+            y = w((x,), {}, dynamo)
+            want = m(x)
+            torch.testing.assert_close(y, want)
+            if what == "keep":
+                held.append((y, want))
+            elif what == "view":
+                held.append((y[1:], want[1:]))
+            elif what == "write":
+                y.add_(1.0)
+                held.append((y, want + 1.0))
+            elif what == "feed":
+                held.append((y, want))
+                x = y
+                continue
+            x = torch.randn(3, 8)
+            del y
+        for got, want in held:
+            torch.testing.assert_close(got, want)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def whole_from(m):
+    from streamdag.frontend.whole_call import WholeCall
+    from whole_call_stand_in import Dynamo, FakeBackend
+
+    return WholeCall(m, FakeBackend()), Dynamo(m)
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_loop_is_lent_its_outputs_and_results_kept_keep_their_values(no_tf32):
+    import streamdag as sd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(2, 3, 32, 32, device="cuda"))
+        entry = next(iter(c.whole.current.entries.values()))
+        assert entry.sets is not None, c.explain()
+        lent_memory = {s.outputs[0].untyped_storage().data_ptr() for s in entry.sets.sets}
+        kept, lent, y = [], [], None
+        for i in range(8):  # every odd call's result kept: from the fourth call on, both sets are
+            x = torch.randn(2, 3, 32, 32, device="cuda")  # held at every odd call
+            y = c(x)
+            lent.append(y.untyped_storage().data_ptr() in lent_memory)
+            if i % 2:
+                kept.append((x, y))
+        for x, y in kept:
+            torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-4)
+    assert lent == [True, True, True, False, True, False, True, False], c.explain()
+    assert entry.sets.copied == 3, c.explain()
