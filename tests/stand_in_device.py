@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from streamdag.frontend.whole_replay import empty_like_input, fill_inputs, with_tensors_replaced
+from streamdag.frontend.whole_replay import empty_like_input, fill_tensors, with_tensors_replaced
 
 
 class StandInDevice:
@@ -50,7 +50,7 @@ class StandInDevice:
     def capture_own_inputs(self, fn, args, kwargs, inputs, private=False):
         """``capture`` on tensors of the graph's own in place of ``inputs``, holding their values."""
         own = [empty_like_input(t) for t in inputs]
-        fill_inputs(own, list(inputs))
+        fill_tensors(own, list(inputs))
         own_args, own_kwargs = with_tensors_replaced(args, kwargs, inputs, own)
         graph, out = self.capture(fn, own_args, own_kwargs, private)
         return graph, out, own

@@ -76,6 +76,20 @@ def test_a_view_of_a_result_holds_its_set(fake_device):
     assert _entry(w).sets.copied == 3, w.explain()
 
 
+def test_a_results_storage_object_alone_holds_its_set(fake_device):
+    m = mlp()
+    w, dynamo = whole(m, fake_device)
+    with torch.no_grad():
+        w((torch.randn(3, 8),), {}, dynamo)
+        x = torch.randn(3, 8)
+        y = w((x,), {}, dynamo)
+        storage, shape = y.untyped_storage(), y.shape  # the memory kept, the tensor let go
+        del y
+        for _ in range(4):
+            w((torch.randn(3, 8),), {}, dynamo)
+        torch.testing.assert_close(torch.tensor([]).set_(storage).view(shape), m(x))
+
+
 def test_a_result_written_in_place_by_the_caller_stays_the_callers(fake_device):
     m = mlp()
     w, dynamo = whole(m, fake_device)
@@ -227,3 +241,37 @@ def test_on_cuda_a_loop_is_lent_its_outputs_and_results_kept_keep_their_values(n
             torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-4)
     assert lent == [True, True, True, False, True, False, True, False], c.explain()
     assert entry.sets.copied == 3, c.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_set_lent_on_one_stream_is_written_on_another_only_after_the_first_reads_it(no_tf32):
+    import streamdag as sd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).eval().cuda()
+    c = sd.compile(m)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(8, 64, device="cuda"))
+        entry = next(iter(c.whole.current.entries.values()))
+        assert entry.sets is not None, c.explain()
+        xs = [torch.randn(8, 64, device="cuda") for _ in range(3)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(first):
+            y1 = c(xs[0])
+        second.wait_stream(first)
+        with torch.cuda.stream(second):
+            y2 = c(xs[1])
+        with torch.cuda.stream(first):
+            torch.cuda._sleep(50_000_000)  # the caller reads its first result late, on the first stream
+            read = y1 * 1.0
+        del y1
+        with torch.cuda.stream(second):
+            y3 = c(xs[2])  # the first result's set is free by count: written after that read only
+        torch.cuda.synchronize()
+        torch.testing.assert_close(read, m(xs[0]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y3, m(xs[2]), rtol=1e-4, atol=1e-4)
+        del y2
+    assert entry.sets.copied == 0, c.explain()

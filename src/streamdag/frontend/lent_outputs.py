@@ -9,11 +9,17 @@ its own (a *set*); a replay runs the graph of a set that nothing outside holds
 and lends the caller new tensors over that set's memory (``detach()``: the
 same storage, no copy).
 
-A set is free when no tensor but the entry's own refers to its memory: each
-storage's use count is what the entry's references make it (its output
-tensors, and the storage object it keeps to read the count). A tensor the
-caller holds, or any view of it, adds to the count, so a held set is never
-written, exactly as the caching allocator never reuses a held block.
+A set is free when nothing but the set refers to its memory: each storage's
+use count and its Python object's reference count are as they were when only
+the set held them. A tensor the caller holds, any view of it, and the storage
+object (``y.untyped_storage()``) add to one of them, so a held set is never
+written, as the caching allocator never reuses a held block. A set lent on one stream
+and replayed into on another waits for the first: the caller may still read
+its last result there. What the count cannot see is a result dropped after
+``record_stream`` handed it to another stream: a lent result read on another
+stream must be held until that stream is done with it. Inside a CUDA graph
+capture of the caller's own, no set is lent (the caller's graph would write the
+set at each of its replays): the outputs are copied.
 
 The usual loop ``y = model(x)`` still holds the previous call's set while the
 next call runs, so two sets in turn serve it with no copy. A caller that
@@ -22,20 +28,21 @@ entry's own graph, whose outputs are never lent, copied as before.
 
 Each lent graph copies its outputs into its set at its end (the set lies
 outside the graphs' memory pool, see ``WholeCall._lend``), so the copy kernel
-stays and the host's allocation and copy launch go. Lending holds two more
-copies of the outputs than copying does (two sets and the lent captures' own
-outputs in the pool, against the fresh copy of each call), so outputs are lent
-only up to :data:`LEND_BYTES` in all; larger ones (a language model's logits
-and cache) are copied, where they would add tens of MiB to a graph pool of
-about as much.
+stays and the host's allocation and copy launch go. Lending holds the two sets
+(against the copy each call makes, which the caller holds) and may grow the
+pool by the lent captures' own outputs, so outputs are lent only up to
+:data:`LEND_BYTES` in all; larger ones (a language model's logits and cache)
+are copied, where they would add tens of MiB to a graph pool of about as much.
 
 State: :attr:`OutputSets.lent_now` is the set the last launch replayed into,
 read by the result that follows it; :attr:`OutputSets.turn` the set tried
-first next; both under the whole call's lock, one replay at a time.
+first next; :attr:`LentSet.stream` the stream it was last replayed on; all
+under the whole call's lock, one replay at a time.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,76 +59,107 @@ _use_count: Callable[[int], int] = torch._C._storage_Use_Count
 
 
 class LentSet:
-    """One graph of the call and its outputs, lent while nothing outside holds them.
+    """One graph of the call and the tensors it copies its outputs into, lent while nothing outside
+    holds them.
 
-    ``_cdatas``: each distinct storage of the outputs (kept alive by ``_storages``);
-    ``_counts``: its use count when only this set refers to it (one per output tensor on it, one
-    for the kept storage object); ``_ptrs``: its memory's address, which a caller's
-    ``resize_`` of a lent tensor would move (the set is then never lent again).
+    ``_storages``: each distinct storage of the tensors, as its one Python object; ``_counts``:
+    its use count (the tensors and views on it, and the storage object where PyTorch keeps
+    that alive with it) and ``_refs`` the Python references to that object, both taken when
+    only the set refers to it. A caller's tensor or view adds to the first, a caller's storage
+    object (``y.untyped_storage()`` is that same object) to the second. ``_ptrs``: each tensor's
+    address, which a caller's ``resize_`` of a lent tensor would move (the set is then
+    ``spoiled``: never lent again).
     """
 
-    __slots__ = ("_cdatas", "_counts", "_ptrs", "_storages", "graph", "outputs", "spoiled")
+    __slots__ = ("_cdatas", "_counts", "_ptrs", "_refs", "_storages", "graph", "outputs", "spoiled",
+                 "stream", "stream_raw")
 
     def __init__(self, graph: Any, outputs: list[torch.Tensor]) -> None:
         self.graph = graph
         self.outputs = outputs
-        storages: dict[int, Any] = {}
-        counts: dict[int, int] = {}
+        by_cdata: dict[int, Any] = {}
         for t in outputs:
-            st = t.untyped_storage()
-            storages.setdefault(st._cdata, st)
-            counts[st._cdata] = counts.get(st._cdata, 1) + 1
-        self._storages = list(storages.values())
-        self._cdatas = list(storages)
-        self._counts = [counts[c] for c in self._cdatas]
-        self._ptrs = [st.data_ptr() for st in self._storages]
-        #: a count below the set's own references: something let go of a reference this set
-        #: counts on, so a caller's could pass unseen; never lent
-        self.spoiled = any(_use_count(c) < n for c, n in zip(self._cdatas, self._counts))
+            by_cdata.setdefault(t.untyped_storage()._cdata, t)
+        self._cdatas = list(by_cdata)
+        self._storages = [t.untyped_storage() for t in by_cdata.values()]
+        del by_cdata
+        self._counts = [_use_count(c) for c in self._cdatas]
+        self._refs = self._refs_now()  # (counted as free() counts them)
+        self._ptrs = [t.data_ptr() for t in outputs]
+        on_each = [sum(t.untyped_storage()._cdata == c for t in outputs) for c in self._cdatas]
+        # (a count below the set's own tensors would let a caller's reference pass unseen)
+        self.spoiled = any(n < k for n, k in zip(self._counts, on_each))
+        self.stream: Any = None  # the stream of its last replay (a torch.cuda.Stream), None before
+        self.stream_raw = 0
 
     def free(self) -> bool:
-        """Whether nothing outside the set refers to its outputs' memory."""
+        """Whether nothing outside the set refers to its tensors' memory."""
         if self.spoiled:
             return False
         for c, n in zip(self._cdatas, self._counts):
             if _use_count(c) != n:
                 return False
-        if any(st.data_ptr() != p for st, p in zip(self._storages, self._ptrs)):
+        if self._refs_now() != self._refs:
+            return False
+        if [t.data_ptr() for t in self.outputs] != self._ptrs:
             self.spoiled = True
             return False
         return True
 
+    def _refs_now(self) -> list[int]:
+        return [sys.getrefcount(st) for st in self._storages]
+
     def lend(self) -> list[torch.Tensor]:
-        """New tensors over the outputs' memory, for the caller."""
+        """New tensors over the set's memory, for the caller."""
         return [t.detach() for t in self.outputs]
 
 
 class OutputSets:
-    """The entry's own graph (outputs copied) and the sets lent in turn (see the module docstring)."""
+    """The entry's graph (outputs copied) and the sets lent in turn (see the module docstring).
 
-    __slots__ = ("copied", "lent_now", "own", "sets", "turn")
+    ``device``: the CUDA device the graphs replay on (None: no streams to order, as on the
+    CPU stand-ins of the tests)."""
 
-    def __init__(self, own: Any, sets: list[LentSet]) -> None:
-        self.own = own  # the entry's graph: its outputs are never lent
+    __slots__ = ("_index", "copied", "device", "graph", "lent_now", "sets", "turn")
+
+    def __init__(self, graph: Any, sets: list[LentSet], device: torch.device | None) -> None:
+        self.graph = graph  # the entry's graph: its outputs are never lent
         self.sets = sets
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._index = -1 if self.device is None else (
+            self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.turn = 0
         self.lent_now: LentSet | None = None
-        self.copied = 0  # replays that found every set held
+        self.copied = 0  # replays that found every set held, or ran inside a capture of the caller's
 
     def replay(self) -> None:
         """Replay the graph of a free set, the one after the last lent first; else the entry's own."""
-        sets = self.sets
-        n = len(sets)
-        for k in range(n):
-            s = sets[(self.turn + k) % n]
-            if s.free():
-                s.graph.replay()
-                self.lent_now = s
-                self.turn = (self.turn + k + 1) % n
-                return
+        if self.device is None or not torch._C._cuda_isCurrentStreamCapturing():
+            sets = self.sets
+            n = len(sets)
+            for k in range(n):
+                s = sets[(self.turn + k) % n]
+                if s.free():
+                    self._on_stream(s)
+                    s.graph.replay()
+                    self.lent_now = s
+                    self.turn = (self.turn + k + 1) % n
+                    return
         self.lent_now = None
         self.copied += 1
-        self.own.replay()
+        self.graph.replay()
+
+    def _on_stream(self, s: LentSet) -> None:
+        """The current stream waits for the stream ``s`` was last lent on, where another: the caller
+        may have read its last result there after that replay."""
+        if self.device is None:
+            return
+        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        if raw != s.stream_raw:
+            current = torch.cuda.current_stream(self.device)
+            if s.stream is not None:
+                current.wait_stream(s.stream)
+            s.stream, s.stream_raw = current, raw
 
 
 def lend_refusal(outputs: Sequence[torch.Tensor], clone: bool) -> str:

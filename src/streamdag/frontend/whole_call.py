@@ -84,7 +84,7 @@ from .candidates import cudnn_settings
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .lent_outputs import LENT_SETS, LentSet, OutputSets, lend_refusal
 from .state_watch import StateWatch
-from .whole_replay import CudaCalls, Entry, empty_like_input, fill_inputs, with_tensors_replaced
+from .whole_replay import CudaCalls, Entry, empty_like_input, fill_tensors, with_tensors_replaced
 from .whole_results import result_parts
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
@@ -438,17 +438,17 @@ class WholeCall:
         marks = self._marks()
         sets: list[LentSet] = []
         for _ in range(LENT_SETS):
-            own = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-                   for o in entry.outputs]
+            lent = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+                    for o in entry.outputs]
             made: list[Any] = []
 
-            def run_and_copy(*a: Any, own: list[torch.Tensor] = own, made: list[Any] = made,
+            def run_and_copy(*a: Any, lent: list[torch.Tensor] = lent, made: list[Any] = made,
                              **k: Any) -> list[torch.Tensor]:
                 parts = result_parts(fn(*a, **k), dev.device, entry.statics, held)
                 made.append(parts)
                 if _same_parts(parts, entry):
-                    fill_inputs(own, parts.outputs)
-                return own
+                    fill_tensors(lent, parts.outputs)
+                return lent
             try:
                 with _active("capture") if compiled else nullcontext() as active:
                     graph, _ = dev.capture_beside(entry.graph, run_and_copy, args, kwargs)
@@ -464,8 +464,8 @@ class WholeCall:
             if not _same_parts(made[0], entry):
                 entry.lending = "outputs copied at each replay: a second capture returned other outputs"
                 return
-            sets.append(LentSet(graph, own))
-        entry.lend_from(OutputSets(entry.graph, sets))
+            sets.append(LentSet(graph, lent))
+        entry.lend_from(OutputSets(entry.graph, sets, dev.device))
 
     def _recompiles(self, state: _State, key: Any, graphs_before: int) -> bool:
         """Whether Dynamo compiled a graph in ``MAX_ATTEMPTS`` calls of this key in this state under
@@ -579,7 +579,7 @@ def _static_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> _StaticInputs
     if any(map(_overlaps, tensors)):
         return "an input's elements overlap in memory (an expanded tensor): not copied into a graph's input"
     statics = [empty_like_input(t) for t in tensors]
-    fill_inputs(statics, tensors)
+    fill_tensors(statics, tensors)
     s_args, s_kwargs = list(args), dict(kwargs)
     for s, i in zip(statics, arg_index):
         s_args[i] = s

@@ -49,7 +49,7 @@ from .candidates import capture_graph, time_replays, workspaces_in_pool
 from .lent_outputs import OutputSets
 from .result_objects import rebuild
 
-__all__ = ["CudaCalls", "Entry", "copy_plan", "empty_like_input", "fill_inputs", "with_tensors_replaced"]
+__all__ = ["CudaCalls", "Entry", "copy_plan", "empty_like_input", "fill_tensors", "with_tensors_replaced"]
 
 
 class CudaCalls:
@@ -122,8 +122,9 @@ class CudaCalls:
     def capture_beside(self, graph: Any, fn: Callable[..., Any], args: Sequence[Any],
                        kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """``fn(*args, **kwargs)`` captured into the memory pool of ``graph``, one of this device's
-        captures: (the graph, its outputs). The graphs of one entry replay one at a time, so their
-        temporaries share memory, and their pool goes back when the last of them goes."""
+        captures: (the graph, its outputs). The graphs of one pool replay one at a time, so their
+        temporaries share memory; a pool of its own (an eager graph's) goes back when the last of
+        its graphs goes."""
         caller = self.caller()
         with workspaces_in_pool(self.stream):
             again, out = capture_graph(lambda: fn(*args, **kwargs), self.stream, self.device, self.pool,
@@ -151,7 +152,7 @@ class CudaCalls:
             return fn(*own_args, **own_kwargs)
 
         graph, out = self.capture(on_own_inputs, (), {}, private)
-        fill_inputs(made, list(inputs))
+        fill_tensors(made, list(inputs))
         return graph, out, made
 
     def time_graphs(self, graphs: Sequence[Any], rounds: int) -> list[float]:
@@ -168,9 +169,10 @@ def empty_like_input(t: torch.Tensor) -> torch.Tensor:
     return s.requires_grad_(t.requires_grad) if t.requires_grad else s
 
 
-def fill_inputs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy each of ``srcs`` into its graph input in ``dsts``, outside autograd (an input may require
-    grad) and in inference mode where they are inference tensors, which only it may write."""
+def fill_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each of ``srcs`` into its tensor in ``dsts`` (a graph's inputs, or a lent set of outputs),
+    outside autograd (an input may require grad) and in inference mode where they are inference
+    tensors, which only it may write."""
     if not dsts:
         return
     inference = any(d.is_inference() for d in dsts)
