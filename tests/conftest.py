@@ -130,6 +130,8 @@ def state_checks(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(state_watch, "_native_tags", None)
         monkeypatch.setattr(state_watch, "_native_checked", True)
+        monkeypatch.setattr(state_watch, "_native_items", None)
+        monkeypatch.setattr(state_watch, "_items_checked", True)
     elif request.param in ("native", "own dicts") and state_watch.dict_tags() is None:
         pytest.skip("no compiled dict-version check here (no compiled module, or CPython 3.14 on)")
     if request.param == "own dicts":

@@ -9,9 +9,13 @@ graphs, in ``test_whole_call_through_dynamo``.
 
 import copy
 import gc
+import itertools
+import operator
 import weakref
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -111,6 +115,7 @@ class Scaled(nn.Module):
         self.bn = nn.BatchNorm1d(4)
         self.factor = 1.0
         self.scales = [torch.ones(4)]
+        self.kinds = {"relu"}
         self.config = Config()
 
     def forward(self, x):
@@ -140,6 +145,9 @@ CHANGES = {
     "a global the forward reads": lambda m: _set_global(5.0),
     "a field of a config object": lambda m: setattr(m.config, "relu", False),
     "a tensor in a list attribute given other memory": lambda m: setattr(m.scales[0], "data", torch.ones(4)),
+    "an item of a list attribute replaced": lambda m: m.scales.__setitem__(0, torch.ones(4)),
+    "an item added to a list attribute": lambda m: m.scales.append(torch.ones(4)),
+    "an item of a set attribute swapped": lambda m: (m.kinds.clear(), m.kinds.add("tanh")),
     "the module moved to another dtype": lambda m: m.double(),
 }
 
@@ -155,6 +163,36 @@ def test_the_state_watch_sees_each_change_to_a_model(change, state_checks):
         assert watch.changed(), change
     finally:
         _set_global(2.0)
+
+
+@given(contents=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 5), max_size=4)), max_size=6),
+       change=st.tuples(st.sampled_from(["none", "swap", "append", "pop", "replace"]), st.integers(0, 9)))
+def test_the_compiled_item_check_agrees_with_the_python_one(contents, change):
+    """Lists and sets of objects, one changed or none: the compiled ``same_items`` says what the
+    chain of identity comparisons says."""
+    same_items = state_watch.items_check()
+    if same_items is None:
+        pytest.skip("no compiled module here")
+    objects = [object() for _ in range(6)]
+    containers = [set(objects[i] for i in items) if is_set else [objects[i] for i in items]
+                  for is_set, items in contents]
+    lengths, values = tuple(map(len, containers)), tuple(itertools.chain.from_iterable(containers))
+    kind, which = change
+    if containers and kind != "none":
+        c = containers[which % len(containers)]
+        if kind == "append":
+            c.append(object()) if isinstance(c, list) else c.add(object())
+        elif kind == "pop" and c:
+            c.pop()
+        elif kind in ("swap", "replace") and c:
+            if isinstance(c, list):
+                c[which % len(c)] = object() if kind == "replace" else c[which % len(c)]
+            else:
+                c.pop()
+                c.add(object())
+    python = (tuple(map(len, containers)) == lengths
+              and all(map(operator.is_, itertools.chain.from_iterable(containers), values)))
+    assert same_items(containers, lengths, values) == python
 
 
 def test_the_state_watch_holds_through_in_place_updates_and_values_set_to_themselves(state_checks):

@@ -30,6 +30,21 @@ _watch_checked = False
 #: (:func:`_own_dict`): CPython 3.13's inline attribute values
 _tags_need_own_dicts = False
 _watch_needs_own_dicts = False
+_native_items: Any = None  # the compiled module with its comparison of containers' items, once looked for
+_items_checked = False
+
+
+def items_check() -> Any:
+    """The compiled module's ``same_items`` (the lists and sets compared item by item in one C
+    loop), or None where it is not built."""
+    global _native_items, _items_checked
+    if not _items_checked:
+        _items_checked = True
+        from ..native import load
+
+        module = load()
+        _native_items = module if hasattr(module, "same_items") else None
+    return _native_items.same_items if _native_items is not None else None
 
 
 def _own_dict(obj: Any) -> bool:
@@ -157,6 +172,7 @@ class StateWatch:
         self._rest = [c for c in sized if not isinstance(c, dict)]  # lists and sets
         self._rest_lengths = tuple(map(len, self._rest))
         self._rest_values = tuple(itertools.chain.from_iterable(self._rest))
+        self._same_items = items_check()
         self._watch, self._native = _dict_watcher(), dict_tags()
         if ((self._watch is not None and _watch_needs_own_dicts)
                 or (self._native is not None and _tags_need_own_dicts)):
@@ -231,6 +247,8 @@ class StateWatch:
     def _rest_holds(self) -> bool:
         if not self._rest:
             return True
+        if self._same_items is not None:
+            return self._same_items(self._rest, self._rest_lengths, self._rest_values)
         return (tuple(map(len, self._rest)) == self._rest_lengths
                 and all(map(operator.is_, itertools.chain.from_iterable(self._rest), self._rest_values)))
 

@@ -1520,6 +1520,54 @@ static PyObject *no_dict_change_since(PyObject *module, PyObject *count) {
 #define DICT_WATCH_METHODS
 #endif
 
+/* ------------------------------------------------------------------ container contents */
+/* The lists and sets a model's modules hold as attributes (a window size, a list of layer
+ * indices): a change inside one sets no dict's version tag, so the state check of
+ * streamdag.compile compares their items on every call. In Python (state_watch.StateWatch,
+ * a chain over them and a map of operator.is_) 96 two-item lists took 7.5 µs, here 0.4 µs (24
+ * lists: 1.95 against 0.17); a Swin-T's state check on an H200's host took 10.3 µs, about half
+ * of it in its lists. */
+
+/* same_items(containers: list[list | set], lengths: tuple[int], items: tuple) -> bool: whether each
+ * container still has its length and, in order, the very objects of ``items`` (all the
+ * containers' items in a row, as a chain over them gave them) */
+static PyObject *same_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "same_items(containers: list, lengths: tuple, items: tuple)");
+        return NULL;
+    }
+    PyObject *containers = args[0], *lengths = args[1], *items = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(containers), at = 0, total = PyTuple_GET_SIZE(items);
+    if (PyTuple_GET_SIZE(lengths) != n) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = PyList_GET_ITEM(containers, i);
+        Py_ssize_t size = PyObject_Length(c);
+        if (size < 0) return NULL;
+        Py_ssize_t was = PyLong_AsSsize_t(PyTuple_GET_ITEM(lengths, i));
+        if (was == -1 && PyErr_Occurred()) return NULL;
+        if (size != was || at + size > total) Py_RETURN_FALSE;
+        if (PyList_Check(c)) {
+            for (Py_ssize_t k = 0; k < size; k++)
+                if (PyList_GET_ITEM(c, k) != PyTuple_GET_ITEM(items, at + k)) Py_RETURN_FALSE;
+            at += size;
+            continue;
+        }
+        PyObject *it = PyObject_GetIter(c);  /* a set: in its iteration order, as the chain took it */
+        if (it == NULL) return NULL;
+        PyObject *item;
+        int same = 1;
+        while (same && (item = PyIter_Next(it)) != NULL) {
+            same = at < total && item == PyTuple_GET_ITEM(items, at);
+            at++;
+            Py_DECREF(item);
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred()) return NULL;
+        if (!same) Py_RETURN_FALSE;
+    }
+    return PyBool_FromLong(at == total);
+}
+
 #include "_lock.c"
 #include "_submit.c"
 
@@ -1534,6 +1582,8 @@ static PyMethodDef module_methods[] = {
     SUBMIT_METHODS
     DICT_TAG_METHODS
     DICT_WATCH_METHODS
+    {"same_items", (PyCFunction)(void (*)(void))same_items, METH_FASTCALL,
+     "same_items(containers, lengths, items): whether each list or set holds the very items it held."},
     {"use_torch", use_torch, METH_O, "Take the torch extension's hooks (native/_torch.cpp); None drops them."},
     {"uses_torch", uses_torch, METH_NOARGS, "Whether the torch extension's hooks are in use."},
     {NULL}
