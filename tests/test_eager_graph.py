@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from streamdag.frontend import whole_call as wc  # noqa: E402
 from streamdag.frontend.whole_call import WholeCall  # noqa: E402
-from whole_call_stand_in import Dynamo, FakeBackend, FakeDevice, mlp  # noqa: E402
+from whole_call_stand_in import Dynamo, FakeBackend, FakeDevice, compiled_conv_net_on_cuda, mlp  # noqa: E402
 
 
 class RecordingDevice(FakeDevice):
@@ -124,17 +124,8 @@ def test_an_eager_call_that_cannot_be_captured_keeps_streamdags_graph_and_says_w
 
 @pytest.mark.cuda
 def test_on_cuda_the_whole_call_is_timed_against_the_eager_calls_graph_and_replays_eagers_results(no_tf32):
-    import streamdag as sd
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    nn = torch.nn
-    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval().cuda()
-    c = sd.compile(m)
+    m, c = compiled_conv_net_on_cuda()
     with torch.inference_mode():
-        for _ in range(3):
-            c(torch.randn(2, 3, 32, 32, device="cuda"))
         xs = [torch.randn(2, 3, 32, 32, device="cuda") for _ in range(4)]
         pairs = [(c(x), m(x)) for x in xs]
     for got, want in pairs:

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from streamdag.frontend import lent_outputs  # noqa: E402
 from streamdag.frontend.lent_outputs import LENT_SETS, LentSet  # noqa: E402
-from whole_call_stand_in import MODES, mlp, whole  # noqa: E402
+from whole_call_stand_in import MODES, compiled_conv_net_on_cuda, mlp, whole  # noqa: E402
 
 
 def _entry(w):
@@ -76,13 +76,20 @@ def test_a_view_of_a_result_holds_its_set(fake_device):
     assert _entry(w).sets.copied == 3, w.explain()
 
 
-def test_a_results_storage_object_alone_holds_its_set(fake_device):
+def _a_lent_result(fake_device):
+    """A model, its whole calls and Dynamo's path, and an input with its result from a lent set (the
+    call after the capture's)."""
     m = mlp()
     w, dynamo = whole(m, fake_device)
     with torch.no_grad():
         w((torch.randn(3, 8),), {}, dynamo)
         x = torch.randn(3, 8)
-        y = w((x,), {}, dynamo)
+        return m, w, dynamo, x, w((x,), {}, dynamo)
+
+
+def test_a_results_storage_object_alone_holds_its_set(fake_device):
+    m, w, dynamo, x, y = _a_lent_result(fake_device)
+    with torch.no_grad():
         storage, shape = y.untyped_storage(), y.shape  # the memory kept, the tensor let go
         del y
         for _ in range(4):
@@ -91,12 +98,8 @@ def test_a_results_storage_object_alone_holds_its_set(fake_device):
 
 
 def test_a_result_written_in_place_by_the_caller_stays_the_callers(fake_device):
-    m = mlp()
-    w, dynamo = whole(m, fake_device)
+    m, w, dynamo, x, y = _a_lent_result(fake_device)
     with torch.no_grad():
-        w((torch.randn(3, 8),), {}, dynamo)
-        x = torch.randn(3, 8)
-        y = w((x,), {}, dynamo)
         y.mul_(2)
         for _ in range(4):
             z = w((torch.randn(3, 8),), {}, dynamo)
@@ -130,11 +133,8 @@ def test_outputs_over_the_lending_limit_are_copied_and_explain_says_so(fake_devi
 
 
 def test_a_caller_that_resizes_a_lent_result_never_gets_that_set_again(fake_device):
-    m = mlp()
-    w, dynamo = whole(m, fake_device)
+    m, w, dynamo, _, y = _a_lent_result(fake_device)
     with torch.no_grad():
-        w((torch.randn(3, 8),), {}, dynamo)
-        y = w((torch.randn(3, 8),), {}, dynamo)
         y.resize_(1000)  # the storage gets other memory: the set's graph would write elsewhere
         del y
         for _ in range(4):
@@ -167,14 +167,15 @@ def test_a_random_pattern_of_holding_results_never_sees_them_change(steps, monke
     the next input; with or without dropping an older result first. Every result still held equals
     what the model returned for it, at the end."""
     from streamdag.frontend import whole_call as wc
-    from whole_call_stand_in import FakeDevice
+    from streamdag.frontend.whole_call import WholeCall
+    from whole_call_stand_in import Dynamo, FakeBackend, FakeDevice
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval()
     dev = FakeDevice(m)
     monkeypatch_module.setattr(wc, "_device_for", lambda device, pool: dev)
     monkeypatch_module.setattr(wc, "_one_cuda_device", lambda args, kwargs: (torch.device("cpu"), ""))
-    w, dynamo = whole_from(m)
+    w, dynamo = WholeCall(m, FakeBackend()), Dynamo(m)
     held = []  # (tensor the caller holds, the value it must have)
     x = torch.randn(3, 8)
     with torch.no_grad():
@@ -207,26 +208,10 @@ def monkeypatch_module():
         yield mp
 
 
-def whole_from(m):
-    from streamdag.frontend.whole_call import WholeCall
-    from whole_call_stand_in import Dynamo, FakeBackend
-
-    return WholeCall(m, FakeBackend()), Dynamo(m)
-
-
 @pytest.mark.cuda
 def test_on_cuda_a_loop_is_lent_its_outputs_and_results_kept_keep_their_values(no_tf32):
-    import streamdag as sd
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    nn = torch.nn
-    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval().cuda()
-    c = sd.compile(m)
+    m, c = compiled_conv_net_on_cuda()
     with torch.inference_mode():
-        for _ in range(3):
-            c(torch.randn(2, 3, 32, 32, device="cuda"))
         entry = next(iter(c.whole.current.entries.values()))
         assert entry.sets is not None, c.explain()
         lent_memory = {s.outputs[0].untyped_storage().data_ptr() for s in entry.sets.sets}

@@ -109,3 +109,19 @@ def whole(model, fake_device):
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def compiled_conv_net_on_cuda():
+    """A small conv net in eval mode on the GPU and its ``streamdag.compile``, called three times under
+    inference mode (compiled, captured, replayed once), with a fresh Dynamo."""
+    import streamdag as sd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval().cuda()
+    c = sd.compile(m)
+    with torch.inference_mode():
+        for _ in range(3):
+            c(torch.randn(2, 3, 32, 32, device="cuda"))
+    return m, c

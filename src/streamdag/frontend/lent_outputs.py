@@ -77,18 +77,18 @@ class LentSet:
     def __init__(self, graph: Any, outputs: list[torch.Tensor]) -> None:
         self.graph = graph
         self.outputs = outputs
-        by_cdata: dict[int, Any] = {}
+        on_each: dict[int, int] = {}  # each storage: the set's tensors on it
         for t in outputs:
-            by_cdata.setdefault(t.untyped_storage()._cdata, t)
-        self._cdatas = list(by_cdata)
-        self._storages = [t.untyped_storage() for t in by_cdata.values()]
-        del by_cdata
+            c = t.untyped_storage()._cdata
+            on_each[c] = on_each.get(c, 0) + 1
+        self._cdatas = list(on_each)
+        self._storages = [next(t.untyped_storage() for t in outputs if t.untyped_storage()._cdata == c)
+                          for c in self._cdatas]
         self._counts = [_use_count(c) for c in self._cdatas]
         self._refs = self._refs_now()  # (counted as free() counts them)
         self._ptrs = [t.data_ptr() for t in outputs]
-        on_each = [sum(t.untyped_storage()._cdata == c for t in outputs) for c in self._cdatas]
         # (a count below the set's own tensors would let a caller's reference pass unseen)
-        self.spoiled = any(n < k for n, k in zip(self._counts, on_each))
+        self.spoiled = any(n < on_each[c] for c, n in zip(self._cdatas, self._counts))
         self.stream: Any = None  # the stream of its last replay (a torch.cuda.Stream), None before
         self.stream_raw = 0
 
@@ -170,8 +170,7 @@ def lend_refusal(outputs: Sequence[torch.Tensor], clone: bool) -> str:
         return ""
     if not all(map(_dense, outputs)):
         return "outputs copied at each replay: one of them is not dense (a broadcast or a slice)"
-    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in outputs}
-    size = sum(st.nbytes() for st in storages.values())
+    size = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outputs}.values())
     if size > LEND_BYTES:
         return (f"outputs copied at each replay: their {size / 2**20:.0f} MiB are over the "
                 f"{LEND_BYTES / 2**20:.0f} MiB lent in turn")

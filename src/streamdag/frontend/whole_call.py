@@ -73,7 +73,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch._C._dynamo.guards import GlobalStateGuard
@@ -84,7 +84,8 @@ from .candidates import cudnn_settings
 from .eager_graph import capture_eager, eager_refusal, keep_eager
 from .lent_outputs import LENT_SETS, LentSet, OutputSets, lend_refusal
 from .state_watch import StateWatch
-from .whole_replay import CudaCalls, Entry, empty_like_input, fill_tensors, with_tensors_replaced
+from .whole_inputs import static_inputs
+from .whole_replay import CudaCalls, Entry, fill_tensors, with_tensors_replaced
 from .whole_results import result_parts
 
 __all__ = ["ACTIVE", "NotWholeCapturable", "StateWatch", "WholeCall", "call_key"]
@@ -313,7 +314,7 @@ class WholeCall:
 
     def _capture(self, state: _State, key: Any, device: torch.device, args: Sequence[Any],
                  kwargs: dict[str, Any], dynamo: Callable[..., Any]) -> Any:
-        inputs = _static_inputs(args, kwargs)
+        inputs = static_inputs(args, kwargs)
         if isinstance(inputs, str):
             self._refuse(key, inputs)
             return dynamo(*args, **kwargs)
@@ -557,50 +558,9 @@ def _describe(key: Any) -> str:
     return f"call({', '.join(parts)})"
 
 
-class _StaticInputs(NamedTuple):
-    """A call's tensors copied into tensors of the graph's own, and the arguments with them in place."""
-
-    arg_index: list[int]  # where the copied tensors are among the positional arguments
-    kw_names: list[str]  # and among the keyword arguments, after them
-    tensors: list[torch.Tensor]  # the caller's
-    statics: list[torch.Tensor]  # the graph's, holding the caller's values
-    args: list[Any]
-    kwargs: dict[str, Any]
-
-
-def _static_inputs(args: Sequence[Any], kwargs: dict[str, Any]) -> _StaticInputs | str:
-    """The call's tensors copied into tensors of the graph's own, or why they cannot be."""
-    arg_index = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
-    kw_names = [k for k, v in kwargs.items() if type(v) is torch.Tensor]
-    tensors = [args[i] for i in arg_index] + [kwargs[k] for k in kw_names]
-    other = next((t.layout for t in tensors if t.layout != torch.strided), None)
-    if other is not None:
-        return f"an argument is a {other} tensor: only strided ones are copied into a graph"
-    if any(map(_overlaps, tensors)):
-        return "an input's elements overlap in memory (an expanded tensor): not copied into a graph's input"
-    statics = [empty_like_input(t) for t in tensors]
-    fill_tensors(statics, tensors)
-    s_args, s_kwargs = list(args), dict(kwargs)
-    for s, i in zip(statics, arg_index):
-        s_args[i] = s
-    for s, k in zip(statics[len(arg_index):], kw_names):
-        s_kwargs[k] = s
-    return _StaticInputs(arg_index, kw_names, tensors, statics, s_args, s_kwargs)
-
-
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
     """Each tensor's version counter, which every in-place write bumps; None for an inference tensor."""
     return [None if t.is_inference() else t._version for t in tensors]
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether two of ``t``'s elements share memory (an expanded tensor): nothing can be copied into it."""
-    extent = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride < extent:
-            return True
-        extent += (size - 1) * stride
-    return False
 
 
 def _one_cuda_device(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[torch.device | None, str]:
