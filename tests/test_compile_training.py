@@ -276,6 +276,41 @@ def test_a_branchy_conv_net_with_batch_norm_trains_on_regions_as_eager_does():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("min_gain", [None, 0.15])
+def test_a_backward_compiles_regions_from_a_lower_predicted_gain_than_a_forward(monkeypatch, min_gain):
+    """By default a backward's regions are compiled from BACKWARD_MIN_GAIN, a forward's from
+    MIN_GAIN; a min_gain asked for holds for both. The planner's estimate is set to 10% here."""
+    import dataclasses
+
+    from streamdag.frontend import inner_compile
+
+    assert inner_compile.BACKWARD_MIN_GAIN < 0.10 < inner_compile.MIN_GAIN
+    plan_for_real = inner_compile.plan_regions
+
+    def ten_percent(gm, streams):
+        plan = plan_for_real(gm, streams)
+        return dataclasses.replace(plan, estimate_ms=plan.one_stream_ms * 0.9)
+
+    monkeypatch.setattr(inner_compile, "plan_regions", ten_percent)
+    torch.manual_seed(0)
+    model = BranchyNet()
+    # (candidates named: on the CPU regions are otherwise not compiled)
+    fast = sd.compile(model, candidates=["inductor", "regions"],
+                      **({} if min_gain is None else {"min_gain": min_gain}))
+    x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+    torch.nn.functional.mse_loss(fast(x), y).backward()
+    graphs = {t.kind: t for r in fast.backend.runners for t in getattr(r, "training", ())}
+    assert set(graphs) == {"forward", "backward"}, fast.explain()
+    assert graphs["forward"].program is None
+    assert "the cost model's gain 10.0% is under 15%" in graphs["forward"].region_note
+    if min_gain is None:
+        assert graphs["backward"].program is not None, fast.explain()
+    else:
+        assert graphs["backward"].program is None
+        assert "the cost model's gain 10.0% is under 15%" in graphs["backward"].region_note
+
+
+@pytest.mark.slow
 def test_a_transformer_block_trains_on_regions_with_adam_as_eager_does():
     torch.manual_seed(0)
     ref = Block()

@@ -21,7 +21,7 @@ import torch
 from .._diagnostics import get_logger, warn
 from .call_key import call_key
 from .hook_watch import HookWatch
-from .inductor_backend import _EAGER_WHY, MIN_GAIN, StreamdagBackend, V2Statistics, _Fallback
+from .inductor_backend import _EAGER_WHY, StreamdagBackend, V2Statistics, _Fallback
 from .state_watch import root_module
 from .whole_call import WholeCall
 
@@ -365,7 +365,7 @@ def _warn_of_stale_guards() -> None:
 
 
 def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
-               min_gain: float = MIN_GAIN, candidates: Sequence[str] | None = None,
+               min_gain: float | None = None, candidates: Sequence[str] | None = None,
                clone_outputs: bool = True, whole_call: bool = True,
                inductor: dict[str, Any] | None = None) -> CompiledModel:
     """``fn`` (a function or ``nn.Module``) under Dynamo, AOTAutograd, Inductor and streamdag's streams.

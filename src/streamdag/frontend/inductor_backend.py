@@ -464,7 +464,7 @@ def _made(out: Any) -> Any:
 class StreamdagBackend:
     """A Dynamo backend: ``torch.compile(fn, backend=StreamdagBackend())`` (see the module docstring)."""
 
-    def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
+    def __init__(self, streams: int | None = None, regions: str = "auto", min_gain: float | None = None,
                  candidates: Sequence[str] | None = None, clone_outputs: bool = True,
                  inductor: dict[str, Any] | None = None) -> None:
         self.options: Options = compile_options(streams=streams, regions=regions, min_gain=min_gain,

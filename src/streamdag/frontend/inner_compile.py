@@ -23,18 +23,27 @@ from .candidates import REGIONS
 from .kernels_together import kernels_compiled_together
 from .regions import RegionPlan, plan_regions
 
-__all__ = ["MIN_GAIN", "Options", "compile_options", "inductor_settings", "inner_compile"]
+__all__ = ["BACKWARD_MIN_GAIN", "MIN_GAIN", "Options", "compile_options", "inductor_settings",
+           "inner_compile"]
 
 #: the least gain the region cost model must predict before a graph's regions are compiled: two
 #: and a half times the model's error on its calibration models (``regions.REGION_MODEL``), so
 #: that regions, and their compile time, go only where they are likely to pay
 MIN_GAIN = 0.15
+#: the same for a training backward. Its weight- and input-gradient products are independent at
+#: every layer, and the model misjudges them most: on GoogLeNet's backward (fp32, H200) it predicted
+#: 7% at batch 8, where regions on 3 streams measured 9% faster (4 streams 18%, over the memory
+#: rule), and 5% at batch 32, where they tied. A backward runs at every step of a long training
+#: run, so its regions' compile time is paid once against many steps; the timing at its first call
+#: keeps the one-stream graph where they do not pay.
+BACKWARD_MIN_GAIN = 0.05
 
 @dataclass
 class Options:
     streams: int = 4
     regions: str = "auto"  # "auto": where the cost model finds a gain; "always"; "never"
-    min_gain: float = MIN_GAIN
+    # None: MIN_GAIN, and BACKWARD_MIN_GAIN for a training backward (:meth:`gain_needed`)
+    min_gain: float | None = None
     # labels or kinds to keep, e.g. ("regions",), ("regions x2",), ("cudagraphs",) (training graphs
     # under Inductor's CUDA graph trees)
     candidates: tuple[str, ...] | None = None
@@ -53,13 +62,14 @@ class Options:
             raise TypeError(f"streams takes a number of streams, e.g. streams=2; got {self.streams!r}")
         if not isinstance(self.clone_outputs, bool):
             raise TypeError(f"clone_outputs takes True or False, got {self.clone_outputs!r}")
-        if not isinstance(self.min_gain, (int, float)) or isinstance(self.min_gain, bool):
+        if self.min_gain is not None and (not isinstance(self.min_gain, (int, float))
+                                          or isinstance(self.min_gain, bool)):
             raise TypeError(f"min_gain takes a fraction, e.g. min_gain=0.15; got {self.min_gain!r}")
         if self.regions not in ("auto", "always", "never"):
             raise ValueError(f"regions must be 'auto', 'always' or 'never', got {self.regions!r}")
         if self.streams < 1:
             raise ValueError(f"streams must be at least 1, got {self.streams}")
-        if not self.min_gain >= 0:  # (NaN too)
+        if self.min_gain is not None and not self.min_gain >= 0:  # (NaN too)
             raise ValueError(f"min_gain is the least fraction of a graph's one-stream time that its regions "
                              f"must save (0.15: 15%), at least 0; got {self.min_gain!r}")
         self.inductor = inductor_settings(self.inductor)  # (a copy: the caller's dict may change later)
@@ -69,8 +79,15 @@ class Options:
                              "'cudagraphs' (training graphs under Inductor's CUDA graph trees), or a label "
                              "such as 'regions x2'")
 
+    def gain_needed(self, backward: bool) -> float:
+        """The least gain the cost model must predict before a graph's regions are compiled: the
+        ``min_gain`` asked for, else :data:`MIN_GAIN` (:data:`BACKWARD_MIN_GAIN` for a backward)."""
+        if self.min_gain is not None:
+            return self.min_gain
+        return BACKWARD_MIN_GAIN if backward else MIN_GAIN
 
-def compile_options(*, streams: int | None = None, regions: str = "auto", min_gain: float = MIN_GAIN,
+
+def compile_options(*, streams: int | None = None, regions: str = "auto", min_gain: float | None = None,
                     candidates: Sequence[str] | str | None = None, clone_outputs: bool = True,
                     inductor: dict[str, Any] | None = None) -> Options:
     """The options as ``streamdag.compile`` takes them, checked: no ``streams`` is 4, and a single
@@ -225,8 +242,9 @@ def _add_regions(switch: Any, gm: torch.fx.GraphModule, example_inputs: Sequence
     if plan.streams < 2:
         switch.region_note = "no independent branches worth a stream"
         return
-    if options.regions == "auto" and plan.gain < options.min_gain:
-        switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {options.min_gain:.0%}"
+    needed = options.gain_needed(backward=training and bool(kwargs.get("is_backward")))
+    if options.regions == "auto" and plan.gain < needed:
+        switch.region_note = f"the cost model's gain {plan.gain:.1%} is under {needed:.0%}"
         return
     try:
         from torch._inductor.graph import GraphLowering
