@@ -263,3 +263,5 @@ def test_on_cuda_results_lent_on_two_streams_keep_their_values(no_tf32):
         torch.testing.assert_close(y3, m(xs[2]), rtol=1e-4, atol=1e-4)
         del y2
     assert entry.sets.copied == 0, c.explain()
+    # both sets replayed on streams other than the one their memory came from, which frees it
+    assert all(s.recorded for s in entry.sets.sets)

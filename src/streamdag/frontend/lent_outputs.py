@@ -15,9 +15,12 @@ the set held them. A tensor the caller holds, any view of it, and the storage
 object (``y.untyped_storage()``) add to one of them, so a held set is never
 written, as the caching allocator never reuses a held block. A set lent on one stream
 and replayed into on another waits for the first: the caller may still read
-its last result there. What the count cannot see is a result dropped after
-``record_stream`` handed it to another stream: a lent result read on another
-stream must be held until that stream is done with it. Inside a CUDA graph
+its last result there. A set replayed on a stream other than the one its memory
+was allocated on is marked with ``record_stream`` for that stream, once, so that
+its memory, freed with the entry, is reused only after that stream's work.
+What the count cannot see is a result dropped after ``record_stream`` handed it
+to another stream: a lent result read on another stream must be held until
+that stream is done with it. Inside a CUDA graph
 capture of the caller's own, no set is lent (the caller's graph would write the
 set at each of its replays): the outputs are copied.
 
@@ -71,8 +74,8 @@ class LentSet:
     ``spoiled``: never lent again).
     """
 
-    __slots__ = ("_cdatas", "_counts", "_ptrs", "_refs", "_storages", "graph", "outputs", "spoiled",
-                 "stream", "stream_raw")
+    __slots__ = ("_cdatas", "_counts", "_ptrs", "_refs", "_storages", "graph", "outputs", "recorded",
+                 "spoiled", "stream", "stream_raw")
 
     def __init__(self, graph: Any, outputs: list[torch.Tensor]) -> None:
         self.graph = graph
@@ -91,6 +94,7 @@ class LentSet:
         self.spoiled = any(n < on_each[c] for c, n in zip(self._cdatas, self._counts))
         self.stream: Any = None  # the stream of its last replay (a torch.cuda.Stream), None before
         self.stream_raw = 0
+        self.recorded: set[int] = set()  # the streams (raw) its tensors were record_stream'ed for
 
     def free(self) -> bool:
         """Whether nothing outside the set refers to its tensors' memory."""
@@ -120,7 +124,7 @@ class OutputSets:
     ``device``: the CUDA device the graphs replay on (None: no streams to order, as on the
     CPU stand-ins of the tests)."""
 
-    __slots__ = ("_index", "copied", "device", "graph", "lent_now", "sets", "turn")
+    __slots__ = ("_alloc_raw", "_index", "copied", "device", "graph", "lent_now", "sets", "turn")
 
     def __init__(self, graph: Any, sets: list[LentSet], device: torch.device | None) -> None:
         self.graph = graph  # the entry's graph: its outputs are never lent
@@ -128,6 +132,8 @@ class OutputSets:
         self.device = device if device is not None and device.type == "cuda" else None
         self._index = -1 if self.device is None else (
             self.device.index if self.device.index is not None else torch.cuda.current_device())
+        # the stream the sets' memory was allocated on (made just before, on the caller's stream)
+        self._alloc_raw = 0 if self.device is None else torch._C._cuda_getCurrentRawStream(self._index)
         self.turn = 0
         self.lent_now: LentSet | None = None
         self.copied = 0  # replays that found every set held, or ran inside a capture of the caller's
@@ -151,7 +157,9 @@ class OutputSets:
 
     def _on_stream(self, s: LentSet) -> None:
         """The current stream waits for the stream ``s`` was last lent on, where another: the caller
-        may have read its last result there after that replay."""
+        may have read its last result there after that replay. On a stream other than the one the
+        set's memory was allocated on, its tensors are marked for it (once): the entry, dropped
+        while this replay still runs, frees that memory to the allocation stream."""
         if self.device is None:
             return
         raw = torch._C._cuda_getCurrentRawStream(self._index)
@@ -160,6 +168,10 @@ class OutputSets:
             if s.stream is not None:
                 current.wait_stream(s.stream)
             s.stream, s.stream_raw = current, raw
+            if raw != self._alloc_raw and raw not in s.recorded:
+                for t in s.outputs:
+                    t.record_stream(current)
+                s.recorded.add(raw)
 
 
 def lend_refusal(outputs: Sequence[torch.Tensor], clone: bool) -> str:
