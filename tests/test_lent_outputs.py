@@ -228,6 +228,50 @@ def test_on_cuda_a_loop_is_lent_its_outputs_and_results_kept_keep_their_values(n
     assert entry.sets.copied == 3, c.explain()
 
 
+def test_a_set_waits_for_the_stream_it_was_last_lent_on_and_is_marked_for_streams_not_its_own(monkeypatch):
+    """The streams' order, with CUDA's stream calls stood in for: a set replayed on another stream
+    than its last (the default stream, whose handle is 0, included) waits for that one first, and
+    is marked with record_stream once for each stream other than the one its memory came from."""
+    current = [0]  # the current stream's handle; 0: the default stream, where the sets were made
+    streams = {}
+
+    class Stream:
+        def __init__(self, raw):
+            self.raw, self.waited = raw, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.raw)
+
+    def stream_now(device=None):
+        return streams.setdefault(current[0], Stream(current[0]))
+
+    marked = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream_now)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marked.append((t.data_ptr(), s.raw)))
+
+    class Graph:
+        def replay(self):
+            pass
+
+    a, b = (LentSet(Graph(), [torch.zeros(4)]) for _ in range(2))
+    sets = lent_outputs.OutputSets(Graph(), [a, b], torch.device("cuda", 0))
+    steps = [(0, a, [], []), (0, b, [], []),
+             (7, a, [0], [7]),  # from the default stream to stream 7: waits for it, marked for 7
+             (7, b, [0], [7]),
+             (7, a, [], []),  # the same stream: no wait, marked once
+             (0, b, [7], [])]  # back on the sets' own stream: waits, not marked
+    for raw, expected, waits, marks in steps:
+        current[0] = raw
+        streams.pop(raw, None)
+        marked.clear()
+        sets.replay()
+        assert sets.lent_now is expected
+        assert stream_now().waited == waits
+        assert marked == [(expected.outputs[0].data_ptr(), m) for m in marks]
+
+
 @pytest.mark.cuda
 def test_on_cuda_results_lent_on_two_streams_keep_their_values(no_tf32):
     """A result lent on one stream and read there late, while the next calls run on another: its

@@ -93,7 +93,7 @@ class LentSet:
         # (a count below the set's own tensors would let a caller's reference pass unseen)
         self.spoiled = any(n < on_each[c] for c, n in zip(self._cdatas, self._counts))
         self.stream: Any = None  # the stream of its last replay (a torch.cuda.Stream), None before
-        self.stream_raw = 0
+        self.stream_raw = -1  # (no stream yet: 0 is the default stream)
         self.recorded: set[int] = set()  # the streams (raw) its tensors were record_stream'ed for
 
     def free(self) -> bool:
