@@ -38,6 +38,7 @@ MIN_GAIN = 0.15
 #: keeps the one-stream graph where they do not pay.
 BACKWARD_MIN_GAIN = 0.05
 
+
 @dataclass
 class Options:
     streams: int = 4
