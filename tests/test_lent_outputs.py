@@ -261,7 +261,9 @@ def test_a_set_waits_for_the_stream_it_was_last_lent_on_and_is_marked_for_stream
              (7, a, [0], [7]),  # from the default stream to stream 7: waits for it, marked for 7
              (7, b, [0], [7]),
              (7, a, [], []),  # the same stream: no wait, marked once
-             (0, b, [7], [])]  # back on the sets' own stream: waits, not marked
+             (0, b, [7], []),  # back on the sets' own stream: waits, not marked
+             (0, a, [7], []),
+             (7, b, [0], [])]  # on stream 7 again: waits, marked for it once already
     for raw, expected, waits, marks in steps:
         current[0] = raw
         streams.pop(raw, None)

@@ -69,7 +69,8 @@ FUSED_SHARE = 0.3
 #: time: GoogLeNet on 2, 3 and 4 streams 1.09, 1.02 and 0.97, ResNet-50 1.21-1.22, Inception-v3
 #: on 4 streams 1.01): an op 16 µs long fills the device alone (shorter ones leave room for
 #: others), each cross-stream wait costs 1 µs. The fit's error is 6% (root mean square); the gain
-#: the compile path requires before it compiles regions (``MIN_GAIN``) is two and a half times that.
+#: the compile path requires before it compiles regions (``MIN_GAIN``) is two and a half times that
+#: (a training backward's, ``BACKWARD_MIN_GAIN``, lies under it: its first call's timing decides).
 REGION_MODEL = CostModel(launch_ms=0.0, wait_ms=0.001, saturating_ms=0.016)
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
