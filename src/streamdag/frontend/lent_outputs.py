@@ -159,7 +159,8 @@ class OutputSets:
         """The current stream waits for the stream ``s`` was last lent on, where another: the caller
         may have read its last result there after that replay. On a stream other than the one the
         set's memory was allocated on, its tensors are marked for it (once): the entry, dropped
-        while this replay still runs, frees that memory to the allocation stream."""
+        while this replay still runs, frees that memory to the allocation stream. A set's first
+        replay waits for nothing: the captures after its allocation synchronized the device."""
         if self.device is None:
             return
         raw = torch._C._cuda_getCurrentRawStream(self._index)
