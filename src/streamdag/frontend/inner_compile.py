@@ -31,9 +31,9 @@ __all__ = ["BACKWARD_MIN_GAIN", "MIN_GAIN", "Options", "compile_options", "induc
 #: that regions, and their compile time, go only where they are likely to pay
 MIN_GAIN = 0.15
 #: the same for a training backward. Its weight- and input-gradient products are independent at
-#: every layer, and the model misjudges them most: on GoogLeNet's backward (fp32, H200) it predicted
-#: 7% at batch 8, where regions on 3 streams measured 9% faster (4 streams 18%, over the memory
-#: rule), and 5% at batch 32, where they tied. A backward runs at every step of a long training
+#: every layer, and the model misjudges them most: on GoogLeNet's backward (fp32, H200) it predicts
+#: 7% at batch 8, where regions on 3 streams run 9% faster (4 streams 18%, over the memory rule),
+#: and 5% at batch 32, where they tie. A backward runs at every step of a long training
 #: run, so its regions' compile time is paid once against many steps; the timing at its first call
 #: keeps the one-stream graph where they do not pay.
 BACKWARD_MIN_GAIN = 0.05
