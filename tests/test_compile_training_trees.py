@@ -157,10 +157,11 @@ class FakeInductor:
     """Stands for ``compile_fx_inner``: records what each compile was asked and under which
     configuration; ``refuse`` turns the box off as Inductor does for a graph its trees refuse."""
 
-    def __init__(self, refuse: bool = False, refuse_whole: bool = False) -> None:
+    def __init__(self, refuse: bool = False, refuse_whole: bool = False, through_trees: bool = False) -> None:
         self.calls: list[dict] = []
         self.refuse = refuse
         self.refuse_whole = refuse_whole  # refuse a graph compiled without partitions only
+        self.through_trees = through_trees  # put the code under the trees by compile_fx.cudagraphify
 
     def __call__(self, gm, example_inputs, **kwargs):
         from torch._dynamo.utils import counters
@@ -175,6 +176,10 @@ class FakeInductor:
             counters["inductor"]["cudagraph_skips"] += 1  # as Inductor counts a refusal
         out = lambda args: [None]  # noqa: E731
         out.disabled_cudagraphs_reason = "skipping cudagraphs due to cpu device (x)" if self.refuse else None
+        if self.through_trees and kwargs.get("cudagraphs"):
+            from torch._inductor import compile_fx
+
+            return compile_fx.cudagraphify(out, static_input_idxs=(), device_index=0)
         return out
 
 
@@ -343,6 +348,74 @@ def test_the_candidate_under_the_trees_is_named_for_its_kind():
     (cand,) = graph._candidates()
     assert cand.label == TREES == "cudagraphs" and cand.streams == 1
 
+
+
+def _conv_graph():
+    """An FX graph of one convolution, its one output the forward's return."""
+    gm = make_fx(lambda x, w: torch.nn.functional.conv2d(x, w), tracing_mode="fake",
+                 _allow_non_fake_inputs=True)(torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3))
+    next(iter(reversed(gm.graph.nodes))).meta["user_visible_output_idxs"] = [0]
+    return gm
+
+
+def test_the_graphs_that_call_convolutions_are_told_from_the_others_forward_and_backward():
+    from streamdag.frontend.trees import calls_convolution
+
+    backward = make_fx(lambda g, x, w: torch.ops.aten.convolution_backward(
+        g, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False]),
+        tracing_mode="fake", _allow_non_fake_inputs=True)(
+        torch.randn(1, 4, 6, 6), torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3))
+    assert calls_convolution(_conv_graph()) and calls_convolution(backward)
+    assert not calls_convolution(tiny_graph())
+
+
+def _first_calls(monkeypatch, benchmark: bool, convolves: bool = True) -> tuple[list[str], TrainingGraph]:
+    runs: list[str] = []
+    graph = under_trees("forward", lambda args: runs.append("trees") or [torch.ones(1)], clone_outputs=False)
+    graph.raw = lambda args: runs.append("off the trees") or [torch.ones(1)]
+    graph.benchmark_off_trees = convolves
+    graph._streams = 0  # (the one candidate, chosen)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", benchmark)
+    for _ in range(3):
+        graph([])
+    return runs, graph
+
+
+def test_a_graph_calling_convolutions_runs_its_first_call_off_the_trees_where_cudnn_benchmarks(
+        monkeypatch):
+    """cuDNN's trials at a convolution's first run would stay in the trees' pool: that call runs
+    Inductor's code alone, and the trees take the calls after it."""
+    runs, graph = _first_calls(monkeypatch, benchmark=True)
+    assert runs == ["off the trees", "trees", "trees"]
+    assert graph.off_trees_calls == 1 and "first call off the trees" in graph.explain()
+
+
+def test_without_cudnns_benchmark_or_without_convolutions_every_call_goes_under_the_trees(monkeypatch):
+    for benchmark, convolves in ((False, True), (True, False)):
+        runs, graph = _first_calls(monkeypatch, benchmark, convolves)
+        assert runs == ["trees"] * 3 and graph.off_trees_calls == 0
+        assert "first call off the trees" not in graph.explain()
+    graph.benchmark_off_trees = True  # a benchmark turned on after the first call changes nothing
+    graph([])
+    assert graph.off_trees_calls == 1  # (turned on above: this graph's first call was not yet made)
+
+
+def test_a_graph_compiled_under_the_trees_knows_whether_it_calls_convolutions(monkeypatch):
+    """Where Inductor puts the graph under the trees in one call, its code apart from the trees is
+    kept, and a graph that calls convolutions is marked to run it at its first call."""
+    from torch._inductor import compile_fx
+
+    def cudagraphify(model, static_input_idxs=(), **kwargs):
+        return lambda args: ("under the trees", model)
+
+    monkeypatch.setattr(compile_fx, "cudagraphify", cudagraphify)
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx_inner", FakeInductor(through_trees=True))
+    options = Options(regions="never")
+    x = fake("cuda", 1, 3, 8, 8)
+    conv = compile_training(_conv_graph(), [x, fake("cuda", 4, 3, 3, 3)], options, {"is_inference": False}, 0)
+    plain = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_inference": False}, 1)
+    assert conv.captured and conv.raw is not None and conv.benchmark_off_trees
+    assert plain.captured and plain.raw is not None and not plain.benchmark_off_trees
 
 # -- on a GPU -------------------------------------------------------------------------------------------
 
@@ -604,11 +677,17 @@ def _step_peak_mib(label: str) -> float:
     (Inductor's caches off): a compile benchmarks kernels inside the first step, and a variant
     found in a cache that other tests filled skips that memory (``torch.compile``'s peak measured
     412 MiB cold and 320 warm)."""
+    return _mib_printed_by(_PEAK_SCRIPT, label=label)
+
+
+def _mib_printed_by(script: str, **fields: object) -> float:
+    """The figure ``script`` (formatted with the tests' folder and ``fields``) prints last, run in a
+    fresh interpreter with Inductor's caches off."""
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
            "PYTHONPATH": os.pathsep.join([os.path.join(tests, "..", "src"), tests,
                                           os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT.format(tests=tests, label=label)],
+    done = subprocess.run([sys.executable, "-c", script.format(tests=tests, **fields)],
                           capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     return float(done.stdout.strip().splitlines()[-1])
@@ -622,6 +701,51 @@ def test_on_cuda_a_step_under_the_trees_peaks_within_the_memory_rule_of_torch_co
     peaks = {label: _step_peak_mib(label) for label in ("torch.compile", "reduce-overhead", "streamdag")}
     assert peaks["streamdag"] <= 1.1 * peaks["torch.compile"] + 20, peaks
 
+
+_HELD_SCRIPT = """
+import sys
+import torch
+import streamdag as sd
+sys.path.insert(0, {tests!r})
+from test_compile_training_trees import ConvChain, sgd
+
+torch.backends.cudnn.benchmark = {benchmark!r}
+torch.manual_seed(0)
+model = ConvChain(width=32).cuda()
+run = {{"reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
+        "streamdag": lambda m: sd.compile(m)}}[{label!r}](model)
+x, y = torch.randn(32, 3, 64, 64, device="cuda"), torch.randn(32, 4, device="cuda")
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+base = torch.cuda.memory_reserved()
+opt = sgd(model.parameters())
+for _ in range(4):
+    torch.compiler.cudagraph_mark_step_begin()
+    torch.nn.functional.mse_loss(run(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print((torch.cuda.memory_reserved() - base) / 2**20)
+"""
+
+
+def _held_mib(label: str, benchmark: bool) -> float:
+    """The memory still reserved after 4 training steps (the trees' pool, the optimizer's state),
+    over what the weights and inputs hold, in a fresh interpreter (see :func:`_step_peak_mib`)."""
+    return _mib_printed_by(_HELD_SCRIPT, label=label, benchmark=benchmark)
+
+
+@pytest.mark.cuda
+def test_on_cuda_cudnns_benchmark_leaves_nothing_in_the_trees_pool_of_a_convolutional_step():
+    """With ``torch.backends.cudnn.benchmark`` on, the trees would warm a graph up with the trials'
+    workspaces in their pool and keep them: reduce-overhead's pool, the control, grows by them;
+    streamdag's holds what it holds without the benchmark, within the allocator's rounding."""
+    held = {(label, on): _held_mib(label, on)
+            for label in ("reduce-overhead", "streamdag") for on in (False, True)}
+    assert held[("reduce-overhead", True)] > held[("reduce-overhead", False)] + 40, \
+        f"the control shows no trials kept in the trees' pool: {held}"
+    assert held[("streamdag", True)] <= held[("streamdag", False)] + 20, held
 
 @pytest.fixture
 def no_donated_buffers():

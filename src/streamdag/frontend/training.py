@@ -48,6 +48,16 @@ to the loop). Batch norm's running statistics are buffers, which the trees let
 a graph write in place; dropout's seeds come from the generator at each replay,
 as an uncaptured call takes them.
 
+**cuDNN's benchmark.** With ``torch.backends.cudnn.benchmark`` on, a convolution's first
+run of each shape tries cuDNN's algorithms, each with its workspace. The trees run a graph's
+first call in their pool, with the cache emptying that frees memory for the trials turned
+off, so the trials' workspaces stay reserved in the pool for as long as its graphs live
+(reduce-overhead's training step of a batch-32 ResNet-50 holds about three times what
+``torch.compile``'s does). A graph under the trees that calls convolutions therefore runs its
+first call off them, as Inductor's code alone: the trials allocate from the caching
+allocator's own memory, which goes back, and the trees' first call finds the algorithms
+chosen. That costs one uncaptured call before the trees warm up.
+
 **Inside a captured step.** A forward compiled inside ``streamdag.capture_step``'s warm-up
 (:mod:`.step_graph`), and its backward, stay off the trees: the step's one CUDA graph holds them.
 Their candidates are timed captured, as that graph replays them. A graph under the trees called
@@ -120,7 +130,15 @@ from ..backends.capture_memory import stream_reuse
 from .candidates import Candidate, region_candidates
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
-from .trees import TreesCall, copies, refusal, seen_by_trees, trees_config
+from .trees import (
+    TreesCall,
+    calls_convolution,
+    copies,
+    cudnn_benchmarks,
+    refusal,
+    seen_by_trees,
+    trees_config,
+)
 
 __all__ = ["TREES", "TrainingGraph", "compile_training"]
 
@@ -168,6 +186,10 @@ class TrainingGraph:
         self._copy_at: list[int] | None = None
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
+        # the graph calls convolutions and has its code apart from the trees: its first call runs
+        # off them where cuDNN benchmarks (cleared at that call); off_trees_calls counts such calls
+        self.benchmark_off_trees = False
+        self.off_trees_calls = 0
         # compiled inside ``streamdag.capture_step`` (a backward: its forward was): the step's CUDA
         # graph holds this one, so its candidates are timed captured, as that graph replays them
         self.in_step = False
@@ -195,7 +217,14 @@ class TrainingGraph:
             # inside another capture (a whole step's): the trees cannot record or replay there
             return self._run_uncaptured(args, streams)
         if streams == 0:
-            return self._run_trees(args, self.whole) if self.captured else self.whole(args)
+            if not self.captured:
+                return self.whole(args)
+            if self.benchmark_off_trees:
+                self.benchmark_off_trees = False
+                if cudnn_benchmarks():
+                    self.off_trees_calls += 1
+                    return self._run_uncaptured(args, 0)
+            return self._run_trees(args, self.whole)
         if self.captured and self.trees_call is not None:
             return self._run_trees(args, self._in_trees(streams))
         return self._run_uncaptured(args, streams)
@@ -307,6 +336,10 @@ class TrainingGraph:
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
+            if self.off_trees_calls:
+                lines.append("    first call off the trees: cuDNN's benchmark (torch.backends.cudnn."
+                             "benchmark) chose its convolutions' algorithms outside the trees' pool, which "
+                             "would keep the trials' workspaces")
             if self.kind == "forward" and not _steps_marked():
                 lines.append("    no training step marked: call torch.compiler.cudagraph_mark_step_begin() "
                              "at the start of each step, as under reduce-overhead (the guide's Training "
@@ -409,6 +442,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
         device_box = forward.device_box if forward is not None and forward.device_box is not None \
             else kwargs.get("boxed_forward_device_index")
     kwargs["boxed_forward_device_index"] = device_box
+    convolves = calls_convolution(gm)  # (before Inductor's passes rewrite gm)
     whole, strides, seen, trees = _compile_whole(gm, example_inputs, kwargs, trees)
     # the strides go to AOTAutograd as Inductor reports them (the backward is compiled for the
     # saved activations' strides) and are kept for the regions
@@ -426,6 +460,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     graph.uncaptured = uncaptured if graph.captured else None
     if graph.captured and len(seen) == 1:
         graph.raw, graph.trees_call = seen[0]
+        graph.benchmark_off_trees = convolves
     if graph.captured and kind == "forward":
         # the forward's returns (the outputs, and inputs' and views' bases AOTAutograd needs) come
         # before the activations saved for the backward, which stay in the trees' pool

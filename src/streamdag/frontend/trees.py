@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx
 
-__all__ = ["MULTIPLIED", "TreesCall", "copies", "refusal", "seen_by_trees", "trees_config"]
+__all__ = ["MULTIPLIED", "TreesCall", "calls_convolution", "copies", "cudnn_benchmarks", "refusal",
+           "seen_by_trees", "trees_config"]
 
 
 class TreesCall:
@@ -124,3 +126,25 @@ def copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 #: the dtypes :func:`copies` copies by a multiplication (float8 has no ``mul`` kernel)
 MULTIPLIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
                          torch.complex128})
+
+
+def cudnn_benchmarks() -> bool:
+    """Whether a convolution's first run of a shape tries cuDNN's algorithms."""
+    return bool(torch.backends.cudnn.benchmark) and torch.backends.cudnn.enabled
+
+
+#: the operators whose first run of a shape cuDNN's benchmark times (core ATen, as AOTAutograd
+#: hands Inductor a graph)
+_CONVOLUTIONS = frozenset({"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
+                           "cudnn_convolution_transpose"})
+
+
+def calls_convolution(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls an operator that cuDNN's benchmark times at its first run of a shape: a
+    graph the trees would warm up with the trials' workspaces in their pool."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            packet = getattr(node.target, "_overloadpacket", None)
+            if packet is not None and packet.__name__ in _CONVOLUTIONS:
+                return True
+    return False
