@@ -416,6 +416,14 @@ def test_a_graph_compiled_under_the_trees_knows_whether_it_calls_convolutions(mo
     plain = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_inference": False}, 1)
     assert conv.captured and conv.raw is not None and conv.benchmark_off_trees
     assert plain.captured and plain.raw is not None and not plain.benchmark_off_trees
+    # a backward without convolutions (a frozen convolutional trunk's) follows its forward off the trees
+    conv.off_trees_calls = 1
+    backward = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_backward": True}, 2,
+                                forward=conv)
+    assert backward.captured and backward.benchmark_off_trees
+    plain_backward = compile_training(tiny_graph(), [fake("cuda", 2)], options, {"is_backward": True}, 3,
+                                      forward=plain)
+    assert plain_backward.captured and not plain_backward.benchmark_off_trees
 
 # -- on a GPU -------------------------------------------------------------------------------------------
 

@@ -460,7 +460,9 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     graph.uncaptured = uncaptured if graph.captured else None
     if graph.captured and len(seen) == 1:
         graph.raw, graph.trees_call = seen[0]
-        graph.benchmark_off_trees = convolves
+        # a backward whose forward ran its first call off the trees does so too: the trees then meet
+        # the two first at the same step, as a forward and the backward it leads to
+        graph.benchmark_off_trees = convolves or (forward is not None and forward.off_trees_calls > 0)
     if graph.captured and kind == "forward":
         # the forward's returns (the outputs, and inputs' and views' bases AOTAutograd needs) come
         # before the activations saved for the backward, which stay in the trees' pool
