@@ -4,16 +4,21 @@ A child that compiles with Inductor starts compile workers which inherit its sta
 error and outlive it by up to a minute (they look for their parent's death once a minute). Reading
 the child's output through pipes, as ``subprocess.run(capture_output=True)`` does, then waits for
 those workers too, past any time limit. So the child writes its output to a file, runs in a
-session of its own, and at its time limit goes with everything it started.
+session of its own, and at its time limit goes with everything it started. A child that serves
+requests once set up (:class:`ServedChild`) talks over a pair of pipes of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -45,3 +50,90 @@ def run_child(cmd: list[str], timeout: float | None, env: dict[str, str] | None 
             proc.wait()
         log.seek(0)
         return Finished(returncode, log.read()[-tail:])
+
+
+class ServedChild:
+    """A child that, once set up, answers requests, one JSON line each way over a pair of pipes of its
+    own (its standard output and error go to a log, where Inductor's warnings land): a benchmark
+    sets several variants up, one process each, then times them in turns.
+
+    The child gets ``--serve-fds R,W`` (its end of each pipe) after ``cmd`` and answers with
+    :func:`serve`. A wait past its time limit, or a child gone, gives None; :meth:`finish` ends it
+    and everything it started, and returns how it ended."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        to_child, self._to_child = os.pipe()
+        self._from_child, from_child = os.pipe()
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - open while the child lives
+        self.proc = subprocess.Popen([*cmd, "--serve-fds", f"{to_child},{from_child}"], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     pass_fds=(to_child, from_child))
+        os.close(to_child)
+        os.close(from_child)
+        self._pending = b""
+
+    def receive(self, timeout: float | None) -> dict | None:
+        """The child's next line, as a dict; None past ``timeout`` seconds or once it has exited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._from_child], [], [], left)[0]:
+                return None
+            data = os.read(self._from_child, 1 << 16)
+            if not data:
+                return None
+            self._pending += data
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def request(self, message: dict, timeout: float | None) -> dict | None:
+        """Send ``message``; the child's answer (None: see :meth:`receive`)."""
+        try:
+            os.write(self._to_child, (json.dumps(message) + "\n").encode())
+        except BrokenPipeError:
+            return None
+        return self.receive(timeout)
+
+    def finish(self, timeout: float | None, tail: int = 4000) -> Finished:
+        """Tell the child it is done, wait up to ``timeout`` seconds for it, then end what is left."""
+        with contextlib.suppress(OSError):
+            os.write(self._to_child, b'{"done": true}\n')
+        with contextlib.suppress(OSError):
+            os.close(self._to_child)
+        try:
+            returncode: int | None = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            os.close(self._from_child)
+        self._log.seek(0)
+        output = self._log.read()[-tail:]
+        self._log.close()
+        return Finished(returncode, output)
+
+
+def serve_fds(fds: str) -> tuple[int, int]:
+    """The child's ends of the pipes named by ``--serve-fds``, kept from the processes it starts (an
+    Inductor compile worker holding one would keep the parent from seeing the child go)."""
+    inbox, outbox = (int(fd) for fd in fds.split(","))
+    for fd in (inbox, outbox):
+        os.set_inheritable(fd, False)
+    return inbox, outbox
+
+
+def serve(fds: str, ready: dict, answer: Callable[[dict], dict]) -> None:
+    """The child's side of :class:`ServedChild`: send ``ready``, then ``answer`` each request until the
+    parent says done (or goes)."""
+    inbox, outbox = serve_fds(fds)
+    with os.fdopen(inbox, "r") as requests, os.fdopen(outbox, "w") as answers:
+        answers.write(json.dumps(ready) + "\n")
+        answers.flush()
+        for line in requests:
+            message = json.loads(line)
+            if message.get("done"):
+                return
+            answers.write(json.dumps(answer(message)) + "\n")
+            answers.flush()

@@ -19,26 +19,27 @@ TF32, or bf16 under ``torch.autocast``) and batch, in one run:
 Both variants under the trees mark each step's start with
 ``torch.compiler.cudagraph_mark_step_begin()``, as a training loop over the trees does.
 
-Each variant trains its own copy of the model from the same weights; on CUDA each
-runs in a process of its own (variants under the trees in one process would share
-their memory pool and state). The first step's gradients of every variant, eager's
-included, are measured against the same step in float64 on a copy of the same weights
-(``grad_max_rel_err``: the largest relative norm error over the parameters; dropout is
-set to 0 so that the variants compute the same function). Against eager alone a deep
-network with BatchNorm shows TF32's rounding, amplified, as errors of 0.2 in every
-compiled variant alike, which says nothing; against float64 each variant's rounding has
-a yardstick, eager's own: ``grad_check`` passes where every parameter's error is within
-3x eager's on that parameter plus 1e-2 (a gradient computed wrong, from a stale
-activation or a lost accumulation, is off by its own size). Times are medians of wall time per step
-between ``torch.cuda.synchronize()`` calls after three warm-up steps (which
-compile, and capture or choose candidates). ``peak_mib`` is the memory a variant
-holds between steps after the warm-up (the CUDA caching allocator's segments it
-added: the optimizer state, the gradients, the memory pools of CUDA graphs, whose
-temporaries allocated bytes would miss) plus what one step reserves on top; its
-copy of the weights is not counted. For streamdag the row keeps what each
-training graph chose and ``explain()``. Models
-come from ``bench/zoo_models.py`` (random weights, no downloads); ``tiny`` is a small branchy conv
-net that also runs on the CPU, where ``--quick`` trains it for a smoke check in a few minutes.
+Each variant trains its own copy of the model from the same weights; on CUDA each runs in a
+process of its own (variants under the trees in one process would share their memory pool and
+state). The processes are set up one after another and then timed in turns, a few steps each in
+an order that rotates (``bench/in_turns.py``), so that the variants share the host's and the
+GPU's drift over the minutes a row takes; ``--one-after-another`` times each process once it is
+set up instead. The first step's gradients of every variant, eager's included, are measured
+against the same step in float64 on a copy of the same weights (``grad_max_rel_err``: the
+largest relative norm error over the parameters; dropout is set to 0 so that the variants
+compute the same function). Against eager alone a deep network with BatchNorm shows TF32's
+rounding, amplified, as errors of 0.2 in every compiled variant alike, which says nothing;
+against float64 each variant's rounding has a yardstick, eager's own: ``grad_check`` passes
+where every parameter's error is within 3x eager's on that parameter plus 1e-2 (a gradient
+computed wrong, from a stale activation or a lost accumulation, is off by its own size). Times
+are medians of wall time per step between ``torch.cuda.synchronize()`` calls after three warm-up
+steps (which compile, and capture or choose candidates). ``peak_mib`` is the memory a variant
+holds between steps after the warm-up (the CUDA caching allocator's segments it added: the
+optimizer state, the gradients, the memory pools of CUDA graphs, whose temporaries allocated
+bytes would miss) plus what one step reserves on top; its copy of the weights is not counted.
+For streamdag the row keeps what each training graph chose and ``explain()``. Models come from
+``bench/zoo_models.py`` (random weights, no downloads); ``tiny`` is a small branchy conv net
+that also runs on the CPU, where ``--quick`` trains it for a smoke check in a few minutes.
 
     PYTHONPATH=src python bench/train.py --quick              # the CPU, or a GPU: tiny only
     PYTHONPATH=src python bench/train.py --models resnet50,bert --dtypes bf16 --batches 8
@@ -74,7 +75,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from children import run_child
+from children import run_child, serve, serve_fds
+from in_turns import time_in_turns
 from streamdag.suite.report import source_digest
 from zoo import added_bytes, commit, environment, gpu_env, host_load, kept_rows, segments, utc_now
 from zoo_models import build, first_tensor
@@ -278,25 +280,59 @@ def sync(device: str) -> None:
 
 def run_row(name: str, dtype: str, batch: int, device: str, rounds: int,
             variant_s: float | None = None, variants: tuple[str, ...] = VARIANTS,
-            gpu: int = 0) -> dict[str, Any]:
+            gpu: int = 0, in_turns: bool = True) -> dict[str, Any]:
     """Every variant of one row. On CUDA each runs in a process of its own on GPU ``gpu``
     (``variant_s``: its time limit): variants under CUDA graph trees in one thread would share the
     trees' memory pool and their state (one variant's step would start where the other's left the
-    trees), and the pool's memory would count for the first of them alone."""
+    trees), and the pool's memory would count for the first of them alone. ``in_turns``: the
+    processes are set up one after another and then timed in turns (:func:`_row_in_turns`);
+    else each is timed once set up, and ends before the next starts."""
     row: dict[str, Any] = {"model": name, "dtype": dtype, "batch": batch, "ms": {}, "grad_max_rel_err": {},
                            "grad_check": {}, "peak_mib": {}, "errors": {}}
+    if device == "cuda" and in_turns:
+        return _row_in_turns(row, variants, rounds, variant_s, gpu)
     for label in variants:
         t0 = time.perf_counter()
         part = _in_child(label, name, dtype, batch, rounds, variant_s, gpu) if device == "cuda" \
             else measure_variant(label, name, dtype, batch, device, rounds)
         outcome = part.get("errors", {}).get(label) or f"{part.get('ms', {}).get(label, float('nan')):.3f} ms"
         print(f"  {name} {dtype} b{batch} {label}: {outcome} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        for key, value in part.items():
-            if isinstance(row.get(key), dict):
-                row[key].update(value)
-            else:
-                row[key] = value
+        _merge(row, part)
     return row
+
+
+def _row_in_turns(row: dict[str, Any], variants: tuple[str, ...], rounds: int, variant_s: float | None,
+                  gpu: int) -> dict[str, Any]:
+    """``row``'s variants timed in turns (:func:`in_turns.time_in_turns`), each in a process of its own."""
+    name, dtype, batch = row["model"], row["dtype"], row["batch"]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = {label: Path(tmp) / f"{label}.json" for label in variants}
+        commands = {label: _child_command(label, name, dtype, batch, rounds, outs[label])
+                    for label in variants}
+        turns = time_in_turns(commands, rounds, variant_s, gpu_env(gpu), f"{name} {dtype} b{batch}")
+        for label in variants:
+            _merge(row, json.loads(outs[label].read_text()) if outs[label].exists() else
+                   {"errors": {label: turns.errors.get(label, "no result")}})
+    for label, message in turns.errors.items():
+        row["errors"].setdefault(label, message)
+    row["ms"].update(turns.ms)
+    return row
+
+
+def _merge(row: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(row.get(key), dict):
+            row[key].update(value)
+        else:
+            row[key] = value
+
+
+def _child_command(label: str, name: str, dtype: str, batch: int, rounds: int, out: Path,
+                   warm_only: bool = False) -> list[str]:
+    return [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
+            "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
+            "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto"),
+            *(["--warm-only"] if warm_only else [])]
 
 
 def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
@@ -307,10 +343,7 @@ def _in_child(label: str, name: str, dtype: str, batch: int, rounds: int,
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variant.json"
-        cmd = [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
-               "--batches", str(batch), "--rounds", str(rounds), "--out", str(out),
-               "--streamdag-regions", STREAMDAG_OPTIONS.get("regions", "auto"),
-               *(["--warm-only"] if warm_only else [])]
+        cmd = _child_command(label, name, dtype, batch, rounds, out, warm_only)
         done = run_child(cmd, variant_s, env=env)
         if done.timed_out:
             return {"errors": {label: f"over the variant's time limit of {variant_s:.0f} s"}}
@@ -338,15 +371,18 @@ def prewarm(keys: list[tuple[str, str, int]], variants: tuple[str, ...], jobs: i
 
 
 def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
-                    rounds: int, warm_only: bool = False) -> dict[str, Any]:
+                    rounds: int, warm_only: bool = False, serve_fds: str | None = None) -> dict[str, Any]:
     """One variant of a row: its first step's gradients against eager's (computed first, on a copy
-    of the same weights), its memory, and the median of ``rounds`` timed steps after the warm-up."""
+    of the same weights), its memory, and the median of ``rounds`` timed steps after the warm-up.
+    With ``serve_fds`` (a child of :func:`_row_in_turns`) the parent asks for the timed steps, a
+    few at a time, and takes their median itself."""
     _LOSS_WEIGHTS.clear()  # a language model's logits' weights alone are hundreds of MiB
     part: dict[str, Any] = {"ms": {}, "grad_max_rel_err": {}, "grad_check": {}, "peak_mib": {}, "errors": {}}
     torch.manual_seed(0)
     model, make_inputs = build_for_training(name, device)
     args, kwargs = make_inputs(batch)
     bf16 = dtype == "bf16"
+    serving = False
     try:
         ref64 = reference_grads(model, args, kwargs)
         eager = None if label == "eager" else \
@@ -370,17 +406,30 @@ def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
             _describe_streamdag(step.compiled, part, label)  # type: ignore[attr-defined]
         if label == "streamdag_step":
             part[label]["step"] = step.runs.explain().splitlines()  # type: ignore[attr-defined]
-        times = []
-        for _ in range(rounds):
-            sync(device)
-            t0 = time.perf_counter()
-            step(False)
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        part["ms"][label] = statistics.median(times)
+        if serve_fds is not None:
+            serving = True  # (a step that raises ends the serving: the parent reads why from the part)
+            serve(serve_fds, {"ready": True}, lambda asked: {"ms": timed_steps(step, device, **asked)})
+            return part
+        part["ms"][label] = statistics.median(timed_steps(step, device, rounds))
     except Exception as exc:  # one variant's failure is its row's note, not the run's end
         part["errors"][label] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    if serve_fds is not None and not serving:  # a failed setup
+        serve(serve_fds, {"ready": False}, lambda asked: {})
     return part
+
+
+def timed_steps(step: Callable[[bool], Any], device: str, steps: int, warm: int = 0) -> list[float]:
+    """The wall time of each of ``steps`` steps in ms, each between synchronizations, after ``warm``
+    untimed ones."""
+    times = []
+    for i in range(warm + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(False)
+        sync(device)
+        if i >= warm:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def _step_peak(step: Callable[[bool], Any], before: dict[tuple[Any, ...], int]) -> int:
@@ -448,6 +497,9 @@ def main() -> int:
     p.add_argument("--prewarm", type=int, default=0, metavar="J",
                    help="on CUDA, first compile every variant of every row untimed, J processes at a time")
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-fds", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--one-after-another", action="store_true",
+                   help="on CUDA, time each variant's process once it is set up, not all of them in turns")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the existing result file that this run does not redo")
     args = p.parse_args()
@@ -474,8 +526,11 @@ def main() -> int:
     if args.variant is not None:
         if args.out is None:
             p.error("--variant writes its part of the row to --out")
+        if args.serve_fds is not None:
+            serve_fds(args.serve_fds)  # (first: kept from the compile workers this process starts)
         part = measure_variant(args.variant, models[0], args.dtypes.split(",")[0],
-                               int(args.batches.split(",")[0]), device, args.rounds, args.warm_only)
+                               int(args.batches.split(",")[0]), device, args.rounds, args.warm_only,
+                               args.serve_fds)
         Path(args.out).write_text(json.dumps(part))
         return 0
     name = torch.cuda.get_device_name().replace(" ", "_") if cuda else "cpu"
@@ -508,9 +563,12 @@ def main() -> int:
             if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
                 print(f"{key}: not run, over the {args.budget_s:.0f} s budget", flush=True)
                 return None
-            row = run_row(*key, device, args.rounds, args.variant_s, variants, gpu)
+            row = run_row(*key, device, args.rounds, args.variant_s, variants, gpu,
+                          in_turns=not args.one_after_another)
             row["measured"] = {"commit": commit(), "source": source_digest(), "utc": utc_now(),
-                               "load_1min": host_load(), "variants_in_own_process": cuda, "gpu": gpu}
+                               "load_1min": host_load(), "variants_in_own_process": cuda, "gpu": gpu,
+                               "timed": ("in turns" if cuda and not args.one_after_another
+                                         else "one variant after another")}
             return row
         finally:
             free_gpus.put(gpu)

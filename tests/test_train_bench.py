@@ -75,3 +75,14 @@ def test_a_warm_only_variant_process_compiles_and_measures_nothing(train):
     part = train._in_child("streamdag", "tiny", "fp32", 4, 1, 300, 0, warm_only=True)
     assert part["errors"] == {} and part["ms"] == {} and part["peak_mib"] == {}
     assert part["grad_check"] == {"streamdag": "ok"}  # its first step ran, and was checked
+
+
+def test_variants_in_processes_of_their_own_are_timed_in_turns_and_a_failed_setup_is_the_rows_note(train):
+    """On the CPU, the tiny row's eager variant and one that cannot run here (a whole step needs CUDA
+    graphs): the first is set up, timed in turns and checked; the second's error comes back."""
+    row = {"model": "tiny", "dtype": "fp32", "batch": 4, "ms": {}, "grad_max_rel_err": {}, "grad_check": {},
+           "peak_mib": {}, "errors": {}}
+    row = train._row_in_turns(row, ("eager", "inductor_step"), rounds=4, variant_s=300, gpu=0)
+    assert set(row["ms"]) == {"eager"} and row["ms"]["eager"] > 0
+    assert "needs CUDA graphs" in row["errors"]["inductor_step"]
+    assert row["grad_max_rel_err"]["eager"] < 1e-3
