@@ -49,14 +49,18 @@ a graph write in place; dropout's seeds come from the generator at each replay,
 as an uncaptured call takes them.
 
 **cuDNN's benchmark.** With ``torch.backends.cudnn.benchmark`` on, a convolution's first
-run of each shape tries cuDNN's algorithms, each with its workspace. The trees run a graph's
-first call in their pool, with the cache emptying that frees memory for the trials turned
-off, so the trials' workspaces stay reserved in the pool for as long as its graphs live
-(reduce-overhead's training step of a batch-32 ResNet-50 holds about three times what
-``torch.compile``'s does). A graph under the trees that calls convolutions therefore runs its
-first call off them, as Inductor's code alone: the trials allocate from the caching
-allocator's own memory, which goes back, and the trees' first call finds the algorithms
-chosen. That costs one uncaptured call before the trees warm up.
+run of each shape tries cuDNN's algorithms, with a workspace as large as the largest that
+fits in the GPU's free memory. The trees run a graph's first call with every allocation of
+the thread routed to their pool, so that workspace stays reserved in the pool for as long
+as its graphs live (reduce-overhead's training step of a batch-32 ResNet-50 holds about
+three times what ``torch.compile``'s does). A graph under the trees that calls convolutions
+therefore runs its first call off them, as Inductor's code alone, and then empties the
+caching allocator's cache: the trials' workspace goes back, and the trees' first call, one
+call later, finds the algorithms chosen (cuDNN keys them by shapes, layouts and alignment,
+not addresses). A backward whose forward did so does so too. Where the first call's timing
+of several candidates ran them already (outside the trees), or an input is not at an
+address Inductor's code assumes (the trees copy it first; Inductor's code alone would not),
+the first call goes to the trees.
 
 **Inside a captured step.** A forward compiled inside ``streamdag.capture_step``'s warm-up
 (:mod:`.step_graph`), and its backward, stay off the trees: the step's one CUDA graph holds them.
@@ -132,9 +136,11 @@ from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
     TreesCall,
+    aligned,
     calls_convolution,
     copies,
     cudnn_benchmarks,
+    make_trees_manager,
     refusal,
     seen_by_trees,
     trees_config,
@@ -221,13 +227,22 @@ class TrainingGraph:
                 return self.whole(args)
             if self.benchmark_off_trees:
                 self.benchmark_off_trees = False
-                if cudnn_benchmarks():
-                    self.off_trees_calls += 1
-                    return self._run_uncaptured(args, 0)
+                if cudnn_benchmarks() and aligned(args):
+                    return self._first_call_off_trees(args)
             return self._run_trees(args, self.whole)
         if self.captured and self.trees_call is not None:
             return self._run_trees(args, self._in_trees(streams))
         return self._run_uncaptured(args, streams)
+
+    def _first_call_off_trees(self, args: list[Any]) -> Any:
+        """Inductor's code alone, with cuDNN's trials outside the trees' pool (the module docstring's
+        cuDNN paragraph). The trees' manager of the device is made first, as the trees' first call
+        would make it: Inductor asserts it exists when it compiles a backward the trees refuse."""
+        make_trees_manager(self.device_box)
+        self.off_trees_calls += 1
+        out = self._run_uncaptured(args, 0)
+        torch.cuda.empty_cache()  # (the trials' workspace, cached, goes back before the pool grows)
+        return out
 
     def _run_uncaptured(self, args: list[Any], streams: int) -> Any:
         """The candidate as compiled, outside the trees: Inductor's code, or the regions."""
@@ -315,10 +330,10 @@ class TrainingGraph:
             best = next((c for c in cands if c.label in (TREES, "inductor")), cands[0])
             if len(cands) > 1:
                 self.note = f"off a single CUDA device nothing is timed: {best.label} runs"
-        elif self.captured or self.in_step:
-            best = cands[time_captured(cands, args, next(iter(devices)), self.written, self.options)]
         else:
-            best = cands[time_uncaptured(cands, args, next(iter(devices)), self.written, self.options)]
+            timed = time_captured if self.captured or self.in_step else time_uncaptured
+            best = cands[timed(cands, args, next(iter(devices)), self.written, self.options)]
+            self.benchmark_off_trees = False  # the timing ran the candidates, outside the trees
         self.chosen = best
         return 0 if best.label in (TREES, "inductor") else best.streams
 

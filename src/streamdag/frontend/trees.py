@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["MULTIPLIED", "TreesCall", "calls_convolution", "copies", "cudnn_benchmarks", "refusal",
-           "seen_by_trees", "trees_config"]
+__all__ = ["MULTIPLIED", "TreesCall", "aligned", "calls_convolution", "copies", "cudnn_benchmarks",
+           "make_trees_manager", "refusal", "seen_by_trees", "trees_config"]
 
 
 class TreesCall:
@@ -148,3 +148,25 @@ def calls_convolution(gm: torch.fx.GraphModule) -> bool:
             if packet is not None and packet.__name__ in _CONVOLUTIONS:
                 return True
     return False
+
+
+#: the alignment Inductor's code assumes of a tensor's address (``torch._inductor.utils.ALIGNMENT``)
+_ALIGNMENT = 16
+
+
+def aligned(args: Sequence[Any]) -> bool:
+    """Whether every CUDA tensor among ``args`` lies at an address Inductor's code assumes: the trees
+    copy one that does not before they run the code, and Inductor's code under the trees has no
+    such copy of its own."""
+    return all(not (isinstance(a, torch.Tensor) and a.is_cuda) or a.data_ptr() % _ALIGNMENT == 0
+               for a in args)
+
+
+def make_trees_manager(device_box: Any) -> None:
+    """Make the trees' manager of the device in ``device_box`` (Inductor's ``BoxedDeviceIndex``, set
+    when a forward is compiled for the trees), as the trees' first call makes it."""
+    index = getattr(device_box, "value", None)
+    if index is not None:
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.get_manager(index)
