@@ -65,20 +65,32 @@ class ServedChild:
         to_child, self._to_child = os.pipe()
         self._from_child, from_child = os.pipe()
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - open while the child lives
-        self.proc = subprocess.Popen([*cmd, "--serve-fds", f"{to_child},{from_child}"], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     pass_fds=(to_child, from_child))
+        self.finished: Finished | None = None
+        try:
+            self.proc = subprocess.Popen([*cmd, "--serve-fds", f"{to_child},{from_child}"], stdout=self._log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         pass_fds=(to_child, from_child))
+        except BaseException:
+            for fd in (to_child, self._to_child, self._from_child, from_child):
+                os.close(fd)
+            self._log.close()
+            raise
         os.close(to_child)
         os.close(from_child)
         self._pending = b""
 
-    def receive(self, timeout: float | None) -> dict | None:
-        """The child's next line, as a dict; None past ``timeout`` seconds or once it has exited."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def receive(self, timeout: float) -> dict | None:
+        """The child's next line, as a dict; None past ``timeout`` seconds or once it has exited
+        (looked at every second: a process it started may hold its end of the pipe open)."""
+        deadline = time.monotonic() + timeout
         while b"\n" not in self._pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._from_child], [], [], left)[0]:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.finished is not None:
                 return None
+            if not select.select([self._from_child], [], [], min(left, 1.0))[0]:
+                if self.proc.poll() is not None:
+                    return None
+                continue
             data = os.read(self._from_child, 1 << 16)
             if not data:
                 return None
@@ -86,33 +98,41 @@ class ServedChild:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    def request(self, message: dict, timeout: float | None) -> dict | None:
+    def request(self, message: dict, timeout: float) -> dict | None:
         """Send ``message``; the child's answer (None: see :meth:`receive`)."""
         try:
             os.write(self._to_child, (json.dumps(message) + "\n").encode())
-        except BrokenPipeError:
+        except OSError:
             return None
         return self.receive(timeout)
 
-    def finish(self, timeout: float | None, tail: int = 4000) -> Finished:
-        """Tell the child it is done, wait up to ``timeout`` seconds for it, then end what is left."""
+    def kill(self) -> None:
+        """End the child and everything it started at once (:meth:`finish` still reaps it)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def finish(self, timeout: float, tail: int = 4000) -> Finished:
+        """Tell the child it is done, wait up to ``timeout`` seconds for it, then end what is left; how
+        it ended (the same at a second call)."""
+        if self.finished is not None:
+            return self.finished
         with contextlib.suppress(OSError):
             os.write(self._to_child, b'{"done": true}\n')
-        with contextlib.suppress(OSError):
-            os.close(self._to_child)
         try:
             returncode: int | None = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             returncode = None
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kill()
             self.proc.wait()
-            os.close(self._from_child)
-        self._log.seek(0)
-        output = self._log.read()[-tail:]
-        self._log.close()
-        return Finished(returncode, output)
+            for fd in (self._to_child, self._from_child):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._log.seek(0)
+            output = self._log.read()[-tail:]
+            self._log.close()
+            self.finished = Finished(returncode, output)
+        return self.finished
 
 
 def serve_fds(fds: str) -> tuple[int, int]:

@@ -406,6 +406,7 @@ def measure_variant(label: str, name: str, dtype: str, batch: int, device: str,
             _describe_streamdag(step.compiled, part, label)  # type: ignore[attr-defined]
         if label == "streamdag_step":
             part[label]["step"] = step.runs.explain().splitlines()  # type: ignore[attr-defined]
+        del ref64, eager, grads, model  # (the timing holds only what the step needs)
         if serve_fds is not None:
             serving = True  # (a step that raises ends the serving: the parent reads why from the part)
             serve(serve_fds, {"ready": True}, lambda asked: {"ms": timed_steps(step, device, **asked)})
@@ -531,7 +532,9 @@ def main() -> int:
         part = measure_variant(args.variant, models[0], args.dtypes.split(",")[0],
                                int(args.batches.split(",")[0]), device, args.rounds, args.warm_only,
                                args.serve_fds)
-        Path(args.out).write_text(json.dumps(part))
+        partial = Path(f"{args.out}.partial")  # (whole or absent: a parent may kill this process)
+        partial.write_text(json.dumps(part))
+        os.replace(partial, args.out)
         return 0
     name = torch.cuda.get_device_name().replace(" ", "_") if cuda else "cpu"
     # a smoke check's numbers are no result: --quick writes to the temporary directory
