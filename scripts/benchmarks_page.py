@@ -427,7 +427,10 @@ BENCHMARKS: dict[str, tuple[str, str, Callable[[dict], str]]] = {
               "step's gradients against the same step in float64, each within 3x eager's own error; "
               "rows without one were measured against eager's gradients, which TF32's rounding moves "
               "on deep networks by as much as any compiled variant's error there (0.2 to 1.0 on some "
-              "parameters, for torch.compile as for streamdag).", render_train),
+              "parameters, for torch.compile as for streamdag). On CUDA each variant runs in a "
+              "process of its own; a row's `measured.timed` says whether the processes were timed in "
+              "turns (`bench/in_turns.py`: they share the drift over the row's minutes) or one after "
+              "another, and rows without it were timed one after another.", render_train),
     "soak": ("bench/soak.py", "Random programs of every kind (eager, recorded graphs, failures, "
              "nested submits and waits, callbacks, close() racing submitters) checked against their "
              "serial run; files with `_plant_` ran with a planted defect that the soak must find.",
