@@ -779,6 +779,44 @@ def test_on_cuda_cudnns_benchmark_leaves_its_trials_out_of_the_trees_pool_of_a_c
     assert held[("streamdag", False)] <= 1.1 * chosen_before + 64, held
 
 
+class _GradThroughHost(torch.autograd.Function):
+    """The identity, whose backward sends the gradient through host memory: a backward Inductor's
+    trees refuse (a CPU tensor in it) after a forward they take."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.cpu().to(grad.device)
+
+
+class ConvThroughHost(ConvChain):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GradThroughHost.apply(self.body(x))
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_backward_the_trees_refuse_after_a_forward_run_off_them_compiles_and_trains_as_eager(
+        monkeypatch):
+    """With cuDNN's benchmark on, the forward's first call runs off the trees, so the trees have not
+    made their manager yet when the backward compiles; Inductor asserts it exists for a backward its
+    trees refuse. The first call off the trees makes it."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    torch.manual_seed(0)
+    ref = ConvThroughHost().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model)
+    data = batches(4)
+    losses = train_steps(model, fast, data, sgd)
+    ref_losses = train_steps(ref, ref, data, sgd)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
+    assert_same_state(model, ref)
+    assert "first call off the trees" in fast.explain(), fast.explain()
+
+
 @pytest.mark.cuda
 def test_on_cuda_a_tensor_off_inductors_alignment_is_told():
     from streamdag.frontend.trees import aligned
