@@ -494,21 +494,28 @@ def batches(n, shape=(8, 3, 32, 32), seed=1):
              torch.randn(shape[0], 4, device="cuda", generator=g)) for _ in range(n)]
 
 
+def trained_as_eager(make_model, data, accumulate=1, **options):
+    """A model from ``make_model()`` (seed 0) under ``streamdag.compile(**options)``, trained on
+    ``data`` beside the model itself in eager (an SGD step every ``accumulate`` micro-batches): the
+    losses, parameters and buffers are eager's. Returns the compiled model."""
+    torch.manual_seed(0)
+    ref = make_model().cuda()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, **options)
+    losses = train_steps(model, fast, data, sgd, accumulate=accumulate)
+    ref_losses = train_steps(ref, ref, data, sgd, accumulate=accumulate)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
+    assert_same_state(model, ref)
+    return fast
+
+
 @pytest.mark.cuda
 def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_trees_as_eager_trains():
     """Five steps of SGD with momentum and batch norm's running statistics: the losses (kept
     across steps), the parameters and the buffers as eager's; both graphs recorded by the trees,
     and no call skipped by them."""
-    torch.manual_seed(0)
-    ref = ConvChain().cuda()
-    model = copy.deepcopy(ref)
-    fast = sd.compile(model)
-    data = batches(5)
-    losses = train_steps(model, fast, data, sgd)
-    ref_losses = train_steps(ref, ref, data, sgd)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
-    assert_same_state(model, ref)
+    fast = trained_as_eager(ConvChain, batches(5))
     text = fast.explain()
     chosen = [line.strip() for line in text.splitlines() if "<- chosen" in line]
     # the forward has one candidate; the backward's weight and input gradients may take two streams
@@ -527,16 +534,7 @@ def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_tr
 def test_on_cuda_gradient_accumulation_under_the_trees_sums_the_micro_batches_as_eager_does():
     """``.grad`` from one micro-batch's backward is added to by the next one's, after a forward
     replay that reuses the trees' pool: the gradients handed to autograd are copies."""
-    torch.manual_seed(0)
-    ref = ConvChain().cuda()
-    model = copy.deepcopy(ref)
-    fast = sd.compile(model)
-    data = batches(8, seed=2)
-    losses = train_steps(model, fast, data, sgd, accumulate=4)
-    ref_losses = train_steps(ref, ref, data, sgd, accumulate=4)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
-    assert_same_state(model, ref)
+    fast = trained_as_eager(ConvChain, batches(8, seed=2), accumulate=4)
     assert fast.statistics().tree_calls >= 16 and fast.statistics().tree_skips == 0
 
 
@@ -551,16 +549,8 @@ def test_on_cuda_regions_on_two_streams_run_under_the_trees_and_train_as_eager_t
     from test_compile_training import BranchyNet
 
     monkeypatch.setattr("streamdag.frontend.training_timing.pick", lambda cands, *a, **k: len(cands) - 1)
-    torch.manual_seed(0)
-    ref = BranchyNet().cuda()
-    model = copy.deepcopy(ref)
-    fast = sd.compile(model, regions="always", candidates=["cudagraphs", "regions x2"])
-    data = batches(6, seed=3)
-    losses = train_steps(model, fast, data, sgd, accumulate=accumulate)
-    ref_losses = train_steps(ref, ref, data, sgd, accumulate=accumulate)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
-    assert_same_state(model, ref)
+    fast = trained_as_eager(BranchyNet, batches(6, seed=3), accumulate=accumulate, regions="always",
+                            candidates=["cudagraphs", "regions x2"])
     text = fast.explain()
     chosen = [line.strip() for line in text.splitlines() if "<- chosen" in line]
     assert len(chosen) == 2 and all(c.startswith("candidate regions x2") for c in chosen), text
@@ -804,16 +794,7 @@ def test_on_cuda_a_backward_the_trees_refuse_after_a_forward_run_off_them_compil
     made their manager yet when the backward compiles; Inductor asserts it exists for a backward its
     trees refuse. The first call off the trees makes it."""
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
-    torch.manual_seed(0)
-    ref = ConvThroughHost().cuda()
-    model = copy.deepcopy(ref)
-    fast = sd.compile(model)
-    data = batches(4)
-    losses = train_steps(model, fast, data, sgd)
-    ref_losses = train_steps(ref, ref, data, sgd)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-3, atol=1e-4)
-    assert_same_state(model, ref)
+    fast = trained_as_eager(ConvThroughHost, batches(4))
     assert "first call off the trees" in fast.explain(), fast.explain()
 
 
