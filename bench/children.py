@@ -40,16 +40,22 @@ def run_child(cmd: list[str], timeout: float | None, env: dict[str, str] | None 
     and error together, the last ``tail`` characters, come back in :attr:`Finished.output`."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            returncode: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        finally:  # (also on KeyboardInterrupt: nothing the child started stays behind)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        returncode = _wait_then_end(proc, timeout)
         log.seek(0)
         return Finished(returncode, log.read()[-tail:])
+
+
+def _wait_then_end(proc: subprocess.Popen, timeout: float | None) -> int | None:
+    """``proc``'s exit status after up to ``timeout`` seconds (None: it ran past them); then it and
+    everything it started end, also where the wait is interrupted (KeyboardInterrupt)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class ServedChild:
@@ -118,13 +124,10 @@ class ServedChild:
             return self.finished
         with contextlib.suppress(OSError):
             os.write(self._to_child, b'{"done": true}\n')
+        returncode = None
         try:
-            returncode: int | None = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
+            returncode = _wait_then_end(self.proc, timeout)
         finally:
-            self.kill()
-            self.proc.wait()
             for fd in (self._to_child, self._from_child):
                 with contextlib.suppress(OSError):
                     os.close(fd)

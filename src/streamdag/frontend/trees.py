@@ -150,15 +150,13 @@ def calls_convolution(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-#: the alignment Inductor's code assumes of a tensor's address (``torch._inductor.utils.ALIGNMENT``)
-_ALIGNMENT = 16
-
-
 def aligned(args: Sequence[Any]) -> bool:
     """Whether every CUDA tensor among ``args`` lies at an address Inductor's code assumes: the trees
     copy one that does not before they run the code, and Inductor's code under the trees has no
     such copy of its own."""
-    return all(not (isinstance(a, torch.Tensor) and a.is_cuda) or a.data_ptr() % _ALIGNMENT == 0
+    from torch._inductor.utils import ALIGNMENT
+
+    return all(not (isinstance(a, torch.Tensor) and a.is_cuda) or a.data_ptr() % ALIGNMENT == 0
                for a in args)
 
 
