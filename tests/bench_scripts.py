@@ -13,7 +13,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 @contextmanager
 def bench_script(name: str) -> Iterator[ModuleType]:
     """bench/<name>.py, loaded with bench/ on the path (scripts import their neighbours, such as
-    zoo_models.py), which is then put back as it was, with the modules that loading added."""
+    zoo_models.py), which is then put back as it was, with the modules of bench/ that loading
+    added. (Library modules it imported stay: dropping Inductor's, say, and importing them again
+    registers their caches twice, which fails every later compile in the process.)"""
     path, modules = sys.path[:], set(sys.modules)
     sys.path.insert(0, str(BENCH))
     try:
@@ -25,4 +27,6 @@ def bench_script(name: str) -> Iterator[ModuleType]:
     finally:
         sys.path[:] = path
         for added in set(sys.modules) - modules:
-            del sys.modules[added]
+            origin = getattr(sys.modules[added], "__file__", None) or ""
+            if added == f"{name}_bench" or Path(origin).resolve().parent == BENCH:
+                del sys.modules[added]
