@@ -9,6 +9,7 @@ against ``torch.compile``'s.
 """
 
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -759,14 +760,15 @@ def test_on_cuda_cudnns_benchmark_leaves_its_trials_out_of_the_trees_pool_of_a_c
     """With ``torch.backends.cudnn.benchmark`` on, the trees would warm a graph up with cuDNN's trial
     workspace in their pool and keep it: the control, reduce-overhead, holds more than the same
     step whose algorithms were chosen before it (by a step of ``torch.compile``'s). streamdag holds
-    about what that one does: the algorithms each picks may differ (their workspaces too), the
-    trials' workspace (as large as fits in free memory) is not there."""
-    held = {key: _held_mib(*key) for key in (("reduce-overhead", False), ("reduce-overhead", True),
-                                             ("streamdag", False))}
-    chosen_before = held[("reduce-overhead", True)]
-    assert held[("reduce-overhead", False)] > chosen_before + 200, \
+    less than a quarter of that excess over what it holds when the algorithms were chosen before it:
+    the trials' workspace (as large as fits in free memory) is not there; what is left varies with
+    the algorithms each run picks (their workspaces differ)."""
+    held = {key: _held_mib(*key) for key in itertools.product(("reduce-overhead", "streamdag"),
+                                                              (False, True))}
+    assert held[("reduce-overhead", False)] > held[("reduce-overhead", True)] + 200, \
         f"the control shows no trials kept in the trees' pool: {held}"
-    assert held[("streamdag", False)] <= 1.1 * chosen_before + 64, held
+    trials_kept = held[("reduce-overhead", False)] - held[("reduce-overhead", True)]
+    assert held[("streamdag", False)] - held[("streamdag", True)] < trials_kept / 4, held
 
 
 class _GradThroughHost(torch.autograd.Function):
