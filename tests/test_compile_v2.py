@@ -374,6 +374,23 @@ def test_a_graph_inductor_cannot_compile_runs_on_the_make_fx_path_and_says_so(mo
     assert c.statistics().fallbacks == 1
 
 
+def test_a_graph_inductor_fails_on_itself_runs_on_the_make_fx_path():
+    """Inductor wraps its own failures (here: no working C++ compiler, as on a slim container) in an
+    exception that is also one of Dynamo's; the backend still takes it for a failure of Inductor's,
+    not for a signal to Dynamo."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = sd.compile(m, inductor={"cpp.cxx": (None, "/no/such/c++"), "fx_graph_cache": False})
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(c(x), m(x))
+        torch.testing.assert_close(c(x), m(x))
+    assert any("make_fx path" in str(w.message) for w in caught)
+    said = c.explain()
+    assert "make_fx path because Inductor failed (InductorError: InvalidCxxCompiler" in said, said
+    assert c.statistics().fallbacks == 1
+
+
 def test_a_training_call_of_a_graph_inductor_cannot_compile_runs_the_traced_graph_with_its_gradients(
         monkeypatch):
     import torch._inductor.compile_fx as cfx

@@ -1,14 +1,12 @@
 """The compile path behind ``streamdag.compile(model)`` and ``torch.compile(model, backend="streamdag")``.
 
-Dynamo captures the Python code and owns the guards (shapes, dtypes, grad
-mode, ``training``, the code's constants), so a call whose guards fail
-compiles a new specialization and outputs come back in the structure the code
-returns (dicts, dataclasses, ``ModelOutput``). :class:`StreamdagBackend` gets
-each graph Dynamo captures and hands it to Inductor's ``compile_fx``, which runs
-AOTAutograd and then our inner compiler (:mod:`.inner_compile`) on the aten
-graph (a write through a boolean mask made a select first, :mod:`.masked_writes`, so
-that its backward and its capture see static shapes). For an inference graph the inner
-compiler compiles:
+Dynamo captures the Python code and owns the guards (shapes, dtypes, grad mode, ``training``, the
+code's constants), so a call whose guards fail compiles a new specialization and outputs come back
+in the structure the code returns (dicts, dataclasses, ``ModelOutput``). :class:`StreamdagBackend`
+gets each graph Dynamo captures and hands it to Inductor's ``compile_fx``, which runs AOTAutograd
+and then our inner compiler (:mod:`.inner_compile`) on the aten graph (a write through a boolean
+mask made a select first, :mod:`.masked_writes`, so that its backward and its capture see static
+shapes). For an inference graph the inner compiler compiles:
 
 * Inductor's own code for the whole graph (one stream, fused), and
 * where streamdag's schedule finds independent branches worth their events
@@ -19,15 +17,13 @@ and returns a :class:`_Switch` that runs whichever of them is selected.
 Training graphs (gradients needed) get the same treatment, forward and
 backward, and choose their own candidates at their first calls (:mod:`.training`).
 
-At the first call with real tensors, :class:`GraphRunner` builds the candidates
-(the graph run eagerly, Inductor on one stream, the regions on 2..N streams),
-captures each into a CUDA graph over static inputs, times them and keeps the
-fastest (:mod:`.candidates`). A graph that cannot be captured (CPU tensors,
-symbolic shapes, inputs whose metadata it mutates, outputs that alias inputs,
-parameters it updates in place) runs Inductor's code uncaptured, and
-``explain()`` says why. A graph Inductor cannot compile runs on the older
-make_fx path (:class:`~.compiled.Compiled`, one op per aten node on streams),
-with a warning.
+At the first call with real tensors, :class:`GraphRunner` builds the candidates (the graph run
+eagerly, Inductor on one stream, the regions on 2..N streams), captures each into a CUDA graph over
+static inputs, times them and keeps the fastest (:mod:`.candidates`). A graph that cannot be
+captured (CPU tensors, symbolic shapes, inputs whose metadata it mutates, outputs that alias inputs,
+parameters it updates in place) runs Inductor's code uncaptured, and ``explain()`` says why. A graph
+Inductor cannot compile runs on the older make_fx path (:class:`~.compiled.Compiled`, one op per
+aten node on streams), with a warning.
 """
 
 from __future__ import annotations
@@ -501,10 +497,10 @@ class StreamdagBackend:
                 # (compile_fx applies the settings to the backward too, whenever AOTAutograd compiles it)
                 compiled = compile_fx(gm, example_inputs, inner_compile=inner,
                                       config_patches=self.options.inductor)
-        except _DYNAMO_SIGNALS:
-            self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
-            raise
         except Exception as exc:
+            if not _failed(exc):
+                self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
+                raise
             return self._fallback(eager, exc, index)
         finally:
             self.stats.compile_s += time.perf_counter() - t0
@@ -552,13 +548,22 @@ class StreamdagBackend:
         return stats
 
 
-#: what Dynamo's own passes raise to Dynamo from inside a backend's compile, to trace the code again
-#: another way (a float argument specialized, say) or to run the frame as written, and the fake-tensor
-#: exceptions (an op whose output depends on data, as ``arange`` of a tensor) that Dynamo turns into a
-#: graph break around the op, as under ``torch.compile``: never a failure of the backend
+#: what Dynamo's passes raise to Dynamo from a backend's compile, to trace again another way (a float
+#: specialized) or run the frame as written, and the fake-tensor exceptions (an op whose output depends
+#: on data) Dynamo turns into a graph break, as under ``torch.compile``: never the backend's failures
 _DYNAMO_SIGNALS: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(_dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame", "ShortenTraceback"))
     if isinstance(e, type)) + tuple(getattr(_dynamo_exc, "exceptions_allowed_to_be_fallback", ()))
+
+
+def _failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to compile (the graph goes to the make_fx path), not a signal for
+    Dynamo. Inductor wraps its failures (no working C++ compiler, say) in ``InductorError``, also a
+    ``ShortenTraceback``: the exception it wraps says which."""
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(exc, _dynamo_exc.BackendCompilerFailed) and isinstance(inner, BaseException):
+        return _failed(inner)
+    return not isinstance(exc, _DYNAMO_SIGNALS)
 
 _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
