@@ -172,6 +172,8 @@ class CompiledModel:
                                         else None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # inside another compiled model: Dynamo traces the model
+            return self.__wrapped__(*args, **kwargs)  # into that model's graph, not this wrapper
         if not self._called:
             with self._first_call:
                 out = self._dispatch(args, kwargs)
@@ -339,6 +341,33 @@ class CompiledModel:
             stats.replays += whole.replays
         return stats
 
+    def train(self, mode: bool = True) -> CompiledModel:
+        """The wrapped module's ``train(mode)``; returns this compiled model, as ``torch.compile``'s
+        wrapper does, so that ``model = model.eval()`` keeps the model compiled. (Dynamo guards the
+        ``training`` flags: the next call compiles that mode's graphs, once.)"""
+        module = self.__wrapped__
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"train() and eval() set a torch.nn.Module's mode; this compiled model wraps "
+                            f"a {type(module).__name__}: set the mode on the module it calls")
+        module.train(mode)
+        return self
+
+    def eval(self) -> CompiledModel:
+        """``train(False)``."""
+        return self.train(False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled call (``model.forward(x)`` as ``model(x)``, as through ``torch.compile``)."""
+        return self(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other attribute is the wrapped model's (``parameters()``, ``state_dict()``, a Hugging
+        Face model's ``config``), as through ``torch.compile``'s wrapper: its methods run as written."""
+        wrapped = self.__dict__.get("__wrapped__")
+        if wrapped is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(wrapped, name)
+
     def close(self) -> None:
         for r in self.backend.runners:
             if isinstance(r, _Fallback):
@@ -377,5 +406,7 @@ def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: s
     _warn_of_stale_guards()
     backend = StreamdagBackend(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
                                clone_outputs=clone_outputs, inductor=inductor)
-    backend.options.whole_call = bool(whole_call)
+    if not isinstance(whole_call, bool):
+        raise TypeError(f"whole_call takes True or False, got {whole_call!r}")
+    backend.options.whole_call = whole_call
     return CompiledModel(fn, backend)

@@ -1,0 +1,82 @@
+"""What ``streamdag.compile`` returns, as a user holds it: its module methods, its options, and a
+compiled model called inside another compiled model (on the CPU)."""
+
+import warnings
+
+import pytest
+
+import streamdag as sd
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+class Outer(nn.Module):
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.first(x)) * 2
+
+
+@pytest.mark.slow
+def test_a_compiled_model_inside_another_is_traced_into_the_outer_graph():
+    """Dynamo traces the inner model into the outer model's graph, as it traces a ``torch.compile``d
+    one: the outer model compiles one graph, not streamdag's own Python split into several, and the
+    inner model counts no call of its own as run eagerly."""
+    torch.manual_seed(0)
+    inner_module = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    inner = sd.compile(inner_module)
+    outer_module = Outer(inner).eval()
+    outer = sd.compile(outer_module)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", sd.StreamdagWarning)
+        expected = inner_module(outer_module.first(x)) * 2
+        for _ in range(3):
+            torch.testing.assert_close(outer(x), expected)
+    assert outer.statistics().graphs == 1, outer.explain()
+    assert outer.statistics().eager_calls == 0
+    assert inner.statistics().eager_calls == 0
+    assert inner.statistics().graphs == 0  # (never called on its own)
+
+
+def test_eval_and_train_set_the_module_and_keep_the_model_compiled():
+    module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    compiled = sd.compile(module)
+    assert compiled.eval() is compiled and not module.training
+    assert not any(m.training for m in module.modules())
+    assert compiled.train() is compiled and module.training
+    assert compiled.train(False) is compiled and not module.training
+
+
+def test_other_attributes_are_the_wrapped_models():
+    module = nn.Sequential(nn.Linear(4, 3))
+    compiled = sd.compile(module)
+    assert [p.data_ptr() for p in compiled.parameters()] == [p.data_ptr() for p in module.parameters()]
+    assert compiled.state_dict().keys() == module.state_dict().keys()
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        compiled.no_such_thing  # noqa: B018
+
+
+@pytest.mark.slow
+def test_forward_is_the_compiled_call():
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()
+    compiled = sd.compile(module)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.forward(x), module(x))
+    assert compiled.statistics().graphs == 1
+
+
+def test_eval_of_a_compiled_function_says_where_the_mode_lives():
+    compiled = sd.compile(torch.relu)
+    with pytest.raises(TypeError, match="set the mode on the module it calls"):
+        compiled.eval()
+
+
+def test_whole_call_takes_a_bool():
+    with pytest.raises(TypeError, match="whole_call takes True or False, got 'no'"):
+        sd.compile(nn.Linear(2, 2), whole_call="no")
