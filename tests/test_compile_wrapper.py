@@ -1,6 +1,7 @@
 """What ``streamdag.compile`` returns, as a user holds it: its module methods, its options, and a
 compiled model called inside another compiled model (on the CPU)."""
 
+import threading
 import warnings
 
 import pytest
@@ -80,3 +81,32 @@ def test_eval_of_a_compiled_function_says_where_the_mode_lives():
 def test_whole_call_takes_a_bool():
     with pytest.raises(TypeError, match="whole_call takes True or False, got 'no'"):
         sd.compile(nn.Linear(2, 2), whole_call="no")
+
+
+LOCK = threading.Lock()
+
+
+class Locked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with LOCK:  # a context manager Dynamo cannot enter: it runs the whole frame as written
+            h = self.linear(x)
+        return h.relu()
+
+
+@pytest.mark.slow
+def test_a_frame_dynamo_runs_as_written_warns_with_dynamos_reason():
+    module = Locked().eval()
+    compiled = sd.compile(module)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(compiled(x), module(x))
+    said = [str(w.message) for w in caught if issubclass(w.category, sd.StreamdagWarning)]
+    assert len(said) == 1 and "Dynamo could not trace the code" in said[0], said
+    assert "recompile_limit" not in said[0], said
+    assert "TORCH_LOGS=graph_breaks" in compiled.explain()
+    assert compiled.statistics().eager_calls == 1

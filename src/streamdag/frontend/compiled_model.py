@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters as _dynamo_counters
 
 from .._diagnostics import get_logger, warn
 from .call_key import call_key
@@ -132,6 +133,21 @@ def _script_left_to_eager(fn: Any) -> str:
             "eager modules they were scripted from")
 
 
+def _untraced(breaks: dict[str, int] | None) -> str:
+    """Why Dynamo ran a call as written where it could not trace something in it (the reasons it
+    counts in ``counters["unimplemented"]``, over ``breaks``, those before the call); '' else."""
+    if breaks is None:
+        return ""
+    new = [k for k, n in _dynamo_counters["unimplemented"].items() if n > breaks.get(k, 0)]
+    if not new:
+        return ""
+    lines = [line.strip().removeprefix("Explanation: ").removeprefix("Hint: ").rstrip(".")
+             for line in new[0].splitlines() if line.strip()]
+    said = "; ".join(lines[:3])
+    return (f"Dynamo could not trace the code and ran its frame as written ({said}); "
+            "TORCH_LOGS=graph_breaks shows where")
+
+
 class CompiledModel:
     """What ``streamdag.compile`` returns: the model under ``torch.compile`` with a streamdag backend.
 
@@ -221,6 +237,8 @@ class CompiledModel:
                     compiled = self._compiled_symbolic
             else:
                 compiled = self._compiled_symbolic
+        # Dynamo's reasons for what it could not trace so far, until a call ran eagerly and said why
+        breaks = None if "eager" in self.backend._warned else dict(_dynamo_counters["unimplemented"])
         if _OWN_RECOMPILE_LIMIT:
             out = compiled(*args, **kwargs)
         else:
@@ -230,7 +248,7 @@ class CompiledModel:
         if ran.count == before:
             if key is not None and compiled is self._compiled:  # a guard other than the key's failed on the
                 self._grad_static_keys.discard(key)              # full static wrapper: symbolic from now on
-            self._ran_eagerly()
+            self._ran_eagerly(breaks)
         return out
 
     def _wrapped(self, dynamic: bool) -> Callable[..., Any]:
@@ -310,13 +328,16 @@ class CompiledModel:
         hooks.take()
         return out
 
-    def _ran_eagerly(self) -> None:
+    def _ran_eagerly(self, breaks: dict[str, int] | None) -> None:
+        """Count a call that ran no compiled graph; the first one warns, with the reason: Dynamo's,
+        where it could not trace something in this call (``breaks``: its reasons before the call)."""
         self.backend.stats.eager_calls += 1
         if "eager" not in self.backend._warned:
             self.backend._warned.add("eager")
             name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__qualname__)
             self.backend.eager_why = (_rnn_left_to_eager(self.__wrapped__)
-                                      or _script_left_to_eager(self.__wrapped__) or _EAGER_WHY)
+                                      or _script_left_to_eager(self.__wrapped__)
+                                      or _untraced(breaks) or _EAGER_WHY)
             # the caller's line, past the whole-call path's frames (as many as the path it took)
             warn(f"streamdag.compile: a call of {name} ran none of its compiled graphs: "
                  f"{self.backend.eager_why}; statistics().eager_calls counts such calls")
