@@ -58,6 +58,20 @@ def test_a_call_on_the_cpu_stays_on_dynamos_path_and_says_why():
     assert dynamo.calls == 3 and w.states == [] and "whole-call graphs are CUDA graphs" in w.explain()
 
 
+def test_calls_on_the_cpu_with_a_number_that_changes_remember_a_bounded_number_of_keys(monkeypatch):
+    """Each value of a number argument keys a call of its own; refused (on the CPU), the keys kept
+    are bounded, the oldest going first, and ``explain()`` shows a few of each reason."""
+    monkeypatch.setattr(wc, "MAX_REFUSED", 5)
+    w, dynamo = WholeCall(operator.mul, FakeBackend()), Dynamo(operator.mul)
+    x = torch.randn(2)
+    with torch.no_grad():
+        for i in range(12):
+            torch.testing.assert_close(w((x, 0.5 + i), {}, dynamo), x * (0.5 + i))
+    assert dynamo.calls == 12 and len(w.refused) == 5
+    said = w.explain()
+    assert said.count("whole-call graphs are CUDA graphs") == 3 and "(and 2 more calls)" in said, said
+
+
 def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():
     why = call_key(([torch.randn(2)],), {})
     assert isinstance(why, str) and "an argument is a list" in why

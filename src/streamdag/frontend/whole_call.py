@@ -98,6 +98,9 @@ MAX_ATTEMPTS = 3
 #: entries kept per key for global settings other than the current one's (each holds its graph
 #: and memory)
 MAX_OTHERS = 3
+#: refused keys remembered (the oldest goes first): a float argument that changes at each call on
+#: the CPU would otherwise add a key for good at each call; a key forgotten is checked again
+MAX_REFUSED = 256
 
 
 class NotWholeCapturable(RuntimeError):
@@ -298,6 +301,8 @@ class WholeCall:
 
     def _refuse(self, key: Any, reason: str) -> None:
         self.refused[key] = reason
+        if len(self.refused) > MAX_REFUSED:
+            del self.refused[next(iter(self.refused))]
         self.note = reason
         for state in self.states:  # (no call of a refused key replays: their memory goes back)
             state.others.pop(key, None)
@@ -525,8 +530,13 @@ class WholeCall:
             if kept:
                 lines.append(f"    and {kept} graph(s) of it captured under other global settings (autocast, "
                              "default dtype, cuDNN's switches...), replayed under them")
+        by_reason: dict[str, list[Any]] = {}
         for key, reason in self.refused.items():
-            lines.append(f"  {_describe(key)}: on Dynamo's path: {reason}")
+            by_reason.setdefault(reason, []).append(key)
+        for reason, keys in by_reason.items():
+            more = f" (and {len(keys) - 3} more calls)" if len(keys) > 3 else ""
+            lines.extend(f"  {_describe(key)}: on Dynamo's path: {reason}{more if i == 2 else ''}"
+                         for i, key in enumerate(keys[:3]))
         if self.note and self.note not in self.refused.values():
             lines.append(f"  last miss: {self.note}")
         return "\n".join(lines)
