@@ -477,6 +477,19 @@ def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(mo
 
 
 @pytest.mark.slow
+def test_regions_compiled_on_the_cpu_leave_inductors_whole_graph_running_and_explain_says_so():
+    torch.manual_seed(0)
+    m = Inception().eval()
+    c = sd.compile(m, regions="always")
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    said = c.explain()
+    assert "candidate regions x2" in said, said
+    assert "on the CPU: inductor runs uncaptured (nothing is timed: candidates= picks another)" in said, said
+
+
+@pytest.mark.slow
 def test_a_sequential_model_equals_eager_and_compiles_no_regions():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),

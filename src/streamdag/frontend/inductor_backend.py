@@ -342,7 +342,8 @@ class GraphRunner:
             self.not_whole = f"{where}: uncaptured"
             return run
         streams = pick.streams if pick.label.startswith("regions") else 0
-        return self._uncaptured(f"{where}: uncaptured", streams)
+        others = "" if len(cands) == 1 else " (nothing is timed: candidates= picks another)"
+        return self._uncaptured(f"{where}: {pick.label} runs uncaptured{others}", streams)
 
     # -- the hot path -------------------------------------------------------------------------------
 
