@@ -275,6 +275,50 @@ def test_a_branchy_conv_net_with_batch_norm_trains_on_regions_as_eager_does():
     assert fast.statistics().eager_calls == 0
 
 
+class PooledGates(torch.nn.Module):
+    """A convolution whose output three branches read (one through a pooled convolution), gated
+    together: Inductor's whole forward saves it contiguous, a region alone would make it
+    channels-last for the convolution that reads it."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, padding=1, bias=False)
+        self.g1 = torch.nn.GroupNorm(1, c)
+        self.pool = torch.nn.Sequential(torch.nn.AvgPool2d(3, 1, 1), torch.nn.Conv2d(c, c, 1))
+        self.g2 = torch.nn.GroupNorm(1, c)
+        self.head = torch.nn.Linear(c, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        z = self.g1(h) * torch.sigmoid(self.pool(h)) * torch.sigmoid(self.g2(h))
+        return self.head(z.mean((2, 3)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size_asserts", [True, False])
+def test_a_forwards_regions_save_activations_with_the_strides_its_backward_was_compiled_for(
+        size_asserts):
+    """Each saved activation a region outputs is forced to the whole forward's strides, whatever its
+    metadata says; without Inductor's stride asserts a wrong one would give wrong gradients."""
+    torch.manual_seed(0)
+    ref = PooledGates()
+    model = copy.deepcopy(ref)
+    fast = sd.compile(model, regions="always", candidates=["regions"],
+                      inductor={"size_asserts": size_asserts})
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 5, generator=g)) for _ in range(2)]
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+
+    train_steps(model, fast, batches, sgd)
+    train_steps(ref, ref, batches, sgd)
+    assert_same_state(model, ref)
+    assert fast.statistics().eager_calls == 0
+    chosen = explained_chosen(fast)
+    assert len(chosen) == 2 and all(c.startswith("candidate regions") for c in chosen), fast.explain()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("min_gain", [None, 0.15])
 def test_a_backward_compiles_regions_from_a_lower_predicted_gain_than_a_forward(monkeypatch, min_gain):
@@ -606,3 +650,12 @@ def test_on_cuda_training_runs_under_the_trees_and_inference_still_captures_the_
             out = fast(x)
         torch.testing.assert_close(out, model(x), rtol=1e-3, atol=1e-3)
     assert fast.statistics().whole_captures >= 1
+
+
+def test_a_layout_check_ignores_dimensions_of_one_element_and_empty_tensors():
+    from streamdag.frontend.inductor_regions import _same_layout
+
+    assert not _same_layout((4, 8, 8, 8), (512, 1, 64, 8), (512, 64, 8, 1))
+    assert _same_layout((4, 8, 1, 1), (8, 1, 8, 8), (8, 1, 1, 1))
+    assert _same_layout((0, 8), (1, 0), (8, 1))
+    assert _same_layout((4, 8), (1, 4), None)

@@ -160,6 +160,11 @@ def compile_regions(gm: GraphModule, example_inputs: Sequence[Any], plan: Region
             for i, o in enumerate(region.outputs):
                 val = o.meta.get("val")
                 stride = _int_strides(strides[i]) if strides and i < len(strides) and strides[i] else None
+                if output_strides is not None and isinstance(val, torch.Tensor) and stride is not None \
+                        and not _same_layout(val.shape, stride, kept_strides.get(o)):
+                    # (a saved activation read by a backward compiled for other strides: wrong gradients)
+                    raise RuntimeError(f"a region's output {o.name} came out with strides {stride}, not the "
+                                       f"whole graph's {tuple(kept_strides[o])}")
                 if isinstance(val, torch.Tensor) and stride is not None and fake_mode is not None \
                         and tuple(stride) != tuple(val.stride()):
                     with fake_mode:
@@ -171,9 +176,10 @@ def compile_regions(gm: GraphModule, example_inputs: Sequence[Any], plan: Region
 
 def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
                    wanted: dict[torch.fx.Node, Any], fake_mode: Any) -> None:
-    """Each output of ``sub`` whose strides are not ``wanted`` goes through Inductor's
-    ``force_stride_order``: Inductor takes an output's strides from what its operators make
-    (it propagates fake tensors again), not from the output node's metadata."""
+    """Each output of ``sub`` with ``wanted`` strides goes through Inductor's ``force_stride_order``,
+    even where its metadata shows them already: Inductor takes an output's strides from what its
+    lowering makes (a convolution's input may go channels-last), not from the output node's
+    metadata. Where the layout already holds, the forcing copies nothing."""
     import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 
     out = next(n for n in sub.graph.nodes if n.op == "output")
@@ -181,7 +187,7 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     changed = False
     for i, (o, a) in enumerate(zip(outputs, args)):
         stride, val = wanted.get(o), a.meta.get("val")
-        if stride is None or not isinstance(val, torch.Tensor) or tuple(val.stride()) == tuple(stride):
+        if stride is None or not isinstance(val, torch.Tensor):
             continue
         with sub.graph.inserting_before(out):
             forced = sub.graph.call_function(torch.ops.prims.inductor_force_stride_order.default,
@@ -193,6 +199,14 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     if changed:
         out.args = (tuple(args),)
         sub.recompile()
+
+
+def _same_layout(shape: Sequence[int], stride: Sequence[int], wanted: Sequence[int] | None) -> bool:
+    """Whether ``stride`` lays a tensor of ``shape`` out as ``wanted`` does (a dimension of one
+    element takes any stride; an empty tensor, any layout). None wanted: any layout."""
+    if wanted is None or any(int(n) == 0 for n in shape):
+        return True
+    return all(int(n) == 1 or int(a) == int(b) for n, a, b in zip(shape, stride, wanted))
 
 
 class RegionProgram:
