@@ -133,18 +133,24 @@ def _script_left_to_eager(fn: Any) -> str:
             "eager modules they were scripted from")
 
 
+def _dynamo_reasons() -> dict[str, int]:
+    """What Dynamo could not trace so far, each reason with its count: what it ran as written (its
+    ``unimplemented`` counter) and where it broke a graph (``graph_break``)."""
+    return {**_dynamo_counters["graph_break"], **_dynamo_counters["unimplemented"]}
+
+
 def _untraced(breaks: dict[str, int] | None) -> str:
-    """Why Dynamo ran a call as written where it could not trace something in it (the reasons it
-    counts in ``counters["unimplemented"]``, over ``breaks``, those before the call); '' else."""
+    """Why Dynamo ran a call as written where it could not trace something in it (its reasons over
+    ``breaks``, those before the call); '' else."""
     if breaks is None:
         return ""
-    new = [k for k, n in _dynamo_counters["unimplemented"].items() if n > breaks.get(k, 0)]
+    new = [k for k, n in _dynamo_reasons().items() if n > breaks.get(k, 0)]
     if not new:
         return ""
     lines = [line.strip().removeprefix("Explanation: ").removeprefix("Hint: ").rstrip(".")
              for line in new[0].splitlines() if line.strip()]
     said = "; ".join(lines[:3])
-    return (f"Dynamo could not trace the code and ran its frame as written ({said}); "
+    return (f"Dynamo could not trace the code ({said}) and ran it as written; "
             "TORCH_LOGS=graph_breaks shows where")
 
 
@@ -238,7 +244,7 @@ class CompiledModel:
             else:
                 compiled = self._compiled_symbolic
         # Dynamo's reasons for what it could not trace so far, until a call ran eagerly and said why
-        breaks = None if "eager" in self.backend._warned else dict(_dynamo_counters["unimplemented"])
+        breaks = None if "eager" in self.backend._warned else _dynamo_reasons()
         if _OWN_RECOMPILE_LIMIT:
             out = compiled(*args, **kwargs)
         else:
