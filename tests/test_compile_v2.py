@@ -370,8 +370,10 @@ def test_a_graph_inductor_cannot_compile_runs_on_the_make_fx_path_and_says_so(mo
         warnings.simplefilter("always")
         torch.testing.assert_close(c(x), m(x))
     assert any("make_fx path" in str(w.message) for w in caught)
-    assert "make_fx path because Inductor failed (RuntimeError: no kernels today)" in c.explain()
-    assert c.statistics().fallbacks == 1
+    said = c.explain()
+    assert "graph 0: Inductor failed (RuntimeError: no kernels today)" in said, said
+    assert "1 call(s) without gradients ran on the make_fx path" in said, said
+    assert c.statistics().fallbacks == 1 and c.statistics().calls == 1
 
 
 def test_a_graph_inductor_fails_on_itself_runs_on_the_make_fx_path():
@@ -387,7 +389,7 @@ def test_a_graph_inductor_fails_on_itself_runs_on_the_make_fx_path():
         torch.testing.assert_close(c(x), m(x))
     assert any("make_fx path" in str(w.message) for w in caught)
     said = c.explain()
-    assert "make_fx path because Inductor failed (InductorError: InvalidCxxCompiler" in said, said
+    assert "graph 0: Inductor failed (InductorError: InvalidCxxCompiler" in said, said
     assert c.statistics().fallbacks == 1
 
 
@@ -411,8 +413,11 @@ def test_a_training_call_of_a_graph_inductor_cannot_compile_runs_the_traced_grap
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     said = [str(w.message) for w in caught if issubclass(w.category, sd.StreamdagWarning)]
-    assert any("make_fx path" in w for w in said), said
+    assert any("runs as Dynamo traced it, op by op, where it needs gradients" in w for w in said), said
     assert not any("runs inference graphs" in w for w in said), said
+    stats = c.statistics()
+    assert stats.calls == 1 and stats.uncaptured_calls == 1 and stats.eager_calls == 0, stats
+    assert "1 call(s) with gradients ran it as Dynamo traced it" in c.explain(), c.explain()
 
 
 # -- end to end with Inductor on the CPU (slow: a C++ compile per graph) -------------------------------

@@ -22,7 +22,8 @@ from torch._dynamo.utils import counters as _dynamo_counters
 from .._diagnostics import get_logger, warn
 from .call_key import call_key
 from .hook_watch import HookWatch
-from .inductor_backend import _EAGER_WHY, StreamdagBackend, V2Statistics, _Fallback
+from .inductor_backend import _EAGER_WHY, StreamdagBackend, V2Statistics
+from .make_fx_fallback import MakeFxFallback
 from .state_watch import root_module
 from .whole_call import WholeCall
 
@@ -397,7 +398,7 @@ class CompiledModel:
 
     def close(self) -> None:
         for r in self.backend.runners:
-            if isinstance(r, _Fallback):
+            if isinstance(r, MakeFxFallback):
                 r.legacy.close()
 
 

@@ -61,6 +61,7 @@ from .inner_compile import (
     inductor_settings,
     inner_compile,
 )
+from .make_fx_fallback import MakeFxFallback, fall_back
 from .masked_writes import rewrite_masked_writes
 from .whole_call import ACTIVE, NotWholeCapturable
 
@@ -421,33 +422,6 @@ def _held_mib(args: Sequence[Any]) -> float:
     return sum(storages.values()) / 2**20
 
 
-class _Fallback:
-    """A graph Inductor could not compile, on the make_fx path; a call that needs gradients runs the
-    graph as Dynamo traced it (the make_fx path compiles inference graphs only), which the warning
-    about the failure already covers."""
-
-    def __init__(self, legacy: Any, eager: Callable[..., Any], reason: str, index: int,
-                 ran: _GraphsRun) -> None:
-        self.legacy = legacy
-        self.eager = eager
-        self.reason = reason
-        self.index = index
-        self.ran = ran
-
-    def __call__(self, *args: Any) -> Any:
-        self.ran.count += 1
-        if ACTIVE.mode is not None:  # its own runtime runs it: no part of a whole call's CUDA graph
-            ACTIVE.refusal = ACTIVE.refusal or f"graph {self.index} runs on the make_fx path"
-            if ACTIVE.mode == "capture":
-                raise NotWholeCapturable(ACTIVE.refusal)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self.eager(*args)
-        return self.legacy(*args)
-
-    def explain(self) -> str:
-        return f"graph {self.index}: on the make_fx path because {self.reason}\n{self.legacy.explain()}"
-
-
 def _made(out: Any) -> Any:
     """``out``, its tensors' storages noted where a capture made them: the whole call's own memory, which
     it need not keep allocated (an output that is a view of an input keeps the input's, read before)."""
@@ -469,7 +443,7 @@ class StreamdagBackend:
                                                 inductor=inductor)
         self.pool: SharedPool = SharedPool()
         self.stats: V2Statistics = V2Statistics()
-        self.runners: list[GraphRunner | _Fallback] = []
+        self.runners: list[GraphRunner | MakeFxFallback] = []
         self.ran: _GraphsRun = _GraphsRun()
         self._warned: set[str] = set()
         self.eager_reason: str = ""  # why streamdag.compile's model runs eagerly with gradients on
@@ -502,7 +476,7 @@ class StreamdagBackend:
             if not _failed(exc):
                 self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
                 raise
-            return self._fallback(eager, exc, index)
+            return self._fallback(eager, example_inputs, exc, index)
         finally:
             self.stats.compile_s += time.perf_counter() - t0
         runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
@@ -518,15 +492,10 @@ class StreamdagBackend:
         self.eager_reason = message
         warn_once(self._warned, "double backward", message)
 
-    def _fallback(self, eager: torch.fx.GraphModule, exc: Exception, index: int) -> Callable[..., Any]:
-        from .compiled import Compiled
-
-        reason = f"Inductor failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        self.stats.fallbacks += 1
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warn(f"streamdag: graph {index} runs on the make_fx path: {reason}")
-        fb = _Fallback(Compiled(eager, streams=self.options.streams), eager, reason, index, self.ran)
+    def _fallback(self, eager: torch.fx.GraphModule, example_inputs: Sequence[Any], exc: Exception,
+                  index: int) -> Callable[..., Any]:
+        fb = fall_back(eager, example_inputs, exc, index, self.options.streams, self.ran, self.stats,
+                       self._warned)
         self.runners.append(fb)
         return fb
 
