@@ -659,3 +659,15 @@ def test_a_layout_check_ignores_dimensions_of_one_element_and_empty_tensors():
     assert _same_layout((4, 8, 1, 1), (8, 1, 8, 8), (8, 1, 1, 1))
     assert _same_layout((0, 8), (1, 0), (8, 1))
     assert _same_layout((4, 8), (1, 4), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wanted, why", [("cudagraphs", "CUDA graph trees take training graphs on one CUDA"),
+                                         ("eager", "a training graph's candidates are Inductor's code")])
+def test_a_candidate_a_training_graph_cannot_have_is_explained_by_its_kind(wanted, why):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    fast = sd.compile(model, candidates=[wanted])
+    fast(torch.randn(4, 8)).sum().backward()
+    said = fast.explain()
+    assert said.count(f"no candidate of ('{wanted}',) for this graph ({wanted}: ") == 2, said
+    assert why in said, said

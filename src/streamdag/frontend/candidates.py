@@ -81,6 +81,23 @@ class Candidate:
         return f"candidate {self.label} on {self.streams} stream(s):{timing}{peak}{extra}{mark}"
 
 
+def no_candidate_note(wanted: Sequence[str], region_note: str, tree_note: str, runs: str) -> str:
+    """Why a training graph has none of the candidates ``wanted``, label by label (``region_note``:
+    why it has no regions; ``tree_note``: why it is not under Inductor's CUDA graph trees), and
+    which candidate (``runs``) runs instead."""
+    said = []
+    for label in wanted:
+        kind = label.split(" ")[0]
+        if kind == "cudagraphs":
+            said.append("cudagraphs: Inductor's CUDA graph trees take training graphs on one CUDA device"
+                        + (f" ({tree_note})" if tree_note else ""))
+        elif kind == "eager":
+            said.append("eager: a training graph's candidates are Inductor's code, whole or in regions")
+        else:
+            said.append(f"{label}: {region_note or 'not among the region plans compiled'}")
+    return f"no candidate of {wanted!r} for this graph ({'; '.join(said)}): {runs} runs"
+
+
 def region_candidates(top: int, wanted: Sequence[str] | None,
                       use: Callable[[int], Callable[[list[Any]], Sequence[Any]]]) -> list[Candidate]:
     """A graph's regions on 2 to ``top`` streams, ``use(k)`` running them on k; on one stream too

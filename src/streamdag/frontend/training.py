@@ -131,7 +131,7 @@ from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
-from .candidates import Candidate, region_candidates
+from .candidates import Candidate, no_candidate_note, region_candidates
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -317,8 +317,7 @@ class TrainingGraph:
         if wanted is not None:
             kept = [c for c in cands if c.label in wanted or c.label.split(" ")[0] in wanted]
             if not kept:
-                self.note = (f"no candidate of {wanted!r} for this graph ({self.region_note}): "
-                             f"{cands[0].label} runs")
+                self.note = no_candidate_note(wanted, self.region_note, self.tree_note, cands[0].label)
             cands = kept or cands[:1]
         return cands
 
