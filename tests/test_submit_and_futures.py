@@ -137,15 +137,18 @@ def test_an_asyncio_timeout_leaves_the_op_and_the_runtime_working(rt):
     assert slow.result() is True and (added == 1).all()
 
 
-def test_waiting_without_a_timeout_inside_a_done_callback_raises_instead_of_hanging():
+@pytest.mark.parametrize("how", ["result", "wait", "as_completed"])
+def test_waiting_without_a_timeout_inside_a_done_callback_raises_instead_of_hanging(how):
     gate = threading.Event()
     seen = []
+    wait = {"result": lambda f: f.result(), "wait": lambda f: concurrent.futures.wait([f]),
+            "as_completed": lambda f: list(concurrent.futures.as_completed([f]))}[how]
     with sd.Runtime("cpu", streams=2) as rt:  # two lanes: the awaited op is still running
         later = rt.submit(gate.wait, 10)
 
         def wait_inside(_f):
             try:
-                seen.append(later.result())
+                seen.append(wait(later))
             except RuntimeError as exc:
                 seen.append(exc)
 
@@ -157,6 +160,21 @@ def test_waiting_without_a_timeout_inside_a_done_callback_raises_instead_of_hang
         rt.synchronize()
     assert isinstance(seen[0], RuntimeError), seen
     assert "inside a done-callback would hang" in str(seen[0]) and "Chain instead" in str(seen[0])
+
+
+def test_a_wait_with_a_timeout_inside_a_done_callback_is_let_be():
+    seen = []
+    with sd.Runtime("cpu", streams=2) as rt:
+        gate = threading.Event()
+        later = rt.submit(gate.wait, 10)
+        rt.submit(time.sleep, 0.001).add_done_callback(
+            lambda _f: seen.append(concurrent.futures.wait([later], timeout=0.01)))
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.set()
+        rt.synchronize()
+    assert seen and later in seen[0].not_done
 
 
 def test_copy_is_an_op_ordered_like_any_other(rt):

@@ -297,23 +297,36 @@ def _held_up(futures: tuple[Any, ...], needs_all: bool, stuck: Callable[[Any], b
 
 
 class WatchedWaiters(list[Any]):
-    """The waiter list of a future that a lane op submitted to a lane (``Future._waiters``): the
-    waits of ``concurrent.futures`` install their waiter here before they block, and the lane
-    waits check it first (:meth:`LaneWaits.check_waiter`)."""
+    """The waiter list of a future (``Future._waiters``): the waits of ``concurrent.futures``
+    install their waiter here before they block. One without a timeout from inside a
+    done-callback (``inside_callback()``) raises instead, as ``result()`` there does; where a lane
+    op submitted the future to a lane (``lanes``), the lane waits check it too
+    (:meth:`LaneWaits.check_waiter`)."""
 
-    __slots__ = ("_lanes",)
+    __slots__ = ("_inside_callback", "_lanes")
 
-    def __init__(self, lanes: LaneWaits) -> None:
+    def __init__(self, inside_callback: Callable[[], bool], lanes: LaneWaits | None = None) -> None:
         super().__init__()
+        self._inside_callback = inside_callback
         self._lanes = lanes
 
     def append(self, waiter: Any) -> None:
-        self._lanes.check_waiter(waiter)
+        if self._inside_callback():
+            call = _waiting_call(sys._getframe(1))
+            if call is not None and call[1] is None:
+                raise RuntimeError(
+                    "waiting on an unfinished streamdag future (concurrent.futures.wait or as_completed "
+                    "without a timeout) inside a done-callback would hang: the callback runs in a thread "
+                    "that finishes ops. Chain instead (add a done-callback to the future, or submit the "
+                    "follow-up as an op that reads its data), or pass a timeout")
+        if self._lanes is not None:
+            self._lanes.check_waiter(waiter)
         super().append(waiter)
 
     def remove(self, waiter: Any) -> None:
         super().remove(waiter)
-        self._lanes.end_waiter(waiter)
+        if self._lanes is not None:
+            self._lanes.end_waiter(waiter)
 
 
 #: where ``concurrent.futures`` waits (its futures are ``fs`` there, its timeout ``timeout``)

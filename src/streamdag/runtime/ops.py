@@ -283,11 +283,10 @@ class Future(_FutureFields, concurrent.futures.Future[T]):
             return True
 
     def _new_waiters(self) -> list[Any]:
-        """The base class's waiter list, made with the condition: the waiters of a lane op that a
-        lane op submitted are checked as ``concurrent.futures`` installs them
-        (``lane_waits.WatchedWaiters``)."""
-        lanes = self.__dict__.get("_lanes_of")
-        return [] if lanes is None else WatchedWaiters(lanes)
+        """The base class's waiter list, made with the condition, where ``concurrent.futures``
+        installs its waiters: checked there (``lane_waits.WatchedWaiters``) for a wait that would
+        never end (inside a done-callback; from a lane op, for a lane op it submitted)."""
+        return WatchedWaiters(in_done_callback, self.__dict__.get("_lanes_of"))
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
