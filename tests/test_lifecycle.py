@@ -405,3 +405,14 @@ def test_a_closed_runtime_dropped_gives_no_warning():
         rt.close()
         del rt
         gc.collect()
+
+
+def test_close_drops_the_failures_not_yet_raised_and_a_closed_runtime_refuses_a_profile():
+    a = np.zeros(4)
+    rt = sd.Runtime("cpu", streams=2)
+    rt.submit(lambda x: 1 / 0, a, writes=[a])
+    rt.close()
+    rt.synchronize()  # (nothing pending, the failure dropped by close)
+    assert rt.statistics().failed == 1
+    with pytest.raises(sd.RuntimeClosed), rt.profile():
+        pass

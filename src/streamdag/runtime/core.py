@@ -498,6 +498,7 @@ class Runtime(SubmitPath, Holds, Completion, Lifecycle):
         """
         from .profiling import Profiler
 
+        self._check_open()
         with self._lock:
             if self._profiler is not None:
                 raise RuntimeError("already profiling: leave the open `with rt.profile()` block first")

@@ -242,6 +242,8 @@ class Lifecycle:
             if self._stopped:
                 return
             self._drain()
+            with self._done_lock:  # (dropped, as documented: a later synchronize() raises none of them)
+                self._failures = []
             self._finalizer.detach()
             stop_threads(self.backends, self._host, self._launcher)
             self._let_go()
