@@ -84,3 +84,10 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_do():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="use device='cpu'"):
         sd.Runtime("cuda")
+
+
+@pytest.mark.parametrize("run_on", ["gpu", "cuda", 0])
+def test_a_run_on_this_runtime_does_not_have_names_what_it_takes(run_on):
+    said = r"run_on takes None, 'host' or 'cpu' here; for a GPU, create a runtime with device='cuda'"
+    with sd.Runtime("cpu", streams=1) as rt, pytest.raises(ValueError, match=said):
+        rt.submit(len, [1], run_on=run_on)

@@ -112,8 +112,11 @@ class SubmitPath:
             if self._host is not None and (stream is None or self._stream_device[stream] == "host"):
                 device = "host"
         elif run_on is not None and run_on != device:
-            raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: "
-                             f"create it with devices=[{device!r}, {run_on!r}]")
+            several = (f"create the runtime with devices=[{device!r}, {run_on!r}]"
+                       if str(device).startswith("cuda") and str(run_on).startswith("cuda:")
+                       else "for a GPU, create a runtime with device='cuda'")
+            raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: run_on takes "
+                             f"None, 'host' or {device!r} here; {several}")
         recording = self._recording_here()
         if recording is not None:
             if by_object:
