@@ -177,6 +177,17 @@ def test_a_wait_with_a_timeout_inside_a_done_callback_is_let_be():
     assert seen and later in seen[0].not_done
 
 
+def test_copy_between_an_array_and_a_tensor_works_both_ways():
+    torch = pytest.importorskip("torch")
+    with sd.Runtime("cpu", streams=2) as rt:
+        array, tensor = np.arange(4.0), torch.zeros(4, dtype=torch.float64)
+        assert rt.copy(tensor, array).result() is tensor
+        assert torch.equal(tensor, torch.arange(4.0, dtype=torch.float64))
+        back = np.zeros(4)
+        assert rt.copy(back, tensor).result() is back
+        assert (back == np.arange(4.0)).all()
+
+
 def test_copy_is_an_op_ordered_like_any_other(rt):
     a = np.arange(1000.0)
     b = np.zeros(1000)

@@ -85,7 +85,7 @@ def _copy_into(dst: Any, src: Any) -> Any:
     if isinstance(dst, np.ndarray):
         np.copyto(dst, src)
         return dst
-    return dst.copy_(src)
+    return dst.copy_(_as_tensor(src))
 
 
 def _direction(src_space: str, dst_space: str) -> str | None:
