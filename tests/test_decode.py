@@ -370,3 +370,42 @@ _RANDOM_DECODERS: dict[int, object] = {}  # one decoder per lookahead, reused fr
 @functools.cache
 def _random_model() -> torch.nn.Module:
     return _llama(seed=11)
+
+
+def test_a_model_cast_to_another_dtype_after_decoding_decodes_in_it():
+    model = _llama()
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    dec = sd.decoder(model, max_length=32)
+    assert torch.equal(dec.generate(ids, 5, **EVERY), _hf_greedy(model, ids, 5, **EVERY))
+    model.to(torch.bfloat16)
+    assert torch.equal(dec.generate(ids, 5, **EVERY), _hf_greedy(model, ids, 5, **EVERY))
+
+
+def test_end_of_sequence_ids_are_taken_as_model_generate_takes_them():
+    import numpy as np
+
+    model = _llama()
+    ids = torch.randint(1, 128, (1, 4), generator=torch.Generator().manual_seed(4))
+    dec = sd.decoder(model, max_length=16)
+    expected = dec.generate(ids, 6, eos_token_id=[7, 9])
+    for eos in (torch.tensor([7, 9]), [np.int64(7), 9]):
+        assert torch.equal(dec.generate(ids, 6, eos_token_id=eos), expected)
+    assert torch.equal(dec.generate(ids, 6, eos_token_id=torch.tensor(7)),
+                       dec.generate(ids, 6, eos_token_id=7))
+    with pytest.raises(ValueError, match="eos_token_id must be an int, a list of ints or None"):
+        dec.generate(ids, 2, eos_token_id="7")
+    with pytest.raises(ValueError, match="lookahead must be a whole number of steps"):
+        sd.decoder(model, max_length=16, lookahead=1.5)
+
+
+def test_a_prompt_model_generate_would_mask_warns_a_mask_with_zeros_is_refused_and_ones_are_taken():
+    model = _llama()
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])  # the first row left-padded
+    dec = sd.decoder(model, max_length=16)
+    with pytest.warns(sd.StreamdagWarning, match=r"the prompt holds the padding id 0, which model\.generate"):
+        dec.generate(ids, 4)
+    with pytest.raises(ValueError, match="attention_mask must be all ones"):
+        dec.generate(ids, 4, attention_mask=(ids != 0).long())
+    ones = torch.ones_like(ids)  # the zeros are tokens: as model.generate with that mask
+    assert torch.equal(dec.generate(ids, 4, attention_mask=ones, **EVERY), _hf_greedy(model, ids, 4, **EVERY))

@@ -40,11 +40,13 @@ generator); the tokens are the same.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
 
+from .._diagnostics import warn
 from .decode_attention import attention_for_decode, describe
 
 __all__ = ["Decoder", "TokenStream", "generate"]
@@ -70,12 +72,43 @@ def _special_tokens(model: torch.nn.Module, eos: Any, pad: Any) -> tuple[list[in
         eos = getattr(config, "eos_token_id", None)
     if pad is FROM_MODEL:
         pad = getattr(config, "pad_token_id", None)
+    if pad is not None:
+        pad = _token_ids(pad, "pad_token_id", one=True)[0]
     if eos is None:
         return None, pad
-    ids = [eos] if isinstance(eos, int) else list(eos)
-    if not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    ids = _token_ids(eos, "eos_token_id")
     return ids, ids[0] if pad is None else pad
+
+
+def _token_ids(value: Any, name: str, one: bool = False) -> list[int]:
+    """``value`` (an int, a NumPy integer, a tensor of them, or a list) as a list of ints, as
+    ``model.generate`` takes it; ``one``: a single id."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    many = isinstance(value, (list, tuple)) and not one
+    try:
+        ids = [operator.index(i) for i in value] if many else [operator.index(value)]
+    except TypeError:
+        ids = []
+    if not ids:
+        raise ValueError(f"{name} must be {'an int' if one else 'an int, a list of ints'} or None, "
+                         f"got {value!r}")
+    return ids
+
+
+def _check_padding(input_ids: torch.Tensor, mask: Any, eos: list[int] | None, pad: int | None) -> None:
+    """The decoder masks nothing: it refuses an attention mask with a zero, and, without a mask,
+    warns of a prompt holding the padding id (not an end-of-sequence id), which ``model.generate``
+    without a mask would mask (its tokens would then differ)."""
+    fix = ("streamdag.decoder decodes prompts without padding (one length per batch); decode prompts "
+           "of other lengths in batches of their own")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape or not bool(mask.all()):
+            raise ValueError(f"attention_mask must be all ones, of the prompt's shape: {fix}")
+    elif pad is not None and (eos is None or pad not in eos) and bool((input_ids == pad).any()):
+        warn(f"streamdag.decoder: the prompt holds the padding id {pad}, which model.generate without an "
+             f"attention mask would mask; the decoder attends to every token: {fix} (pass "
+             "attention_mask=torch.ones_like(input_ids) where the id is a token, to say so)")
 
 
 class _Step(torch.nn.Module):
@@ -99,6 +132,9 @@ class _Slot:
                  options: dict[str, Any]) -> None:
         from transformers.cache_utils import StaticCache, StaticLayer
 
+        #: the model's weights when the slot was made: its cache takes their dtype and device at first use
+        self.weights = _weights_kind(model)
+
         self.cache: Any = StaticCache(config=model.config, max_cache_len=max_length)
         other = sorted({type(x).__name__ for x in self.cache.layers if type(x) is not StaticLayer})
         if other:  # a sliding window keeps its length as a Python int: each step would compile again
@@ -116,6 +152,12 @@ class _Slot:
             # the stream copies each step's tokens out before the next replay overwrites them
             self.step = compile_v2(self.step_module,
                                    **{"clone_outputs": False, "inductor": DECODE_INDUCTOR, **options})
+
+
+def _weights_kind(model: torch.nn.Module) -> tuple[Any, Any]:
+    """The dtype and device of the model's first floating-point parameter (None, None if none)."""
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return (None, None) if p is None else (p.dtype, p.device)
 
 
 def _check_transformers() -> None:
@@ -169,8 +211,8 @@ class Decoder:
         if not isinstance(max_length, int) or max_length < 2:
             raise ValueError("max_length must be an int of at least 2 (the prompt plus the new tokens), "
                              f"got {max_length!r}")
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be 0 or more, got {lookahead}")
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"lookahead must be a whole number of steps, 0 or more, got {lookahead!r}")
         _check_compile_options(compile_options)
         self.model = model
         self.max_length = max_length
@@ -182,14 +224,15 @@ class Decoder:
 
     def _slot(self, batch: int, device: torch.device) -> _Slot:
         slot = self._slots.get(batch)
-        if slot is None:
+        if slot is None or slot.weights != _weights_kind(self.model):  # (model.to(dtype) since: afresh)
             compile_step = device.type == "cuda" if self.compile is None else self.compile
             slot = self._slots[batch] = _Slot(self.model, self.max_length, compile_step, self.compile_options)
         return slot
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                eos_token_id: int | list[int] | None = FROM_MODEL,
-               pad_token_id: int | None = FROM_MODEL) -> TokenStream:
+               pad_token_id: int | None = FROM_MODEL,
+               attention_mask: torch.Tensor | None = None) -> TokenStream:
         """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch, prompt length), greedily.
 
         The prefill runs at once; the stream yields each step's tokens, a CPU ``int64`` tensor of
@@ -197,9 +240,12 @@ class Decoder:
         ``pad_token_id`` from then on, and the stream ends once every sequence has, as
         ``model.generate`` does; both default to the model's ``generation_config`` (the padding
         to the first end-of-sequence id), and ``eos_token_id=None`` generates every token.
+        ``attention_mask``, where given, must be all ones (the prompt has no padding); without it, a
+        prompt that holds the padding id is refused, as ``model.generate`` would mask it.
         """
         batch, _ = _check_prompt(input_ids, self.model, max_new_tokens, self.max_length)
         eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
+        _check_padding(input_ids, attention_mask, eos, pad)
         if self._current is not None:
             self._current._end("a later stream of the same decoder took its cache")
         slot = self._slot(batch, input_ids.device)
@@ -208,11 +254,12 @@ class Decoder:
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  eos_token_id: int | list[int] | None = FROM_MODEL,
-                 pad_token_id: int | None = FROM_MODEL) -> torch.Tensor:
+                 pad_token_id: int | None = FROM_MODEL,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt followed by the new tokens, (batch, length), on the prompt's device: what
         ``model.generate(input_ids, do_sample=False, max_new_tokens=...)`` returns."""
         return self.stream(input_ids, max_new_tokens, eos_token_id=eos_token_id,
-                           pad_token_id=pad_token_id).result()
+                           pad_token_id=pad_token_id, attention_mask=attention_mask).result()
 
     def statistics(self) -> dict[int, Any]:
         """Per batch size: the compiled step's counts (``streamdag.compile``'s statistics), where compiled."""
@@ -381,7 +428,7 @@ def _why(reason: str) -> str:
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
              eos_token_id: int | list[int] | None = FROM_MODEL, pad_token_id: int | None = FROM_MODEL,
-             **options: Any) -> torch.Tensor:
+             attention_mask: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     """Greedy generation in one call: a :class:`Decoder` sized for this prompt (see :meth:`Decoder.generate`).
 
     Each call compiles the step anew: to decode several prompts, keep a decoder
@@ -391,4 +438,5 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     _check_model(model)
     _check_prompt(input_ids, model, max_new_tokens, length + max(max_new_tokens, 1))
     decoder = Decoder(model, max_length=max(length + max_new_tokens, 2), **options)
-    return decoder.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return decoder.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            attention_mask=attention_mask)
