@@ -86,10 +86,25 @@ def test_on_the_cpu_a_step_runs_as_written_and_explain_says_so():
 @pytest.mark.parametrize("bad, error, words", [
     (lambda: sd.capture_step(3), TypeError, "needs a function"),
     (lambda: sd.capture_step(lambda: 0, warmup=0), ValueError, "at least 1"),
+    (lambda: sd.capture_step(lambda: 0, max_signatures=0), ValueError, "max_signatures must be an int of at"),
+    (lambda: sd.capture_step(max_signatures="4"), ValueError, "max_signatures must be an int of at"),
 ])
 def test_bad_settings_are_refused_with_the_fix(bad, error, words):
     with pytest.raises(error, match=words):
         bad()
+
+
+def test_capture_step_is_a_decorator_with_settings_or_without():
+    @sd.capture_step(warmup=5)
+    def step(x):
+        return x + 1
+
+    @sd.capture_step
+    def plain(x):
+        return x * 2
+
+    assert step.warmup == 5 and step.fn(1) == 2
+    assert plain.warmup == 3 and plain.fn(2) == 4
 
 
 def test_the_watch_sees_what_a_replay_would_miss_and_not_what_it_reads_where_it_lies():

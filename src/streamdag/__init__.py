@@ -77,16 +77,21 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
     return compile_v2(fn, **options)
 
 
-def capture_step(fn: Callable[..., Any], *, warmup: int = 3, max_signatures: int = 4) -> CapturedStep:
+def capture_step(fn: Callable[..., Any] | None = None, *, warmup: int = 3,
+                 max_signatures: int = 4) -> CapturedStep | Callable[[Callable[..., Any]], CapturedStep]:
     """A whole training step (forward, ``backward()``, the optimizer's step) replayed as one CUDA
     graph per signature of its arguments, after ``warmup`` calls run as written
     (:class:`streamdag.frontend.step_graph.CapturedStep`). The batch comes in as arguments, on
     the GPU; optimizers inside are made with ``capturable=True``; the model may be
     ``streamdag.compile``'d (its graphs then run inside the step's graph) or ``torch.compile``'d
-    with the default mode. Imports torch.
+    with the default mode. A decorator as ``@capture_step`` or ``@capture_step(warmup=5)``.
+    Imports torch.
     """
-    from .frontend.step_graph import CapturedStep
+    from .frontend.step_graph import CapturedStep, check_step_settings
 
+    if fn is None:  # @capture_step(warmup=...): the settings checked now, the function to come
+        check_step_settings(warmup, max_signatures)
+        return lambda f: CapturedStep(f, warmup=warmup, max_signatures=max_signatures)
     return CapturedStep(fn, warmup=warmup, max_signatures=max_signatures)
 
 

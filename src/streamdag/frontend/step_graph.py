@@ -121,6 +121,16 @@ class _Signature:
         self.recapture_reasons: list[str] = []
 
 
+def check_step_settings(warmup: int, max_signatures: int) -> None:
+    """Refuse settings :class:`CapturedStep` cannot take, naming what they must be."""
+    if not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"capture_step: warmup must be an int of at least 1 (compiling, choosing "
+                         f"candidates and making optimizer state happen there), got {warmup!r}")
+    if not isinstance(max_signatures, int) or isinstance(max_signatures, bool) or max_signatures < 1:
+        raise ValueError(f"capture_step: max_signatures must be an int of at least 1 (the signatures of "
+                         f"arguments kept captured), got {max_signatures!r}")
+
+
 class CapturedStep:
     """``fn`` (a whole training step) replayed as one CUDA graph per argument signature (see the
     module docstring). ``warmup``: calls per signature run as written before the capture;
@@ -129,9 +139,7 @@ class CapturedStep:
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 3, max_signatures: int = 4) -> None:
         if not callable(fn):
             raise TypeError(f"streamdag.capture_step needs a function, got {type(fn).__name__}")
-        if not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"capture_step: warmup must be an int of at least 1 (compiling, choosing "
-                             f"candidates and making optimizer state happen there), got {warmup!r}")
+        check_step_settings(warmup, max_signatures)
         self.fn = fn
         self.warmup = warmup
         self.max_signatures = max_signatures
