@@ -177,6 +177,23 @@ def test_a_wait_with_a_timeout_inside_a_done_callback_is_let_be():
     assert seen and later in seen[0].not_done
 
 
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+def test_a_wait_inside_a_done_callback_for_futures_all_done_returns(how):
+    seen = []
+    with sd.Runtime("cpu", streams=2) as rt:
+        done = [rt.submit(len, [1]), rt.submit(len, [1, 2])]
+        for f in done:
+            f.result()
+        wait = {"wait": lambda fs: concurrent.futures.wait(fs).done,
+                "as_completed": lambda fs: set(concurrent.futures.as_completed(fs))}[how]
+        rt.submit(time.sleep, 0.001).add_done_callback(lambda _f: seen.append(wait(done)))
+        rt.synchronize()
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert seen == [set(done)], seen
+
+
 def test_copy_between_an_array_and_a_tensor_works_both_ways():
     torch = pytest.importorskip("torch")
     with sd.Runtime("cpu", streams=2) as rt:

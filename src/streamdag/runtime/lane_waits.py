@@ -195,7 +195,7 @@ class LaneWaits:
         mine = self.lane_here()
         if mine is None:
             return
-        call = _waiting_call(sys._getframe(2))
+        call = waiting_call(sys._getframe(2))
         if call is None:  # not a wait we know how to read: let it be
             return
         futures, timeout = call
@@ -296,29 +296,52 @@ def _held_up(futures: tuple[Any, ...], needs_all: bool, stuck: Callable[[Any], b
     return any(blocked) if needs_all else all(blocked)
 
 
+CALLBACKS = threading.local()  # how deep this thread is in running futures' done-callbacks (``depth``)
+_UNFINISHED = ("PENDING", "RUNNING")  # (concurrent.futures' states of a future not yet done)
+
+
+def in_done_callback() -> bool:
+    """Whether this thread is running a future's done-callbacks (user code the runtime called).
+
+    Such a thread may be the one that finishes ops, so it must never block on
+    the runtime: its submits go over the in-flight bounds instead of waiting,
+    and waiting on an unfinished future without a timeout raises.
+    """
+    return getattr(CALLBACKS, "depth", 0) > 0
+
+
+def refuse_hanging_wait(frame: Any) -> None:
+    """Raise where ``frame`` is a ``concurrent.futures`` wait without a timeout, from inside a
+    done-callback, for a streamdag future not finished: as ``result()`` there, it would hang."""
+    if not in_done_callback():
+        return
+    call = waiting_call(frame)
+    if call is None or call[1] is not None:
+        return
+    if any(getattr(type(f), "streamdag_future", False) and f._state in _UNFINISHED for f in call[0]):
+        raise RuntimeError(
+            "waiting on an unfinished streamdag future (concurrent.futures.wait or as_completed without "
+            "a timeout) inside a done-callback would hang: the callback runs in a thread that finishes "
+            "ops. Chain instead (add a done-callback to the future, or submit the follow-up as an op "
+            "that reads its data), or pass a timeout")
+
+
 class WatchedWaiters(list[Any]):
     """The waiter list of a future (``Future._waiters``): the waits of ``concurrent.futures``
-    install their waiter here before they block. One without a timeout from inside a
-    done-callback (``inside_callback()``) raises instead, as ``result()`` there does; where a lane
-    op submitted the future to a lane (``lanes``), the lane waits check it too
+    install their waiter here before they block. ``refuse_hang(frame)`` (``frame``: the caller
+    of ``append``) raises for one that would never end, before it is installed; where a lane op
+    submitted the future to a lane (``lanes``), the lane waits check it too
     (:meth:`LaneWaits.check_waiter`)."""
 
-    __slots__ = ("_inside_callback", "_lanes")
+    __slots__ = ("_lanes", "_refuse_hang")
 
-    def __init__(self, inside_callback: Callable[[], bool], lanes: LaneWaits | None = None) -> None:
+    def __init__(self, refuse_hang: Callable[[Any], None], lanes: LaneWaits | None = None) -> None:
         super().__init__()
-        self._inside_callback = inside_callback
+        self._refuse_hang = refuse_hang
         self._lanes = lanes
 
     def append(self, waiter: Any) -> None:
-        if self._inside_callback():
-            call = _waiting_call(sys._getframe(1))
-            if call is not None and call[1] is None:
-                raise RuntimeError(
-                    "waiting on an unfinished streamdag future (concurrent.futures.wait or as_completed "
-                    "without a timeout) inside a done-callback would hang: the callback runs in a thread "
-                    "that finishes ops. Chain instead (add a done-callback to the future, or submit the "
-                    "follow-up as an op that reads its data), or pass a timeout")
+        self._refuse_hang(sys._getframe(1))
         if self._lanes is not None:
             self._lanes.check_waiter(waiter)
         super().append(waiter)
@@ -333,7 +356,7 @@ class WatchedWaiters(list[Any]):
 _WAITING_CALLS = frozenset({"wait", "as_completed"})
 
 
-def _waiting_call(frame: Any) -> tuple[Any, Any] | None:
+def waiting_call(frame: Any) -> tuple[Any, Any] | None:
     """The futures and timeout of the ``concurrent.futures.wait`` or ``as_completed`` call that
     installs a waiter, read from its frame (``frame`` is the one that appends, or a caller of it),
     or None where the append comes from anywhere else."""

@@ -21,7 +21,7 @@ from ..graph.buffers import Access
 from ..native import twin
 from ..schedule.waits import Stamp
 from .frames import release_frames
-from .lane_waits import WatchedWaiters
+from .lane_waits import CALLBACKS, WatchedWaiters, in_done_callback, refuse_hanging_wait
 
 __all__ = ["Future", "Op", "callbacks_later", "deferring_callbacks", "in_done_callback", "then"]
 
@@ -65,25 +65,12 @@ _LAZY_LISTS = frozenset({"_waiters", "_done_callbacks"})
 LAZY_FIELDS = frozenset({"_condition", *_LAZY_LISTS})
 #: how long an ``await`` polls for its op before it waits to be woken
 AWAIT_HELP_SECONDS = 2e-3
-_CALLBACKS = threading.local()  # how deep this thread is in running futures' done-callbacks
-
-
-def in_done_callback() -> bool:
-    """Whether this thread is running a future's done-callbacks (user code the runtime called).
-
-    Such a thread may be the one that finishes ops, so it must never block on
-    the runtime: its submits go over the in-flight bounds instead of waiting,
-    and waiting on an unfinished future without a timeout raises.
-    """
-    return getattr(_CALLBACKS, "depth", 0) > 0
-
-
 def _running_callbacks(settle: Callable[[Any], None], value: Any) -> None:
-    _CALLBACKS.depth = getattr(_CALLBACKS, "depth", 0) + 1
+    CALLBACKS.depth = getattr(CALLBACKS, "depth", 0) + 1
     try:
         settle(value)
     finally:
-        _CALLBACKS.depth -= 1
+        CALLBACKS.depth -= 1
 
 
 def _numbered_name(name: str, number: int) -> str:
@@ -133,6 +120,7 @@ class Future(_FutureFields, concurrent.futures.Future[T]):
     # backend's token for the op's completion entry, so that a waiter gets it finished first;
     # ``_fence``: the op's completion event, for ``Runtime.current_stream_wait`` (None: the host waits).
     __slots__ = tuple(sorted(LAZY_FIELDS))
+    streamdag_future = True  # (how lane_waits tells a streamdag future among a wait's futures)
 
     def __init__(self) -> None:  # the base's state, without its Condition and lists (the compiled
         # submit, native/_submit.c, sets the same fields without this call: keep the two equal)
@@ -286,7 +274,7 @@ class Future(_FutureFields, concurrent.futures.Future[T]):
         """The base class's waiter list, made with the condition, where ``concurrent.futures``
         installs its waiters: checked there (``lane_waits.WatchedWaiters``) for a wait that would
         never end (inside a done-callback; from a lane op, for a lane op it submitted)."""
-        return WatchedWaiters(in_done_callback, self.__dict__.get("_lanes_of"))
+        return WatchedWaiters(refuse_hanging_wait, self.__dict__.get("_lanes_of"))
 
     def _settle_unobserved(self, result: Any, exception: BaseException | None) -> bool:
         """Finish at once if nobody waits and no callback is set (no condition to notify)."""
