@@ -393,6 +393,22 @@ def test_a_graph_inductor_fails_on_itself_runs_on_the_make_fx_path():
     assert c.statistics().fallbacks == 1
 
 
+def test_dynamos_signals_pass_on_and_inductors_failures_fall_back_however_they_are_wrapped():
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    from streamdag.frontend.inductor_backend import _signal_in
+
+    skip = dynamo_exc.SkipFrame("run the frame as written")
+    assert _signal_in(skip) is skip
+    assert _signal_in(inductor_exc.InductorError(skip, None)) is skip  # (wrapped past Inductor's cache)
+    assert _signal_in(inductor_exc.InductorError(RuntimeError("no compiler"), None)) is None
+    for failure in ("TritonMissing", "GPUTooOldForTriton"):  # (Dynamo's ShortenTraceback, not signals)
+        kind = getattr(inductor_exc, failure, None)
+        if kind is not None:
+            assert _signal_in(kind.__new__(kind)) is None
+
+
 def test_a_training_call_of_a_graph_inductor_cannot_compile_runs_the_traced_graph_with_its_gradients(
         monkeypatch):
     import torch._inductor.compile_fx as cfx

@@ -473,10 +473,13 @@ class StreamdagBackend:
                 compiled = compile_fx(gm, example_inputs, inner_compile=inner,
                                       config_patches=self.options.inductor)
         except Exception as exc:
-            if not _failed(exc):
-                self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
+            signal = _signal_in(exc)
+            if signal is None:
+                return self._fallback(eager, example_inputs, exc, index)
+            self.stats.graphs -= 1  # (Dynamo traces the code again, or runs it as written)
+            if signal is exc:
                 raise
-            return self._fallback(eager, example_inputs, exc, index)
+            raise signal from None  # (Inductor wrapped it: Dynamo acts on the signal itself)
         finally:
             self.stats.compile_s += time.perf_counter() - t0
         runner = GraphRunner(compiled, eager, switches[0] if len(switches) == 1 else None, self.options,
@@ -522,18 +525,19 @@ class StreamdagBackend:
 #: specialized) or run the frame as written, and the fake-tensor exceptions (an op whose output depends
 #: on data) Dynamo turns into a graph break, as under ``torch.compile``: never the backend's failures
 _DYNAMO_SIGNALS: tuple[type[BaseException], ...] = tuple(
-    e for e in (getattr(_dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame", "ShortenTraceback"))
+    e for e in (getattr(_dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame"))
     if isinstance(e, type)) + tuple(getattr(_dynamo_exc, "exceptions_allowed_to_be_fallback", ()))
 
 
-def _failed(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failure to compile (the graph goes to the make_fx path), not a signal for
-    Dynamo. Inductor wraps its failures (no working C++ compiler, say) in ``InductorError``, also a
-    ``ShortenTraceback``: the exception it wraps says which."""
+def _signal_in(exc: BaseException) -> BaseException | None:
+    """The signal for Dynamo that ``exc`` is or wraps; None where it is a failure to compile (the
+    graph goes to the make_fx path). Inductor wraps what its compile raises in ``InductorError``
+    (a ``BackendCompilerFailed``): a failure (no working C++ compiler, no Triton) or, where it
+    compiles past its cache, a signal too."""
     inner = getattr(exc, "inner_exception", None)
     if isinstance(exc, _dynamo_exc.BackendCompilerFailed) and isinstance(inner, BaseException):
-        return _failed(inner)
-    return not isinstance(exc, _DYNAMO_SIGNALS)
+        return _signal_in(inner)
+    return exc if isinstance(exc, _DYNAMO_SIGNALS) else None
 
 _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
