@@ -60,6 +60,9 @@ def test_other_attributes_are_the_wrapped_models():
     assert compiled.state_dict().keys() == module.state_dict().keys()
     with pytest.raises(AttributeError, match="no_such_thing"):
         compiled.no_such_thing  # noqa: B018
+    # a method that returns the module returns the compiled model: model = model.to(...) keeps it
+    assert compiled.to(torch.float64) is compiled and module[0].weight.dtype == torch.float64
+    assert compiled.requires_grad_(False) is compiled and not module[0].weight.requires_grad
 
 
 @pytest.mark.slow

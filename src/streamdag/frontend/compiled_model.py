@@ -8,6 +8,7 @@ and says once why. :mod:`.inductor_backend` is the graphs' side.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import sys
@@ -390,11 +391,21 @@ class CompiledModel:
 
     def __getattr__(self, name: str) -> Any:
         """Any other attribute is the wrapped model's (``parameters()``, ``state_dict()``, a Hugging
-        Face model's ``config``), as through ``torch.compile``'s wrapper: its methods run as written."""
+        Face model's ``config``), as through ``torch.compile``'s wrapper: its methods run as written,
+        and one that returns the model itself (``.to(device)``, ``.half()``, ``.requires_grad_()``)
+        returns this compiled model, so that ``model = model.to(device)`` keeps it compiled."""
         wrapped = self.__dict__.get("__wrapped__")
         if wrapped is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(wrapped, name)
+        attr = getattr(wrapped, name)
+        if not callable(attr) or getattr(attr, "__self__", None) is not wrapped:
+            return attr
+
+        @functools.wraps(attr)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            return self if out is wrapped else out
+        return method
 
     def close(self) -> None:
         for r in self.backend.runners:
