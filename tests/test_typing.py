@@ -44,6 +44,16 @@ with sd.Runtime(device="cpu", streams=2) as rt:
 
 async def waits(rt: sd.Runtime) -> float:
     return await rt.submit(total, x, x)
+
+@sd.capture_step(warmup=5)
+def step(a: np.ndarray) -> float:
+    return float(a.sum())
+
+@sd.capture_step
+def plain_step(a: np.ndarray) -> float:
+    return float(a.sum())
+
+said: str = step.explain() + plain_step.explain()  # (both are captured steps, not decorators)
 """
 
 BAD = """

@@ -8,7 +8,7 @@ streams, and recorded graphs are scheduled once and run many times.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from . import parallel
 from .errors import (
@@ -75,6 +75,15 @@ def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any
         raise TypeError(f"streamdag.compile got unknown option(s) {', '.join(map(repr, unknown))}; "
                         f"it takes {', '.join(known)} (and engine='aten' with its own)")
     return compile_v2(fn, **options)
+
+
+@overload
+def capture_step(fn: Callable[..., Any], *, warmup: int = 3, max_signatures: int = 4) -> CapturedStep: ...
+
+
+@overload
+def capture_step(fn: None = None, *, warmup: int = 3,
+                 max_signatures: int = 4) -> Callable[[Callable[..., Any]], CapturedStep]: ...
 
 
 def capture_step(fn: Callable[..., Any] | None = None, *, warmup: int = 3,
