@@ -224,7 +224,10 @@ class Decoder:
 
     def _slot(self, batch: int, device: torch.device) -> _Slot:
         slot = self._slots.get(batch)
-        if slot is None or slot.weights != _weights_kind(self.model):  # (model.to(dtype) since: afresh)
+        if slot is not None and slot.weights != _weights_kind(self.model):  # model.to(...) since: every
+            self._slots.clear()  # slot's cache and graphs are of the old weights, and go
+            slot = None
+        if slot is None:
             compile_step = device.type == "cuda" if self.compile is None else self.compile
             slot = self._slots[batch] = _Slot(self.model, self.max_length, compile_step, self.compile_options)
         return slot
@@ -241,7 +244,7 @@ class Decoder:
         ``model.generate`` does; both default to the model's ``generation_config`` (the padding
         to the first end-of-sequence id), and ``eos_token_id=None`` generates every token.
         ``attention_mask``, where given, must be all ones (the prompt has no padding); without it, a
-        prompt that holds the padding id is refused, as ``model.generate`` would mask it.
+        prompt that holds the padding id warns, as ``model.generate`` would mask it.
         """
         batch, _ = _check_prompt(input_ids, self.model, max_new_tokens, self.max_length)
         eos, pad = _special_tokens(self.model, eos_token_id, pad_token_id)
