@@ -671,3 +671,10 @@ def test_a_candidate_a_training_graph_cannot_have_is_explained_by_its_kind(wante
     said = fast.explain()
     assert said.count(f"no candidate of ('{wanted}',) for this graph ({wanted}: ") == 2, said
     assert why in said, said
+
+
+def test_strides_with_gaps_are_not_dense():
+    from streamdag.frontend.inductor_regions import _dense
+
+    assert _dense((4, 8, 8, 8), (512, 1, 64, 8)) and _dense((4, 8, 1), (8, 1, 99))
+    assert not _dense((4, 8, 8), (72, 9, 1))  # (a row padded to 9)

@@ -179,7 +179,9 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     """Each output of ``sub`` with ``wanted`` strides goes through Inductor's ``force_stride_order``,
     even where its metadata shows them already: Inductor takes an output's strides from what its
     lowering makes (a convolution's input may go channels-last), not from the output node's
-    metadata. Where the layout already holds, the forcing copies nothing."""
+    metadata. Where the layout already holds, the forcing copies nothing. Strides with gaps (an
+    output padded by Inductor) are left to the exact strides asked for the output: forcing their
+    order would make a dense buffer first, and a copy."""
     import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 
     out = next(n for n in sub.graph.nodes if n.op == "output")
@@ -187,7 +189,7 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     changed = False
     for i, (o, a) in enumerate(zip(outputs, args)):
         stride, val = wanted.get(o), a.meta.get("val")
-        if stride is None or not isinstance(val, torch.Tensor):
+        if stride is None or not isinstance(val, torch.Tensor) or not _dense(val.shape, stride):
             continue
         with sub.graph.inserting_before(out):
             forced = sub.graph.call_function(torch.ops.prims.inductor_force_stride_order.default,
@@ -199,6 +201,16 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     if changed:
         out.args = (tuple(args),)
         sub.recompile()
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays a tensor of ``shape`` out with no gap (in some order of its dimensions)."""
+    expected = 1
+    for st, n in sorted((int(st), int(n)) for n, st in zip(shape, stride) if int(n) != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _same_layout(shape: Sequence[int], stride: Sequence[int], wanted: Sequence[int] | None) -> bool:
