@@ -70,6 +70,10 @@ def test_calls_on_the_cpu_with_a_number_that_changes_remember_a_bounded_number_o
     assert dynamo.calls == 12 and len(w.refused) == 5
     said = w.explain()
     assert said.count("whole-call graphs are CUDA graphs") == 3 and "(and 2 more calls)" in said, said
+    with torch.no_grad():  # a key called again goes last: the next to go is the least recently called
+        for value in (7.5, 12.5):
+            w((x, value), {}, dynamo)
+    assert call_key((x, 7.5), {}) in w.refused and call_key((x, 8.5), {}) not in w.refused
 
 
 def test_a_call_with_an_argument_of_another_type_has_no_key_and_says_why():

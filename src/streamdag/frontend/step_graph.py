@@ -123,7 +123,7 @@ class _Signature:
 
 def check_step_settings(warmup: int, max_signatures: int) -> None:
     """Refuse settings :class:`CapturedStep` cannot take, naming what they must be."""
-    if not isinstance(warmup, int) or warmup < 1:
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
         raise ValueError(f"capture_step: warmup must be an int of at least 1 (compiling, choosing "
                          f"candidates and making optimizer state happen there), got {warmup!r}")
     if not isinstance(max_signatures, int) or isinstance(max_signatures, bool) or max_signatures < 1:

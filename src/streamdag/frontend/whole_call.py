@@ -241,7 +241,7 @@ class WholeCall:
             self.note = key
             return dynamo(*args, **kwargs)
         if key in self.refused:
-            self.note = self.refused[key]
+            self.note = self.refused[key] = self.refused.pop(key)  # (last to go: it is in use)
             return dynamo(*args, **kwargs)
         device, why = _one_cuda_device(args, kwargs)  # before any snapshot: on the CPU there is no graph
         if device is None:
