@@ -112,13 +112,14 @@ class SubmitPath:
             if self._host is not None and (stream is None or self._stream_device[stream] == "host"):
                 device = "host"
         elif run_on is not None and run_on != device:
-            if not str(device).startswith("cuda"):
-                several = "for a GPU, create a runtime with device='cuda'"
-            elif run_on == "cpu":
+            kind, asked = str(device).split(":")[0], str(run_on)
+            if kind == "cuda" and run_on == "cpu":
                 several = "run_on='host' runs a function on the host beside the GPU"
+            elif kind in ("cuda", "sim") and asked.startswith(f"{kind}:"):
+                several = f"for several devices, create the runtime with devices=[{device!r}, {run_on!r}]"
             else:
-                several = (f"for several GPUs, create the runtime with devices=[{device!r}, "
-                           f"{run_on if str(run_on).startswith('cuda:') else 'cuda:1'!r}]")
+                several = ("for a GPU, create a runtime with device='cuda' (several: "
+                           "devices=['cuda:0', 'cuda:1'])")
             raise ValueError(f"run_on={run_on!r}, but this runtime runs on {device} only: run_on takes "
                              f"None, 'host' or {device!r} here; {several}")
         recording = self._recording_here()
