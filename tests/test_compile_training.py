@@ -674,7 +674,7 @@ def test_a_candidate_a_training_graph_cannot_have_is_explained_by_its_kind(wante
 
 
 def test_strides_with_gaps_are_not_dense():
-    from streamdag.frontend.inductor_regions import _dense
+    from streamdag.frontend.lent_outputs import dense_strides
 
-    assert _dense((4, 8, 8, 8), (512, 1, 64, 8)) and _dense((4, 8, 1), (8, 1, 99))
-    assert not _dense((4, 8, 8), (72, 9, 1))  # (a row padded to 9)
+    assert dense_strides((4, 8, 8, 8), (512, 1, 64, 8)) and dense_strides((4, 8, 1), (8, 1, 99))
+    assert not dense_strides((4, 8, 8), (72, 9, 1))  # (a row padded to 9)

@@ -480,6 +480,18 @@ def test_an_inception_block_compiled_into_regions_equals_eager_in_any_order():
 
 
 @pytest.mark.slow
+def _inception_on_regions_as_eager():
+    """An Inception block compiled with regions="always", called once without gradients (checked
+    against eager); the compiled model."""
+    torch.manual_seed(0)
+    m = Inception().eval()
+    c = sd.compile(m, regions="always")
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    return c
+
+
 def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(monkeypatch):
     import streamdag.frontend.inner_compile as inner
 
@@ -487,25 +499,14 @@ def test_a_graph_the_region_planner_fails_on_still_runs_inductors_whole_graph(mo
         raise AssertionError("the units of the graph form a cycle")
 
     monkeypatch.setattr(inner, "plan_regions", broken)
-    torch.manual_seed(0)
-    m = Inception().eval()
-    c = sd.compile(m, regions="always")
-    x = torch.randn(2, 8, 8, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(c(x), m(x))
+    c = _inception_on_regions_as_eager()
     assert c.statistics().fallbacks == 0
     assert "no region plan (AssertionError: the units of the graph form a cycle)" in c.explain()
 
 
 @pytest.mark.slow
 def test_regions_compiled_on_the_cpu_leave_inductors_whole_graph_running_and_explain_says_so():
-    torch.manual_seed(0)
-    m = Inception().eval()
-    c = sd.compile(m, regions="always")
-    x = torch.randn(2, 8, 8, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(c(x), m(x))
-    said = c.explain()
+    said = _inception_on_regions_as_eager().explain()
     assert "candidate regions x2" in said, said
     assert "on the CPU: inductor runs uncaptured (nothing is timed: candidates= picks another)" in said, said
 

@@ -539,6 +539,7 @@ def _signal_in(exc: BaseException) -> BaseException | None:
         return _signal_in(inner)
     return exc if isinstance(exc, _DYNAMO_SIGNALS) else None
 
+
 _DEFAULT: StreamdagBackend | None = None
 _DEFAULT_LOCK = threading.Lock()
 

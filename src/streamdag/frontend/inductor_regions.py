@@ -52,6 +52,7 @@ from torch.fx import GraphModule
 from .._progress import progress
 from ..schedule.plan import Schedule
 from .kernels_together import kernels_compiled_together
+from .lent_outputs import dense_strides
 from .regions import Region, RegionPlan
 
 __all__ = ["CompiledRegion", "RegionProgram", "compile_regions", "region_graph"]
@@ -189,7 +190,7 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     changed = False
     for i, (o, a) in enumerate(zip(outputs, args)):
         stride, val = wanted.get(o), a.meta.get("val")
-        if stride is None or not isinstance(val, torch.Tensor) or not _dense(val.shape, stride):
+        if stride is None or not isinstance(val, torch.Tensor) or not dense_strides(val.shape, stride):
             continue
         with sub.graph.inserting_before(out):
             forced = sub.graph.call_function(torch.ops.prims.inductor_force_stride_order.default,
@@ -201,16 +202,6 @@ def _force_strides(sub: torch.fx.GraphModule, outputs: Sequence[torch.fx.Node],
     if changed:
         out.args = (tuple(args),)
         sub.recompile()
-
-
-def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether ``stride`` lays a tensor of ``shape`` out with no gap (in some order of its dimensions)."""
-    expected = 1
-    for st, n in sorted((int(st), int(n)) for n, st in zip(shape, stride) if int(n) != 1):
-        if st != expected:
-            return False
-        expected *= n
-    return True
 
 
 def _same_layout(shape: Sequence[int], stride: Sequence[int], wanted: Sequence[int] | None) -> bool:

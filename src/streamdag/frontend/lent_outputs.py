@@ -193,9 +193,15 @@ def lend_refusal(outputs: Sequence[torch.Tensor], clone: bool) -> str:
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one span of memory, each once, in some order of its dimensions
     (a copy of its layout is then a plain copy)."""
+    return dense_strides(t.shape, t.stride())
+
+
+def dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays a tensor of ``shape`` out with no gap and no overlap, in some order of
+    its dimensions."""
     expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
+    for st, n in sorted((int(st), int(n)) for n, st in zip(shape, stride) if int(n) != 1):
+        if st != expected:
             return False
-        expected *= size
+        expected *= n
     return True

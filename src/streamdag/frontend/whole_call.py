@@ -98,8 +98,8 @@ MAX_ATTEMPTS = 3
 #: entries kept per key for global settings other than the current one's (each holds its graph
 #: and memory)
 MAX_OTHERS = 3
-#: refused keys remembered (the oldest goes first): a float argument that changes at each call on
-#: the CPU would otherwise add a key for good at each call; a key forgotten is checked again
+#: refused keys remembered (the least recently called goes first): a float argument that changes at
+#: each call on the CPU would otherwise add a key for good at each call; a key forgotten is checked again
 MAX_REFUSED = 256
 
 
