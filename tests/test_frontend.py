@@ -17,7 +17,7 @@ DEVICES = ["cpu", "sim"]
 
 @pytest.fixture(autouse=True)
 def _make_fx_engine(monkeypatch):
-    """These tests are of the make_fx path (tests/test_compile_v2.py has the Inductor one)."""
+    """These tests are of the make_fx path (the other test_compile_* modules test the Inductor one)."""
     monkeypatch.setenv("STREAMDAG_COMPILE_ENGINE", "aten")
 
 

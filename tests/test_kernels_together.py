@@ -138,7 +138,7 @@ def test_a_kernel_that_fails_to_compile_fails_the_block_after_every_wait_is_made
 
 @pytest.mark.slow
 def test_the_regions_of_an_inception_block_wait_for_their_kernels_once_all_are_lowered(monkeypatch):
-    from test_compile_v2 import inception_in_regions
+    from compile_models import inception_in_regions
 
     torch._dynamo.reset()
     events = []

@@ -222,7 +222,7 @@ def _calls_equal_eager(compiled, model, inputs):
 
 @pytest.mark.cuda
 def test_on_cuda_a_whole_call_with_regions_on_several_streams_equals_eager(no_tf32, fresh_dynamo):
-    from test_compile_v2 import Inception
+    from compile_models import Inception
 
     torch.manual_seed(0)
     m = Inception(c=64).eval().cuda()
