@@ -83,6 +83,22 @@ def test_on_the_cpu_a_step_runs_as_written_and_explain_says_so():
     assert "off CUDA ran the step as written" in step.explain()
 
 
+def test_on_the_cpu_a_step_is_refused_for_what_a_gpu_refuses():
+    """A step written and tried on the CPU meets the rules of a captured step there: an argument
+    that requires grad, an argument of another type, a result that is not tensors."""
+    x, y = batches(1, "cpu")[0]
+    with pytest.raises(ValueError, match="an argument requires grad"):
+        sd.capture_step(lambda a: a.sum())(x.requires_grad_())
+    with pytest.raises(TypeError, match="an argument of type object"):
+        sd.capture_step(lambda a, b: a.sum())(y, object())
+    ran = []
+    with pytest.raises(TypeError, match=r"returns float: .*not loss.item\(\)"):
+        sd.capture_step(lambda a: ran.append(1) or a.float().sum().item())(y)
+    assert ran == [1]  # (as on a GPU: the first call runs the step, then refuses its result)
+    out = sd.capture_step(lambda a: {"loss": a.float().sum(), "none": None, "n": 3 * a})(y)
+    assert out["n"].shape == (8,) and out["none"] is None
+
+
 @pytest.mark.parametrize("bad, error, words", [
     (lambda: sd.capture_step(3), TypeError, "needs a function"),
     (lambda: sd.capture_step(lambda: 0, warmup=0), ValueError, "at least 1"),

@@ -40,7 +40,9 @@ writes in place are copied back after each replay. A replay on another stream
 than the last one waits for it before copying its batch in.
 
 On the CPU (no CUDA graphs) every call runs ``fn`` as written; ``explain()``
-says so.
+says so. Its arguments and result are held to the same rules (no argument
+that requires grad, only tensors and plain values in, only tensors out), so
+a step that runs on the CPU is not refused on a GPU for them.
 """
 
 from __future__ import annotations
@@ -157,17 +159,17 @@ class CapturedStep:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         devices = {t.device for t in tensors}
+        for t in tensors:
+            if t.requires_grad:
+                raise ValueError("capture_step: an argument requires grad; the step's arguments are "
+                                 "data (a batch): pass it detached, or make it a parameter of the model")
+        key = (_spec_key(spec), tuple(_leaf_key(x) for x in leaves))
         if {d.type for d in devices} <= {"cpu"}:
             return self._as_written(args, kwargs, bool(devices))
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"capture_step: the step's tensor arguments are on {sorted(map(str, devices))}; "
                              "a captured step takes them on one CUDA device (move the batch there "
                              "first, e.g. x.cuda(non_blocking=True))")
-        for t in tensors:
-            if t.requires_grad:
-                raise ValueError("capture_step: an argument requires grad; the step's arguments are "
-                                 "data (a batch): pass it detached, or make it a parameter of the model")
-        key = (_spec_key(spec), tuple(_leaf_key(x) for x in leaves))
         with self._lock:
             sig = self._signatures.get(key)
             if sig is None:
@@ -212,14 +214,18 @@ class CapturedStep:
             return _copies(sig.outputs)
 
     def _as_written(self, args: tuple, kwargs: dict, on_cpu: bool) -> Any:
-        """A call whose tensors are all on the CPU, or that has none: ``fn`` as written."""
+        """A call whose tensors are all on the CPU, or that has none: ``fn`` as written, its arguments
+        and result held to the rules of a captured step, so that a step written on the CPU is
+        refused there for what a GPU would refuse."""
         self.eager_calls += 1
         if self.eager_calls == 1 and torch.cuda.is_available():
             where = "on the CPU" if on_cpu else "no tensors (they come from the step's closure)"
             warn(f"capture_step: the step's arguments hold {where}, so it runs as written, uncaptured: "
                  "pass the batch as an argument, on the GPU, for the step to be captured (a replay "
                  "reads its inputs only from its arguments)")
-        return self.fn(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
+        _check_outputs(pytree.tree_leaves(out))
+        return out
 
     def _warm(self, sig: _Signature, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
               device: torch.device) -> Any:
