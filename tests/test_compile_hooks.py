@@ -264,3 +264,47 @@ def test_a_model_compiled_again_for_its_hooks_counts_dynamos_limit_from_none():
             x = torch.randn(batch, 8)
             torch.testing.assert_close(c(x), m(x))
     assert "symbolic shapes" not in c.explain() and c.statistics().eager_calls == 0
+
+
+@pytest.mark.slow
+def test_a_hook_added_for_a_few_calls_and_removed_again_and_again_compiles_for_the_hook_alone():
+    """Hooks put back as they were (a hook that grabs activations for a few calls, then goes) find
+    the code compiled for them: each cycle compiles once, for its hook, and the model never runs
+    as written where it would have after two cycles."""
+    from streamdag.frontend.compiled_model import _HOOK_COMPILES
+
+    m = _model().eval()
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    seen = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sd.StreamdagWarning)
+        torch.testing.assert_close(c(x), m(x))
+        for cycle in range(_HOOK_COMPILES):
+            handle = m[0].register_forward_hook(lambda module, args, out: seen.append(out.shape) or None)
+            torch.testing.assert_close(c(x), m(x))
+            handle.remove()
+            before = c.statistics().graphs
+            for _ in range(2):
+                torch.testing.assert_close(c(x), m(x))
+            assert c.statistics().graphs == before, f"cycle {cycle}: the hook's removal compiled again"
+    assert len(seen) == 2 * _HOOK_COMPILES  # (compiled and eager, each cycle)
+    assert c.statistics().eager_calls == 0, c.explain()
+
+
+@pytest.mark.slow
+def test_calls_run_as_written_for_changing_hooks_are_explained_by_the_hooks():
+    from streamdag.frontend.compiled_model import _HOOK_COMPILES
+
+    m = _model().eval()
+    c = sd.compile(m)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sd.StreamdagWarning)
+        c(x)
+        for scale in range(2, _HOOK_COMPILES + 4):  # a new hook each time, never removed
+            m[0].register_forward_hook(lambda module, args, out, s=scale: out * s)
+            torch.testing.assert_close(c(x), m(x))
+    said = [line for line in c.explain().splitlines() if "ran no compiled graph" in line]
+    assert len(said) == 1 and "the hooks of Sequential changed" in said[0], c.explain()
+    assert "recompile_limit" not in said[0]

@@ -65,6 +65,108 @@ def test_other_attributes_are_the_wrapped_models():
     assert compiled.requires_grad_(False) is compiled and not module[0].weight.requires_grad
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+@pytest.mark.slow
+def test_attributes_set_on_a_compiled_module_are_set_on_the_model_and_followed():
+    torch.manual_seed(0)
+    module = Scaled().eval()
+    compiled = sd.compile(module)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))
+        compiled.temperature = 4.0
+        assert module.temperature == 4.0
+        torch.testing.assert_close(compiled(x), module.lin(x) / 4)
+        compiled.lin = nn.Identity()
+        assert isinstance(module.lin, nn.Identity)
+        torch.testing.assert_close(compiled(x), x / 4)
+        compiled.training = True
+        assert module.training
+        del compiled.temperature
+        assert not hasattr(module, "temperature")
+
+
+def test_a_compiled_module_is_a_module_that_takes_the_models_place_in_a_parent():
+    """A compiled part put in its parent's place, or into an nn.Sequential: the parent's state_dict
+    keeps the model's names (no wrapper's prefix), its parameters, dtype changes, mode switches and
+    load_state_dict reach the model."""
+    torch.manual_seed(0)
+    parent = Outer(Scaled())
+    names = list(parent.state_dict())
+    compiled = sd.compile(parent.inner)
+    parent.inner = compiled
+    assert isinstance(compiled, nn.Module) and parent.inner is compiled
+    assert list(parent.state_dict()) == names
+    model_params = [*parent.first.parameters(), *compiled.__wrapped__.parameters()]
+    assert [id(p) for p in parent.parameters()] == [id(p) for p in model_params]
+    parent.to(torch.float64)
+    assert compiled.__wrapped__.lin.weight.dtype == torch.float64
+    parent.eval()
+    assert not compiled.__wrapped__.training and not compiled.training
+    state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
+    parent.load_state_dict(state)
+    assert not compiled.__wrapped__.lin.weight.any()
+    assert [m for _, m in parent.named_modules()].count(compiled.__wrapped__) == 1
+    with pytest.raises(TypeError, match=r"compiled by streamdag\.compile already"):
+        compiled.compile()
+    seq = nn.Sequential(sd.compile(nn.Linear(4, 4)), nn.ReLU())
+    assert seq(torch.randn(2, 4)).shape == (2, 4)
+    assert repr(compiled).startswith("CompiledModule(Scaled(")
+
+
+def test_a_compiled_module_keeps_no_attribute_of_its_own_but_the_compiled_calls():
+    """Any attribute set on a compiled module is the model's, but for those of the compiled call:
+    an attribute a compiled module adds must be listed there, or it would be set on the model."""
+    from streamdag.frontend.compiled_model import _OWN_ATTRIBUTES
+
+    compiled = sd.compile(Scaled())
+    assert set(vars(compiled)) <= _OWN_ATTRIBUTES
+    assert not set(vars(compiled.__wrapped__)) & (_OWN_ATTRIBUTES - set(vars(nn.Module())))
+
+
+@pytest.mark.slow
+def test_a_deep_copy_of_a_compiled_model_is_the_models_copy_compiled_afresh_with_its_options():
+    import copy
+
+    torch.manual_seed(0)
+    compiled = sd.compile(Scaled().eval(), whole_call=False, min_gain=0.3)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        compiled(x)
+        twin = copy.deepcopy(compiled)
+        assert type(twin) is type(compiled) and twin.backend is not compiled.backend
+        assert twin.whole is None and twin.backend.options.min_gain == 0.3
+        assert all(p is not q for p, q in zip(twin.parameters(), compiled.parameters()))
+        torch.testing.assert_close(twin(x), compiled(x))
+        twin.lin.weight.zero_()
+        assert compiled.lin.weight.any()
+
+
+@pytest.mark.slow
+def test_a_compiled_part_in_a_compiled_parent_runs_its_hooks_once_per_call():
+    torch.manual_seed(0)
+    parent = Outer(Scaled()).eval()
+    parent.inner = sd.compile(parent.inner)
+    calls = []
+    parent.inner.register_forward_hook(lambda module, args, out: calls.append(module))
+    outer = sd.compile(parent)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = parent.inner.__wrapped__(parent.first(x)) * 2
+        calls.clear()
+        torch.testing.assert_close(outer(x), want)
+    assert calls == [parent.inner.__wrapped__]
+
+
 @pytest.mark.slow
 def test_forward_is_the_compiled_call():
     module = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval()

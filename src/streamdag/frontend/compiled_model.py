@@ -8,6 +8,7 @@ and says once why. :mod:`.inductor_backend` is the graphs' side.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import itertools
@@ -28,7 +29,7 @@ from .make_fx_fallback import MakeFxFallback
 from .state_watch import root_module
 from .whole_call import WholeCall
 
-__all__ = ["CompiledModel", "compile_v2"]
+__all__ = ["CompiledModel", "CompiledModule", "compile_v2"]
 
 log = get_logger(__name__)
 
@@ -170,9 +171,12 @@ class CompiledModel:
     compile lock, so threads that all make a first call at once would each compile the model.
     """
 
-    def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend) -> None:
+    def __init__(self, fn: Callable[..., Any], backend: StreamdagBackend,
+                 settings: dict[str, Any] | None = None) -> None:
         self.backend: StreamdagBackend = backend
         self.__wrapped__ = fn
+        #: the options ``streamdag.compile`` took, for a copy compiled afresh (:meth:`__deepcopy__`)
+        self._settings: dict[str, Any] = dict(settings or {})
         self._compiled = self._wrapped(dynamic=False)
         #: the wrapper with symbolic shapes, made when the static one reaches Dynamo's recompile
         #: limit (:meth:`_compile_with_symbolic_shapes`)
@@ -188,6 +192,9 @@ class CompiledModel:
         self._hook_root = root_module(fn)
         self._hooks: HookWatch | None = None
         self._hook_compiles = 0  # compiles again because the hooks moved
+        #: the wrappers compiled for each set of hooks met (:attr:`.HookWatch.signature`), so that
+        #: hooks put back as they were (a hook added for a few calls, then removed) compile nothing
+        self._wrappers_by_hooks: dict[Any, tuple[Any, ...]] = {}
         self._as_written = ""  # why every call on Dynamo's path runs the model as written, if they do
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
@@ -303,13 +310,22 @@ class CompiledModel:
         compiled code runs the old ones (Dynamo does not guard module hooks): the model is compiled
         again by fresh ``torch.compile`` wrappers, which share no compiled code with the old ones,
         and this call compiles before the snapshot is taken again, so that other threads wait for
-        it. After ``_HOOK_COMPILES`` of these, or where PyTorch cannot keep a wrapper's code apart
+        it. Where the hooks are back to a set an earlier wrapper was compiled for (a hook added for
+        a few calls, then removed), that wrapper serves again and nothing compiles. After
+        ``_HOOK_COMPILES`` of these, or where PyTorch cannot keep a wrapper's code apart
         (no ``isolate_recompiles``: the frames after a graph break are shared), calls on Dynamo's
         path run the model as written, and say why."""
         if not hooks.moved():
             hooks.take()
             return self._run(grad, args, kwargs)
         name = type(hooks.root).__qualname__
+        self._wrappers_by_hooks[hooks.signature] = (self._compiled, self._compiled_symbolic,
+                                                    self._compile_calls, self._grad_static_keys)
+        known = self._wrappers_by_hooks.get(hooks.signature_now())
+        if known is not None and not self._as_written:  # hooks as they were at an earlier compile
+            self._compiled, self._compiled_symbolic, self._compile_calls, self._grad_static_keys = known
+            hooks.take()
+            return self._run(grad, args, kwargs)
         if self._hook_compiles >= _HOOK_COMPILES or not _OWN_RECOMPILE_LIMIT:
             why = (f"after {_HOOK_COMPILES} compiles for earlier changes of them" if _OWN_RECOMPILE_LIMIT
                    else "and this PyTorch's torch.compile has no isolate_recompiles to compile them anew")
@@ -317,6 +333,8 @@ class CompiledModel:
                 f"the hooks of {name} changed {why}: calls run as written (Dynamo does not guard "
                 "module hooks; register hooks before the first call, or compile the model again)")
             warn(f"streamdag.compile: {self._as_written}")
+            self.backend.eager_why = self._as_written
+            self._wrappers_by_hooks.clear()  # (they hold compiled code no call runs any more)
             hooks.take()
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
@@ -326,7 +344,7 @@ class CompiledModel:
             self._compiled_symbolic = self._wrapped(dynamic=True)
         else:  # (a new static wrapper: Dynamo's limit counts its compiles from none)
             self._compile_calls = 0
-            self._grad_static_keys.clear()
+            self._grad_static_keys = set()  # (a set of its own: the earlier wrapper keeps its set)
         if "hooks" not in self.backend._warned:
             self.backend._warned.add("hooks")
             warn(f"streamdag.compile: a hook of {name} or its submodules was added or removed after its "
@@ -407,10 +425,99 @@ class CompiledModel:
             return self if out is wrapped else out
         return method
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModel:
+        """A deep copy of the wrapped model, compiled afresh with the same options: a copy shares
+        no compiled code, graph or memory with this one (as a copy of a model shares no tensors)."""
+        return compile_v2(copy.deepcopy(self.__wrapped__, memo), **self._settings)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__wrapped__!r})"
+
     def close(self) -> None:
         for r in self.backend.runners:
             if isinstance(r, MakeFxFallback):
                 r.legacy.close()
+
+
+#: the attributes a compiled module keeps for itself; any other set on it is set on the wrapped model
+_OWN_ATTRIBUTES = frozenset(
+    {"backend", "__wrapped__", "_settings", "_compiled", "_compiled_symbolic", "_compile_calls",
+     "_grad_static_keys", "_hook_root", "_hooks", "_hook_compiles", "_wrappers_by_hooks", "_as_written",
+     "_first_call", "_called", "whole"} | set(vars(torch.nn.Module())))
+
+#: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
+_ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
+                            "_slow_forward"})
+
+
+class CompiledModule(CompiledModel, torch.nn.Module):
+    """What ``streamdag.compile`` returns for a ``torch.nn.Module``: a :class:`CompiledModel` that is
+    a module too, so that it takes a module's place (``parent.encoder = streamdag.compile(
+    parent.encoder)``, an ``nn.Sequential`` of compiled parts) as ``torch.compile``'s wrapper does.
+
+    It stands for the wrapped model, not beside it: ``nn.Module``'s methods run on the wrapped model
+    (one that returns the model returns this compiled module), its parameter, buffer, submodule and
+    hook dicts are the model's own objects, and an attribute set or deleted on it is set on the
+    model, which the compiled code then follows (Dynamo's guards, the whole-call graphs' state
+    check). So a parent's ``state_dict()``, ``parameters()``, ``to()`` and ``load_state_dict()`` see
+    the model's names, with no prefix of the wrapper's. Only the attributes of the compiled call
+    itself (:data:`_OWN_ATTRIBUTES`) are the wrapper's.
+    """
+
+    def __init__(self, fn: torch.nn.Module, backend: StreamdagBackend,
+                 settings: dict[str, Any] | None = None) -> None:
+        torch.nn.Module.__init__(self)  # (first: its training flag goes nowhere while no model is set)
+        for name, value in vars(torch.nn.Module()).items():  # the model's dicts, one object each
+            if isinstance(value, (dict, set)):
+                object.__setattr__(self, name, getattr(fn, name))
+        CompiledModel.__init__(self, fn, backend, settings)
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        wrapped = self.__dict__.get("__wrapped__")
+        return True if wrapped is None else wrapped.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        wrapped = self.__dict__.get("__wrapped__")
+        if wrapped is not None:
+            wrapped.training = mode
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN_ATTRIBUTES or "__wrapped__" not in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.__wrapped__, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN_ATTRIBUTES:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.__wrapped__, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the model is compiled already (``nn.Module.compile`` would put ``torch.compile``
+        under streamdag's compiled call, on the wrapped model's own calls)."""
+        raise TypeError("this model is compiled by streamdag.compile already; to compile it otherwise, "
+                        "call .compile() (or torch.compile) on the model it wraps, compiled.__wrapped__")
+
+
+def _run_on_the_model(name: str) -> Callable[..., Any]:
+    def method(self: CompiledModule, *args: Any, **kwargs: Any) -> Any:
+        wrapped = self.__wrapped__
+        out = getattr(wrapped, name)(*args, **kwargs)
+        return self if out is wrapped else out
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The wrapped model's ``{name}`` (this compiled module where that returns the model)."
+    return method
+
+
+for _name, _value in vars(torch.nn.Module).items():
+    if callable(_value) and not _name.startswith("__") and _name not in _ANSWERED_HERE:
+        setattr(CompiledModule, _name, _run_on_the_model(_name))
 
 
 #: CPython 3.13.0, where Dynamo's guards can miss a change to a model (:func:`_warn_of_stale_guards`)
@@ -448,4 +555,8 @@ def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: s
     if not isinstance(whole_call, bool):
         raise TypeError(f"whole_call takes True or False, got {whole_call!r}")
     backend.options.whole_call = whole_call
-    return CompiledModel(fn, backend)
+    settings = dict(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
+                    clone_outputs=clone_outputs, whole_call=whole_call, inductor=inductor)
+    if isinstance(fn, torch.nn.Module):
+        return CompiledModule(fn, backend, settings)
+    return CompiledModel(fn, backend, settings)

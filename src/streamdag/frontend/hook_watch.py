@@ -86,4 +86,14 @@ class HookWatch:
 
     def moved(self) -> bool:
         """Whether the hooks the model runs now differ from the snapshot's (a walk of the model)."""
-        return self._signature_of(self._hook_dicts(self.root.modules())) != self._signature
+        return self.signature_now() != self._signature
+
+    @property
+    def signature(self) -> frozenset[tuple[int, tuple[Any, ...]]]:
+        """The snapshot's hooks: each hook dict that held any, by identity, with its keys (hook
+        handles' ids, never reused: a hook removed and another added is another signature)."""
+        return self._signature
+
+    def signature_now(self) -> frozenset[tuple[int, tuple[Any, ...]]]:
+        """The hooks the model runs now, as :attr:`signature` gives the snapshot's."""
+        return self._signature_of(self._hook_dicts(self.root.modules()))
