@@ -290,6 +290,16 @@ def test_a_hook_added_for_a_few_calls_and_removed_again_and_again_compiles_for_t
             assert c.statistics().graphs == before, f"cycle {cycle}: the hook's removal compiled again"
     assert len(seen) == 2 * _HOOK_COMPILES  # (compiled and eager, each cycle)
     assert c.statistics().eager_calls == 0, c.explain()
+    with torch.no_grad(), warnings.catch_warnings():  # past the limit: the new hook's calls run as
+        warnings.simplefilter("ignore", sd.StreamdagWarning)  # written, the model's own compiled again
+        handle = m[0].register_forward_hook(lambda module, args, out: out * 2)
+        torch.testing.assert_close(c(x), m(x))
+        eager = c.statistics().eager_calls
+        assert eager == 1, c.explain()
+        handle.remove()
+        for _ in range(2):
+            torch.testing.assert_close(c(x), m(x))
+    assert c.statistics().eager_calls == eager and len(c._wrappers_by_hooks) == 1
 
 
 @pytest.mark.slow

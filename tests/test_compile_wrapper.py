@@ -115,7 +115,9 @@ def test_a_compiled_module_is_a_module_that_takes_the_models_place_in_a_parent()
     state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
     parent.load_state_dict(state)
     assert not compiled.__wrapped__.lin.weight.any()
-    assert [m for _, m in parent.named_modules()].count(compiled.__wrapped__) == 1
+    listed = dict(parent.named_modules())
+    assert listed["inner"] is compiled and compiled.__wrapped__ not in listed.values()
+    assert listed["inner.lin"] is compiled.__wrapped__.lin
     with pytest.raises(TypeError, match=r"compiled by streamdag\.compile already"):
         compiled.compile()
     seq = nn.Sequential(sd.compile(nn.Linear(4, 4)), nn.ReLU())
@@ -131,6 +133,52 @@ def test_a_compiled_module_keeps_no_attribute_of_its_own_but_the_compiled_calls(
     compiled = sd.compile(Scaled())
     assert set(vars(compiled)) <= _OWN_ATTRIBUTES
     assert not set(vars(compiled.__wrapped__)) & (_OWN_ATTRIBUTES - set(vars(nn.Module())))
+
+
+def test_a_rewrite_of_the_models_class_through_the_compiled_module_is_refused_leaving_the_model_whole():
+    parametrize = torch.nn.utils.parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = nn.Linear(4, 4)
+    compiled, other = sd.compile(model), sd.compile(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"compiled\.__wrapped__, the model itself"):
+        parametrize.register_parametrization(compiled, "weight", Doubled())
+    assert isinstance(model.weight, nn.Parameter) and type(model) is nn.Linear
+    assert "weight" not in vars(type(compiled)) and isinstance(other.weight, nn.Parameter)
+    parametrize.register_parametrization(compiled.__wrapped__, "weight", Doubled())  # the way named
+    torch.testing.assert_close(compiled.weight, 2 * model.parametrizations.weight.original)
+
+
+def test_a_compiled_module_is_not_replicated_by_data_parallel_to_run_uncompiled():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        sd.compile(nn.Linear(4, 4))._replicate_for_data_parallel()
+
+
+@pytest.mark.slow
+def test_a_parent_holding_a_compiled_part_is_saved_and_loaded_with_the_part_compiled_again(tmp_path):
+    torch.manual_seed(0)
+    parent = Outer(Scaled()).eval()
+    parent.inner = sd.compile(parent.inner, min_gain=0.3)
+    torch.save(parent, tmp_path / "parent.pt")
+    loaded = torch.load(tmp_path / "parent.pt", weights_only=False)
+    assert type(loaded.inner) is type(parent.inner) and loaded.inner.backend.options.min_gain == 0.3
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), parent(x))
+
+
+@pytest.mark.slow
+def test_a_call_through_nn_modules_own_call_path_runs_the_models_hooks_once():
+    torch.manual_seed(0)
+    compiled = sd.compile(Scaled().eval())
+    calls = []
+    compiled.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    with torch.no_grad():
+        nn.Module.__call__(compiled, torch.randn(2, 8))
+    assert calls == ["Scaled"]
 
 
 @pytest.mark.slow

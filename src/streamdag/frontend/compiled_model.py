@@ -15,8 +15,8 @@ import itertools
 import sys
 import threading
 import types
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch._dynamo.utils import counters as _dynamo_counters
@@ -42,6 +42,9 @@ _OWN_RECOMPILE_LIMIT = ({"isolate_recompiles": True}
 #: the compiles again for moved hooks (:meth:`CompiledModel._after_a_change`) before calls
 #: on Dynamo's path run as written: a model whose hooks change at every call would compile at each
 _HOOK_COMPILES = 4
+
+#: a compiled model's own type, which ``train()`` and ``eval()`` return
+_Self = TypeVar("_Self", bound="CompiledModel")
 
 _compiles = itertools.count(1)
 _compiles_made = 0  # streamdag.compile calls so far in this process
@@ -226,7 +229,7 @@ class CompiledModel:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
-        if (self.backend.eager_reason and grad) or self._as_written:  # (explain() says why)
+        if self.backend.eager_reason and grad:  # (explain() says why)
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
         hooks = self._hooks
@@ -234,6 +237,9 @@ class CompiledModel:
             with self._first_call:  # (one thread compiles again; the others wait, then find it done)
                 if not hooks.unchanged():
                     return self._after_a_change(hooks, grad, args, kwargs)
+        if self._as_written:  # (hooks that moved past the compiles for them, until they come back)
+            self.backend.stats.eager_calls += 1
+            return self.__wrapped__(*args, **kwargs)
         out = self._run(grad, args, kwargs)
         if hooks is None and self._hook_root is not None:  # (after the first call: a lazy module's
             self._hooks = HookWatch(self._hook_root)     # initializing hook has gone during it)
@@ -311,19 +317,29 @@ class CompiledModel:
         again by fresh ``torch.compile`` wrappers, which share no compiled code with the old ones,
         and this call compiles before the snapshot is taken again, so that other threads wait for
         it. Where the hooks are back to a set an earlier wrapper was compiled for (a hook added for
-        a few calls, then removed), that wrapper serves again and nothing compiles. After
-        ``_HOOK_COMPILES`` of these, or where PyTorch cannot keep a wrapper's code apart
+        a few calls, then removed), that wrapper serves again and nothing compiles; a wrapper whose
+        hooks can never come back (one of them removed: a handle's id is never reused) is dropped.
+        After ``_HOOK_COMPILES`` of these, or where PyTorch cannot keep a wrapper's code apart
         (no ``isolate_recompiles``: the frames after a graph break are shared), calls on Dynamo's
-        path run the model as written, and say why."""
+        path under hooks no wrapper serves run the model as written, and say why."""
         if not hooks.moved():
             hooks.take()
+            if self._as_written:
+                self.backend.stats.eager_calls += 1
+                return self.__wrapped__(*args, **kwargs)
             return self._run(grad, args, kwargs)
         name = type(hooks.root).__qualname__
-        self._wrappers_by_hooks[hooks.signature] = (self._compiled, self._compiled_symbolic,
-                                                    self._compile_calls, self._grad_static_keys)
-        known = self._wrappers_by_hooks.get(hooks.signature_now())
-        if known is not None and not self._as_written:  # hooks as they were at an earlier compile
+        if not self._as_written:  # (the wrappers serve the snapshot's hooks)
+            self._wrappers_by_hooks[hooks.signature] = (self._compiled, self._compiled_symbolic,
+                                                        self._compile_calls, self._grad_static_keys)
+        now = hooks.signature_now()
+        live = {key for _, keys in now for key in keys}  # (a removed hook's handle id never comes back)
+        self._wrappers_by_hooks = {sig: w for sig, w in self._wrappers_by_hooks.items()
+                                   if all(key in live for _, keys in sig for key in keys)}
+        known = self._wrappers_by_hooks.get(now)
+        if known is not None:  # hooks as they were at an earlier compile
             self._compiled, self._compiled_symbolic, self._compile_calls, self._grad_static_keys = known
+            self._as_written = ""
             hooks.take()
             return self._run(grad, args, kwargs)
         if self._hook_compiles >= _HOOK_COMPILES or not _OWN_RECOMPILE_LIMIT:
@@ -332,16 +348,19 @@ class CompiledModel:
             self._as_written = (
                 f"the hooks of {name} changed {why}: calls run as written (Dynamo does not guard "
                 "module hooks; register hooks before the first call, or compile the model again)")
-            warn(f"streamdag.compile: {self._as_written}")
+            if "as written" not in self.backend._warned:
+                self.backend._warned.add("as written")
+                warn(f"streamdag.compile: {self._as_written}")
             self.backend.eager_why = self._as_written
-            self._wrappers_by_hooks.clear()  # (they hold compiled code no call runs any more)
             hooks.take()
             self.backend.stats.eager_calls += 1
             return self.__wrapped__(*args, **kwargs)
         self._hook_compiles += 1
+        self._as_written = ""
         self._compiled = self._wrapped(dynamic=False)
         if self._compiled_symbolic is not None:
             self._compiled_symbolic = self._wrapped(dynamic=True)
+            self._grad_static_keys = set(self._grad_static_keys)  # (the earlier wrapper keeps its set)
         else:  # (a new static wrapper: Dynamo's limit counts its compiles from none)
             self._compile_calls = 0
             self._grad_static_keys = set()  # (a set of its own: the earlier wrapper keeps its set)
@@ -388,7 +407,7 @@ class CompiledModel:
             stats.replays += whole.replays
         return stats
 
-    def train(self, mode: bool = True) -> CompiledModel:
+    def train(self: _Self, mode: bool = True) -> _Self:
         """The wrapped module's ``train(mode)``; returns this compiled model, as ``torch.compile``'s
         wrapper does, so that ``model = model.eval()`` keeps the model compiled. (Dynamo guards the
         ``training`` flags: the next call compiles that mode's graphs, once.)"""
@@ -399,7 +418,7 @@ class CompiledModel:
         module.train(mode)
         return self
 
-    def eval(self) -> CompiledModel:
+    def eval(self: _Self) -> _Self:
         """``train(False)``."""
         return self.train(False)
 
@@ -430,6 +449,11 @@ class CompiledModel:
         no compiled code, graph or memory with this one (as a copy of a model shares no tensors)."""
         return compile_v2(copy.deepcopy(self.__wrapped__, memo), **self._settings)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the wrapped model and the options, compiled afresh when loaded (``torch.save``
+        of a model holding a compiled part): compiled code and graphs are not data to keep."""
+        return (_compiled_again, (self.__wrapped__, self._settings))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__wrapped__!r})"
 
@@ -447,7 +471,12 @@ _OWN_ATTRIBUTES = frozenset(
 
 #: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
 _ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
-                            "_slow_forward"})
+                            "_slow_forward", "named_modules", "modules", "_replicate_for_data_parallel"})
+
+_REWRITE_THE_MODEL = (
+    "a compiled module stands for its model and cannot take a rewrite of the model's class or its "
+    "tensors (torch.nn.utils.parametrize, a deleted parameter): apply it to the model before compiling, "
+    "or to compiled.__wrapped__, the model itself")
 
 
 class CompiledModule(CompiledModel, torch.nn.Module):
@@ -484,6 +513,8 @@ class CompiledModule(CompiledModel, torch.nn.Module):
             wrapped.training = mode
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__class__":  # (torch.nn.utils.parametrize: a class of the model's own, made
+            raise TypeError(_REWRITE_THE_MODEL)  # for it, would become the wrapper's)
         if name in _OWN_ATTRIBUTES or "__wrapped__" not in self.__dict__:
             object.__setattr__(self, name, value)
         else:
@@ -492,8 +523,38 @@ class CompiledModule(CompiledModel, torch.nn.Module):
     def __delattr__(self, name: str) -> None:
         if name in _OWN_ATTRIBUTES:
             object.__delattr__(self, name)
-        else:
-            delattr(self.__wrapped__, name)
+            return
+        wrapped = cast(torch.nn.Module, self.__wrapped__)
+        if name in wrapped._parameters or name in wrapped._buffers:  # (what parametrize does first)
+            raise TypeError(_REWRITE_THE_MODEL)
+        delattr(wrapped, name)
+
+    #: a call through ``nn.Module.__call__``'s own path (a parent's ``_call_impl`` reached some
+    #: other way) is the compiled call too: the model then runs its hooks once, not the wrapper too
+    _call_impl = CompiledModel.__call__
+    _wrapped_call_impl = CompiledModel.__call__
+
+    def named_modules(self, memo: set[torch.nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Module]]:
+        """This compiled module in the model's place (a parent's ``modules()`` holds what its
+        ``_modules`` holds, as ``DataParallel`` and ``torch.fx`` expect), then the model's submodules."""
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.add(self)
+            memo.add(cast(torch.nn.Module, self.__wrapped__))
+        yield prefix, self
+        for name, module in self._modules.items():
+            if module is not None:
+                below = f"{prefix}.{name}" if prefix else name
+                yield from module.named_modules(memo, below, remove_duplicate)
+
+    def _replicate_for_data_parallel(self) -> torch.nn.Module:
+        raise TypeError("streamdag.compile's models are not replicated by nn.DataParallel (a replica would "
+                        "run the model uncompiled): use DistributedDataParallel, one process per GPU, or "
+                        "compile the model DataParallel wraps")
 
     def __dir__(self) -> list[str]:
         return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
@@ -537,6 +598,11 @@ def _warn_of_stale_guards() -> None:
     warn("streamdag.compile on CPython 3.13.0: Dynamo's guards can miss a change to the model "
          "(model.eval(), an attribute set) and run a graph compiled before it, as torch.compile does "
          "here (python/cpython#125608); upgrade Python to 3.13.1 or later")
+
+
+def _compiled_again(fn: Callable[..., Any], settings: dict[str, Any]) -> CompiledModel:
+    """``fn`` compiled with ``settings``: what a pickled compiled model loads as."""
+    return compile_v2(fn, **settings)
 
 
 def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: str = "auto",
