@@ -115,9 +115,9 @@ def test_a_compiled_module_is_a_module_that_takes_the_models_place_in_a_parent()
     state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
     parent.load_state_dict(state)
     assert not compiled.__wrapped__.lin.weight.any()
-    listed = dict(parent.named_modules())
-    assert listed["inner"] is compiled and compiled.__wrapped__ not in listed.values()
-    assert listed["inner.lin"] is compiled.__wrapped__.lin
+    listed = dict(parent.named_modules())  # (the model in its place: isinstance walks find it)
+    assert listed["inner"] is compiled.__wrapped__ and compiled not in listed.values()
+    assert listed["inner.lin"] is compiled.__wrapped__.lin and parent.get_submodule("inner") is compiled
     with pytest.raises(TypeError, match=r"compiled by streamdag\.compile already"):
         compiled.compile()
     seq = nn.Sequential(sd.compile(nn.Linear(4, 4)), nn.ReLU())
@@ -135,7 +135,23 @@ def test_a_compiled_module_keeps_no_attribute_of_its_own_but_the_compiled_calls(
     assert not set(vars(compiled.__wrapped__)) & (_OWN_ATTRIBUTES - set(vars(nn.Module())))
 
 
-def test_a_rewrite_of_the_models_class_through_the_compiled_module_is_refused_leaving_the_model_whole():
+def test_a_compiled_parents_state_check_watches_its_compiled_parts_model_not_the_wrapper():
+    """What an outer whole-call graph's state check reads of a parent holding a compiled part: the
+    part's model (an attribute set on it through the wrapper is a change), not the wrapper (whose
+    own calls change its attributes, not the model's state)."""
+    from streamdag.frontend.state_watch import StateWatch
+
+    parent = Outer(Scaled()).eval()
+    parent.inner = sd.compile(parent.inner)
+    watch = StateWatch(parent)
+    with torch.no_grad():
+        parent.inner(torch.randn(2, 8))  # the part called alone
+    assert watch.holds()
+    parent.inner.temperature = 3.0
+    assert not watch.holds()
+
+
+def test_parametrize_through_the_compiled_module_is_refused_before_it_changes_the_model():
     parametrize = torch.nn.utils.parametrize
 
     class Doubled(nn.Module):
@@ -149,12 +165,18 @@ def test_a_rewrite_of_the_models_class_through_the_compiled_module_is_refused_le
     assert isinstance(model.weight, nn.Parameter) and type(model) is nn.Linear
     assert "weight" not in vars(type(compiled)) and isinstance(other.weight, nn.Parameter)
     parametrize.register_parametrization(compiled.__wrapped__, "weight", Doubled())  # the way named
-    torch.testing.assert_close(compiled.weight, 2 * model.parametrizations.weight.original)
-
-
-def test_a_compiled_module_is_not_replicated_by_data_parallel_to_run_uncompiled():
-    with pytest.raises(TypeError, match="DistributedDataParallel"):
-        sd.compile(nn.Linear(4, 4))._replicate_for_data_parallel()
+    before = compiled.weight.clone()
+    torch.testing.assert_close(before, 2 * model.parametrizations.weight.original)
+    with pytest.raises(TypeError, match="parametrize"):
+        parametrize.remove_parametrizations(compiled, "weight")
+    assert parametrize.is_parametrized(model, "weight")
+    torch.testing.assert_close(model.weight, before)
+    plain = nn.Linear(4, 4)
+    normed = sd.compile(plain)
+    torch.nn.utils.spectral_norm(normed)  # (a forward pre-hook and tensors of the model's: these work)
+    assert "weight_orig" in dict(plain.named_parameters())
+    torch.nn.utils.remove_spectral_norm(normed)
+    assert isinstance(plain.weight, nn.Parameter) and "weight_orig" not in dict(plain.named_parameters())
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ import itertools
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch._dynamo.utils import counters as _dynamo_counters
@@ -198,6 +198,7 @@ class CompiledModel:
         #: the wrappers compiled for each set of hooks met (:attr:`.HookWatch.signature`), so that
         #: hooks put back as they were (a hook added for a few calls, then removed) compile nothing
         self._wrappers_by_hooks: dict[Any, tuple[Any, ...]] = {}
+        self._wrapper_hooks: Any = None  # the hooks the wrappers were compiled for (None: the first's)
         self._as_written = ""  # why every call on Dynamo's path runs the model as written, if they do
         self._first_call = threading.RLock()  # re-entrant: a forward may call its own model
         self._called = False
@@ -329,13 +330,17 @@ class CompiledModel:
                 return self.__wrapped__(*args, **kwargs)
             return self._run(grad, args, kwargs)
         name = type(hooks.root).__qualname__
-        if not self._as_written:  # (the wrappers serve the snapshot's hooks)
-            self._wrappers_by_hooks[hooks.signature] = (self._compiled, self._compiled_symbolic,
-                                                        self._compile_calls, self._grad_static_keys)
+        if not self._as_written:  # (filed under the hooks they were compiled for: the snapshot's,
+            compiled_for = self._wrapper_hooks or hooks.signature  # unless a call raised before it)
+            self._wrappers_by_hooks[compiled_for] = (self._compiled, self._compiled_symbolic,
+                                                     self._compile_calls, self._grad_static_keys)
         now = hooks.signature_now()
-        live = {key for _, keys in now for key in keys}  # (a removed hook's handle id never comes back)
+        # a wrapper whose hooks are not all registered now is dropped: a removed hook's handle id never
+        # comes back (a submodule taken out and put back with its hooks compiles anew)
+        live = {key for _, keys in now for key in keys}
         self._wrappers_by_hooks = {sig: w for sig, w in self._wrappers_by_hooks.items()
                                    if all(key in live for _, keys in sig for key in keys)}
+        self._wrapper_hooks = now
         known = self._wrappers_by_hooks.get(now)
         if known is not None:  # hooks as they were at an earlier compile
             self._compiled, self._compiled_symbolic, self._compile_calls, self._grad_static_keys = known
@@ -346,8 +351,9 @@ class CompiledModel:
             why = (f"after {_HOOK_COMPILES} compiles for earlier changes of them" if _OWN_RECOMPILE_LIMIT
                    else "and this PyTorch's torch.compile has no isolate_recompiles to compile them anew")
             self._as_written = (
-                f"the hooks of {name} changed {why}: calls run as written (Dynamo does not guard "
-                "module hooks; register hooks before the first call, or compile the model again)")
+                f"the hooks of {name} changed {why}: calls under hooks no compile serves run as written "
+                "(Dynamo does not guard module hooks; register hooks before the first call, or compile "
+                "the model again)")
             if "as written" not in self.backend._warned:
                 self.backend._warned.add("as written")
                 warn(f"streamdag.compile: {self._as_written}")
@@ -466,17 +472,17 @@ class CompiledModel:
 #: the attributes a compiled module keeps for itself; any other set on it is set on the wrapped model
 _OWN_ATTRIBUTES = frozenset(
     {"backend", "__wrapped__", "_settings", "_compiled", "_compiled_symbolic", "_compile_calls",
-     "_grad_static_keys", "_hook_root", "_hooks", "_hook_compiles", "_wrappers_by_hooks", "_as_written",
-     "_first_call", "_called", "whole"} | set(vars(torch.nn.Module())))
+     "_grad_static_keys", "_hook_root", "_hooks", "_hook_compiles", "_wrappers_by_hooks", "_wrapper_hooks",
+     "_as_written", "_first_call", "_called", "whole"} | set(vars(torch.nn.Module())))
 
 #: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
 _ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
-                            "_slow_forward", "named_modules", "modules", "_replicate_for_data_parallel"})
+                            "_slow_forward"})
 
 _REWRITE_THE_MODEL = (
-    "a compiled module stands for its model and cannot take a rewrite of the model's class or its "
-    "tensors (torch.nn.utils.parametrize, a deleted parameter): apply it to the model before compiling, "
-    "or to compiled.__wrapped__, the model itself")
+    "a compiled module stands for its model and cannot take a rewrite of the model's class "
+    "(torch.nn.utils.parametrize): apply it to the model before compiling, or to compiled.__wrapped__, "
+    "the model itself")
 
 
 class CompiledModule(CompiledModel, torch.nn.Module):
@@ -489,8 +495,11 @@ class CompiledModule(CompiledModel, torch.nn.Module):
     hook dicts are the model's own objects, and an attribute set or deleted on it is set on the
     model, which the compiled code then follows (Dynamo's guards, the whole-call graphs' state
     check). So a parent's ``state_dict()``, ``parameters()``, ``to()`` and ``load_state_dict()`` see
-    the model's names, with no prefix of the wrapper's. Only the attributes of the compiled call
-    itself (:data:`_OWN_ATTRIBUTES`) are the wrapper's.
+    the model's names, with no prefix of the wrapper's, and its ``modules()`` the model itself in
+    the wrapper's place (``isinstance`` walks, and streamdag's own state checks of a compiled
+    parent, read the model's attributes, not the wrapper's); ``nn.DataParallel``'s replicas, made
+    from ``modules()``, run the model uncompiled. Only the attributes of the compiled call itself
+    (:data:`_OWN_ATTRIBUTES`) are the wrapper's.
     """
 
     def __init__(self, fn: torch.nn.Module, backend: StreamdagBackend,
@@ -523,38 +532,20 @@ class CompiledModule(CompiledModel, torch.nn.Module):
     def __delattr__(self, name: str) -> None:
         if name in _OWN_ATTRIBUTES:
             object.__delattr__(self, name)
-            return
-        wrapped = cast(torch.nn.Module, self.__wrapped__)
-        if name in wrapped._parameters or name in wrapped._buffers:  # (what parametrize does first)
-            raise TypeError(_REWRITE_THE_MODEL)
-        delattr(wrapped, name)
+        else:
+            delattr(self.__wrapped__, name)
+
+    @property
+    def parametrizations(self) -> Any:
+        """Refused: ``torch.nn.utils.parametrize`` rewrites a module's class, which would be the
+        wrapper's. (``register_parametrization`` and ``remove_parametrizations`` read this first,
+        so both are refused before they change anything.)"""
+        raise TypeError(_REWRITE_THE_MODEL)
 
     #: a call through ``nn.Module.__call__``'s own path (a parent's ``_call_impl`` reached some
     #: other way) is the compiled call too: the model then runs its hooks once, not the wrapper too
     _call_impl = CompiledModel.__call__
     _wrapped_call_impl = CompiledModel.__call__
-
-    def named_modules(self, memo: set[torch.nn.Module] | None = None, prefix: str = "",
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Module]]:
-        """This compiled module in the model's place (a parent's ``modules()`` holds what its
-        ``_modules`` holds, as ``DataParallel`` and ``torch.fx`` expect), then the model's submodules."""
-        if memo is None:
-            memo = set()
-        if remove_duplicate:
-            if self in memo:
-                return
-            memo.add(self)
-            memo.add(cast(torch.nn.Module, self.__wrapped__))
-        yield prefix, self
-        for name, module in self._modules.items():
-            if module is not None:
-                below = f"{prefix}.{name}" if prefix else name
-                yield from module.named_modules(memo, below, remove_duplicate)
-
-    def _replicate_for_data_parallel(self) -> torch.nn.Module:
-        raise TypeError("streamdag.compile's models are not replicated by nn.DataParallel (a replica would "
-                        "run the model uncompiled): use DistributedDataParallel, one process per GPU, or "
-                        "compile the model DataParallel wraps")
 
     def __dir__(self) -> list[str]:
         return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
