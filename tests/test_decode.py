@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import types
 
 import pytest
@@ -184,6 +185,45 @@ def test_bad_arguments_are_refused_with_the_fix_named():
         sd.decoder(torch.nn.Linear(2, 2), max_length=8)
     with pytest.raises(ValueError, match=r"model.eval\(\)"):
         sd.decoder(_llama().train(), max_length=8)
+
+
+@pytest.mark.parametrize("setting, value", [("repetition_penalty", 1.5), ("no_repeat_ngram_size", 2),
+                                            ("forced_eos_token_id", 0), ("suppress_tokens", [3])])
+def test_a_generation_config_that_processes_the_logits_is_refused_naming_the_reset(setting, value):
+    """model.generate applies these before its argmax; the decoder would silently give other tokens."""
+    model = _llama()
+    ids = torch.randint(1, 128, (2, 5))
+    setattr(model.generation_config, setting, value)
+    said = re.escape(f"{setting}={value!r}") + f".*generation_config.{setting} = "
+    with pytest.raises(ValueError, match=said):
+        sd.generate(model, ids, 4, **EVERY)
+    setattr(model.generation_config, setting, {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}.get(
+        setting))  # reset as the message says: greedy tokens, equal to generate's
+    torch.testing.assert_close(sd.generate(model, ids, 4, **EVERY), _hf_greedy(model, ids, 4, **EVERY))
+
+
+def test_models_the_static_cache_serves_wrongly_are_refused_and_other_misuses_named():
+    model = _llama()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        sd.decoder(model, max_length=16)
+    model.config._attn_implementation = "sdpa"
+    model.config.alibi = True
+    with pytest.raises(ValueError, match="ALiBi"):
+        sd.decoder(model, max_length=16)
+    del model.config.alibi
+    ids = torch.randint(1, 128, (1, 4))
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got True"):
+        sd.generate(model, ids, True)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got None"):
+        sd.generate(model, ids, None)
+    with pytest.raises(TypeError, match="sizes its decoder"):
+        sd.generate(model, ids, 3, max_length=50)
+    np = pytest.importorskip("numpy")
+    assert sd.generate(model, ids, np.int64(2), **EVERY).shape == (1, 6)
+    base = tf.LlamaModel(model.config).eval()
+    with pytest.raises(TypeError, match="returns no logits"):
+        sd.generate(base, ids, 2, **EVERY)
 
 
 def test_a_model_with_sliding_window_layers_is_refused_by_name():

@@ -65,8 +65,38 @@ DECODE_INDUCTOR: dict[str, Any] = {"combo_kernels": True}
 FROM_MODEL: Any = "from the model's generation_config"
 
 
+#: ``generation_config`` settings under which ``model.generate(do_sample=False)`` changes the logits
+#: before its argmax (logits processors), each with the value that leaves them as they are
+_PROCESSED: dict[str, Any] = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0, "min_new_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def _check_unprocessed(model: torch.nn.Module) -> None:
+    """Refuse a model whose ``generation_config`` makes ``model.generate`` process the logits: the
+    decoder takes their argmax as they are, and would give other tokens without a word."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    set_ = {}
+    for k, plain in _PROCESSED.items():
+        v = getattr(config, k, plain)
+        if v is not None and v != plain and not (isinstance(v, (list, tuple, dict)) and not v):
+            set_[k] = v
+    if set_:
+        resets = "; ".join(f"model.generation_config.{k} = {_PROCESSED[k]!r}" for k in set_)
+        raise ValueError(
+            f"the model's generation_config sets {', '.join(f'{k}={v!r}' for k, v in set_.items())}, "
+            "which model.generate applies to the logits before its argmax; streamdag's decoder takes the "
+            "argmax of the logits as they are, so its tokens would differ: reset them to decode greedily "
+            f"({resets}), or use model.generate")
+
+
 def _special_tokens(model: torch.nn.Module, eos: Any, pad: Any) -> tuple[list[int] | None, int | None]:
     """The end-of-sequence ids (or None: no end) and the padding id, as ``model.generate`` takes them."""
+    _check_unprocessed(model)
     config = getattr(model, "generation_config", None)
     if eos is FROM_MODEL:
         eos = getattr(config, "eos_token_id", None)
@@ -196,6 +226,14 @@ def _check_model(model: Any) -> None:
     if model.training:
         raise ValueError("the model is in training mode: call model.eval() before decoding "
                          "(dropout would make the tokens random)")
+    config = model.config
+    if getattr(config, "_attn_implementation", None) == "flex_attention":
+        raise ValueError("the model attends with flex_attention, which over a static cache gives rows "
+                         "after the first other tokens: load it with attn_implementation='sdpa' (or "
+                         "'eager') for streamdag's decoder, or use model.generate")
+    if getattr(config, "alibi", False):
+        raise ValueError("the model adds ALiBi position biases (alibi=True), which Hugging Face's static "
+                         "cache does not serve: use model.generate for this one")
 
 
 class Decoder:
@@ -208,7 +246,7 @@ class Decoder:
     def __init__(self, model: torch.nn.Module, *, max_length: int, compile: bool | None = None,
                  lookahead: int = LOOKAHEAD, **compile_options: Any) -> None:
         _check_model(model)
-        if not isinstance(max_length, int) or max_length < 2:
+        if not _whole(max_length) or max_length < 2:
             raise ValueError("max_length must be an int of at least 2 (the prompt plus the new tokens), "
                              f"got {max_length!r}")
         if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
@@ -281,6 +319,18 @@ class Decoder:
         return "\n\n".join(parts) or "nothing decoded yet"
 
 
+def _whole(n: Any) -> bool:
+    """Whether ``n`` is a whole number (an int or a NumPy integer, not a bool), as ``model.generate``
+    takes its lengths."""
+    if isinstance(n, bool):
+        return False
+    try:
+        operator.index(n)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_prompt(input_ids: Any, model: torch.nn.Module, max_new_tokens: int,
                   max_length: int) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -291,7 +341,7 @@ def _check_prompt(input_ids: Any, model: torch.nn.Module, max_new_tokens: int,
     if batch < 1 or length < 1:
         raise ValueError("input_ids must hold at least one token per sequence, "
                          f"got shape {tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _whole(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if length + max_new_tokens > max_length:
         raise ValueError(f"a prompt of {length} tokens and {max_new_tokens} new ones need a cache of "
@@ -339,8 +389,13 @@ class TokenStream:
         self.slot.cache.reset()  # in place: the captured step reads the cache where it is
         model = self.decoder.model
         with attention_for_decode(model):
-            logits = model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
-                           logits_to_keep=1).logits
+            out = model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
+                        logits_to_keep=1)
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise TypeError(f"{type(model).__name__} returns no logits ({type(out).__name__}): "
+                            "streamdag's decoder needs a causal language model with its head "
+                            "(LlamaForCausalLM, not LlamaModel)")
         tokens = logits[:, -1].argmax(-1, keepdim=True)
         self._finished = torch.zeros_like(tokens, dtype=torch.bool) if self.eos is not None else None
         self._emit(tokens)
@@ -439,6 +494,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     """
     length = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0
     _check_model(model)
+    if "max_length" in options:
+        raise TypeError("streamdag.generate sizes its decoder for the prompt and max_new_tokens: drop "
+                        "max_length, or keep a decoder of that length (streamdag.decoder(model, "
+                        "max_length=...))")
+    if not _whole(max_new_tokens):
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     _check_prompt(input_ids, model, max_new_tokens, length + max(max_new_tokens, 1))
     decoder = Decoder(model, max_length=max(length + max_new_tokens, 2), **options)
     return decoder.generate(input_ids, max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
