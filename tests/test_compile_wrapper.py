@@ -128,7 +128,7 @@ def test_a_compiled_module_is_a_module_that_takes_the_models_place_in_a_parent()
 def test_a_compiled_module_keeps_no_attribute_of_its_own_but_the_compiled_calls():
     """Any attribute set on a compiled module is the model's, but for those of the compiled call:
     an attribute a compiled module adds must be listed there, or it would be set on the model."""
-    from streamdag.frontend.compiled_model import _OWN_ATTRIBUTES
+    from streamdag.frontend.compiled_module import _OWN_ATTRIBUTES
 
     compiled = sd.compile(Scaled())
     assert set(vars(compiled)) <= _OWN_ATTRIBUTES

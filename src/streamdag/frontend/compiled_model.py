@@ -29,7 +29,7 @@ from .make_fx_fallback import MakeFxFallback
 from .state_watch import root_module
 from .whole_call import WholeCall
 
-__all__ = ["CompiledModel", "CompiledModule", "compile_v2"]
+__all__ = ["CompiledModel", "compile_v2"]
 
 log = get_logger(__name__)
 
@@ -225,22 +225,25 @@ class CompiledModel:
             return whole(args, kwargs, self._through_dynamo)
         return self._call(args, kwargs)
 
+    def _as_written_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The model called as written, counted as a call that ran no compiled graph."""
+        self.backend.stats.eager_calls += 1
+        return self.__wrapped__(*args, **kwargs)
+
     def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
         if self.backend.eager_reason and grad:  # (explain() says why)
-            self.backend.stats.eager_calls += 1
-            return self.__wrapped__(*args, **kwargs)
+            return self._as_written_call(args, kwargs)
         hooks = self._hooks
         if hooks is not None and not hooks.unchanged():
             with self._first_call:  # (one thread compiles again; the others wait, then find it done)
                 if not hooks.unchanged():
                     return self._after_a_change(hooks, grad, args, kwargs)
         if self._as_written:  # (hooks that moved past the compiles for them, until they come back)
-            self.backend.stats.eager_calls += 1
-            return self.__wrapped__(*args, **kwargs)
+            return self._as_written_call(args, kwargs)
         out = self._run(grad, args, kwargs)
         if hooks is None and self._hook_root is not None:  # (after the first call: a lazy module's
             self._hooks = HookWatch(self._hook_root)     # initializing hook has gone during it)
@@ -326,12 +329,12 @@ class CompiledModel:
         if not hooks.moved():
             hooks.take()
             if self._as_written:
-                self.backend.stats.eager_calls += 1
-                return self.__wrapped__(*args, **kwargs)
+                return self._as_written_call(args, kwargs)
             return self._run(grad, args, kwargs)
         name = type(hooks.root).__qualname__
-        if not self._as_written:  # (filed under the hooks they were compiled for: the snapshot's,
-            compiled_for = self._wrapper_hooks or hooks.signature  # unless a call raised before it)
+        if not self._as_written:  # (filed under the hooks they were compiled for, which a call that
+            # raised before the snapshot was taken leaves other than the snapshot's: no hooks is one set)
+            compiled_for = hooks.signature if self._wrapper_hooks is None else self._wrapper_hooks
             self._wrappers_by_hooks[compiled_for] = (self._compiled, self._compiled_symbolic,
                                                      self._compile_calls, self._grad_static_keys)
         now = hooks.signature_now()
@@ -359,8 +362,7 @@ class CompiledModel:
                 warn(f"streamdag.compile: {self._as_written}")
             self.backend.eager_why = self._as_written
             hooks.take()
-            self.backend.stats.eager_calls += 1
-            return self.__wrapped__(*args, **kwargs)
+            return self._as_written_call(args, kwargs)
         self._hook_compiles += 1
         self._as_written = ""
         self._compiled = self._wrapped(dynamic=False)
@@ -469,109 +471,6 @@ class CompiledModel:
                 r.legacy.close()
 
 
-#: the attributes a compiled module keeps for itself; any other set on it is set on the wrapped model
-_OWN_ATTRIBUTES = frozenset(
-    {"backend", "__wrapped__", "_settings", "_compiled", "_compiled_symbolic", "_compile_calls",
-     "_grad_static_keys", "_hook_root", "_hooks", "_hook_compiles", "_wrappers_by_hooks", "_wrapper_hooks",
-     "_as_written", "_first_call", "_called", "whole"} | set(vars(torch.nn.Module())))
-
-#: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
-_ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
-                            "_slow_forward"})
-
-_REWRITE_THE_MODEL = (
-    "a compiled module stands for its model and cannot take a rewrite of the model's class "
-    "(torch.nn.utils.parametrize): apply it to the model before compiling, or to compiled.__wrapped__, "
-    "the model itself")
-
-
-class CompiledModule(CompiledModel, torch.nn.Module):
-    """What ``streamdag.compile`` returns for a ``torch.nn.Module``: a :class:`CompiledModel` that is
-    a module too, so that it takes a module's place (``parent.encoder = streamdag.compile(
-    parent.encoder)``, an ``nn.Sequential`` of compiled parts) as ``torch.compile``'s wrapper does.
-
-    It stands for the wrapped model, not beside it: ``nn.Module``'s methods run on the wrapped model
-    (one that returns the model returns this compiled module), its parameter, buffer, submodule and
-    hook dicts are the model's own objects, and an attribute set or deleted on it is set on the
-    model, which the compiled code then follows (Dynamo's guards, the whole-call graphs' state
-    check). So a parent's ``state_dict()``, ``parameters()``, ``to()`` and ``load_state_dict()`` see
-    the model's names, with no prefix of the wrapper's, and its ``modules()`` the model itself in
-    the wrapper's place (``isinstance`` walks, and streamdag's own state checks of a compiled
-    parent, read the model's attributes, not the wrapper's); ``nn.DataParallel``'s replicas, made
-    from ``modules()``, run the model uncompiled. Only the attributes of the compiled call itself
-    (:data:`_OWN_ATTRIBUTES`) are the wrapper's.
-    """
-
-    def __init__(self, fn: torch.nn.Module, backend: StreamdagBackend,
-                 settings: dict[str, Any] | None = None) -> None:
-        torch.nn.Module.__init__(self)  # (first: its training flag goes nowhere while no model is set)
-        for name, value in vars(torch.nn.Module()).items():  # the model's dicts, one object each
-            if isinstance(value, (dict, set)):
-                object.__setattr__(self, name, getattr(fn, name))
-        CompiledModel.__init__(self, fn, backend, settings)
-
-    @property  # type: ignore[override]
-    def training(self) -> bool:
-        wrapped = self.__dict__.get("__wrapped__")
-        return True if wrapped is None else wrapped.training
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        wrapped = self.__dict__.get("__wrapped__")
-        if wrapped is not None:
-            wrapped.training = mode
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "__class__":  # (torch.nn.utils.parametrize: a class of the model's own, made
-            raise TypeError(_REWRITE_THE_MODEL)  # for it, would become the wrapper's)
-        if name in _OWN_ATTRIBUTES or "__wrapped__" not in self.__dict__:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.__wrapped__, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in _OWN_ATTRIBUTES:
-            object.__delattr__(self, name)
-        else:
-            delattr(self.__wrapped__, name)
-
-    @property
-    def parametrizations(self) -> Any:
-        """Refused: ``torch.nn.utils.parametrize`` rewrites a module's class, which would be the
-        wrapper's. (``register_parametrization`` and ``remove_parametrizations`` read this first,
-        so both are refused before they change anything.)"""
-        raise TypeError(_REWRITE_THE_MODEL)
-
-    #: a call through ``nn.Module.__call__``'s own path (a parent's ``_call_impl`` reached some
-    #: other way) is the compiled call too: the model then runs its hooks once, not the wrapper too
-    _call_impl = CompiledModel.__call__
-    _wrapped_call_impl = CompiledModel.__call__
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(dir(type(self))) | set(dir(self.__wrapped__)))
-
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: the model is compiled already (``nn.Module.compile`` would put ``torch.compile``
-        under streamdag's compiled call, on the wrapped model's own calls)."""
-        raise TypeError("this model is compiled by streamdag.compile already; to compile it otherwise, "
-                        "call .compile() (or torch.compile) on the model it wraps, compiled.__wrapped__")
-
-
-def _run_on_the_model(name: str) -> Callable[..., Any]:
-    def method(self: CompiledModule, *args: Any, **kwargs: Any) -> Any:
-        wrapped = self.__wrapped__
-        out = getattr(wrapped, name)(*args, **kwargs)
-        return self if out is wrapped else out
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"The wrapped model's ``{name}`` (this compiled module where that returns the model)."
-    return method
-
-
-for _name, _value in vars(torch.nn.Module).items():
-    if callable(_value) and not _name.startswith("__") and _name not in _ANSWERED_HERE:
-        setattr(CompiledModule, _name, _run_on_the_model(_name))
-
-
 #: CPython 3.13.0, where Dynamo's guards can miss a change to a model (:func:`_warn_of_stale_guards`)
 _STALE_GUARDS = sys.version_info[:3] == (3, 13, 0)
 _warned_of_stale_guards = False
@@ -615,5 +514,7 @@ def compile_v2(fn: Callable[..., Any], *, streams: int | None = None, regions: s
     settings = dict(streams=streams, regions=regions, min_gain=min_gain, candidates=candidates,
                     clone_outputs=clone_outputs, whole_call=whole_call, inductor=inductor)
     if isinstance(fn, torch.nn.Module):
+        from .compiled_module import CompiledModule  # (it builds on CompiledModel, defined here)
+
         return CompiledModule(fn, backend, settings)
     return CompiledModel(fn, backend, settings)
