@@ -327,6 +327,29 @@ def _merge(row: dict[str, Any], part: dict[str, Any]) -> None:
             row[key] = value
 
 
+#: the keys of a row that hold one entry per variant
+PER_VARIANT = ("ms", "grad_max_rel_err", "grad_check", "peak_mib", "errors")
+
+
+def carry_variants(row: dict[str, Any], earlier: dict[str, Any] | None) -> None:
+    """Into a row measured again with some variants (``--merge``), the other variants' entries from
+    the ``earlier`` row, each stamped under ``measured_apart`` with the run that measured it: a
+    ratio between variants holds only within one run."""
+    if earlier is None:
+        return
+    redone = set(row["ms"]) | set(row["errors"])
+    kept = {v for v in earlier.get("ms", {}) if v not in redone}
+    for key in PER_VARIANT:
+        for variant, value in earlier.get(key, {}).items():
+            if variant in kept:
+                row.setdefault(key, {})[variant] = value
+    for variant in sorted(kept):
+        if variant in earlier:  # (a variant's own details: streamdag_step's explanation)
+            row[variant] = earlier[variant]
+        row.setdefault("measured_apart", {})[variant] = \
+            earlier.get("measured_apart", {}).get(variant, earlier.get("measured"))
+
+
 def _child_command(label: str, name: str, dtype: str, batch: int, rounds: int, out: Path,
                    warm_only: bool = False) -> list[str]:
     return [sys.executable, __file__, "--variant", label, "--models", name, "--dtypes", dtype,
@@ -502,7 +525,8 @@ def main() -> int:
     p.add_argument("--one-after-another", action="store_true",
                    help="on CUDA, time each variant's process once it is set up, not all of them in turns")
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of the existing result file that this run does not redo")
+                   help="keep the rows of the existing result file that this run does not redo, and in a "
+                        "row it redoes, the variants it does not (stamped apart)")
     args = p.parse_args()
     if args.quick:
         args.models, args.dtypes, args.batches, args.rounds = args.models or "tiny", "fp32", "8", 3
@@ -548,6 +572,9 @@ def main() -> int:
                                                       "(seed 0)",
                                               "grad_reference": "the first step in float64, eager"},
                               "models": kept_rows(path, models, args) if args.merge else []}
+    earlier_rows = {(r["model"], r["dtype"], r["batch"]): r
+                    for r in (json.loads(path.read_text()).get("models", [])
+                              if args.merge and path.exists() else []) if "dtype" in r}
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     keys = [(m, d, b) for m in models for d in args.dtypes.split(",") for b in batches]
@@ -572,6 +599,7 @@ def main() -> int:
                                "load_1min": host_load(), "variants_in_own_process": cuda, "gpu": gpu,
                                "timed": ("in turns" if cuda and not args.one_after_another
                                          else "one variant after another")}
+            carry_variants(row, earlier_rows.get(key))
             return row
         finally:
             free_gpus.put(gpu)

@@ -341,6 +341,15 @@ def _submit_table(data: dict) -> str:
                  [[k, v, done[k]] for k, v in data["submit_us"].items()])
 
 
+def same_run_ratio(row: dict, base: float | None, key: str) -> str:
+    """``ratio(base, row["ms"][key])``, except for a variant measured in another run than the row's
+    (``--merge`` stamps it under ``measured_apart``): a ratio across runs says nothing."""
+    value = (row.get("ms") or {}).get(key)
+    if value is not None and key in (row.get("measured_apart") or {}):
+        return f"{fmt(value)} (timed apart)"
+    return ratio(base, value)
+
+
 def render_train(data: dict) -> str:
     """One row per model, dtype and batch: each way's ms per training step, streamdag's per-graph
     path and its whole captured step against the faster torch.compile mode, the whole step captured
@@ -357,8 +366,8 @@ def render_train(data: dict) -> str:
         best = min((ms[k] for k in ("inductor", "inductor_ro") if ms.get(k)), default=None) \
             if ms.get("inductor_ro") else None
         rows.append([m["model"], m["dtype"], m["batch"], *(ms.get(k) for k in
-                     ("eager", "inductor", "inductor_ro", "streamdag")), ratio(best, ms.get("streamdag")),
-                     ms.get("inductor_step"), ratio(best, ms.get("streamdag_step")),
+                     ("eager", "inductor", "inductor_ro", "streamdag")), same_run_ratio(m, best, "streamdag"),
+                     ms.get("inductor_step"), same_run_ratio(m, best, "streamdag_step"),
                      err.get("streamdag"), verdict,
                      ", ".join(f"{k} {v:.0f}" for k, v in peak.items())])
     return table(["model", "dtype", "batch", "eager ms", "torch.compile ms", "reduce-overhead ms",

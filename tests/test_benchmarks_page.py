@@ -182,3 +182,12 @@ def test_a_zoo_model_that_a_run_skipped_renders_no_row_and_one_it_lost_a_row_wit
                                             lost]})
     assert "| resnet50 |" in text and "vgg16" not in text
     assert "| gpt2 | bf16 | 1 | — |" in text
+
+
+def test_a_training_variant_timed_in_another_run_than_its_row_shows_no_ratio_to_the_row():
+    generator = load_generator()
+    row = {"ms": {"inductor_ro": 5.0, "streamdag": 6.0, "streamdag_step": 4.0},
+           "measured_apart": {"streamdag_step": {"commit": "old"}}}
+    assert generator.same_run_ratio(row, 5.0, "streamdag") == "6.000 (0.83x)"
+    assert generator.same_run_ratio(row, 5.0, "streamdag_step") == "4.000 (timed apart)"
+    assert generator.same_run_ratio(row, 5.0, "inductor_step") == "—"

@@ -86,3 +86,23 @@ def test_variants_in_processes_of_their_own_are_timed_in_turns_and_a_failed_setu
     assert set(row["ms"]) == {"eager"} and row["ms"]["eager"] > 0
     assert "needs CUDA graphs" in row["errors"]["inductor_step"]
     assert row["grad_max_rel_err"]["eager"] < 1e-3
+
+
+def test_a_row_measured_again_with_some_variants_keeps_the_others_stamped_with_their_run(train):
+    earlier = {"ms": {"eager": 20.0, "streamdag": 4.6, "streamdag_step": 3.9},
+               "peak_mib": {"streamdag_step": 610}, "errors": {},
+               "streamdag_step": {"step": ["one graph"]}, "measured": {"commit": "old"}}
+    row = {"ms": {"eager": 19.0, "streamdag": 6.6}, "peak_mib": {"streamdag": 716}, "errors": {},
+           "measured": {"commit": "new"}}
+    train.carry_variants(row, earlier)
+    assert row["ms"] == {"eager": 19.0, "streamdag": 6.6, "streamdag_step": 3.9}
+    assert row["peak_mib"] == {"streamdag": 716, "streamdag_step": 610}
+    assert row["streamdag_step"] == {"step": ["one graph"]}
+    assert row["measured_apart"] == {"streamdag_step": {"commit": "old"}}
+    again = {"ms": {"eager": 18.0}, "errors": {"streamdag": "RuntimeError: lost"},
+             "measured": {"commit": "newer"}}
+    train.carry_variants(again, row)  # a variant that failed this run is this run's, not carried
+    assert again["ms"] == {"eager": 18.0, "streamdag_step": 3.9}
+    assert again["measured_apart"] == {"streamdag_step": {"commit": "old"}}  # the run that measured it
+    train.carry_variants(again, None)
+    assert again["ms"] == {"eager": 18.0, "streamdag_step": 3.9}
