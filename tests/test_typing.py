@@ -54,6 +54,12 @@ def plain_step(a: np.ndarray) -> float:
     return float(a.sum())
 
 said: str = step.explain() + plain_step.explain()  # (both are captured steps, not decorators)
+
+import torch
+
+fast = sd.compile(torch.nn.Linear(4, 4))  # a module compiles to a module
+layer: torch.nn.Module = fast.eval()
+plan: str = fast.explain()
 """
 
 BAD = """
@@ -75,6 +81,11 @@ with sd.Runtime(device="cpu") as rt:
         rt.submit(total, x, x)
     prof.timline  # BAD
     rt.sumbit(total, x, x)  # BAD
+
+import torch
+
+# (nn.Module's __getattr__ lets any attribute name of a module type-check: a wrong type is caught)
+count: int = sd.compile(torch.nn.Linear(4, 4)).explain()  # BAD
 """
 
 

@@ -8,7 +8,7 @@ streams, and recorded graphs are scheduled once and run many times.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import parallel
 from .errors import (
@@ -36,10 +36,32 @@ if TYPE_CHECKING:  # importing streamdag imports no torch
 
     from .frontend.compiled import Compiled
     from .frontend.compiled_model import CompiledModel
+    from .frontend.compiled_module import CompiledModule
     from .frontend.decode import Decoder
     from .frontend.step_graph import CapturedStep
 
 __version__ = "0.1.0"
+
+
+# The overloads follow the engine argument; STREAMDAG_COMPILE_ENGINE=aten, read at run time, swaps
+# the default engine's CompiledModel for the aten engine's Compiled where engine is left out.
+@overload
+def compile(fn: torch.nn.Module, *, engine: Literal["inductor"] | None = None,
+            **options: Any) -> CompiledModule: ...
+
+
+@overload
+def compile(fn: Callable[..., Any], *, engine: Literal["inductor"] | None = None,
+            **options: Any) -> CompiledModel: ...
+
+
+@overload
+def compile(fn: Callable[..., Any], *, engine: Literal["aten"], **options: Any) -> Compiled: ...
+
+
+@overload
+def compile(fn: Callable[..., Any], *, engine: str | None = None,
+            **options: Any) -> CompiledModel | Compiled: ...
 
 
 def compile(fn: Callable[..., Any], *, engine: str | None = None, **options: Any) -> CompiledModel | Compiled:
