@@ -186,6 +186,38 @@ def test_an_op_whose_output_depends_on_data_breaks_the_graph_as_under_torch_comp
             torch.testing.assert_close(c(x, is_global), m(x, is_global))
     stats = c.statistics()
     assert stats.fallbacks == 0 and stats.eager_calls == 0 and stats.graphs >= 1, c.explain()
+    said = c.explain().split("Dynamo split the model where it could not trace it")[1]
+    assert "Data dependent operator; Operator `aten._local_scalar_dense.default`" in said, said
+    assert "Backend compiler exception" not in said, said  # (Dynamo's note on the same operator)
+
+
+class Printing(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        print("between the layers")  # (Dynamo breaks the graph here)
+        return self.second(h).relu()
+
+
+@pytest.mark.slow
+def test_explain_names_what_dynamo_could_not_trace_once_per_compile_and_not_where_it_traced_all(capsys):
+    torch.manual_seed(0)
+    m, x = Printing(), torch.randn(2, 8)
+    c = sd.compile(m)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), m(x))
+    said = [line for line in c.explain().splitlines() if "`print`" in line]
+    assert len(said) == 1 and said[0].startswith("  - Failed to trace builtin operator"), c.explain()
+    assert said[0].endswith("(x1)"), said  # the calls after the compile add nothing
+    assert "object at 0x" not in c.explain() and c.statistics().graphs == 2
+    whole = sd.compile(torch.nn.Sequential(torch.nn.Linear(8, 8)))  # (a model Dynamo traces whole)
+    with torch.no_grad():
+        whole(x)
+    assert "Dynamo split" not in whole.explain(), whole.explain()
 
 
 @pytest.mark.slow

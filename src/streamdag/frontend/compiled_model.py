@@ -12,6 +12,7 @@ import copy
 import functools
 import inspect
 import itertools
+import re
 import sys
 import threading
 import types
@@ -145,6 +146,37 @@ def _dynamo_reasons() -> dict[str, int]:
     return {**_dynamo_counters["graph_break"], **_dynamo_counters["unimplemented"]}
 
 
+def _new_reasons(breaks: dict[str, int]) -> dict[str, int]:
+    """Dynamo's reasons that came since ``breaks`` (its reasons then), each with how often."""
+    return {k: n - breaks.get(k, 0) for k, n in _dynamo_reasons().items() if n > breaks.get(k, 0)}
+
+
+def _in_brief(reason: str) -> str:
+    """One of Dynamo's reasons on one line: its title, explanation and hint, without the debug
+    context; an object's address dropped (``<...Backend object at 0x...>`` names the class); no
+    hint to report the backend's failure, where Dynamo breaks a graph over an operator it cannot
+    trace, as under ``torch.compile``; the first hint alone."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    kept = [lines[0]] if lines else []
+    for line in lines[1:]:
+        if line.startswith("Explanation: "):
+            kept.append(line.removeprefix("Explanation: "))
+        elif (line.startswith("Hint: ") and "Report an issue to the backend" not in line
+              and not any(k.startswith("hint: ") for k in kept)):
+            kept.append("hint: " + line.removeprefix("Hint: "))
+    text = re.sub(r"<([\w.]*?)(\w+) object at 0x[0-9a-f]+>", r"\2", "; ".join(k.rstrip(".") for k in kept))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _in_briefs(reasons: dict[str, int]) -> dict[str, int]:
+    """``reasons`` in brief, less Dynamo's note that the backend failed on an operator another of
+    them names (Dynamo's own reason for the operator says it better)."""
+    briefs = {_in_brief(r): n for r, n in reasons.items()}
+    failed = re.compile(r"^Backend compiler exception;.* failed with (\S+)")
+    return {b: n for b, n in briefs.items()
+            if not ((m := failed.match(b)) and any(m.group(1) in o for o in briefs if o != b))}
+
+
 def _untraced(breaks: dict[str, int] | None) -> str:
     """Why Dynamo ran a call as written where it could not trace something in it (its reasons over
     ``breaks``, those before the call); '' else."""
@@ -262,14 +294,17 @@ class CompiledModel:
                     compiled = self._compiled_symbolic
             else:
                 compiled = self._compiled_symbolic
-        # Dynamo's reasons for what it could not trace so far, until a call ran eagerly and said why
-        breaks = None if "eager" in self.backend._warned else _dynamo_reasons()
+        # Dynamo's reasons for what it could not trace so far: a call that compiles files the new ones
+        breaks = _dynamo_reasons()
         if _OWN_RECOMPILE_LIMIT:
             out = compiled(*args, **kwargs)
         else:
             out = _with_room_to_recompile(compiled, args, kwargs)
         if compiled is self._compiled and self.backend.stats.graphs != graphs:
             self._count_static_compile(grad, args, kwargs)
+        if self.backend.stats.graphs != graphs or ran.count == before:
+            for said, n in _in_briefs(_new_reasons(breaks)).items():
+                self.backend.graph_breaks[said] = self.backend.graph_breaks.get(said, 0) + n
         if ran.count == before:
             if key is not None and compiled is self._compiled:  # a guard other than the key's failed on the
                 self._grad_static_keys.discard(key)              # full static wrapper: symbolic from now on

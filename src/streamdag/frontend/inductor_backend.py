@@ -449,6 +449,9 @@ class StreamdagBackend:
         self.eager_reason: str = ""  # why streamdag.compile's model runs eagerly with gradients on
         self.eager_why: str = _EAGER_WHY  # why Dynamo ran a call as written (no compiled graph ran)
         self.dynamic_note: str = ""  # since when the model compiles with symbolic shapes, if it does
+        #: what Dynamo could not trace in the model's compiling calls (its reasons, in brief, with their
+        #: counts): it split the model there, or ran a frame as written
+        self.graph_breaks: dict[str, int] = {}
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -510,6 +513,12 @@ class StreamdagBackend:
             parts.append(f"{n} call{'s' if n != 1 else ''} ran no compiled graph: {why}")
         if self.dynamic_note:
             parts.append(f"the model {self.dynamic_note}")
+        if self.graph_breaks:
+            said = [f"  - {reason} (x{n})" for reason, n in list(self.graph_breaks.items())[:_BREAKS_SHOWN]]
+            more = len(self.graph_breaks) - _BREAKS_SHOWN
+            parts.append("Dynamo split the model where it could not trace it, and runs the code between "
+                         "its graphs as written (TORCH_LOGS=graph_breaks shows where):\n" + "\n".join(said)
+                         + (f"\n  and {more} more" if more > 0 else ""))
         return "\n\n".join(parts) or "nothing compiled yet: call the model once"
 
     def statistics(self) -> V2Statistics:
@@ -520,6 +529,9 @@ class StreamdagBackend:
                 stats.tree_skips += t.tree_skips
         return stats
 
+
+#: the reasons for graph breaks explain() lists
+_BREAKS_SHOWN = 5
 
 #: what Dynamo's passes raise to Dynamo from a backend's compile, to trace again another way (a float
 #: specialized) or run the frame as written, and the fake-tensor exceptions (an op whose output depends
