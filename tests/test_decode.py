@@ -449,3 +449,29 @@ def test_a_prompt_model_generate_would_mask_warns_a_mask_with_zeros_is_refused_a
         dec.generate(ids, 4, attention_mask=(ids != 0).long())
     ones = torch.ones_like(ids)  # the zeros are tokens: as model.generate with that mask
     assert torch.equal(dec.generate(ids, 4, attention_mask=ones, **EVERY), _hf_greedy(model, ids, 4, **EVERY))
+
+
+def test_the_cache_goes_by_the_keyword_the_models_forward_takes_it_by():
+    """Newer Hugging Face releases take the cache as ``cache`` and deprecate ``past_key_values``;
+    older ones take ``past_key_values`` alone."""
+    import inspect
+
+    from streamdag.frontend.decode import cache_keyword
+
+    model = _llama(hidden=32, layers=1)
+    assert cache_keyword(model) in inspect.signature(model.forward).parameters
+
+    class Newer(torch.nn.Module):
+        def forward(self, input_ids, cache=None, past_key_values=None, use_cache=True, logits_to_keep=0):
+            return input_ids
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+            return input_ids
+
+    class Anything(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    assert [cache_keyword(m()) for m in (Newer, Older, Anything)] == ["cache", "past_key_values",
+                                                                        "past_key_values"]

@@ -141,6 +141,19 @@ def _check_padding(input_ids: torch.Tensor, mask: Any, eos: list[int] | None, pa
              "attention_mask=torch.ones_like(input_ids) where the id is a token, to say so)")
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its cache by: ``cache`` in newer Hugging Face
+    releases, which deprecate ``past_key_values`` (the older name, and the name of a forward that
+    takes neither by name)."""
+    import inspect
+
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # (a forward without a signature Python can read)
+        return "past_key_values"
+    return "cache" if "cache" in names else "past_key_values"
+
+
 class _Step(torch.nn.Module):
     """One decode step: the model over the newest tokens, then the greedy choice of the next ones."""
 
@@ -148,9 +161,10 @@ class _Step(torch.nn.Module):
         super().__init__()
         self.model = model
         self.cache = cache
+        self.keyword = cache_keyword(model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True,
+        logits = self.model(input_ids=tokens, **{self.keyword: self.cache}, use_cache=True,
                             logits_to_keep=1).logits
         return logits[:, -1].argmax(-1, keepdim=True)
 
@@ -389,7 +403,7 @@ class TokenStream:
         self.slot.cache.reset()  # in place: the captured step reads the cache where it is
         model = self.decoder.model
         with attention_for_decode(model):
-            out = model(input_ids=self.prompt, past_key_values=self.slot.cache, use_cache=True,
+            out = model(input_ids=self.prompt, **{cache_keyword(model): self.slot.cache}, use_cache=True,
                         logits_to_keep=1)
         logits = getattr(out, "logits", None)
         if logits is None:
