@@ -151,7 +151,7 @@ def test_negative_control_without_the_hook_watch_a_training_step_misses_a_hook_a
     c = sd.compile(m)
     x = torch.randn(4, 8)
     _step(c, m, x)
-    c._hook_root, c._hooks = None, None  # Dynamo's default alone
+    c._hook_root, c._hook_watch = None, None  # Dynamo's default alone
     m[0].register_forward_hook(lambda module, args, out: out * 3)
     assert not torch.allclose(_step(c, m, x)[0], _step(m, m, x)[0])
 

@@ -179,6 +179,58 @@ def test_parametrize_through_the_compiled_module_is_refused_before_it_changes_th
     assert isinstance(plain.weight, nn.Parameter) and "weight_orig" not in dict(plain.named_parameters())
 
 
+def test_reading_parametrizations_of_a_compiled_module_answers_as_the_model_would():
+    """``hasattr``, ``is_parametrized`` and quantization's walk over a parent probe the attribute
+    with a default: they get none where the model has none, and the model's where it has some."""
+    parametrize = torch.nn.utils.parametrize
+    model = nn.Linear(4, 4)
+    compiled = sd.compile(model)
+    assert not hasattr(compiled, "parametrizations") and getattr(compiled, "parametrizations", None) is None
+    assert not parametrize.is_parametrized(compiled)
+    assert parametrize.type_before_parametrizations(compiled) is type(compiled)
+    parent = nn.Sequential(compiled, nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao.quantization's notice that it moves to torchao)
+        quantized = torch.ao.quantization.quantize_dynamic(parent, {nn.Linear})
+    assert type(quantized[1]) is not nn.Linear
+    normed = nn.Linear(4, 4)
+    torch.nn.utils.parametrizations.weight_norm(normed)
+    assert sd.compile(normed).parametrizations is normed.parametrizations
+
+
+def test_a_hook_dict_assigned_through_the_compiled_module_is_the_models_and_the_next_call_follows_it():
+    from collections import OrderedDict
+
+    model = nn.Linear(4, 4)
+    compiled, ran = sd.compile(model), []
+    compiled.register_forward_hook(lambda *args: ran.append(1))
+    x = torch.randn(2, 4)
+    compiled(x)
+    assert ran == [1]
+    compiled._forward_hooks = OrderedDict()  # (the usual way to drop every forward hook)
+    assert len(model._forward_hooks) == 0 and compiled._forward_hooks is model._forward_hooks
+    torch.testing.assert_close(compiled(x), model(x))
+    assert ran == [1]
+
+
+def test_a_models_attribute_that_the_compiled_module_keeps_for_itself_is_named_at_compile():
+    class Clashing(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.backend, self._hooks = "cudnn", []
+
+        def close(self) -> None:
+            pass
+
+    with pytest.warns(sd.StreamdagWarning, match=r"\(backend, close\).*compiled\.__wrapped__\.<name>"):
+        compiled = sd.compile(Clashing())
+    compiled._hooks.append("handle")  # (a name the compiled call does not use is the model's)
+    assert compiled.__wrapped__._hooks == ["handle"] and compiled.__wrapped__.backend == "cudnn"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sd.StreamdagWarning)
+        sd.compile(nn.Linear(4, 4))  # (no clash, no warning)
+
+
 @pytest.mark.slow
 def test_a_parent_holding_a_compiled_part_is_saved_and_loaded_with_the_part_compiled_again(tmp_path):
     torch.manual_seed(0)

@@ -225,7 +225,7 @@ class CompiledModel:
         #: the module whose hooks the compiled code runs (Dynamo does not guard them), and those
         #: hooks, from the first call on Dynamo's path on
         self._hook_root = root_module(fn)
-        self._hooks: HookWatch | None = None
+        self._hook_watch: HookWatch | None = None
         self._hook_compiles = 0  # compiles again because the hooks moved
         #: the wrappers compiled for each set of hooks met (:attr:`.HookWatch.signature`), so that
         #: hooks put back as they were (a hook added for a few calls, then removed) compile nothing
@@ -269,7 +269,7 @@ class CompiledModel:
         grad = torch.is_grad_enabled()
         if self.backend.eager_reason and grad:  # (explain() says why)
             return self._as_written_call(args, kwargs)
-        hooks = self._hooks
+        hooks = self._hook_watch
         if hooks is not None and not hooks.unchanged():
             with self._first_call:  # (one thread compiles again; the others wait, then find it done)
                 if not hooks.unchanged():
@@ -278,7 +278,7 @@ class CompiledModel:
             return self._as_written_call(args, kwargs)
         out = self._run(grad, args, kwargs)
         if hooks is None and self._hook_root is not None:  # (after the first call: a lazy module's
-            self._hooks = HookWatch(self._hook_root)     # initializing hook has gone during it)
+            self._hook_watch = HookWatch(self._hook_root)  # initializing hook has gone during it)
         return out
 
     def _run(self, grad: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

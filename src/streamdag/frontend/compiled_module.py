@@ -3,21 +3,27 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._diagnostics import warn
 from .compiled_model import CompiledModel
 from .inductor_backend import StreamdagBackend
 
 __all__ = ["CompiledModule"]
 
-#: the attributes a compiled module keeps for itself; any other set on it is set on the wrapped model
-_OWN_ATTRIBUTES = frozenset(
+#: nn.Module's dicts and sets, which a compiled module shares with its model (one object each)
+_SHARED = frozenset(name for name, value in vars(torch.nn.Module()).items() if isinstance(value, (dict, set)))
+#: the compiled call's own attributes; any other set on a compiled module is set on the wrapped model
+_CALLS_OWN = frozenset(
     {"backend", "__wrapped__", "_settings", "_compiled", "_compiled_symbolic", "_compile_calls",
-     "_grad_static_keys", "_hook_root", "_hooks", "_hook_compiles", "_wrappers_by_hooks", "_wrapper_hooks",
-     "_as_written", "_first_call", "_called", "whole"} | set(vars(torch.nn.Module())))
+     "_grad_static_keys", "_hook_root", "_hook_watch", "_hook_compiles", "_wrappers_by_hooks",
+     "_wrapper_hooks", "_as_written", "_first_call", "_called", "whole"})
+#: the attributes a compiled module keeps for itself
+_OWN_ATTRIBUTES = _CALLS_OWN | set(vars(torch.nn.Module()))
 
 #: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
 _ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
@@ -49,10 +55,15 @@ class CompiledModule(CompiledModel, torch.nn.Module):
     def __init__(self, fn: torch.nn.Module, backend: StreamdagBackend,
                  settings: dict[str, Any] | None = None) -> None:
         torch.nn.Module.__init__(self)  # (first: its training flag goes nowhere while no model is set)
-        for name, value in vars(torch.nn.Module()).items():  # the model's dicts, one object each
-            if isinstance(value, (dict, set)):
-                object.__setattr__(self, name, getattr(fn, name))
+        for name in _SHARED:  # the model's dicts, one object each
+            object.__setattr__(self, name, getattr(fn, name))
         CompiledModel.__init__(self, fn, backend, settings)
+        shadowed = _shadowed(fn)
+        if shadowed:
+            names = ", ".join(shadowed)
+            warn(f"streamdag.compile: {type(fn).__name__} has attributes the compiled module keeps for "
+                 f"itself ({names}): compiled.<name> reads and sets the compiled module's; reach the "
+                 f"model's through compiled.__wrapped__.<name>")
 
     @property  # type: ignore[override]
     def training(self) -> bool:
@@ -68,7 +79,13 @@ class CompiledModule(CompiledModel, torch.nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "__class__":  # (torch.nn.utils.parametrize: a class of the model's own, made
             raise TypeError(_REWRITE_THE_MODEL)  # for it, would become the wrapper's)
-        if name in _OWN_ATTRIBUTES or "__wrapped__" not in self.__dict__:
+        if name in _SHARED and "__wrapped__" in self.__dict__ and isinstance(value, (dict, set)):
+            # (``compiled._forward_hooks = OrderedDict()``): the model's own object takes the new
+            # contents, so that it stays the one object the wrapper shares and the hook watch sees
+            shared = getattr(self.__wrapped__, name)
+            shared.clear()
+            shared.update(value)
+        elif name in _OWN_ATTRIBUTES or "__wrapped__" not in self.__dict__:
             object.__setattr__(self, name, value)
         else:
             setattr(self.__wrapped__, name, value)
@@ -81,10 +98,19 @@ class CompiledModule(CompiledModel, torch.nn.Module):
 
     @property
     def parametrizations(self) -> Any:
-        """Refused: ``torch.nn.utils.parametrize`` rewrites a module's class, which would be the
-        wrapper's. (``register_parametrization`` and ``remove_parametrizations`` read this first,
-        so both are refused before they change anything.)"""
-        raise TypeError(_REWRITE_THE_MODEL)
+        """The model's, to read (none, an ``AttributeError``, where the model has none: ``hasattr``,
+        ``parametrize.is_parametrized`` and quantization's walks read it so). Refused to
+        ``torch.nn.utils.parametrize``'s ``register_parametrization`` and
+        ``remove_parametrizations``, which rewrite the module's class, here the wrapper's: they
+        read this first, so they stop before they change anything (they delete the tensor they
+        parametrize before they rewrite the class)."""
+        if _read_by_parametrize():
+            raise TypeError(_REWRITE_THE_MODEL)
+        wrapped = self.__dict__.get("__wrapped__")
+        found = getattr(wrapped, "parametrizations", None) if wrapped is not None else None
+        if found is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'parametrizations'")
+        return found
 
     #: a call through ``nn.Module.__call__``'s own path (a parent's ``_call_impl`` reached some
     #: other way) is the compiled call too: the model then runs its hooks once, not the wrapper too
@@ -99,6 +125,32 @@ class CompiledModule(CompiledModel, torch.nn.Module):
         under streamdag's compiled call, on the wrapped model's own calls)."""
         raise TypeError("this model is compiled by streamdag.compile already; to compile it otherwise, "
                         "call .compile() (or torch.compile) on the model it wraps, compiled.__wrapped__")
+
+
+def _read_by_parametrize() -> bool:
+    """Whether ``torch.nn.utils.parametrize``'s register or remove call reads the attribute: its
+    frames' code, a few frames up (``is_parametrized``'s ``getattr``, called by them), told from
+    any other reader's. The frames are read because both call sites probe with
+    ``getattr(module, "parametrizations", None)``, which also answers ``hasattr``-style probes."""
+    from torch.nn.utils import parametrize
+
+    rewrites = {parametrize.register_parametrization.__code__, parametrize.remove_parametrizations.__code__}
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code in rewrites:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _shadowed(model: torch.nn.Module) -> list[str]:
+    """The model's attributes that a compiled module's own hide: the compiled call's state and its
+    methods (``explain``, ``statistics``...), but for those ``nn.Module`` has itself."""
+    own = _CALLS_OWN | {n for n in dir(CompiledModule) if not n.startswith("_")}
+    own -= set(dir(torch.nn.Module)) | {"__wrapped__", "training", "parametrizations"}  # (the model's)
+    return sorted(n for n in own if n in vars(model) or hasattr(type(model), n))
 
 
 def _run_on_the_model(name: str) -> Callable[..., Any]:
