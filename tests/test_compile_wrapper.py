@@ -337,3 +337,22 @@ def test_a_frame_dynamo_runs_as_written_warns_with_dynamos_reason():
     assert "recompile_limit" not in said[0], said
     assert "TORCH_LOGS=graph_breaks" in compiled.explain()
     assert compiled.statistics().eager_calls == 1
+
+
+def test_a_compiled_container_indexes_counts_and_iterates_as_its_model():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = sd.compile(seq)
+    assert len(compiled) == 3 and compiled[0] is seq[0] and compiled[-1] is seq[2]
+    assert list(compiled) == list(seq) and seq[1] in compiled and bool(compiled)
+    assert not sd.compile(nn.Sequential()) and "a" in sd.compile(nn.ModuleDict({"a": nn.ReLU()}))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled(x), seq(x))
+    plain = sd.compile(nn.Linear(4, 4))
+    assert bool(plain)  # (a module without a length is true, as the model is)
+    with pytest.raises(TypeError, match="has no len"):
+        len(plain)
+    with pytest.raises(TypeError, match="not iterable"):
+        iter(plain)
+    parent = Outer(sd.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh())))
+    fast, ones = sd.compile(parent), torch.ones(2, 8)  # (a compiled container inside a compiled parent)
+    torch.testing.assert_close(fast(ones), parent(ones))

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, cast
 
 import torch
 
@@ -112,6 +113,24 @@ class CompiledModule(CompiledModel, torch.nn.Module):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute 'parametrizations'")
         return found
 
+    # A container model's protocol (nn.Sequential, ModuleList, ModuleDict) is the model's too:
+    # indexing gives its parts (uncompiled), as ``compiled.encoder`` does; truth follows the model
+    # (an empty Sequential is false, a module without a length true)
+    def __len__(self) -> int:
+        return len(cast(Any, self.__wrapped__))
+
+    def __getitem__(self, index: Any) -> Any:
+        return cast(Any, self.__wrapped__)[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(cast(Any, self.__wrapped__))
+
+    def __contains__(self, item: Any) -> bool:
+        return item in cast(Any, self.__wrapped__)
+
+    def __bool__(self) -> bool:
+        return bool(cast(Any, self.__wrapped__))
+
     #: a call through ``nn.Module.__call__``'s own path (a parent's ``_call_impl`` reached some
     #: other way) is the compiled call too: the model then runs its hooks once, not the wrapper too
     _call_impl = CompiledModel.__call__
@@ -135,7 +154,7 @@ def _read_by_parametrize() -> bool:
     from torch.nn.utils import parametrize
 
     rewrites = {parametrize.register_parametrization.__code__, parametrize.remove_parametrizations.__code__}
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(4):
         if frame is None:
             return False
