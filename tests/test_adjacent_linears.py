@@ -408,6 +408,7 @@ tf = pytest.importorskip("transformers")
 def test_grouped_attention_equals_sdpa_at_every_decode_step():
     from transformers.cache_utils import StaticCache
 
+    from streamdag.frontend.decode import cache_keyword
     from streamdag.frontend.decode_attention import NAME, attention_for_decode
 
     torch.manual_seed(0)
@@ -417,18 +418,18 @@ def test_grouped_attention_equals_sdpa_at_every_decode_step():
     ids = torch.randint(0, 64, (2, 7))
     logits = {}
     for grouped in (False, True):
-        cache = StaticCache(config=model.config, max_cache_len=24)
+        cache = {cache_keyword(model): StaticCache(config=model.config, max_cache_len=24)}
         steps = []
         with torch.inference_mode():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, **cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(5):
                 if grouped:
                     with attention_for_decode(model):
                         assert model.config._attn_implementation == NAME
-                        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                        out = model(input_ids=token, **cache, use_cache=True)
                 else:
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=token, **cache, use_cache=True)
                 steps.append(out.logits)
                 token = out.logits[:, -1:].argmax(-1)
         logits[grouped] = torch.stack(steps)
