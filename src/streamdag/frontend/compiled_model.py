@@ -180,13 +180,11 @@ def _in_briefs(reasons: dict[str, int]) -> dict[str, int]:
 def _untraced(breaks: dict[str, int] | None) -> str:
     """Why Dynamo ran a call as written where it could not trace something in it (its reasons over
     ``breaks``, those before the call); '' else."""
-    if breaks is None:
-        return ""
-    new = [k for k, n in _dynamo_reasons().items() if n > breaks.get(k, 0)]
+    new = _new_reasons(breaks) if breaks is not None else {}
     if not new:
         return ""
     lines = [line.strip().removeprefix("Explanation: ").removeprefix("Hint: ").rstrip(".")
-             for line in new[0].splitlines() if line.strip()]
+             for line in next(iter(new)).splitlines() if line.strip()]
     said = "; ".join(lines[:3])
     return (f"Dynamo could not trace the code ({said}) and ran it as written; "
             "TORCH_LOGS=graph_breaks shows where")

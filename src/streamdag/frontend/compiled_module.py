@@ -16,15 +16,17 @@ from .inductor_backend import StreamdagBackend
 
 __all__ = ["CompiledModule"]
 
+#: what nn.Module's constructor sets on a module
+_MODULE_STATE = vars(torch.nn.Module())
 #: nn.Module's dicts and sets, which a compiled module shares with its model (one object each)
-_SHARED = frozenset(name for name, value in vars(torch.nn.Module()).items() if isinstance(value, (dict, set)))
+_SHARED = frozenset(name for name, value in _MODULE_STATE.items() if isinstance(value, (dict, set)))
 #: the compiled call's own attributes; any other set on a compiled module is set on the wrapped model
 _CALLS_OWN = frozenset(
     {"backend", "__wrapped__", "_settings", "_compiled", "_compiled_symbolic", "_compile_calls",
      "_grad_static_keys", "_hook_root", "_hook_watch", "_hook_compiles", "_wrappers_by_hooks",
      "_wrapper_hooks", "_as_written", "_first_call", "_called", "whole"})
 #: the attributes a compiled module keeps for itself
-_OWN_ATTRIBUTES = _CALLS_OWN | set(vars(torch.nn.Module()))
+_OWN_ATTRIBUTES = _CALLS_OWN | set(_MODULE_STATE)
 
 #: torch.nn.Module's methods a compiled module answers itself (the others run on the wrapped model)
 _ANSWERED_HERE = frozenset({"forward", "train", "eval", "compile", "_call_impl", "_wrapped_call_impl",
@@ -165,11 +167,8 @@ def _read_by_parametrize() -> bool:
 
 
 def _shadowed(model: torch.nn.Module) -> list[str]:
-    """The model's attributes that a compiled module's own hide: the compiled call's state and its
-    methods (``explain``, ``statistics``...), but for those ``nn.Module`` has itself."""
-    own = _CALLS_OWN | {n for n in dir(CompiledModule) if not n.startswith("_")}
-    own -= set(dir(torch.nn.Module)) | {"__wrapped__", "training", "parametrizations"}  # (the model's)
-    return sorted(n for n in own if n in vars(model) or hasattr(type(model), n))
+    """The model's attributes that a compiled module's own hide (:data:`_SHADOWING`)."""
+    return sorted(n for n in _SHADOWING if n in vars(model) or hasattr(type(model), n))
 
 
 def _run_on_the_model(name: str) -> Callable[..., Any]:
@@ -185,3 +184,9 @@ def _run_on_the_model(name: str) -> Callable[..., Any]:
 for _name, _value in vars(torch.nn.Module).items():
     if callable(_value) and not _name.startswith("__") and _name not in _ANSWERED_HERE:
         setattr(CompiledModule, _name, _run_on_the_model(_name))
+
+#: the names whose compiled module's attribute hides the model's: the compiled call's state and its
+#: methods (``explain``, ``statistics``...), but for those ``nn.Module`` has itself
+_SHADOWING = frozenset(
+    (_CALLS_OWN | {n for n in dir(CompiledModule) if not n.startswith("_")})
+    - set(dir(torch.nn.Module)) - {"__wrapped__", "training", "parametrizations"})  # (the model's)

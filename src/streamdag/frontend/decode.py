@@ -157,11 +157,11 @@ def cache_keyword(model: torch.nn.Module) -> str:
 class _Step(torch.nn.Module):
     """One decode step: the model over the newest tokens, then the greedy choice of the next ones."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any) -> None:
+    def __init__(self, model: torch.nn.Module, cache: Any, keyword: str) -> None:
         super().__init__()
         self.model = model
         self.cache = cache
-        self.keyword = cache_keyword(model)
+        self.keyword = keyword  # (:func:`cache_keyword`)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=tokens, **{self.keyword: self.cache}, use_cache=True,
@@ -185,7 +185,8 @@ class _Slot:
             raise ValueError(f"the model's static cache has {', '.join(other)} layers: streamdag.decoder "
                              "decodes models whose every layer is full attention (StaticLayer, positions on "
                              "the device); use model.generate for this one")
-        self.step_module: torch.nn.Module = _Step(model, self.cache)
+        self.keyword = cache_keyword(model)
+        self.step_module: torch.nn.Module = _Step(model, self.cache, self.keyword)
         self.step: Any = self.step_module
         if compile_step:
             from .adjacent_linears import pack_sibling_linears
@@ -403,7 +404,7 @@ class TokenStream:
         self.slot.cache.reset()  # in place: the captured step reads the cache where it is
         model = self.decoder.model
         with attention_for_decode(model):
-            out = model(input_ids=self.prompt, **{cache_keyword(model): self.slot.cache}, use_cache=True,
+            out = model(input_ids=self.prompt, **{self.slot.keyword: self.slot.cache}, use_cache=True,
                         logits_to_keep=1)
         logits = getattr(out, "logits", None)
         if logits is None:
