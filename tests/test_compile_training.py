@@ -20,9 +20,9 @@ torch = pytest.importorskip("torch")
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from streamdag.errors import StreamdagWarning  # noqa: E402
+from streamdag.frontend.aten_facts import has_random, written_inputs  # noqa: E402
 from streamdag.frontend.inductor_regions import CompiledRegion, RegionProgram, region_graph  # noqa: E402
 from streamdag.frontend.regions import plan_regions  # noqa: E402
-from streamdag.frontend.training import _has_random, _written_inputs  # noqa: E402
 
 REGIONS = {"regions": "always", "candidates": ["regions"]}
 
@@ -208,13 +208,13 @@ def test_written_inputs_are_the_placeholders_an_operator_writes_in_place():
         return x @ w
 
     gm = make_fx(fn)(torch.randn(4, 4), torch.zeros(4), torch.randn(4, 4))
-    assert _written_inputs(gm) == [1]
+    assert written_inputs(gm) == [1]
 
 
 def test_graphs_with_random_operators_are_found():
     gm = make_fx(lambda x: torch.nn.functional.dropout(x, 0.5) + x)(torch.randn(4))
-    assert _has_random(gm)
-    assert not _has_random(make_fx(lambda x: x.relu() + x)(torch.randn(4)))
+    assert has_random(gm)
+    assert not has_random(make_fx(lambda x: x.relu() + x)(torch.randn(4)))
 
 
 def test_attention_draws_random_numbers_only_with_dropout():
@@ -226,8 +226,8 @@ def test_attention_draws_random_numbers_only_with_dropout():
                                           (q, q, q), {"dropout_p": dropout_p}))
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
-    assert not _has_random(attention_graph(0.0))
-    assert _has_random(attention_graph(0.1))
+    assert not has_random(attention_graph(0.0))
+    assert has_random(attention_graph(0.1))
 
 
 def test_the_cost_model_counts_a_convolutions_backward_as_its_gradients_forward_convolutions():

@@ -72,18 +72,60 @@ def test_a_forward_under_the_trees_returns_copies_of_its_returns_and_its_saved_a
     assert graph.tree_calls == 1 and graph.tree_skips == 0
 
 
-def test_a_backward_under_the_trees_returns_copies_of_its_gradients_with_their_layout():
-    """AccumulateGrad keeps a gradient it is handed as ``.grad``: one in the trees' pool would be
-    overwritten by the next replay while gradients accumulate over micro-batches."""
-    w = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
-    b = torch.randn(8, dtype=torch.bfloat16)
-    graph = under_trees("backward", lambda args: [w, None, b])
-    gw, none, gb = graph([])
-    assert none is None
-    assert gw.stride() == w.stride() and gb.dtype == torch.bfloat16
-    assert gw.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
-    torch.testing.assert_close(gw, w, rtol=0, atol=0)
-    torch.testing.assert_close(gb, b, rtol=0, atol=0)
+def test_a_backward_under_the_trees_lends_its_gradients_and_the_next_forward_copies_a_grad_holding_one():
+    """AccumulateGrad keeps a gradient it is handed as ``.grad``; one of the trees' pool would be
+    overwritten by the next step's replays while gradients accumulate over micro-batches. The
+    backward hands them over as they are; the next forward under the trees gives the ``.grad``
+    that still holds one (and only those) a copy of its own, with its layout, before it runs."""
+    held, dropped, own = (torch.nn.Parameter(torch.randn(8, 4, 3, 3)) for _ in range(3))
+    x = torch.randn(2, 3)
+    g_held = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    g_dropped, g_own = torch.randn(8, 4, 3, 3), torch.randn(8, 4, 3, 3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [g_held, None, g_dropped, g_own])
+    backward.forward = forward
+    forward([held, x, dropped, own])
+    out = backward([])
+    assert out[0] is g_held and out[2] is g_dropped  # lent, not copied
+    held.grad, own.grad = out[0].detach(), torch.zeros(8, 4, 3, 3)  # kept; dropped's was set to None
+    mine = own.grad
+    forward([held, x, dropped, own])
+    assert held.grad.data_ptr() != g_held.data_ptr() and held.grad.stride() == g_held.stride()
+    torch.testing.assert_close(held.grad, g_held, rtol=0, atol=0)
+    assert dropped.grad is None and own.grad is mine
+    assert forward.taken_back == 1
+    g_held.fill_(7.0)  # the next replay writes the pool
+    assert not torch.equal(held.grad, g_held)
+    forward([held, x, dropped, own])  # nothing lent since: nothing copied
+    assert forward.taken_back == 1
+    assert "1 .grad copied out of the trees' pool" in forward.explain()
+    assert "handed to autograd out of the trees' pool, not copied" in backward.explain()
+
+
+def test_once_a_lent_gradient_was_kept_elsewhere_backwards_hand_out_copies(monkeypatch):
+    from streamdag.frontend import lent_gradients
+
+    monkeypatch.setattr(lent_gradients._unmanaged, "copying", True)
+    grad = torch.randn(3, 4).t()
+    (out,) = under_trees("backward", lambda args: [grad])([])
+    assert out.data_ptr() != grad.data_ptr() and out.stride() == grad.stride()
+    torch.testing.assert_close(out, grad, rtol=0, atol=0)
+
+
+def test_without_taking_back_a_grad_holding_a_lent_gradient_would_change_with_the_pool(monkeypatch):
+    """The negative control of the test above: with :func:`take_back` doing nothing, the ``.grad``
+    still lies in the (stand-in) pool, and the next replay's write shows through it."""
+    monkeypatch.setattr("streamdag.frontend.training.take_back", lambda device_box: 0)
+    p = torch.nn.Parameter(torch.randn(3))
+    grad = torch.randn(3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [grad])
+    backward.forward = forward
+    forward([p])
+    p.grad = backward([])[0].detach()
+    forward([p])
+    grad.fill_(7.0)
+    assert torch.equal(p.grad, grad)
 
 
 def test_with_clone_outputs_off_the_trees_outputs_are_returned_as_they_are():
@@ -511,6 +553,14 @@ def trained_as_eager(make_model, data, accumulate=1, **options):
     return fast
 
 
+def conv_chain_beside_eager():
+    """A ConvChain (seed 0) in eager, a copy of it, and that copy under ``streamdag.compile``."""
+    torch.manual_seed(0)
+    ref = ConvChain().cuda()
+    model = copy.deepcopy(ref)
+    return ref, model, sd.compile(model)
+
+
 @pytest.mark.cuda
 def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_trees_as_eager_trains():
     """Five steps of SGD with momentum and batch norm's running statistics: the losses (kept
@@ -526,6 +576,7 @@ def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_tr
     stats = fast.statistics()
     # (five forwards and five backwards; more where the forward's candidates were timed)
     assert stats.tree_calls >= 10 and stats.tree_skips == 0, text
+    assert stats.grads_taken_back == 0, text  # zero_grad() drops each lent .grad: nothing copied
     assert {"FORWARD", "BACKWARD"} <= recorded_modes()
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert stats.captures == 0  # streamdag's own captures are inference's
@@ -534,9 +585,75 @@ def test_on_cuda_training_steps_replay_the_forward_and_the_backward_under_the_tr
 @pytest.mark.cuda
 def test_on_cuda_gradient_accumulation_under_the_trees_sums_the_micro_batches_as_eager_does():
     """``.grad`` from one micro-batch's backward is added to by the next one's, after a forward
-    replay that reuses the trees' pool: the gradients handed to autograd are copies."""
+    replay that reuses the trees' pool: the gradients are lent, and each ``.grad`` holding one is
+    copied as the next micro-batch's forward begins (two optimizer steps: twice per parameter)."""
     fast = trained_as_eager(ConvChain, batches(8, seed=2), accumulate=4)
-    assert fast.statistics().tree_calls >= 16 and fast.statistics().tree_skips == 0
+    stats = fast.statistics()
+    assert stats.tree_calls >= 16 and stats.tree_skips == 0
+    assert stats.grads_taken_back == 2 * len(list(ConvChain().parameters())), fast.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_gradient_accumulation_without_taking_lent_gradients_back_fails(monkeypatch):
+    """The negative control of the test above: without the copies at the next forward, the trees
+    free the lent ``.grad`` as the micro-batch begins, and autograd's addition into it raises."""
+    monkeypatch.setattr("streamdag.frontend.training.take_back", lambda device_box: 0)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        trained_as_eager(ConvChain, batches(8, seed=2), accumulate=4)
+
+
+@pytest.mark.cuda
+def test_on_cuda_steps_that_zero_gradients_in_place_train_as_eager_copying_each_grad_once():
+    """``zero_grad(set_to_none=False)`` keeps each ``.grad`` across steps: the lent ones are copied at
+    the second step's forward, and autograd adds into those copies from then on."""
+    ref, model, fast = conv_chain_beside_eager()
+    data = batches(5, seed=6)
+    for step_model, m in ((fast, model), (ref, ref)):
+        opt = sgd(m.parameters())
+        for x, y in data:
+            torch.nn.functional.mse_loss(step_model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    assert_same_state(model, ref)
+    assert fast.statistics().grads_taken_back == len(list(model.parameters())), fast.explain()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_gradient_kept_outside_grad_into_the_next_step_warns_and_gradients_are_copied_since():
+    """A gradient kept elsewhere than ``.grad`` (``g = p.grad``) cannot be moved out of the pool: as
+    the next step begins, a warning says it now holds that step's numbers, and from then on the
+    gradients are copies, so one kept later keeps its numbers through the steps after it."""
+    from streamdag.errors import StreamdagWarning
+
+    model = ConvChain().cuda()
+    fast = sd.compile(model)
+    opt = sgd(model.parameters())
+    (x, y), (x2, y2) = batches(2, seed=7)
+
+    def step(a, b):
+        torch.compiler.cudagraph_mark_step_begin()
+        torch.nn.functional.mse_loss(fast(a), b).backward()
+        opt.step()
+
+    for _ in range(4):  # (past the trees' warm-up and recording: replays)
+        step(x, y)
+        opt.zero_grad()
+    step(x, y)
+    kept = next(model.parameters()).grad
+    opt.zero_grad()
+    with pytest.warns(StreamdagWarning, match="still referenced outside .grad"):
+        step(x2, y2)
+    opt.zero_grad()
+    del kept
+    step(x, y)
+    later = next(model.parameters()).grad
+    snapshot = later.clone()
+    opt.zero_grad()
+    step(x2, y2)
+    step(x, y)
+    torch.cuda.synchronize()
+    assert torch.equal(later, snapshot)
 
 
 @pytest.mark.cuda
@@ -566,10 +683,7 @@ def test_on_cuda_regions_on_two_streams_run_under_the_trees_and_train_as_eager_t
 def test_on_cuda_two_forwards_before_their_backward_train_as_eager():
     """Two micro-batches' forwards, then one backward of their summed loss: the second forward's
     replay must not overwrite the first one's saved activations in the trees' pool."""
-    torch.manual_seed(0)
-    ref = ConvChain().cuda()
-    model = copy.deepcopy(ref)
-    fast = sd.compile(model)
+    ref, model, fast = conv_chain_beside_eager()
     data = batches(6, seed=4)
     for step_model, m in ((fast, model), (ref, ref)):
         opt = sgd(m.parameters())

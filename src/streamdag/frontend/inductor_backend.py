@@ -88,7 +88,8 @@ class V2Statistics:
     ``calls`` of them, and ``eager_calls``: calls of the model ``streamdag.compile`` returned that
     ran none of them (Dynamo ran the code as written). ``tree_calls``: calls of training forwards and
     backwards that ran under Inductor's CUDA graph trees (:mod:`.training`), ``tree_skips`` of them
-    the trees ran uncaptured."""
+    the trees ran uncaptured; ``grads_taken_back``: ``.grad`` copied out of the trees' pool as a
+    step began, because they still held gradients a backward lent (:mod:`.lent_gradients`)."""
 
     graphs: int = 0
     calls: int = 0
@@ -103,6 +104,7 @@ class V2Statistics:
     whole_replays: int = 0
     tree_calls: int = 0
     tree_skips: int = 0
+    grads_taken_back: int = 0
 
 
 class _GraphsRun(threading.local):
@@ -527,6 +529,7 @@ class StreamdagBackend:
             for t in getattr(r, "training", ()):
                 stats.tree_calls += t.tree_calls
                 stats.tree_skips += t.tree_skips
+                stats.grads_taken_back += t.taken_back
         return stats
 
 

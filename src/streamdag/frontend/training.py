@@ -36,12 +36,13 @@ recorded). Where Inductor's trees refuse a graph (a CPU tensor in it, an operato
 they cannot capture) it runs uncaptured and ``explain()`` gives Inductor's
 reason; a call the trees skip at run time (an input written in place that is
 not a parameter or buffer) runs uncaptured too, and is counted
-(``statistics().tree_skips``, from Inductor's ``cudagraph_skips`` counter). The
-outputs other than the saved activations (the loss, the gradients) are copies
-out of the pool, unless ``clone_outputs=False``: the next replay overwrites the
-pool, and a loss kept across steps, or a ``.grad`` that the next micro-batch's
-backward adds to (AccumulateGrad keeps the tensor it is handed), must not
-change with it. Steps are the trees' as under ``reduce-overhead``: a training
+(``statistics().tree_skips``, from Inductor's ``cudagraph_skips`` counter). A
+forward's returns (the loss, the logits) are copies out of the pool, unless
+``clone_outputs=False``: the next replay overwrites the pool, and a loss kept
+across steps must not change with it. A backward's gradients are lent as they
+are, and a ``.grad`` that still holds one when the next step begins (gradient
+accumulation: the next micro-batch's backward adds to it) gets a copy then
+(:mod:`.lent_gradients`). Steps are the trees' as under ``reduce-overhead``: a training
 loop that calls ``torch.compiler.cudagraph_mark_step_begin()`` at each step
 tells them where one begins (the mark is the process's, so streamdag leaves it
 to the loop). Batch norm's running statistics are buffers, which the trees let
@@ -121,6 +122,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -131,7 +133,9 @@ from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
+from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
+from .lent_gradients import lend, take_back, tensors_with_gradients
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -190,6 +194,13 @@ class TrainingGraph:
         self.trees_call: TreesCall | None = None
         self._regions_in_trees: dict[int, Callable[[list[Any]], Any]] = {}
         self._copy_at: list[int] | None = None
+        # gradients lent out of the trees' pool (:mod:`.lent_gradients`): a forward's inputs that
+        # require gradients (their positions, and weak references from its last call, which its
+        # backward hands on), and the ``.grad`` a forward copied because they still held one
+        self._with_gradients: list[int] | None = None
+        self.holders: list[weakref.ref[torch.Tensor]] = []
+        self.forward: TrainingGraph | None = None  # a backward's forward
+        self.taken_back = 0
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
         # the graph calls convolutions and has its code apart from the trees: its first call runs
@@ -222,6 +233,8 @@ class TrainingGraph:
         if self.captured and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # inside another capture (a whole step's): the trees cannot record or replay there
             return self._run_uncaptured(args, streams)
+        if self.captured and self.kind == "forward":
+            self._take_back(args)
         if streams == 0:
             if not self.captured:
                 return self.whole(args)
@@ -233,6 +246,15 @@ class TrainingGraph:
         if self.captured and self.trees_call is not None:
             return self._run_trees(args, self._in_trees(streams))
         return self._run_uncaptured(args, streams)
+
+    def _take_back(self, args: list[Any]) -> None:
+        """Before the trees may begin a step (and free what the last one lent that is still alive):
+        copies for the ``.grad`` that hold lent gradients, and this call's inputs that require
+        gradients, for its backward to hand on (:mod:`.lent_gradients`)."""
+        self.taken_back += take_back(self.device_box)
+        if self._with_gradients is None:
+            self._with_gradients = tensors_with_gradients(args)
+        self.holders = [weakref.ref(args[i]) for i in self._with_gradients]
 
     def _first_call_off_trees(self, args: list[Any]) -> Any:
         """Inductor's code alone, with cuDNN's trials outside the trees' pool (the module docstring's
@@ -273,15 +295,17 @@ class TrainingGraph:
     def _run_trees(self, args: list[Any], fn: Callable[[list[Any]], Any]) -> Any:
         """``fn`` under the trees. The trees skip a call they cannot replay (an input written in
         place that is no parameter, say) and log it in Inductor's ``cudagraph_skips`` counter: it is
-        read around the call. Outputs other than saved activations are copied out of the trees'
-        pool (``clone_outputs``): the next replay overwrites the pool, and a loss kept across steps
-        or a ``.grad`` accumulated into over micro-batches must not change with it."""
+        read around the call. A backward's gradients are lent (:mod:`.lent_gradients`); a forward's
+        returns are copied out of the trees' pool (``clone_outputs``): the next replay overwrites
+        the pool, and a loss kept across steps must not change with it."""
         inductor = _COUNTERS["inductor"]
         skips = inductor["cudagraph_skips"]
         out = fn(args)
         self.tree_calls += 1
         if inductor["cudagraph_skips"] != skips:
             self.tree_skips += 1
+        if self.kind == "backward":  # the gradients are lent, not copied
+            return lend(self.device_box, out, self.forward.holders if self.forward is not None else [])
         if not self.options.clone_outputs:
             return out
         out = list(out)
@@ -350,6 +374,13 @@ class TrainingGraph:
             lines.append(f"    cudagraph trees: {self.tree_calls} call(s) under Inductor's CUDA graph trees "
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
+            if self.kind == "backward":
+                lines.append("    gradients: handed to autograd out of the trees' pool, not copied (a .grad "
+                             "that still holds one when the next step begins gets a copy then)")
+            elif self.taken_back:
+                lines.append(f"    {self.taken_back} .grad copied out of the trees' pool as steps began: "
+                             "they still held gradients a backward lent (gradient accumulation, or "
+                             "zero_grad(set_to_none=False))")
             if self.off_trees_calls:
                 lines.append("    first call off the trees: cuDNN's benchmark (torch.backends.cudnn."
                              "benchmark) chose its convolutions' algorithms outside the trees' pool, which "
@@ -387,41 +418,6 @@ def _in_double_backward() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _written_inputs(gm: torch.fx.GraphModule) -> list[int]:
-    """The placeholders an operator of ``gm`` writes in place (their schema marks the write)."""
-    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    written: set[int] = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        positional = [a for a in schema.arguments if not a.kwarg_only]
-        values = list(zip(positional, node.args))
-        values += [(a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs]
-        for arg, value in values:
-            if arg.alias_info is not None and arg.alias_info.is_write and value in placeholders:
-                written.add(placeholders[value])
-    return sorted(written)
-
-
-def _has_random(gm: torch.fx.GraphModule) -> bool:
-    """Whether an operator of ``gm`` draws random numbers: one tagged as seeded, unless its
-    ``dropout_p`` is 0 (attention kernels are tagged for their dropout)."""
-    return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) and _dropout_p(n) != 0
-               for n in gm.graph.nodes if n.op == "call_function")
-
-
-def _dropout_p(node: torch.fx.Node) -> Any:
-    """The node's ``dropout_p`` argument (None where its operator has none)."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            if arg.name in node.kwargs:
-                return node.kwargs[arg.name]
-            return node.args[i] if i < len(node.args) and not arg.kwarg_only else arg.default_value
-    return None
 
 
 def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: Any,
@@ -466,9 +462,10 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     # buffers (saved activations its code may reuse as scratch): timing runs put them back
     donated = list(getattr(getattr(ctx, "fw_metadata", None), "bw_donated_idxs", None) or ()) \
         if kind == "backward" else []
-    written = sorted(set(donated) | set(_written_inputs(pristine) if pristine is not None else ()))
+    written = sorted(set(donated) | set(written_inputs(pristine) if pristine is not None else ()))
     graph = TrainingGraph(kind, index, whole, options, written, on_double_backward)
     graph.device_box = device_box
+    graph.forward = forward
     graph.in_step = forward.in_step if forward is not None else in_captured_step()
     graph.captured = bool(trees)
     graph.uncaptured = uncaptured if graph.captured else None
@@ -495,7 +492,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
         # forward's activations are then free): regions in its place would leave them waiting
         graph.region_note = ("Inductor's trees refused it after its forward ran under them: the whole "
                              "graph only")
-    elif _has_random(pristine):
+    elif has_random(pristine):
         graph.region_note = ("random operators: the whole graph only (regions would draw other random "
                              "numbers than Inductor's whole graph)")
     else:
