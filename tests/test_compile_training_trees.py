@@ -49,6 +49,7 @@ def _fresh():
 
 
 def under_trees(kind, whole, clone_outputs=True, copied=None):
+    """A training graph of ``kind`` that runs ``whole`` as if under the trees, on the CPU."""
     graph = TrainingGraph(kind, 0, whole, Options(clone_outputs=clone_outputs), [], None)
     graph.captured, graph.copied = True, copied
     return graph
@@ -100,6 +101,88 @@ def test_a_backward_under_the_trees_lends_its_gradients_and_the_next_forward_cop
     assert forward.taken_back == 1
     assert "1 .grad copied out of the trees' pool" in forward.explain()
     assert "handed to autograd out of the trees' pool, not copied" in backward.explain()
+
+
+def test_a_graph_called_for_several_layers_before_its_backwards_takes_back_every_layers_grad():
+    """One graph, called once per layer (a graph break inside a repeated block), then its backward
+    once per layer: every layer's ``.grad`` holding a lent gradient is copied at the next step."""
+    layers = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    grads = [torch.randn(4) for _ in layers]
+    calls = iter(grads)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [next(calls)])
+    backward.forward = forward
+    for p in layers:
+        forward([p])
+    for p in reversed(layers):
+        p.grad = backward([])[0].detach()
+    forward([layers[0]])
+    assert forward.taken_back == 3
+    for p, g in zip(layers, reversed(grads)):
+        assert p.grad.data_ptr() != g.data_ptr()
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("clone_outputs", [True, False])
+def test_only_the_gradients_of_the_forwards_parameters_are_lent(clone_outputs):
+    """A gradient of another input (a leaf the caller made require gradients, an activation across
+    a graph break) goes on through autograd to tensors no forward saw: it is copied, unless
+    ``clone_outputs=False`` hands it out as reduce-overhead would."""
+    p, x, act = torch.nn.Parameter(torch.randn(3)), torch.randn(3, requires_grad=True), torch.randn(3)
+    gp, gx, gact = torch.randn(3), torch.randn(3), torch.randn(3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1, clone_outputs=clone_outputs)
+    backward = under_trees("backward", lambda args: [gp, gx, gact], clone_outputs=clone_outputs)
+    backward.forward = forward
+    forward([p, x, act])
+    out = backward([])
+    assert out[0] is gp
+    assert (out[1] is gx, out[2] is gact) == (not clone_outputs, not clone_outputs)
+    torch.testing.assert_close(out[1], gx, rtol=0, atol=0)
+
+
+def test_a_backward_whose_outputs_do_not_follow_its_forwards_inputs_lends_nothing():
+    p = torch.nn.Parameter(torch.randn(3))
+    grads = [torch.randn(3), torch.randn(3)]
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: grads)
+    backward.forward = forward
+    forward([p])
+    assert all(o is not g and torch.equal(o, g) for o, g in zip(backward([]), grads))
+
+
+def test_gradients_are_copied_while_the_trees_run_a_function_streamdag_did_not_put_there(monkeypatch):
+    """Another model under reduce-overhead, or a compiled optimizer step, may begin the trees' next
+    step before streamdag's forward takes its gradients back."""
+    from types import SimpleNamespace
+
+    from streamdag.frontend import lent_gradients, trees
+
+    def ours(args):
+        return args
+
+    def theirs(args):
+        return args
+
+    class Manager:  # (the trees' manager as far as the lending reads it)
+        def __init__(self):
+            self.ids_to_funcs = {0: SimpleNamespace(model=ours)}
+            self.current_node = None
+
+    trees._put(ours)
+    manager = Manager()
+    monkeypatch.setattr(lent_gradients, "_manager", lambda box: manager)
+    p, grad = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [grad])
+    backward.forward = forward
+    forward([p])
+    assert backward([])[0] is grad
+    manager.ids_to_funcs[1] = SimpleNamespace(model=theirs)
+    forward([p])
+    out = backward([])[0]
+    assert out is not grad and torch.equal(out, grad)
+    del manager.ids_to_funcs
+    assert lent_gradients._runs_others(manager, lent_gradients._Lent())  # (trees without the names)
 
 
 def test_once_a_lent_gradient_was_kept_elsewhere_backwards_hand_out_copies(monkeypatch):

@@ -3,31 +3,40 @@
 
 Autograd keeps a gradient it is handed as the parameter's ``.grad`` where the parameter has none
 (``optimizer.zero_grad()`` sets it to None): a backward under the trees hands it a tensor of the
-trees' pool, which the next step's replays overwrite. When the trees begin a step they free each
-output of the last one that is still alive and mark its memory, so that reading it raises their
-error. Most training loops drop every ``.grad`` before that (``zero_grad()`` between steps), and
-the lent gradients cost nothing. Two loops keep them: gradient accumulation (micro-batches without
-``zero_grad``) and ``zero_grad(set_to_none=False)``. So before a forward under the trees runs,
-:func:`take_back` finds each ``.grad`` that still lies at an address a backward lent, among the
-tensors that required gradients in the forwards of those backwards, and replaces it by a copy (one
+trees' pool, which the next step's replays overwrite. Most training loops drop every ``.grad``
+before that (``zero_grad()`` between steps), and the lent gradients cost nothing. Two loops keep
+them: gradient accumulation (micro-batches without ``zero_grad``) and
+``zero_grad(set_to_none=False)``. So before a forward under the trees runs, :func:`take_back`
+finds each ``.grad`` that still lies at an address a backward lent, among the parameters of every
+forward called since the last take-back (:func:`hold`), and replaces it by a copy (one
 multi-tensor copy for all): the accumulation then adds to that copy, as eager adds to its own.
 
 Why lend rather than copy every gradient at each backward: the copy's host time is paid at every
 step (GoogLeNet's 187 gradients: about 0.4-0.55 ms on an H200's host, 9% of a batch-8 training
 step bound by the host), and the copies are a second set of gradients in memory.
 
-A lent gradient held elsewhere than a ``.grad`` of those tensors (``g = p.grad`` kept into the
-next step) cannot be given other memory, and the replay would overwrite it without a word (the
-trees free and mark what is alive only as a recorded step ends, not between replays). So after
-the copies, :func:`take_back` asks the trees which outputs of the last step's backward are still
-alive (their own weak references, which count their cached tensors). Where one is: a warning that
-says what it now holds and how to keep a gradient, and the manager's gradients are copied at each
-backward from then on (:attr:`_Lent.copying`), as they were before lending.
+What is lent (:func:`lend`): a backward's gradients of its forward's parameters, and only those.
+AOTAutograd's backward returns the gradient of its forward's i-th input as its i-th output; a
+gradient of any other input (an activation across a graph break, a view of a parameter made
+before the call, a tensor a user made require gradients) flows on through autograd into tensors
+no forward saw, so it is copied. Gradients are copied too while the manager runs functions
+streamdag did not put under it (another model under ``reduce-overhead``, a compiled optimizer
+step): such a function may begin the trees' next step, and replay over lent memory, before a
+forward of streamdag's takes its gradients back.
+
+A lent gradient held elsewhere than a ``.grad`` (``g = p.grad`` or the result of
+``torch.autograd.grad`` kept into the next step) cannot be given other memory, and the replay
+would overwrite it without a word (the trees free and mark what is alive only as a recorded step
+ends, not between replays). So after the copies, :func:`take_back` asks the trees which outputs
+of the last step's graphs at lent addresses are still alive (their own weak references, which
+count their cached tensors out). Where one is: a warning that says what it now holds and how to
+keep a gradient, and the manager's gradients are copied at each backward from then on
+(:attr:`_Lent.copying`).
 
 State: one :class:`_Lent` per trees manager (the trees keep one per device and thread; a backward
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
-going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards its two fields;
-they are emptied together by the forward that takes the gradients back.
+going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``addresses``,
+``bases`` and ``holders``: the forward that takes the gradients back empties all three together.
 """
 
 from __future__ import annotations
@@ -40,9 +49,9 @@ from typing import Any
 import torch
 
 from .._diagnostics import warn
-from .trees import copies
+from .trees import copies, put_by_streamdag
 
-__all__ = ["lend", "take_back", "tensors_with_gradients"]
+__all__ = ["hold", "lend", "parameter_positions", "take_back"]
 
 
 class _Lent:
@@ -51,11 +60,14 @@ class _Lent:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.addresses: set[int] = set()  # the data pointers of the lent gradients
-        #: weak references to the tensors whose ``.grad`` may hold one: for each backward that lent,
-        #: its forward's inputs that required gradients (the same list object once)
-        self.holders: list[list[weakref.ref[torch.Tensor]]] = []
+        self.bases: set[int] = set()  # and of their storages (the trees' weak references name those)
+        #: the parameters of the forwards called since the last take-back, by id, weakly
+        self.holders: dict[int, weakref.ref[torch.Tensor]] = {}
         #: set once a lent gradient outlived its step elsewhere than in a ``.grad``: backwards copy
         self.copying = False
+        #: whether the manager runs a function streamdag did not put under it, as of its count
+        self.foreign = False
+        self.functions = 0
 
 
 _by_manager: weakref.WeakKeyDictionary[Any, _Lent] = weakref.WeakKeyDictionary()
@@ -64,15 +76,18 @@ _by_manager_lock = threading.Lock()
 _unmanaged = _Lent()
 
 
-def _record(device_box: Any) -> _Lent:
-    """The record of the trees manager of the device in ``device_box`` (Inductor's
-    ``BoxedDeviceIndex``, set when the forward went under the trees)."""
+def _manager(device_box: Any) -> Any:
+    """The trees manager of the device in ``device_box`` (Inductor's ``BoxedDeviceIndex``, set when
+    the forward went under the trees), or None."""
     index = getattr(device_box, "value", None)
     if index is None:
-        return _unmanaged
+        return None
     from torch._inductor import cudagraph_trees
 
-    manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+    return cudagraph_trees.get_manager(index, create_if_none_exists=False)
+
+
+def _record(manager: Any) -> _Lent:
     if manager is None:
         return _unmanaged
     lent = _by_manager.get(manager)
@@ -82,84 +97,117 @@ def _record(device_box: Any) -> _Lent:
     return lent
 
 
-def tensors_with_gradients(args: Sequence[Any]) -> list[int]:
-    """The positions of a forward's inputs that require gradients: the parameters, and any input
-    whose ``.grad`` autograd may set (Dynamo guards ``requires_grad``, so they hold for a graph)."""
-    return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+def parameter_positions(args: Sequence[Any]) -> list[int]:
+    """The positions of a forward's inputs that are parameters (leaves whose ``.grad`` autograd sets;
+    a graph's parameters stay at their positions, as Dynamo's guards keep them)."""
+    return [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)]
 
 
-def lend(device_box: Any, outputs: Sequence[Any], holders: list[weakref.ref[torch.Tensor]]) -> Any:
-    """A backward's ``outputs`` (its gradients) to hand to autograd: as they are, recorded with
-    ``holders`` (the inputs of its forward whose ``.grad`` may keep one), or copies where the
-    manager copies (:attr:`_Lent.copying`)."""
-    lent = _record(device_box)
+def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> None:
+    """Note a forward's parameters (at ``positions`` of ``args``) as tensors whose ``.grad`` the
+    next take-back reads."""
+    lent = _record(_manager(device_box))
     if lent.copying:
-        out = list(outputs)
-        at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
-        for i, t in zip(at, copies([out[i] for i in at])):
-            out[i] = t
-        return out
-    addresses = {t.data_ptr() for t in outputs if isinstance(t, torch.Tensor)}
-    if addresses:
+        return
+    with lent.lock:
+        holders = lent.holders
+        for i in positions:
+            t = args[i]
+            holders[id(t)] = weakref.ref(t)
+
+
+def lend(device_box: Any, outputs: Sequence[Any], lendable: Sequence[int], copy_rest: bool = True) -> Any:
+    """A backward's ``outputs`` to hand to autograd: those at ``lendable`` (its forward's parameters'
+    gradients) as they are, and recorded; the others copied where ``copy_rest``. Everything is
+    copied where the manager copies (:attr:`_Lent.copying`, or functions of others under it)."""
+    manager = _manager(device_box)
+    lent = _record(manager)
+    out = list(outputs)
+    lent_at = [] if lent.copying or _runs_others(manager, lent) else \
+        [i for i in lendable if i < len(out) and isinstance(out[i], torch.Tensor)]
+    if lent_at:
         with lent.lock:
-            lent.addresses |= addresses
-            if not any(h is holders for h in lent.holders):
-                lent.holders.append(holders)
-    return outputs
+            for i in lent_at:
+                t = out[i]
+                lent.addresses.add(t.data_ptr())
+                lent.bases.add(t.data_ptr() - t.storage_offset() * t.element_size())
+    kept, parameters = set(lent_at), set(lendable)
+    # (without copy_rest, the gradients of other inputs are handed out of the pool unrecorded, as
+    # under reduce-overhead; a parameter's is never)
+    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept
+          and (copy_rest or i in parameters)]
+    for i, t in zip(at, copies([out[i] for i in at])):
+        out[i] = t
+    return out
 
 
 def take_back(device_box: Any) -> int:
     """Give each ``.grad`` that still holds a lent gradient a copy of its own, before a forward under
     the trees of ``device_box``'s device begins a step, and copy from then on where a lent gradient
     is held elsewhere (see the module docstring). Returns how many ``.grad`` were copied."""
-    lent = _record(device_box)
+    manager = _manager(device_box)
+    lent = _record(manager)
     if not lent.addresses:
         return 0
     with lent.lock:
-        addresses, holders = lent.addresses, lent.holders
-        lent.addresses, lent.holders = set(), []
-    held = _holding(holders, addresses)
+        addresses, bases, holders = lent.addresses, lent.bases, lent.holders
+        lent.addresses, lent.bases, lent.holders = set(), set(), {}
+    held = _holding(holders.values(), addresses)
     if held:
         for t, own in zip(held, copies([t.grad for t in held])):  # type: ignore[misc]
             t.grad = own  # (the old .grad is dropped here: no local keeps it alive for the check)
-    alive = _alive_elsewhere(device_box, addresses)
-    if alive:
+    alive = _alive_elsewhere(manager, bases)
+    if alive and not lent.copying:
         lent.copying = True
         warn(f"streamdag: {alive} gradient(s) of the last training step were still referenced "
-             "outside .grad (g = p.grad kept into the next step) as the next step began: that step's "
-             "CUDA graph replay reuses their memory, so such a tensor now holds the new step's numbers. "
-             "Clone a gradient you keep (g = p.grad.clone()); from now on the gradients of training "
-             "graphs on this device (and thread) are copied out of the CUDA graph pool")
+             "outside .grad (g = p.grad, or torch.autograd.grad's results, kept into the next step) as "
+             "the next step began: that step's CUDA graph replay reuses their memory, so such a tensor "
+             "now holds the new step's numbers. Clone a gradient you keep (g = p.grad.clone()); from "
+             "now on the gradients of training graphs on this device (and thread) are copied out of "
+             "the CUDA graph pool")
     return len(held)
 
 
-def _holding(holders: list[list[weakref.ref[torch.Tensor]]], addresses: set[int]) -> list[torch.Tensor]:
-    """The tensors among ``holders`` whose ``.grad`` lies at one of ``addresses``, each once."""
-    found: dict[int, torch.Tensor] = {}
-    for refs in holders:
-        for ref in refs:
-            t = ref()
-            if t is not None and t.grad is not None and t.grad.data_ptr() in addresses:
-                found[id(t)] = t
-    return list(found.values())
+def _holding(holders: Any, addresses: set[int]) -> list[torch.Tensor]:
+    """The tensors among ``holders`` (weak references) whose ``.grad`` lies at one of ``addresses``."""
+    found = []
+    for ref in holders:
+        t = ref()
+        if t is not None and t.grad is not None and t.grad.data_ptr() in addresses:
+            found.append(t)
+    return found
 
 
-def _alive_elsewhere(device_box: Any, addresses: set[int]) -> int:
-    """How many outputs of the backwards on the trees' current path, at ``addresses``, are alive
-    (the trees' weak references count their own cached tensors out). A path the trees still warm
-    up or record: 0, as the trees free and mark what is alive themselves when the next step
-    begins there. Trees without these names: every address counts as alive (copying is safe)."""
-    index = getattr(device_box, "value", None)
-    if index is None:
+def _runs_others(manager: Any, lent: _Lent) -> bool:
+    """Whether ``manager`` runs a function streamdag did not put under it (checked again when its
+    count of functions changes). Trees without these names: True (copying is safe)."""
+    if manager is None:
+        return False
+    try:
+        functions = manager.ids_to_funcs
+        if len(functions) != lent.functions:
+            lent.foreign = not all(put_by_streamdag(f.model) for f in list(functions.values()))
+            lent.functions = len(functions)
+    except AttributeError:
+        return True
+    return lent.foreign
+
+
+def _alive_elsewhere(manager: Any, bases: set[int]) -> int:
+    """How many outputs of the graphs on the trees' current path whose storages lie at ``bases`` are
+    alive (the trees' weak references count their own cached tensors out). A path the trees still
+    warm up or record: 0, as the trees free and mark what is alive themselves when the next step
+    begins there. Trees without these names: every lent gradient counts as alive (copying is
+    safe)."""
+    if manager is None:
         return 0
     try:
         from torch._inductor import cudagraph_trees as trees
 
-        manager = trees.get_manager(index, create_if_none_exists=False)
-        node = getattr(manager, "current_node", None)
+        node = manager.current_node
         if not isinstance(node, trees.CUDAGraphNode):
             return 0
         return sum(1 for path_node in node._path_from_root for w in path_node.outputs_weakrefs
-                   if w is not None and w.data_ptr() in addresses and trees.is_live(w))
+                   if w is not None and w.data_ptr() in bases and trees.is_live(w))
     except AttributeError:
-        return len(addresses)
+        return len(bases)

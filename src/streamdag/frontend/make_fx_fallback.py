@@ -31,8 +31,8 @@ class MakeFxFallback:
         self.index = index
         self.ran = ran  # the backend's per-thread count of graph calls (a model call that runs none is eager)
         self.stats = stats
-        self.inference_calls = 0
-        self.grad_calls = 0
+        self.inference_calls: int = 0
+        self.grad_calls: int = 0
 
     def __call__(self, *args: Any) -> Any:
         self.ran.count += 1

@@ -147,9 +147,9 @@ class CapturedStep:
         self.max_signatures = max_signatures
         self._signatures: dict[Hashable, _Signature] = {}
         self._lock = threading.Lock()
-        self.eager_calls = 0  # calls off CUDA, run as written
-        self.warmup_calls = 0  # warm-up calls, all signatures (a signature warms up again after new tensors)
-        self.found_gradients = 0  # calls run as written: they found gradients the step drops at its end
+        self.eager_calls: int = 0  # calls off CUDA, run as written
+        self.warmup_calls: int = 0  # warm-ups, all signatures (a signature warms up again after new tensors)
+        self.found_gradients: int = 0  # calls run as written: they found gradients the step drops at its end
         self._zero_grads = _ByParam()  # zeros like each parameter: see _zeros()
         self._recapture_warned = False
 

@@ -122,7 +122,6 @@ import contextlib
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -135,7 +134,7 @@ from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
 from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
-from .lent_gradients import lend, take_back, tensors_with_gradients
+from .lent_gradients import hold, lend, parameter_positions, take_back
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -184,8 +183,8 @@ class TrainingGraph:
         self.tree_note = ""
         self.device_box: Any = None  # Inductor's BoxedDeviceIndex, shared by a forward and its backward
         self.copied: int | None = None  # outputs copied out of the trees' pool: the first n (None: all)
-        self.tree_calls = 0
-        self.tree_skips = 0
+        self.tree_calls: int = 0
+        self.tree_skips: int = 0
         # a backward under the trees: its aten graph, run op by op for a create_graph backward
         self.uncaptured: GraphModule | None = None
         # ``whole`` under the trees: Inductor's code as it compiled it (uncaptured, for timing the
@@ -194,19 +193,19 @@ class TrainingGraph:
         self.trees_call: TreesCall | None = None
         self._regions_in_trees: dict[int, Callable[[list[Any]], Any]] = {}
         self._copy_at: list[int] | None = None
-        # gradients lent out of the trees' pool (:mod:`.lent_gradients`): a forward's inputs that
-        # require gradients (their positions, and weak references from its last call, which its
-        # backward hands on), and the ``.grad`` a forward copied because they still held one
-        self._with_gradients: list[int] | None = None
-        self.holders: list[weakref.ref[torch.Tensor]] = []
+        # gradients lent out of the trees' pool (:mod:`.lent_gradients`): a forward's parameters'
+        # positions among its inputs (and how many inputs it takes), which its backward's outputs
+        # follow, and the ``.grad`` a forward copied because they still held a lent gradient
+        self.parameters_at: list[int] | None = None
+        self.inputs: int = 0
         self.forward: TrainingGraph | None = None  # a backward's forward
-        self.taken_back = 0
+        self.taken_back: int = 0
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
         # the graph calls convolutions and has its code apart from the trees: its first call runs
         # off them where cuDNN benchmarks (cleared at that call); off_trees_calls counts such calls
-        self.benchmark_off_trees = False
-        self.off_trees_calls = 0
+        self.benchmark_off_trees: bool = False
+        self.off_trees_calls: int = 0
         # compiled inside ``streamdag.capture_step`` (a backward: its forward was): the step's CUDA
         # graph holds this one, so its candidates are timed captured, as that graph replays them
         self.in_step = False
@@ -248,13 +247,13 @@ class TrainingGraph:
         return self._run_uncaptured(args, streams)
 
     def _take_back(self, args: list[Any]) -> None:
-        """Before the trees may begin a step (and free what the last one lent that is still alive):
-        copies for the ``.grad`` that hold lent gradients, and this call's inputs that require
-        gradients, for its backward to hand on (:mod:`.lent_gradients`)."""
+        """Before the trees may begin a step (and replay over what the last one lent): copies for
+        the ``.grad`` that hold lent gradients; then this call's parameters are noted for the next
+        take-back (:mod:`.lent_gradients`)."""
         self.taken_back += take_back(self.device_box)
-        if self._with_gradients is None:
-            self._with_gradients = tensors_with_gradients(args)
-        self.holders = [weakref.ref(args[i]) for i in self._with_gradients]
+        if self.parameters_at is None:
+            self.parameters_at, self.inputs = parameter_positions(args), len(args)
+        hold(self.device_box, args, self.parameters_at)
 
     def _first_call_off_trees(self, args: list[Any]) -> Any:
         """Inductor's code alone, with cuDNN's trials outside the trees' pool (the module docstring's
@@ -304,8 +303,11 @@ class TrainingGraph:
         self.tree_calls += 1
         if inductor["cudagraph_skips"] != skips:
             self.tree_skips += 1
-        if self.kind == "backward":  # the gradients are lent, not copied
-            return lend(self.device_box, out, self.forward.holders if self.forward is not None else [])
+        if self.kind == "backward":  # the parameters' gradients are lent, not copied
+            forward = self.forward
+            lendable = forward.parameters_at if forward is not None and forward.parameters_at is not None \
+                and len(out) == forward.inputs else ()
+            return lend(self.device_box, out, lendable, copy_rest=self.options.clone_outputs)
         if not self.options.clone_outputs:
             return out
         out = list(out)
@@ -375,8 +377,9 @@ class TrainingGraph:
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
             if self.kind == "backward":
-                lines.append("    gradients: handed to autograd out of the trees' pool, not copied (a .grad "
-                             "that still holds one when the next step begins gets a copy then)")
+                lines.append("    parameters' gradients: handed to autograd out of the trees' pool, not "
+                             "copied (a .grad that still holds one when the next step begins gets a copy "
+                             "then)")
             elif self.taken_back:
                 lines.append(f"    {self.taken_back} .grad copied out of the trees' pool as steps began: "
                              "they still held gradients a backward lent (gradient accumulation, or "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 import torch.fx
 
 __all__ = ["MULTIPLIED", "TreesCall", "aligned", "calls_convolution", "copies", "cudnn_benchmarks",
-           "make_trees_manager", "refusal", "seen_by_trees", "trees_config"]
+           "make_trees_manager", "put_by_streamdag", "refusal", "seen_by_trees", "trees_config"]
 
 
 class TreesCall:
@@ -37,6 +38,7 @@ class TreesCall:
     def wrap(self, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """``fn`` under the trees (Inductor's ``cudagraphify`` reads its configuration as it is
         called: the trees' is set around it, as while the graph compiled)."""
+        _put(fn)
         with trees_config(True, partitions=False):
             return self.cudagraphify(fn, static_input_idxs=self.static_input_idxs, **self.kwargs)
 
@@ -56,6 +58,7 @@ def _record(model: Any, static_input_idxs: Sequence[int] = (), **kwargs: Any) ->
     seen = getattr(_local, "seen", None)
     if seen is not None:
         seen.append((model, TreesCall(real, static_input_idxs, kwargs)))
+        _put(model)
     return real(model, static_input_idxs=static_input_idxs, **kwargs)
 
 
@@ -84,6 +87,25 @@ def seen_by_trees() -> Iterator[list[tuple[Any, TreesCall]]]:
             _users -= 1
             if _users == 0 and compile_fx.cudagraphify is _record:
                 compile_fx.cudagraphify = _real
+
+
+#: the functions streamdag put under the trees (the trees' manager keeps each as the ``model`` of
+#: its ``WrappedFunction``), weakly: what a manager runs besides them is another's
+_ours: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _put(model: Any) -> None:
+    # (a function with no weak reference to it counts as another's: gradients are then copied)
+    with contextlib.suppress(TypeError):
+        _ours.add(model)
+
+
+def put_by_streamdag(model: Any) -> bool:
+    """Whether streamdag put ``model`` under the trees (:class:`TreesCall`, :func:`seen_by_trees`)."""
+    try:
+        return model in _ours
+    except TypeError:
+        return False
 
 
 def trees_config(on: bool, partitions: bool = True) -> Any:
