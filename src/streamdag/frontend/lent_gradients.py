@@ -7,7 +7,7 @@ trees' pool, which the next step's replays overwrite. Most training loops drop e
 before that (``zero_grad()`` between steps), and the lent gradients cost nothing. Two loops keep
 them: gradient accumulation (micro-batches without ``zero_grad``) and
 ``zero_grad(set_to_none=False)``. So before a forward under the trees runs, :func:`take_back`
-finds each ``.grad`` that still lies at an address a backward lent, among the parameters of every
+finds each ``.grad`` that still lies in a storage a backward lent, among the parameters of every
 forward called since the last take-back (:func:`hold`), and replaces it by a copy (one
 multi-tensor copy for all): the accumulation then adds to that copy, as eager adds to its own.
 
@@ -35,8 +35,8 @@ keep a gradient, and the manager's gradients are copied at each backward from th
 
 State: one :class:`_Lent` per trees manager (the trees keep one per device and thread; a backward
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
-going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``addresses``,
-``bases`` and ``holders``: the forward that takes the gradients back empties all three together.
+going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``bases`` and
+``holders``: the forward that takes the gradients back empties both together.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class _Lent:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.addresses: set[int] = set()  # the data pointers of the lent gradients
-        self.bases: set[int] = set()  # and of their storages (the trees' weak references name those)
+        #: the addresses of the lent gradients' storages (the trees' weak references name them so)
+        self.bases: set[int] = set()
         #: the parameters of the forwards called since the last take-back, by id, weakly
         self.holders: dict[int, weakref.ref[torch.Tensor]] = {}
         #: set once a lent gradient outlived its step elsewhere than in a ``.grad``: backwards copy
@@ -123,22 +123,30 @@ def lend(device_box: Any, outputs: Sequence[Any], lendable: Sequence[int], copy_
     manager = _manager(device_box)
     lent = _record(manager)
     out = list(outputs)
-    lent_at = [] if lent.copying or _runs_others(manager, lent) else \
-        [i for i in lendable if i < len(out) and isinstance(out[i], torch.Tensor)]
-    if lent_at:
+    if lent.copying or _runs_others(manager, lent):
+        lendable = ()
+    kept: set[int] = set()
+    bases = []
+    for i in lendable:
+        t = out[i] if i < len(out) else None
+        if isinstance(t, torch.Tensor):
+            kept.add(i)
+            bases.append(_base(t))
+    if bases:
         with lent.lock:
-            for i in lent_at:
-                t = out[i]
-                lent.addresses.add(t.data_ptr())
-                lent.bases.add(t.data_ptr() - t.storage_offset() * t.element_size())
-    kept, parameters = set(lent_at), set(lendable)
+            lent.bases.update(bases)
     # (without copy_rest, the gradients of other inputs are handed out of the pool unrecorded, as
     # under reduce-overhead; a parameter's is never)
-    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept
-          and (copy_rest or i in parameters)]
+    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept] if copy_rest \
+        else [i for i in lendable if i not in kept and i < len(out) and isinstance(out[i], torch.Tensor)]
     for i, t in zip(at, copies([out[i] for i in at])):
         out[i] = t
     return out
+
+
+def _base(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (the trees' weak references name storages by it)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def take_back(device_box: Any) -> int:
@@ -147,12 +155,12 @@ def take_back(device_box: Any) -> int:
     is held elsewhere (see the module docstring). Returns how many ``.grad`` were copied."""
     manager = _manager(device_box)
     lent = _record(manager)
-    if not lent.addresses:
+    if not lent.bases:
         return 0
     with lent.lock:
-        addresses, bases, holders = lent.addresses, lent.bases, lent.holders
-        lent.addresses, lent.bases, lent.holders = set(), set(), {}
-    held = _holding(holders.values(), addresses)
+        bases, holders = lent.bases, lent.holders
+        lent.bases, lent.holders = set(), {}
+    held = _holding(holders.values(), bases)
     if held:
         for t, own in zip(held, copies([t.grad for t in held])):  # type: ignore[misc]
             t.grad = own  # (the old .grad is dropped here: no local keeps it alive for the check)
@@ -168,12 +176,13 @@ def take_back(device_box: Any) -> int:
     return len(held)
 
 
-def _holding(holders: Any, addresses: set[int]) -> list[torch.Tensor]:
-    """The tensors among ``holders`` (weak references) whose ``.grad`` lies at one of ``addresses``."""
+def _holding(holders: Any, bases: set[int]) -> list[torch.Tensor]:
+    """The tensors among ``holders`` (weak references) whose ``.grad`` lies in a storage at one of
+    ``bases`` (a lent gradient, or a view of one)."""
     found = []
     for ref in holders:
         t = ref()
-        if t is not None and t.grad is not None and t.grad.data_ptr() in addresses:
+        if t is not None and t.grad is not None and _base(t.grad) in bases:
             found.append(t)
     return found
 
