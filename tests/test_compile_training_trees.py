@@ -213,8 +213,78 @@ def test_without_taking_back_a_grad_holding_a_lent_gradient_would_change_with_th
 
 def test_with_clone_outputs_off_the_trees_outputs_are_returned_as_they_are():
     grad = torch.randn(3)
-    (out,) = under_trees("backward", lambda args: [grad], clone_outputs=False)([])
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1, clone_outputs=False)
+    backward = under_trees("backward", lambda args: [grad], clone_outputs=False)
+    backward.forward = forward
+    forward([torch.randn(3)])
+    (out,) = backward([])
     assert out is grad
+
+
+def lent_and_copied(outputs, inputs, clone_outputs=True, lends=True):
+    """A backward returning ``outputs`` after a forward of ``inputs``: which outputs came back as
+    they are (lent, or handed out), and the backward."""
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1, clone_outputs=clone_outputs)
+    forward.lends = lends
+    backward = under_trees("backward", lambda args: list(outputs), clone_outputs=clone_outputs)
+    backward.forward = forward
+    forward(list(inputs))
+    out = backward([])
+    for o, t in zip(out, outputs):
+        assert o is t or torch.equal(o, t)
+    return [o is t for o, t in zip(out, outputs)], backward
+
+
+def test_two_parameters_gradients_in_one_storage_are_lent_once():
+    """Autograd would keep both as ``.grad`` sharing memory, which an in-place change of one (an
+    unscaling) would change twice."""
+    buf = torch.randn(6)
+    a, b, c = (torch.nn.Parameter(torch.randn(3)) for _ in range(3))
+    same, _ = lent_and_copied([buf[:3], buf[3:], torch.randn(3)], [a, b, c])
+    assert same == [True, False, True]
+    shared = torch.randn(3)
+    same, backward = lent_and_copied([shared, shared], [a, b])
+    assert same == [True, False] and backward.lent == 1
+
+
+@pytest.mark.parametrize("clone_outputs", [True, False])
+def test_a_parameters_gradient_is_never_handed_out_unrecorded(monkeypatch, clone_outputs):
+    """Where nothing may be lent (the manager copies; the outputs do not line up; the forward
+    took a parameter that is no leaf), a parameter's gradient is copied even without
+    ``clone_outputs``: a ``.grad`` in the pool that no take-back knows of would be overwritten."""
+    from streamdag.frontend import lent_gradients
+
+    p, act = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    gp, gact = torch.randn(3), torch.randn(3)
+    monkeypatch.setattr(lent_gradients._unmanaged, "copying", True)
+    same, backward = lent_and_copied([gp, gact], [p, act], clone_outputs)
+    assert same == [False, not clone_outputs] and backward.lent == 0
+    monkeypatch.setattr(lent_gradients._unmanaged, "copying", False)
+    assert lent_and_copied([gp, gact], [p, act], clone_outputs, lends=False)[0] == [False, False]
+    assert lent_and_copied([gp, gact, gact], [p, act], clone_outputs)[0] == [False] * 3
+    w = torch.randn(3, requires_grad=True)
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    frozen.add_(w)  # (a parameter that is no leaf: its gradient flows on to w)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    forward([frozen])
+    assert not forward.lends
+
+
+def test_graphs_with_tensor_subclass_inputs_lend_nothing():
+    """AOTAutograd flattens a subclass input into its inner tensors one way for the forward and
+    its gradient another way: the backward's outputs do not line up with the forward's inputs."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from streamdag.frontend.inductor_backend import StreamdagBackend
+
+    p = torch.nn.Parameter(torch.randn(3))
+    lends = []
+    for x in (torch.randn(3), TwoTensor(torch.randn(3), torch.randn(3))):
+        torch._dynamo.reset()
+        backend = StreamdagBackend()
+        torch.compile(lambda x: (x * p).sum(), backend=backend)(x).backward()
+        lends += [g.lends for r in backend.runners for g in r.training if g.kind == "forward"]
+    assert lends == [True, False]
 
 
 def test_copies_are_exact_for_every_dtype_and_keep_integer_tensors_integer():

@@ -457,6 +457,7 @@ class StreamdagBackend:
 
     def __call__(self, gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         t0 = time.perf_counter()
         self.stats.graphs += 1
@@ -466,10 +467,13 @@ class StreamdagBackend:
         layout = fuse_adjacent_linears(gm, example_inputs)  # after the copy: it depends on a layout
         switches: list[_Switch] = []
         trained: list[Any] = []
+        # (AOTAutograd flattens a tensor subclass's inner tensors one way for the forward's inputs
+        # and another for the backward's outputs: a training graph of one lends no gradients)
+        plain = not any(is_traceable_wrapper_subclass(e) for e in example_inputs)
 
         def inner(g: torch.fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
             return inner_compile(g, ex, options=self.options, switches=switches, trained=trained,
-                                 on_double_backward=self._double_backward, **kwargs)
+                                 on_double_backward=self._double_backward, plain_inputs=plain, **kwargs)
 
         try:
             # AOTAutograd's cache would hand back a plain Inductor result and skip the inner compiler

@@ -180,7 +180,8 @@ def _is_dynamic(example_inputs: Sequence[Any]) -> bool:
 
 def inner_compile(gm: GraphModule, example_inputs: Sequence[Any], *, options: Options,
                   switches: list[_Switch], trained: list[Any],
-                  on_double_backward: Callable[[str], None] | None = None, **kwargs: Any) -> Any:
+                  on_double_backward: Callable[[str], None] | None = None, plain_inputs: bool = False,
+                  **kwargs: Any) -> Any:
     """Inductor's inner compiler, plus the regions of the graph (see the module docstring)."""
     from torch._guards import TracingContext
     from torch._inductor.compile_fx import compile_fx_inner
@@ -191,7 +192,7 @@ def inner_compile(gm: GraphModule, example_inputs: Sequence[Any], *, options: Op
 
         forward = next((g for g in trained if g.kind == "forward"), None)
         graph = compile_training(gm, example_inputs, options, kwargs, len(trained), on_double_backward,
-                                 forward if kwargs.get("is_backward") else None)
+                                 forward if kwargs.get("is_backward") else None, plain_inputs)
         trained.append(graph)
         return graph
     t0 = time.perf_counter()

@@ -16,13 +16,18 @@ step (GoogLeNet's 187 gradients: about 0.4-0.55 ms on an H200's host, 9% of a ba
 step bound by the host), and the copies are a second set of gradients in memory.
 
 What is lent (:func:`lend`): a backward's gradients of its forward's parameters, and only those.
-AOTAutograd's backward returns the gradient of its forward's i-th input as its i-th output; a
-gradient of any other input (an activation across a graph break, a view of a parameter made
-before the call, a tensor a user made require gradients) flows on through autograd into tensors
-no forward saw, so it is copied. Gradients are copied too while the manager runs functions
-streamdag did not put under it (another model under ``reduce-overhead``, a compiled optimizer
-step): such a function may begin the trees' next step, and replay over lent memory, before a
-forward of streamdag's takes its gradients back.
+AOTAutograd's backward returns the gradient of its forward's i-th input as its i-th output where
+every input is a plain tensor (a tensor subclass is flattened one way for the forward's inputs
+and another for the gradients: such graphs lend nothing). A gradient of any other input (an
+activation across a graph break, a view of a parameter made before the call, a tensor a user made
+require gradients, a parameter written in place from a tensor with gradients, which is no leaf)
+flows on through autograd into tensors no forward saw, so it is copied. Two parameters'
+gradients in one storage (Inductor returns one buffer for both where they are equal) are lent
+once: autograd would keep both as ``.grad`` sharing memory, which an in-place change of one
+(unscaling, clipping) would change twice. Gradients are copied too while the manager runs
+functions streamdag did not put under it (another model under ``reduce-overhead``, a compiled
+optimizer step): such a function may begin the trees' next step, and replay over lent memory,
+before a forward of streamdag's takes its gradients back.
 
 A lent gradient held elsewhere than a ``.grad`` (``g = p.grad`` or the result of
 ``torch.autograd.grad`` kept into the next step) cannot be given other memory, and the replay
@@ -103,50 +108,62 @@ def parameter_positions(args: Sequence[Any]) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)]
 
 
-def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> None:
+def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool:
     """Note a forward's parameters (at ``positions`` of ``args``) as tensors whose ``.grad`` the
-    next take-back reads."""
+    next take-back reads. False where one is no leaf (written in place from a tensor with
+    gradients: its gradient flows on to tensors no forward saw, so nothing may be lent)."""
     lent = _record(_manager(device_box))
     if lent.copying:
-        return
+        return True
     with lent.lock:
         holders = lent.holders
         for i in positions:
             t = args[i]
+            if not t.is_leaf:
+                return False
             holders[id(t)] = weakref.ref(t)
+    return True
 
 
-def lend(device_box: Any, outputs: Sequence[Any], lendable: Sequence[int], copy_rest: bool = True) -> Any:
-    """A backward's ``outputs`` to hand to autograd: those at ``lendable`` (its forward's parameters'
-    gradients) as they are, and recorded; the others copied where ``copy_rest``. Everything is
-    copied where the manager copies (:attr:`_Lent.copying`, or functions of others under it)."""
+def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | None,
+         copy_rest: bool = True) -> tuple[list[Any], int]:
+    """A backward's ``outputs`` to hand to autograd, and how many of them are lent: those at
+    ``parameters`` (its forward's parameters' gradients) as they are, one per storage, and
+    recorded; the others copied where ``copy_rest``, the parameters' always. Everything is copied
+    where ``parameters`` is None (outputs that do not line up with the forward's inputs) and where
+    the manager copies (:attr:`_Lent.copying`, or functions of others under it)."""
     manager = _manager(device_box)
     lent = _record(manager)
     out = list(outputs)
-    if lent.copying or _runs_others(manager, lent):
-        lendable = ()
+    if parameters is None:
+        copy_rest, parameters, lending = True, (), False
+    else:
+        lending = not (lent.copying or _runs_others(manager, lent))
     kept: set[int] = set()
-    bases = []
-    for i in lendable:
+    bases: set[int] = set()
+    for i in parameters if lending else ():
         t = out[i] if i < len(out) else None
-        if isinstance(t, torch.Tensor):
+        # (two parameters' gradients in one buffer: autograd would keep both, sharing memory that an
+        # in-place change of one, such as an unscaling, would change twice; the second is copied)
+        if type(t) is torch.Tensor and (b := _base(t)) not in bases:
             kept.add(i)
-            bases.append(_base(t))
+            bases.add(b)
     if bases:
         with lent.lock:
-            lent.bases.update(bases)
+            lent.bases |= bases
     # (without copy_rest, the gradients of other inputs are handed out of the pool unrecorded, as
-    # under reduce-overhead; a parameter's is never)
-    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept] if copy_rest \
-        else [i for i in lendable if i not in kept and i < len(out) and isinstance(out[i], torch.Tensor)]
+    # under reduce-overhead; a parameter's never)
+    params = set(parameters)
+    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept
+          and (copy_rest or i in params)]
     for i, t in zip(at, copies([out[i] for i in at])):
         out[i] = t
-    return out
+    return out, len(kept)
 
 
 def _base(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (the trees' weak references name storages by it)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
+    return t.data_ptr() - int(t.storage_offset()) * t.element_size()
 
 
 def take_back(device_box: Any) -> int:
@@ -182,8 +199,9 @@ def _holding(holders: Any, bases: set[int]) -> list[torch.Tensor]:
     found = []
     for ref in holders:
         t = ref()
-        if t is not None and t.grad is not None and _base(t.grad) in bases:
+        if t is not None and type(g := t.grad) is torch.Tensor and _base(g) in bases:
             found.append(t)
+        g = None  # (no local keeps a lent gradient alive for the liveness check)
     return found
 
 

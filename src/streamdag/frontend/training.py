@@ -118,11 +118,10 @@ refuses the ``create_graph=True`` call first and names the setting to turn off.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -132,6 +131,7 @@ from torch.fx import GraphModule
 
 from .._diagnostics import warn
 from ..backends.capture_memory import stream_reuse
+from .aot_metadata import forward_returns, no_donated_buffers
 from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
 from .lent_gradients import hold, lend, parameter_positions, take_back
@@ -198,8 +198,10 @@ class TrainingGraph:
         # follow, and the ``.grad`` a forward copied because they still held a lent gradient
         self.parameters_at: list[int] | None = None
         self.inputs: int = 0
+        self.lends: bool = True  # a forward: its backward's outputs line up with its inputs
         self.forward: TrainingGraph | None = None  # a backward's forward
         self.taken_back: int = 0
+        self.lent: int = 0  # a backward: the gradients it lent
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
         # the graph calls convolutions and has its code apart from the trees: its first call runs
@@ -253,7 +255,8 @@ class TrainingGraph:
         self.taken_back += take_back(self.device_box)
         if self.parameters_at is None:
             self.parameters_at, self.inputs = parameter_positions(args), len(args)
-        hold(self.device_box, args, self.parameters_at)
+        if self.lends and not hold(self.device_box, args, self.parameters_at):
+            self.lends = False  # (a parameter written in place from a tensor with gradients)
 
     def _first_call_off_trees(self, args: list[Any]) -> Any:
         """Inductor's code alone, with cuDNN's trials outside the trees' pool (the module docstring's
@@ -304,10 +307,11 @@ class TrainingGraph:
         if inductor["cudagraph_skips"] != skips:
             self.tree_skips += 1
         if self.kind == "backward":  # the parameters' gradients are lent, not copied
-            forward = self.forward
-            lendable = forward.parameters_at if forward is not None and forward.parameters_at is not None \
-                and len(out) == forward.inputs else ()
-            return lend(self.device_box, out, lendable, copy_rest=self.options.clone_outputs)
+            fw = self.forward
+            lendable = fw.parameters_at if fw is not None and fw.lends and len(out) == fw.inputs else None
+            out, lent = lend(self.device_box, out, lendable, copy_rest=self.options.clone_outputs)
+            self.lent += lent
+            return out
         if not self.options.clone_outputs:
             return out
         out = list(out)
@@ -377,9 +381,9 @@ class TrainingGraph:
                          f"(they warm up, record, then replay), {self.tree_skips} of them skipped by the "
                          "trees and run uncaptured (TORCH_LOGS=cudagraphs says why)")
             if self.kind == "backward":
-                lines.append("    parameters' gradients: handed to autograd out of the trees' pool, not "
-                             "copied (a .grad that still holds one when the next step begins gets a copy "
-                             "then)")
+                lines.append(f"    parameters' gradients: {self.lent} handed to autograd out of the trees' "
+                             "pool, not copied (a .grad still holding one as the next step begins gets a "
+                             "copy then)" if self.lent else "    gradients: copied out of the trees' pool")
             elif self.taken_back:
                 lines.append(f"    {self.taken_back} .grad copied out of the trees' pool as steps began: "
                              "they still held gradients a backward lent (gradient accumulation, or "
@@ -426,10 +430,11 @@ def _in_double_backward() -> bool:
 def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: Any,
                      kwargs: dict[str, Any], index: int,
                      on_double_backward: Callable[[str], None] | None = None,
-                     forward: TrainingGraph | None = None) -> TrainingGraph:
+                     forward: TrainingGraph | None = None, plain_inputs: bool = False) -> TrainingGraph:
     """Inductor's code for a training forward or backward, and its regions (see the module docstring).
 
-    ``forward``: for a backward, the forward it belongs to (it runs under the trees only if that does)."""
+    ``forward``: for a backward, the forward it belongs to (it runs under the trees only if that does).
+    ``plain_inputs``: Dynamo's graph took no tensor subclass (:mod:`.lent_gradients` lends then)."""
     from torch._guards import TracingContext
     from torch._inductor.cudagraph_utils import BoxedDeviceIndex
     from torch._inductor.utils import BoxedBool
@@ -443,7 +448,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     uncaptured = _pristine(gm) if kind == "backward" and not why_not else None
     pristine = None if options.regions == "never" or dynamic else uncaptured or _pristine(gm)
     ctx = TracingContext.try_get()
-    returns = _forward_returns(gm, getattr(ctx, "fw_metadata", None) if ctx is not None else None)
+    returns = forward_returns(gm, getattr(ctx, "fw_metadata", None) if ctx is not None else None)
     if not why_not and kind == "forward" and returns is None:
         why_not = "the forward's outputs cannot be told from its saved activations"
     trees = BoxedBool(not why_not)  # Inductor turns it off where its trees refuse the graph
@@ -469,6 +474,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
     graph = TrainingGraph(kind, index, whole, options, written, on_double_backward)
     graph.device_box = device_box
     graph.forward = forward
+    graph.lends = plain_inputs
     graph.in_step = forward.in_step if forward is not None else in_captured_step()
     graph.captured = bool(trees)
     graph.uncaptured = uncaptured if graph.captured else None
@@ -499,7 +505,7 @@ def compile_training(gm: GraphModule, example_inputs: Sequence[Any], options: An
         graph.region_note = ("random operators: the whole graph only (regions would draw other random "
                              "numbers than Inductor's whole graph)")
     else:
-        with _no_donated_buffers(ctx):
+        with no_donated_buffers(ctx):
             _add_regions(graph, pristine, example_inputs, options, kwargs, training=True,
                          output_strides=strides)
     graph.compile_s = time.perf_counter() - t0
@@ -562,33 +568,6 @@ def _why_not_trees(kind: str, example_inputs: Sequence[Any], options: Any, dynam
         if forward.chosen is not None and forward.chosen.label != TREES and forward.trees_call is None:
             return f"its forward runs {forward.chosen.label}, uncaptured"
     return ""
-
-
-@contextlib.contextmanager
-def _no_donated_buffers(ctx: Any) -> Iterator[None]:
-    """No donated buffers while a backward's regions compile: Inductor reads AOTAutograd's donated
-    indices as placeholder indices of the graph it compiles, which in a region name other
-    tensors, and a saved activation one region may reuse as scratch may be read by another."""
-    meta = getattr(ctx, "fw_metadata", None)
-    donated = getattr(meta, "bw_donated_idxs", None)
-    if not donated:
-        yield
-        return
-    meta.bw_donated_idxs = []
-    try:
-        yield
-    finally:
-        meta.bw_donated_idxs = donated
-
-
-def _forward_returns(gm: torch.fx.GraphModule, meta: Any) -> int | None:
-    """How many of a training forward's outputs are returns (the rest: activations saved for the
-    backward): AOTAutograd's count, else past the last output Inductor marks as the user's."""
-    n = getattr(meta, "num_forward_returns", None)
-    if isinstance(n, int):
-        return n
-    visible = next(iter(reversed(gm.graph.nodes))).meta.get("user_visible_output_idxs")
-    return None if visible is None else max(visible, default=-1) + 1
 
 
 def warn_once(seen: set[str], key: str, message: str) -> None:
