@@ -7,9 +7,12 @@ trees' pool, which the next step's replays overwrite. Most training loops drop e
 before that (``zero_grad()`` between steps), and the lent gradients cost nothing. Two loops keep
 them: gradient accumulation (micro-batches without ``zero_grad``) and
 ``zero_grad(set_to_none=False)``. So before a forward under the trees runs, :func:`take_back`
-finds each ``.grad`` that still lies in a storage a backward lent, among the parameters of every
-forward called since the last take-back (:func:`hold`), and replaces it by a copy (one
-multi-tensor copy for all): the accumulation then adds to that copy, as eager adds to its own.
+finds each ``.grad`` that still lies in a storage a backward lent, among the parameters any
+forward under the manager took (:func:`hold`), and replaces it by a copy (one multi-tensor copy
+for all): the accumulation then adds to that copy, as eager adds to its own. A loop that zeroes
+its gradients after its forward (``out = model(x); opt.zero_grad(); loss.backward()``), or trains
+two models in turn, still holds the last step's (or the other model's) as the forward begins:
+those are copied there, as every gradient was before lending.
 
 Why lend rather than copy every gradient at each backward: the copy's host time is paid at every
 step (GoogLeNet's 187 gradients: about 0.4-0.55 ms on an H200's host, 9% of a batch-8 training
@@ -36,12 +39,14 @@ ends, not between replays). So after the copies, :func:`take_back` asks the tree
 of the last step's graphs at lent addresses are still alive (their own weak references, which
 count their cached tensors out). Where one is: a warning that says what it now holds and how to
 keep a gradient, and the manager's gradients are copied at each backward from then on
-(:attr:`_Lent.copying`).
+(:attr:`_Lent.copying`). While the trees still warm up or record a step, they free and mark what
+is alive themselves as the next step begins: reading such a gradient then raises their error.
 
 State: one :class:`_Lent` per trees manager (the trees keep one per device and thread; a backward
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
-going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``bases`` and
-``holders``: the forward that takes the gradients back empties both together.
+going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``bases`` (emptied
+by the forward that takes the gradients back) and ``holders`` (kept: weak references, the dead
+ones dropped as the dictionary doubles).
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ class _Lent:
         self.lock = threading.Lock()
         #: the addresses of the lent gradients' storages (the trees' weak references name them so)
         self.bases: set[int] = set()
-        #: the parameters of the forwards called since the last take-back, by id, weakly
+        #: every parameter a forward under the manager took, by id, weakly (a backward may lend
+        #: for a forward called before the last take-back: a GAN's generator, say)
         self.holders: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.pruned_at = 0  # the count of holders when the dead ones were last dropped
         #: set once a lent gradient outlived its step elsewhere than in a ``.grad``: backwards copy
         self.copying = False
         #: whether the manager runs a function streamdag did not put under it, as of its count
@@ -122,6 +129,9 @@ def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool
             if not t.is_leaf:
                 return False
             holders[id(t)] = weakref.ref(t)
+        if len(holders) > 2 * lent.pruned_at + 64:  # (parameters that died leave dead references)
+            lent.holders = holders = {k: r for k, r in holders.items() if r() is not None}
+            lent.pruned_at = len(holders)
     return True
 
 
@@ -175,9 +185,9 @@ def take_back(device_box: Any) -> int:
     if not lent.bases:
         return 0
     with lent.lock:
-        bases, holders = lent.bases, lent.holders
-        lent.bases, lent.holders = set(), {}
-    held = _holding(holders.values(), bases)
+        bases, holders = lent.bases, list(lent.holders.values())
+        lent.bases = set()
+    held = _holding(holders, bases)
     if held:
         for t, own in zip(held, copies([t.grad for t in held])):  # type: ignore[misc]
             t.grad = own  # (the old .grad is dropped here: no local keeps it alive for the check)
