@@ -12,7 +12,7 @@ forward under the manager took (:func:`hold`), and replaces it by a copy (one mu
 for all): the accumulation then adds to that copy, as eager adds to its own. A loop that zeroes
 its gradients after its forward (``out = model(x); opt.zero_grad(); loss.backward()``), or trains
 two models in turn, still holds the last step's (or the other model's) as the forward begins:
-those are copied there, as every gradient was before lending.
+those are copied there.
 
 Why lend rather than copy every gradient at each backward: the copy's host time is paid at every
 step (GoogLeNet's 187 gradients: about 0.4-0.55 ms on an H200's host, 9% of a batch-8 training
