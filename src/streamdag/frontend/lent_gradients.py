@@ -65,7 +65,8 @@ __all__ = ["hold", "lend", "parameter_positions", "take_back"]
 
 
 class _Lent:
-    """What the backwards of one trees manager lent since its last forward under the trees."""
+    """One trees manager's lending: what its backwards lent since the last take-back, the tensors
+    whose ``.grad`` may hold it, and whether it has stopped lending."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -39,8 +39,8 @@ not a parameter or buffer) runs uncaptured too, and is counted
 (``statistics().tree_skips``, from Inductor's ``cudagraph_skips`` counter). A
 forward's returns (the loss, the logits) are copies out of the pool, unless
 ``clone_outputs=False``: the next replay overwrites the pool, and a loss kept
-across steps must not change with it. A backward's gradients are lent as they
-are, and a ``.grad`` that still holds one when the next step begins (gradient
+across steps must not change with it. A backward's parameters' gradients are
+lent as they are, and a ``.grad`` that still holds one when the next step begins (gradient
 accumulation: the next micro-batch's backward adds to it) gets a copy then
 (:mod:`.lent_gradients`). Steps are the trees' as under ``reduce-overhead``: a training
 loop that calls ``torch.compiler.cudagraph_mark_step_begin()`` at each step
