@@ -151,6 +151,41 @@ def test_a_backward_after_another_models_forward_has_its_grads_taken_back_too():
     torch.testing.assert_close(g_param.grad, g_grad, rtol=0, atol=0)
 
 
+def test_the_first_forward_notes_its_parameters_where_its_backward_lends_though_the_trees_make_it_later(
+        monkeypatch):
+    """The trees make their manager of a device at their first call, after the first forward noted
+    its parameters: they must be noted in that manager's record, where the backward lends, or the
+    next forward finds no ``.grad`` to take back and an accumulated gradient stays in the pool."""
+    from streamdag.frontend import lent_gradients
+
+    class Manager:  # (the trees' manager as far as the lending reads it)
+        def __init__(self):
+            self.ids_to_funcs, self.current_node = {}, None
+
+    made: list = []
+
+    def manager(box, make=False):
+        if make and not made:
+            made.append(Manager())
+        return made[0] if made else None
+
+    def first_call(args):
+        manager(None, make=True)  # (the trees' first call makes their manager)
+        return [torch.ones(())]
+
+    monkeypatch.setattr(lent_gradients, "_manager", manager)
+    p, grad = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    forward = under_trees("forward", first_call, copied=1)
+    backward = under_trees("backward", lambda args: [grad])
+    backward.forward = forward
+    forward([p])
+    p.grad = backward([])[0].detach()
+    assert p.grad.data_ptr() == grad.data_ptr()  # lent
+    forward([p])
+    assert forward.taken_back == 1 and p.grad.data_ptr() != grad.data_ptr()
+    torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("clone_outputs", [True, False])
 def test_only_the_gradients_of_the_forwards_parameters_are_lent(clone_outputs):
     """A gradient of another input (a leaf the caller made require gradients, an activation across
@@ -198,7 +233,7 @@ def test_gradients_are_copied_while_the_trees_run_a_function_streamdag_did_not_p
 
     trees._put(ours)
     manager = Manager()
-    monkeypatch.setattr(lent_gradients, "_manager", lambda box: manager)
+    monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: manager)
     p, grad = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
     forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
     backward = under_trees("backward", lambda args: [grad])

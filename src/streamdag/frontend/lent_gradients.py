@@ -89,15 +89,16 @@ _by_manager_lock = threading.Lock()
 _unmanaged = _Lent()
 
 
-def _manager(device_box: Any) -> Any:
+def _manager(device_box: Any, make: bool = False) -> Any:
     """The trees manager of the device in ``device_box`` (Inductor's ``BoxedDeviceIndex``, set when
-    the forward went under the trees), or None."""
+    the forward is compiled for the trees), or None. ``make``: made where the trees have not made it
+    yet (they make it at their first call, after the first forward's :func:`hold`)."""
     index = getattr(device_box, "value", None)
     if index is None:
         return None
     from torch._inductor import cudagraph_trees
 
-    return cudagraph_trees.get_manager(index, create_if_none_exists=False)
+    return cudagraph_trees.get_manager(index, create_if_none_exists=make)
 
 
 def _record(manager: Any) -> _Lent:
@@ -119,8 +120,10 @@ def parameter_positions(args: Sequence[Any]) -> list[int]:
 def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool:
     """Note a forward's parameters (at ``positions`` of ``args``) as tensors whose ``.grad`` the
     next take-back reads. False where one is no leaf (written in place from a tensor with
-    gradients: its gradient flows on to tensors no forward saw, so nothing may be lent)."""
-    lent = _record(_manager(device_box))
+    gradients: its gradient flows on to tensors no forward saw, so nothing may be lent). The
+    manager is made here if need be: the holders of a first forward must be in the record its
+    backward lends to, not in that of graphs with no manager."""
+    lent = _record(_manager(device_box, make=True))
     if lent.copying:
         return True
     with lent.lock:
