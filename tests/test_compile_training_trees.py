@@ -248,6 +248,56 @@ def test_gradients_are_copied_while_the_trees_run_a_function_streamdag_did_not_p
     assert lent_gradients._runs_others(manager, lent_gradients._Lent())  # (trees without the names)
 
 
+def test_a_lent_gradient_the_trees_see_alive_after_the_take_back_warns_once_and_turns_copying_on(
+        monkeypatch):
+    """After the copies, the trees' own weak references to the outputs on their current path say
+    whether a lent gradient is still held elsewhere (``g = p.grad`` kept into the next step): only
+    outputs at lent addresses that are alive count; one such turns copying on, with one warning."""
+    from types import SimpleNamespace
+
+    from torch._inductor import cudagraph_trees
+
+    from streamdag import StreamdagWarning
+    from streamdag.frontend import lent_gradients
+
+    class Node:  # (a node of the trees' path as far as the check reads it)
+        def __init__(self, refs):
+            self.outputs_weakrefs = refs
+            self._path_from_root = []
+
+    kept, other = torch.randn(3), torch.randn(3)
+    alive = {kept.data_ptr()}
+    root = Node([None, SimpleNamespace(data_ptr=lambda: other.data_ptr())])
+    node = Node([SimpleNamespace(data_ptr=lambda: kept.data_ptr())])
+    node._path_from_root = [root, node]
+    class Manager:
+        def __init__(self):
+            self.ids_to_funcs, self.current_node = {}, None
+
+    manager = Manager()
+    monkeypatch.setattr(cudagraph_trees, "CUDAGraphNode", Node)
+    monkeypatch.setattr(cudagraph_trees, "is_live", lambda w: w.data_ptr() in alive)
+    monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: manager)
+    p = torch.nn.Parameter(torch.randn(3))
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [kept])
+    backward.forward = forward
+    forward([p])
+    assert backward([])[0] is kept  # lent, and kept by the caller (not as .grad)
+    assert lent_gradients._alive_elsewhere(manager, {other.data_ptr()}) == 0  # (not lent: not counted)
+    forward([p])  # no node of the trees' yet (warming up): the trees check themselves
+    assert not lent_gradients._record(manager).copying
+    backward([])
+    manager.current_node = node
+    with pytest.warns(StreamdagWarning, match="still referenced outside .grad"):
+        forward([p])
+    assert lent_gradients._record(manager).copying
+    out = backward([])[0]
+    assert out is not kept and torch.equal(out, kept)
+    alive.clear()
+    assert lent_gradients._alive_elsewhere(manager, {kept.data_ptr()}) == 0
+
+
 def test_once_a_lent_gradient_was_kept_elsewhere_backwards_hand_out_copies(monkeypatch):
     from streamdag.frontend import lent_gradients
 
