@@ -265,37 +265,87 @@ def test_a_lent_gradient_the_trees_see_alive_after_the_take_back_warns_once_and_
             self.outputs_weakrefs = refs
             self._path_from_root = []
 
-    kept, other = torch.randn(3), torch.randn(3)
-    alive = {kept.data_ptr()}
-    root = Node([None, SimpleNamespace(data_ptr=lambda: other.data_ptr())])
-    node = Node([SimpleNamespace(data_ptr=lambda: kept.data_ptr())])
-    node._path_from_root = [root, node]
     class Manager:
         def __init__(self):
             self.ids_to_funcs, self.current_node = {}, None
 
+    def ref(t, live):  # (a weak reference of the trees' as far as the check reads it)
+        return SimpleNamespace(data_ptr=lambda: t.data_ptr(), live=live)
+
+    kept, other = torch.randn(3), torch.randn(3)
+    root = Node([None, ref(other, True)])
+    node = Node([ref(kept, True)])
+    node._path_from_root = [root, node]
     manager = Manager()
     monkeypatch.setattr(cudagraph_trees, "CUDAGraphNode", Node)
-    monkeypatch.setattr(cudagraph_trees, "is_live", lambda w: w.data_ptr() in alive)
+    monkeypatch.setattr(cudagraph_trees, "is_live", lambda w: w.live)
     monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: manager)
+    record = lent_gradients._record(manager)
     p = torch.nn.Parameter(torch.randn(3))
     forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
     backward = under_trees("backward", lambda args: [kept])
     backward.forward = forward
     forward([p])
     assert backward([])[0] is kept  # lent, and kept by the caller (not as .grad)
-    assert lent_gradients._alive_elsewhere(manager, {other.data_ptr()}) == 0  # (not lent: not counted)
-    forward([p])  # no node of the trees' yet (warming up): the trees check themselves
-    assert not lent_gradients._record(manager).copying
+    forward([p])  # no node of the trees' yet (they warm up): they check themselves
+    assert not record.copying
     backward([])
     manager.current_node = node
+    assert lent_gradients._alive_elsewhere(manager, {kept.data_ptr()}, record) == 1
+    assert lent_gradients._alive_elsewhere(manager, {other.data_ptr()}) == 1
+    assert lent_gradients._alive_elsewhere(manager, {1}) == 0  # (no output there)
+    node.outputs_weakrefs[0] = ref(kept, False)  # (a node's first replay puts new references)
+    assert lent_gradients._alive_elsewhere(manager, {kept.data_ptr()}, record) == 0
+    node.outputs_weakrefs[0] = ref(kept, True)
     with pytest.warns(StreamdagWarning, match="still referenced outside .grad"):
         forward([p])
-    assert lent_gradients._record(manager).copying
+    assert record.copying
     out = backward([])[0]
     assert out is not kept and torch.equal(out, kept)
-    alive.clear()
-    assert lent_gradients._alive_elsewhere(manager, {kept.data_ptr()}) == 0
+
+
+def test_a_backward_replayed_by_the_same_node_lends_as_it_lent_and_works_it_out_anew_elsewhere(monkeypatch):
+    """A replay returns a recorded graph's outputs where it recorded them: what to lend is worked
+    out once per trees node and reused while the outputs lie where they lay; outputs elsewhere, or
+    another node, are worked out anew (one lent per storage each time)."""
+    from torch._inductor import cudagraph_trees
+
+    from streamdag.frontend import lent_gradients
+
+    class Node:  # (a node of the trees as far as the lending reads it)
+        def __init__(self):
+            self.outputs_weakrefs, self._path_from_root = [], []
+
+    class Manager:
+        def __init__(self):
+            self.ids_to_funcs, self.current_node = {}, Node()
+
+    manager = Manager()
+    monkeypatch.setattr(cudagraph_trees, "CUDAGraphNode", Node)
+    monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: manager)
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    shared = torch.randn(6)
+    grads = [shared[:3], shared[3:]]  # (one storage: the second is copied)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: list(grads))
+    backward.forward = forward
+
+    def step():
+        forward([p, q])
+        out = backward([])
+        return [o is g for o, g in zip(out, grads)]
+
+    assert step() == [True, False]
+    plan = backward.lend_plan
+    first = plan.kept
+    assert plan.node() is manager.current_node and first == {0}
+    assert step() == [True, False] and plan.kept is first  # (the plan served)
+    grads[:] = [torch.randn(3), torch.randn(3)]  # (outputs elsewhere: a graph recorded anew)
+    assert step() == [True, True] and plan.kept == {0, 1}
+    second = plan.kept
+    manager.current_node = Node()  # (another node, outputs at the same addresses)
+    assert step() == [True, True] and plan.kept is not second and plan.node() is manager.current_node
+    assert forward.taken_back == 0  # (no .grad held a lent gradient)
 
 
 def test_once_a_lent_gradient_was_kept_elsewhere_backwards_hand_out_copies(monkeypatch):

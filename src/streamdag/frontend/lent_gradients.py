@@ -42,11 +42,21 @@ keep a gradient, and the manager's gradients are copied at each backward from th
 (:attr:`_Lent.copying`). While the trees still warm up or record a step, they free and mark what
 is alive themselves as the next step begins: reading such a gradient then raises their error.
 
+What a step pays: a replay of a recorded graph returns its outputs at the addresses it recorded,
+so what :func:`lend` finds for a backward's outputs (which to lend, their storages), and which of
+the trees' weak references name the lent storages, are worked out once per recorded graph and
+reused while the trees replay it (:class:`LendPlan`, :attr:`_Lent.alive_refs`); a step then pays a
+check of the addresses, the ``.grad`` of each parameter held, and the trees' liveness check of
+each lent storage. (GoogLeNet's 187 parameters: walking the trees' path and working the storages
+out again at every step cost about as much host time as the copies lending saves.)
+
 State: one :class:`_Lent` per trees manager (the trees keep one per device and thread; a backward
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
 going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``bases`` (emptied
 by the forward that takes the gradients back) and ``holders`` (kept: weak references, the dead
-ones dropped as the dictionary doubles).
+ones dropped as the dictionary doubles). The memos (``alive_*``, a :class:`LendPlan`) hold the
+trees' node they were worked out for weakly, and are read and replaced whole, by one thread at a
+time (a manager's forwards run on its thread; a graph's backwards, one after another).
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ import torch
 from .._diagnostics import warn
 from .trees import copies, put_by_streamdag
 
-__all__ = ["hold", "lend", "parameter_positions", "take_back"]
+__all__ = ["LendPlan", "hold", "lend", "parameter_positions", "take_back"]
 
 
 class _Lent:
@@ -81,6 +91,25 @@ class _Lent:
         #: whether the manager runs a function streamdag did not put under it, as of its count
         self.foreign = False
         self.functions = 0
+        #: where the trees keep their weak references to the outputs at ``alive_bases`` on the path
+        #: of the node ``alive_node`` (weakly): (a node's list of them, a position), as
+        #: :func:`_alive_elsewhere` last found them
+        self.alive_node: weakref.ref[Any] | None = None
+        self.alive_bases: set[int] = set()
+        self.alive_refs: list[tuple[list[Any], int]] = []
+
+
+class LendPlan:
+    """What :func:`lend` found for one backward graph's outputs at the trees' node that returned
+    them: a replay of that node returns them at the same addresses, so the same outputs are lent."""
+
+    __slots__ = ("bases", "kept", "node", "pointers")
+
+    def __init__(self) -> None:
+        self.node: weakref.ref[Any] | None = None
+        self.pointers: list[int] = []  # the data pointers of the outputs at the parameters' positions
+        self.kept: set[int] = set()  # the positions lent
+        self.bases: set[int] = set()  # their storages' addresses
 
 
 _by_manager: weakref.WeakKeyDictionary[Any, _Lent] = weakref.WeakKeyDictionary()
@@ -140,12 +169,13 @@ def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool
 
 
 def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | None,
-         copy_rest: bool = True) -> tuple[list[Any], int]:
+         copy_rest: bool = True, plan: LendPlan | None = None) -> tuple[list[Any], int]:
     """A backward's ``outputs`` to hand to autograd, and how many of them are lent: those at
     ``parameters`` (its forward's parameters' gradients) as they are, one per storage, and
     recorded; the others copied where ``copy_rest``, the parameters' always. Everything is copied
     where ``parameters`` is None (outputs that do not line up with the forward's inputs) and where
-    the manager copies (:attr:`_Lent.copying`, or functions of others under it)."""
+    the manager copies (:attr:`_Lent.copying`, or functions of others under it). ``plan``: the
+    graph's memo of what it lent at the trees' node that returned these outputs."""
     manager = _manager(device_box)
     lent = _record(manager)
     out = list(outputs)
@@ -155,13 +185,8 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
         lending = not (lent.copying or _runs_others(manager, lent))
     kept: set[int] = set()
     bases: set[int] = set()
-    for i in parameters if lending else ():
-        t = out[i] if i < len(out) else None
-        # (two parameters' gradients in one buffer: autograd would keep both, sharing memory that an
-        # in-place change of one, such as an unscaling, would change twice; the second is copied)
-        if type(t) is torch.Tensor and (b := _base(t)) not in bases:
-            kept.add(i)
-            bases.add(b)
+    if lending:
+        kept, bases = _lent_at(out, parameters, _replayed_node(manager), plan)
     if bases:
         with lent.lock:
             lent.bases |= bases
@@ -173,6 +198,41 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
     for i, t in zip(at, copies([out[i] for i in at])):
         out[i] = t
     return out, len(kept)
+
+
+def _lent_at(out: list[Any], parameters: Sequence[int], node: Any,
+             plan: LendPlan | None) -> tuple[set[int], set[int]]:
+    """The positions among ``parameters`` whose outputs are lent (the first per storage) and their
+    storages' addresses: ``plan``'s where ``node`` (the trees' node that returned ``out``; None
+    while they warm up) is the plan's and the outputs lie where they lay."""
+    pointers = [t.data_ptr() if type(t) is torch.Tensor else 0
+                for t in (out[i] if i < len(out) else None for i in parameters)]
+    if plan is not None and node is not None and plan.node is not None and plan.node() is node \
+            and plan.pointers == pointers:
+        return plan.kept, plan.bases
+    kept: set[int] = set()
+    bases: set[int] = set()
+    for i in parameters:
+        t = out[i] if i < len(out) else None
+        # (two parameters' gradients in one buffer: autograd would keep both, sharing memory that an
+        # in-place change of one, such as an unscaling, would change twice; the second is copied)
+        if type(t) is torch.Tensor and (b := _base(t)) not in bases:
+            kept.add(i)
+            bases.add(b)
+    if plan is not None and node is not None:
+        plan.node, plan.pointers, plan.kept, plan.bases = weakref.ref(node), pointers, kept, bases
+    return kept, bases
+
+
+def _replayed_node(manager: Any) -> Any:
+    """The trees' node that ran last (a recorded graph, whose replays return their outputs where it
+    recorded them), or None (no manager; the trees warm up)."""
+    if manager is None:
+        return None
+    from torch._inductor import cudagraph_trees as trees
+
+    node = getattr(manager, "current_node", None)
+    return node if isinstance(node, trees.CUDAGraphNode) else None
 
 
 def _base(t: torch.Tensor) -> int:
@@ -195,7 +255,7 @@ def take_back(device_box: Any) -> int:
     if held:
         for t, own in zip(held, copies([t.grad for t in held])):  # type: ignore[misc]
             t.grad = own  # (the old .grad is dropped here: no local keeps it alive for the check)
-    alive = _alive_elsewhere(manager, bases)
+    alive = _alive_elsewhere(manager, bases, lent)
     if alive and not lent.copying:
         lent.copying = True
         warn(f"streamdag: {alive} gradient(s) of the last training step were still referenced "
@@ -234,12 +294,13 @@ def _runs_others(manager: Any, lent: _Lent) -> bool:
     return lent.foreign
 
 
-def _alive_elsewhere(manager: Any, bases: set[int]) -> int:
+def _alive_elsewhere(manager: Any, bases: set[int], lent: _Lent | None = None) -> int:
     """How many outputs of the graphs on the trees' current path whose storages lie at ``bases`` are
     alive (the trees' weak references count their own cached tensors out). A path the trees still
     warm up or record: 0, as the trees free and mark what is alive themselves when the next step
     begins there. Trees without these names: every lent gradient counts as alive (copying is
-    safe)."""
+    safe). ``lent``: the record whose memo of the weak references at ``bases`` serves while the
+    trees' node and the bases stay the same."""
     if manager is None:
         return 0
     try:
@@ -248,7 +309,17 @@ def _alive_elsewhere(manager: Any, bases: set[int]) -> int:
         node = manager.current_node
         if not isinstance(node, trees.CUDAGraphNode):
             return 0
-        return sum(1 for path_node in node._path_from_root for w in path_node.outputs_weakrefs
-                   if w is not None and w.data_ptr() in bases and trees.is_live(w))
+        if lent is not None and lent.alive_node is not None and lent.alive_node() is node \
+                and lent.alive_bases == bases:
+            at = lent.alive_refs
+        else:
+            # (by position: a node puts new weak references in its list at its first replay, and
+            # again after the trees checkpoint it; the list and the positions stay)
+            at = [(path_node.outputs_weakrefs, j) for path_node in node._path_from_root
+                  for j, w in enumerate(path_node.outputs_weakrefs)
+                  if w is not None and w.data_ptr() in bases]
+            if lent is not None:
+                lent.alive_node, lent.alive_bases, lent.alive_refs = weakref.ref(node), bases, at
+        return sum(1 for refs, j in at if trees.is_live(refs[j]))
     except AttributeError:
         return len(bases)

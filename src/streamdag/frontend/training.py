@@ -134,7 +134,7 @@ from ..backends.capture_memory import stream_reuse
 from .aot_metadata import forward_returns, no_donated_buffers
 from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
-from .lent_gradients import hold, lend, parameter_positions, take_back
+from .lent_gradients import LendPlan, hold, lend, parameter_positions, take_back
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -202,6 +202,7 @@ class TrainingGraph:
         self.forward: TrainingGraph | None = None  # a backward's forward
         self.taken_back: int = 0
         self.lent: int = 0  # a backward: the gradients it lent
+        self.lend_plan = LendPlan()  # a backward: what it lends at the trees' node that ran it
         self._streams: int | None = None  # 0: the whole graph; else the regions on this many streams
         self._lock = threading.Lock()
         # the graph calls convolutions and has its code apart from the trees: its first call runs
@@ -309,7 +310,7 @@ class TrainingGraph:
         if self.kind == "backward":  # the parameters' gradients are lent, not copied
             fw = self.forward
             lendable = fw.parameters_at if fw is not None and fw.lends and len(out) == fw.inputs else None
-            out, lent = lend(self.device_box, out, lendable, copy_rest=self.options.clone_outputs)
+            out, lent = lend(self.device_box, out, lendable, self.options.clone_outputs, self.lend_plan)
             self.lent += lent
             return out
         if not self.options.clone_outputs:
