@@ -306,8 +306,9 @@ def test_a_lent_gradient_the_trees_see_alive_after_the_take_back_warns_once_and_
 
 def test_a_backward_replayed_by_the_same_node_lends_as_it_lent_and_works_it_out_anew_elsewhere(monkeypatch):
     """A replay returns a recorded graph's outputs where it recorded them: what to lend is worked
-    out once per trees node and reused while the outputs lie where they lay; outputs elsewhere, or
-    another node, are worked out anew (one lent per storage each time)."""
+    out once per trees node and reused while the outputs lie where they lay; outputs elsewhere,
+    another node, or a call the trees skipped (the node that ran last is still the one before)
+    are worked out anew (one lent per storage each time)."""
     from torch._inductor import cudagraph_trees
 
     from streamdag.frontend import lent_gradients
@@ -318,16 +319,28 @@ def test_a_backward_replayed_by_the_same_node_lends_as_it_lent_and_works_it_out_
 
     class Manager:
         def __init__(self):
-            self.ids_to_funcs, self.current_node = {}, Node()
+            self.ids_to_funcs, self.current_node = {}, None
 
     manager = Manager()
+    forward_node, backward_node = Node(), [Node()]
+    skips = [False]
     monkeypatch.setattr(cudagraph_trees, "CUDAGraphNode", Node)
     monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: manager)
     p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     shared = torch.randn(6)
     grads = [shared[:3], shared[3:]]  # (one storage: the second is copied)
-    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
-    backward = under_trees("backward", lambda args: list(grads))
+
+    def run_forward(args):
+        manager.current_node = forward_node
+        return [torch.ones(())]
+
+    def run_backward(args):
+        if not skips[0]:
+            manager.current_node = backward_node[0]
+        return list(grads)
+
+    forward = under_trees("forward", run_forward, copied=1)
+    backward = under_trees("backward", run_backward)
     backward.forward = forward
 
     def step():
@@ -335,16 +348,21 @@ def test_a_backward_replayed_by_the_same_node_lends_as_it_lent_and_works_it_out_
         out = backward([])
         return [o is g for o, g in zip(out, grads)]
 
-    assert step() == [True, False]
     plan = backward.lend_plan
-    first = plan.kept
-    assert plan.node() is manager.current_node and first == {0}
-    assert step() == [True, False] and plan.kept is first  # (the plan served)
+    assert step() == [True, False]
+    first = plan.state
+    assert first[0]() is backward_node[0] and first[2] == {0}
+    assert step() == [True, False] and plan.state is first  # (the plan served)
     grads[:] = [torch.randn(3), torch.randn(3)]  # (outputs elsewhere: a graph recorded anew)
-    assert step() == [True, True] and plan.kept == {0, 1}
-    second = plan.kept
-    manager.current_node = Node()  # (another node, outputs at the same addresses)
-    assert step() == [True, True] and plan.kept is not second and plan.node() is manager.current_node
+    assert step() == [True, True] and plan.state[2] == {0, 1}
+    second = plan.state
+    backward_node[0] = Node()  # (another node, outputs at the same addresses)
+    assert step() == [True, True] and plan.state is not second and plan.state[0]() is backward_node[0]
+    third = plan.state
+    skips[0] = True  # (a call the trees skip: its outputs are no node's)
+    shared = torch.randn(6)
+    grads[:] = [shared[:3], shared[3:]]
+    assert step() == [True, False] and plan.state is third
     assert forward.taken_back == 0  # (no .grad held a lent gradient)
 
 

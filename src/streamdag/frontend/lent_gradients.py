@@ -45,7 +45,7 @@ is alive themselves as the next step begins: reading such a gradient then raises
 What a step pays: a replay of a recorded graph returns its outputs at the addresses it recorded,
 so what :func:`lend` finds for a backward's outputs (which to lend, their storages), and which of
 the trees' weak references name the lent storages, are worked out once per recorded graph and
-reused while the trees replay it (:class:`LendPlan`, :attr:`_Lent.alive_refs`); a step then pays a
+reused while the trees replay it (:class:`LendPlan`, :attr:`_Lent.alive`); a step then pays a
 check of the addresses, the ``.grad`` of each parameter held, and the trees' liveness check of
 each lent storage. (GoogLeNet's 187 parameters: walking the trees' path and working the storages
 out again at every step cost about as much host time as the copies lending saves.)
@@ -54,9 +54,9 @@ State: one :class:`_Lent` per trees manager (the trees keep one per device and t
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
 going (``reset_cudagraph_trees``) takes its record with it. ``_Lent.lock`` guards ``bases`` (emptied
 by the forward that takes the gradients back) and ``holders`` (kept: weak references, the dead
-ones dropped as the dictionary doubles). The memos (``alive_*``, a :class:`LendPlan`) hold the
-trees' node they were worked out for weakly, and are read and replaced whole, by one thread at a
-time (a manager's forwards run on its thread; a graph's backwards, one after another).
+ones dropped as the dictionary doubles). The memos (``_Lent.alive``, ``LendPlan.state``) are
+one tuple each, read once and replaced whole, and hold the trees' node they were worked out for
+weakly.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ import torch
 from .._diagnostics import warn
 from .trees import copies, put_by_streamdag
 
-__all__ = ["LendPlan", "hold", "lend", "parameter_positions", "take_back"]
+__all__ = ["LendPlan", "hold", "lend", "node_run_last", "parameter_positions", "take_back"]
 
 
 class _Lent:
@@ -91,25 +91,22 @@ class _Lent:
         #: whether the manager runs a function streamdag did not put under it, as of its count
         self.foreign = False
         self.functions = 0
-        #: where the trees keep their weak references to the outputs at ``alive_bases`` on the path
-        #: of the node ``alive_node`` (weakly): (a node's list of them, a position), as
+        #: (a trees node, weakly; lent bases; where the trees keep their weak references to the
+        #: outputs at those bases on the node's path: a node's list of them, a position), as
         #: :func:`_alive_elsewhere` last found them
-        self.alive_node: weakref.ref[Any] | None = None
-        self.alive_bases: set[int] = set()
-        self.alive_refs: list[tuple[list[Any], int]] = []
+        self.alive: tuple[weakref.ref[Any], set[int], list[tuple[list[Any], int]]] | None = None
 
 
 class LendPlan:
     """What :func:`lend` found for one backward graph's outputs at the trees' node that returned
-    them: a replay of that node returns them at the same addresses, so the same outputs are lent."""
+    them: a replay of that node returns them at the same addresses, so the same outputs are lent.
+    ``state``: (the node, weakly; the data pointers of the outputs at the parameters' positions;
+    the positions lent; their storages' addresses), or None."""
 
-    __slots__ = ("bases", "kept", "node", "pointers")
+    __slots__ = ("state",)
 
     def __init__(self) -> None:
-        self.node: weakref.ref[Any] | None = None
-        self.pointers: list[int] = []  # the data pointers of the outputs at the parameters' positions
-        self.kept: set[int] = set()  # the positions lent
-        self.bases: set[int] = set()  # their storages' addresses
+        self.state: tuple[weakref.ref[Any], list[int], set[int], set[int]] | None = None
 
 
 _by_manager: weakref.WeakKeyDictionary[Any, _Lent] = weakref.WeakKeyDictionary()
@@ -169,13 +166,16 @@ def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool
 
 
 def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | None,
-         copy_rest: bool = True, plan: LendPlan | None = None) -> tuple[list[Any], int]:
+         copy_rest: bool = True, plan: LendPlan | None = None,
+         node_before: Any = None) -> tuple[list[Any], int]:
     """A backward's ``outputs`` to hand to autograd, and how many of them are lent: those at
     ``parameters`` (its forward's parameters' gradients) as they are, one per storage, and
     recorded; the others copied where ``copy_rest``, the parameters' always. Everything is copied
     where ``parameters`` is None (outputs that do not line up with the forward's inputs) and where
     the manager copies (:attr:`_Lent.copying`, or functions of others under it). ``plan``: the
-    graph's memo of what it lent at the trees' node that returned these outputs."""
+    graph's memo of what it lent at the trees' node that returned these outputs; ``node_before``:
+    the trees' node that had run last before this call (:func:`node_run_last`): where it still is,
+    the trees skipped the call (the outputs are no node's), and the plan is not used."""
     manager = _manager(device_box)
     lent = _record(manager)
     out = list(outputs)
@@ -186,7 +186,8 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
     kept: set[int] = set()
     bases: set[int] = set()
     if lending:
-        kept, bases = _lent_at(out, parameters, _replayed_node(manager), plan)
+        node = _replayed_node(manager)
+        kept, bases = _lent_at(out, parameters, None if node is node_before else node, plan)
     if bases:
         with lent.lock:
             lent.bases |= bases
@@ -207,9 +208,9 @@ def _lent_at(out: list[Any], parameters: Sequence[int], node: Any,
     while they warm up) is the plan's and the outputs lie where they lay."""
     pointers = [t.data_ptr() if type(t) is torch.Tensor else 0
                 for t in (out[i] if i < len(out) else None for i in parameters)]
-    if plan is not None and node is not None and plan.node is not None and plan.node() is node \
-            and plan.pointers == pointers:
-        return plan.kept, plan.bases
+    state = plan.state if plan is not None and node is not None else None
+    if state is not None and state[0]() is node and state[1] == pointers:
+        return state[2], state[3]
     kept: set[int] = set()
     bases: set[int] = set()
     for i in parameters:
@@ -220,8 +221,13 @@ def _lent_at(out: list[Any], parameters: Sequence[int], node: Any,
             kept.add(i)
             bases.add(b)
     if plan is not None and node is not None:
-        plan.node, plan.pointers, plan.kept, plan.bases = weakref.ref(node), pointers, kept, bases
+        plan.state = (weakref.ref(node), pointers, kept, bases)
     return kept, bases
+
+
+def node_run_last(device_box: Any) -> Any:
+    """The trees' recorded node that ran last on the device of ``device_box``, or None."""
+    return _replayed_node(_manager(device_box))
 
 
 def _replayed_node(manager: Any) -> Any:
@@ -309,9 +315,9 @@ def _alive_elsewhere(manager: Any, bases: set[int], lent: _Lent | None = None) -
         node = manager.current_node
         if not isinstance(node, trees.CUDAGraphNode):
             return 0
-        if lent is not None and lent.alive_node is not None and lent.alive_node() is node \
-                and lent.alive_bases == bases:
-            at = lent.alive_refs
+        memo = lent.alive if lent is not None else None
+        if memo is not None and memo[0]() is node and memo[1] == bases:
+            at = memo[2]
         else:
             # (by position: a node puts new weak references in its list at its first replay, and
             # again after the trees checkpoint it; the list and the positions stay)
@@ -319,7 +325,7 @@ def _alive_elsewhere(manager: Any, bases: set[int], lent: _Lent | None = None) -
                   for j, w in enumerate(path_node.outputs_weakrefs)
                   if w is not None and w.data_ptr() in bases]
             if lent is not None:
-                lent.alive_node, lent.alive_bases, lent.alive_refs = weakref.ref(node), bases, at
+                lent.alive = (weakref.ref(node), bases, at)
         return sum(1 for refs, j in at if trees.is_live(refs[j]))
     except AttributeError:
         return len(bases)

@@ -134,7 +134,7 @@ from ..backends.capture_memory import stream_reuse
 from .aot_metadata import forward_returns, no_donated_buffers
 from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
-from .lent_gradients import LendPlan, hold, lend, parameter_positions, take_back
+from .lent_gradients import LendPlan, hold, lend, node_run_last, parameter_positions, take_back
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -303,6 +303,7 @@ class TrainingGraph:
         the pool, and a loss kept across steps must not change with it."""
         inductor = _COUNTERS["inductor"]
         skips = inductor["cudagraph_skips"]
+        node_before = node_run_last(self.device_box) if self.kind == "backward" else None
         out = fn(args)
         self.tree_calls += 1
         if inductor["cudagraph_skips"] != skips:
@@ -310,7 +311,8 @@ class TrainingGraph:
         if self.kind == "backward":  # the parameters' gradients are lent, not copied
             fw = self.forward
             lendable = fw.parameters_at if fw is not None and fw.lends and len(out) == fw.inputs else None
-            out, lent = lend(self.device_box, out, lendable, self.options.clone_outputs, self.lend_plan)
+            out, lent = lend(self.device_box, out, lendable, self.options.clone_outputs, self.lend_plan,
+                             node_before)
             self.lent += lent
             return out
         if not self.options.clone_outputs:
