@@ -248,6 +248,31 @@ def test_gradients_are_copied_while_the_trees_run_a_function_streamdag_did_not_p
     assert lent_gradients._runs_others(manager, lent_gradients._Lent())  # (trees without the names)
 
 
+def test_a_backward_lending_into_a_manager_made_anew_since_its_forward_brings_the_forwards_parameters(
+        monkeypatch):
+    """The trees drop their manager when their last function goes and make another at their next
+    call: a backward may lend into a record its forward did not note its parameters in. The
+    forward's parameters join the record lent into, so the next take-back finds their ``.grad``."""
+    from streamdag.frontend import lent_gradients
+
+    class Manager:  # (the trees' manager as far as the lending reads it)
+        def __init__(self):
+            self.ids_to_funcs, self.current_node = {}, None
+
+    managers = [Manager()]
+    monkeypatch.setattr(lent_gradients, "_manager", lambda box, make=False: managers[0])
+    p, grad = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [grad])
+    backward.forward = forward
+    forward([p])
+    managers[0] = Manager()  # (the old one dropped, a new one made)
+    p.grad = backward([])[0].detach()
+    assert p.grad.data_ptr() == grad.data_ptr()  # lent
+    forward([p])
+    assert forward.taken_back == 1 and p.grad.data_ptr() != grad.data_ptr()
+
+
 def test_a_lent_gradient_the_trees_see_alive_after_the_take_back_warns_once_and_turns_copying_on(
         monkeypatch):
     """After the copies, the trees' own weak references to the outputs on their current path say

@@ -143,31 +143,32 @@ def parameter_positions(args: Sequence[Any]) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)]
 
 
-def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> bool:
+def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> _Lent | None:
     """Note a forward's parameters (at ``positions`` of ``args``) as tensors whose ``.grad`` the
-    next take-back reads. False where one is no leaf (written in place from a tensor with
-    gradients: its gradient flows on to tensors no forward saw, so nothing may be lent). The
-    manager is made here if need be: the holders of a first forward must be in the record its
-    backward lends to, not in that of graphs with no manager."""
+    next take-back reads; returns the record they are noted in, for the backward (:func:`lend`).
+    None where one is no leaf (written in place from a tensor with gradients: its gradient flows
+    on to tensors no forward saw, so nothing may be lent). The manager is made here if need be:
+    the holders of a first forward belong in the record its backward lends to, not in that of
+    graphs with no manager."""
     lent = _record(_manager(device_box, make=True))
     if lent.copying:
-        return True
+        return lent
     with lent.lock:
         holders = lent.holders
         for i in positions:
             t = args[i]
             if not t.is_leaf:
-                return False
+                return None
             holders[id(t)] = weakref.ref(t)
         if len(holders) > 2 * lent.pruned_at + 64:  # (parameters that died leave dead references)
             lent.holders = holders = {k: r for k, r in holders.items() if r() is not None}
             lent.pruned_at = len(holders)
-    return True
+    return lent
 
 
 def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | None,
-         copy_rest: bool = True, plan: LendPlan | None = None,
-         node_before: Any = None) -> tuple[list[Any], int]:
+         copy_rest: bool = True, plan: LendPlan | None = None, node_before: Any = None,
+         held_in: _Lent | None = None) -> tuple[list[Any], int]:
     """A backward's ``outputs`` to hand to autograd, and how many of them are lent: those at
     ``parameters`` (its forward's parameters' gradients) as they are, one per storage, and
     recorded; the others copied where ``copy_rest``, the parameters' always. Everything is copied
@@ -175,7 +176,10 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
     the manager copies (:attr:`_Lent.copying`, or functions of others under it). ``plan``: the
     graph's memo of what it lent at the trees' node that returned these outputs; ``node_before``:
     the trees' node that had run last before this call (:func:`node_run_last`): where it still is,
-    the trees skipped the call (the outputs are no node's), and the plan is not used."""
+    the trees skipped the call (the outputs are no node's), and the plan is not used.
+    ``held_in``: the record the forward noted its parameters in (:func:`hold`); where it is not
+    the one lent into (a manager the trees made anew in between), its holders join that one, so
+    that the next take-back finds every ``.grad`` lent."""
     manager = _manager(device_box)
     lent = _record(manager)
     out = list(outputs)
@@ -189,6 +193,11 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
         node = _replayed_node(manager)
         kept, bases = _lent_at(out, parameters, None if node is node_before else node, plan)
     if bases:
+        if held_in is not None and held_in is not lent:
+            with held_in.lock:
+                holders = dict(held_in.holders)
+            with lent.lock:
+                lent.holders.update(holders)
         with lent.lock:
             lent.bases |= bases
     # (without copy_rest, the gradients of other inputs are handed out of the pool unrecorded, as

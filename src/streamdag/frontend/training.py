@@ -199,6 +199,7 @@ class TrainingGraph:
         self.parameters_at: list[int] | None = None
         self.inputs: int = 0
         self.lends: bool = True  # a forward: its backward's outputs line up with its inputs
+        self.held_in: Any = None  # a forward: the record its parameters were last noted in
         self.forward: TrainingGraph | None = None  # a backward's forward
         self.taken_back: int = 0
         self.lent: int = 0  # a backward: the gradients it lent
@@ -256,8 +257,9 @@ class TrainingGraph:
         self.taken_back += take_back(self.device_box)
         if self.parameters_at is None:
             self.parameters_at, self.inputs = parameter_positions(args), len(args)
-        if self.lends and not hold(self.device_box, args, self.parameters_at):
-            self.lends = False  # (a parameter written in place from a tensor with gradients)
+        if self.lends:  # (None: a parameter written in place from a tensor with gradients)
+            self.held_in = hold(self.device_box, args, self.parameters_at)
+            self.lends = self.held_in is not None
 
     def _first_call_off_trees(self, args: list[Any]) -> Any:
         """Inductor's code alone, with cuDNN's trials outside the trees' pool (the module docstring's
@@ -312,7 +314,7 @@ class TrainingGraph:
             fw = self.forward
             lendable = fw.parameters_at if fw is not None and fw.lends and len(out) == fw.inputs else None
             out, lent = lend(self.device_box, out, lendable, self.options.clone_outputs, self.lend_plan,
-                             node_before)
+                             node_before, fw.held_in if fw is not None else None)
             self.lent += lent
             return out
         if not self.options.clone_outputs:
