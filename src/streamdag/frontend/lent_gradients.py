@@ -47,8 +47,8 @@ so what :func:`lend` finds for a backward's outputs (which to lend, their storag
 the trees' weak references name the lent storages, are worked out once per recorded graph and
 reused while the trees replay it (:class:`LendPlan`, :attr:`_Lent.alive`); a step then pays a
 check of the addresses, the ``.grad`` of each parameter held, and the trees' liveness check of
-each lent storage. (GoogLeNet's 187 parameters: walking the trees' path and working the storages
-out again at every step cost about as much host time as the copies lending saves.)
+each lent storage. (With GoogLeNet's 187 parameters, walking the trees' path and working the
+storages out anew at every step costs about as much host time as the copies that lending saves.)
 
 State: one :class:`_Lent` per trees manager (the trees keep one per device and thread; a backward
 runs on autograd's thread and finds its forward's manager), in a weak dictionary: the manager
