@@ -273,6 +273,30 @@ def test_a_backward_lending_into_a_manager_made_anew_since_its_forward_brings_th
     assert forward.taken_back == 1 and p.grad.data_ptr() != grad.data_ptr()
 
 
+def test_a_forward_notes_its_parameters_anew_only_where_the_tensors_or_the_record_changed(monkeypatch):
+    """The same parameters noted in the same record are not noted again; another tensor at a
+    parameter's position is (its ``.grad``, lent, is taken back at the next forward)."""
+    from streamdag.frontend import lent_gradients
+
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    grad = torch.randn(3)
+    forward = under_trees("forward", lambda args: [torch.ones(())], copied=1)
+    backward = under_trees("backward", lambda args: [grad])
+    backward.forward = forward
+    forward([p])
+    first = forward.noted.state
+    forward([p])
+    assert forward.noted.state is first  # (nothing noted again)
+    forward([q])
+    assert forward.noted.state is not first and id(q) in lent_gradients._unmanaged.holders
+    q.grad = backward([])[0].detach()
+    forward([q])
+    assert forward.taken_back == 1 and q.grad.data_ptr() != grad.data_ptr()
+    monkeypatch.setattr(lent_gradients, "_unmanaged", lent_gradients._Lent())  # (a record made anew)
+    forward([q])
+    assert id(q) in lent_gradients._unmanaged.holders
+
+
 def test_a_lent_gradient_the_trees_see_alive_after_the_take_back_warns_once_and_turns_copying_on(
         monkeypatch):
     """After the copies, the trees' own weak references to the outputs on their current path say

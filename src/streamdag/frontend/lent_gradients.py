@@ -61,6 +61,7 @@ weakly.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -71,7 +72,7 @@ import torch
 from .._diagnostics import warn
 from .trees import copies, put_by_streamdag
 
-__all__ = ["LendPlan", "hold", "lend", "node_run_last", "parameter_positions", "take_back"]
+__all__ = ["LendPlan", "Noted", "hold", "lend", "node_run_last", "parameter_positions", "take_back"]
 
 
 class _Lent:
@@ -101,12 +102,12 @@ class LendPlan:
     """What :func:`lend` found for one backward graph's outputs at the trees' node that returned
     them: a replay of that node returns them at the same addresses, so the same outputs are lent.
     ``state``: (the node, weakly; the data pointers of the outputs at the parameters' positions;
-    the positions lent; their storages' addresses), or None."""
+    the positions lent; their storages' addresses; the positions copied), or None."""
 
     __slots__ = ("state",)
 
     def __init__(self) -> None:
-        self.state: tuple[weakref.ref[Any], list[int], set[int], set[int]] | None = None
+        self.state: tuple[weakref.ref[Any], list[int], set[int], set[int], list[int]] | None = None
 
 
 _by_manager: weakref.WeakKeyDictionary[Any, _Lent] = weakref.WeakKeyDictionary()
@@ -143,27 +144,47 @@ def parameter_positions(args: Sequence[Any]) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)]
 
 
-def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int]) -> _Lent | None:
+class Noted:
+    """A forward's memo of the parameters it last noted, and where: the next call with the same
+    tensors (their weak references, which Python keeps one per tensor) notes nothing again."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: tuple[_Lent, list[weakref.ref[torch.Tensor]]] | None = None
+
+
+def hold(device_box: Any, args: Sequence[Any], positions: Sequence[int],
+         noted: Noted | None = None) -> _Lent | None:
     """Note a forward's parameters (at ``positions`` of ``args``) as tensors whose ``.grad`` the
     next take-back reads; returns the record they are noted in, for the backward (:func:`lend`).
     None where one is no leaf (written in place from a tensor with gradients: its gradient flows
     on to tensors no forward saw, so nothing may be lent). The manager is made here if need be:
     the holders of a first forward belong in the record its backward lends to, not in that of
-    graphs with no manager."""
+    graphs with no manager. ``noted``: the forward's memo of what it noted last."""
     lent = _record(_manager(device_box, make=True))
     if lent.copying:
         return lent
+    tensors = list(map(args.__getitem__, positions))
+    if not all(map(_is_leaf, tensors)):
+        return None
+    refs = list(map(weakref.ref, tensors))
+    state = noted.state if noted is not None else None
+    if state is not None and state[0] is lent and len(state[1]) == len(refs) \
+            and all(map(operator.is_, refs, state[1])):
+        return lent  # (the same tensors, noted in this record already: holders are dropped dead only)
     with lent.lock:
         holders = lent.holders
-        for i in positions:
-            t = args[i]
-            if not t.is_leaf:
-                return None
-            holders[id(t)] = weakref.ref(t)
+        holders.update(zip(map(id, tensors), refs))
         if len(holders) > 2 * lent.pruned_at + 64:  # (parameters that died leave dead references)
             lent.holders = holders = {k: r for k, r in holders.items() if r() is not None}
             lent.pruned_at = len(holders)
+    if noted is not None:
+        noted.state = (lent, refs)
     return lent
+
+
+_is_leaf = operator.attrgetter("is_leaf")
 
 
 def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | None,
@@ -187,11 +208,11 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
         copy_rest, parameters, lending = True, (), False
     else:
         lending = not (lent.copying or _runs_others(manager, lent))
-    kept: set[int] = set()
-    bases: set[int] = set()
     if lending:
         node = _replayed_node(manager)
-        kept, bases = _lent_at(out, parameters, None if node is node_before else node, plan)
+        kept, bases, at = _lent_at(out, parameters, None if node is node_before else node, plan, copy_rest)
+    else:
+        kept, bases, at = set(), set(), _copied_at(out, set(), parameters, copy_rest)
     if bases:
         if held_in is not None and held_in is not lent:
             with held_in.lock:
@@ -200,26 +221,32 @@ def lend(device_box: Any, outputs: Sequence[Any], parameters: Sequence[int] | No
                 lent.holders.update(holders)
         with lent.lock:
             lent.bases |= bases
-    # (without copy_rest, the gradients of other inputs are handed out of the pool unrecorded, as
-    # under reduce-overhead; a parameter's never)
-    params = set(parameters)
-    at = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept
-          and (copy_rest or i in params)]
     for i, t in zip(at, copies([out[i] for i in at])):
         out[i] = t
     return out, len(kept)
 
 
-def _lent_at(out: list[Any], parameters: Sequence[int], node: Any,
-             plan: LendPlan | None) -> tuple[set[int], set[int]]:
-    """The positions among ``parameters`` whose outputs are lent (the first per storage) and their
-    storages' addresses: ``plan``'s where ``node`` (the trees' node that returned ``out``; None
-    while they warm up) is the plan's and the outputs lie where they lay."""
-    pointers = [t.data_ptr() if type(t) is torch.Tensor else 0
-                for t in (out[i] if i < len(out) else None for i in parameters)]
+def _copied_at(out: list[Any], kept: set[int], parameters: Sequence[int], copy_rest: bool) -> list[int]:
+    """The positions of the tensors of ``out`` to copy: all but those ``kept``; without ``copy_rest``,
+    only the parameters' (the gradients of other inputs are handed out of the pool unrecorded, as
+    under reduce-overhead; a parameter's never)."""
+    params = set(parameters)
+    return [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and i not in kept
+            and (copy_rest or i in params)]
+
+
+def _lent_at(out: list[Any], parameters: Sequence[int], node: Any, plan: LendPlan | None,
+             copy_rest: bool) -> tuple[set[int], set[int], list[int]]:
+    """The positions among ``parameters`` whose outputs are lent (the first per storage), their
+    storages' addresses, and the positions to copy (:func:`_copied_at`): ``plan``'s where ``node``
+    (the trees' node that returned ``out``; None while they warm up) is the plan's and the outputs
+    lie where they lay."""
+    picked = list(map(out.__getitem__, parameters)) if not parameters or parameters[-1] < len(out) \
+        else [out[i] if i < len(out) else None for i in parameters]
+    pointers = [t.data_ptr() if type(t) is torch.Tensor else 0 for t in picked]
     state = plan.state if plan is not None and node is not None else None
     if state is not None and state[0]() is node and state[1] == pointers:
-        return state[2], state[3]
+        return state[2], state[3], state[4]
     kept: set[int] = set()
     bases: set[int] = set()
     for i in parameters:
@@ -229,9 +256,10 @@ def _lent_at(out: list[Any], parameters: Sequence[int], node: Any,
         if type(t) is torch.Tensor and (b := _base(t)) not in bases:
             kept.add(i)
             bases.add(b)
+    at = _copied_at(out, kept, parameters, copy_rest)
     if plan is not None and node is not None:
-        plan.state = (weakref.ref(node), pointers, kept, bases)
-    return kept, bases
+        plan.state = (weakref.ref(node), pointers, kept, bases, at)
+    return kept, bases, at
 
 
 def node_run_last(device_box: Any) -> Any:

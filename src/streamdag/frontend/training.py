@@ -134,7 +134,7 @@ from ..backends.capture_memory import stream_reuse
 from .aot_metadata import forward_returns, no_donated_buffers
 from .aten_facts import has_random, written_inputs
 from .candidates import Candidate, no_candidate_note, region_candidates
-from .lent_gradients import LendPlan, hold, lend, node_run_last, parameter_positions, take_back
+from .lent_gradients import LendPlan, Noted, hold, lend, node_run_last, parameter_positions, take_back
 from .step_graph import in_captured_step
 from .training_timing import time_captured, time_uncaptured
 from .trees import (
@@ -200,6 +200,7 @@ class TrainingGraph:
         self.inputs: int = 0
         self.lends: bool = True  # a forward: its backward's outputs line up with its inputs
         self.held_in: Any = None  # a forward: the record its parameters were last noted in
+        self.noted = Noted()  # a forward: which parameters it noted last, and where
         self.forward: TrainingGraph | None = None  # a backward's forward
         self.taken_back: int = 0
         self.lent: int = 0  # a backward: the gradients it lent
@@ -258,7 +259,7 @@ class TrainingGraph:
         if self.parameters_at is None:
             self.parameters_at, self.inputs = parameter_positions(args), len(args)
         if self.lends:  # (None: a parameter written in place from a tensor with gradients)
-            self.held_in = hold(self.device_box, args, self.parameters_at)
+            self.held_in = hold(self.device_box, args, self.parameters_at, self.noted)
             self.lends = self.held_in is not None
 
     def _first_call_off_trees(self, args: list[Any]) -> Any:
